@@ -1,0 +1,26 @@
+# The README's two commands: `make demo` (end to end on a real Wikipedia sample) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+# Idempotent: re-runs only when the package metadata changes. torch is pinned to the CPU wheel
+# first, so the project's torch range is already satisfied and pip never pulls a CUDA build.
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e '.[test,demo]'
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(PY) tools/demo.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,39 @@
+"""The packaging contract of issue 2: torch range, no beam[dill], console scripts, CI command."""
+import configparser
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cfg():
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    return cfg
+
+
+def _requirements():
+    lines = _cfg()["options"]["install_requires"].splitlines()
+    return [Requirement(line) for line in (s.strip() for s in lines) if line and not line.startswith("#")]
+
+
+def test_torch_range_admits_the_local_cpu_wheel():
+    torch_req = next(r for r in _requirements() if r.name == "torch")
+    assert torch_req.specifier, "a bare torch requirement can pull a multi-GB CUDA build"
+    assert torch_req.specifier.contains("2.13.0")
+
+
+def test_beam_without_dill_extra():
+    beam = next(r for r in _requirements() if r.name == "apache-beam")
+    assert "dill" not in beam.extras, "apache-beam[dill] conflicts with datasets"
+
+
+def test_console_scripts_declared():
+    scripts = _cfg()["options.entry_points"]["console_scripts"]
+    assert "shatter-data" in scripts and "shatter-extend" in scripts
+
+
+def test_ci_runs_the_readme_test_command():
+    assert "make test" in (REPO / ".ci" / "run").read_text()
+    assert "make test" in (REPO / "README.md").read_text()
