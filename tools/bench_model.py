@@ -37,6 +37,7 @@ class BenchConfig:
     warmup: int  # untimed rounds first
     threads: int  # torch intra-op threads
     mask_rate: float  # fraction of positions predicted by the MLM head
+    attention_dropout: float  # config.attention_dropout (softmax archs; BERT's default is 0.1)
 
 
 def make_batch(cfg: BenchConfig, length: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -50,7 +51,8 @@ def make_batch(cfg: BenchConfig, length: int, seed: int = 0) -> dict[str, torch.
 def build(cfg: BenchConfig, arch: str, length: int):
     torch.manual_seed(0)
     model = shatter.build_model(
-        f"{arch}-{cfg.size}", layers=cfg.layers, vocab_size=cfg.vocab_size, max_len=max(length, 512)
+        f"{arch}-{cfg.size}", layers=cfg.layers, vocab_size=cfg.vocab_size, max_len=max(length, 512),
+        attention_dropout=cfg.attention_dropout,
     ).train()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # fused: one kernel, CPU too
 
@@ -148,6 +150,7 @@ def markdown(rows: list[dict], cfg: BenchConfig) -> str:
     batches = ", ".join(f"l={n}: {by[cfg.archs[0], n]['batch']}" for n in lengths)
     out += ["", f"batch sizes: {batches}; layers {cfg.layers}, size {cfg.size}, vocab {cfg.vocab_size}, "
             f"median of {cfg.repeats} after {cfg.warmup} warm-up, {cfg.threads} threads, "
+            f"attention dropout {cfg.attention_dropout}, "
             f"torch {torch.__version__}, load before: {os.getloadavg()[0]:.2f}"]
     return "\n".join(out)
 
@@ -157,12 +160,14 @@ def markdown(rows: list[dict], cfg: BenchConfig) -> str:
 @click.option("--lengths", default="128,256,512,1024", show_default=True)
 @click.option("--layers", default=2, show_default=True, help="encoder blocks at base width")
 @click.option("--size", default="base", show_default=True, type=click.Choice(list(shatter.SIZES)))
-@click.option("--batch-tokens", default=2048, show_default=True, help="tokens per batch (batch = this // l)")
+@click.option("--batch-tokens", default=1024, show_default=True, help="tokens per batch (batch = this // l)")
 @click.option("--vocab-size", default=32000, show_default=True)
 @click.option("--repeats", default=5, show_default=True)
 @click.option("--warmup", default=1, show_default=True)
 @click.option("--threads", default=torch.get_num_threads(), show_default=True)
-def main(archs, lengths, layers, size, batch_tokens, vocab_size, repeats, warmup, threads):
+@click.option("--attention-dropout", default=0.1, show_default=True,
+              help="dropout on softmax attention probabilities (the sigmoid archs have none)")
+def main(archs, lengths, layers, size, batch_tokens, vocab_size, repeats, warmup, threads, attention_dropout):
     """Print per-arch train-step time and attention memory, with ratios to bert."""
     names = tuple(a for a in archs.split(",") if a)
     bad = [a for a in names if a not in ARCHS]
@@ -173,7 +178,7 @@ def main(archs, lengths, layers, size, batch_tokens, vocab_size, repeats, warmup
     cfg = BenchConfig(
         archs=names, lengths=tuple(int(n) for n in lengths.split(",")), layers=layers, size=size,
         batch_tokens=batch_tokens, vocab_size=vocab_size, repeats=repeats, warmup=warmup,
-        threads=threads, mask_rate=0.15,
+        threads=threads, mask_rate=0.15, attention_dropout=attention_dropout,
     )
     click.echo(markdown(run(cfg), cfg))
 
