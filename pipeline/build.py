@@ -16,18 +16,16 @@ import sys
 import time
 
 import apache_beam as beam
-import pyarrow as pa
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
 from pipeline import readers, shards, tokenizer
 from pipeline.config import BuildConfig
-from pipeline.transforms import (NAMESPACE, Clean, Mask, Pack, ReadDocuments, SampleLines, Tokenize, WriteShardFn,
-                                 assign_shards)
+from pipeline.transforms import NAMESPACE, Clean, Mask, Pack, ReadDocuments, SampleLines, ShardAndWrite, Tokenize
 
 log = logging.getLogger(__name__)
-SAMPLE_FILE, MANIFEST_FILE = ".tokenizer-sample.txt", ".shards-manifest.json"
+SAMPLE_FILE, MANIFEST_FILE, WORK_DIR = ".tokenizer-sample.txt", ".shards-manifest.json", ".work"
 
 
 class BuildError(Exception):
@@ -73,6 +71,15 @@ def format_counters(values: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in values.items()) or "(no counters yet)"
 
 
+def _delete_tree(path: str) -> None:
+    """Remove a work directory and everything under it (any filesystem)."""
+    found = FileSystems.match([FileSystems.join(path, "*")])[0].metadata_list
+    if found:
+        FileSystems.delete([m.path for m in found])
+    if FileSystems.exists(path):
+        FileSystems.delete([path])
+
+
 def _prepare_output(config: BuildConfig, overwrite: bool) -> None:
     out = config.output
     index = shards.join(out, shards.INDEX_FILE)
@@ -84,6 +91,7 @@ def _prepare_output(config: BuildConfig, overwrite: bool) -> None:
              for m in FileSystems.match([shards.join(out, pattern)])[0].metadata_list]
     if stale:
         FileSystems.delete(stale)
+    _delete_tree(shards.join(out, WORK_DIR))
     if not FileSystems.exists(out):
         FileSystems.mkdirs(out)
 
@@ -144,7 +152,7 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
     sp = tokenizer.load(model)
     vocab_size = sp.get_piece_size()
     counts = {"train": config.num_shards, "validation": config.num_validation_shards}
-    empty = pa.Table.from_pylist([], schema=shards.schema(vocab_size))
+    work_dir = shards.join(config.output, WORK_DIR)
     manifest_path = shards.join(config.output, MANIFEST_FILE)
 
     p = make_pipeline(beam_args)
@@ -154,13 +162,9 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
         | "pack" >> Pack(config.seq_len, config.cross_document)
         | "mask" >> Mask(model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word)
     )
-    keyed = masked | "shard" >> beam.FlatMapTuple(lambda split, t: assign_shards(split, t, counts[split]))
-    every_shard = p | "all shards" >> beam.Create([((s, i), empty) for s, n in counts.items() for i in range(n)])
     infos = (
-        (keyed, every_shard)
-        | "with empty shards" >> beam.Flatten()
-        | "group shards" >> beam.GroupByKey()
-        | "write" >> beam.ParDo(WriteShardFn(config.output, counts, vocab_size))
+        masked
+        | "shard and write" >> ShardAndWrite(config.output, work_dir, counts, vocab_size, config.spill_rows)
         | "collect" >> beam.combiners.ToList()
     )
     _ = infos | "manifest" >> beam.Map(lambda rows: _write_text(manifest_path, json.dumps(rows)))
@@ -168,6 +172,7 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
 
     infos = sorted(json.loads(_read_text(manifest_path)), key=lambda r: (r["split"], r["shard"]))
     FileSystems.delete([manifest_path])
+    _delete_tree(work_dir)
     index = {
         "format": shards.FORMAT,
         "version": shards.VERSION,
@@ -197,3 +202,5 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
 def configure_logging(verbose: bool) -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:  # a failing worker's traceback is logged by Beam; the CLI prints the cause itself
+        logging.getLogger("apache_beam").setLevel(logging.CRITICAL)

@@ -77,7 +77,6 @@ def mask_batch(
     ids = np.asarray(ids, dtype=np.int64)
     n_rows, width = ids.shape
     seeds = np.asarray(seeds, dtype=_U64).reshape(n_rows, -1)
-    n_copies = seeds.shape[1]
     pos = np.arange(width)
     cand = (pos[None, :] < np.asarray(lengths)[:, None]) & ~np.isin(ids, np.asarray(special_ids))
     n_cand = cand.sum(axis=1)
