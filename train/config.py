@@ -134,6 +134,7 @@ FLAGS = {
     "warmup_steps": "optim.warmup_steps",
     "deepspeed_config": "run.deepspeed_config",
     "num_gpus": "run.num_gpus",
+    "progress": "run.progress",
 }
 
 

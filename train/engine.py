@@ -9,9 +9,11 @@ loss scaling (Micikevicius et al. 2018); ZeRO stages per Rajbhandari et al. 2020
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -41,8 +43,16 @@ def single_process_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
+def extensions_dir() -> str:
+    """A JIT-extension cache per Python environment: DeepSpeed builds its CPU shm_comm op on first
+    use (~1 min); two environments sharing torch's default cache rebuild each other's build."""
+    tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+    return str(Path.home() / ".cache" / "torch_extensions" / f"env-{tag}")
+
+
 def init_distributed() -> tuple[int, int]:
     """(rank, world_size) after joining the process group (gloo on CPU, nccl on GPUs)."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
     import deepspeed
 
     single_process_env()

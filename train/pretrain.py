@@ -104,6 +104,7 @@ def _run(cfg: TrainConfig) -> str:
 @click.option("--warmup-steps", type=int, help="Linear warm-up steps.")
 @click.option("--num-gpus", type=int, help="World size the config is written for (--dry-run).")
 @click.option("--deepspeed-config", type=click.Path(dir_okay=False), help="Expert: DeepSpeed JSON merged over the built one.")
+@click.option("--progress/--no-progress", default=None, help="tqdm progress bar on rank 0.")
 @click.option("--dry-run", is_flag=True, help="Print configs, parameter counts and a memory estimate; do not train.")
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, hidden=True, help="Set by the deepspeed launcher.")
 def main(config_file, dry_run, local_rank, **flags):
