@@ -1,0 +1,29 @@
+"""The attention registry: `config.arch` -> the variant's module (HF's dict of classes).
+
+Contract of every variant (cramming's): `forward(x_BLD, mask_BL) -> context_BLD` before the
+output projection W^O, which the encoder block owns; `pool(y_BD, x_BLD, mask_BL) -> context_BD`
+for the §3.4 classification head; a class attribute `absolute_positions` telling the embeddings
+whether to add learnt absolute position embeddings (eq. 4). Each variant owns its position
+parameters (R, W^B) and its constant partition table.
+"""
+from shatter.attention.multihead import (
+    BertAttention, NoPositionAttention, PartMaskAttention, RabAttention, RpeAttention,
+)
+from shatter.attention.single_head import (
+    OneHeadSigmoidAttention, OneHeadSoftmaxAttention, PartBiasAttention, ShatterAttention,
+    SingleHeadPartitionAttention,
+)
+
+ATTENTIONS = {
+    "bert": BertAttention,
+    "bert-rpe": RpeAttention,
+    "bert-rab": RabAttention,
+    "no-position": NoPositionAttention,
+    "part-mask": PartMaskAttention,
+    "1h-softmax": OneHeadSoftmaxAttention,
+    "1h-sigmoid": OneHeadSigmoidAttention,
+    "part-bias": PartBiasAttention,
+    "shatter": ShatterAttention,
+}
+
+__all__ = ["ATTENTIONS", "SingleHeadPartitionAttention"]

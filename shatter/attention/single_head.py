@@ -1,0 +1,88 @@
+"""Single-head attention with a relative partition: 1H_Softmax, 1H_Sigmoid, Part_Bias, Shatter.
+
+All four compute ONE score matrix against the hidden states themselves (K = X, no W^K; §3.2)
+and split it over the n parts with the constant partition mask N[h, i, j] = f_h(j - i) (§3.1),
+keeping V as a rank-3 tensor of n parts:
+
+    1h-softmax  A = softmax(Q X^T / sqrt(d)) ⊙ N
+    1h-sigmoid  A = normalize2(sigmoid(Q X^T / sqrt(d))) ⊙ N                          eq. 5
+    part-bias   A = normalize2(sigmoid(Q X^T / sqrt(d) + B)) ⊙ N,
+                B[i, :] = sum_h (Q R^T)[i, h] N[h, i, :]                             §3.3
+    shatter     part-bias plus X_bar_bar = X_bar + A_part V_part,
+                A_part^T = sum_j A[:, :, j],  V_part = R W^V                          §3.3
+
+X_bar[:, h d/n:(h+1) d/n] = A[h] V[h] (eq. 2-3). Padded keys are zeroed before the L2
+normalisation. R is the n x d partition embedding matrix of the layer. V_part uses W^V's weight
+without its bias, as Shaw's V_rel = R W^V does. These archs have no dropout on the attention
+weights (the paper's eq. 5 has none, and the lean kernel would have to store its mask).
+
+`config.lean_attention` picks the memory-lean kernel (shatter/attention/lean.py, the default)
+or the naive reference; both give the same values and gradients.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shatter.attention.lean import activate, partition_mix_lean, partition_mix_naive
+from shatter.config import ModelConfig
+from shatter.partition import partition_table
+
+
+class SingleHeadPartitionAttention(nn.Module):
+    """The shared form; subclasses only choose the activation and which uses of R they have."""
+
+    absolute_positions = False
+    sigmoid = True  # eq. 5's L2-normalised sigmoid; False: softmax
+    partition_bias = False  # B inside the activation (§3.3)
+    partition_value = False  # A_part V_part added to the context (§3.3)
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        d, self.n = config.hidden, config.heads
+        self.query = nn.Linear(d, d)  # W^Q
+        self.value = nn.Linear(d, d)  # W^V
+        if self.partition_bias or self.partition_value:
+            self.partition_embeddings = nn.Parameter(torch.empty(self.n, d))  # R, n x d
+        table = partition_table(config.heads, layer, config.layers, config.max_len)
+        self.register_buffer("partition", table, persistent=False)  # (n, 2 max_len - 1)
+        self.mix = partition_mix_lean if config.lean_attention else partition_mix_naive
+
+    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+        B, L, d = x_BLD.shape
+        Q = self.query(x_BLD)
+        Z0 = Q @ x_BLD.transpose(-1, -2) / math.sqrt(d)  # Q X^T / sqrt(d): [B, L, L]
+        c = Q @ self.partition_embeddings.t() if self.partition_bias else None  # Q R^T: [B, L, n]
+        V = self.value(x_BLD).view(B, L, self.n, d // self.n).transpose(1, 2)  # [B, n, L, d/n]
+        x_bar, a_part = self.mix(Z0, c, V, mask_BL, self.partition, self.sigmoid)
+        context = x_bar.transpose(1, 2).reshape(B, L, d)
+        if self.partition_value:
+            v_part = F.linear(self.partition_embeddings, self.value.weight)  # R W^V: [n, d]
+            context = context + a_part.transpose(1, 2) @ v_part
+        return context
+
+    def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+        """§3.4 with single-head attention: a = act(y W^Q X^T / sqrt(d)), y_bar = a X W^V.
+        The learnt query has no position, so there is no N, B or A_part term."""
+        z = (self.query(y_BD)[:, None, :] @ x_BLD.transpose(-1, -2)) / math.sqrt(x_BLD.shape[-1])
+        return (activate(z, mask_BL, self.sigmoid) @ self.value(x_BLD))[:, 0]
+
+
+class OneHeadSoftmaxAttention(SingleHeadPartitionAttention):
+    sigmoid = False
+
+
+class OneHeadSigmoidAttention(SingleHeadPartitionAttention):
+    pass
+
+
+class PartBiasAttention(SingleHeadPartitionAttention):
+    partition_bias = True
+
+
+class ShatterAttention(SingleHeadPartitionAttention):
+    partition_bias = True
+    partition_value = True

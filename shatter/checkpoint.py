@@ -1,0 +1,122 @@
+"""The export format: `model.safetensors` + `config.json` (+ `tokenizer.model`, + `head.json`).
+
+- `config.json` is exactly the `ModelConfig` dataclass (DESIGN.md); loading rejects unknown keys.
+- `model.safetensors` holds the state dict, tied weights stored once (safetensors `save_model`).
+- `head.json` is written only for a finetuning head (shatter/heads.py):
+  `{"head": "sequence-classification", "num_labels": 3, "strategy": "modified"}` or
+  `{"head": "span-extraction"}`. `from_pretrained` then rebuilds the head around a fresh
+  backbone and loads the weights of both; without it, it returns the masked-LM model.
+- The state dict depends on max_len only through the absolute position embeddings
+  (`encoder.embeddings.position_embeddings.weight`, bert and bert-rab); partition tables are
+  non-persistent buffers recomputed for any max_len.
+
+Files are written to a temporary name and renamed, so a crash never leaves a half-written file
+under the final name. References: nanoGPT (model args stored beside the weights), HF
+`save_pretrained`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Union
+
+import safetensors
+import safetensors.torch
+from torch import nn
+
+from shatter.config import ModelConfig
+from shatter.model import ShatterForMaskedLM
+
+WEIGHTS, CONFIG, HEAD, TOKENIZER = "model.safetensors", "config.json", "head.json", "tokenizer.model"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or one of its files is missing or unreadable (names the file)."""
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_pretrained(model: nn.Module, path: Union[str, Path], tokenizer: Any = None) -> Path:
+    """Write `model` (the MLM model or a head) to directory `path`; return the path.
+
+    `tokenizer` may be the path of a sentencepiece `tokenizer.model` (copied) or a loaded
+    `SentencePieceProcessor` (its serialized proto is written).
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config: ModelConfig = model.config
+    tmp = path / (WEIGHTS + ".tmp")
+    safetensors.torch.save_model(model, str(tmp), metadata={"format": "pt", "arch": config.arch})
+    os.replace(tmp, path / WEIGHTS)
+    _write_text(path / CONFIG, json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+    head = getattr(model, "head_config", None)
+    if head is not None:
+        _write_text(path / HEAD, json.dumps(head(), indent=2, sort_keys=True) + "\n")
+    elif (path / HEAD).exists():
+        (path / HEAD).unlink()  # the directory used to hold a head; it now holds an MLM model
+    if tokenizer is not None:
+        if hasattr(tokenizer, "serialized_model_proto"):
+            (path / TOKENIZER).write_bytes(tokenizer.serialized_model_proto())
+        elif Path(tokenizer).resolve() != (path / TOKENIZER).resolve():
+            if not Path(tokenizer).is_file():
+                raise CheckpointError(f"tokenizer file {tokenizer} does not exist")
+            shutil.copyfile(tokenizer, path / TOKENIZER)
+    return path
+
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: not a shatter export directory?")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: Union[str, Path]) -> ModelConfig:
+    file = Path(path) / CONFIG
+    try:
+        return ModelConfig.from_dict(_read_json(file))
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{file}: {e}") from None
+
+
+def from_pretrained(path: Union[str, Path], **overrides: Any) -> nn.Module:
+    """Load an export written by `save_pretrained`: the MLM model, or the head if `head.json`
+    is present. `overrides` replace config fields that do not change the weights' shapes
+    (e.g. `dropout=0.0` or `lean_attention=False`). Returned in eval mode."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    config = load_config(path)
+    if overrides:
+        config = ModelConfig.from_dict({**config.to_dict(), **overrides})
+    model: nn.Module = ShatterForMaskedLM(config)
+    if (path / HEAD).exists():
+        from shatter.heads import build_head
+
+        model = build_head(model, _read_json(path / HEAD), path / HEAD)
+    weights = path / WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"{weights} is missing")
+    try:
+        missing, unexpected = safetensors.torch.load_model(model, str(weights), strict=False)
+    except (safetensors.SafetensorError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"{weights} is corrupt or does not match {path / CONFIG}: {e}") from None
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{weights} does not match {path / CONFIG} ({config.arch}): "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    return model.eval()

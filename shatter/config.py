@@ -1,0 +1,90 @@
+"""The model config: one frozen dataclass, named size presets, and strict (de)serialisation.
+
+`ModelConfig` is what `config.json` in an export holds (DESIGN.md). Presets are `"{arch}-{size}"`;
+base and large follow Table 2 of the paper (/work/shared/paper/shatter.tex): 12 layers, hidden
+768, 12 heads or parts; and 24 layers, hidden 1024, 16 heads or parts. See docs/model.md for the
+Table 2 discrepancy (its Large parameter counts match 12 layers, not 24).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+ARCHS = (
+    "bert", "bert-rpe", "bert-rab", "no-position",
+    "part-mask", "1h-softmax", "1h-sigmoid", "part-bias", "shatter",
+)
+
+# Archs whose attention multiplies by the partition mask N (§3.1): heads are the n parts.
+PARTITION_ARCHS = ("part-mask", "1h-softmax", "1h-sigmoid", "part-bias", "shatter")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # one of ARCHS: the attention variant (shatter/attention/)
+    vocab_size: int = 32000  # word embeddings rows; the pipeline's tokenizer size
+    hidden: int = 768  # d, the hidden size
+    layers: int = 12  # L, the number of encoder blocks
+    heads: int = 12  # attention heads; for partition archs the number of parts n (even, >= 4)
+    ffn: int = 3072  # inner width of the GELU feed-forward network (4d in the paper)
+    max_len: int = 512  # longest input; rows of the absolute position embeddings (bert, bert-rab)
+    dropout: float = 0.1  # hidden dropout: embeddings, after W^O, after the FFN
+    attention_dropout: float = 0.1  # dropout on softmax attention probabilities (softmax archs)
+    initializer_range: float = 0.02  # std of the normal init of weights (BERT's value)
+    layer_norm_eps: float = 1e-12  # LayerNorm epsilon (BERT's value)
+    pad_id: int = 0  # [PAD] id (DESIGN.md special ids)
+    rpe_max_distance: int = 128  # bert-rpe: R has 2*128-1 rows, distances clipped to +-127 (§4)
+    rab_buckets: int = 32  # bert-rab: T5 relative attention bias buckets (T5 default)
+    rab_max_distance: int = 128  # bert-rab: T5 max distance for the log-spaced buckets
+    lean_attention: bool = True  # single-head partition archs: memory-lean kernel (False: naive)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown arch {self.arch!r}; expected one of {', '.join(ARCHS)}")
+        for name in ("vocab_size", "hidden", "layers", "heads", "ffn", "max_len"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"config.{name} must be positive, got {getattr(self, name)!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
+        if self.arch in PARTITION_ARCHS and (self.heads < 4 or self.heads % 2):
+            raise ValueError(
+                f"arch {self.arch!r} needs an even number of parts >= 4 (appendix: D = n/2 - 1 >= 1), "
+                f"got heads={self.heads}"
+            )
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"config.{name} must be in [0, 1), got {getattr(self, name)!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a dict (e.g. config.json), rejecting keys this version does not know."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys: {', '.join(unknown)}")
+        if "arch" not in data:
+            raise ValueError("ModelConfig needs an 'arch'")
+        return cls(**data)
+
+
+# Sizes: tiny and small are for CPU runs and tests; base and large follow Table 2.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden=64, layers=2, heads=4, ffn=256),
+    "small": dict(hidden=256, layers=4, heads=4, ffn=1024),
+    "base": dict(hidden=768, layers=12, heads=12, ffn=3072),
+    "large": dict(hidden=1024, layers=24, heads=16, ffn=4096),
+}
+
+
+def preset_config(preset: str, **overrides: Any) -> ModelConfig:
+    """`"{arch}-{size}"` plus any config field overrides, e.g. `max_len=1024`."""
+    arch, _, size = preset.rpartition("-")
+    if arch not in ARCHS or size not in SIZES:
+        names = ", ".join(f"{a}-{{{','.join(SIZES)}}}" for a in ARCHS)
+        raise ValueError(f"unknown preset {preset!r}; presets are {names}")
+    fields = {"arch": arch, **SIZES[size], **overrides}
+    return ModelConfig.from_dict(fields)

@@ -1,0 +1,190 @@
+"""The encoder and the masked-LM model, built from parts: Embeddings -> Block -> Encoder -> MLM.
+
+- Embeddings: word embeddings, plus learnt absolute position embeddings when the arch asks for
+  them (eq. 4: x^0_i = LayerNorm(E(w_i) + P[i])), then dropout.
+- Block: post-LN BERT block. The attention variant (from the registry, shatter/attention/) gives
+  the context; the block applies W^O, dropout, residual, LayerNorm, a GELU FFN, residual,
+  LayerNorm. It never branches on the variant.
+- ShatterForMaskedLM: the MLM head (dense, GELU, LayerNorm, decoder tied to the word embeddings)
+  decodes only the predicted positions (cramming).
+
+References: Devlin et al. 2019 (BERT, HF `modeling_bert.py`), nanoGPT `model.py`, cramming.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shatter.attention import ATTENTIONS
+from shatter.config import ModelConfig, preset_config
+
+IGNORE_INDEX = -100
+
+
+class EncoderOutput(NamedTuple):
+    last_hidden_state: torch.Tensor  # X^L: [B, L, d]
+    hidden_states: tuple[torch.Tensor, ...]  # X^0 (embeddings) .. X^L: L + 1 tensors [B, L, d]
+
+
+class Embeddings(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden)  # E
+        if ATTENTIONS[config.arch].absolute_positions:
+            self.position_embeddings = nn.Embedding(config.max_len, config.hidden)  # P (eq. 4)
+        else:
+            self.position_embeddings = None
+        self.layer_norm = nn.LayerNorm(config.hidden, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids_BL: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids_BL)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings.weight[: input_ids_BL.shape[1]]
+        return self.dropout(self.layer_norm(x))
+
+
+class Block(nn.Module):
+    """Post-LN Transformer block around one attention variant."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        d = config.hidden
+        self.attention = ATTENTIONS[config.arch](config, layer)
+        self.output = nn.Linear(d, d)  # W^O
+        self.attention_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.ffn_in = nn.Linear(d, config.ffn)
+        self.ffn_out = nn.Linear(config.ffn, d)
+        self.ffn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.attention(x_BLD, mask_BL), x_BLD)
+
+    def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+        """y^{k+1} from y^k attending over this layer's input X^k with its own weights (§3.4)."""
+        return self.finish(self.attention.pool(y_BD, x_BLD, mask_BL), y_BD)
+
+    def finish(self, context: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """F^k(X_bar, X): W^O, dropout, residual, LayerNorm, GELU FFN, residual, LayerNorm."""
+        h = self.attention_norm(residual + self.dropout(self.output(context)))
+        return self.ffn_norm(h + self.dropout(self.ffn_out(F.gelu(self.ffn_in(h)))))
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList(Block(config, k) for k in range(config.layers))
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+        output_hidden_states: bool = False,
+    ):
+        """[B, L] ids (and 1/0 mask) -> X^L [B, L, d]; with output_hidden_states an EncoderOutput."""
+        mask_BL = self.key_mask(input_ids, attention_mask)
+        x = self.embeddings(input_ids)
+        hidden = [x]
+        for block in self.layers:
+            x = block(x, mask_BL)
+            hidden.append(x)
+        return EncoderOutput(x, tuple(hidden)) if output_hidden_states else x
+
+    def key_mask(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Validate the inputs and return the bool key mask (True = real token)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[1] > self.config.max_len:
+            raise ValueError(
+                f"input length {input_ids.shape[1]} exceeds max_len {self.config.max_len} of this "
+                f"{self.config.arch} model; extend it first (shatter-extend --max-len N)"
+            )
+        if attention_mask is None:
+            return torch.ones_like(input_ids, dtype=torch.bool)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        mask = attention_mask.bool()
+        if not bool(mask.any(-1).all()):
+            raise ValueError("every sequence needs at least one real token (attention_mask row of zeros)")
+        return mask
+
+
+class MaskedLMHead(nn.Module):
+    """Dense, GELU, LayerNorm, then the decoder tied to the word embeddings (plus a bias)."""
+
+    def __init__(self, config: ModelConfig, word_embeddings: nn.Embedding):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden, config.hidden)
+        self.layer_norm = nn.LayerNorm(config.hidden, eps=config.layer_norm_eps)
+        self.word_embeddings = word_embeddings  # tied: the same module, not a copy
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.layer_norm(F.gelu(self.dense(h))), self.word_embeddings.weight, self.bias)
+
+
+class ShatterForMaskedLM(nn.Module):
+    """The masked-LM model that `build_model` returns (any arch; the name is the project's)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = Encoder(config)
+        self.mlm_head = MaskedLMHead(config, self.encoder.embeddings.word_embeddings)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """BERT's init: N(0, initializer_range) for weights, embeddings and the position tables
+        R and W^B; zero biases; LayerNorm to the identity."""
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            for name in ("relative_embeddings", "partition_embeddings"):
+                if isinstance(getattr(m, name, None), nn.Parameter):
+                    nn.init.normal_(getattr(m, name), mean=0.0, std=std)
+        nn.init.zeros_(self.mlm_head.bias)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+    ) -> dict[str, Optional[torch.Tensor]]:
+        """With labels ([B, L], -100 where not predicted): logits [M, V] at the M predicted
+        positions and loss = their mean cross-entropy. Without: logits [B, L, V], loss None."""
+        h = self.encoder(input_ids, attention_mask)
+        if labels is None:
+            return {"loss": None, "logits": self.mlm_head(h)}
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        predicted = labels != IGNORE_INDEX
+        logits = self.mlm_head(h[predicted])  # [M, V]: decode only the predicted positions
+        target = labels[predicted]
+        loss = F.cross_entropy(logits, target) if target.numel() else logits.sum() * 0.0
+        return {"loss": loss, "logits": logits}
+
+
+def build_model(preset: str, **overrides) -> ShatterForMaskedLM:
+    """`build_model("shatter-base", max_len=1024)`: a freshly initialised masked-LM model."""
+    return ShatterForMaskedLM(preset_config(preset, **overrides))
+
+
+def count_parameters(model: nn.Module, exclude_word_embeddings: bool = True) -> int:
+    """Number of parameters (tied weights counted once), by default without the word
+    embeddings E, as Table 2 counts them."""
+    params = {id(p): p for p in model.parameters()}
+    if exclude_word_embeddings:
+        for m in model.modules():
+            if isinstance(m, Embeddings):
+                params.pop(id(m.word_embeddings.weight), None)
+    return sum(p.numel() for p in params.values())

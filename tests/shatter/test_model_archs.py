@@ -1,0 +1,125 @@
+"""Every arch: shapes, gradients, padding invariance, shift and permutation (in)variance, lengths."""
+import pytest
+import torch
+
+import shatter
+from shatter.config import ARCHS
+from shatter_tiny import ABSOLUTE, RELATIVE, VOCAB, ids, tiny
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shapes_loss_and_gradients_reach_every_parameter(arch):
+    model = tiny(arch).train()
+    x = ids(3, 20)
+    mask = torch.ones_like(x)
+    mask[1, 15:] = 0
+    labels = torch.full_like(x, -100)
+    labels[0, [2, 5]] = x[0, [2, 5]]
+    labels[1, 7] = x[1, 7]
+    out = model(x, mask, labels)
+    assert out["logits"].shape == (3, VOCAB)  # only the M = 3 predicted positions
+    manual = torch.nn.functional.cross_entropy(out["logits"], labels[labels != -100])
+    torch.testing.assert_close(out["loss"], manual)
+    out["loss"].backward()
+    silent = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not silent, f"no gradient reaches {silent}"
+    h = model.encoder(x, mask)
+    assert h.shape == (3, 20, model.config.hidden)
+    full = model(x, mask)
+    assert full["loss"] is None and full["logits"].shape == (3, 20, VOCAB)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_padding_never_changes_real_tokens(arch):
+    model = tiny(arch)
+    x = ids(2, 12)
+    ref = model.encoder(x, torch.ones_like(x))
+    junk = ids(2, 7, seed=9)  # arbitrary ids under the padding, not just [PAD]
+    padded = torch.cat([x, junk], dim=1)
+    mask = torch.cat([torch.ones_like(x), torch.zeros_like(junk)], dim=1)
+    out = model.encoder(padded, mask)[:, :12]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # a batch mixing lengths gives each row what it gets alone
+    short = model.encoder(x[:1, :8], torch.ones(1, 8, dtype=torch.long))
+    mixed_mask = torch.ones_like(x)
+    mixed_mask[0, 8:] = 0
+    torch.testing.assert_close(model.encoder(x, mixed_mask)[0, :8], short[0], rtol=1e-5, atol=1e-5)
+
+
+def _left_shift_gap(arch):
+    """Max |difference| at the real tokens between [w, pad*5] and [pad*5, w]."""
+    model = tiny(arch)
+    x = ids(2, 10)
+    pad = torch.zeros(2, 5, dtype=torch.long)
+    ones, zeros = torch.ones_like(x), torch.zeros_like(pad)
+    right = model.encoder(torch.cat([x, pad], 1), torch.cat([ones, zeros], 1))[:, :10]
+    left = model.encoder(torch.cat([pad, x], 1), torch.cat([zeros, ones], 1))[:, 5:]
+    return (right - left).abs().max().item()
+
+
+@pytest.mark.parametrize("arch", RELATIVE)
+def test_relative_archs_are_shift_invariant(arch):
+    assert _left_shift_gap(arch) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ABSOLUTE)
+def test_absolute_archs_are_not_shift_invariant(arch):
+    assert _left_shift_gap(arch) > 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_only_no_position_is_permutation_equivariant(arch):
+    model = tiny(arch)
+    x = ids(1, 16)
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(3))
+    gap = (model.encoder(x)[:, perm] - model.encoder(x[:, perm])).abs().max().item()
+    if arch == "no-position":
+        assert gap < 1e-5
+    else:
+        assert gap > 1e-4  # float noise is ~1e-7
+
+
+@pytest.mark.parametrize("arch", ["shatter", "bert-rpe", "part-mask"])
+def test_same_outputs_at_max_len_128_and_1024(arch):
+    short = tiny(arch, max_len=128)
+    long = tiny(arch, seed=5, max_len=1024)
+    assert {k: v.shape for k, v in short.state_dict().items()} == {k: v.shape for k, v in long.state_dict().items()}
+    long.load_state_dict(short.state_dict())
+    x = ids(2, 100)
+    torch.testing.assert_close(long.encoder(x), short.encoder(x), rtol=1e-5, atol=1e-5)
+
+
+def test_state_dict_depends_on_max_len_only_through_position_embeddings():
+    for arch in ARCHS:
+        a = tiny(arch, max_len=32).state_dict()
+        b = tiny(arch, max_len=48).state_dict()
+        differ = {k for k in a if a[k].shape != b[k].shape}
+        expected = {"encoder.embeddings.position_embeddings.weight"} if arch in ABSOLUTE else set()
+        assert differ == expected, arch
+
+
+def test_inputs_longer_than_max_len_are_rejected():
+    model = tiny("shatter", max_len=16)
+    with pytest.raises(ValueError, match="exceeds max_len 16"):
+        model.encoder(ids(1, 17))
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        model.encoder(ids(1, 8), torch.ones(1, 9))
+
+
+def test_hidden_states_are_the_per_layer_inputs():
+    model = tiny("shatter")
+    x = ids(2, 9)
+    out = model.encoder(x, torch.ones_like(x), output_hidden_states=True)
+    assert isinstance(out, shatter.EncoderOutput)
+    assert len(out.hidden_states) == model.config.layers + 1
+    torch.testing.assert_close(out.hidden_states[-1], out.last_hidden_state)
+    torch.testing.assert_close(out.last_hidden_state, model.encoder(x))
+    torch.testing.assert_close(out.hidden_states[0], model.encoder.embeddings(x))
+
+
+def test_mlm_head_is_tied_and_loss_handles_no_predictions():
+    model = tiny("bert")
+    assert model.mlm_head.word_embeddings.weight is model.encoder.embeddings.word_embeddings.weight
+    x = ids(2, 6)
+    out = model(x, torch.ones_like(x), torch.full_like(x, -100))
+    assert out["logits"].shape == (0, VOCAB) and out["loss"].item() == 0.0

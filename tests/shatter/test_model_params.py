@@ -1,0 +1,63 @@
+"""Parameter counts against Table 2 (excluding word embeddings, encoder only, no MLM head) and
+the config contract. The derivation of Table 2's figures is in docs/model.md."""
+import dataclasses
+
+import pytest
+import torch
+
+import shatter
+
+
+def _encoder_params(preset: str) -> int:
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        model = shatter.build_model(preset)
+    return shatter.count_parameters(model.encoder)
+
+
+@pytest.mark.parametrize("preset,table2", [("shatter-base", 78.0e6), ("bert-base", 84.9e6), ("bert-rpe-base", 87.3e6)])
+def test_base_parameter_counts_match_table2(preset, table2):
+    assert abs(_encoder_params(preset) / table2 - 1) < 0.01
+
+
+def test_table2_counts_weight_matrices_only():
+    """Table 2's figures are exactly the layers' weight matrices (plus R), no biases, LayerNorms
+    or embeddings: the derivation docs/model.md gives."""
+    d, f, L = 768, 3072, 12
+    assert round(L * (4 * d * d + 2 * d * f) / 1e6, 1) == 84.9  # BERT: W^Q W^K W^V W^O + FFN
+    assert round(L * (3 * d * d + 2 * d * f + 12 * d) / 1e6, 1) == 78.0  # Shatter: no W^K, + R (n x d)
+    assert round(L * (4 * d * d + 2 * d * f + 255 * d) / 1e6, 1) == 87.3  # RPE: + R (255 x d)
+    d, f = 1024, 4096  # Large: 151.0M and 138.6M hold for 12 layers, not the 24 the table states
+    assert round(12 * (4 * d * d + 2 * d * f) / 1e6, 1) == 151.0
+    assert round(12 * (3 * d * d + 2 * d * f + 16 * d) / 1e6, 1) == 138.6
+
+
+def test_large_preset_has_24_layers():
+    with torch.device("meta"):
+        model = shatter.build_model("shatter-large")
+    assert model.config.layers == 24 and model.config.hidden == 1024 and model.config.heads == 16
+    assert abs(shatter.count_parameters(model.encoder) / (2 * 138.6e6) - 1) < 0.01
+
+
+def test_count_parameters_excludes_word_embeddings_once():
+    model = shatter.build_model("shatter-tiny", vocab_size=100)
+    total = sum(p.numel() for p in model.parameters())  # tied decoder counted once by torch
+    assert shatter.count_parameters(model, exclude_word_embeddings=False) == total
+    assert shatter.count_parameters(model) == total - 100 * 64
+
+
+def test_config_contract():
+    config = shatter.preset_config("shatter-small", max_len=1024)
+    assert (config.arch, config.hidden, config.layers, config.heads, config.max_len) == ("shatter", 256, 4, 4, 1024)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.hidden = 3
+    assert dataclasses.replace(config, max_len=64).max_len == 64
+    assert shatter.ModelConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="unknown ModelConfig keys: bogus"):
+        shatter.ModelConfig.from_dict({**config.to_dict(), "bogus": 1})
+    with pytest.raises(ValueError, match="unknown preset"):
+        shatter.build_model("shatter-huge")
+    with pytest.raises(ValueError, match="even number of parts"):
+        shatter.build_model("shatter-tiny", heads=2, hidden=64)
+    with pytest.raises(ValueError, match="unknown arch"):
+        shatter.ModelConfig(arch="gpt")
+    assert shatter.build_model("bert-rab-tiny").config.arch == "bert-rab"

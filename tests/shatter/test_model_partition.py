@@ -1,0 +1,93 @@
+"""The partition of unity (appendix): its properties, and its values against a direct float64
+evaluation of the appendix formula at chosen points."""
+import math
+
+import pytest
+import torch
+
+from shatter.partition import partition_mask, partition_of_unity, partition_params, partition_table
+
+CASES = [(4, 0, 2), (4, 1, 2), (12, 0, 12), (12, 5, 12), (12, 11, 12), (16, 23, 24)]
+
+
+@pytest.mark.parametrize("n,k,L", CASES)
+def test_partition_of_unity_properties(n, k, L):
+    x = torch.arange(-3000, 3001)
+    f = partition_of_unity(x, n, k, L, dtype=torch.float64)
+    assert f.shape == (n, x.numel())
+    assert (f >= 0).all()
+    torch.testing.assert_close(f.sum(0), torch.ones_like(x, dtype=torch.float64), rtol=0, atol=1e-12)
+    half = n // 2
+    # the first half covers x > 0, the second half x < 0, mirrored
+    assert (f[:half, x < 0] == 0).all() and (f[half:, x > 0] == 0).all()
+    torch.testing.assert_close(f[half:], f[:half].flip(-1), rtol=0, atol=0)
+    # x = 0 is split evenly between f_0 and f_{n/2}
+    zero = f[:, x == 0].squeeze(-1)
+    expected = torch.zeros(n, dtype=torch.float64)
+    expected[0] = expected[half] = 0.5
+    torch.testing.assert_close(zero, expected)
+    # each f_nu, nu > 0, peaks farther from 0 than the one before it (parts cover the axis in order)
+    peaks = [int(x[f[h].argmax()]) for h in range(half)]
+    assert peaks == sorted(peaks) and len(set(peaks[1:])) == half - 1
+
+
+def _appendix_f(h: int, x: int, n: int, k: int, L: int) -> float:
+    """The appendix written out with Python floats (float64), x != 0."""
+    D = n // 2 - 1
+    alpha = -(k + 1) / L * D
+    beta = -(1 / D) * (D / 12) ** ((k + 1) / L)
+    side, nu = (1, h) if h < n // 2 else (-1, h - n // 2)
+    if side * x <= 0:
+        return 0.0
+    ax = abs(x)
+    u = math.log(math.exp(beta * ax) * (1 - math.exp(alpha)) + math.exp(alpha)) / alpha
+    return math.comb(D, nu) * u**nu * (1 - u) ** (D - nu)
+
+
+@pytest.mark.parametrize("n,k,L", CASES)
+def test_partition_matches_appendix_formula(n, k, L):
+    points = [-500, -37, -12, -5, -1, 1, 2, 3, 7, 12, 25, 60, 128, 1000]
+    f = partition_of_unity(torch.tensor(points), n, k, L, dtype=torch.float64)
+    for col, x in enumerate(points):
+        for h in range(n):
+            assert f[h, col].item() == pytest.approx(_appendix_f(h, x, n, k, L), rel=1e-12, abs=1e-15)
+
+
+def test_partition_params_first_and_last_layer():
+    D, alpha, beta = partition_params(12, 11, 12)  # last layer: beta = -1/12, parts ~12 apart
+    assert (D, alpha, beta) == (5, -5.0, pytest.approx(-1 / 12))
+    D, alpha, beta = partition_params(12, 0, 12)
+    assert alpha == pytest.approx(-5 / 12) and beta == pytest.approx(-(1 / 5) * (5 / 12) ** (1 / 12))
+
+
+def test_partition_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="even"):
+        partition_of_unity(torch.arange(3), 6 - 1, 0, 2)
+    with pytest.raises(ValueError, match="even"):
+        partition_of_unity(torch.arange(3), 2, 0, 2)
+    with pytest.raises(ValueError, match="layer"):
+        partition_of_unity(torch.arange(3), 4, 2, 2)
+    with pytest.raises(TypeError, match="integer"):
+        partition_of_unity(torch.zeros(3), 4, 0, 2)
+
+
+def test_partition_mask_is_indexed_by_relative_position():
+    table = partition_table(6, 1, 3, max_len=20)
+    N = partition_mask(table, 9)
+    i, j = torch.meshgrid(torch.arange(9), torch.arange(9), indexing="ij")
+    direct = partition_of_unity(j - i, 6, 1, 3)
+    torch.testing.assert_close(N, direct)
+    with pytest.raises(ValueError, match="max_len"):
+        partition_mask(table, 21)
+
+
+def test_plot_partition(tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from shatter.partition import plot_partition
+
+    ax = plot_partition(4, 0, 2, span=10)
+    assert len(ax.lines) == 5  # f_0..f_3 and their sum
+    assert ax.lines[-1].get_ydata() == pytest.approx([1.0] * 21)
+    ax.figure.savefig(tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
