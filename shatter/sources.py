@@ -70,10 +70,15 @@ def load_deepspeed(tag_dir: Path) -> ShatterForMaskedLM:
     except Exception as e:  # torch raises several types for a truncated or foreign file
         raise CheckpointError(f"{tag_dir / MODEL_STATES} cannot be read: {e}") from None
     config = _config_for(tag_dir, states)
-    if any(tag_dir.glob("*zero_pp_rank_*optim_states.pt")) and states.get("module") is None:
+    if any(tag_dir.glob("*zero_pp_rank_*optim_states.pt")):
+        # ZeRO: the fp32 master weights live partitioned in the optimizer states (and under
+        # stage 3 `module` is empty); bf16/fp16 `module` weights would lose precision.
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        try:
+            state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        except Exception as e:  # a missing rank file or a foreign layout surfaces as many types
+            raise CheckpointError(f"{tag_dir}: cannot consolidate the ZeRO checkpoint: {e}") from None
     else:
         state = states.get("module")
     if not isinstance(state, dict) or not state:
