@@ -6,8 +6,9 @@
   file), or one tag folder inside it (`global_step100/`). ZeRO partitions are consolidated to
   fp32 with `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`; a ZeRO-0
   checkpoint's full `module` state is read from `mp_rank_00_model_states.pt`. The model config
-  comes from a `config.json` beside it or the run's `export/config.json`, else from the
-  checkpoint's client state (`model_config`).
+  comes from the checkpoint's client state (`model_config`, or the trainer's run `config`:
+  preset + overrides), else a `config.json` beside it or the run's `export/config.json`; the
+  tokenizer from beside it, the run's export, or the run config's shard dataset.
 - `write_export` writes into a temporary sibling directory and renames it into place, so a
   failed or interrupted write leaves nothing under the output name.
 """
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from shatter.checkpoint import CONFIG, TOKENIZER, WEIGHTS, CheckpointError, from_pretrained, save_pretrained
-from shatter.config import ModelConfig
+from shatter.config import ModelConfig, preset_config
 from shatter.model import ShatterForMaskedLM
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -47,29 +48,41 @@ def _deepspeed_tag_dir(path: Path) -> Optional[Path]:
     return None
 
 
-def _config_for(tag_dir: Path, client_state: dict) -> ModelConfig:
+def _config_for(tag_dir: Path, client_state: dict, state: dict) -> ModelConfig:
+    """The checkpoint's ModelConfig: stored whole, or rebuilt from the trainer's run config
+    (`config.model.preset` + `overrides`, vocab_size read off the word embeddings), or a
+    `config.json` beside the checkpoint or in the run's export."""
+    try:
+        if isinstance(client_state.get("model_config"), dict):
+            return ModelConfig.from_dict(client_state["model_config"])
+        run_config = client_state.get("config")
+        if isinstance(run_config, dict) and isinstance(run_config.get("model"), dict):
+            model = run_config["model"]
+            vocab = state.get("encoder.embeddings.word_embeddings.weight")
+            extra = {"vocab_size": int(vocab.shape[0])} if vocab is not None else {}
+            return preset_config(model["preset"], **{**extra, **(model.get("overrides") or {})})
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{tag_dir / MODEL_STATES}: its stored config is unusable: {e}") from None
     for candidate in (tag_dir / CONFIG, tag_dir.parent / CONFIG, tag_dir.parent.parent / "export" / CONFIG):
         if candidate.is_file():
             try:
                 return ModelConfig.from_dict(json.loads(candidate.read_text()))
             except (ValueError, TypeError) as e:
                 raise CheckpointError(f"{candidate}: {e}") from None
-    stored = client_state.get("model_config")
-    if isinstance(stored, dict):
-        return ModelConfig.from_dict(stored)
     raise CheckpointError(
-        f"{tag_dir}: no model config found ({CONFIG} beside the checkpoint, the run's "
-        f"export/{CONFIG}, or a 'model_config' entry in {MODEL_STATES})"
+        f"{tag_dir}: no model config found (a 'model_config' or trainer 'config' entry in "
+        f"{MODEL_STATES}, {CONFIG} beside the checkpoint, or the run's export/{CONFIG})"
     )
 
 
-def load_deepspeed(tag_dir: Path) -> ShatterForMaskedLM:
-    """Consolidate a DeepSpeed checkpoint tag folder into an fp32 masked-LM model."""
+def load_deepspeed(tag_dir: Path) -> tuple[ShatterForMaskedLM, dict]:
+    """Consolidate a DeepSpeed checkpoint tag folder: (fp32 masked-LM model, its client state)."""
     try:
         states = torch.load(tag_dir / MODEL_STATES, map_location="cpu", weights_only=False)
     except Exception as e:  # torch raises several types for a truncated or foreign file
         raise CheckpointError(f"{tag_dir / MODEL_STATES} cannot be read: {e}") from None
-    config = _config_for(tag_dir, states)
+    if not isinstance(states, dict):
+        raise CheckpointError(f"{tag_dir / MODEL_STATES} is not a DeepSpeed model-states file")
     if any(tag_dir.glob("*zero_pp_rank_*optim_states.pt")):
         # ZeRO: the fp32 master weights live partitioned in the optimizer states (and under
         # stage 3 `module` is empty); bf16/fp16 `module` weights would lose precision.
@@ -83,16 +96,20 @@ def load_deepspeed(tag_dir: Path) -> ShatterForMaskedLM:
         state = states.get("module")
     if not isinstance(state, dict) or not state:
         raise CheckpointError(f"{tag_dir / MODEL_STATES} holds no model weights")
-    model = ShatterForMaskedLM(config)
     state = {k.removeprefix("module."): v.float() for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    config = _config_for(tag_dir, states, state)
+    model = ShatterForMaskedLM(config)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise CheckpointError(f"{tag_dir}: weights do not match its {config.arch} config: {e}") from None
     tied = {"mlm_head.word_embeddings.weight", "encoder.embeddings.word_embeddings.weight"}
     if unexpected or set(missing) - tied:
         raise CheckpointError(
             f"{tag_dir}: weights do not match its {config.arch} config: "
             f"missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
-    return model.eval()
+    return model.eval(), states
 
 
 def load_model(path: Union[str, Path]) -> tuple[nn.Module, Optional[Path]]:
@@ -109,9 +126,12 @@ def load_model(path: Union[str, Path]) -> tuple[nn.Module, Optional[Path]]:
             f"{path}: neither an export ({WEIGHTS} + {CONFIG}) nor a DeepSpeed checkpoint "
             f"(a 'latest' file or {MODEL_STATES})"
         )
-    model = load_deepspeed(tag_dir)
-    run_tokenizer = tag_dir.parent.parent / "export" / TOKENIZER
-    for candidate in (tag_dir / TOKENIZER, tag_dir.parent / TOKENIZER, run_tokenizer):
+    model, client_state = load_deepspeed(tag_dir)
+    candidates = [tag_dir / TOKENIZER, tag_dir.parent / TOKENIZER, tag_dir.parent.parent / "export" / TOKENIZER]
+    data_path = ((client_state.get("config") or {}).get("data") or {}).get("path")
+    if data_path:  # the trainer's run config names the shard dataset, which holds the tokenizer
+        candidates.append(Path(data_path) / TOKENIZER)
+    for candidate in candidates:
         if candidate.is_file():
             return model, candidate
     return model, None

@@ -4,7 +4,7 @@
 (SQuAD). Both offer the same small contract to the training loop in `train/finetune.py`:
 `train_features` / `eval_features` (lists of dicts), `collate(features) -> batch dict` and
 `score(outputs) -> (metrics, predictions)`, where `outputs` maps each head output name to the
-per-feature arrays of the evaluation pass. Metrics follow `train/metrics.py`; predictions are
+per-feature arrays of the evaluation pass. Metrics follow `train/task_metrics.py`; predictions are
 id -> label string (or float for regression), or for SQuAD the official `{id: answer}`.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from train import metrics as M
+from train import task_metrics as M
 from train.features import SpanWindow, Tokenizer, best_span, encode_pair, pad_batch, span_windows
 from train.tasks import TASKS, Examples, TaskDataError, TaskSpec, read_boolq, read_classify, read_glue, read_multirc, read_squad
 

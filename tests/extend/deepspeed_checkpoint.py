@@ -28,7 +28,13 @@ ids = torch.randint(5, 50, (2, 16), generator=torch.Generator().manual_seed(0))
 loss = engine(ids, torch.ones_like(ids), ids)["loss"]
 engine.backward(loss)
 engine.step()
-engine.save_checkpoint(out, client_state={"model_config": model.config.to_dict()})
+# Stage 0 stores the ModelConfig itself; stage 2 the way train/checkpoint.py does (the run config).
+if stage == 0:
+    client = {"model_config": model.config.to_dict()}
+else:
+    client = {"config": {"model": {"preset": "bert-tiny", "overrides": {
+        "max_len": 16, "dropout": 0.0, "attention_dropout": 0.0}}, "data": {"path": None}}}
+engine.save_checkpoint(out, tag="step00000001", client_state=client)
 # ZeRO-2 keeps parameters as views into one flat buffer, which safetensors refuses: copy out.
 reference = shatter.ShatterForMaskedLM(model.config)
 reference.load_state_dict({k: v.detach().clone().float() for k, v in engine.module.state_dict().items()})

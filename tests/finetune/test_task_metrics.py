@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from train import metrics as m
+from train import task_metrics as m
 
 
 @pytest.mark.parametrize(
