@@ -1,0 +1,65 @@
+"""Small shard datasets in the DESIGN.md layout, written with pyarrow, for the loader's unit tests.
+
+End-to-end tests use datasets built by the real `shatter-data build` instead (see conftest.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+MASK = 4
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _rows(rng, n, seq_len, vocab, dupe_factor, min_len):
+    for _ in range(n):
+        length = int(rng.integers(min_len, seq_len + 1))
+        ids = [2] + rng.integers(5, vocab, length - 2).tolist() + [3]
+        word_start = [True] + (rng.random(length - 2) < 0.6).tolist() + [True]
+        positions, labels, inputs = [], [], []
+        for _ in range(dupe_factor):
+            k = max(1, round(0.15 * (length - 2)))
+            pos = np.sort(rng.choice(np.arange(1, length - 1), k, replace=False)).tolist()
+            positions.append(pos)
+            labels.append([ids[p] for p in pos])
+            inputs.append([MASK] * k)
+        yield ids, positions, labels, inputs, word_start
+
+
+def write_dataset(root: Path, *, shards=(3, 2), seq_len=32, dupe_factor=2, vocab=100, seed=0, min_len=6,
+                  val_rows=(5,)) -> Path:
+    """A dataset with train shards of the given row counts and validation shards of `val_rows`."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    (root / "tokenizer.model").write_bytes(b"not a real sentencepiece model: the loader only checks its sha256")
+    l16 = pa.list_(pa.uint16())
+    schema = pa.schema([("input_ids", l16), ("mask_positions", pa.list_(l16)), ("mask_labels", pa.list_(l16)),
+                        ("mask_inputs", pa.list_(l16)), ("word_start", pa.list_(pa.bool_()))])
+    splits = {}
+    for split, counts in (("train", shards), ("validation", val_rows)):
+        entries = []
+        for i, n in enumerate(counts):
+            name = f"{split}-{i:05d}-of-{len(counts):05d}.arrow"
+            cols = list(zip(*_rows(rng, n, seq_len, vocab, dupe_factor, min_len)))
+            table = pa.table([pa.array(c, t.type) for c, t in zip(cols, schema)], schema=schema)
+            options = ipc.IpcWriteOptions(compression="zstd")
+            with ipc.new_stream(str(root / name), schema, options=options) as writer:
+                for batch in table.to_batches(max_chunksize=max(1, n // 2)):
+                    writer.write_batch(batch)
+            entries.append({"file": name, "rows": n, "tokens": 0, "bytes": (root / name).stat().st_size,
+                            "sha256": _sha(root / name)})
+        splits[split] = {"shards": entries}
+    index = {"format": "shatter-shards", "version": 1, "seq_len": seq_len, "dupe_factor": dupe_factor,
+             "tokenizer": {"file": "tokenizer.model", "sha256": _sha(root / "tokenizer.model"), "vocab_size": vocab,
+                           "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}},
+             "config": {}, "splits": splits, "counters": {}}
+    (root / "index.json").write_text(json.dumps(index))
+    return root

@@ -1,0 +1,201 @@
+"""Typed configuration of a pretraining run: one frozen dataclass per concern.
+
+A run is described by `TrainConfig(model, data, optim, run)`. It is resolved in three layers, each
+overriding the one before: the dataclass defaults (the paper's §A.2 settings), a YAML file
+(`--config`, sections `model:`, `data:`, `optim:`, `run:`), and the command-line flags. Unknown
+keys are rejected with the file name and the key, as in academic-budget-bert's argument groups
+(one dataclass per concern) and torchtitan's job config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+MASKINGS = ("static", "dynamic")
+
+
+class ConfigError(ValueError):
+    """A config file or flag that cannot describe a run; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    preset: str = "shatter-tiny"  # "{arch}-{size}" preset of shatter.build_model
+    overrides: Mapping[str, Any] = field(default_factory=dict)  # ModelConfig fields, e.g. {dropout: 0.0}
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    path: str | None = None  # shard dataset directory written by `shatter-data build` (has index.json)
+    seq_len: int | None = None  # truncate rows to this length; None = the data's seq_len; longer is an error
+    masking: str = "static"  # "static": the shards' dupe_factor maskings cycled by epoch; "dynamic": fresh per epoch
+    mask_prob: float = 0.15  # dynamic masking: fraction of maskable tokens predicted (BERT §3.1)
+    mask_token_prob: float = 0.8  # dynamic: of the predicted tokens, share replaced by [MASK]
+    random_token_prob: float = 0.1  # dynamic: share replaced by a random id (the rest stay unchanged)
+    whole_word: bool = False  # dynamic: mask whole words (uses the shards' word_start column)
+    shuffle: bool = True  # deterministic per-epoch shuffle of shard order and rows, from run.seed
+    num_workers: int = 1  # DataLoader worker processes per rank (0 = load in the training process)
+    verify_shards: bool = True  # sha256 of each shard checked against index.json before its first use
+    eval_samples: int | None = None  # validation rows evaluated each time; None = the whole split
+
+
+@dataclass(frozen=True)
+class OptimArgs:
+    lr: float = 1e-4  # peak learning rate (§A.2)
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW β1, β2 (§A.2)
+    eps: float = 1e-6  # AdamW ε
+    weight_decay: float = 0.01  # decoupled weight decay, not applied to biases and LayerNorm weights (§A.2)
+    warmup_steps: int = 10_000  # linear warm-up from 0 to lr (§A.2)
+    decay: str = "linear"  # after warm-up: "linear" to 0 at run.max_steps (§A.2) or "constant"
+    grad_clip: float = 1.0  # global gradient-norm clipping
+    initial_scale_power: int = 16  # fp16 dynamic loss scaling starts at 2**this
+    loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
+    min_loss_scale: float = 1.0  # fp16: the scale never goes below this
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    output: str | None = None  # run directory: checkpoints/, export/, metrics.jsonl, tensorboard/
+    max_steps: int = 1000  # optimizer steps of the whole run (the lr reaches 0 here)
+    micro_batch: int = 8  # sequences per rank per forward/backward
+    grad_accum: int = 1  # micro-batches accumulated per optimizer step
+    precision: str = "fp32"  # fp32, bf16 or fp16 (fp16: dynamic loss scaling, for V100s)
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
+    seed: int = 0  # seeds the weights, the shuffle, dynamic masks and dropout
+    save_every: int = 1000  # steps between checkpoints (0 = only at the end and on SIGTERM)
+    eval_every: int = 1000  # steps between validation passes (0 = only at the end)
+    export_every: int = 0  # steps between exports to RUN/export (0 = only at the end)
+    log_every: int = 10  # steps between metrics.jsonl training lines
+    keep_checkpoints: int = 2  # newest checkpoints kept under RUN/checkpoints (0 = keep all)
+    num_gpus: int = 1  # world size the config is written for; --dry-run estimates for it
+    gpu_memory_gb: float = 16.0  # --dry-run: memory of one GPU the estimate is compared with
+    deepspeed_config: str | None = None  # expert override: a DeepSpeed JSON merged over the built one
+    progress: bool = True  # tqdm progress bar on rank 0
+    tensorboard: bool = True  # TensorBoard event files under RUN/tensorboard
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    optim: OptimArgs = field(default_factory=OptimArgs)
+    run: RunArgs = field(default_factory=RunArgs)
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def validate(self) -> "TrainConfig":
+        r, d = self.run, self.data
+        checks = [
+            (r.precision in PRECISIONS, f"run.precision must be one of {PRECISIONS}, got {r.precision!r}"),
+            (r.zero_stage in (0, 1, 2, 3), f"run.zero_stage must be 0-3, got {r.zero_stage}"),
+            (d.masking in MASKINGS, f"data.masking must be one of {MASKINGS}, got {d.masking!r}"),
+            (r.max_steps > 0, "run.max_steps must be positive"),
+            (r.micro_batch > 0 and r.grad_accum > 0, "run.micro_batch and run.grad_accum must be positive"),
+            (0 < d.mask_prob < 1, "data.mask_prob must be in (0, 1)"),
+            (d.mask_token_prob + d.random_token_prob <= 1, "data.mask_token_prob + random_token_prob > 1"),
+            (d.seq_len is None or d.seq_len >= 8, "data.seq_len must be at least 8"),
+            (self.optim.decay in ("linear", "constant"), "optim.decay must be 'linear' or 'constant'"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        return self
+
+
+SECTIONS = {"model": ModelArgs, "data": DataArgs, "optim": OptimArgs, "run": RunArgs}
+
+# The command-line flags of issue 5 (a contract) and a few more, mapped to their config fields.
+FLAGS = {
+    "data": "data.path",
+    "output": "run.output",
+    "preset": "model.preset",
+    "max_steps": "run.max_steps",
+    "micro_batch": "run.micro_batch",
+    "grad_accum": "run.grad_accum",
+    "precision": "run.precision",
+    "zero_stage": "run.zero_stage",
+    "save_every": "run.save_every",
+    "eval_every": "run.eval_every",
+    "export_every": "run.export_every",
+    "log_every": "run.log_every",
+    "seed": "run.seed",
+    "masking": "data.masking",
+    "seq_len": "data.seq_len",
+    "whole_word": "data.whole_word",
+    "num_workers": "data.num_workers",
+    "lr": "optim.lr",
+    "warmup_steps": "optim.warmup_steps",
+    "deepspeed_config": "run.deepspeed_config",
+    "num_gpus": "run.num_gpus",
+}
+
+
+def _coerce(cls, name: str, value: Any, where: str) -> Any:
+    """YAML gives lists where the dataclass wants tuples; keep everything else as written."""
+    default = next(f for f in fields(cls) if f.name == name)
+    if name == "betas" or (isinstance(value, list) and default.type.startswith("tuple")):
+        return tuple(value)
+    if name == "overrides" and not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: model.overrides must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _section(cls, values: Mapping[str, Any], where: str):
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
+    return cls(**{k: _coerce(cls, k, v, where) for k, v in values.items()})
+
+
+def from_dict(values: Mapping[str, Any], where: str = "config") -> TrainConfig:
+    """A TrainConfig from nested sections; unknown sections and keys are errors naming `where`."""
+    unknown = sorted(set(values) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown section(s) {unknown}; known: {sorted(SECTIONS)}")
+    parts = {}
+    for name, cls in SECTIONS.items():
+        section = values.get(name) or {}
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{where}: section {name!r} must be a mapping")
+        parts[name] = _section(cls, section, f"{where} [{name}]")
+    return TrainConfig(**parts)
+
+
+def load_yaml(path: str | Path) -> TrainConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return from_dict(values, where=str(path))
+
+
+def with_overrides(config: TrainConfig, flags: Mapping[str, Any]) -> TrainConfig:
+    """Apply command-line flags (None = not given) over a config, per `FLAGS`."""
+    sections = {name: {} for name in SECTIONS}
+    for flag, value in flags.items():
+        if value is None:
+            continue
+        if flag not in FLAGS:
+            raise ConfigError(f"unknown flag {flag!r}")
+        section, key = FLAGS[flag].split(".")
+        sections[section][key] = value
+    return replace(config, **{name: replace(getattr(config, name), **kv) for name, kv in sections.items() if kv})
+
+
+def resolve(config_file: str | None, flags: Mapping[str, Any]) -> TrainConfig:
+    """Defaults, then the YAML file, then the flags; validated."""
+    base = load_yaml(config_file) if config_file else TrainConfig()
+    return with_overrides(base, flags).validate()

@@ -1,0 +1,250 @@
+"""Streaming the shard dataset into masked-LM batches: an IterableDataset with an exact position.
+
+The training stream is one endless sequence of samples, epoch after epoch. Epoch e visits every
+row once: the shards in an order drawn from (seed, e), the rows of each shard in an order drawn
+from (seed, e, shard). Global stream position q (samples consumed since the run began) is sample
+q mod N of epoch q div N. Rank r of a world of W takes positions start + r, start + r + W, ...;
+its DataLoader worker w of K builds local batches w, w + K, ..., which the DataLoader interleaves
+back into order. So ranks and workers never overlap, no sample is skipped (batches may straddle
+epochs), and a resume from position q starts exactly at the next sample: the state is one integer,
+saved in every checkpoint (`StreamPosition`), and resuming reads only the rows it needs.
+
+Like MosaicML streaming (deterministic sample-space partitioning, resumable position) and
+academic-budget-bert (static masks with a dupe factor, dynamic masking option).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from train.masking import IGNORE, PAD, SEP, dynamic_mask, ragged_gather, static_mask
+from train.shards import DataError, Index, Shard, load_shard
+
+
+@dataclass(frozen=True)
+class StreamPosition:
+    """Where the training stream stands: `samples` consumed since the run began, all ranks together."""
+
+    samples: int
+    epoch_size: int  # rows of the train split
+
+    @property
+    def epoch(self) -> int:
+        return self.samples // self.epoch_size
+
+    @property
+    def in_epoch(self) -> int:
+        return self.samples % self.epoch_size
+
+    def to_dict(self) -> dict:
+        return {"samples": self.samples, "epoch": self.epoch, "in_epoch": self.in_epoch, "epoch_size": self.epoch_size}
+
+    @classmethod
+    def from_dict(cls, state: dict, epoch_size: int) -> "StreamPosition":
+        if state["epoch_size"] != epoch_size:
+            raise DataError(
+                f"the checkpoint's data position is for a train split of {state['epoch_size']} rows, "
+                f"the data now has {epoch_size}: resuming on different data cannot be exact"
+            )
+        return cls(samples=int(state["samples"]), epoch_size=epoch_size)
+
+
+@dataclass(frozen=True)
+class MaskingSpec:
+    mode: str  # "static" or "dynamic"
+    fixed_copy: int | None = None  # static: always this stored masking (validation uses 0)
+    mask_prob: float = 0.15
+    mask_token_prob: float = 0.8
+    random_token_prob: float = 0.1
+    whole_word: bool = False
+
+
+class EpochOrder:
+    """The permutation of (shard, row) pairs for each epoch, derived from the seed alone."""
+
+    def __init__(self, rows_per_shard: list[int], seed: int, shuffle: bool):
+        self.rows = np.asarray(rows_per_shard, dtype=np.int64)
+        self.base = np.concatenate([[0], np.cumsum(self.rows)])  # canonical sample id = base[s] + row
+        self.size = int(self.base[-1])
+        self.seed, self.shuffle = seed, shuffle
+        self._epoch, self._row_perms = None, {}
+
+    def _shards(self, epoch: int):
+        if self._epoch != epoch:
+            n = len(self.rows)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._epoch, self._order, self._row_perms = epoch, order, {}
+            self._start = np.concatenate([[0], np.cumsum(self.rows[order])])
+        return self._order, self._start
+
+    def _row_perm(self, epoch: int, shard: int) -> np.ndarray | None:
+        if not self.shuffle:
+            return None
+        if shard not in self._row_perms:
+            self._row_perms[shard] = np.random.default_rng([self.seed, epoch, shard]).permutation(self.rows[shard])
+        return self._row_perms[shard]
+
+    def locate(self, epoch: int, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, row) arrays for in-epoch offsets of one epoch."""
+        order, start = self._shards(epoch)
+        slot = np.searchsorted(start, offsets, side="right") - 1
+        shard = order[slot]
+        row = offsets - start[slot]
+        for s in np.unique(shard):
+            perm = self._row_perm(epoch, int(s))
+            if perm is not None:
+                hit = shard == s
+                row[hit] = perm[row[hit]]
+        return shard, row
+
+
+class ShardStream(IterableDataset):
+    """Batches (named dicts of tensors) of one rank's share of a split; see the module docstring."""
+
+    def __init__(
+        self,
+        index: Index,
+        split: str,
+        *,
+        batch_size: int,
+        seq_len: int,
+        masking: MaskingSpec,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start: int = 0,
+        shuffle: bool = True,
+        finite: bool = False,
+        max_samples: int | None = None,
+        verify: bool = True,
+    ):
+        if seq_len > index.seq_len:
+            raise DataError(f"--seq-len {seq_len} exceeds the data's seq_len {index.seq_len} ({index.root / 'index.json'})")
+        self.index, self.shards = index, index.shards(split)
+        self.batch_size, self.seq_len, self.masking = batch_size, seq_len, masking
+        self.seed, self.rank, self.world, self.start = seed, rank, world_size, start
+        self.finite, self.verify = finite, verify
+        self.order = EpochOrder([s.rows for s in self.shards], seed, shuffle)
+        total = self.order.size if max_samples is None else min(max_samples, self.order.size)
+        self.end = start + total if finite else None  # finite streams stop after one pass
+        self._cache: OrderedDict[int, Shard] = OrderedDict()
+        self._verified: set[int] = set()
+
+    def _shard(self, i: int) -> Shard:
+        if i not in self._cache:
+            self._cache[i] = load_shard(self.shards[i], verify=self.verify and i not in self._verified)
+            self._verified.add(i)
+            while len(self._cache) > 2:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(i)
+        return self._cache[i]
+
+    def local_batches(self):
+        """Global positions of this rank's local batch j, for j = worker, worker + workers, ..."""
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        j = worker
+        while True:
+            q = self.start + self.rank + self.world * (j * self.batch_size + np.arange(self.batch_size))
+            if self.end is not None:
+                q = q[q < self.end]
+                if len(q) == 0:
+                    return
+            yield q
+            j += workers
+
+    def __iter__(self):
+        for q in self.local_batches():
+            yield self.batch(q)
+
+    def _gather(self, shard: Shard, rows: np.ndarray):
+        idx, valid = ragged_gather(shard.ids_off, rows)
+        length = valid.sum(1)
+        L = self.seq_len
+        if idx.shape[1] > L:  # truncation to --seq-len: keep [CLS] … and end with [SEP]
+            idx, valid = idx[:, :L], valid[:, :L]
+            cut = length > L
+            length = np.minimum(length, L)
+        else:
+            cut = None
+        ids = np.where(valid, shard.ids[idx], PAD).astype(np.int64)
+        word_start = valid & shard.word_start[idx]
+        if cut is not None and cut.any():
+            ids[cut, L - 1] = SEP
+        return ids, word_start, length
+
+    def batch(self, q: np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch of global stream positions q: padded to its longest row."""
+        epoch_of, offset = q // self.order.size, q % self.order.size
+        B = len(q)
+        parts = []
+        for epoch in np.unique(epoch_of):
+            in_epoch = np.flatnonzero(epoch_of == epoch)
+            shard_of, row_of = self.order.locate(int(epoch), offset[in_epoch])
+            for s in np.unique(shard_of):
+                hit = shard_of == s
+                shard = self._shard(int(s))
+                rows = row_of[hit]
+                ids, ws, length = self._gather(shard, rows)
+                uid = self.order.base[s] + rows
+                inputs, labels = self._mask(ids, ws, length, uid, shard, rows, int(epoch))
+                parts.append((in_epoch[hit], inputs, labels, length, uid, int(epoch)))
+        L = max(p[1].shape[1] for p in parts)
+        input_ids = np.full((B, L), PAD, np.int64)
+        labels = np.full((B, L), IGNORE, np.int64)
+        lengths, uids, epochs = np.zeros(B, np.int64), np.zeros(B, np.int64), np.zeros(B, np.int64)
+        for where, inp, lab, length, uid, epoch in parts:
+            input_ids[where, : inp.shape[1]] = inp
+            labels[where, : lab.shape[1]] = lab
+            lengths[where], uids[where], epochs[where] = length, uid, epoch
+        attention_mask = (np.arange(L)[None, :] < lengths[:, None]).astype(np.int64)
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention_mask),
+            "labels": torch.from_numpy(labels),
+            "sample_id": torch.from_numpy(uids),  # canonical row id: base of its shard + row
+            "epoch": torch.from_numpy(epochs),
+        }
+
+    def _mask(self, ids, ws, length, uid, shard, rows, epoch):
+        m = self.masking
+        if m.mode == "static":
+            copy = m.fixed_copy if m.fixed_copy is not None else epoch % self.index.dupe_factor
+            return static_mask(ids, length, shard, rows, copy)
+        return dynamic_mask(
+            ids, ws, uid, epoch=epoch, seed=self.seed, vocab_size=self.index.vocab_size,
+            mask_prob=m.mask_prob, mask_token_prob=m.mask_token_prob,
+            random_token_prob=m.random_token_prob, whole_word=m.whole_word,
+        )
+
+
+def masking_spec(data_args) -> MaskingSpec:
+    d = data_args
+    return MaskingSpec(d.masking, None, d.mask_prob, d.mask_token_prob, d.random_token_prob, d.whole_word)
+
+
+def train_loader(index: Index, data_args, *, batch_size: int, seq_len: int, seed: int,
+                 rank: int, world_size: int, start: int) -> DataLoader:
+    """The endless training DataLoader of one rank, starting at global stream position `start`."""
+    stream = ShardStream(
+        index, "train", batch_size=batch_size, seq_len=seq_len, masking=masking_spec(data_args),
+        seed=seed, rank=rank, world_size=world_size, start=start, shuffle=data_args.shuffle,
+        verify=data_args.verify_shards,
+    )
+    workers = data_args.num_workers
+    return DataLoader(stream, batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None,
+                      persistent_workers=False)
+
+
+def validation_stream(index: Index, data_args, *, batch_size: int, seq_len: int,
+                      rank: int, world_size: int) -> ShardStream:
+    """The validation split in file order with the fixed static masks (copy 0): comparable across runs."""
+    return ShardStream(
+        index, "validation", batch_size=batch_size, seq_len=seq_len, masking=MaskingSpec("static", fixed_copy=0),
+        seed=0, rank=rank, world_size=world_size, shuffle=False, finite=True,
+        max_samples=data_args.eval_samples, verify=data_args.verify_shards,
+    )

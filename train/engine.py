@@ -1,0 +1,171 @@
+"""The DeepSpeed side of a run: process-group set-up, the DeepSpeed config dict, the engine.
+
+The DeepSpeed config is built in code from the typed `TrainConfig` (one source of truth, as in
+academic-budget-bert); `--deepspeed-config FILE` merges an expert's JSON over it. Optimisation
+follows the paper's §A.2: AdamW (lr 1e-4, β = (0.9, 0.999), ε = 1e-6), weight decay 0.01 not
+applied to biases and LayerNorm weights, 10k steps of linear warm-up then linear decay to 0 at
+the last step (DeepSpeed's WarmupDecayLR), gradient clipping at 1.0. fp16 uses DeepSpeed's dynamic
+loss scaling (Micikevicius et al. 2018); ZeRO stages per Rajbhandari et al. 2020.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from train.config import ConfigError, TrainConfig
+
+
+def on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_process_env() -> None:
+    """Without the deepspeed launcher the script is a world of one: set what torch.distributed reads."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world_size) after joining the process group (gloo on CPU, nccl on GPUs)."""
+    import deepspeed
+
+    single_process_env()
+    if on_cpu():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl")
+    if not on_cpu():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | None = None) -> dict:
+    """The DeepSpeed config dict of a run, from the typed config alone."""
+    r, o = cfg.run, cfg.optim
+    cpu = on_cpu() if cpu is None else cpu
+    if cpu and r.precision == "fp16":
+        raise ConfigError("fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16); use bf16 or fp32 here")
+    scheduler = {
+        "type": "WarmupDecayLR" if o.decay == "linear" else "WarmupLR",
+        "params": {
+            "warmup_min_lr": 0.0,
+            "warmup_max_lr": o.lr,
+            "warmup_num_steps": o.warmup_steps,
+            "warmup_type": "linear",
+        },
+    }
+    if o.decay == "linear":
+        scheduler["params"]["total_num_steps"] = r.max_steps  # eq. of §A.2: linear decay to 0 at the last step
+    zero = {"stage": r.zero_stage}
+    if r.zero_stage in (1, 2):
+        zero.update(overlap_comm=not cpu, contiguous_gradients=True, reduce_scatter=True,
+                    allgather_bucket_size=int(5e8), reduce_bucket_size=int(5e8))
+    if r.zero_stage == 3:
+        zero.update(overlap_comm=not cpu, contiguous_gradients=True, stage3_gather_16bit_weights_on_model_save=False)
+    return {
+        "train_micro_batch_size_per_gpu": r.micro_batch,
+        "gradient_accumulation_steps": r.grad_accum,
+        "train_batch_size": r.micro_batch * r.grad_accum * world_size,
+        "gradient_clipping": o.grad_clip,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+                # torch.optim.AdamW on CPU: DeepSpeed's fused Adam would JIT-build a CUDA/C++ op
+                "torch_adam": cpu,
+            },
+        },
+        "scheduler": scheduler,
+        "fp16": {
+            "enabled": r.precision == "fp16",
+            "loss_scale": 0,  # 0 = dynamic loss scaling
+            "initial_scale_power": o.initial_scale_power,
+            "loss_scale_window": o.loss_scale_window,
+            "hysteresis": 2,
+            "min_loss_scale": o.min_loss_scale,
+        },
+        "bf16": {"enabled": r.precision == "bf16"},
+        "zero_optimization": zero,
+        "steps_per_print": 10**12,  # the trainer logs; DeepSpeed's own step prints are noise
+        "wall_clock_breakdown": False,
+    }
+
+
+def merge(base: dict, override: dict) -> dict:
+    """Recursive dict merge: `override` wins, nested dicts merge."""
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def resolved_deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | None = None) -> dict:
+    """The built config, with `run.deepspeed_config` (a JSON file) merged over it."""
+    built = deepspeed_config(cfg, world_size, cpu)
+    path = cfg.run.deepspeed_config
+    if not path:
+        return built
+    try:
+        override = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"--deepspeed-config {path}: {err}") from err
+    merged = merge(built, override)
+    batch = merged["train_micro_batch_size_per_gpu"] * merged["gradient_accumulation_steps"] * world_size
+    if merged.get("train_batch_size") != batch:
+        merged["train_batch_size"] = batch  # the launcher's world size decides; keep DeepSpeed's identity true
+    return merged
+
+
+def _no_decay(model: nn.Module) -> set[int]:
+    """Biases and LayerNorm weights: §A.2 (as BERT) exempts them from weight decay."""
+    exempt = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if name.endswith("bias") or isinstance(module, nn.LayerNorm):
+                exempt.add(id(p))
+    return exempt
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    exempt = _no_decay(model)
+    params = {id(p): p for p in model.parameters() if p.requires_grad}  # tied weights once
+    decay = [p for i, p in params.items() if i not in exempt]
+    no_decay = [p for i, p in params.items() if i in exempt]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_engine(model: nn.Module, cfg: TrainConfig, ds_config: dict):
+    """deepspeed.initialize with the optimizer and scheduler of `ds_config`."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=ds_config,
+    )
+    return engine
+
+
+def loss_scale(engine) -> float | None:
+    """The current fp16 dynamic loss scale, or None when there is none."""
+    if not engine.fp16_enabled():
+        return None
+    optimizer = engine.optimizer
+    scale = getattr(optimizer, "cur_scale", None) or getattr(getattr(optimizer, "loss_scaler", None), "cur_scale", None)
+    return float(scale) if scale is not None else None

@@ -1,0 +1,83 @@
+"""What a run reports: RUN/metrics.jsonl (the DESIGN.md contract), TensorBoard, a progress bar.
+
+Only rank 0 writes. metrics.jsonl has one JSON object per line: training lines
+`{"step", "loss", "lr", ...}` and validation lines `{"step", "split": "validation", "loss",
+"accuracy"}`. On a resume the lines after the checkpoint's step are dropped, so a restarted run's
+file reads as if it had never stopped.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tqdm import tqdm
+
+METRICS = "metrics.jsonl"
+
+
+def truncate_after(path: Path, step: int) -> int:
+    """Drop lines of steps after `step` (work a crash lost); return how many were dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a kill: dropped like the lost steps
+            dropped += 1
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    path.write_text("".join(f"{line}\n" for line in kept))
+    return dropped
+
+
+class MetricsWriter:
+    """metrics.jsonl and TensorBoard scalars on rank 0; a no-op elsewhere."""
+
+    def __init__(self, run_dir: Path, rank: int, tensorboard: bool):
+        self.active = rank == 0
+        self.path = run_dir / METRICS
+        self.tb = None
+        if self.active and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        if not self.active:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+        if self.tb is not None:
+            prefix = record.get("split", "train")
+            for key, value in record.items():
+                if key not in ("step", "split") and isinstance(value, (int, float)) and value is not None:
+                    self.tb.add_scalar(f"{prefix}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+class Progress:
+    """tqdm bar on rank 0 (loss, lr, tokens/s; tqdm's own ETA); silent elsewhere."""
+
+    def __init__(self, rank: int, enabled: bool, start: int, total: int):
+        self.bar = tqdm(total=total, initial=start, desc="pretrain", unit="step", dynamic_ncols=True,
+                        disable=not (enabled and rank == 0), smoothing=0.05)
+
+    def update(self, steps: int, loss: float | None, lr: float, tokens_per_s: float) -> None:
+        loss_text = f"{loss:.4f}" if loss is not None else "-"
+        self.bar.set_postfix_str(f"loss={loss_text} lr={lr:.2e} tok/s={tokens_per_s:,.0f}", refresh=False)
+        self.bar.update(steps)
+
+    def write(self, text: str) -> None:
+        self.bar.write(text) if not self.bar.disable else None
+
+    def close(self) -> None:
+        self.bar.close()
