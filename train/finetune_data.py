@@ -29,10 +29,10 @@ class DataConfig:
     """What to read and how to cut it into model inputs."""
 
     task: str  # one of train.tasks.TASKS
-    train_file: Path  # training file in the task's official format
+    train_file: Optional[Path] = None  # training file in the task's official format
     validation_file: Optional[Path] = None  # None: hold out `validation_fraction` of train_file
     validation_fraction: float = 0.1  # share of train_file held out when no validation file
-    max_len: int = 512  # tokens per input, [CLS] and [SEP]s included
+    max_len: int = 0  # tokens per input, [CLS] and [SEP]s included; 0: the checkpoint's max_len
     text_columns: tuple[str, ...] = ("text",)  # classify: one or two text columns
     label_column: str = "label"  # classify: the label column
     id_column: Optional[str] = None  # classify: an id column (default: the row number)
