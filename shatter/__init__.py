@@ -8,6 +8,7 @@ baselines and ablations, as masked-LM models built from named presets.
 
 See docs/model.md and the paper (/work/shared/paper/shatter.tex, §2-3 and the appendix).
 """
+from shatter import heads, partition
 from shatter.checkpoint import CheckpointError, from_pretrained, load_config, save_pretrained
 from shatter.config import ARCHS, PARTITION_ARCHS, SIZES, ModelConfig, preset_config
 from shatter.model import (
@@ -17,5 +18,5 @@ from shatter.model import (
 __all__ = [
     "ARCHS", "PARTITION_ARCHS", "SIZES", "CheckpointError", "Encoder", "EncoderOutput",
     "ModelConfig", "ShatterForMaskedLM", "build_model", "count_parameters", "from_pretrained",
-    "load_config", "preset_config", "save_pretrained",
+    "heads", "load_config", "partition", "preset_config", "save_pretrained",
 ]
