@@ -137,7 +137,8 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     progress = Progress(rank, r.progress, 0, steps)
     progress.bar.set_description(f"finetune {cfg.data.task}")
     batches = global_batches(len(data.train_features), r.batch_size, r.seed, rank, world)
-    window_loss, window_steps, started = 0.0, 0, time.time()
+    window_loss, window_steps, window_tokens, started = 0.0, 0, 0, time.time()
+    window_start = started
     best = None
     try:
         for step in range(1, steps + 1):
@@ -146,12 +147,14 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
             engine.backward(loss)
             engine.step()
             window_loss, window_steps = window_loss + loss.item(), window_steps + 1
+            window_tokens += int(batch["attention_mask"].sum()) * world  # this rank's share, scaled
             if step % r.log_every == 0 or step == steps:
-                lr = engine.get_lr()[0]
+                lr, now = engine.get_lr()[0], time.time()
+                tokens_per_s = window_tokens / max(now - window_start, 1e-9)
                 writer.write({"step": step, "loss": window_loss / window_steps, "lr": lr,
-                              "elapsed_s": round(time.time() - started, 2)})
-                progress.update(window_steps, window_loss / window_steps, lr, 0.0)
-                window_loss, window_steps = 0.0, 0
+                              "tokens_per_s": round(tokens_per_s, 1), "elapsed_s": round(now - started, 2)})
+                progress.update(window_steps, window_loss / window_steps, lr, tokens_per_s)
+                window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, now
             if step % r.eval_every and step != steps:
                 continue
             if rank == 0:
