@@ -108,8 +108,8 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     r = cfg.run
     steps = r.max_steps or default_steps(len(data.train_features), r.batch_size, r.epochs)
     optim = cfg.optim
-    if optim.warmup_steps < 0:
-        optim = dataclasses.replace(optim, warmup_steps=int(r.warmup_ratio * steps))
+    warmup = int(r.warmup_ratio * steps) if optim.warmup_steps < 0 else optim.warmup_steps
+    optim = dataclasses.replace(optim, warmup_steps=max(1, warmup))  # DeepSpeed's schedulers need >= 1
 
     rank, world = init_distributed()
     torch.manual_seed(r.seed)

@@ -87,3 +87,33 @@ def test_names_the_file_with_a_missing_column(tmp_path, export):
     result = run("--task", "classify", "--checkpoint", export(), "--train-file", train,
                  "--text-columns", "body", "--label-column", "sentiment", "--output", tmp_path / "run")
     assert result.exit_code != 0 and "train.csv" in result.output and "missing column" in result.output
+
+
+def test_regression_and_multirc_grouping(tmp_path, export, write_jsonl):
+    rows = sentiment_rows(48)
+    sts = tmp_path / "sts.tsv"
+    sts.write_text("index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n" + "".join(
+        f"{i}\tg\tf\ty\to\ts\ts\t{r['review']}\t{rows[i - 1]['review']}\t{i % 6}.000\n" for i, r in enumerate(rows)))
+    result = run("--task", "stsb", "--checkpoint", export(), "--train-file", sts, "--validation-file", sts,
+                 "--output", tmp_path / "sts", "--max-steps", 4, "--lr", 1e-3)
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((tmp_path / "sts" / "metrics.json").read_text())
+    assert metrics["main_metric"] == "spearman" and {"pearson", "spearman"} <= set(metrics["best"])
+    predictions = json.loads((tmp_path / "sts" / "predictions.json").read_text())
+    assert len(predictions) == 48 and all(isinstance(v, float) for v in predictions.values())
+
+    mrc = write_jsonl(tmp_path / "mrc.jsonl", [{"idx": p, "passage": {"text": rows[p]["review"], "questions": [
+        {"idx": q, "question": "is it good?", "answers": [
+            {"idx": a, "text": rows[p + q + a]["review"], "label": (p + a) % 2} for a in range(3)]}
+        for q in range(2)]}} for p in range(8)])
+    result = run("--task", "multirc", "--checkpoint", export(), "--train-file", mrc, "--validation-file", mrc,
+                 "--output", tmp_path / "mrc", "--max-steps", 4, "--lr", 1e-3)
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((tmp_path / "mrc" / "metrics.json").read_text())
+    predictions = json.loads((tmp_path / "mrc" / "predictions.json").read_text())
+    assert metrics["main_metric"] == "f1a" and len(predictions) == 48
+    # EM recomputed from the predictions: a question counts only if all three options are right.
+    gold = {f"{p}-{q}-{a}": str((p + a) % 2) for p in range(8) for q in range(2) for a in range(3)}
+    em = sum(all(predictions[f"{p}-{q}-{a}"] == gold[f"{p}-{q}-{a}"] for a in range(3))
+             for p in range(8) for q in range(2)) / 16
+    assert metrics["best"]["em"] == pytest.approx(em)
