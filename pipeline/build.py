@@ -1,0 +1,206 @@
+"""`shatter-data build`: the driver that runs the Beam pipelines and writes index.json last.
+
+Two pipelines when a tokenizer must be trained (it necessarily sits between them), one otherwise:
+  1. read → clean → sample lines (the n smallest line hashes) → the driver trains sentencepiece;
+  2. read → clean → tokenize → pack → mask → shard → write, then index.json from the shard
+     manifest and Beam's counters.
+Any Beam runner works: unknown command-line options become `PipelineOptions`; without `--runner`
+the in-process FnApiRunner is used (never Prism, which would be downloaded).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import time
+
+import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+from pipeline import readers, shards, tokenizer
+from pipeline.config import BuildConfig
+from pipeline.transforms import NAMESPACE, Clean, Mask, Pack, ReadDocuments, SampleLines, ShardAndWrite, Tokenize
+
+log = logging.getLogger(__name__)
+SAMPLE_FILE, MANIFEST_FILE, WORK_DIR = ".tokenizer-sample.txt", ".shards-manifest.json", ".work"
+
+
+class BuildError(Exception):
+    """A build that cannot go on; the message says why (the CLI prints it without a traceback)."""
+
+
+def make_pipeline(beam_args: list[str]) -> beam.Pipeline:
+    options = PipelineOptions(beam_args)
+    if options.view_as(StandardOptions).runner is None:
+        return beam.Pipeline(runner=FnApiRunner(), options=options)
+    return beam.Pipeline(options=options)
+
+
+def run_and_report(pipeline: beam.Pipeline, stage: str, report=print, poll_seconds: float = 10.0) -> dict:
+    """Run to completion, printing the "shatter" counters (polled while a remote runner works)."""
+    start = time.time()
+    result = pipeline.run()
+    state = result.state
+    while not beam.runners.runner.PipelineState.is_terminal(state):
+        time.sleep(poll_seconds)
+        report(f"[{stage} {time.time() - start:.0f}s] {format_counters(counters(result))}")
+        state = result.state
+    result.wait_until_finish()
+    values = counters(result)
+    report(f"[{stage} done in {time.time() - start:.1f}s] {format_counters(values)}")
+    return values
+
+
+def counters(result) -> dict:
+    """The "shatter" namespace counters of a pipeline result (committed where the runner has them)."""
+    out = {}
+    query = result.metrics().query(beam.metrics.MetricsFilter().with_namespace(NAMESPACE))
+    for c in query["counters"]:
+        try:
+            value = c.committed
+        except Exception:  # some runners only report attempted values
+            value = None
+        out[c.key.metric.name] = out.get(c.key.metric.name, 0) + int(value if value is not None else c.attempted)
+    return dict(sorted(out.items()))
+
+
+def format_counters(values: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in values.items()) or "(no counters yet)"
+
+
+def _delete_tree(path: str) -> None:
+    """Remove a work directory and everything under it (any filesystem)."""
+    found = FileSystems.match([FileSystems.join(path, "*")])[0].metadata_list
+    if found:
+        FileSystems.delete([m.path for m in found])
+    if FileSystems.exists(path):
+        FileSystems.delete([path])
+
+
+def _prepare_output(config: BuildConfig, overwrite: bool) -> None:
+    out = config.output
+    index = shards.join(out, shards.INDEX_FILE)
+    if FileSystems.exists(index):
+        if not overwrite:
+            raise BuildError(f"{out} already holds a dataset (index.json); pass --overwrite to replace it")
+        FileSystems.delete([index])  # first, so an interrupted rebuild never looks complete
+    stale = [m.path for pattern in ("*.arrow", ".tmp-*", ".*.json", ".*.txt")
+             for m in FileSystems.match([shards.join(out, pattern)])[0].metadata_list]
+    if stale:
+        FileSystems.delete(stale)
+    _delete_tree(shards.join(out, WORK_DIR))
+    if not FileSystems.exists(out):
+        FileSystems.mkdirs(out)
+
+
+def _read_clean(p: beam.Pipeline, config: BuildConfig):
+    """Read and clean every input: train (or auto-split) and the separate validation inputs."""
+    train_specs = readers.expand_inputs(config.inputs, config.split_bytes, config.text_mode)
+    split = "train" if config.validation_inputs else "auto"
+    docs = p | "read" >> ReadDocuments(train_specs, split, config) | "clean" >> Clean()
+    if not config.validation_inputs:
+        return docs
+    val_specs = readers.expand_inputs(config.validation_inputs, config.split_bytes, config.text_mode)
+    val = p | "read validation" >> ReadDocuments(val_specs, "validation", config) | "clean validation" >> Clean()
+    return (docs, val) | "mix" >> beam.Flatten()
+
+
+def _write_text(path: str, text: str) -> None:
+    with FileSystems.create(path) as f:
+        f.write(text.encode())
+
+
+def _read_text(path: str) -> str:
+    with FileSystems.open(path) as f:
+        return f.read().decode()
+
+
+def train_tokenizer(config: BuildConfig, beam_args: list[str], report=print) -> dict:
+    """Pipeline 1 and the training; returns the counters. Writes OUT/tokenizer.model."""
+    sample_path = shards.join(config.output, SAMPLE_FILE)
+    p = make_pipeline(beam_args)
+    lines = _read_clean(p, config) | "sample" >> SampleLines(config.tokenizer_sample)
+    _ = lines | "write sample" >> beam.Map(lambda ls: _write_text(sample_path, json.dumps(ls)))
+    values = run_and_report(p, "tokenizer sample", report)
+    sample = json.loads(_read_text(sample_path))
+    report(f"training sentencepiece ({config.tokenizer_model_type}, vocab {config.vocab_size}) "
+           f"on {len(sample)} lines")
+    model = tokenizer.train(sample, config.vocab_size, config.tokenizer_model_type)
+    with FileSystems.create(shards.join(config.output, shards.TOKENIZER_FILE)) as f:
+        f.write(model)
+    FileSystems.delete([sample_path])
+    return values
+
+
+def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, report=print) -> dict:
+    """Build the dataset of `config` and return its index (also written to OUT/index.json)."""
+    _prepare_output(config, overwrite)
+    model_path = shards.join(config.output, shards.TOKENIZER_FILE)
+    sample_counters = {}
+    if config.tokenizer:
+        with FileSystems.open(config.tokenizer) as f:
+            model = f.read()
+        with FileSystems.create(model_path) as f:
+            f.write(model)
+    else:
+        sample_counters = train_tokenizer(config, beam_args, report)
+    with FileSystems.open(model_path) as f:
+        model = f.read()
+    sp = tokenizer.load(model)
+    vocab_size = sp.get_piece_size()
+    counts = {"train": config.num_shards, "validation": config.num_validation_shards}
+    work_dir = shards.join(config.output, WORK_DIR)
+    manifest_path = shards.join(config.output, MANIFEST_FILE)
+
+    p = make_pipeline(beam_args)
+    masked = (
+        _read_clean(p, config)
+        | "tokenize" >> Tokenize(model_path, 0.0 if config.validation_inputs else config.validation_fraction)
+        | "pack" >> Pack(config.seq_len, config.cross_document)
+        | "mask" >> Mask(model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word)
+    )
+    infos = (
+        masked
+        | "shard and write" >> ShardAndWrite(config.output, work_dir, counts, vocab_size, config.spill_rows)
+        | "collect" >> beam.combiners.ToList()
+    )
+    _ = infos | "manifest" >> beam.Map(lambda rows: _write_text(manifest_path, json.dumps(rows)))
+    build_counters = run_and_report(p, "build", report)
+
+    infos = sorted(json.loads(_read_text(manifest_path)), key=lambda r: (r["split"], r["shard"]))
+    FileSystems.delete([manifest_path])
+    _delete_tree(work_dir)
+    index = {
+        "format": shards.FORMAT,
+        "version": shards.VERSION,
+        "seq_len": config.seq_len,
+        "dupe_factor": config.dupe_factor,
+        "tokenizer": {
+            "file": shards.TOKENIZER_FILE,
+            "sha256": hashlib.sha256(model).hexdigest(),
+            "vocab_size": vocab_size,
+            "special_ids": dict(tokenizer.SPECIAL_PIECES),
+        },
+        "config": config.to_dict(),
+        "splits": {
+            split: {"shards": [{k: r[k] for k in ("file", "rows", "tokens", "bytes", "sha256")}
+                               for r in infos if r["split"] == split]}
+            for split in counts
+        },
+        "counters": {"build": build_counters, "tokenizer_sample": sample_counters},
+    }
+    for split, entry in index["splits"].items():
+        entry["rows"] = sum(s["rows"] for s in entry["shards"])
+        entry["tokens"] = sum(s["tokens"] for s in entry["shards"])
+    shards.write_index(config.output, index)
+    return json.loads(json.dumps(index))  # exactly what index.json holds (lists, not tuples)
+
+
+def configure_logging(verbose: bool) -> None:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:  # a failing worker's traceback is logged by Beam; the CLI prints the cause itself
+        logging.getLogger("apache_beam").setLevel(logging.CRITICAL)

@@ -1,0 +1,136 @@
+"""`shatter-data`: build, inspect and verify shard datasets (thin click commands).
+
+Options that click does not know are handed to Beam as `PipelineOptions`, so
+`--runner DataflowRunner --project P --region R --temp_location gs://B/tmp --setup_file ./setup.py`
+or `--direct_num_workers 2 --direct_running_mode multi_processing` work unchanged.
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+import click
+
+from pipeline.config import CORPORA, BuildConfig, InputSpec
+
+
+def _inputs(values, default_corpus: str, index: str | None) -> tuple[InputSpec, ...]:
+    """`PATH` (the --corpus reader) or `CORPUS=PATH` (mixing corpora in one build)."""
+    specs = []
+    for value in values:
+        corpus, sep, path = value.partition("=")
+        if not sep or corpus not in CORPORA:
+            corpus, path = default_corpus, value
+        specs.append(InputSpec(corpus, path, index if corpus == "wiki" else None))
+    return tuple(specs)
+
+
+def _fail(message: str) -> None:
+    click.echo(f"shatter-data: error: {message}", err=True)
+    sys.exit(1)
+
+
+def _clean_message(e: BaseException) -> str:
+    """Our own error text out of a runner's wrapped exception (which carries a remote traceback)."""
+    text = str(e)
+    found = re.findall(r"shatter-data input error: ([^\n]+?)(?: \[while running [^\n]*)?$", text, re.M)
+    return found[-1] if found else text.strip().splitlines()[-1] if text.strip() else type(e).__name__
+
+
+@click.group()
+def main():
+    """Shard datasets for pretraining: build (Apache Beam), inspect, verify."""
+
+
+@main.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True))
+@click.option("--corpus", type=click.Choice(CORPORA), default="text", show_default=True,
+              help="reader for inputs not prefixed with CORPUS=")
+@click.option("--input", "inputs", multiple=True, required=True,
+              help="file, glob or directory (repeatable); CORPUS=PATH mixes corpora, e.g. books=data/books")
+@click.option("--wiki-index", default=None, help="multistream index of the wiki dump (parallel reads by stream)")
+@click.option("--output", required=True, help="dataset directory (local or gs://, s3://, ...)")
+@click.option("--validation-input", "validation_inputs", multiple=True,
+              help="separate validation corpus (repeatable); else --validation-fraction is held out")
+@click.option("--validation-fraction", type=float, default=0.005, show_default=True)
+@click.option("--seq-len", type=int, default=256, show_default=True)
+@click.option("--vocab-size", type=int, default=32000, show_default=True)
+@click.option("--tokenizer", default=None, help="existing sentencepiece model (skips training)")
+@click.option("--tokenizer-sample", type=int, default=2_000_000, show_default=True,
+              help="lines of cleaned text the tokenizer is trained on")
+@click.option("--tokenizer-model-type", type=click.Choice(["unigram", "bpe"]), default="unigram", show_default=True)
+@click.option("--dupe-factor", type=int, default=5, show_default=True, help="static maskings per row")
+@click.option("--mask-rate", type=float, default=0.15, show_default=True)
+@click.option("--whole-word/--no-whole-word", default=False, show_default=True)
+@click.option("--cross-document/--no-cross-document", default=True, show_default=True,
+              help="whether rows may span documents")
+@click.option("--num-shards", type=int, default=8, show_default=True)
+@click.option("--num-validation-shards", type=int, default=1, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--text-field", default="text", show_default=True, help="JSON field / Parquet column (text corpus)")
+@click.option("--text-mode", type=click.Choice(["paragraph", "line"]), default="paragraph", show_default=True,
+              help=".txt documents: blank-line separated, or one per line")
+@click.option("--on-error", type=click.Choice(["skip", "stop"]), default="skip", show_default=True,
+              help="truncated/broken input: skip the rest of that file (counted) or stop")
+@click.option("--overwrite", is_flag=True, help="replace an existing dataset in --output")
+@click.option("-v", "--verbose", is_flag=True)
+@click.pass_context
+def build(ctx, corpus, inputs, wiki_index, output, validation_inputs, validation_fraction, seq_len, vocab_size,
+          tokenizer, tokenizer_sample, tokenizer_model_type, dupe_factor, mask_rate, whole_word, cross_document,
+          num_shards, num_validation_shards, seed, text_field, text_mode, on_error, overwrite, verbose):
+    """Build OUT from corpora. Extra options (e.g. --runner, --direct_num_workers) go to Beam."""
+    from pipeline.build import BuildError, build as run_build, configure_logging
+    from pipeline.wiki import InputError
+
+    configure_logging(verbose)
+    try:
+        config = BuildConfig(
+            inputs=_inputs(inputs, corpus, wiki_index), output=output,
+            validation_inputs=_inputs(validation_inputs, corpus, None), validation_fraction=validation_fraction,
+            seq_len=seq_len, vocab_size=vocab_size, tokenizer=tokenizer, tokenizer_sample=tokenizer_sample,
+            tokenizer_model_type=tokenizer_model_type, dupe_factor=dupe_factor, mask_rate=mask_rate,
+            whole_word=whole_word, cross_document=cross_document, num_shards=num_shards,
+            num_validation_shards=num_validation_shards, seed=seed, text_field=text_field, text_mode=text_mode,
+            on_error=on_error,
+        )
+        index = run_build(config, list(ctx.args), overwrite=overwrite, report=lambda m: click.echo(m, err=True))
+    except (ValueError, BuildError, InputError) as e:
+        _fail(_clean_message(e))
+    except Exception as e:  # a runner wraps worker errors; show ours without the remote traceback
+        if "shatter-data input error" in str(e):
+            _fail(_clean_message(e))
+        raise
+    rows = {s: v["rows"] for s, v in index["splits"].items()}
+    click.echo(f"wrote {output}: rows {rows}, vocab {index['tokenizer']['vocab_size']}")
+
+
+@main.command()
+@click.argument("out")
+@click.option("--rows", type=int, default=3, show_default=True, help="sample rows to decode")
+@click.option("--split", default="train", show_default=True)
+def inspect(out, rows, split):
+    """Stats, a length histogram and decoded sample rows with their masks."""
+    from pipeline.inspect import inspect_dataset
+    from pipeline.shards import DatasetError
+
+    try:
+        click.echo(inspect_dataset(out, rows, split))
+    except DatasetError as e:
+        _fail(str(e))
+
+
+@main.command()
+@click.argument("out")
+def verify(out):
+    """Check checksums, schema and counts; exit non-zero naming the first bad file."""
+    from pipeline.inspect import verify_dataset
+    from pipeline.shards import DatasetError
+
+    try:
+        problems = verify_dataset(out)
+    except DatasetError as e:
+        _fail(str(e))
+    for problem in problems:
+        click.echo(f"FAIL {problem}", err=True)
+    if problems:
+        sys.exit(1)
+    click.echo(f"OK {out}")

@@ -1,0 +1,78 @@
+"""The build configuration: one frozen dataclass, saved whole in every index.json."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+CORPORA = ("wiki", "books", "text")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One input of a build: a corpus reader and a path, glob or directory (any Beam filesystem)."""
+
+    corpus: str  # "wiki", "books" or "text"
+    path: str  # file, glob or directory; a wiki multistream dump may name its index with `index`
+    index: str | None = None  # multistream index (`*-multistream-index.txt.bz2`) for parallel reads
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Everything that determines the bytes of a dataset (plus where it goes)."""
+
+    inputs: tuple[InputSpec, ...]  # training corpora, mixed in one build
+    output: str  # dataset directory (local or remote)
+    validation_inputs: tuple[InputSpec, ...] = ()  # a separate validation corpus; else held out by hash
+    validation_fraction: float = 0.005  # share of documents held out by document hash (no validation_inputs)
+    seq_len: int = 256  # ids per row, [CLS] and closing [SEP] included
+    vocab_size: int = 32000  # sentencepiece vocabulary, special ids included
+    tokenizer: str | None = None  # an existing sentencepiece model; else one is trained
+    tokenizer_sample: int = 2_000_000  # lines of cleaned text the tokenizer is trained on
+    tokenizer_model_type: str = "unigram"  # sentencepiece model type: unigram or bpe
+    dupe_factor: int = 5  # static maskings stored per row
+    mask_rate: float = 0.15  # share of non-special tokens masked (BERT §3.1)
+    whole_word: bool = False  # mask whole words (word_start) instead of single tokens
+    cross_document: bool = True  # rows may span documents ([SEP] between them)
+    num_shards: int = 8  # train shards
+    num_validation_shards: int = 1  # validation shards
+    seed: int = 0  # global seed of the maskings
+    text_field: str = "text"  # JSON field / Parquet column of the `text` reader
+    text_mode: str = "paragraph"  # .txt documents: "paragraph" (blank-line separated) or "line"
+    on_error: str = "skip"  # truncated/broken input: "skip" the rest of that file (counted) or "stop"
+    batch_chars: int = 1 << 20  # characters of text per DoFn call (Beam overhead is per element)
+    split_bytes: int = 4 << 20  # byte-range size for parallel reads of splittable files
+    spill_rows: int = 65536  # rows a worker buffers before spilling them, key-sorted, to a temp file
+
+    def __post_init__(self):
+        for spec in self.inputs + self.validation_inputs:
+            if spec.corpus not in CORPORA:
+                raise ValueError(f"unknown corpus {spec.corpus!r} for {spec.path}; choose from {CORPORA}")
+        if not self.inputs:
+            raise ValueError("no --input given")
+        if self.seq_len < 8:
+            raise ValueError(f"--seq-len {self.seq_len} is too short (at least 8)")
+        if not 0 <= self.validation_fraction < 1:
+            raise ValueError("--validation-fraction must be in [0, 1)")
+        if self.on_error not in ("skip", "stop"):
+            raise ValueError("--on-error must be 'skip' or 'stop'")
+        if self.text_mode not in ("paragraph", "line"):
+            raise ValueError("--text-mode must be 'paragraph' or 'line'")
+        if self.dupe_factor < 1 or self.num_shards < 1 or self.num_validation_shards < 1:
+            raise ValueError("--dupe-factor and shard counts must be >= 1")
+        if self.vocab_size < 16:
+            raise ValueError("--vocab-size must be >= 16")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BuildConfig":
+        """Inverse of to_dict; unknown keys are rejected."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown build config keys: {sorted(unknown)}")
+        d = dict(d)
+        for key in ("inputs", "validation_inputs"):
+            d[key] = tuple(InputSpec(**s) for s in d.get(key, ()))
+        return cls(**d)

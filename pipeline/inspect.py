@@ -1,0 +1,142 @@
+"""`shatter-data inspect` and `verify`: human-readable stats, and integrity checks of a dataset.
+
+verify checks what index.json promises (MosaicML streaming's `validate` spirit): every shard
+exists with its recorded bytes and sha256, has the layout's schema, its recorded rows and tokens,
+rows within `seq_len` that start with [CLS] and end with [SEP], `dupe_factor` maskings whose
+positions are in range and whose labels are the ids at those positions, and the tokenizer's hash.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from apache_beam.io.filesystems import FileSystems
+
+from pipeline import shards
+from pipeline.masking import CLS_ID, SEP_ID
+
+
+def _sha256(path: str) -> tuple[str, int]:
+    sha, size = hashlib.sha256(), 0
+    with FileSystems.open(path, compression_type="uncompressed") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+            size += len(chunk)
+    return sha.hexdigest(), size
+
+
+def check_table(table: pa.Table, seq_len: int, dupe_factor: int) -> list[str]:
+    """Content problems of one shard's table (empty list if none)."""
+    problems = []
+    if table.num_rows == 0:
+        return problems
+    lengths = pc.list_value_length(table["input_ids"]).to_numpy()
+    if lengths.max() > seq_len:
+        problems.append(f"a row has {lengths.max()} ids > seq_len {seq_len}")
+    ids = pc.list_flatten(table["input_ids"]).to_numpy()
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    if (ids[starts] != CLS_ID).any() or (ids[starts + lengths - 1] != SEP_ID).any():
+        problems.append("a row does not start with [CLS] and end with [SEP]")
+    if not (pc.list_value_length(table["word_start"]).to_numpy() == lengths).all():
+        problems.append("word_start lengths differ from input_ids lengths")
+    copies = pc.list_value_length(table["mask_positions"]).to_numpy()
+    if (copies != dupe_factor).any():
+        problems.append(f"rows with other than dupe_factor={dupe_factor} maskings")
+    per_copy = pc.list_value_length(pc.list_flatten(table["mask_positions"])).to_numpy()
+    positions = pc.list_flatten(pc.list_flatten(table["mask_positions"])).to_numpy().astype(np.int64)
+    labels = pc.list_flatten(pc.list_flatten(table["mask_labels"])).to_numpy()
+    row_of_copy = np.repeat(np.arange(table.num_rows), copies)
+    row_of_pos = np.repeat(row_of_copy, per_copy)
+    if (positions >= lengths[row_of_pos]).any():
+        problems.append("a mask position is outside its row")
+    elif (ids[starts[row_of_pos] + positions] != labels).any():
+        problems.append("mask_labels differ from the ids at mask_positions")
+    return problems
+
+
+def verify_dataset(out: str) -> list[str]:
+    """Problems found, each naming its file (empty list: the dataset is sound)."""
+    index = shards.read_index(out)
+    problems = []
+    tok = index["tokenizer"]
+    tok_path = shards.join(out, tok["file"])
+    if not FileSystems.exists(tok_path):
+        problems.append(f"{tok_path}: missing")
+    elif _sha256(tok_path)[0] != tok["sha256"]:
+        problems.append(f"{tok_path}: sha256 differs from index.json")
+    want_schema = shards.schema(tok["vocab_size"])
+    for split, entry in index["splits"].items():
+        for info in entry["shards"]:
+            path = shards.join(out, info["file"])
+            if not FileSystems.exists(path):
+                problems.append(f"{path}: missing")
+                continue
+            digest, size = _sha256(path)
+            if size != info["bytes"] or digest != info["sha256"]:
+                problems.append(f"{path}: bytes/sha256 differ from index.json (corrupt or replaced)")
+                continue
+            try:
+                table = shards.read_shard(path)
+            except (pa.ArrowInvalid, OSError) as e:
+                problems.append(f"{path}: unreadable Arrow IPC stream ({e})")
+                continue
+            if not table.schema.equals(want_schema):
+                problems.append(f"{path}: schema {table.schema} differs from the layout's")
+                continue
+            tokens = int(pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0)
+            if table.num_rows != info["rows"] or tokens != info["tokens"]:
+                problems.append(f"{path}: {table.num_rows} rows / {tokens} tokens, index.json says "
+                                f"{info['rows']} / {info['tokens']}")
+            problems += [f"{path}: {p}" for p in check_table(table, index["seq_len"], index["dupe_factor"])]
+    return problems
+
+
+def _histogram(lengths: np.ndarray, seq_len: int, bins: int = 8, width: int = 40) -> list[str]:
+    edges = np.linspace(0, seq_len, bins + 1).astype(int)
+    counts, _ = np.histogram(lengths, bins=edges)
+    top = max(int(counts.max()), 1)
+    return [f"  {lo:>5}-{hi:<5} {c:>9} {'#' * int(round(width * c / top))}"
+            for lo, hi, c in zip(edges[:-1], edges[1:], counts)]
+
+
+def inspect_dataset(out: str, sample_rows: int = 3, split: str = "train") -> str:
+    """A report: config summary, per-split stats, length histogram, decoded sample rows with masks."""
+    import sentencepiece as spm
+
+    index = shards.read_index(out)
+    lines = [f"dataset {out}: seq_len {index['seq_len']}, dupe_factor {index['dupe_factor']}, "
+             f"vocab {index['tokenizer']['vocab_size']}"]
+    for name, entry in index["splits"].items():
+        rows = [s["rows"] for s in entry["shards"]]
+        spread = f", shard rows {min(rows)}..{max(rows)}" if rows else ""
+        lines.append(f"  {name}: {sum(rows)} rows, {sum(s['tokens'] for s in entry['shards'])} tokens, "
+                     f"{len(rows)} shards, {sum(s['bytes'] for s in entry['shards'])} bytes{spread}")
+    counters = index.get("counters", {}).get("build", {})
+    if counters:
+        lines.append("  counters: " + " ".join(f"{k}={v}" for k, v in counters.items()))
+    paths = shards.shard_paths(out, split, index)
+    tables = [t for t in (shards.read_shard(p) for p in paths) if t.num_rows]
+    if not tables:
+        lines.append(f"  ({split} has no rows)")
+        return "\n".join(lines)
+    table = pa.concat_tables(tables)
+    lengths = pc.list_value_length(table["input_ids"]).to_numpy()
+    lines.append(f"{split} row lengths (mean {lengths.mean():.1f}):")
+    lines += _histogram(lengths, index["seq_len"])
+    with FileSystems.open(shards.join(out, index["tokenizer"]["file"])) as f:
+        sp = spm.SentencePieceProcessor(model_proto=f.read())
+    for i in range(min(sample_rows, table.num_rows)):
+        row = table.slice(i, 1).to_pylist()[0]
+        ids = row["input_ids"]
+        lines.append(f"--- row {i} (key {row['key']:016x}, {len(ids)} ids)")
+        lines.append("  text:   " + " ".join(sp.id_to_piece(t) for t in ids))
+        shown = list(ids)
+        for p, new in zip(row["mask_positions"][0], row["mask_inputs"][0]):
+            shown[p] = new
+        marks = {p: lab for p, lab in zip(row["mask_positions"][0], row["mask_labels"][0])}
+        lines.append("  masked: " + " ".join(
+            f"{sp.id_to_piece(t)}{{{sp.id_to_piece(marks[j])}}}" if j in marks else sp.id_to_piece(t)
+            for j, t in enumerate(shown)))
+    return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""Readers: input paths to read specs (driver side), and read specs to batches of raw documents.
+
+A read spec is one file, or one byte range of a splittable file (plain `.txt`/`.jsonl`, a
+multistream wiki dump with its index), so large inputs are read in parallel. A range owns the
+records that *start* in it, as Beam's TextIO does. Each reader yields raw documents (wikitext,
+book text, plain text); cleaning is the next transform. Every skip is reported to a `count`
+callback by reason, and unreadable input raises `InputError` naming the file.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import pyarrow.parquet as pq
+import zstandard
+from apache_beam.io.filesystems import FileSystems
+
+from pipeline import wiki
+from pipeline.cleaning import decode, is_binary
+from pipeline.config import InputSpec
+from pipeline.wiki import InputError
+
+Count = Callable[[str, int], None]
+SPLITTABLE_TEXT = (".txt", ".jsonl", ".text")
+
+
+@dataclass(frozen=True)
+class ReadSpec:
+    """One unit of reading: a file, or the byte range [start, end) of one."""
+
+    corpus: str
+    path: str
+    start: int = 0
+    end: int | None = None  # None: to the end of the file
+
+
+def _list_files(path: str) -> list[tuple[str, int]]:
+    if os.path.isdir(path):
+        found = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
+        return [(p, os.path.getsize(p)) for p in found if not os.path.basename(p).startswith(".")]
+    pattern = path.rstrip("/") + "/*" if path.endswith("/") else path
+    try:
+        results = FileSystems.match([pattern])[0].metadata_list
+    except Exception as e:  # Beam raises BeamIOError for a pattern that matches nothing
+        raise InputError(f"input {path}: {e}") from None
+    return [(m.path, m.size_in_bytes) for m in results]
+
+
+def expand_inputs(specs: tuple[InputSpec, ...], split_bytes: int, text_mode: str) -> list[ReadSpec]:
+    """Read specs for all inputs, in a deterministic order (never dependent on the runner)."""
+    out: list[ReadSpec] = []
+    for spec in specs:
+        files = sorted(_list_files(spec.path))
+        if not files:
+            raise InputError(f"input {spec.path}: no files match")
+        for path, size in files:
+            if spec.corpus == "wiki" and spec.index:
+                offsets = wiki.read_multistream_index(spec.index)
+                out += [ReadSpec("wiki", path, s, e) for s, e in wiki.stream_ranges(offsets, size, split_bytes)]
+            elif spec.corpus == "text" and path.endswith(SPLITTABLE_TEXT) and size > split_bytes:
+                out += [ReadSpec("text", path, s, min(s + split_bytes, size)) for s in range(0, size, split_bytes)]
+            else:
+                out.append(ReadSpec(spec.corpus, path))
+    return out
+
+
+def _decode(data: bytes, count: Count) -> str:
+    text, bad = decode(data)
+    if bad:
+        count("invalid_utf8_replaced", bad)
+    return text
+
+
+def read_wiki(spec: ReadSpec, count: Count, on_error: str) -> Iterator[str]:
+    """Wikitext of the namespace-0 articles (redirects and disambiguation pages skipped, counted)."""
+    for raw in wiki.iter_page_bytes(spec.path, spec.start if spec.end or spec.start else None, spec.end):
+        try:
+            page = wiki.parse_page(raw)
+        except ET.ParseError as e:
+            text, bad = decode(raw)
+            try:
+                page = wiki.parse_page(text.encode()) if bad else None
+            except ET.ParseError:
+                page = None
+            if page is None:
+                if on_error == "stop":
+                    raise InputError(f"{spec.path}: broken XML page ({e})") from None
+                count("skipped_broken_page", 1)
+                continue
+            count("invalid_utf8_replaced", bad)
+        reason = wiki.skip_reason(page)
+        if reason:
+            count(f"skipped_{reason}", 1)
+            continue
+        yield page.text
+
+
+def _whole(path: str) -> bytes:
+    with FileSystems.open(path, compression_type="uncompressed") as f:
+        return f.read()
+
+
+def read_book(spec: ReadSpec, count: Count) -> Iterator[str]:
+    """The whole file: one book is one document."""
+    data = _whole(spec.path)
+    if is_binary(data[:8192]):
+        count("skipped_binary_file", 1)
+        return
+    text = _decode(data, count)
+    if not text.strip():
+        count("skipped_empty_file", 1)
+        return
+    yield text
+
+
+def _line_start(f, pos: int) -> int:
+    """The first line start at or after `pos`."""
+    if pos == 0:
+        return 0
+    f.seek(pos - 1)
+    f.readline()
+    return f.tell()
+
+
+def _previous_line_blank(f, pos: int) -> bool:
+    if pos == 0:
+        return True
+    back = min(pos, 1 << 16)
+    f.seek(pos - back)
+    window = f.read(back)[:-1]
+    return window.rsplit(b"\n", 1)[-1].strip() == b""
+
+
+def _text_records(f, start: int, end: int | None, mode: str) -> Iterator[bytes]:
+    """Records (lines, or blank-line separated paragraphs) that start in [start, end)."""
+    pos = _line_start(f, start)
+    in_foreign = mode == "paragraph" and not _previous_line_blank(f, pos)
+    f.seek(pos)
+    record: list[bytes] = []
+    while True:
+        line_pos = f.tell()
+        line = f.readline()
+        if not line:
+            break
+        blank = not line.strip()
+        if mode == "line":
+            if end is not None and line_pos >= end:
+                break
+            if not blank:
+                yield line
+            continue
+        if in_foreign:  # the tail of a paragraph owned by the previous range
+            in_foreign = not blank
+            continue
+        if blank:
+            if record:
+                yield b"".join(record)
+                record = []
+            continue
+        if not record and end is not None and line_pos >= end:
+            break
+        record.append(line)
+    if record:
+        yield b"".join(record)
+
+
+def _json_text(line: str, field: str, path: str, count: Count, on_error: str) -> str | None:
+    try:
+        value = json.loads(line)[field]
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        if on_error == "stop":
+            raise InputError(f"{path}: bad JSON line or no field {field!r} ({e!r})") from None
+        count("skipped_bad_json_line", 1)
+        return None
+    return value if isinstance(value, str) else None
+
+
+def read_text(spec: ReadSpec, count: Count, on_error: str, text_field: str, text_mode: str) -> Iterator[str]:
+    """Documents of a .txt / .jsonl / .jsonl.zst / .json.gz / .parquet file (or a range of one)."""
+    path = spec.path
+    if path.endswith(".parquet"):
+        with FileSystems.open(path, compression_type="uncompressed") as f:
+            table_file = pq.ParquetFile(f)
+            if text_field not in table_file.schema_arrow.names:
+                raise InputError(f"{path}: no column {text_field!r} (columns: {table_file.schema_arrow.names})")
+            for batch in table_file.iter_batches(columns=[text_field]):
+                yield from (t for t in batch.column(0).to_pylist() if t)
+        return
+    if path.endswith((".zst", ".gz")):
+        with FileSystems.open(path, compression_type="uncompressed") as raw:
+            stream = zstandard.ZstdDecompressor().stream_reader(raw) if path.endswith(".zst") else gzip.GzipFile(fileobj=raw)
+            for line in io.BufferedReader(stream):
+                if line.strip():
+                    text = _json_text(_decode(line, count), text_field, path, count, on_error)
+                    if text:
+                        yield text
+        return
+    with FileSystems.open(path, compression_type="uncompressed") as f:
+        if spec.start == 0:
+            head = f.read(8192)
+            if is_binary(head):
+                count("skipped_binary_file", 1)
+                return
+            if not head.strip():
+                count("skipped_empty_file", 1)
+                return
+        if spec.start != 0 and is_binary(_whole_head(f)):
+            return
+        mode = "line" if path.endswith(".jsonl") else text_mode
+        for record in _text_records(f, spec.start, spec.end, mode):
+            text = _decode(record, count)
+            if path.endswith(".jsonl"):
+                text = _json_text(text, text_field, path, count, on_error)
+            if text:
+                yield text
+
+
+def _whole_head(f) -> bytes:
+    f.seek(0)
+    return f.read(8192)
+
+
+def read_documents(spec: ReadSpec, count: Count, on_error: str, text_field: str, text_mode: str) -> Iterator[str]:
+    """Raw documents of one read spec, by corpus."""
+    if spec.corpus == "wiki":
+        return read_wiki(spec, count, on_error)
+    if spec.corpus == "books":
+        return read_book(spec, count)
+    return read_text(spec, count, on_error, text_field, text_mode)

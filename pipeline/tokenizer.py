@@ -1,0 +1,71 @@
+"""The sentencepiece tokenizer (Kudo & Richardson 2018): deterministic training and batch encoding.
+
+Training is deterministic: the sample is the `n` lines with the smallest content hashes (so it
+does not depend on reading order or worker count), fed in hash order, with a fixed random seed,
+no input shuffling and one thread. Text is lower-cased: NFKC + case folding (`nmt_nfkc_cf`).
+Special ids follow DESIGN.md: [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import io
+
+import numpy as np
+import sentencepiece as spm
+
+from pipeline.masking import CLS_ID, MASK_ID, PAD_ID, SEP_ID, SPECIAL_IDS, UNK_ID
+
+SPECIAL_PIECES = {"[PAD]": PAD_ID, "[UNK]": UNK_ID, "[CLS]": CLS_ID, "[SEP]": SEP_ID, "[MASK]": MASK_ID}
+NORMALIZATION = "nmt_nfkc_cf"
+TRAINING_SEED = 1234
+
+
+def line_hash(line: str) -> int:
+    return int.from_bytes(hashlib.blake2b(line.encode(), digest_size=8).digest(), "little")
+
+
+def smallest_lines(lines, n: int) -> list[tuple[int, str]]:
+    """The n (hash, line) pairs with the smallest hashes, sorted: a deterministic sample."""
+    return heapq.nsmallest(n, ((line_hash(x), x) for x in lines))
+
+
+def train(lines: list[str], vocab_size: int, model_type: str = "unigram") -> bytes:
+    """A serialized sentencepiece model trained on `lines`, in the given order."""
+    if not lines:
+        raise ValueError("no text to train the tokenizer on (every document was empty or skipped)")
+    spm.set_random_generator_seed(TRAINING_SEED)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        normalization_rule_name=NORMALIZATION,
+        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=-1, eos_id=-1,
+        pad_piece="[PAD]", unk_piece="[UNK]",
+        control_symbols=["[CLS]", "[SEP]", "[MASK]"],
+        shuffle_input_sentence=False,
+        input_sentence_size=0,
+        num_threads=1,
+        hard_vocab_limit=False,  # a small sample may not support the full vocabulary
+        minloglevel=2,
+    )
+    return model.getvalue()
+
+
+def load(model: bytes) -> spm.SentencePieceProcessor:
+    """A processor from serialized model bytes, checked against DESIGN.md's special ids."""
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    for piece, want in SPECIAL_PIECES.items():
+        got = sp.piece_to_id(piece)
+        if got != want or sp.id_to_piece(want) != piece:
+            raise ValueError(f"tokenizer has {piece} at id {got}, expected {want} (DESIGN.md special ids)")
+    return sp
+
+
+def word_start_table(sp: spm.SentencePieceProcessor) -> np.ndarray:
+    """bool[vocab]: True for pieces that begin a word ('▁' prefix) and for special ids."""
+    table = np.array([sp.id_to_piece(i).startswith("\u2581") for i in range(sp.get_piece_size())], dtype=bool)
+    table[list(SPECIAL_IDS)] = True
+    return table

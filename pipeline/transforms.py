@@ -1,0 +1,391 @@
+"""The Beam PTransforms of `shatter-data build`: read → clean → tokenize → pack → mask → shard → write.
+
+Each transform is a thin DoFn over a pure function of `pipeline.readers`, `cleaning`, `wikitext`,
+`tokenizer`, `packing`, `masking` and `shards` (the seqio / Beam-examples pattern). Elements are
+batches (about `batch_chars` of text, or all rows of such a batch), because Beam's cost is per
+element. Expensive state (the sentencepiece processor) is loaded in `DoFn.setup()`. Every skip or
+drop increments a Metrics counter in the "shatter" namespace; nothing is swallowed silently.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import heapq
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.metrics import Metrics
+
+from pipeline import cleaning, masking, packing, readers, sharding, shards, tokenizer
+from pipeline.wiki import InputError
+from pipeline.wikitext import clean_wikitext
+
+NAMESPACE = "shatter"
+log = logging.getLogger(__name__)
+
+
+def counter(name: str):
+    return Metrics.counter(NAMESPACE, name)
+
+
+class _Counters:
+    """Lazily created counters by name: `count(name, n)` is the readers' callback."""
+
+    def __init__(self):
+        self._made = {}
+
+    def __call__(self, name: str, n: int = 1) -> None:
+        if n:
+            if name not in self._made:
+                self._made[name] = counter(name)
+            self._made[name].inc(n)
+
+
+@dataclass(frozen=True)
+class DocBatch:
+    """Documents from one read spec; `split` is "train", "validation" or "auto" (by hash)."""
+
+    corpus: str
+    split: str
+    docs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    split: str
+    docs: tuple[np.ndarray, ...]  # one id array per document
+
+
+@dataclass(frozen=True)
+class Packed:
+    split: str
+    keys: np.ndarray  # uint64 content key per row
+    rows: tuple[np.ndarray, ...]  # [CLS] ... [SEP] id arrays
+
+
+def content_key(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+class ReadFn(beam.DoFn):
+    def __init__(self, split: str, on_error: str, text_field: str, text_mode: str, batch_chars: int):
+        self.split, self.on_error, self.text_field = split, on_error, text_field
+        self.text_mode, self.batch_chars = text_mode, batch_chars
+
+    def setup(self):
+        self.count = _Counters()
+
+    def process(self, spec: readers.ReadSpec):
+        docs, chars = [], 0
+        try:
+            for doc in readers.read_documents(spec, self.count, self.on_error, self.text_field, self.text_mode):
+                self.count("documents_read", 1)
+                docs.append(doc)
+                chars += len(doc)
+                if chars >= self.batch_chars:
+                    yield DocBatch(spec.corpus, self.split, tuple(docs))
+                    docs, chars = [], 0
+        except InputError as e:
+            if self.on_error == "stop":
+                raise InputError(f"shatter-data input error: {e}") from None
+            log.warning("%s; skipping the rest of this input (--on-error skip)", e)
+            self.count("skipped_rest_of_file", 1)
+        if docs:
+            yield DocBatch(spec.corpus, self.split, tuple(docs))
+
+
+class ReadDocuments(beam.PTransform):
+    """Read specs → DocBatch; the specs are reshuffled first so that workers share the files."""
+
+    def __init__(self, specs, split: str, config):
+        super().__init__()
+        self.specs, self.split, self.config = specs, split, config
+
+    def expand(self, pbegin):
+        c = self.config
+        return (
+            pbegin
+            | "specs" >> beam.Create(self.specs)
+            | "spread" >> beam.Reshuffle()
+            | "read" >> beam.ParDo(ReadFn(self.split, c.on_error, c.text_field, c.text_mode, c.batch_chars))
+        )
+
+
+CLEANERS = {"wiki": clean_wikitext, "books": cleaning.clean_book, "text": cleaning.clean_plain}
+
+
+class CleanFn(beam.DoFn):
+    def setup(self):
+        self.empty = counter("skipped_empty_after_cleaning")
+
+    def process(self, batch: DocBatch):
+        clean = CLEANERS[batch.corpus]
+        docs = []
+        for doc in batch.docs:
+            text = clean(doc)
+            if text:
+                docs.append(text)
+            else:
+                self.empty.inc()
+        if docs:
+            yield DocBatch(batch.corpus, batch.split, tuple(docs))
+
+
+def Clean():
+    return beam.ParDo(CleanFn())
+
+
+class _SmallestLines(beam.CombineFn):
+    """The n lines with the smallest hashes over all batches: a deterministic tokenizer sample."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def create_accumulator(self):
+        return []
+
+    def add_input(self, acc, batch: DocBatch):
+        lines = (line for doc in batch.docs for line in cleaning.sample_lines(doc))
+        return heapq.nsmallest(self.n, itertools.chain(acc, ((tokenizer.line_hash(x), x) for x in lines)))
+
+    def merge_accumulators(self, accs):
+        return heapq.nsmallest(self.n, itertools.chain.from_iterable(accs))
+
+    def extract_output(self, acc):
+        return [line for _, line in sorted(acc)]
+
+
+def SampleLines(n: int):
+    return beam.CombineGlobally(_SmallestLines(n))
+
+
+class TokenizeFn(beam.DoFn):
+    """DocBatch → Tokenized per split, with sentencepiece's batch API; held-out docs by hash."""
+
+    def __init__(self, model_path: str, validation_fraction: float):
+        self.model_path, self.validation_fraction = model_path, validation_fraction
+
+    def setup(self):
+        with FileSystems.open(self.model_path) as f:
+            self.sp = tokenizer.load(f.read())
+        self.docs, self.tokens = counter("documents_tokenized"), counter("document_tokens")
+        self.empty = counter("skipped_empty_after_tokenizing")
+
+    def process(self, batch: DocBatch):
+        encoded = self.sp.encode(list(batch.docs), num_threads=1)
+        by_split = {"train": [], "validation": []}
+        threshold = self.validation_fraction * 2.0**64
+        for text, ids in zip(batch.docs, encoded):
+            if not ids:
+                self.empty.inc()
+                continue
+            split = batch.split
+            if split == "auto":
+                split = "validation" if content_key(text.encode()) < threshold else "train"
+            by_split[split].append(np.asarray(ids, dtype=np.int32))
+            self.tokens.inc(len(ids))
+        self.docs.inc(sum(len(v) for v in by_split.values()))
+        for split, docs in by_split.items():
+            if docs:
+                yield Tokenized(split, tuple(docs))
+
+
+def Tokenize(model_path: str, validation_fraction: float):
+    return beam.ParDo(TokenizeFn(model_path, validation_fraction))
+
+
+class PackFn(beam.DoFn):
+    def __init__(self, seq_len: int, cross_document: bool):
+        self.seq_len, self.cross_document = seq_len, cross_document
+
+    def setup(self):
+        self.rows, self.dropped = counter("rows"), counter("tokens_dropped")
+
+    def process(self, batch: Tokenized):
+        rows = packing.pack_documents(list(batch.docs), self.seq_len, self.cross_document)
+        lost = sum(len(d) for d in batch.docs) - packing.content_tokens(rows)
+        if lost:  # packing never drops; this guards the invariant in production too
+            self.dropped.inc(lost)
+        keys = np.array([content_key(r.astype(np.int32).tobytes()) for r in rows], dtype=np.uint64)
+        self.rows.inc(len(rows))
+        yield Packed(batch.split, keys, tuple(rows))
+
+
+def Pack(seq_len: int, cross_document: bool):
+    return beam.ParDo(PackFn(seq_len, cross_document))
+
+
+class MaskFn(beam.DoFn):
+    """Packed → (split, Arrow table) with `dupe_factor` static maskings and word starts."""
+
+    CHUNK = 512  # rows per vectorised masking call, bounding the [B, D, L] scratch arrays
+
+    def __init__(self, model_path: str, seed: int, dupe_factor: int, rate: float, whole_word: bool):
+        self.model_path, self.seed, self.dupe_factor = model_path, seed, dupe_factor
+        self.rate, self.whole_word = rate, whole_word
+
+    def setup(self):
+        with FileSystems.open(self.model_path) as f:
+            sp = tokenizer.load(f.read())
+        self.vocab_size = sp.get_piece_size()
+        self.word_start = tokenizer.word_start_table(sp)
+        self.masked = counter("masked_positions")
+
+    def process(self, batch: Packed):
+        tables = []
+        for lo in range(0, len(batch.rows), self.CHUNK):
+            rows = batch.rows[lo : lo + self.CHUNK]
+            keys = batch.keys[lo : lo + self.CHUNK]
+            tables.append(mask_table(rows, keys, self.word_start, self.vocab_size, self.seed, self.dupe_factor,
+                                     self.rate, self.whole_word))
+            self.masked.inc(len(pa.compute.list_flatten(pa.compute.list_flatten(tables[-1]["mask_positions"]))))
+        if tables:
+            yield batch.split, pa.concat_tables(tables)
+
+
+def mask_table(rows, keys, word_start_table, vocab_size, seed, dupe_factor, rate, whole_word) -> pa.Table:
+    """Rows and keys → the shard schema's table (pure; the Mask step and tests share it)."""
+    lengths = np.array([len(r) for r in rows])
+    padded = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    ws_padded = word_start_table[padded]
+    masks = masking.mask_batch(padded, lengths, ws_padded, masking.row_seeds(seed, keys, dupe_factor),
+                               vocab_size, rate, whole_word)
+    word_start = [ws_padded[i, : len(r)] for i, r in enumerate(rows)]
+    return shards.rows_table(keys, list(rows), word_start, masks, dupe_factor, vocab_size)
+
+
+def Mask(model_path, seed, dupe_factor, rate, whole_word):
+    return beam.ParDo(MaskFn(model_path, seed, dupe_factor, rate, whole_word))
+
+
+@dataclass(frozen=True)
+class Spill:
+    """A key-sorted temporary Arrow IPC file of one split's rows, with its key histogram (sparse)."""
+
+    split: str
+    path: str
+    rows: int
+    buckets: np.ndarray  # distinct key buckets (ascending) ...
+    counts: np.ndarray  # ... and their row counts
+
+
+SPILL_BATCH_ROWS = 4096  # record batch size of spill files, so a key range is read batch by batch
+
+
+class SpillFn(beam.DoFn):
+    """(split, table) → Spill files of at most about `spill_rows` rows, sorted by key."""
+
+    def __init__(self, work_dir: str, spill_rows: int):
+        self.work_dir, self.spill_rows = work_dir, spill_rows
+
+    def setup(self):
+        self.spilled = counter("spill_files")
+
+    def start_bundle(self):
+        self.buffers: dict[str, list[pa.Table]] = {}
+
+    def process(self, element):
+        split, table = element
+        buffer = self.buffers.setdefault(split, [])
+        buffer.append(table)
+        if sum(t.num_rows for t in buffer) >= self.spill_rows:
+            yield self._flush(split)
+
+    def finish_bundle(self):
+        from apache_beam.transforms.window import GlobalWindow
+        from apache_beam.utils.windowed_value import WindowedValue
+
+        for split in sorted(self.buffers):
+            if self.buffers[split]:
+                yield WindowedValue(self._flush(split), 0, [GlobalWindow()])
+
+    def _flush(self, split: str) -> Spill:
+        table = pa.concat_tables(self.buffers.pop(split))
+        keys = table["key"].to_numpy()
+        table = table.take(sharding.sort_order(keys))
+        uniq, counts = np.unique(sharding.buckets(table["key"].to_numpy()), return_counts=True)
+        path = FileSystems.join(self.work_dir, f"spill-{uuid.uuid4().hex}.arrow")
+        with FileSystems.create(path) as f, pa.ipc.new_file(f, table.schema) as writer:
+            for batch in table.combine_chunks().to_batches(max_chunksize=SPILL_BATCH_ROWS):
+                writer.write_batch(batch)
+        self.spilled.inc()
+        return Spill(split, path, table.num_rows, uniq, counts)
+
+
+def spill_histogram(spill: Spill):
+    """(split, dense histogram) for the boundary computation."""
+    hist = np.zeros(sharding.N_BUCKETS, dtype=np.int64)
+    hist[spill.buckets] = spill.counts
+    return spill.split, hist
+
+
+def spill_pieces(spill: Spill, edges: dict):
+    """((split, shard), (path, start, stop)): which rows of a spill file go to which shard."""
+    cum = np.concatenate([[0], np.cumsum(spill.counts)])
+    cuts = cum[np.searchsorted(spill.buckets, edges[spill.split], side="left")]
+    for shard in range(len(cuts) - 1):
+        if cuts[shard + 1] > cuts[shard]:
+            yield (spill.split, shard), (spill.path, int(cuts[shard]), int(cuts[shard + 1]))
+
+
+def read_piece(path: str, start: int, stop: int) -> pa.Table:
+    """Rows [start, stop) of a spill file, reading only the record batches that hold them."""
+    with FileSystems.open(path, compression_type="uncompressed") as f:
+        reader = pa.ipc.open_file(f)
+        first, last = start // SPILL_BATCH_ROWS, (stop - 1) // SPILL_BATCH_ROWS
+        table = pa.Table.from_batches([reader.get_batch(i) for i in range(first, last + 1)])
+    return table.slice(start - first * SPILL_BATCH_ROWS, stop - start)
+
+
+class WriteShardFn(beam.DoFn):
+    """The pieces of one shard → merged in key order → one Arrow IPC stream file (temp + rename)."""
+
+    def __init__(self, out: str, counts: dict, vocab_size: int):
+        self.out, self.counts, self.vocab_size = out, counts, vocab_size
+
+    def process(self, element):
+        (split, shard), pieces = element
+        tables = [read_piece(*p) for p in sorted(p for p in pieces if p is not None)]
+        table = pa.concat_tables(tables) if tables else pa.Table.from_pylist([], schema=shards.schema(self.vocab_size))
+        table = table.take(sharding.sort_order(table["key"].to_numpy()))
+        name = shards.shard_name(split, shard, self.counts[split])
+        info = shards.write_shard(self.out, name, table, self.vocab_size)
+        counter("shards_written").inc()
+        yield {"split": split, "shard": shard, **dataclasses.asdict(info)}
+
+
+class ShardAndWrite(beam.PTransform):
+    """(split, table) batches → balanced, key-sorted shards on disk → one dict per shard written."""
+
+    def __init__(self, out: str, work_dir: str, counts: dict, vocab_size: int, spill_rows: int):
+        super().__init__()
+        self.out, self.work_dir, self.counts = out, work_dir, counts
+        self.vocab_size, self.spill_rows = vocab_size, spill_rows
+
+    def expand(self, tables):
+        counts = self.counts
+        spills = tables | "spill" >> beam.ParDo(SpillFn(self.work_dir, self.spill_rows))
+        edges = (
+            spills
+            | "histogram" >> beam.Map(spill_histogram)
+            | "sum histograms" >> beam.CombinePerKey(lambda hists: sum(hists, np.zeros(sharding.N_BUCKETS, np.int64)))
+            | "boundaries" >> beam.MapTuple(lambda split, hist: (split, sharding.balanced_boundaries(hist, counts[split])))
+        )
+        pieces = spills | "pieces" >> beam.FlatMap(spill_pieces, edges=beam.pvalue.AsDict(edges))
+        every_shard = tables.pipeline | "every shard" >> beam.Create(
+            [((split, i), None) for split, n in counts.items() for i in range(n)])
+        return (
+            (pieces, every_shard)
+            | "with empty shards" >> beam.Flatten()
+            | "group pieces" >> beam.GroupByKey()
+            | "write" >> beam.ParDo(WriteShardFn(self.out, counts, self.vocab_size))
+        )

@@ -1,0 +1,175 @@
+"""End to end: `build` on a generated corpus and on the real samples; the layout of DESIGN.md."""
+import json
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pytest
+import sentencepiece as spm
+from click.testing import CliRunner
+
+from pipeline import shards
+from pipeline.build import build
+from pipeline.cli import main
+from pipeline.config import InputSpec
+from pipeline.inspect import verify_dataset
+
+from .conftest import generated_documents, quiet, small_config
+
+
+def _files(out):
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.suffix in (".arrow", ".model")}
+
+
+def test_layout_and_index(built):
+    out, index = built
+    assert (out / "index.json").exists() and (out / "tokenizer.model").exists()
+    on_disk = json.loads((out / "index.json").read_text())
+    assert on_disk == index and index["format"] == "shatter-shards" and index["version"] == 1
+    assert [s["file"] for s in index["splits"]["train"]["shards"]] == [
+        f"train-{i:05d}-of-00003.arrow" for i in range(3)]
+    assert index["splits"]["validation"]["rows"] > 0 and index["splits"]["train"]["rows"] > 0
+    assert index["tokenizer"]["special_ids"] == {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
+    assert index["counters"]["build"]["documents_read"] == 300
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp or work files left
+    rows = [s["rows"] for s in index["splits"]["train"]["shards"]]
+    assert max(rows) - min(rows) <= 2  # balanced key ranges, not hash-modulo luck
+    assert verify_dataset(str(out)) == []
+
+
+def test_shards_read_by_datasets_with_static_masks(built):
+    out, index = built
+    path = out / index["splits"]["train"]["shards"][0]["file"]
+    with open(path, "rb") as f:
+        assert pa.ipc.open_stream(f).read_all().num_rows == index["splits"]["train"]["shards"][0]["rows"]
+    ds = datasets.Dataset.from_file(str(path))
+    row = ds[0]
+    assert len(row["input_ids"]) <= 64 and row["input_ids"][0] == 2 and row["input_ids"][-1] == 3
+    assert len(row["mask_positions"]) == 2 and len(row["word_start"]) == len(row["input_ids"])
+    for pos, lab in zip(row["mask_positions"][0], row["mask_labels"][0]):
+        assert row["input_ids"][pos] == lab
+    keys = np.array(ds["key"], dtype=np.uint64)
+    assert (keys[1:] >= keys[:-1]).all()  # sorted by content key within the shard
+    lengths = np.array([len(r) for r in ds["input_ids"]])
+    assert (lengths == 64).mean() > 0.9
+    loaded = datasets.load_dataset("arrow", data_files=[str(out / s["file"]) for s in
+                                                        index["splits"]["train"]["shards"]], split="train")
+    assert len(loaded) == index["splits"]["train"]["rows"]
+
+
+def test_tokenizer_is_lower_cased_with_special_ids(built):
+    out, _ = built
+    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+    assert [sp.id_to_piece(i) for i in range(5)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert sp.encode("KALO Mine") == sp.encode("kalo mine")
+
+
+@pytest.mark.slow
+def test_rebuild_is_byte_identical(built, corpus_dir, tmp_path):
+    out, _ = built
+    again = tmp_path / "again"
+    build(small_config([InputSpec("text", str(corpus_dir))], again), [], report=quiet)
+    assert _files(out) == _files(again)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["multi_threading", "multi_processing"])
+def test_two_workers_write_the_same_bytes(built, corpus_dir, tmp_path, mode):
+    out, _ = built
+    two = tmp_path / mode
+    config = small_config([InputSpec("text", str(corpus_dir))], two)
+    index = build(config, ["--direct_num_workers", "2", "--direct_running_mode", mode], report=quiet)
+    assert index["counters"]["build"]["spill_files"] > 2
+    assert _files(out) == _files(two)
+
+
+def test_bad_input_stops_with_the_file_name_or_is_counted(built, tmp_path):
+    out, _ = built
+    good = b"Words of a first paragraph.\n\nAnd a second one here.\n"
+    dump = tmp_path / "dump.xml.bz2"
+    import bz2
+
+    page = "<page><title>T</title><ns>0</ns><id>1</id><revision><text>%s</text></revision></page>\n"
+    pages = "".join(page % d for d in generated_documents(200, seed=9))
+    data = bz2.compress(("<mediawiki>" + pages + "</mediawiki>").encode())
+    dump.write_bytes(data[: len(data) // 2])
+    (tmp_path / "ok.txt").write_bytes(good + b"caf\xe9\n")
+    args = ["build", "--input", f"wiki={dump}", "--input", f"text={tmp_path / 'ok.txt'}", "--seq-len", "32",
+            "--tokenizer", str(out / "tokenizer.model"), "--num-shards", "1"]
+    stop = CliRunner().invoke(main, args + ["--output", str(tmp_path / "stop"), "--on-error", "stop"])
+    assert stop.exit_code == 1 and "dump.xml.bz2" in stop.output and "truncated" in stop.output
+    assert "Traceback" not in stop.output and not (tmp_path / "stop" / "index.json").exists()
+    skip = CliRunner().invoke(main, args + ["--output", str(tmp_path / "skip")])
+    assert skip.exit_code == 0, skip.output
+    counters = shards.read_index(str(tmp_path / "skip"))["counters"]["build"]
+    assert counters["skipped_rest_of_file"] == 1 and counters["invalid_utf8_replaced"] == 1
+
+
+def test_index_missing_is_a_clear_error(tmp_path):
+    with pytest.raises(shards.DatasetError, match="index.json"):
+        shards.read_index(str(tmp_path))
+    result = CliRunner().invoke(main, ["verify", str(tmp_path)])
+    assert result.exit_code == 1 and "index.json" in result.output
+
+
+def test_verify_names_a_corrupt_shard(built, tmp_path):
+    out, index = built
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    victim = copy / index["splits"]["train"]["shards"][1]["file"]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    result = CliRunner().invoke(main, ["verify", str(copy)])
+    assert result.exit_code == 1 and victim.name in result.output
+
+
+def test_inspect_shows_stats_and_masked_rows(built):
+    out, _ = built
+    result = CliRunner().invoke(main, ["inspect", str(out), "--rows", "2"])
+    assert result.exit_code == 0, result.output
+    assert "train:" in result.output and "row lengths" in result.output and "[MASK]" in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_mixed_books_and_wiki_tables(shared_data, tmp_path):
+    """Mixing corpora in one build, on the hard table-markup dump and two real books."""
+    out = tmp_path / "mixed"
+    books = shared_data / "books"
+    config = small_config([InputSpec("wiki", str(shared_data / "wiki" / "enwiki-table-markup.xml.bz2")),
+                           InputSpec("books", str(books / "macbeth_gut.txt")),
+                           InputSpec("books", str(books / "britannica-11th.txt"))], out, vocab_size=500,
+                          whole_word=True, cross_document=False)
+    index = build(config, [], report=quiet)
+    counters = index["counters"]["build"]
+    assert counters["documents_read"] == 2 + 5 and counters.get("tokens_dropped", 0) == 0
+    assert verify_dataset(str(out)) == []
+    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+    texts = [sp.decode(r) for s in ("train", "validation") for p in shards.shard_paths(str(out), s)
+             for r in shards.read_shard(p)["input_ids"].to_pylist()]
+    joined = " ".join(texts)
+    assert "macbeth" in joined and "wikitable" not in joined and "{|" not in joined and "colspan" not in joined
+    assert all(t.count("[SEP]") == 0 for t in texts)  # no-cross-document: decode drops the closing [SEP]
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_wiki_sample_end_to_end_via_cli(shared_data, tmp_path):
+    out = tmp_path / "wiki"
+    dump = shared_data / "wiki" / "enwiki-sample-pages-articles.xml.bz2"
+    result = CliRunner().invoke(main, ["build", "--corpus", "wiki", "--input", str(dump), "--output", str(out),
+                                       "--vocab-size", "1000", "--seq-len", "128", "--num-shards", "2",
+                                       "--tokenizer-sample", "3000"])
+    assert result.exit_code == 0, result.output
+    index = shards.read_index(str(out))
+    counters = index["counters"]["build"]
+    assert counters["skipped_redirect"] > 50 and counters["documents_read"] > 80
+    assert counters.get("tokens_dropped", 0) == 0
+    assert verify_dataset(str(out)) == []
+    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+    table = shards.read_shard(str(out / index["splits"]["train"]["shards"][0]["file"]))
+    text = sp.decode(table["input_ids"][0].as_py())
+    assert "{{" not in text and "[[" not in text and "<ref" not in text

@@ -1,0 +1,46 @@
+"""Packing (RoBERTa FULL-SENTENCES): exact row lengths, [CLS]/[SEP], no token lost, order kept."""
+import numpy as np
+import pytest
+
+from pipeline.masking import CLS_ID, SEP_ID
+from pipeline.packing import content_tokens, pack_documents
+
+
+def _docs(seed=0, n=30):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(5, 500, size=int(rng.integers(1, 300))) for _ in range(n)]
+
+
+def _content(rows):
+    stream = np.concatenate(rows)
+    return stream[(stream != CLS_ID) & (stream != SEP_ID)]
+
+
+@pytest.mark.parametrize("seq_len", [8, 16, 128])
+def test_no_token_lost_and_exact_lengths(seq_len):
+    docs = _docs()
+    rows = pack_documents(docs, seq_len)
+    assert all(len(r) == seq_len for r in rows[:-1]) and 3 <= len(rows[-1]) <= seq_len
+    assert all(r[0] == CLS_ID and r[-1] == SEP_ID for r in rows)
+    assert content_tokens(rows) == sum(len(d) for d in docs)
+    assert np.array_equal(_content(rows), np.concatenate(docs))  # every token, in order
+    inner_seps = sum(int((r[1:-1] == SEP_ID).sum()) for r in rows)
+    assert len(docs) - len(rows) <= inner_seps <= len(docs) - 1  # boundaries not on a row end
+
+
+def test_no_cross_document_rows_stay_within_documents():
+    docs = _docs(1)
+    rows = pack_documents(docs, 32, cross_document=False)
+    assert all((r[1:-1] != SEP_ID).all() for r in rows)  # no separator inside any row
+    assert content_tokens(rows) == sum(len(d) for d in docs)
+    per_doc = [-(-len(d) // 30) for d in docs]  # ceil(len / (seq_len - 2)) rows per document
+    assert len(rows) == sum(per_doc)
+
+
+def test_document_ending_at_row_end_uses_its_separator():
+    rows = pack_documents([np.arange(5, 11), np.arange(20, 23)], seq_len=8)
+    assert [r.tolist() for r in rows] == [[CLS_ID, 5, 6, 7, 8, 9, 10, SEP_ID], [CLS_ID, 20, 21, 22, SEP_ID]]
+
+
+def test_empty_input():
+    assert pack_documents([], 16) == [] and pack_documents([np.array([], int)], 16) == []
