@@ -7,6 +7,11 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# DeepSpeed JIT-builds its CPU comm op into this directory; subprocesses the tests start inherit
+# it, so every DeepSpeed run of the suite shares the trainer's per-environment build.
+from train.engine import extensions_dir  # noqa: E402
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("SHATTER_SHARED_DATA", REPO.parent / "shared" / "data"))
