@@ -205,3 +205,19 @@ def test_cli_passes_beam_options_through(built, corpus_dir, tmp_path):
     assert shards.read_index(str(tmp_path / "o"))["splits"]["train"]["rows"] > 0
     bad = CliRunner().invoke(main, ["build", "--input", "x", "--output", str(tmp_path / "p"), "--seq-len", "2"])
     assert bad.exit_code == 1 and "seq-len" in bad.output and "Traceback" not in bad.output
+
+
+def test_separate_validation_input(built, corpus_dir, tmp_path):
+    out, _ = built
+    config = small_config([InputSpec("text", str(corpus_dir / "a.txt"))], tmp_path / "v",
+                          validation_inputs=(InputSpec("text", str(corpus_dir / "c.jsonl")),),
+                          tokenizer=str(out / "tokenizer.model"))
+    index = build(config, [], report=quiet)
+    val_rows = [r for p in shards.shard_paths(str(tmp_path / "v"), "validation")
+                for r in shards.read_shard(p)["input_ids"].to_pylist()]
+    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+    val_text = " ".join(sp.decode(r) for r in val_rows)
+    c_docs = [json.loads(line)["text"] for line in (corpus_dir / "c.jsonl").read_text().splitlines()]
+    assert index["counters"]["documents_tokenized"] == 120 + len(c_docs)
+    assert sp.decode(sp.encode(c_docs[0].split("\n")[0]))[:40] in val_text  # validation = that corpus
+    assert index["splits"]["validation"]["rows"] > 0 and index["splits"]["train"]["rows"] > 0
