@@ -59,6 +59,10 @@ def init_distributed() -> tuple[int, int]:
     if on_cpu():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl")
+    if on_cpu() and "OMP_NUM_THREADS" not in os.environ:
+        # ranks on one host share its cores; oversubscribed BLAS threads make every rank slower
+        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
     if not on_cpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
