@@ -22,8 +22,8 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
 from pipeline import readers, shards, tokenizer
 from pipeline.config import BuildConfig
-from pipeline.transforms import (NAMESPACE, CacheFn, Clean, Mask, Pack, ReadCache, ReadDocuments, SampleLines,
-                                 ShardAndWrite, Tokenize)
+from pipeline.sink import ShardAndWrite
+from pipeline.transforms import NAMESPACE, CacheFn, Clean, Mask, Pack, ReadCache, ReadDocuments, SampleLines, Tokenize
 
 log = logging.getLogger(__name__)
 SAMPLE_FILE, MANIFEST_FILE, WORK_DIR = ".tokenizer-sample.txt", ".shards-manifest.json", ".work"
