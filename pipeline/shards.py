@@ -59,6 +59,7 @@ def rows_table(keys: np.ndarray, rows: list[np.ndarray], word_start: list[np.nda
                dupe_factor: int, vocab_size: int) -> pa.Table:
     """One Arrow table from packed rows and their `dupe_factor` maskings (vectorised, no per-row Python)."""
     ids_t = id_type(vocab_size)
+    ids_np = np.uint16 if ids_t == pa.uint16() else np.int32  # numpy casts first: pa.array is then zero-copy
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     flat_ids = np.concatenate(rows) if rows else np.zeros(0, np.int64)
@@ -67,14 +68,15 @@ def rows_table(keys: np.ndarray, rows: list[np.ndarray], word_start: list[np.nda
     inner = pa.array(masks.offsets.astype(np.int32))
 
     def nested(values, typ):
-        return pa.ListArray.from_arrays(outer, pa.ListArray.from_arrays(inner, pa.array(values, type=typ)))
+        values = pa.array(np.asarray(values).astype(typ.to_pandas_dtype()), type=typ)
+        return pa.ListArray.from_arrays(outer, pa.ListArray.from_arrays(inner, values))
 
     return pa.Table.from_arrays(
         [
             pa.array(np.asarray(keys, dtype=np.uint64)),
-            pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ids, type=ids_t)),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ids.astype(ids_np), type=ids_t)),
             pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ws, type=pa.bool_())),
-            nested(masks.positions.astype(np.uint16), pa.uint16()),
+            nested(masks.positions, pa.uint16()),
             nested(masks.labels, ids_t),
             nested(masks.inputs, ids_t),
         ],

@@ -10,7 +10,8 @@ import apache_beam as beam
 from pipeline import packing, shards, tokenizer
 from pipeline.masking import SPECIAL_IDS
 from pipeline.readers import ReadSpec
-from pipeline.transforms import (Clean, DocBatch, Mask, Pack, Packed, ReadDocuments, SampleLines, ShardAndWrite,
+from pipeline.sink import ShardAndWrite
+from pipeline.transforms import (Clean, DocBatch, Mask, Pack, Packed, ReadDocuments, SampleLines,
                                  Tokenize, Tokenized, content_key, mask_table)
 
 from pipeline.config import BuildConfig, InputSpec
