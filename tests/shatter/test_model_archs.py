@@ -134,3 +134,13 @@ def test_bf16_train_step_runs(arch):
     out["loss"].backward()
     assert out["loss"].dtype == torch.bfloat16 and torch.isfinite(out["loss"])
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_t5_buckets():
+    """T5's bidirectional buckets (32, max distance 128): exact below 8, log-spaced to 128,
+    the sign in the upper half."""
+    from shatter.attention.multihead import t5_relative_bucket
+
+    rel = torch.tensor([0, 1, -1, 7, -7, 8, 12, 127, 128, 500, -500])
+    expected = [0, 17, 1, 23, 7, 24, 25, 31, 31, 31, 15]  # 12: 8 + int(8 ln(1.5)/ln(16)) = 9
+    assert t5_relative_bucket(rel, 32, 128).tolist() == expected
