@@ -105,7 +105,7 @@ def _read_jsonl(path: Path) -> list[dict]:
               help="Where the dataset, the run and the extended model go.")
 @click.option("--cache", type=click.Path(path_type=Path), default=REPO / ".cache", show_default=True,
               help="Where the downloaded sample is kept between runs.")
-@click.option("--steps", type=int, default=400, show_default=True, help="Pretraining steps.")
+@click.option("--steps", type=int, default=800, show_default=True, help="Pretraining steps.")
 @click.option("--preset", default="shatter-tiny", show_default=True)
 @click.option("--fresh/--resume", default=True, show_default=True,
               help="--fresh deletes the previous demo outputs; --resume continues a killed run.")
@@ -153,8 +153,11 @@ def summarise(data: Path, data512: Path, run: Path, extended: Path, eval_json: P
     val = [m for m in metrics if m.get("split") == "validation"]
     final = json.loads(eval_json.read_text())
     rows = [
-        ("documents written", counters.get("documents_written", counters.get("documents"))),
-        ("tokens", counters.get("tokens")),
+        ("documents read -> tokenized", f"{counters['documents_read']} -> {counters['documents_tokenized']}"),
+        ("skipped (redirects, disambiguation, other namespaces)",
+         sum(v for k, v in counters.items() if k.startswith("skipped_"))),
+        ("tokens", counters["document_tokens"]),
+        ("rows (train + validation)", counters["rows"]),
         ("shards (train + validation)", shards),
         ("pretraining steps", train[-1]["step"] if train else 0),
         ("train loss, first -> last", f"{train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}" if train else "-"),
