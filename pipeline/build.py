@@ -22,10 +22,12 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
 from pipeline import readers, shards, tokenizer
 from pipeline.config import BuildConfig
-from pipeline.transforms import NAMESPACE, Clean, Mask, Pack, ReadDocuments, SampleLines, ShardAndWrite, Tokenize
+from pipeline.transforms import (NAMESPACE, CacheFn, Clean, Mask, Pack, ReadCache, ReadDocuments, SampleLines,
+                                 ShardAndWrite, Tokenize)
 
 log = logging.getLogger(__name__)
 SAMPLE_FILE, MANIFEST_FILE, WORK_DIR = ".tokenizer-sample.txt", ".shards-manifest.json", ".work"
+CACHE_LIST = ".work/clean-files.json"
 
 
 class BuildError(Exception):
@@ -122,8 +124,13 @@ def train_tokenizer(config: BuildConfig, beam_args: list[str], report=print) -> 
     """Pipeline 1 and the training; returns the counters. Writes OUT/tokenizer.model."""
     sample_path = shards.join(config.output, SAMPLE_FILE)
     p = make_pipeline(beam_args)
-    lines = _read_clean(p, config) | "sample" >> SampleLines(config.tokenizer_sample)
+    cache_list = shards.join(config.output, CACHE_LIST)
+    docs = _read_clean(p, config)
+    lines = docs | "sample" >> SampleLines(config.tokenizer_sample)
     _ = lines | "write sample" >> beam.Map(lambda ls: _write_text(sample_path, json.dumps(ls)))
+    _ = (docs | "cache clean text" >> beam.ParDo(CacheFn(shards.join(config.output, WORK_DIR)))
+         | "cache files" >> beam.combiners.ToList()
+         | "write cache list" >> beam.Map(lambda paths: _write_text(cache_list, json.dumps(paths))))
     values = run_and_report(p, "tokenizer sample", report)
     sample = json.loads(_read_text(sample_path))
     report(f"training sentencepiece ({config.tokenizer_model_type}, vocab {config.vocab_size}) "
@@ -139,7 +146,7 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
     """Build the dataset of `config` and return its index (also written to OUT/index.json)."""
     _prepare_output(config, overwrite)
     model_path = shards.join(config.output, shards.TOKENIZER_FILE)
-    sample_counters = {}
+    sample_counters, cached = {}, None
     if config.tokenizer:
         with FileSystems.open(config.tokenizer) as f:
             model = f.read()
@@ -147,6 +154,7 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
             f.write(model)
     else:
         sample_counters = train_tokenizer(config, beam_args, report)
+        cached = json.loads(_read_text(shards.join(config.output, CACHE_LIST)))
     with FileSystems.open(model_path) as f:
         model = f.read()
     sp = tokenizer.load(model)
@@ -156,8 +164,9 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
     manifest_path = shards.join(config.output, MANIFEST_FILE)
 
     p = make_pipeline(beam_args)
+    docs = _read_clean(p, config) if cached is None else p | "read cleaned" >> ReadCache(cached)
     masked = (
-        _read_clean(p, config)
+        docs
         | "tokenize" >> Tokenize(model_path, 0.0 if config.validation_inputs else config.validation_fraction)
         | "pack" >> Pack(config.seq_len, config.cross_document)
         | "mask" >> Mask(model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word)
@@ -190,7 +199,9 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
                                for r in infos if r["split"] == split]}
             for split in counts
         },
-        "counters": {"build": build_counters, "tokenizer_sample": sample_counters},
+        # the reading counters come from the sampling pipeline when it cached the clean text
+        "counters": {k: sample_counters.get(k, 0) + build_counters.get(k, 0)
+                     for k in sorted(set(sample_counters) | set(build_counters))},
     }
     for split, entry in index["splits"].items():
         entry["rows"] = sum(s["rows"] for s in entry["shards"])

@@ -87,7 +87,11 @@ def mask_batch(
     else:
         unit = np.broadcast_to(pos.astype(_U64), (n_rows, width))
     score = mix64(seeds[:, :, None] ^ mix64(unit[:, None, :] + _SALT_SELECT))  # [B, D, L]
-    score = np.where(cand[:, None, :], score, np.iinfo(np.uint64).max)
+    if not whole_word:
+        # the top 16 bits suffice to rank single tokens, and numpy radix-sorts 16-bit keys (5x faster);
+        # a tie (p = 2**-16 per pair) goes to the earlier position, deterministically
+        score = (score >> _U64(48)).astype(np.uint16)
+    score = np.where(cand[:, None, :], score, np.iinfo(score.dtype).max)
     order = np.argsort(score, axis=2, kind="stable")  # tokens of one word stay together, in order
     cand_sorted = np.take_along_axis(np.broadcast_to(cand[:, None, :], score.shape), order, axis=2)
     if whole_word:
@@ -99,7 +103,7 @@ def mask_batch(
         midpoint_below_k = (2 * word_end - word_len) < 2 * k[:, None, None]
         chosen_sorted = (midpoint_below_k | (np.arange(width) <= first)) & cand_sorted
     else:
-        chosen_sorted = (np.arange(width)[None, None, :] < k[:, None, None]) & cand_sorted
+        chosen_sorted = cand_sorted & (np.cumsum(cand_sorted, axis=2) <= k[:, None, None])
     chosen = np.zeros(score.shape, dtype=bool)
     np.put_along_axis(chosen, order, chosen_sorted, axis=2)
 

@@ -118,6 +118,67 @@ class ReadDocuments(beam.PTransform):
         )
 
 
+class CacheFn(beam.DoFn):
+    """DocBatch → Arrow files of cleaned text under `work_dir` (one record batch per DocBatch).
+
+    When a tokenizer is trained, the text is cleaned once: the sampling pipeline caches it and the
+    build pipeline reads the cache. DocBatches are kept whole, so the build's output is the same
+    bytes as when cleaning runs in the build pipeline itself (a given --tokenizer).
+    """
+
+    SCHEMA = pa.schema([("corpus", pa.string()), ("split", pa.string()), ("text", pa.large_string())])
+
+    def __init__(self, work_dir: str, batches_per_file: int = 16):
+        self.work_dir, self.batches_per_file = work_dir, batches_per_file
+
+    def start_bundle(self):
+        self.pending: list[DocBatch] = []
+
+    def process(self, batch: DocBatch):
+        self.pending.append(batch)
+        if len(self.pending) >= self.batches_per_file:
+            yield self._flush()
+
+    def finish_bundle(self):
+        from apache_beam.transforms.window import GlobalWindow
+        from apache_beam.utils.windowed_value import WindowedValue
+
+        if self.pending:
+            yield WindowedValue(self._flush(), 0, [GlobalWindow()])
+
+    def _flush(self) -> str:
+        path = FileSystems.join(self.work_dir, f"clean-{uuid.uuid4().hex}.arrow")
+        with FileSystems.create(path) as f, pa.ipc.new_file(f, self.SCHEMA) as writer:
+            for b in self.pending:
+                n = len(b.docs)
+                writer.write_batch(pa.record_batch([pa.array([b.corpus] * n), pa.array([b.split] * n),
+                                                    pa.array(list(b.docs), pa.large_string())], schema=self.SCHEMA))
+        self.pending = []
+        return path
+
+
+class ReadCacheFn(beam.DoFn):
+    def process(self, path: str):
+        with FileSystems.open(path, compression_type="uncompressed") as f:
+            reader = pa.ipc.open_file(f)
+            for i in range(reader.num_record_batches):
+                batch = reader.get_batch(i)
+                yield DocBatch(batch.column(0)[0].as_py(), batch.column(1)[0].as_py(),
+                               tuple(batch.column(2).to_pylist()))
+
+
+class ReadCache(beam.PTransform):
+    """Cached cleaned-text files → DocBatch (spread over workers first)."""
+
+    def __init__(self, paths: list[str]):
+        super().__init__()
+        self.paths = sorted(paths)
+
+    def expand(self, pbegin):
+        return (pbegin | "cache files" >> beam.Create(self.paths) | "spread" >> beam.Reshuffle()
+                | "read cache" >> beam.ParDo(ReadCacheFn()))
+
+
 CLEANERS = {"wiki": clean_wikitext, "books": cleaning.clean_book, "text": cleaning.clean_plain}
 
 

@@ -35,9 +35,7 @@ class DataArgs:
     path: str | None = None  # shard dataset directory written by `shatter-data build` (has index.json)
     seq_len: int | None = None  # truncate rows to this length; None = the data's seq_len; longer is an error
     masking: str = "static"  # "static": the shards' dupe_factor maskings cycled by epoch; "dynamic": fresh per epoch
-    mask_prob: float = 0.15  # dynamic masking: fraction of maskable tokens predicted (BERT §3.1)
-    mask_token_prob: float = 0.8  # dynamic: of the predicted tokens, share replaced by [MASK]
-    random_token_prob: float = 0.1  # dynamic: share replaced by a random id (the rest stay unchanged)
+    mask_prob: float = 0.15  # dynamic masking: share of non-special tokens predicted (BERT §3.1; 80/10/10)
     whole_word: bool = False  # dynamic: mask whole words (uses the shards' word_start column)
     shuffle: bool = True  # deterministic per-epoch shuffle of shard order and rows, from run.seed
     num_workers: int = 1  # DataLoader worker processes per rank (0 = load in the training process)
@@ -99,7 +97,6 @@ class TrainConfig:
             (r.max_steps > 0, "run.max_steps must be positive"),
             (r.micro_batch > 0 and r.grad_accum > 0, "run.micro_batch and run.grad_accum must be positive"),
             (0 < d.mask_prob < 1, "data.mask_prob must be in (0, 1)"),
-            (d.mask_token_prob + d.random_token_prob <= 1, "data.mask_token_prob + random_token_prob > 1"),
             (d.seq_len is None or d.seq_len >= 8, "data.seq_len must be at least 8"),
             (self.optim.decay in ("linear", "constant"), "optim.decay must be 'linear' or 'constant'"),
         ]
@@ -134,6 +131,7 @@ FLAGS = {
     "warmup_steps": "optim.warmup_steps",
     "deepspeed_config": "run.deepspeed_config",
     "num_gpus": "run.num_gpus",
+    "progress": "run.progress",
 }
 
 

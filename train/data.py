@@ -58,8 +58,6 @@ class MaskingSpec:
     mode: str  # "static" or "dynamic"
     fixed_copy: int | None = None  # static: always this stored masking (validation uses 0)
     mask_prob: float = 0.15
-    mask_token_prob: float = 0.8
-    random_token_prob: float = 0.1
     whole_word: bool = False
 
 
@@ -215,16 +213,13 @@ class ShardStream(IterableDataset):
         if m.mode == "static":
             copy = m.fixed_copy if m.fixed_copy is not None else epoch % self.index.dupe_factor
             return static_mask(ids, length, shard, rows, copy)
-        return dynamic_mask(
-            ids, ws, uid, epoch=epoch, seed=self.seed, vocab_size=self.index.vocab_size,
-            mask_prob=m.mask_prob, mask_token_prob=m.mask_token_prob,
-            random_token_prob=m.random_token_prob, whole_word=m.whole_word,
-        )
+        return dynamic_mask(ids, length, ws, uid, epoch=epoch, seed=self.seed, vocab_size=self.index.vocab_size,
+                            mask_prob=m.mask_prob, whole_word=m.whole_word)
 
 
 def masking_spec(data_args) -> MaskingSpec:
     d = data_args
-    return MaskingSpec(d.masking, None, d.mask_prob, d.mask_token_prob, d.random_token_prob, d.whole_word)
+    return MaskingSpec(d.masking, None, d.mask_prob, d.whole_word)
 
 
 def train_loader(index: Index, data_args, *, batch_size: int, seq_len: int, seed: int,

@@ -9,9 +9,11 @@ loss scaling (Micikevicius et al. 2018); ZeRO stages per Rajbhandari et al. 2020
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -41,14 +43,26 @@ def single_process_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
+def extensions_dir() -> str:
+    """A JIT-extension cache per Python environment: DeepSpeed builds its CPU shm_comm op on first
+    use (~1 min); two environments sharing torch's default cache rebuild each other's build."""
+    tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+    return str(Path.home() / ".cache" / "torch_extensions" / f"env-{tag}")
+
+
 def init_distributed() -> tuple[int, int]:
     """(rank, world_size) after joining the process group (gloo on CPU, nccl on GPUs)."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
     import deepspeed
 
     single_process_env()
     if on_cpu():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl")
+    if on_cpu() and "OMP_NUM_THREADS" not in os.environ:
+        # ranks on one host share its cores; oversubscribed BLAS threads make every rank slower
+        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
     if not on_cpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()

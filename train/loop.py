@@ -21,7 +21,7 @@ from train.config import TrainConfig
 from train.data import StreamPosition, train_loader, validation_stream
 from train.engine import loss_scale
 from train.evaluate import evaluate
-from train.masking import mix64
+from pipeline.masking import mix64
 from train.metrics import MetricsWriter, Progress
 from train.shards import Index
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -68,6 +69,7 @@ class Progress:
     """tqdm bar on rank 0 (loss, lr, tokens/s; tqdm's own ETA); silent elsewhere."""
 
     def __init__(self, rank: int, enabled: bool, start: int, total: int):
+        self.speaks = rank == 0
         self.bar = tqdm(total=total, initial=start, desc="pretrain", unit="step", dynamic_ncols=True,
                         disable=not (enabled and rank == 0), smoothing=0.05)
 
@@ -77,7 +79,9 @@ class Progress:
         self.bar.update(steps)
 
     def write(self, text: str) -> None:
-        self.bar.write(text) if not self.bar.disable else None
+        """An event line on rank 0 (stderr, above the bar), with or without the bar."""
+        if self.speaks:
+            tqdm.write(text, file=sys.stderr)
 
     def close(self) -> None:
         self.bar.close()

@@ -50,7 +50,9 @@ def _run(cfg: TrainConfig) -> str:
     run_dir.mkdir(parents=True, exist_ok=True)
     ds_config = resolved_deepspeed_config(cfg, world)
     torch.manual_seed(cfg.run.seed)
-    overrides = {"vocab_size": index.vocab_size, **cfg.model.overrides}
+    # The model is built for the length it is trained at (the paper pretrains BERT_GPU and
+    # Shatter_GPU at 256); `shatter-extend` stretches it to 512 or 1024 for finetuning.
+    overrides = {"vocab_size": index.vocab_size, "max_len": seq_len, **cfg.model.overrides}
     model = shatter.build_model(cfg.model.preset, **overrides)
     if seq_len > model.config.max_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_len {model.config.max_len}")
@@ -104,6 +106,7 @@ def _run(cfg: TrainConfig) -> str:
 @click.option("--warmup-steps", type=int, help="Linear warm-up steps.")
 @click.option("--num-gpus", type=int, help="World size the config is written for (--dry-run).")
 @click.option("--deepspeed-config", type=click.Path(dir_okay=False), help="Expert: DeepSpeed JSON merged over the built one.")
+@click.option("--progress/--no-progress", default=None, help="tqdm progress bar on rank 0.")
 @click.option("--dry-run", is_flag=True, help="Print configs, parameter counts and a memory estimate; do not train.")
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, hidden=True, help="Set by the deepspeed launcher.")
 def main(config_file, dry_run, local_rank, **flags):

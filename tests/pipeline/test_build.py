@@ -30,7 +30,7 @@ def test_layout_and_index(built):
         f"train-{i:05d}-of-00003.arrow" for i in range(3)]
     assert index["splits"]["validation"]["rows"] > 0 and index["splits"]["train"]["rows"] > 0
     assert index["tokenizer"]["special_ids"] == {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
-    assert index["counters"]["build"]["documents_read"] == 300
+    assert index["counters"]["documents_read"] == 300
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp or work files left
     rows = [s["rows"] for s in index["splits"]["train"]["shards"]]
     assert max(rows) - min(rows) <= 2  # balanced key ranges, not hash-modulo luck
@@ -72,6 +72,15 @@ def test_rebuild_is_byte_identical(built, corpus_dir, tmp_path):
     assert _files(out) == _files(again)
 
 
+def test_given_tokenizer_gives_the_same_shards(built, corpus_dir, tmp_path):
+    """The trained path reads cleaned text from its cache; with --tokenizer it cleans in the build."""
+    out, _ = built
+    again = tmp_path / "given"
+    build(small_config([InputSpec("text", str(corpus_dir))], again, tokenizer=str(out / "tokenizer.model")), [],
+          report=quiet)
+    assert _files(out) == _files(again)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["multi_threading", "multi_processing"])
 def test_two_workers_write_the_same_bytes(built, corpus_dir, tmp_path, mode):
@@ -79,7 +88,7 @@ def test_two_workers_write_the_same_bytes(built, corpus_dir, tmp_path, mode):
     two = tmp_path / mode
     config = small_config([InputSpec("text", str(corpus_dir))], two)
     index = build(config, ["--direct_num_workers", "2", "--direct_running_mode", mode], report=quiet)
-    assert index["counters"]["build"]["spill_files"] > 2
+    assert index["counters"]["spill_files"] > 2
     assert _files(out) == _files(two)
 
 
@@ -101,7 +110,7 @@ def test_bad_input_stops_with_the_file_name_or_is_counted(built, tmp_path):
     assert "Traceback" not in stop.output and not (tmp_path / "stop" / "index.json").exists()
     skip = CliRunner().invoke(main, args + ["--output", str(tmp_path / "skip")])
     assert skip.exit_code == 0, skip.output
-    counters = shards.read_index(str(tmp_path / "skip"))["counters"]["build"]
+    counters = shards.read_index(str(tmp_path / "skip"))["counters"]
     assert counters["skipped_rest_of_file"] == 1 and counters["invalid_utf8_replaced"] == 1
 
 
@@ -144,7 +153,7 @@ def test_mixed_books_and_wiki_tables(shared_data, tmp_path):
                            InputSpec("books", str(books / "britannica-11th.txt"))], out, vocab_size=500,
                           whole_word=True, cross_document=False)
     index = build(config, [], report=quiet)
-    counters = index["counters"]["build"]
+    counters = index["counters"]
     assert counters["documents_read"] == 2 + 5 and counters.get("tokens_dropped", 0) == 0
     assert verify_dataset(str(out)) == []
     sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
@@ -165,7 +174,7 @@ def test_wiki_sample_end_to_end_via_cli(shared_data, tmp_path):
                                        "--tokenizer-sample", "3000"])
     assert result.exit_code == 0, result.output
     index = shards.read_index(str(out))
-    counters = index["counters"]["build"]
+    counters = index["counters"]
     assert counters["skipped_redirect"] > 50 and counters["documents_read"] > 80
     assert counters.get("tokens_dropped", 0) == 0
     assert verify_dataset(str(out)) == []

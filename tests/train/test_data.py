@@ -1,0 +1,190 @@
+"""The streaming loader: no overlap or gap across ranks and workers, exact resume, checks, masking."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from shardutil import write_dataset
+from train.data import MaskingSpec, ShardStream, StreamPosition
+from train.masking import IGNORE, MASK, PAD, SEP
+from train.shards import DataError, read_index
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return write_dataset(tmp_path_factory.mktemp("shards") / "data", shards=(7, 5, 9, 3), seq_len=32, dupe_factor=3)
+
+
+def stream(index, **kw):
+    args = dict(batch_size=4, seq_len=index.seq_len, masking=MaskingSpec("static"), seed=3)
+    args.update(kw)
+    return ShardStream(index, "train", **args)
+
+
+def take(loader, n_batches):
+    it = iter(loader)
+    return [next(it) for _ in range(n_batches)]
+
+
+@pytest.mark.parametrize("world,workers", [(1, 0), (3, 2)])
+def test_each_epoch_sees_every_sample_once_across_ranks_and_workers(dataset, world, workers):
+    index = read_index(dataset)
+    n = 24  # rows of the train split
+    batch = 2
+    steps = 2 * n // (batch * world) + 1  # two epochs and a bit: batches straddle the epoch boundary
+    per_rank = []
+    for rank in range(world):
+        s = stream(index, batch_size=batch, rank=rank, world_size=world)
+        loader = DataLoader(s, batch_size=None, num_workers=workers)
+        per_rank.append(take(loader, steps))
+    # the global order: micro-step by micro-step, rank by rank, sample by sample
+    seen = []
+    for step in range(steps):
+        rows = [(b["epoch"], b["sample_id"]) for b in (per_rank[r][step] for r in range(world))]
+        for k in range(batch):
+            seen += [(int(e[k]), int(u[k])) for e, u in rows]
+    first, second = seen[:n], seen[n:2 * n]
+    assert sorted(u for _, u in first) == list(range(n)) and {e for e, _ in first} == {0}
+    assert sorted(u for _, u in second) == list(range(n)) and {e for e, _ in second} == {1}
+    assert [u for _, u in first] != [u for _, u in second], "epochs must be shuffled differently"
+    assert [u for _, u in first] != sorted(u for _, u in first)
+
+
+def test_resume_continues_at_the_next_sample(dataset):
+    index = read_index(dataset)
+    full = take(iter(stream(index, rank=1, world_size=2)), 12)
+    start = 5 * 4 * 2  # five micro-steps of batch 4 on two ranks
+    resumed = take(iter(stream(index, rank=1, world_size=2, start=start)), 7)
+    for a, b in zip(full[5:], resumed):
+        for key in ("input_ids", "labels", "attention_mask", "sample_id"):
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_a_different_world_size_resumes_at_the_same_global_position(dataset):
+    index = read_index(dataset)
+    one = torch.cat([b["sample_id"] for b in take(iter(stream(index, batch_size=2)), 10)])
+    start = 6
+    r0 = take(iter(stream(index, batch_size=1, rank=0, world_size=2, start=start)), 7)
+    r1 = take(iter(stream(index, batch_size=1, rank=1, world_size=2, start=start)), 7)
+    interleaved = torch.stack([torch.cat([a["sample_id"] for a in r0]), torch.cat([b["sample_id"] for b in r1])], 1)
+    assert torch.equal(interleaved.reshape(-1), one[start:start + 14])
+
+
+def test_position_round_trip_and_refusal_on_other_data():
+    p = StreamPosition(samples=53, epoch_size=24)
+    assert (p.epoch, p.in_epoch) == (2, 5)
+    assert StreamPosition.from_dict(p.to_dict(), 24) == p
+    with pytest.raises(DataError, match="24 rows"):
+        StreamPosition.from_dict(p.to_dict(), 25)
+
+
+def test_batches_are_named_padded_to_their_longest_row(dataset):
+    index = read_index(dataset)
+    for b in take(iter(stream(index)), 6):
+        ids, mask, labels = b["input_ids"], b["attention_mask"], b["labels"]
+        lengths = mask.sum(1)
+        assert ids.shape[1] == lengths.max()  # padded to the longest row of this batch, not seq_len
+        assert bool((ids[mask == 0] == PAD).all()) and bool((labels[mask == 0] == IGNORE).all())
+        assert bool((ids[torch.arange(len(ids)), lengths - 1] == SEP).all())
+        assert ids.dtype == labels.dtype == torch.int64
+
+
+def test_static_masks_cycle_by_epoch_and_match_the_shards(dataset):
+    index = read_index(dataset)
+    n, dupe = 24, index.dupe_factor
+    s = stream(index, batch_size=n, shuffle=False)
+    epochs = take(iter(s), dupe + 1)
+    import pyarrow.ipc as ipc
+
+    shard0 = ipc.open_stream(str(dataset / index.raw["splits"]["train"]["shards"][0]["file"])).read_all()
+    for e, b in enumerate(epochs[:dupe]):
+        row0 = b["sample_id"].tolist().index(0)
+        predicted = torch.nonzero(b["labels"][row0] != IGNORE).flatten().tolist()
+        assert predicted == shard0["mask_positions"][0][e].as_py()
+        assert b["input_ids"][row0, predicted].tolist() == shard0["mask_inputs"][0][e].as_py()
+        assert b["labels"][row0, predicted].tolist() == shard0["mask_labels"][0][e].as_py()
+    assert torch.equal(epochs[dupe]["labels"], epochs[0]["labels"])  # epoch dupe_factor reuses copy 0
+    assert not torch.equal(epochs[1]["labels"], epochs[0]["labels"])
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_dynamic_masks_are_seeded_per_sample_and_epoch(dataset, whole_word):
+    index = read_index(dataset)
+    spec = MaskingSpec("dynamic", whole_word=whole_word)
+    n = 24
+    a = take(iter(stream(index, batch_size=n, masking=spec)), 2)
+    b = take(iter(stream(index, batch_size=6, masking=spec, rank=0, world_size=1)), 8)
+    by_id = {}
+    for batch in b:
+        for i, uid in enumerate(batch["sample_id"].tolist()):
+            by_id.setdefault(uid, []).append(batch["labels"][i][batch["attention_mask"][i] == 1])
+    for e in range(2):
+        for i, uid in enumerate(a[e]["sample_id"].tolist()):
+            mine = a[e]["labels"][i][a[e]["attention_mask"][i] == 1]
+            assert torch.equal(mine, by_id[uid][e])  # independent of batch size and composition
+    differs = sum(not torch.equal(x[0], x[1]) for x in by_id.values())
+    assert differs >= 20, "dynamic masking must re-mask every epoch"
+    labels, inputs, mask = a[0]["labels"], a[0]["input_ids"], a[0]["attention_mask"]
+    predicted = labels != IGNORE
+    content = (mask == 1) & (a[0]["input_ids"] != 2) & (a[0]["input_ids"] != SEP)
+    rate = predicted.sum().item() / content.sum().item()
+    assert 0.10 < rate < 0.22
+    assert (inputs[predicted] == MASK).float().mean() > 0.6
+
+
+def test_truncation_to_a_shorter_seq_len_keeps_sep(dataset):
+    index = read_index(dataset)
+    for b in take(iter(stream(index, seq_len=12)), 4):
+        ids, lengths = b["input_ids"], b["attention_mask"].sum(1)
+        assert ids.shape[1] <= 12
+        assert bool((ids[torch.arange(len(ids)), lengths - 1] == SEP).all())
+        assert bool((b["labels"][torch.arange(len(ids)), lengths - 1] == IGNORE).all())
+
+
+def test_longer_seq_len_than_the_data_is_an_error(dataset):
+    with pytest.raises(DataError, match="seq-len 64.*32"):
+        stream(read_index(dataset), seq_len=64)
+
+
+def test_corrupted_shard_is_refused_by_name(tmp_path):
+    root = write_dataset(tmp_path / "data", shards=(4, 4))
+    victim = root / "train-00001-of-00002.arrow"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    s = stream(read_index(root), batch_size=8, shuffle=False)
+    with pytest.raises(DataError, match=r"train-00001-of-00002\.arrow.*corrupted"):
+        next(iter(s))
+
+
+def test_missing_index_tokenizer_and_version_errors(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        read_index(tmp_path / "nowhere")
+    (tmp_path / "partial").mkdir()
+    with pytest.raises(DataError, match="index.json is missing"):
+        read_index(tmp_path / "partial")
+    root = write_dataset(tmp_path / "data")
+    (root / "tokenizer.model").write_bytes(b"another tokenizer")
+    with pytest.raises(DataError, match="tokenizer.model: sha256"):
+        read_index(root)
+    index = json.loads((root / "index.json").read_text())
+    index["version"] = 2
+    (root / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DataError, match="version 2"):
+        read_index(root, verify_tokenizer=False)
+
+
+def test_validation_stream_is_finite_and_split_between_ranks(dataset):
+    from train.config import DataArgs
+    from train.data import validation_stream
+
+    index = read_index(dataset)
+    ids = []
+    for rank in range(2):
+        for b in validation_stream(index, DataArgs(), batch_size=2, seq_len=32, rank=rank, world_size=2):
+            ids += b["sample_id"].tolist()
+    assert sorted(ids) == list(range(5))
+    np.testing.assert_array_equal(np.unique(ids), np.arange(5))
