@@ -5,7 +5,7 @@
 - SQuAD: `[CLS] question [SEP] context-window [SEP]`; a context longer than the window is covered
   by windows whose starts are `doc_stride` tokens apart (BERT's `run_squad.py`). The gold
   character span becomes a token span through sentencepiece's piece offsets
-  (`encode_as_proto`: begin/end of each piece in the original string); a window that
+  (`encode_as_proto`: UTF-8 byte begin/end of each piece, mapped to characters); a window that
   does not contain the whole answer points both ends at `[CLS]`. At prediction time the best
   span over all windows wins (start logit + end logit, start <= end, at most max_answer_len
   tokens, both ends inside the context), and the answer is the context's original characters.
@@ -52,10 +52,15 @@ class Tokenizer:
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], np.ndarray, np.ndarray]:
         """Ids and each piece's [begin, end) character span in `text` (whitespace trimmed)."""
-        proto = self.sp.encode_as_proto(_lower_same_length(text))
+        lowered = _lower_same_length(text)
+        proto = self.sp.encode_as_proto(lowered)
+        # sentencepiece reports UTF-8 byte offsets; map them to character offsets.
+        widths = [len(c.encode("utf-8")) for c in lowered]
+        char_at = np.repeat(np.arange(len(lowered)), widths)
+        char_at = np.append(char_at, len(lowered))  # the end offset of the last byte
         ids, begins, ends = [], [], []
         for piece in proto.pieces:
-            begin, end = piece.begin, piece.end
+            begin, end = int(char_at[piece.begin]), int(char_at[piece.end])
             while begin < end and text[begin].isspace():  # "▁word" spans its leading space
                 begin += 1
             ids.append(piece.id)

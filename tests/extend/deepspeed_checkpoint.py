@@ -10,6 +10,12 @@ import torch
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT=os.environ.get("MASTER_PORT", "29561"))
 
+from train.engine import extensions_dir  # noqa: E402
+
+# Per-environment JIT cache (the trainer's choice): venvs sharing torch's default one rebuild
+# each other's shm_comm op, and a build killed midway leaves a lock that hangs the next user.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+
 import deepspeed  # noqa: E402
 
 import shatter  # noqa: E402

@@ -28,7 +28,7 @@ def test_tokenizer_refuses_a_model_without_the_special_ids(tmp_path):
 
 def test_offsets_point_into_the_original_cased_text(tokenizer_model):
     tok = Tokenizer(tokenizer_model)
-    text = "The FILM was   Great, really."
+    text = "The FILM was   Great, really. Café Ürs naïve — 東京 İstanbul."
     ids, begins, ends = tok.encode_with_offsets(text)
     assert len(ids) == len(begins) == len(ends)
     pieces = "".join(text[b:e] for b, e in zip(begins, ends))

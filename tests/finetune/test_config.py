@@ -1,0 +1,33 @@
+"""The finetuning config: the paper's defaults per task, YAML sections, unknown keys rejected."""
+import pytest
+
+from train.config import ConfigError
+from train.finetune import resolve
+
+BASE = {"task": "sst2", "train_file": "t.tsv", "checkpoint": "ck", "output": "run"}
+
+
+def test_paper_defaults():
+    cfg = resolve(None, BASE)
+    assert cfg.optim.lr == 5e-6  # CoLA and SST-2 (§4.2.1)
+    assert resolve(None, {**BASE, "task": "mnli"}).optim.lr == 1e-5
+    assert cfg.run.batch_size == 16 and cfg.run.eval_every == 1000 and cfg.run.cls_strategy == "modified"
+    assert resolve(None, {**BASE, "lr": 3e-5}).optim.lr == 3e-5
+
+
+def test_yaml_then_flags(tmp_path):
+    path = tmp_path / "ft.yaml"
+    path.write_text("data:\n  text_columns: [a, b]\n  label_column: y\noptim:\n  lr: 2.0e-5\nrun:\n  eval_every: 50\n")
+    cfg = resolve(str(path), {**BASE, "task": "classify", "eval_every": 10})
+    assert cfg.data.text_columns == ("a", "b") and cfg.optim.lr == 2e-5 and cfg.run.eval_every == 10
+
+
+def test_rejects_unknown_keys_and_bad_values(tmp_path):
+    path = tmp_path / "ft.yaml"
+    path.write_text("run:\n  batchsize: 8\n")
+    with pytest.raises(ConfigError, match=r"ft.yaml \[run\].*unknown key"):
+        resolve(str(path), BASE)
+    with pytest.raises(ConfigError, match="--task must be one of"):
+        resolve(None, {**BASE, "task": "glue"})
+    with pytest.raises(ConfigError, match="zero-stage"):
+        resolve(None, {**BASE, "zero_stage": 3})
