@@ -10,10 +10,12 @@ setup: $(STAMP)
 
 # Idempotent: re-runs only when the package metadata changes. torch is pinned to the CPU wheel
 # first, so the project's torch range is already satisfied and pip never pulls a CUDA build.
+# DeepSpeed's CPU comm op is JIT-built once here rather than in the first run or test.
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e '.[test,demo]'
+	$(PY) -c "from train.engine import build_extensions; build_extensions()"
 	touch $(STAMP)
 
 test: setup

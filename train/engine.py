@@ -50,6 +50,19 @@ def extensions_dir() -> str:
     return str(Path.home() / ".cache" / "torch_extensions" / f"env-{tag}")
 
 
+def build_extensions() -> None:
+    """JIT-build DeepSpeed's CPU shared-memory comm op now (`make setup` calls this), so the first
+    training run or test does not spend a minute in gcc, or hang on a lock a killed build left."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    if not on_cpu():
+        return
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.comm.torch import build_shm_op
+
+    if build_shm_op() is None:
+        raise RuntimeError("DeepSpeed reports its CPU shm_comm op as incompatible with this machine")
+
+
 def init_distributed() -> tuple[int, int]:
     """(rank, world_size) after joining the process group (gloo on CPU, nccl on GPUs)."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
