@@ -119,6 +119,12 @@ def main(config_file, dry_run, local_rank, **flags):
         status = _run(cfg)
     except (ConfigError, DataError) as err:
         raise click.ClickException(str(err)) from None
+    except RuntimeError as err:
+        from train.loop import TrainingError
+
+        if not isinstance(err, TrainingError):
+            raise
+        raise click.ClickException(str(err)) from None
     if status == "stopped":
         sys.exit(143)  # 128 + SIGTERM: the run is not finished; the same command resumes it
 
