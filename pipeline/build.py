@@ -16,18 +16,18 @@ import sys
 import time
 
 import apache_beam as beam
-import pyarrow as pa
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
 from pipeline import readers, shards, tokenizer
 from pipeline.config import BuildConfig
-from pipeline.transforms import (NAMESPACE, Clean, Mask, Pack, ReadDocuments, SampleLines, Tokenize, WriteShardFn,
-                                 assign_shards)
+from pipeline.transforms import (NAMESPACE, CacheFn, Clean, Mask, Pack, ReadCache, ReadDocuments, SampleLines,
+                                 ShardAndWrite, Tokenize)
 
 log = logging.getLogger(__name__)
-SAMPLE_FILE, MANIFEST_FILE = ".tokenizer-sample.txt", ".shards-manifest.json"
+SAMPLE_FILE, MANIFEST_FILE, WORK_DIR = ".tokenizer-sample.txt", ".shards-manifest.json", ".work"
+CACHE_LIST = ".work/clean-files.json"
 
 
 class BuildError(Exception):
@@ -73,6 +73,15 @@ def format_counters(values: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in values.items()) or "(no counters yet)"
 
 
+def _delete_tree(path: str) -> None:
+    """Remove a work directory and everything under it (any filesystem)."""
+    found = FileSystems.match([FileSystems.join(path, "*")])[0].metadata_list
+    if found:
+        FileSystems.delete([m.path for m in found])
+    if FileSystems.exists(path):
+        FileSystems.delete([path])
+
+
 def _prepare_output(config: BuildConfig, overwrite: bool) -> None:
     out = config.output
     index = shards.join(out, shards.INDEX_FILE)
@@ -84,6 +93,7 @@ def _prepare_output(config: BuildConfig, overwrite: bool) -> None:
              for m in FileSystems.match([shards.join(out, pattern)])[0].metadata_list]
     if stale:
         FileSystems.delete(stale)
+    _delete_tree(shards.join(out, WORK_DIR))
     if not FileSystems.exists(out):
         FileSystems.mkdirs(out)
 
@@ -114,8 +124,13 @@ def train_tokenizer(config: BuildConfig, beam_args: list[str], report=print) -> 
     """Pipeline 1 and the training; returns the counters. Writes OUT/tokenizer.model."""
     sample_path = shards.join(config.output, SAMPLE_FILE)
     p = make_pipeline(beam_args)
-    lines = _read_clean(p, config) | "sample" >> SampleLines(config.tokenizer_sample)
+    cache_list = shards.join(config.output, CACHE_LIST)
+    docs = _read_clean(p, config)
+    lines = docs | "sample" >> SampleLines(config.tokenizer_sample)
     _ = lines | "write sample" >> beam.Map(lambda ls: _write_text(sample_path, json.dumps(ls)))
+    _ = (docs | "cache clean text" >> beam.ParDo(CacheFn(shards.join(config.output, WORK_DIR)))
+         | "cache files" >> beam.combiners.ToList()
+         | "write cache list" >> beam.Map(lambda paths: _write_text(cache_list, json.dumps(paths))))
     values = run_and_report(p, "tokenizer sample", report)
     sample = json.loads(_read_text(sample_path))
     report(f"training sentencepiece ({config.tokenizer_model_type}, vocab {config.vocab_size}) "
@@ -131,7 +146,7 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
     """Build the dataset of `config` and return its index (also written to OUT/index.json)."""
     _prepare_output(config, overwrite)
     model_path = shards.join(config.output, shards.TOKENIZER_FILE)
-    sample_counters = {}
+    sample_counters, cached = {}, None
     if config.tokenizer:
         with FileSystems.open(config.tokenizer) as f:
             model = f.read()
@@ -139,28 +154,26 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
             f.write(model)
     else:
         sample_counters = train_tokenizer(config, beam_args, report)
+        cached = json.loads(_read_text(shards.join(config.output, CACHE_LIST)))
     with FileSystems.open(model_path) as f:
         model = f.read()
     sp = tokenizer.load(model)
     vocab_size = sp.get_piece_size()
     counts = {"train": config.num_shards, "validation": config.num_validation_shards}
-    empty = pa.Table.from_pylist([], schema=shards.schema(vocab_size))
+    work_dir = shards.join(config.output, WORK_DIR)
     manifest_path = shards.join(config.output, MANIFEST_FILE)
 
     p = make_pipeline(beam_args)
+    docs = _read_clean(p, config) if cached is None else p | "read cleaned" >> ReadCache(cached)
     masked = (
-        _read_clean(p, config)
+        docs
         | "tokenize" >> Tokenize(model_path, 0.0 if config.validation_inputs else config.validation_fraction)
         | "pack" >> Pack(config.seq_len, config.cross_document)
         | "mask" >> Mask(model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word)
     )
-    keyed = masked | "shard" >> beam.FlatMapTuple(lambda split, t: assign_shards(split, t, counts[split]))
-    every_shard = p | "all shards" >> beam.Create([((s, i), empty) for s, n in counts.items() for i in range(n)])
     infos = (
-        (keyed, every_shard)
-        | "with empty shards" >> beam.Flatten()
-        | "group shards" >> beam.GroupByKey()
-        | "write" >> beam.ParDo(WriteShardFn(config.output, counts, vocab_size))
+        masked
+        | "shard and write" >> ShardAndWrite(config.output, work_dir, counts, vocab_size, config.spill_rows)
         | "collect" >> beam.combiners.ToList()
     )
     _ = infos | "manifest" >> beam.Map(lambda rows: _write_text(manifest_path, json.dumps(rows)))
@@ -168,6 +181,7 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
 
     infos = sorted(json.loads(_read_text(manifest_path)), key=lambda r: (r["split"], r["shard"]))
     FileSystems.delete([manifest_path])
+    _delete_tree(work_dir)
     index = {
         "format": shards.FORMAT,
         "version": shards.VERSION,
@@ -185,7 +199,9 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
                                for r in infos if r["split"] == split]}
             for split in counts
         },
-        "counters": {"build": build_counters, "tokenizer_sample": sample_counters},
+        # the reading counters come from the sampling pipeline when it cached the clean text
+        "counters": {k: sample_counters.get(k, 0) + build_counters.get(k, 0)
+                     for k in sorted(set(sample_counters) | set(build_counters))},
     }
     for split, entry in index["splits"].items():
         entry["rows"] = sum(s["rows"] for s in entry["shards"])
@@ -197,3 +213,5 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
 def configure_logging(verbose: bool) -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:  # a failing worker's traceback is logged by Beam; the CLI prints the cause itself
+        logging.getLogger("apache_beam").setLevel(logging.CRITICAL)

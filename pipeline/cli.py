@@ -33,7 +33,7 @@ def _fail(message: str) -> None:
 def _clean_message(e: BaseException) -> str:
     """Our own error text out of a runner's wrapped exception (which carries a remote traceback)."""
     text = str(e)
-    found = re.findall(r"shatter-data input error: ([^\n]+)", text)
+    found = re.findall(r"shatter-data input error: ([^\n]+?)(?: \[while running [^\n]*)?$", text, re.M)
     return found[-1] if found else text.strip().splitlines()[-1] if text.strip() else type(e).__name__
 
 
@@ -94,7 +94,7 @@ def build(ctx, corpus, inputs, wiki_index, output, validation_inputs, validation
         )
         index = run_build(config, list(ctx.args), overwrite=overwrite, report=lambda m: click.echo(m, err=True))
     except (ValueError, BuildError, InputError) as e:
-        _fail(str(e))
+        _fail(_clean_message(e))
     except Exception as e:  # a runner wraps worker errors; show ours without the remote traceback
         if "shatter-data input error" in str(e):
             _fail(_clean_message(e))

@@ -41,6 +41,7 @@ class BuildConfig:
     on_error: str = "skip"  # truncated/broken input: "skip" the rest of that file (counted) or "stop"
     batch_chars: int = 1 << 20  # characters of text per DoFn call (Beam overhead is per element)
     split_bytes: int = 4 << 20  # byte-range size for parallel reads of splittable files
+    spill_rows: int = 65536  # rows a worker buffers before spilling them, key-sorted, to a temp file
 
     def __post_init__(self):
         for spec in self.inputs + self.validation_inputs:

@@ -113,7 +113,7 @@ def inspect_dataset(out: str, sample_rows: int = 3, split: str = "train") -> str
         spread = f", shard rows {min(rows)}..{max(rows)}" if rows else ""
         lines.append(f"  {name}: {sum(rows)} rows, {sum(s['tokens'] for s in entry['shards'])} tokens, "
                      f"{len(rows)} shards, {sum(s['bytes'] for s in entry['shards'])} bytes{spread}")
-    counters = index.get("counters", {}).get("build", {})
+    counters = index.get("counters", {})
     if counters:
         lines.append("  counters: " + " ".join(f"{k}={v}" for k, v in counters.items()))
     paths = shards.shard_paths(out, split, index)

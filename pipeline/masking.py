@@ -77,7 +77,6 @@ def mask_batch(
     ids = np.asarray(ids, dtype=np.int64)
     n_rows, width = ids.shape
     seeds = np.asarray(seeds, dtype=_U64).reshape(n_rows, -1)
-    n_copies = seeds.shape[1]
     pos = np.arange(width)
     cand = (pos[None, :] < np.asarray(lengths)[:, None]) & ~np.isin(ids, np.asarray(special_ids))
     n_cand = cand.sum(axis=1)
@@ -88,7 +87,11 @@ def mask_batch(
     else:
         unit = np.broadcast_to(pos.astype(_U64), (n_rows, width))
     score = mix64(seeds[:, :, None] ^ mix64(unit[:, None, :] + _SALT_SELECT))  # [B, D, L]
-    score = np.where(cand[:, None, :], score, np.iinfo(np.uint64).max)
+    if not whole_word:
+        # the top 16 bits suffice to rank single tokens, and numpy radix-sorts 16-bit keys (5x faster);
+        # a tie (p = 2**-16 per pair) goes to the earlier position, deterministically
+        score = (score >> _U64(48)).astype(np.uint16)
+    score = np.where(cand[:, None, :], score, np.iinfo(score.dtype).max)
     order = np.argsort(score, axis=2, kind="stable")  # tokens of one word stay together, in order
     cand_sorted = np.take_along_axis(np.broadcast_to(cand[:, None, :], score.shape), order, axis=2)
     if whole_word:
@@ -100,7 +103,7 @@ def mask_batch(
         midpoint_below_k = (2 * word_end - word_len) < 2 * k[:, None, None]
         chosen_sorted = (midpoint_below_k | (np.arange(width) <= first)) & cand_sorted
     else:
-        chosen_sorted = (np.arange(width)[None, None, :] < k[:, None, None]) & cand_sorted
+        chosen_sorted = cand_sorted & (np.cumsum(cand_sorted, axis=2) <= k[:, None, None])
     chosen = np.zeros(score.shape, dtype=bool)
     np.put_along_axis(chosen, order, chosen_sorted, axis=2)
 

@@ -49,4 +49,7 @@ def pack_documents(
 
 def content_tokens(rows: list[np.ndarray], special_ids=(CLS_ID, SEP_ID)) -> int:
     """Number of non-special ids in `rows` (what the documents contributed)."""
-    return int(sum(np.count_nonzero(~np.isin(r, special_ids)) for r in rows))
+    if not rows:
+        return 0
+    flat = np.concatenate(rows)
+    return int(len(flat) - np.isin(flat, special_ids).sum())

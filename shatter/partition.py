@@ -117,10 +117,29 @@ def plot_partition(n_parts: int, layer: int, n_layers: int, span: int = 48, ax=N
     rel = torch.arange(-span, span + 1)
     f = partition_of_unity(rel, n_parts, layer, n_layers, dtype=torch.float64)
     for h in range(n_parts):
-        ax.plot(rel.numpy(), f[h].numpy(), marker=".", markersize=3, linewidth=1, label=f"$f_{{{h}}}$")
+        ax.plot(rel.numpy(), f[h].numpy(), marker=".", markersize=3, linewidth=1, label=f"$f_{{{h}}}$",
+                color=plt.cm.tab20(h % 20))
     ax.plot(rel.numpy(), f.sum(0).numpy(), "k--", linewidth=0.8, label="sum")
     ax.set_xlabel("relative position x = j - i")
     ax.set_ylim(-0.02, 1.05)
     ax.set_title(f"partition of unity, n = {n_parts}, layer k = {layer} of L = {n_layers}")
-    ax.legend(loc="upper right", fontsize=7, ncol=2)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, ncol=2)
     return ax
+
+
+def save_figure(path: str) -> None:
+    """The figure in docs/model.md: n = 4 (the paper's Figure 2), and n = 12 at the first and
+    last of 12 layers (base size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(10, 7.5))
+    plot_partition(4, 0, 2, span=16, ax=axes[0])
+    plot_partition(12, 0, 12, span=64, ax=axes[1])
+    plot_partition(12, 11, 12, span=64, ax=axes[2])
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+

@@ -112,6 +112,7 @@ def dry_run_report(cfg: TrainConfig) -> str:
     if index is not None:
         overrides.setdefault("vocab_size", index.vocab_size)
     seq_len = cfg.data.seq_len or (index.seq_len if index else 256)
+    overrides.setdefault("max_len", seq_len)  # as pretrain.py builds it
     torch.manual_seed(cfg.run.seed)
     model = shatter.build_model(cfg.model.preset, **overrides)
     vocab = model.config.vocab_size

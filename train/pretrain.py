@@ -50,7 +50,9 @@ def _run(cfg: TrainConfig) -> str:
     run_dir.mkdir(parents=True, exist_ok=True)
     ds_config = resolved_deepspeed_config(cfg, world)
     torch.manual_seed(cfg.run.seed)
-    overrides = {"vocab_size": index.vocab_size, **cfg.model.overrides}
+    # The model is built for the length it is trained at (the paper pretrains BERT_GPU and
+    # Shatter_GPU at 256); `shatter-extend` stretches it to 512 or 1024 for finetuning.
+    overrides = {"vocab_size": index.vocab_size, "max_len": seq_len, **cfg.model.overrides}
     model = shatter.build_model(cfg.model.preset, **overrides)
     if seq_len > model.config.max_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_len {model.config.max_len}")

@@ -2,18 +2,21 @@
 
 The naive form of eq. 5 (and §3.3) broadcasts the single score matrix A (l x l) against the
 constant partition mask N (n x l x l) into the tensor A[h] = A ⊙ N[h] and keeps it for the
-backward pass: as much memory as BERT's n heads. But A's scores are single-headed, so the
+backward pass: as much memory as BERT's n heads. But the scores are single-headed, so the
 backward pass only needs the l x l pre-activation scores Z0 = Q X^T / sqrt(d); everything
 else is recomputed:
 
     Z    = Z0 + B,        B[i, :] = sum_h (Q R^T)[i, h] N[h, i, :]          (§3.3, part-bias)
     A    = normalize2(sigmoid(Z) ⊙ m)   or   softmax(Z, keys m)              (eq. 5 / 1h-softmax)
     X_bar[h] = (A ⊙ N[h]) V[h]                                              (eq. 2 with eq. 5)
-    A_part[h, i] = sum_j (A ⊙ N[h])[i, j]                                   (§3.3, A_part^T)
+    A_part[i, h] = sum_j (A ⊙ N[h])[i, j]                                   (§3.3, A_part^T)
 
-N is never stored: it is indexed per call from the layer's (n, 2 max_len - 1) table, and the
-products are taken one part at a time, so the largest transient is a few l x l matrices.
-`tests/shatter/test_lean.py` checks this against the naive reference, forward and gradients.
+N[h, i, j] = f_h(j - i) is Toeplitz, so every sum over h or j against it is a small matmul
+with the (n, 2l - 1) table T in relative coordinates: B = skew(c T) and A_part = unskew(A) T^T,
+where skew maps G[i, r] to G[i, j - i + l - 1] as a zero-copy strided view (the Transformer-XL
+"relative shift"). Only X_bar needs A ⊙ N[h] itself; it is formed in chunks of parts, each
+chunk one batched matmul, and freed at once. N is indexed from the layer's table per call,
+never stored. `tests/shatter/test_model_lean.py` checks this against the naive reference.
 """
 from __future__ import annotations
 
@@ -24,16 +27,28 @@ import torch
 from shatter.partition import partition_mask
 
 NORM_EPS = 1e-12  # as F.normalize
+CHUNK_ELEMENTS = 1 << 24  # transient A ⊙ N[h0:h1] per chunk: at most 16M floats (64 MB fp32)
 
 
-def scores_with_bias(Z0: torch.Tensor, c: Optional[torch.Tensor], N: torch.Tensor) -> torch.Tensor:
-    """Z = Z0 + B with B[b, i, j] = sum_h c[b, i, h] N[h, i, j] (c = Q R^T; §3.3)."""
-    if c is None:
-        return Z0
-    Z = Z0.clone()
-    for h in range(N.shape[0]):
-        Z.addcmul_(c[:, :, h, None], N[h])
-    return Z
+def table_window(table: torch.Tensor, L: int, dtype: torch.dtype) -> torch.Tensor:
+    """T[:, r] = f_h(r - (L - 1)) for r in 0..2L-2: the columns of the table that length L uses."""
+    m = (table.shape[1] + 1) // 2
+    return table[:, m - L: m + L - 1].to(dtype)
+
+
+def skew(G: torch.Tensor) -> torch.Tensor:
+    """[B, L, 2L-1] relative -> [B, L, L] absolute view: out[b, i, j] = G[b, i, j - i + L - 1]."""
+    G = G.contiguous()
+    B, L, W = G.shape
+    return G.as_strided((B, L, L), (L * W, W - 1, 1), G.storage_offset() + L - 1)
+
+
+def unskew(X: torch.Tensor) -> torch.Tensor:
+    """[B, L, L] absolute -> [B, L, 2L-1] relative (zeros where j - i falls outside 0..L-1)."""
+    B, L, _ = X.shape
+    G = X.new_zeros(B, L, 2 * L - 1)
+    skew(G).copy_(X)
+    return G
 
 
 def activate(Z: torch.Tensor, mask_BL: torch.Tensor, sigmoid: bool) -> torch.Tensor:
@@ -46,21 +61,29 @@ def activate(Z: torch.Tensor, mask_BL: torch.Tensor, sigmoid: bool) -> torch.Ten
     return Z.masked_fill(~keep, torch.finfo(Z.dtype).min).softmax(-1)
 
 
+def _chunks(n: int, B: int, L: int):
+    step = max(1, min(n, CHUNK_ELEMENTS // max(1, B * L * L)))
+    return [(h, min(n, h + step)) for h in range(0, n, step)]
+
+
+def _scores(Z0, c, T):
+    return Z0 if c is None else Z0 + skew(c @ T)  # Z0 + B (§3.3)
+
+
 class PartitionMix(torch.autograd.Function):
     """(Z0 [B,L,L], c [B,L,n] or None, V [B,n,L,k], mask [B,L], table [n,2m-1]) ->
-    (X_bar [B,n,L,k], A_part [B,n,L]); saves only Z0, c, V and the mask."""
+    (X_bar [B,n,L,k], A_part [B,L,n]); saves only Z0, c, V and the mask."""
 
     @staticmethod
     def forward(ctx, Z0, c, V, mask_BL, table, sigmoid: bool):
-        N = partition_mask(table, Z0.shape[-1]).to(Z0.dtype)
-        A = activate(scores_with_bias(Z0, c, N), mask_BL, sigmoid)
-        n = N.shape[0]
-        out = V.new_empty(V.shape)
-        part = Z0.new_empty(Z0.shape[0], n, Z0.shape[1])
-        for h in range(n):
-            A_h = A * N[h]
-            out[:, h] = A_h @ V[:, h]
-            part[:, h] = A_h.sum(-1)
+        B, L, _ = Z0.shape
+        T = table_window(table, L, Z0.dtype)
+        N = partition_mask(table, L).to(Z0.dtype)
+        A = activate(_scores(Z0, c, T), mask_BL, sigmoid)
+        out = torch.empty_like(V)
+        for h0, h1 in _chunks(N.shape[0], B, L):
+            out[:, h0:h1] = (A[:, None] * N[h0:h1]) @ V[:, h0:h1]
+        part = unskew(A) @ T.t()
         ctx.save_for_backward(Z0, c, V, mask_BL, table)
         ctx.sigmoid = sigmoid
         ctx.set_materialize_grads(False)
@@ -69,29 +92,32 @@ class PartitionMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out, g_part):
         Z0, c, V, mask_BL, table = ctx.saved_tensors
-        N = partition_mask(table, Z0.shape[-1]).to(Z0.dtype)
-        Z = scores_with_bias(Z0, c, N)
+        B, L, _ = Z0.shape
+        T = table_window(table, L, Z0.dtype)
+        N = partition_mask(table, L).to(Z0.dtype)
+        Z = _scores(Z0, c, T)
         A = activate(Z, mask_BL, ctx.sigmoid)
-        gA = torch.zeros_like(A)
-        gV = torch.zeros_like(V) if ctx.needs_input_grad[2] else None
-        for h in range(N.shape[0]):
-            g_h = g_out[:, h] @ V[:, h].transpose(-1, -2) if g_out is not None else torch.zeros_like(A)
-            if g_part is not None:
-                g_h += g_part[:, h, :, None]
-            gA.addcmul_(g_h, N[h])
-            if gV is not None and g_out is not None:
-                gV[:, h] = (A * N[h]).transpose(-1, -2) @ g_out[:, h]
+        # the A_part term: dL/dA[i, j] = sum_h g_part[i, h] N[h, i, j] = skew(g_part T)
+        gA = skew(g_part @ T).contiguous() if g_part is not None else torch.zeros_like(A)
+        gV = torch.zeros_like(V) if g_out is not None and ctx.needs_input_grad[2] else None
+        if g_out is not None:
+            g_out = g_out.contiguous()  # autograd may hand in an expanded or transposed view
+            for h0, h1 in _chunks(N.shape[0], B, L):
+                Nh = N[h0:h1]
+                if gV is not None:
+                    gV[:, h0:h1] = (A[:, None] * Nh).transpose(-1, -2) @ g_out[:, h0:h1]
+                G = g_out[:, h0:h1] @ V[:, h0:h1].transpose(-1, -2)  # dL/d(A ⊙ N[h]): [B, h, L, L]
+                gA += G.mul_(Nh).sum(1)
         dot = (gA * A).sum(-1, keepdim=True)
         if ctx.sigmoid:
             # A = P / |P|, P = sigmoid(Z) ⊙ m: dP = (dA - A <dA, A>) / |P|, dZ = dP ⊙ m ⊙ s (1 - s)
             s = torch.sigmoid(Z)
-            norm = (s * mask_BL[:, None, :]).norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
-            gZ = (gA - A * dot) / norm * mask_BL[:, None, :] * s * (1 - s)
+            keep = mask_BL[:, None, :]
+            norm = (s * keep).norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
+            gZ = (gA - A * dot).div_(norm).mul_(keep).mul_(s * (1 - s))
         else:
             gZ = A * (gA - dot)
-        gc = None
-        if c is not None and ctx.needs_input_grad[1]:
-            gc = torch.stack([(gZ * N[h]).sum(-1) for h in range(N.shape[0])], dim=-1)
+        gc = unskew(gZ) @ T.t() if c is not None and ctx.needs_input_grad[1] else None
         return gZ, gc, gV, None, None, None
 
 
@@ -104,4 +130,4 @@ def partition_mix_naive(Z0, c, V, mask_BL, table, sigmoid: bool):
     N = partition_mask(table, Z0.shape[-1]).to(Z0.dtype)
     Z = Z0 if c is None else Z0 + torch.einsum("bih,hij->bij", c, N)
     A_BNLL = activate(Z, mask_BL, sigmoid)[:, None] * N[None]
-    return A_BNLL @ V, A_BNLL.sum(-1)
+    return A_BNLL @ V, A_BNLL.sum(-1).transpose(1, 2)

@@ -61,7 +61,7 @@ class SingleHeadPartitionAttention(nn.Module):
         context = x_bar.transpose(1, 2).reshape(B, L, d)
         if self.partition_value:
             v_part = F.linear(self.partition_embeddings, self.value.weight)  # R W^V: [n, d]
-            context = context + a_part.transpose(1, 2) @ v_part
+            context = context + a_part @ v_part  # A_part V_part: [B, L, n] @ [n, d]
         return context
 
     def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,8 @@ def corpus_dir(tmp_path_factory):
 
 def small_config(inputs, output, **overrides) -> BuildConfig:
     base = dict(inputs=tuple(inputs), output=str(output), vocab_size=300, seq_len=64, dupe_factor=2,
-                num_shards=3, validation_fraction=0.1, tokenizer_sample=5000)
+                num_shards=3, validation_fraction=0.1, tokenizer_sample=5000,
+                split_bytes=20_000, spill_rows=100)  # several read ranges and spills: real splitting
     base.update(overrides)
     return BuildConfig(**base)
 

@@ -36,7 +36,7 @@ def test_lean_kernel_gradcheck(sigmoid, bias):
 @pytest.mark.parametrize("sigmoid", [True, False])
 def test_lean_kernel_equals_naive(sigmoid):
     Z0, c, V, mask, table = _inputs(True)
-    g_out, g_part = torch.randn(2, 4, 7, 3, dtype=torch.float64), torch.randn(2, 4, 7, dtype=torch.float64)
+    g_out, g_part = torch.randn(2, 4, 7, 3, dtype=torch.float64), torch.randn(2, 7, 4, dtype=torch.float64)
     results = []
     for mix in (partition_mix_lean, partition_mix_naive):
         out, part = mix(Z0, c, V, mask, table, sigmoid)

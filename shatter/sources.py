@@ -1,0 +1,159 @@
+"""Reading a model from an export or a DeepSpeed checkpoint, and writing an export atomically.
+
+- An export directory (DESIGN.md): `model.safetensors` + `config.json` (+ `tokenizer.model`,
+  + `head.json`), loaded with `shatter.from_pretrained`.
+- A DeepSpeed checkpoint directory: the run's `checkpoints/` folder (with DeepSpeed's `latest`
+  file), or one tag folder inside it (`global_step100/`). ZeRO partitions are consolidated to
+  fp32 with `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`; a ZeRO-0
+  checkpoint's full `module` state is read from `mp_rank_00_model_states.pt`. The model config
+  comes from the checkpoint's client state (`model_config`, or the trainer's run `config`:
+  preset + overrides), else a `config.json` beside it or the run's `export/config.json`; the
+  tokenizer from beside it, the run's export, or the run config's shard dataset.
+- `write_export` writes into a temporary sibling directory and renames it into place, so a
+  failed or interrupted write leaves nothing under the output name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from shatter.checkpoint import CONFIG, TOKENIZER, WEIGHTS, CheckpointError, from_pretrained, save_pretrained
+from shatter.config import ModelConfig, preset_config
+from shatter.model import ShatterForMaskedLM
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+def is_export(path: Path) -> bool:
+    return (path / CONFIG).is_file() and (path / WEIGHTS).is_file()
+
+
+def _deepspeed_tag_dir(path: Path) -> Optional[Path]:
+    """The checkpoint tag folder that `path` names or whose `latest` file points at."""
+    if (path / MODEL_STATES).is_file():
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        tag = path / latest.read_text().strip()
+        if not (tag / MODEL_STATES).is_file():
+            raise CheckpointError(f"{latest} points at {tag}, which has no {MODEL_STATES}")
+        return tag
+    return None
+
+
+def _config_for(tag_dir: Path, client_state: dict, state: dict) -> ModelConfig:
+    """The checkpoint's ModelConfig: stored whole, or rebuilt from the trainer's run config
+    (`config.model.preset` + `overrides`, vocab_size read off the word embeddings), or a
+    `config.json` beside the checkpoint or in the run's export."""
+    try:
+        if isinstance(client_state.get("model_config"), dict):
+            return ModelConfig.from_dict(client_state["model_config"])
+        run_config = client_state.get("config")
+        if isinstance(run_config, dict) and isinstance(run_config.get("model"), dict):
+            model = run_config["model"]
+            vocab = state.get("encoder.embeddings.word_embeddings.weight")
+            extra = {"vocab_size": int(vocab.shape[0])} if vocab is not None else {}
+            return preset_config(model["preset"], **{**extra, **(model.get("overrides") or {})})
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{tag_dir / MODEL_STATES}: its stored config is unusable: {e}") from None
+    for candidate in (tag_dir / CONFIG, tag_dir.parent / CONFIG, tag_dir.parent.parent / "export" / CONFIG):
+        if candidate.is_file():
+            try:
+                return ModelConfig.from_dict(json.loads(candidate.read_text()))
+            except (ValueError, TypeError) as e:
+                raise CheckpointError(f"{candidate}: {e}") from None
+    raise CheckpointError(
+        f"{tag_dir}: no model config found (a 'model_config' or trainer 'config' entry in "
+        f"{MODEL_STATES}, {CONFIG} beside the checkpoint, or the run's export/{CONFIG})"
+    )
+
+
+def load_deepspeed(tag_dir: Path) -> tuple[ShatterForMaskedLM, dict]:
+    """Consolidate a DeepSpeed checkpoint tag folder: (fp32 masked-LM model, its client state)."""
+    try:
+        states = torch.load(tag_dir / MODEL_STATES, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch raises several types for a truncated or foreign file
+        raise CheckpointError(f"{tag_dir / MODEL_STATES} cannot be read: {e}") from None
+    if not isinstance(states, dict):
+        raise CheckpointError(f"{tag_dir / MODEL_STATES} is not a DeepSpeed model-states file")
+    if any(tag_dir.glob("*zero_pp_rank_*optim_states.pt")):
+        # ZeRO: the fp32 master weights live partitioned in the optimizer states (and under
+        # stage 3 `module` is empty); bf16/fp16 `module` weights would lose precision.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        try:
+            state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        except Exception as e:  # a missing rank file or a foreign layout surfaces as many types
+            raise CheckpointError(f"{tag_dir}: cannot consolidate the ZeRO checkpoint: {e}") from None
+    else:
+        state = states.get("module")
+    if not isinstance(state, dict) or not state:
+        raise CheckpointError(f"{tag_dir / MODEL_STATES} holds no model weights")
+    state = {k.removeprefix("module."): v.float() for k, v in state.items()}
+    config = _config_for(tag_dir, states, state)
+    model = ShatterForMaskedLM(config)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise CheckpointError(f"{tag_dir}: weights do not match its {config.arch} config: {e}") from None
+    tied = {"mlm_head.word_embeddings.weight", "encoder.embeddings.word_embeddings.weight"}
+    if unexpected or set(missing) - tied:
+        raise CheckpointError(
+            f"{tag_dir}: weights do not match its {config.arch} config: "
+            f"missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    return model.eval(), states
+
+
+def load_model(path: Union[str, Path]) -> tuple[nn.Module, Optional[Path]]:
+    """(model, its tokenizer.model or None) from an export or a DeepSpeed checkpoint directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if is_export(path):
+        tokenizer = path / TOKENIZER
+        return from_pretrained(path), tokenizer if tokenizer.is_file() else None
+    tag_dir = _deepspeed_tag_dir(path)
+    if tag_dir is None:
+        raise CheckpointError(
+            f"{path}: neither an export ({WEIGHTS} + {CONFIG}) nor a DeepSpeed checkpoint "
+            f"(a 'latest' file or {MODEL_STATES})"
+        )
+    model, client_state = load_deepspeed(tag_dir)
+    candidates = [tag_dir / TOKENIZER, tag_dir.parent / TOKENIZER, tag_dir.parent.parent / "export" / TOKENIZER]
+    data_path = ((client_state.get("config") or {}).get("data") or {}).get("path")
+    if data_path:  # the trainer's run config names the shard dataset, which holds the tokenizer
+        candidates.append(Path(data_path) / TOKENIZER)
+    for candidate in candidates:
+        if candidate.is_file():
+            return model, candidate
+    return model, None
+
+
+def write_export(model: nn.Module, tokenizer: Path, output: Union[str, Path], overwrite: bool = False) -> Path:
+    """Write an export to `output` through a temporary sibling directory and a rename."""
+    output = Path(output)
+    if output.exists() and not overwrite and (not output.is_dir() or any(output.iterdir())):
+        raise CheckpointError(f"{output} already exists and is not empty (pass --overwrite to replace it)")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    try:
+        save_pretrained(model, tmp, tokenizer=tokenizer)
+        if output.exists():
+            old = output.with_name(f".{output.name}.old-{os.getpid()}")
+            os.replace(output, old)
+            os.replace(tmp, output)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, output)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return output

@@ -1,0 +1,94 @@
+"""`shatter-extend` end to end on real exports: output, report, and every refusal writes nothing."""
+import json
+
+import pytest
+import sentencepiece as spm
+import torch
+from click.testing import CliRunner
+
+import shatter
+from tools.extend import main
+
+from .test_extend import OLD, inputs, tiny
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    (root / "c.txt").write_text("\n".join(f"the quick brown fox {i} jumps over lazy dogs {i * 7}" for i in range(300)))
+    spm.SentencePieceTrainer.train(input=str(root / "c.txt"), model_prefix=str(root / "t"), vocab_size=48, hard_vocab_limit=False,
+                                   pad_id=0, unk_id=1, bos_id=-1, eos_id=-1,
+                                   user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"], minloglevel=2)
+    return root / "t.model"
+
+
+@pytest.fixture
+def export(tmp_path, tokenizer_file):
+    def make(arch="bert", tokenizer=True):
+        path = tmp_path / f"export-{arch}"
+        shatter.save_pretrained(tiny(arch), path, tokenizer=tokenizer_file if tokenizer else None)
+        return path
+    return make
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("arch, added", [("bert", (64 - OLD) * 32), ("shatter", 0), ("bert-rpe", 0)])
+def test_extends_an_export(export, tmp_path, arch, added):
+    out = tmp_path / "extended"
+    result = run(export(arch), "--max-len", 64, "--output", out, "--init", "copy")
+    assert result.exit_code == 0, result.output
+    assert f"total parameters added: {added:,}" in result.output
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+    assert json.loads((out / "config.json").read_text())["max_len"] == 64
+    model, extended = shatter.from_pretrained(export(arch)), shatter.from_pretrained(out)
+    ids, mask = inputs(OLD)
+    with torch.no_grad():
+        torch.testing.assert_close(extended.encoder(ids, mask), model.encoder(ids, mask), rtol=0, atol=1e-5)
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # no temp dir left behind
+
+
+def refused(result, out, message):
+    assert result.exit_code != 0
+    assert message in result.output, result.output
+    assert "Traceback" not in result.output
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if ".tmp-" in p.name]
+
+
+def test_refuses_a_length_not_longer(export, tmp_path):
+    out = tmp_path / "o"
+    refused(run(export(), "--max-len", OLD, "--output", out), out, "not larger than the model's max_len 16")
+
+
+def test_refuses_unknown_and_corrupt_checkpoints(export, tmp_path):
+    out = tmp_path / "o"
+    refused(run(tmp_path / "nowhere", "--max-len", 64, "--output", out), out, "no such checkpoint directory")
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("hello")
+    refused(run(stray, "--max-len", 64, "--output", out), out, "neither an export")
+    corrupt = export()
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 40)
+    refused(run(corrupt, "--max-len", 64, "--output", out), out, "model.safetensors")
+    bad_config = export("shatter")
+    (bad_config / "config.json").write_text('{"arch": "shatter", "colour": 1}')
+    refused(run(bad_config, "--max-len", 64, "--output", out), out, "unknown ModelConfig keys")
+
+
+def test_refuses_a_missing_tokenizer(export, tmp_path):
+    out = tmp_path / "o"
+    refused(run(export(tokenizer=False), "--max-len", 64, "--output", out), out, "no tokenizer.model found")
+
+
+def test_refuses_to_overwrite_unless_asked(export, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run(export(), "--max-len", 64, "--output", out)
+    assert result.exit_code != 0 and "already exists" in result.output
+    assert (out / "keep.txt").read_text() == "mine"
+    assert run(export(), "--max-len", 64, "--output", out, "--overwrite").exit_code == 0
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()

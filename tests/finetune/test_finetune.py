@@ -1,0 +1,119 @@
+"""A few-step finetune end to end, on task files the tests write, through the command line."""
+import csv
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import shatter
+from train.finetune import main
+
+from .conftest import sentiment_rows, squad_json
+
+
+@pytest.fixture
+def export(tmp_path, tokenizer_model):
+    def make(arch="shatter", max_len=64):
+        path = tmp_path / f"export-{arch}"
+        model = shatter.build_model(f"{arch}-tiny", vocab_size=200, max_len=max_len, hidden=32, ffn=64)
+        shatter.save_pretrained(model, path, tokenizer=tokenizer_model)
+        return path
+    return make
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["modified", "cls"])
+def test_classify_learns_the_synthetic_sentiment(tmp_path, export, strategy):
+    train = write_csv(tmp_path / "train.csv", sentiment_rows(320, seed=0))
+    dev = write_csv(tmp_path / "dev.csv", sentiment_rows(80, seed=1))
+    out = tmp_path / "run"
+    result = run("--task", "classify", "--checkpoint", export(), "--train-file", train, "--validation-file", dev,
+                 "--text-columns", "review", "--label-column", "sentiment", "--id-column", "id",
+                 "--output", out, "--max-steps", 60, "--eval-every", 30, "--lr", 1e-3, "--cls-strategy", strategy)
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [e["step"] for e in metrics["evaluations"]] == [30, 60]
+    assert metrics["final"]["step"] == 60
+    assert metrics["best"]["accuracy"] == max(e["accuracy"] for e in metrics["evaluations"])
+    assert metrics["best"]["accuracy"] > 0.8  # the cue words decide the label
+    predictions = json.loads((out / "predictions.json").read_text())
+    assert set(predictions) == {f"r{i}" for i in range(80)} and set(predictions.values()) <= {"pos", "neg"}
+    best = shatter.from_pretrained(out / "best")
+    assert best.head_config()["strategy"] == strategy
+    assert (out / "best" / "tokenizer.model").is_file() and list((out / "tensorboard").iterdir())
+
+
+@pytest.mark.slow
+def test_squad_runs_and_writes_official_predictions(tmp_path, export):
+    train, dev = tmp_path / "train.json", tmp_path / "dev.json"
+    train.write_text(json.dumps(squad_json(120, seed=0)))
+    dev.write_text(json.dumps(squad_json(30, seed=1)))
+    out = tmp_path / "run"
+    result = run("--task", "squad", "--checkpoint", export("bert", max_len=64), "--train-file", train,
+                 "--validation-file", dev, "--output", out, "--max-steps", 20, "--eval-every", 10, "--lr", 1e-3,
+                 "--doc-stride", 24)
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["validation_features"] > 30  # long contexts became several windows
+    predictions = json.loads((out / "predictions.json").read_text())
+    assert set(predictions) == {f"q{i}" for i in range(30)}
+    contexts = {p["qas"][0]["id"]: p["context"] for p in squad_json(30, seed=1)["data"][0]["paragraphs"]}
+    assert all(answer in contexts[qid] for qid, answer in predictions.items())  # spans of the context
+    assert 0 <= metrics["best"]["exact_match"] <= metrics["best"]["f1"] <= 100
+
+
+def test_refuses_a_length_beyond_the_checkpoint(tmp_path, export):
+    train = write_csv(tmp_path / "train.csv", sentiment_rows(20))
+    result = run("--task", "classify", "--checkpoint", export(max_len=32), "--train-file", train,
+                 "--text-columns", "review", "--label-column", "sentiment", "--output", tmp_path / "run",
+                 "--max-len", 128)
+    assert result.exit_code != 0 and "shatter-extend" in result.output and "Traceback" not in result.output
+
+
+def test_names_the_file_with_a_missing_column(tmp_path, export):
+    train = write_csv(tmp_path / "train.csv", sentiment_rows(20))
+    result = run("--task", "classify", "--checkpoint", export(), "--train-file", train,
+                 "--text-columns", "body", "--label-column", "sentiment", "--output", tmp_path / "run")
+    assert result.exit_code != 0 and "train.csv" in result.output and "missing column" in result.output
+
+
+def test_regression_and_multirc_grouping(tmp_path, export, write_jsonl):
+    rows = sentiment_rows(48)
+    sts = tmp_path / "sts.tsv"
+    sts.write_text("index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n" + "".join(
+        f"{i}\tg\tf\ty\to\ts\ts\t{r['review']}\t{rows[i - 1]['review']}\t{i % 6}.000\n" for i, r in enumerate(rows)))
+    result = run("--task", "stsb", "--checkpoint", export(), "--train-file", sts, "--validation-file", sts,
+                 "--output", tmp_path / "sts", "--max-steps", 4, "--lr", 1e-3)
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((tmp_path / "sts" / "metrics.json").read_text())
+    assert metrics["main_metric"] == "spearman" and {"pearson", "spearman"} <= set(metrics["best"])
+    predictions = json.loads((tmp_path / "sts" / "predictions.json").read_text())
+    assert len(predictions) == 48 and all(isinstance(v, float) for v in predictions.values())
+
+    mrc = write_jsonl(tmp_path / "mrc.jsonl", [{"idx": p, "passage": {"text": rows[p]["review"], "questions": [
+        {"idx": q, "question": "is it good?", "answers": [
+            {"idx": a, "text": rows[p + q + a]["review"], "label": (p + a) % 2} for a in range(3)]}
+        for q in range(2)]}} for p in range(8)])
+    result = run("--task", "multirc", "--checkpoint", export(), "--train-file", mrc, "--validation-file", mrc,
+                 "--output", tmp_path / "mrc", "--max-steps", 4, "--lr", 1e-3)
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((tmp_path / "mrc" / "metrics.json").read_text())
+    predictions = json.loads((tmp_path / "mrc" / "predictions.json").read_text())
+    assert metrics["main_metric"] == "f1a" and len(predictions) == 48
+    # EM recomputed from the predictions: a question counts only if all three options are right.
+    gold = {f"{p}-{q}-{a}": str((p + a) % 2) for p in range(8) for q in range(2) for a in range(3)}
+    em = sum(all(predictions[f"{p}-{q}-{a}"] == gold[f"{p}-{q}-{a}"] for a in range(3))
+             for p in range(8) for q in range(2)) / 16
+    assert metrics["best"]["em"] == pytest.approx(em)

@@ -1,0 +1,77 @@
+"""Metric functions against cases worked out by hand."""
+import math
+
+import pytest
+
+from train import task_metrics as m
+
+
+@pytest.mark.parametrize(
+    "raw, normalised",
+    [
+        ("The Eiffel Tower", "eiffel tower"),
+        ("  an   apple,  a pear!  ", "apple pear"),
+        ("Theatre", "theatre"),  # 'the' only as a whole word
+        ("U.S.A.", "usa"),
+        ("a", ""),
+    ],
+)
+def test_squad_normalisation(raw, normalised):
+    assert m.normalize_answer(raw) == normalised
+
+
+def test_squad_em_and_f1_by_hand():
+    # 'the big red dog' vs 'big dog': normalised 'big red dog' vs 'big dog': 2 common tokens,
+    # precision 2/3, recall 2/2 -> F1 = 0.8.
+    assert m.squad_f1("the big red dog", "Big dog.") == pytest.approx(0.8)
+    assert m.squad_exact_match("The Big Dog", "big dog!") == 1.0
+    assert m.squad_f1("cat", "dog") == 0.0
+
+
+def test_squad_metrics_max_over_golds_and_missing_predictions():
+    golds = {"q1": ["Denver Broncos", "the Broncos"], "q2": ["1990"], "q3": ["blue whale"]}
+    preds = {"q1": "Broncos", "q2": "in 1990"}  # q3 unanswered
+    got = m.squad_metrics(preds, golds)
+    # q1: EM 1 against 'the Broncos'; q2: EM 0, F1 2*(1/2*1)/(1/2+1) = 2/3; q3: 0.
+    assert got["exact_match"] == pytest.approx(100 / 3)
+    assert got["f1"] == pytest.approx(100 * (1 + 2 / 3) / 3)
+
+
+def test_mcc_by_hand():
+    labels, preds = [1, 1, 0, 0, 1], [1, 0, 0, 1, 1]
+    tp, tn, fp, fn = 2, 1, 1, 1
+    want = (tp * tn - fp * fn) / math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    assert m.mcc(labels, preds)["mcc"] == pytest.approx(want)
+
+
+def test_f1_accuracy_by_hand():
+    got = m.f1_accuracy([1, 1, 0, 0], [1, 0, 1, 0])
+    assert got == {"f1": pytest.approx(0.5), "accuracy": pytest.approx(0.5)}
+
+
+def test_pearson_spearman_by_hand():
+    got = m.pearson_spearman([1.0, 2.0, 3.0, 4.0], [1.0, 4.0, 9.0, 16.0])
+    assert got["spearman"] == pytest.approx(1.0)
+    assert 0.9 < got["pearson"] < 1.0
+    assert m.pearson_spearman([1.0, 2.0], [3.0, 3.0]) == {"pearson": 0.0, "spearman": 0.0}
+
+
+def test_multirc_f1a_and_em_by_hand():
+    labels = [1, 0, 1, 1, 0]
+    preds = [1, 0, 0, 1, 0]
+    groups = ["q1", "q1", "q2", "q2", "q3"]
+    got = m.multirc_metrics(labels, preds, groups)
+    # F1a: tp 2, fp 0, fn 1 -> 0.8; EM: q1 and q3 all right, q2 not -> 2/3.
+    assert got["f1a"] == pytest.approx(0.8)
+    assert got["em"] == pytest.approx(2 / 3)
+
+
+def test_every_task_has_a_main_metric_its_scorer_reports():
+    for task, fn in m.CLASSIFICATION_METRICS.items():
+        if task == "multirc":
+            out = fn([0, 1], [0, 1], ["a", "b"])
+        elif task == "stsb":
+            out = fn([0.0, 1.0, 2.0], [0.0, 1.0, 2.5])
+        else:
+            out = fn([0, 1], [0, 1])
+        assert m.MAIN_METRIC[task] in out, task

@@ -1,0 +1,37 @@
+"""Balanced key-range sharding: balance, coverage, independence from how rows are split."""
+import numpy as np
+import pytest
+
+from pipeline import sharding
+
+
+def _keys(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 2**63, size=n, dtype=np.int64).astype(np.uint64) * np.uint64(2)
+
+
+@pytest.mark.parametrize("n,shards", [(37, 4), (1000, 8), (200_000, 16)])
+def test_shards_are_balanced(n, shards):
+    keys = np.sort(_keys(n))
+    edges = sharding.balanced_boundaries(sharding.histogram(keys), shards)
+    sizes = [stop - start for _, start, stop in sharding.shard_slices(keys, edges)]
+    assert sum(sizes) == n and len(sizes) == shards
+    ideal = n / shards
+    # within one bucket (~n / 65536 rows, at least one row) of the ideal size
+    assert max(abs(s - ideal) for s in sizes) <= max(2, 3 * n / sharding.N_BUCKETS)
+    if n >= 100_000:
+        assert max(sizes) / min(sizes) < 1.01
+
+
+def test_boundaries_depend_only_on_the_set_of_keys():
+    keys = _keys(5000, 1)
+    parts = np.array_split(np.random.default_rng(2).permutation(keys), 7)
+    summed = sum(sharding.histogram(p) for p in parts)
+    assert np.array_equal(sharding.balanced_boundaries(summed, 5),
+                          sharding.balanced_boundaries(sharding.histogram(keys), 5))
+
+
+def test_empty_and_single_shard():
+    edges = sharding.balanced_boundaries(np.zeros(sharding.N_BUCKETS, np.int64), 3)
+    assert edges[0] == 0 and edges[-1] == sharding.N_BUCKETS and (np.diff(edges) >= 0).all()
+    keys = np.sort(_keys(10))
+    assert sharding.shard_slices(keys, sharding.balanced_boundaries(sharding.histogram(keys), 1)) == [(0, 0, 10)]

@@ -1,0 +1,168 @@
+"""From examples to model inputs, and from span logits back to answers.
+
+- Sequence (pair) classification: `[CLS] a [SEP] b [SEP]`, truncated longest-first to max_len,
+  as BERT (Devlin et al., 2019) and the paper (§3.4) feed classifiers.
+- SQuAD: `[CLS] question [SEP] context-window [SEP]`; a context longer than the window is covered
+  by windows whose starts are `doc_stride` tokens apart (BERT's `run_squad.py`). The gold
+  character span becomes a token span through sentencepiece's piece offsets
+  (`encode_as_proto`: begin/end of each piece in the original string); a window that
+  does not contain the whole answer points both ends at `[CLS]`. At prediction time the best
+  span over all windows wins (start logit + end logit, start <= end, at most max_answer_len
+  tokens, both ends inside the context), and the answer is the context's original characters.
+
+The tokenizer is the export's sentencepiece model with the project's special ids
+([PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4) on lower-cased text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
+
+
+def _lower_same_length(text: str) -> str:
+    """Lower-case without changing the length (e.g. 'İ' -> 'i̇' would), so offsets stay valid."""
+    out = text.lower()
+    if len(out) == len(text):
+        return out
+    return "".join(c if len(c.lower()) != 1 else c.lower() for c in text)
+
+
+class Tokenizer:
+    """The export's sentencepiece model, checked for the project's special ids."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: tokenizer model not found")
+        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        for token, want in (("[CLS]", CLS), ("[SEP]", SEP)):
+            got = self.sp.piece_to_id(token)
+            if got != want:
+                raise ValueError(f"{path}: {token} has id {got}, the project's contract is {want}")
+        self.vocab_size = self.sp.get_piece_size()
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.sp.encode([_lower_same_length(t) for t in texts])
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Ids and each piece's [begin, end) character span in `text` (whitespace trimmed)."""
+        proto = self.sp.encode_as_proto(_lower_same_length(text))
+        ids, begins, ends = [], [], []
+        for piece in proto.pieces:
+            begin, end = piece.begin, piece.end
+            while begin < end and text[begin].isspace():  # "▁word" spans its leading space
+                begin += 1
+            ids.append(piece.id)
+            begins.append(begin)
+            ends.append(end)
+        return ids, np.asarray(begins, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+
+
+def encode_pair(ids_a: list[int], ids_b: list[int], max_len: int) -> list[int]:
+    """`[CLS] a [SEP] (b [SEP])`, truncating the longer side first until it fits max_len."""
+    budget = max_len - (3 if ids_b else 2)
+    if budget < 2:
+        raise ValueError(f"max_len {max_len} leaves no room for text")
+    la, lb = len(ids_a), len(ids_b)
+    while la + lb > budget:
+        if la >= lb:
+            la -= 1
+        else:
+            lb -= 1
+    out = [CLS, *ids_a[:la], SEP]
+    if ids_b:
+        out += [*ids_b[:lb], SEP]
+    return out
+
+
+def pad_batch(sequences: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
+    """Right-padded `input_ids` with [PAD] and the `attention_mask` (1 token, 0 padding)."""
+    length = max(len(s) for s in sequences)
+    ids = np.full((len(sequences), length), PAD, dtype=np.int64)
+    mask = np.zeros((len(sequences), length), dtype=np.int64)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@dataclass(frozen=True)
+class SpanWindow:
+    """One SQuAD window: its inputs, where its context tokens sit, and the gold token span."""
+
+    example: int  # index of the example it belongs to
+    input_ids: list[int]
+    context_offset: int  # position of the window's first context token in input_ids
+    char_begin: np.ndarray  # [n_context] first character of each context token
+    char_end: np.ndarray  # [n_context] one past its last character
+    start_position: int  # gold start token in input_ids, 0 ([CLS]) when not inside
+    end_position: int  # gold end token in input_ids, 0 ([CLS]) when not inside
+
+
+def span_windows(
+    tokenizer: Tokenizer,
+    question: str,
+    context: str,
+    example: int,
+    max_len: int,
+    doc_stride: int = 128,
+    max_query_len: int = 64,
+    answer: tuple[int, int] | None = None,
+) -> list[SpanWindow]:
+    """Cover the context with windows; `answer` is the gold [start, end) character span."""
+    q_ids = tokenizer.encode([question])[0][:max_query_len]
+    c_ids, begins, ends = tokenizer.encode_with_offsets(context)
+    window = max_len - len(q_ids) - 3
+    if window < 1:
+        raise ValueError(f"max_len {max_len} leaves no room for the context")
+    step = max(1, min(doc_stride, window))
+    gold = None
+    if answer is not None and len(c_ids):
+        s, e = answer
+        inside = np.nonzero((ends > s) & (begins < e))[0]
+        if len(inside):
+            gold = (int(inside[0]), int(inside[-1]))
+    windows, start = [], 0
+    while True:
+        stop = min(start + window, len(c_ids))
+        offset = len(q_ids) + 2
+        ids = [CLS, *q_ids, SEP, *c_ids[start:stop], SEP]
+        sp = ep = 0
+        if gold is not None and start <= gold[0] and gold[1] < stop:
+            sp, ep = gold[0] - start + offset, gold[1] - start + offset
+        windows.append(SpanWindow(example, ids, offset, begins[start:stop], ends[start:stop], sp, ep))
+        if stop >= len(c_ids):
+            return windows
+        start += step
+
+
+def best_span(
+    windows: Sequence[SpanWindow],
+    start_logits: Sequence[np.ndarray],
+    end_logits: Sequence[np.ndarray],
+    context: str,
+    max_answer_len: int = 30,
+    n_best: int = 20,
+) -> str:
+    """The highest-scoring valid span over one example's windows, as original context text."""
+    best_score, best = -np.inf, ""
+    for w, sl, el in zip(windows, start_logits, end_logits, strict=True):
+        n = len(w.char_begin)
+        if n == 0:
+            continue
+        s_ctx = np.asarray(sl[w.context_offset : w.context_offset + n])
+        e_ctx = np.asarray(el[w.context_offset : w.context_offset + n])
+        for i in np.argsort(-s_ctx)[:n_best]:
+            for j in np.argsort(-e_ctx)[:n_best]:
+                if j < i or j - i + 1 > max_answer_len:
+                    continue
+                score = s_ctx[i] + e_ctx[j]
+                if score > best_score:
+                    best_score, best = score, context[w.char_begin[i] : w.char_end[j]]
+    return best.strip()

@@ -1,0 +1,134 @@
+"""Finetuning metrics, as each benchmark defines them.
+
+- GLUE (Wang et al., 2018): CoLA Matthews correlation; STS-B Pearson and Spearman; MRPC and QQP
+  F1 of the positive class and accuracy; accuracy for SST-2, MNLI, QNLI, RTE.
+- SQuAD v1.1 (Rajpurkar et al., 2016): exact match and token F1 after the official answer
+  normalisation (`evaluate-v1.1.py`: lower-case, drop punctuation, drop the articles a/an/the,
+  collapse whitespace), the maximum over the gold answers, averaged over questions, in percent.
+- MultiRC (Khashabi et al., 2018; SuperGLUE): F1a, the binary F1 over all answer options, and EM,
+  the fraction of questions whose answer options are all labelled correctly.
+- BoolQ: accuracy.
+
+sklearn and scipy compute the standard ones; only the SQuAD normalisation and the MultiRC grouping
+are written here, because no maintained library ships them without a network download.
+"""
+from __future__ import annotations
+
+import collections
+import re
+import string
+from typing import Callable, Hashable, Iterable, Mapping, Sequence
+
+import numpy as np
+from scipy import stats
+from sklearn import metrics as skm
+
+_PUNCTUATION = frozenset(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(s: str) -> str:
+    """The official SQuAD v1.1 normalisation: lower, no punctuation, no articles, single spaces."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in _PUNCTUATION)
+    s = _ARTICLES.sub(" ", s)
+    return " ".join(s.split())
+
+
+def squad_exact_match(prediction: str, gold: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def squad_f1(prediction: str, gold: str) -> float:
+    """Token-level F1 between normalised answers (0 when they share no token, as the script does)."""
+    pred_tokens = normalize_answer(prediction).split()
+    gold_tokens = normalize_answer(gold).split()
+    common = collections.Counter(pred_tokens) & collections.Counter(gold_tokens)
+    num_same = sum(common.values())
+    if num_same == 0:
+        return 0.0
+    precision = num_same / len(pred_tokens)
+    recall = num_same / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def squad_metrics(predictions: Mapping[str, str], golds: Mapping[str, Sequence[str]]) -> dict:
+    """EM and F1 in percent over every question in `golds`; an unanswered question scores 0."""
+    if not golds:
+        raise ValueError("no gold answers to score against")
+    em = f1 = 0.0
+    for qid, answers in golds.items():
+        if qid not in predictions:
+            continue
+        pred = predictions[qid]
+        em += max(squad_exact_match(pred, a) for a in answers)
+        f1 += max(squad_f1(pred, a) for a in answers)
+    n = len(golds)
+    return {"exact_match": 100.0 * em / n, "f1": 100.0 * f1 / n, "examples": n}
+
+
+def accuracy(labels: Sequence[int], preds: Sequence[int]) -> dict:
+    return {"accuracy": float(skm.accuracy_score(labels, preds))}
+
+
+def mcc(labels: Sequence[int], preds: Sequence[int]) -> dict:
+    return {"mcc": float(skm.matthews_corrcoef(labels, preds)), **accuracy(labels, preds)}
+
+
+def f1_accuracy(labels: Sequence[int], preds: Sequence[int]) -> dict:
+    """F1 of the positive class (label 1), as GLUE reports for MRPC and QQP, and accuracy."""
+    f1 = skm.f1_score(labels, preds, pos_label=1, average="binary", zero_division=0.0)
+    return {"f1": float(f1), **accuracy(labels, preds)}
+
+
+def pearson_spearman(labels: Sequence[float], preds: Sequence[float]) -> dict:
+    """STS-B; a constant prediction has no defined correlation and scores 0, not NaN."""
+    labels, preds = np.asarray(labels, dtype=float), np.asarray(preds, dtype=float)
+    if np.ptp(preds) == 0 or np.ptp(labels) == 0:
+        return {"pearson": 0.0, "spearman": 0.0}
+    return {
+        "pearson": float(stats.pearsonr(labels, preds)[0]),
+        "spearman": float(stats.spearmanr(labels, preds)[0]),
+    }
+
+
+def multirc_metrics(
+    labels: Sequence[int], preds: Sequence[int], groups: Iterable[Hashable]
+) -> dict:
+    """F1a over all answer options and EM over questions (`groups` names each option's question)."""
+    per_question: dict = collections.defaultdict(list)
+    for label, pred, group in zip(labels, preds, groups, strict=True):
+        per_question[group].append(label == pred)
+    em = float(np.mean([all(v) for v in per_question.values()])) if per_question else 0.0
+    f1a = skm.f1_score(labels, preds, pos_label=1, average="binary", zero_division=0.0)
+    return {"f1a": float(f1a), "em": em, **accuracy(labels, preds)}
+
+
+# Which function scores each classification-style task, and which of its numbers picks the best
+# checkpoint. SQuAD is scored by `squad_metrics` (main: f1).
+CLASSIFICATION_METRICS: dict[str, Callable[..., dict]] = {
+    "cola": mcc,
+    "sst2": accuracy,
+    "mrpc": f1_accuracy,
+    "qqp": f1_accuracy,
+    "stsb": pearson_spearman,
+    "mnli": accuracy,
+    "qnli": accuracy,
+    "rte": accuracy,
+    "boolq": accuracy,
+    "multirc": multirc_metrics,
+}
+
+MAIN_METRIC: dict[str, str] = {
+    "cola": "mcc",
+    "sst2": "accuracy",
+    "mrpc": "f1",
+    "qqp": "f1",
+    "stsb": "spearman",
+    "mnli": "accuracy",
+    "qnli": "accuracy",
+    "rte": "accuracy",
+    "boolq": "accuracy",
+    "multirc": "f1a",
+    "squad": "f1",
+}

@@ -1,0 +1,289 @@
+"""Finetuning tasks: what each one reads, and the examples it yields.
+
+Every reader goes through `datasets` and returns `Examples`: a `datasets.Dataset` with the
+columns `id`, `text_a`, `text_b` ("" for single-sentence tasks), `label` (a string, a float for
+regression, or for SQuAD the JSON list of gold answers), `group` (MultiRC's question, else the id)
+and, for SQuAD, `answer_start`; plus a counter of skipped rows, by reason, which the caller
+reports. Formats, as distributed:
+
+- GLUE (Wang et al., 2018) TSVs: `quoting=QUOTE_NONE`, as GLUE's own loader reads them, because
+  quotes in these files are literal text (a quoted CSV reader swallows whole lines of SST-2 and
+  MNLI). CoLA's train/dev files have no header. Lines with the wrong number of fields are skipped
+  and counted (physical lines minus parsed rows).
+- SQuAD v1.1 JSON (Rajpurkar et al., 2016): `{"data": [{"title", "paragraphs": [{"context",
+  "qas": [{"id", "question", "answers": [{"text", "answer_start"}]}]}]}]}`.
+- SuperGLUE (Wang et al., 2019) JSONL: BoolQ `{question, passage, idx, label}`; MultiRC
+  `{idx, passage: {text, questions: [{idx, question, answers: [{idx, text, label}]}]}}`, which
+  becomes one binary example per answer option, grouped by question for EM.
+- `classify`: any CSV/TSV or JSON/JSONL file (compressed or not), `--text-columns a[,b]`,
+  `--label-column c`.
+"""
+from __future__ import annotations
+
+import bz2
+import collections
+import csv
+import gzip
+import json
+import lzma
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import datasets
+
+COLUMNS = ("id", "text_a", "text_b", "label", "group", "answer_start")
+
+
+class TaskDataError(ValueError):
+    """A data file that cannot be read as the task's format; the message names the file."""
+
+
+@dataclass(frozen=True)
+class GlueFormat:
+    """Where one GLUE task keeps its fields in the distributed TSV."""
+
+    text_a: str  # column of the first sentence
+    text_b: Optional[str]  # column of the second sentence, None for single-sentence tasks
+    label: str  # column of the gold label
+    header: Optional[tuple[str, ...]] = None  # column names when the file has no header row
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A task: its kind, its label set in id order, and how its files are read."""
+
+    name: str
+    kind: str  # "classification", "regression" or "span"
+    labels: Optional[tuple[str, ...]]  # label strings by id; None: taken from the data
+    glue: Optional[GlueFormat] = None  # set for the GLUE TSV tasks
+
+
+_COLA = GlueFormat("sentence", None, "label", header=("source", "label", "original_label", "sentence"))
+TASKS: dict[str, TaskSpec] = {
+    "cola": TaskSpec("cola", "classification", ("0", "1"), _COLA),
+    "sst2": TaskSpec("sst2", "classification", ("0", "1"), GlueFormat("sentence", None, "label")),
+    "mrpc": TaskSpec(
+        "mrpc", "classification", ("0", "1"), GlueFormat("#1 String", "#2 String", "Quality")
+    ),
+    "qqp": TaskSpec(
+        "qqp", "classification", ("0", "1"), GlueFormat("question1", "question2", "is_duplicate")
+    ),
+    "stsb": TaskSpec("stsb", "regression", None, GlueFormat("sentence1", "sentence2", "score")),
+    "mnli": TaskSpec(
+        "mnli",
+        "classification",
+        ("entailment", "neutral", "contradiction"),
+        GlueFormat("sentence1", "sentence2", "gold_label"),
+    ),
+    "qnli": TaskSpec(
+        "qnli",
+        "classification",
+        ("entailment", "not_entailment"),
+        GlueFormat("question", "sentence", "label"),
+    ),
+    "rte": TaskSpec(
+        "rte",
+        "classification",
+        ("entailment", "not_entailment"),
+        GlueFormat("sentence1", "sentence2", "label"),
+    ),
+    "squad": TaskSpec("squad", "span", None),
+    "boolq": TaskSpec("boolq", "classification", ("false", "true")),
+    "multirc": TaskSpec("multirc", "classification", ("0", "1")),
+    "classify": TaskSpec("classify", "classification", None),
+}
+
+
+@dataclass
+class Examples:
+    """The examples of one file, and the rows skipped while reading it, by reason."""
+
+    dataset: datasets.Dataset
+    skipped: collections.Counter = field(default_factory=collections.Counter)
+
+
+def _text(value) -> str:
+    """pandas infers numbers in a column of strings; the task wants the text as written."""
+    return "" if value is None else str(value).strip()
+
+
+def _open_text(path: Path):
+    opener = {".bz2": bz2.open, ".gz": gzip.open, ".xz": lzma.open}.get(path.suffix, open)
+    return opener(path, "rt", encoding="utf-8", newline="")
+
+
+def _count_lines(path: Path) -> int:
+    with _open_text(path) as f:
+        return sum(1 for _ in f)
+
+
+def _build(rows: list[dict], skipped: collections.Counter) -> Examples:
+    columns = {c: [r.get(c) for r in rows] for c in COLUMNS}
+    columns["text_b"] = [t or "" for t in columns["text_b"]]
+    columns["group"] = [g if g is not None else i for g, i in zip(columns["group"], columns["id"])]
+    columns["answer_start"] = [a if a is not None else -1 for a in columns["answer_start"]]
+    if not (rows and isinstance(rows[0]["label"], float)):  # regression keeps float labels
+        columns["label"] = [str(x) for x in columns["label"]]
+    return Examples(datasets.Dataset.from_dict(columns), skipped)
+
+
+def _load(loader, path: Path, **kwargs) -> datasets.Dataset:
+    if not path.is_file():
+        raise TaskDataError(f"{path}: no such file")
+    try:
+        return loader(str(path), **kwargs)
+    except Exception as e:  # datasets wraps parser errors in several types; name the file
+        raise TaskDataError(f"{path}: cannot be read ({type(e).__name__}: {e})") from e
+
+
+def _need_columns(path: Path, have, need) -> None:
+    missing = [c for c in need if c not in have]
+    if missing:
+        raise TaskDataError(f"{path}: missing column(s) {missing}; found {list(have)}")
+
+
+def read_glue(spec: TaskSpec, path: Path) -> Examples:
+    """A GLUE TSV as distributed (train.tsv, dev.tsv, dev_matched.tsv, ...)."""
+    fmt = spec.glue
+    kwargs = dict(sep="\t", quoting=csv.QUOTE_NONE, keep_default_na=False)
+    kwargs["on_bad_lines"] = "skip"  # counted below: physical lines minus parsed rows
+    if fmt.header:
+        kwargs.update(header=None, names=list(fmt.header))
+    raw = _load(datasets.Dataset.from_csv, path, **kwargs)
+    need = [fmt.text_a, fmt.label] + ([fmt.text_b] if fmt.text_b else [])
+    _need_columns(path, raw.column_names, need)
+    skipped = collections.Counter()
+    bad_lines = _count_lines(path) - (0 if fmt.header else 1) - len(raw)
+    if bad_lines:
+        skipped["malformed line (wrong number of tab-separated fields)"] += bad_lines
+    rows = []
+    for i, r in enumerate(raw.to_list()):
+        a, b = _text(r[fmt.text_a]), _text(r[fmt.text_b]) if fmt.text_b else ""
+        label = _text(r[fmt.label])
+        if not a or (fmt.text_b and not b):
+            skipped["empty text"] += 1
+            continue
+        if spec.kind == "regression":
+            try:
+                label = float(label)
+            except (TypeError, ValueError):
+                skipped["unparseable regression label"] += 1
+                continue
+        elif label not in spec.labels:
+            skipped[f"label not in {list(spec.labels)}"] += 1
+            continue
+        rows.append({"id": str(r.get("index") or r.get("id") or i), "text_a": a, "text_b": b, "label": label})
+    return _build(rows, skipped)
+
+
+def read_squad(path: Path) -> Examples:
+    """SQuAD v1.1 JSON: one example per question; `label` is the JSON list of gold answers."""
+    raw = _load(datasets.Dataset.from_json, path, field="data")
+    _need_columns(path, raw.column_names, ["paragraphs"])
+    skipped, rows = collections.Counter(), []
+    for article in raw.to_list():
+        for paragraph in article["paragraphs"]:
+            context = paragraph["context"]
+            for qa in paragraph["qas"]:
+                answers = [a for a in qa.get("answers") or [] if a.get("text")]
+                if not answers or not qa.get("question", "").strip():
+                    skipped["question without answer or text"] += 1
+                    continue
+                first = answers[0]
+                start = first.get("answer_start", -1)
+                if context[start : start + len(first["text"])] != first["text"]:
+                    start = context.find(first["text"])  # a shifted offset: trust the text
+                    if start < 0:
+                        skipped["answer text not found in context"] += 1
+                        continue
+                    skipped["answer_start corrected"] += 1
+                rows.append({
+                    "id": qa["id"], "text_a": qa["question"], "text_b": context,
+                    "label": json.dumps([a["text"] for a in answers]), "answer_start": start,
+                })
+    return _build(rows, skipped)
+
+
+def read_boolq(path: Path) -> Examples:
+    raw = _load(datasets.Dataset.from_json, path)
+    _need_columns(path, raw.column_names, ["question", "passage", "label"])
+    skipped, rows = collections.Counter(), []
+    for i, r in enumerate(raw.to_list()):
+        if r["label"] is None or not r["question"] or not r["passage"]:
+            skipped["missing question, passage or label"] += 1
+            continue
+        rid = r.get("idx", i)
+        rows.append({"id": str(i if rid is None else rid), "text_a": r["question"],
+                     "text_b": r["passage"], "label": str(bool(r["label"])).lower()})
+    return _build(rows, skipped)
+
+
+def read_multirc(path: Path) -> Examples:
+    """One binary example per answer option: (passage, question + answer), grouped by question."""
+    raw = _load(datasets.Dataset.from_json, path)
+    _need_columns(path, raw.column_names, ["passage"])
+    skipped, rows = collections.Counter(), []
+    for i, r in enumerate(raw.to_list()):
+        p_idx = r.get("idx", i)
+        passage = r["passage"]
+        for question in passage.get("questions") or []:
+            group = f"{p_idx}-{question['idx']}"
+            for answer in question.get("answers") or []:
+                if answer.get("label") is None or not answer.get("text"):
+                    skipped["answer option without label or text"] += 1
+                    continue
+                rows.append({
+                    "id": f"{group}-{answer['idx']}", "text_a": passage["text"],
+                    "text_b": f"{question['question']} {answer['text']}",
+                    "label": str(int(answer["label"])), "group": group,
+                })
+    if not rows:
+        raise TaskDataError(f"{path}: no labelled MultiRC answer options found")
+    return _build(rows, skipped)
+
+
+def read_classify(
+    path: Path,
+    text_columns: tuple[str, ...],
+    label_column: str,
+    regression: bool = False,
+    id_column: Optional[str] = None,
+) -> Examples:
+    """Any CSV/TSV or JSON/JSONL table; rows with empty text or label are skipped and counted."""
+    if not 1 <= len(text_columns) <= 2:
+        raise TaskDataError(f"--text-columns takes one or two columns, got {list(text_columns)}")
+    suffixes = [s for s in path.suffixes if s not in (".bz2", ".gz", ".xz")]
+    kind = suffixes[-1] if suffixes else ""
+    if kind in (".json", ".jsonl"):
+        raw = _load(datasets.Dataset.from_json, path)
+    elif kind in (".csv", ".tsv"):
+        kwargs = dict(keep_default_na=False)
+        if kind == ".tsv":
+            kwargs.update(sep="\t", quoting=csv.QUOTE_NONE)
+        raw = _load(datasets.Dataset.from_csv, path, **kwargs)
+    else:
+        raise TaskDataError(f"{path}: expected a .csv, .tsv, .json or .jsonl file (optionally .bz2/.gz/.xz)")
+    _need_columns(path, raw.column_names, [*text_columns, label_column] + ([id_column] if id_column else []))
+    skipped, rows = collections.Counter(), []
+    texts = [raw[c] for c in text_columns]
+    ids = raw[id_column] if id_column else None
+    for i, label in enumerate(raw[label_column]):
+        parts = [_text(t[i]) for t in texts]
+        if not all(parts):
+            skipped["empty text"] += 1
+            continue
+        if label is None or str(label).strip() == "":
+            skipped["empty label"] += 1
+            continue
+        if regression:
+            try:
+                label = float(label)
+            except ValueError:
+                skipped["unparseable regression label"] += 1
+                continue
+        else:
+            label = str(label).strip()
+        rid = str(ids[i]) if ids is not None else str(i)
+        rows.append({"id": rid, "text_a": parts[0], "text_b": parts[1] if len(parts) > 1 else "", "label": label})
+    return _build(rows, skipped)
