@@ -34,8 +34,13 @@ class BuildError(Exception):
     """A build that cannot go on; the message says why (the CLI prints it without a traceback)."""
 
 
+def pipeline_options(beam_args: list[str]) -> PipelineOptions:
+    """Beam options from the command line's unknown options (runner, workers, project, ...)."""
+    return PipelineOptions(beam_args)
+
+
 def make_pipeline(beam_args: list[str]) -> beam.Pipeline:
-    options = PipelineOptions(beam_args)
+    options = pipeline_options(beam_args)
     if options.view_as(StandardOptions).runner is None:
         return beam.Pipeline(runner=FnApiRunner(), options=options)
     return beam.Pipeline(options=options)
@@ -89,7 +94,9 @@ def _prepare_output(config: BuildConfig, overwrite: bool) -> None:
         if not overwrite:
             raise BuildError(f"{out} already holds a dataset (index.json); pass --overwrite to replace it")
         FileSystems.delete([index])  # first, so an interrupted rebuild never looks complete
-    stale = [m.path for pattern in ("*.arrow", ".tmp-*", ".*.json", ".*.txt")
+    # only what a build writes: never other files a user keeps next to the dataset
+    stale = [m.path for pattern in ("train-*-of-*.arrow", "validation-*-of-*.arrow", ".tmp-*", SAMPLE_FILE,
+                                    MANIFEST_FILE)
              for m in FileSystems.match([shards.join(out, pattern)])[0].metadata_list]
     if stale:
         FileSystems.delete(stale)

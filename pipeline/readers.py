@@ -78,7 +78,8 @@ def _decode(data: bytes, count: Count) -> str:
 
 def read_wiki(spec: ReadSpec, count: Count, on_error: str) -> Iterator[str]:
     """Wikitext of the namespace-0 articles (redirects and disambiguation pages skipped, counted)."""
-    for raw in wiki.iter_page_bytes(spec.path, spec.start if spec.end or spec.start else None, spec.end):
+    ranged = spec.start > 0 or spec.end is not None  # a range of streams of a multistream dump
+    for raw in wiki.iter_page_bytes(spec.path, spec.start if ranged else None, spec.end):
         try:
             page = wiki.parse_page(raw)
         except ET.ParseError as e:

@@ -182,3 +182,26 @@ def test_wiki_sample_end_to_end_via_cli(shared_data, tmp_path):
     table = shards.read_shard(str(out / index["splits"]["train"]["shards"][0]["file"]))
     text = sp.decode(table["input_ids"][0].as_py())
     assert "{{" not in text and "[[" not in text and "<ref" not in text
+
+
+def test_unknown_options_reach_beam_pipeline_options():
+    from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOptions
+
+    from pipeline.build import make_pipeline, pipeline_options
+
+    options = pipeline_options(["--runner", "DataflowRunner", "--project", "proj", "--temp_location", "gs://b/t"])
+    assert options.view_as(StandardOptions).runner == "DataflowRunner"
+    assert options.view_as(GoogleCloudOptions).project == "proj"
+    assert type(make_pipeline([]).runner).__name__ == "FnApiRunner"  # never Prism by default
+
+
+def test_cli_passes_beam_options_through(built, corpus_dir, tmp_path):
+    out, _ = built
+    result = CliRunner().invoke(main, [
+        "build", "--corpus", "text", "--input", str(corpus_dir / "a.txt"), "--output", str(tmp_path / "o"),
+        "--tokenizer", str(out / "tokenizer.model"), "--seq-len", "64", "--num-shards", "2",
+        "--direct_num_workers", "2", "--direct_running_mode", "multi_threading"])
+    assert result.exit_code == 0, result.output
+    assert shards.read_index(str(tmp_path / "o"))["splits"]["train"]["rows"] > 0
+    bad = CliRunner().invoke(main, ["build", "--input", "x", "--output", str(tmp_path / "p"), "--seq-len", "2"])
+    assert bad.exit_code == 1 and "seq-len" in bad.output and "Traceback" not in bad.output
