@@ -42,7 +42,8 @@ def _run(cfg: TrainConfig) -> str:
     if seq_len > index.seq_len:
         raise ConfigError(f"--seq-len {seq_len} is longer than the data's seq_len {index.seq_len} "
                           f"({Path(cfg.data.path) / 'index.json'}); rebuild the shards with --seq-len {seq_len}")
-    index.shards("train"), index.shards("validation")
+    for split in ("train", "validation"):
+        index.shards(split)  # both splits present, or an error naming index.json
     stop = StopFlag()
     stop.install()
     rank, world = init_distributed()
