@@ -44,7 +44,7 @@ def test_dry_run_prints_configs_counts_and_verdict():
     for stage in range(4):
         assert f"ZeRO-{stage} model states" in out
     assert "<- this run" in out and "fits" in out
-    model = shatter.build_model("bert-tiny")
+    model = shatter.build_model("bert-tiny", max_len=64)  # built at the training length, as pretrain.py does
     assert f"{shatter.count_parameters(model):,}" in out
 
 

@@ -148,6 +148,8 @@ def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
             if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 3:
                 break
             time.sleep(0.05)
+        if job.poll() is not None:
+            pytest.fail("the run ended before SIGTERM: " + job.communicate()[1][-3000:])
         os.killpg(job.pid, signal.SIGTERM)  # the process and its loader worker, as a scheduler does
         _, err = job.communicate(timeout=120)
     finally:
