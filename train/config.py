@@ -70,6 +70,7 @@ class RunArgs:
     eval_every: int = 1000  # steps between validation passes (0 = only at the end)
     export_every: int = 0  # steps between exports to RUN/export (0 = only at the end)
     log_every: int = 10  # steps between metrics.jsonl training lines
+    max_nonfinite: int = 100  # consecutive NaN/inf micro-batches (each skipped and counted) before the run stops
     keep_checkpoints: int = 2  # newest checkpoints kept under RUN/checkpoints (0 = keep all)
     num_gpus: int = 1  # world size the config is written for; --dry-run estimates for it
     gpu_memory_gb: float = 16.0  # --dry-run: memory of one GPU the estimate is compared with

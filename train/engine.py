@@ -9,11 +9,13 @@ loss scaling (Micikevicius et al. 2018); ZeRO stages per Rajbhandari et al. 2020
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -32,15 +34,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def single_process_env() -> None:
-    """Without the deepspeed launcher the script is a world of one: set what torch.distributed reads."""
+def single_process_env() -> bool:
+    """Without the deepspeed launcher the script is a world of one: set what torch.distributed
+    reads. Returns True when it did (no launcher)."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return
+        return False
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    return True
+
+
+def _file_store() -> str:
+    """A world of one rendezvous through a file: no TCP port to race other jobs for."""
+    fd, path = tempfile.mkstemp(prefix="shatter-pg-")
+    os.close(fd)
+    os.unlink(path)  # torch's FileStore creates it
+    atexit.register(lambda: os.path.exists(path) and os.unlink(path))
+    return f"file://{path}"
 
 
 def extensions_dir() -> str:
@@ -68,10 +81,11 @@ def init_distributed() -> tuple[int, int]:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
     import deepspeed
 
-    single_process_env()
+    alone = single_process_env()
     if on_cpu():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl")
+    rendezvous = {"init_method": _file_store(), "rank": 0, "world_size": 1} if alone else {}
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl", **rendezvous)
     if on_cpu() and "OMP_NUM_THREADS" not in os.environ:
         # ranks on one host share its cores; oversubscribed BLAS threads make every rank slower
         local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))

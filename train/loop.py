@@ -28,6 +28,10 @@ from train.shards import Index
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels")
 
 
+class TrainingError(RuntimeError):
+    """A run that cannot go on (e.g. a diverged loss); the message says what to do."""
+
+
 class StopFlag:
     """Set by SIGTERM; the loop saves a checkpoint at the next step boundary and exits."""
 
@@ -123,7 +127,7 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
     progress = Progress(ctx.rank, run.progress, state.step, run.max_steps)
     per_micro = run.micro_batch * ctx.world
     clock, tokens_at, steps_shown = time.perf_counter(), state.tokens, state.step
-    stop_seen, status = False, "complete"
+    stop_seen, status, in_a_row = False, "complete", 0
     engine.train()
     while state.step < run.max_steps:
         batch = next(batches)
@@ -140,8 +144,19 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
         stop_seen = stop_seen or flags[1] > 0
         if flags[0] > 0:
             state.skipped_nonfinite += 1
+            in_a_row += 1
             progress.write(f"step {state.step + 1}: non-finite loss, micro-batch skipped ({state.skipped_nonfinite} so far)")
+            if in_a_row >= run.max_nonfinite:
+                raise TrainingError(
+                    f"the loss was NaN/inf for {in_a_row} micro-batches in a row at step {state.step + 1}: the run "
+                    f"has diverged; lower the lr or resume from an earlier checkpoint in {ctx.run_dir / 'checkpoints'}")
+            if stop_seen and engine.micro_steps % run.grad_accum == 0:
+                save_and_export(ctx, state, False, epoch_size)
+                status = "stopped"
+                progress.write(f"SIGTERM: checkpoint saved at step {state.step}; exiting")
+                break
             continue
+        in_a_row = 0
         engine.backward(loss)
         engine.step()
         state.window_loss += loss.item()

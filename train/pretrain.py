@@ -42,7 +42,8 @@ def _run(cfg: TrainConfig) -> str:
     if seq_len > index.seq_len:
         raise ConfigError(f"--seq-len {seq_len} is longer than the data's seq_len {index.seq_len} "
                           f"({Path(cfg.data.path) / 'index.json'}); rebuild the shards with --seq-len {seq_len}")
-    index.shards("train"), index.shards("validation")
+    for split in ("train", "validation"):
+        index.shards(split)  # both splits present, or an error naming index.json
     stop = StopFlag()
     stop.install()
     rank, world = init_distributed()
@@ -120,6 +121,12 @@ def main(config_file, dry_run, local_rank, **flags):
             return
         status = _run(cfg)
     except (ConfigError, DataError) as err:
+        raise click.ClickException(str(err)) from None
+    except RuntimeError as err:
+        from train.loop import TrainingError
+
+        if not isinstance(err, TrainingError):
+            raise
         raise click.ClickException(str(err)) from None
     if status == "stopped":
         sys.exit(143)  # 128 + SIGTERM: the run is not finished; the same command resumes it

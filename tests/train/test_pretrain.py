@@ -148,6 +148,8 @@ def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
             if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 3:
                 break
             time.sleep(0.05)
+        if job.poll() is not None:
+            pytest.fail("the run ended before SIGTERM: " + job.communicate()[1][-3000:])
         os.killpg(job.pid, signal.SIGTERM)  # the process and its loader worker, as a scheduler does
         _, err = job.communicate(timeout=120)
     finally:
@@ -176,3 +178,17 @@ def test_clear_errors_for_bad_data(books_data, tmp_path, extra, message):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and message in result.output, result.output
     assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
+
+
+def test_nonfinite_losses_are_skipped_counted_and_a_diverged_run_stops_clearly(books_data, tmp_path):
+    """Weights initialised at 1e30 overflow fp32: every loss is NaN/inf."""
+    config = tmp_path / "diverge.yaml"
+    config.write_text((REPO / "configs" / "cpu-tiny.yaml").read_text().replace(
+        "  preset: shatter-tiny", "  preset: shatter-tiny\n  overrides: {initializer_range: 1.0e+30}").replace(
+        "run:\n", "run:\n  max_nonfinite: 4\n"))
+    cmd = [sys.executable, SCRIPT, "--data", str(books_data), "--output", str(tmp_path / "run"),
+           "--config", str(config), "--max-steps", "10", "--micro-batch", "2", "--num-workers", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "non-finite loss, micro-batch skipped (4 so far)" in done.stderr
+    assert "NaN/inf for 4 micro-batches in a row" in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,67 @@
+"""--dry-run's memory estimate (ZeRO formulas, measured activations) and tools/plot_metrics.py."""
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import shatter
+from train.memory import measure_activations, model_states
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_zero_stages_partition_what_the_paper_says():
+    psi, n = 1_000_000, 8
+    s = {k: model_states(psi, "fp16", k, n) for k in range(4)}
+    assert s[0].total == 16 * psi  # 2 + 2 + 12 bytes per parameter (ZeRO paper, Fig. 1)
+    assert s[1].total == 4 * psi + 12 * psi / n
+    assert s[2].total == 2 * psi + 14 * psi / n
+    assert s[3].total == 16 * psi / n
+    assert model_states(psi, "fp32", 0, n).total == 16 * psi  # 4 + 4 + 8
+    assert model_states(psi, "fp32", 1, 1).total == model_states(psi, "fp32", 0, 1).total
+
+
+def test_activations_are_measured_linear_in_batch_and_halved_in_16_bit():
+    model = shatter.build_model("bert-tiny", vocab_size=300)
+    one = measure_activations(model, 2, 64, "fp32", 300)
+    two = measure_activations(model, 4, 64, "fp32", 300)
+    assert one > 2 * 64 * model.config.hidden * 4 * model.config.layers  # at least a hidden state per layer
+    assert two == pytest.approx(2 * one, rel=0.15)
+    assert measure_activations(model, 2, 64, "bf16", 300) < 0.7 * one
+    longer = measure_activations(model, 2, 128, "fp32", 300)
+    assert longer > 2.5 * one  # softmax attention saves L x L scores: more than linear in length
+
+
+def test_dry_run_prints_configs_counts_and_verdict():
+    from train.pretrain import main
+
+    result = CliRunner().invoke(main, ["--config", str(REPO / "configs" / "cpu-tiny.yaml"), "--preset", "bert-tiny",
+                                       "--seq-len", "64", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert '"train_batch_size": 32' in out  # micro 16 x 2 ranks (num_gpus of cpu-tiny.yaml)
+    for stage in range(4):
+        assert f"ZeRO-{stage} model states" in out
+    assert "<- this run" in out and "fits" in out
+    model = shatter.build_model("bert-tiny", max_len=64)  # built at the training length, as pretrain.py does
+    assert f"{shatter.count_parameters(model):,}" in out
+
+
+def test_plot_metrics_draws_runs_and_names_a_bad_one(tmp_path):
+    from tools.plot_metrics import main
+
+    runs = []
+    for i in range(2):
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        lines = [{"step": s, "loss": 8 - s / 10 - i, "lr": 1e-4} for s in range(1, 21)]
+        lines += [{"step": s, "split": "validation", "loss": 8 - s / 9 - i, "accuracy": 0.1} for s in (10, 20)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 21, "lo')
+        runs.append(str(run))
+    png = tmp_path / "curves.png"
+    result = CliRunner().invoke(main, [*runs, "-o", str(png), "--labels", "a,b"])
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    result = CliRunner().invoke(main, [str(tmp_path / "nope"), "-o", str(png)])
+    assert result.exit_code == 1 and "nope" in result.output
