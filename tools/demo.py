@@ -105,7 +105,7 @@ def _read_jsonl(path: Path) -> list[dict]:
               help="Where the dataset, the run and the extended model go.")
 @click.option("--cache", type=click.Path(path_type=Path), default=REPO / ".cache", show_default=True,
               help="Where the downloaded sample is kept between runs.")
-@click.option("--steps", type=int, default=800, show_default=True, help="Pretraining steps.")
+@click.option("--steps", type=int, default=2000, show_default=True, help="Pretraining steps.")
 @click.option("--preset", default="shatter-tiny", show_default=True)
 @click.option("--fresh/--resume", default=True, show_default=True,
               help="--fresh deletes the previous demo outputs; --resume continues a killed run.")
