@@ -52,6 +52,14 @@ class ModelConfig:
                 f"arch {self.arch!r} needs an even number of parts >= 4 (appendix: D = n/2 - 1 >= 1), "
                 f"got heads={self.heads}"
             )
+        if self.arch == "bert-rab" and (self.rab_buckets < 4 or self.rab_buckets % 4
+                                        or self.rab_max_distance <= self.rab_buckets // 4):
+            # T5's bidirectional buckets: half per sign, exact below rab_buckets/4, log-spaced
+            # from there to rab_max_distance, so the log range must be non-empty.
+            raise ValueError(
+                f"bert-rab needs rab_buckets a multiple of 4 (>= 4) and rab_max_distance > rab_buckets/4, "
+                f"got rab_buckets={self.rab_buckets}, rab_max_distance={self.rab_max_distance}"
+            )
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"config.{name} must be in [0, 1), got {getattr(self, name)!r}")

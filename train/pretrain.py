@@ -79,8 +79,10 @@ def _run(cfg: TrainConfig) -> str:
     finally:
         writer.close()
     if rank == 0:
+        where = (f"export in {run_dir / checkpoint.EXPORT}" if status == "complete" else
+                 f"checkpoint in {run_dir / 'checkpoints'}; run the same command again to resume")
         click.echo(f"{status}: step {state.step}, {state.skipped_nonfinite} non-finite micro-batches skipped; "
-                   f"export in {run_dir / checkpoint.EXPORT}", err=True)
+                   f"{where}", err=True)
     return status
 
 

@@ -144,3 +144,15 @@ def test_t5_buckets():
     rel = torch.tensor([0, 1, -1, 7, -7, 8, 12, 127, 128, 500, -500])
     expected = [0, 17, 1, 23, 7, 24, 25, 31, 31, 31, 15]  # 12: 8 + int(8 ln(1.5)/ln(16)) = 9
     assert t5_relative_bucket(rel, 32, 128).tolist() == expected
+
+
+@pytest.mark.parametrize("buckets,distance", [(32, 8), (32, 4), (30, 128), (2, 128)])
+def test_bert_rab_rejects_bucket_settings_t5_cannot_bucket(buckets, distance):
+    with pytest.raises(ValueError, match="rab_max_distance|rab_buckets"):
+        shatter.build_model("bert-rab-tiny", rab_buckets=buckets, rab_max_distance=distance)
+
+
+def test_bert_rab_smallest_valid_bucket_setting_runs():
+    model = shatter.build_model("bert-rab-tiny", rab_buckets=8, rab_max_distance=3, vocab_size=50, max_len=64)
+    ids = torch.randint(5, 50, (1, 64))
+    assert torch.isfinite(model.encoder(ids, torch.ones_like(ids))).all()

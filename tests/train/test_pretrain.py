@@ -158,6 +158,8 @@ def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
     assert job.returncode == 143, err[-3000:]
     saved = (run / "checkpoints" / "latest").read_text().strip()
     assert f"SIGTERM: checkpoint saved at step {int(saved[4:])}" in err
+    assert "export in" not in err, "a stopped run writes no export and must not claim one"
+    assert "run the same command again to resume" in err
     state = torch.load(run / "checkpoints" / saved / "mp_rank_00_model_states.pt", weights_only=False)
     assert state["train_state"]["step"] == int(saved[4:]) >= 3
     assert state["data_position"]["samples"] == 4 * state["train_state"]["step"]
