@@ -133,15 +133,22 @@ def mask_batch(
     key = np.sort(key, axis=2)
 
     if whole_word:
+        # candidates sort first, a word's tokens together: words end where the word hash changes
         word = key >> _U64(16)
-        cand_sorted = key != _NOT_CANDIDATE
-        last = np.ones(key.shape, dtype=bool)  # the last token of a word in sorted order
-        last[:, :, :-1] = word[:, :, 1:] != word[:, :, :-1]
-        word_end, word_len = _word_extents(last, np.cumsum(cand_sorted, axis=2))
-        first = np.argmax(last, axis=2)[:, :, None]  # the first word is always taken
-        midpoint_below_k = (2 * word_end - word_len) < 2 * k[:, None, None]
-        chosen = (midpoint_below_k | (np.arange(width) <= first)) & cand_sorted
-        counts = chosen.sum(axis=2)  # [B, D]; word midpoints grow in sorted order: a prefix is chosen
+        idx = np.arange(width, dtype=np.int32)
+        end = np.ones(key.shape, dtype=bool)
+        end[:, :, :-1] = word[:, :, 1:] != word[:, :, :-1]
+        end &= idx < n_cand[:, None, None]
+        # a word ending at sorted index j covers candidates (prev_end, j]: midpoint j + 1 - len / 2
+        end_idx = np.where(end, idx, np.int32(-1))
+        prev_end = np.maximum.accumulate(end_idx, axis=2)
+        prev_end[:, :, 1:] = prev_end[:, :, :-1].copy()
+        prev_end[:, :, 0] = -1
+        midpoint_below_k = end & (2 * (idx + 1) - (idx - prev_end) < 2 * k[:, None, None])
+        # midpoints grow in sorted order, so the chosen words are a prefix; the first is always taken
+        first_end = np.argmax(end, axis=2) + 1
+        counts = np.maximum(np.where(midpoint_below_k, idx + 1, 0).max(axis=2), first_end)
+        counts = np.where(n_cand[:, None] > 0, counts, 0)
     else:
         counts = np.broadcast_to(k[:, None], (n_rows, n_copies))
     # the chosen keys are the first counts[b, d] of each copy; their positions, ascending
@@ -160,14 +167,6 @@ def mask_batch(
     inputs = np.where(action < _P80, mask_id, np.where(action < _P90, rand.astype(np.int64) + n_special, labels))
     offsets = np.concatenate([[0], np.cumsum(counts.reshape(-1))]).astype(np.int64)
     return MaskedBatch(offsets, positions, labels, inputs.astype(np.int64))
-
-
-def _word_extents(last: np.ndarray, cum: np.ndarray):
-    """Per sorted token: the cumulative candidate count at its word's end, and its word's length."""
-    width = cum.shape[-1]
-    end = np.flip(np.minimum.accumulate(np.flip(np.where(last, cum, width + 1), -1), axis=-1), -1)
-    prev = np.concatenate([np.zeros(cum.shape[:-1] + (1,), cum.dtype), np.where(last, cum, 0)[..., :-1]], -1)
-    return end, end - np.maximum.accumulate(prev, axis=-1)
 
 
 def mask_row(
