@@ -13,13 +13,17 @@ def _cfg():
     return cfg
 
 
-def _requirements():
-    lines = _cfg()["options"]["install_requires"].splitlines()
+def _requirements(section="options", key="install_requires"):
+    lines = _cfg()[section][key].splitlines()
     return [Requirement(line) for line in (s.strip() for s in lines) if line and not line.startswith("#")]
 
 
+def _train_requirements():
+    return _requirements("options.extras_require", "train")
+
+
 def test_torch_range_admits_the_local_cpu_wheel():
-    torch_req = next(r for r in _requirements() if r.name == "torch")
+    torch_req = next(r for r in _train_requirements() if r.name == "torch")
     assert torch_req.specifier, "a bare torch requirement can pull a multi-GB CUDA build"
     assert torch_req.specifier.contains("2.13.0")
 
@@ -37,3 +41,14 @@ def test_console_scripts_declared():
 def test_ci_runs_the_readme_test_command():
     assert "make test" in (REPO / ".ci" / "run").read_text()
     assert "make test" in (REPO / "README.md").read_text()
+
+
+def test_pipeline_workers_install_no_training_stack():
+    """Beam workers install the core (`--setup_file`): torch and deepspeed are the `train` extra."""
+    core = {r.name for r in _requirements()}
+    assert {"apache-beam", "sentencepiece", "pyarrow", "mwparserfromhell"} <= core
+    assert not core & {"torch", "deepspeed", "datasets"}
+    assert {"torch", "deepspeed", "datasets"} <= {r.name for r in _train_requirements()}
+    for path in (REPO / "pipeline").glob("*.py"):  # and the pipeline imports none of it
+        text = path.read_text()
+        assert "import torch" not in text and "import deepspeed" not in text, path
