@@ -82,7 +82,7 @@ def test_given_tokenizer_gives_the_same_shards(built, corpus_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["multi_threading", "multi_processing"])
+@pytest.mark.parametrize("mode", ["in_memory", "multi_threading", "multi_processing"])
 def test_two_workers_write_the_same_bytes(built, corpus_dir, tmp_path, mode):
     out, _ = built
     two = tmp_path / mode
