@@ -91,3 +91,14 @@ def test_rows_without_candidates_get_no_masks():
     ids = np.array([[CLS_ID, SEP_ID, 0, 0]])
     out = mask_batch(ids, np.array([2]), np.ones_like(ids, bool), row_seeds(0, [1], 2), VOCAB)
     assert out.offsets.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_every_position_is_masked_equally_often(whole_word):
+    n, width = 4000, 64
+    ids = np.random.default_rng(1).integers(len(SPECIAL_IDS), VOCAB, size=(n, width))
+    ws = np.ones((n, width), bool) if not whole_word else np.arange(width)[None, :].repeat(n, 0) % 2 == 0
+    out = mask_batch(ids, np.full(n, width), ws, row_seeds(5, np.arange(n), 2), VOCAB, whole_word=whole_word)
+    freq = np.bincount(out.positions, minlength=width) / (2 * n)
+    assert abs(freq.mean() - 0.15) < 0.01
+    assert np.abs(freq - 0.15).max() < 0.03  # no position favoured (by hash ties, word order, ...)
