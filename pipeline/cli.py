@@ -95,7 +95,7 @@ def build(ctx, corpus, inputs, wiki_index, output, validation_inputs, validation
             num_validation_shards=num_validation_shards, seed=seed, text_field=text_field, text_mode=text_mode,
             on_error=on_error,
         )
-        beam_args = list(ctx.args) + [f"--progress_seconds={progress_seconds}"]  # a Beam option (pipeline.progress)
+        beam_args = [f"--progress_seconds={progress_seconds}", *ctx.args]  # a Beam option (pipeline.progress)
         index = run_build(config, beam_args, overwrite=overwrite, report=lambda m: click.echo(m, err=True))
     except (ValueError, BuildError, InputError) as e:
         _fail(_clean_message(e))

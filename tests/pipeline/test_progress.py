@@ -118,6 +118,7 @@ def test_in_process_build_reports_progress(long_corpus, tmp_path):
         live, final = _parse(lines, stage)
         _assert_sane(live, final)
     assert index["counters"]["documents_tokenized"] == _parse(lines, "build")[1]["documents_tokenized"]
+    assert not [t for t in threading.enumerate() if t.name == "shatter-progress"]  # stopped with each pipeline
 
 
 @pytest.mark.slow
@@ -153,6 +154,7 @@ def test_bundle_based_direct_runner_writes_the_same_bytes(built, corpus_dir, tmp
     assert _parse(lines, "build")[1]["documents_tokenized"] == 300
 
 
-def test_direct_runner_never_downloads_prism():
+def test_direct_runner_never_downloads_prism(caplog):
     assert type(make_pipeline(["--runner", "DirectRunner"]).runner).__name__ == "FnApiRunner"
+    assert "Prism" in caplog.text  # the user is told what runs instead
     assert type(make_pipeline(["--runner", "BundleBasedDirectRunner"]).runner).__name__ == "BundleBasedDirectRunner"
