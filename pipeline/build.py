@@ -2,7 +2,7 @@
 
 Two pipelines when a tokenizer must be trained (it necessarily sits between them), one otherwise:
   1. read → clean → sample lines (the n smallest line hashes) → the driver trains sentencepiece;
-  2. read → clean → tokenize → pack → mask → shard → write, then index.json from the shard
+  2. read → clean → tokenize → pack → shard → mask → write, then index.json from the shard
      manifest and Beam's counters.
 Any Beam runner works: unknown command-line options become `PipelineOptions`; without `--runner`
 the in-process FnApiRunner is used (never Prism, which would be downloaded).
@@ -26,7 +26,7 @@ from apache_beam.runners.portability.portable_runner import JobServiceHandle
 from pipeline import progress, readers, shards, tokenizer
 from pipeline.config import BuildConfig
 from pipeline.sink import ShardAndWrite
-from pipeline.transforms import NAMESPACE, CacheFn, Clean, Mask, Pack, ReadCache, ReadDocuments, SampleLines, Tokenize
+from pipeline.transforms import NAMESPACE, CacheFn, Clean, MaskSpec, Pack, ReadCache, ReadDocuments, SampleLines, Tokenize
 
 log = logging.getLogger(__name__)
 SAMPLE_FILE, MANIFEST_FILE, WORK_DIR = ".tokenizer-sample.txt", ".shards-manifest.json", ".work"
@@ -200,15 +200,12 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
 
     p = make_pipeline(beam_args)
     docs = _read_clean(p, config) if cached is None else p | "read cleaned" >> ReadCache(cached)
-    masked = (
+    mask = MaskSpec(model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word)
+    infos = (
         docs
         | "tokenize" >> Tokenize(model_path, 0.0 if config.validation_inputs else config.validation_fraction)
         | "pack" >> Pack(config.seq_len, config.cross_document)
-        | "mask" >> Mask(model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word)
-    )
-    infos = (
-        masked
-        | "shard and write" >> ShardAndWrite(config.output, work_dir, counts, vocab_size, config.spill_rows)
+        | "shard, mask and write" >> ShardAndWrite(config.output, work_dir, counts, mask, config.spill_rows)
         | "collect" >> beam.combiners.ToList()
     )
     _ = infos | "manifest" >> beam.Map(lambda rows: _write_text(manifest_path, json.dumps(rows)))

@@ -6,10 +6,11 @@ can import the same functions for dynamic masking. The recipe is BERT's (Devlin 
 random id and 10% stay unchanged. `whole_word=True` chooses whole words (the BERT repository's
 "whole word masking"), using the `word_start` flags.
 
-Randomness is counter-based, not a stateful RNG: every draw is splitmix64 (Steele et al. 2014)
-of (seed, position) or (seed, word index), so a masking depends only on its seed, never on batch
-composition, and a batch of rows is masked in a handful of array operations. The seed of copy `d`
-of a row is `row_seeds(global_seed, row_key, d)`.
+Randomness is counter-based, not a stateful RNG: every draw is a hash of (seed, position) or
+(seed, word index), so a masking depends only on its seed, never on batch composition, and a
+batch of rows is masked in a handful of array operations. The seed of copy `d` of a row is
+`row_seeds(global_seed, row_key, d)` (splitmix64, Steele et al. 2014); the per-token draws use
+MurmurHash3's 32-bit finaliser, which halves the memory traffic of the [B, D, L] arrays.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ import numpy as np
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
 SPECIAL_IDS = (PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID)
 
-_U64 = np.uint64
-_SALT_SELECT = _U64(0x5E1EC7)
-_SALT_ACTION = _U64(0xAC7104)
-_SALT_RANDOM = _U64(0x4A4D0)
-_TWO53 = float(2**53)
+_U64, _U32 = np.uint64, np.uint32
+_GOLDEN = _U32(0x9E3779B9)  # 2**32 / golden ratio: spreads consecutive counters before hashing
+_SALT_SELECT, _SALT_ACTION, _SALT_RANDOM = _U32(0x5E1EC7), _U32(0xAC7104), _U32(0x4A4D0)
+_P80, _P90 = _U32(int(0.8 * 2**32)), _U32(int(0.9 * 2**32))  # the 80% / 10% / 10% split of the draws
+_POS_MASK = 0xFFFF  # positions are uint16 (DESIGN.md), the low 16 bits of a sort key
+_NOT_CANDIDATE = _U64(2**64 - 1)
 
 
 def mix64(x) -> np.ndarray:
@@ -56,6 +58,33 @@ class MaskedBatch:
     inputs: np.ndarray  # int64, what the model sees there: [MASK], a random id, or the original
 
 
+def fmix32(x) -> np.ndarray:
+    """MurmurHash3's 32-bit finaliser (Appleby 2011): a bijection with full avalanche (on a copy)."""
+    return _fmix32_inplace(np.array(x, dtype=_U32, copy=True))
+
+
+def _fmix32_inplace(x: np.ndarray) -> np.ndarray:
+    x ^= x >> _U32(16)
+    x *= _U32(0x85EBCA6B)
+    x ^= x >> _U32(13)
+    x *= _U32(0xC2B2AE35)
+    x ^= x >> _U32(16)
+    return x
+
+
+def _unit_hash(unit, salt) -> np.ndarray:
+    """A 32-bit hash per position (or word) index: the counter of the counter-based draws."""
+    return fmix32(np.asarray(unit, dtype=_U32) * _GOLDEN + salt)
+
+
+def _candidates(ids: np.ndarray, lengths, special_ids) -> np.ndarray:
+    special = np.asarray(special_ids)
+    in_row = np.arange(ids.shape[1])[None, :] < np.asarray(lengths)[:, None]
+    if np.array_equal(special, np.arange(len(special))):  # DESIGN.md's ids 0..4: one comparison
+        return in_row & (ids >= len(special))
+    return in_row & ~np.isin(ids, special)
+
+
 def mask_batch(
     ids: np.ndarray,
     lengths: np.ndarray,
@@ -73,50 +102,64 @@ def mask_batch(
     the k smallest hashes, or whole words in hash order while a word's midpoint stays below k
     (so the expected count is still about k). Random replacements are drawn from the
     non-special ids [len(special_ids), vocab_size).
+
+    Each candidate gets the sort key (hash << 16) | position, where hash is a hash of
+    (seed, position), or of (seed, word index) for whole words. One sort per copy then ranks the
+    tokens, keeps a word's tokens together and in order, breaks ties by position, and carries
+    the positions along, so no argsort, gather or scatter over [B, D, L] is needed. Keys do
+    not depend on the padded width: a row masks the same alone or in any batch.
     """
     ids = np.asarray(ids, dtype=np.int64)
     n_rows, width = ids.shape
+    if width > _POS_MASK:  # the all-ones key marks non-candidates
+        raise ValueError(f"rows of {width} ids: masking positions are uint16 (rows of at most {_POS_MASK})")
     seeds = np.asarray(seeds, dtype=_U64).reshape(n_rows, -1)
-    pos = np.arange(width)
-    cand = (pos[None, :] < np.asarray(lengths)[:, None]) & ~np.isin(ids, np.asarray(special_ids))
+    n_copies = seeds.shape[1]
+    seed32 = (seeds ^ (seeds >> _U64(32))).astype(_U32)  # [B, D]
+    cand = _candidates(ids, lengths, special_ids)
     n_cand = cand.sum(axis=1)
     k = np.where(n_cand > 0, np.maximum(1, np.floor(rate * n_cand + 0.5)), 0).astype(np.int64)
+    pos = np.arange(width, dtype=_U64)
+
+    if whole_word:  # 64-bit keys: the full 32-bit word hash, so distinct words never merge
+        unit = np.cumsum(np.asarray(word_start, dtype=bool) | ~cand, axis=1)
+        key = _fmix32_inplace(seed32[:, :, None] ^ _unit_hash(unit, _SALT_SELECT)[:, None, :]).astype(_U64)
+        key <<= _U64(16)
+        key |= np.where(cand, pos, _NOT_CANDIDATE)[:, None, :]  # non-candidates sort last
+    else:  # 32-bit keys: the hash's top 16 bits rank single tokens; a tie (p = 2**-16) goes to the earlier one
+        key = _fmix32_inplace(seed32[:, :, None] ^ _unit_hash(pos, _SALT_SELECT)[None, None, :])
+        key &= _U32(0xFFFF0000)
+        key |= np.where(cand, pos.astype(_U32), _U32(0xFFFFFFFF))[:, None, :]
+    key = np.sort(key, axis=2)
 
     if whole_word:
-        unit = np.cumsum(np.asarray(word_start, dtype=bool) | ~cand, axis=1).astype(_U64)
-    else:
-        unit = np.broadcast_to(pos.astype(_U64), (n_rows, width))
-    score = mix64(seeds[:, :, None] ^ mix64(unit[:, None, :] + _SALT_SELECT))  # [B, D, L]
-    if not whole_word:
-        # the top 16 bits suffice to rank single tokens, and numpy radix-sorts 16-bit keys (5x faster);
-        # a tie (p = 2**-16 per pair) goes to the earlier position, deterministically
-        score = (score >> _U64(48)).astype(np.uint16)
-    score = np.where(cand[:, None, :], score, np.iinfo(score.dtype).max)
-    order = np.argsort(score, axis=2, kind="stable")  # tokens of one word stay together, in order
-    cand_sorted = np.take_along_axis(np.broadcast_to(cand[:, None, :], score.shape), order, axis=2)
-    if whole_word:
-        s_sorted = np.take_along_axis(score, order, axis=2)
-        last = np.ones(score.shape, dtype=bool)  # the last token of a word in sorted order
-        last[:, :, :-1] = s_sorted[:, :, 1:] != s_sorted[:, :, :-1]
+        word = key >> _U64(16)
+        cand_sorted = key != _NOT_CANDIDATE
+        last = np.ones(key.shape, dtype=bool)  # the last token of a word in sorted order
+        last[:, :, :-1] = word[:, :, 1:] != word[:, :, :-1]
         word_end, word_len = _word_extents(last, np.cumsum(cand_sorted, axis=2))
-        first = np.where(last, np.arange(width), width).min(axis=2, keepdims=True)
+        first = np.argmax(last, axis=2)[:, :, None]  # the first word is always taken
         midpoint_below_k = (2 * word_end - word_len) < 2 * k[:, None, None]
-        chosen_sorted = (midpoint_below_k | (np.arange(width) <= first)) & cand_sorted
+        chosen = (midpoint_below_k | (np.arange(width) <= first)) & cand_sorted
+        counts = chosen.sum(axis=2)  # [B, D]; word midpoints grow in sorted order: a prefix is chosen
     else:
-        chosen_sorted = cand_sorted & (np.cumsum(cand_sorted, axis=2) <= k[:, None, None])
-    chosen = np.zeros(score.shape, dtype=bool)
-    np.put_along_axis(chosen, order, chosen_sorted, axis=2)
+        counts = np.broadcast_to(k[:, None], (n_rows, n_copies))
+    # the chosen keys are the first counts[b, d] of each copy; their positions, ascending
+    top = int(counts.max(initial=0))
+    valid = np.arange(top)[None, None, :] < counts[:, :, None]
+    chosen_pos = np.where(valid, (key[:, :, :top] & key.dtype.type(_POS_MASK)).astype(np.int64), width)
+    chosen_pos.sort(axis=2)
+    b_idx, d_idx, _ = np.nonzero(valid)
+    positions = chosen_pos[valid]
 
-    b_idx, d_idx, positions = np.nonzero(chosen)
-    draw_seed = seeds[b_idx, d_idx]
-    action = (mix64(draw_seed ^ mix64(positions.astype(_U64) + _SALT_ACTION)) >> _U64(11)) / _TWO53
+    draw_seed = seed32[b_idx, d_idx]
+    action = fmix32(draw_seed ^ _unit_hash(positions, _SALT_ACTION))  # uniform on [0, 2**32)
     n_special = len(special_ids)
-    rand = mix64(draw_seed ^ mix64(positions.astype(_U64) + _SALT_RANDOM)) % _U64(vocab_size - n_special)
+    rand = fmix32(draw_seed ^ _unit_hash(positions, _SALT_RANDOM)) % _U32(vocab_size - n_special)
     labels = ids[b_idx, positions]
-    inputs = np.where(action < 0.8, mask_id, np.where(action < 0.9, rand.astype(np.int64) + n_special, labels))
-    counts = chosen.sum(axis=2).reshape(-1)
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return MaskedBatch(offsets, positions.astype(np.int64), labels, inputs.astype(np.int64))
+    inputs = np.where(action < _P80, mask_id, np.where(action < _P90, rand.astype(np.int64) + n_special, labels))
+    offsets = np.concatenate([[0], np.cumsum(counts.reshape(-1))]).astype(np.int64)
+    return MaskedBatch(offsets, positions, labels, inputs.astype(np.int64))
 
 
 def _word_extents(last: np.ndarray, cum: np.ndarray):

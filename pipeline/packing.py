@@ -53,3 +53,15 @@ def content_tokens(rows: list[np.ndarray], special_ids=(CLS_ID, SEP_ID)) -> int:
         return 0
     flat = np.concatenate(rows)
     return int(len(flat) - np.isin(flat, special_ids).sum())
+
+
+def padded(rows: list[np.ndarray], width: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Rows as one int32 [n, width] array, padded with `pad_id`, and their int32 lengths."""
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
+    ids = np.full((len(rows), width), pad_id, dtype=np.int32)
+    full = lengths == width
+    if full.any():
+        ids[full] = np.stack([r for r, f in zip(rows, full) if f])
+    for i in np.flatnonzero(~full):
+        ids[i, : lengths[i]] = rows[i]
+    return ids, lengths

@@ -55,17 +55,16 @@ def join(out: str, name: str) -> str:
     return FileSystems.join(out, name)
 
 
-def rows_table(keys: np.ndarray, rows: list[np.ndarray], word_start: list[np.ndarray], masks: MaskedBatch,
-               dupe_factor: int, vocab_size: int) -> pa.Table:
-    """One Arrow table from packed rows and their `dupe_factor` maskings (vectorised, no per-row Python)."""
+def rows_table(keys: np.ndarray, lengths: np.ndarray, flat_ids: np.ndarray, flat_word_start: np.ndarray,
+               masks: MaskedBatch, dupe_factor: int, vocab_size: int) -> pa.Table:
+    """One Arrow table from packed rows (flat ids and word starts, row lengths) and their
+    `dupe_factor` maskings (vectorised, no per-row Python)."""
     ids_t = id_type(vocab_size)
     ids_np = np.uint16 if ids_t == pa.uint16() else np.int32  # numpy casts first: pa.array is then zero-copy
-    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    flat_ids = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    flat_ws = np.concatenate(word_start) if rows else np.zeros(0, bool)
-    outer = pa.array(np.arange(len(rows) + 1, dtype=np.int32) * dupe_factor)
-    inner = pa.array(masks.offsets.astype(np.int32))
+    # every pa.array gets its type: untyped, pyarrow 25 infers it element by element (slow)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), type=pa.int32())
+    outer = pa.array(np.arange(len(lengths) + 1, dtype=np.int32) * dupe_factor, type=pa.int32())
+    inner = pa.array(masks.offsets.astype(np.int32), type=pa.int32())
 
     def nested(values, typ):
         values = pa.array(np.asarray(values).astype(typ.to_pandas_dtype()), type=typ)
@@ -73,9 +72,9 @@ def rows_table(keys: np.ndarray, rows: list[np.ndarray], word_start: list[np.nda
 
     return pa.Table.from_arrays(
         [
-            pa.array(np.asarray(keys, dtype=np.uint64)),
-            pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ids.astype(ids_np), type=ids_t)),
-            pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ws, type=pa.bool_())),
+            pa.array(np.asarray(keys, dtype=np.uint64), type=pa.uint64()),
+            pa.ListArray.from_arrays(offsets, pa.array(np.asarray(flat_ids).astype(ids_np), type=ids_t)),
+            pa.ListArray.from_arrays(offsets, pa.array(np.asarray(flat_word_start, bool), type=pa.bool_())),
             nested(masks.positions, pa.uint16()),
             nested(masks.labels, ids_t),
             nested(masks.inputs, ids_t),

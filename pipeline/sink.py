@@ -1,8 +1,12 @@
-"""The shard sink: (split, table) batches → balanced, key-sorted Arrow shards (the shard + write steps).
+"""The shard sink: Packed rows → balanced, key-sorted, masked Arrow shards (the shard, mask and write steps).
 
-Workers spill key-sorted rows to temporary Arrow IPC files with a histogram of their keys; the
-summed histograms give balanced key ranges (`pipeline.sharding`); each shard's writer reads its
-range of every spill and writes one file through `pipeline.shards.ShardWriter` (temp + rename).
+Workers spill key-sorted rows (key, length and padded ids only) to temporary Arrow IPC files with
+a histogram of their keys; the summed histograms give balanced key ranges (`pipeline.sharding`); each shard's
+writer reads its range of every spill, sorts it, adds the `dupe_factor` static maskings chunk by
+chunk (`transforms.mask_table`) and writes one file through `pipeline.shards.ShardWriter` (temp +
+rename). Masking last keeps the sorts and spills cheap: until it is written, a row is a key, a
+length and a fixed-width id array (sorted with numpy, spilled and read back without copies),
+and a chunk's masks exist only while it is written.
 Only file names and histograms go through a GroupByKey, never rows: Beam's local runners hold a
 GroupByKey's whole input in memory. Pattern: Beam's `fileio.WriteToFiles` (temp files, then
 finalise), with MosaicML streaming's shard writer.
@@ -18,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline import sharding, shards
-from pipeline.transforms import counter
+from pipeline import sharding, shards, tokenizer
+from pipeline.transforms import MaskSpec, Packed, counter, mask_table
 
 
 @dataclass(frozen=True)
@@ -36,8 +40,24 @@ class Spill:
 SPILL_BATCH_ROWS = 4096  # record batch size of spill files, so a key range is read batch by batch
 
 
+def spill_table(keys: np.ndarray, ids: np.ndarray, lengths: np.ndarray) -> pa.Table:
+    """Padded rows as an Arrow table (key, length, fixed-size ids), zero-copy from the arrays."""
+    return pa.Table.from_arrays(
+        [pa.array(keys, type=pa.uint64()), pa.array(lengths, type=pa.int32()),
+         pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1), type=pa.int32()), ids.shape[1])],
+        names=["key", "length", "ids"])
+
+
+def spill_arrays(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The inverse of spill_table: (keys, ids [n, width], lengths)."""
+    ids = table["ids"].combine_chunks()
+    flat = ids.flatten().to_numpy(zero_copy_only=False)
+    return (table["key"].to_numpy(), flat.reshape(len(table), ids.type.list_size),
+            table["length"].to_numpy())
+
+
 class SpillFn(beam.DoFn):
-    """(split, table) → Spill files of at most about `spill_rows` rows, sorted by key."""
+    """Packed → Spill files of at most about `spill_rows` rows, sorted by key."""
 
     def __init__(self, work_dir: str, spill_rows: int):
         self.work_dir, self.spill_rows = work_dir, spill_rows
@@ -46,14 +66,13 @@ class SpillFn(beam.DoFn):
         self.spilled = counter("spill_files")
 
     def start_bundle(self):
-        self.buffers: dict[str, list[pa.Table]] = {}
+        self.buffers: dict[str, list[Packed]] = {}
 
-    def process(self, element):
-        split, table = element
-        buffer = self.buffers.setdefault(split, [])
-        buffer.append(table)
-        if sum(t.num_rows for t in buffer) >= self.spill_rows:
-            yield self._flush(split)
+    def process(self, packed: Packed):
+        buffer = self.buffers.setdefault(packed.split, [])
+        buffer.append(packed)
+        if sum(len(p.keys) for p in buffer) >= self.spill_rows:
+            yield self._flush(packed.split)
 
     def finish_bundle(self):
         from apache_beam.transforms.window import GlobalWindow
@@ -64,13 +83,15 @@ class SpillFn(beam.DoFn):
                 yield WindowedValue(self._flush(split), 0, [GlobalWindow()])
 
     def _flush(self, split: str) -> Spill:
-        table = pa.concat_tables(self.buffers.pop(split))
-        keys = table["key"].to_numpy()
-        table = table.take(sharding.sort_order(keys))
-        uniq, counts = np.unique(sharding.buckets(table["key"].to_numpy()), return_counts=True)
+        packed = self.buffers.pop(split)
+        keys = np.concatenate([p.keys for p in packed])
+        order = sharding.sort_order(keys)
+        table = spill_table(keys[order], np.concatenate([p.ids for p in packed])[order],
+                            np.concatenate([p.lengths for p in packed])[order])
+        uniq, counts = np.unique(sharding.buckets(keys[order]), return_counts=True)
         path = FileSystems.join(self.work_dir, f"spill-{uuid.uuid4().hex}.arrow")
         with FileSystems.create(path) as f, pa.ipc.new_file(f, table.schema) as writer:
-            for batch in table.combine_chunks().to_batches(max_chunksize=SPILL_BATCH_ROWS):
+            for batch in table.to_batches(max_chunksize=SPILL_BATCH_ROWS):
                 writer.write_batch(batch)
         self.spilled.inc()
         return Spill(split, path, table.num_rows, uniq, counts)
@@ -102,29 +123,46 @@ def read_piece(path: str, start: int, stop: int) -> pa.Table:
 
 
 class WriteShardFn(beam.DoFn):
-    """The pieces of one shard → merged in key order → one Arrow IPC stream file (temp + rename)."""
+    """The pieces of one shard → merged in key order → masked → one Arrow IPC stream file (temp + rename)."""
 
-    def __init__(self, out: str, counts: dict, vocab_size: int):
-        self.out, self.counts, self.vocab_size = out, counts, vocab_size
+    CHUNK = shards.ROWS_PER_RECORD_BATCH  # rows masked at a time: one record batch, so bytes never depend on it
+
+    def __init__(self, out: str, counts: dict, mask: MaskSpec):
+        self.out, self.counts, self.mask = out, counts, mask
+
+    def setup(self):
+        with FileSystems.open(self.mask.model_path) as f:
+            sp = tokenizer.load(f.read())
+        self.vocab_size = sp.get_piece_size()
+        self.word_start = tokenizer.word_start_table(sp)
+        self.masked, self.written = counter("masked_positions"), counter("shards_written")
 
     def process(self, element):
         (split, shard), pieces = element
         tables = [read_piece(*p) for p in sorted(p for p in pieces if p is not None)]
-        table = pa.concat_tables(tables) if tables else pa.Table.from_pylist([], schema=shards.schema(self.vocab_size))
-        table = table.take(sharding.sort_order(table["key"].to_numpy()))
         name = shards.shard_name(split, shard, self.counts[split])
-        info = shards.write_shard(self.out, name, table, self.vocab_size)
-        counter("shards_written").inc()
-        yield {"split": split, "shard": shard, **dataclasses.asdict(info)}
+        with shards.ShardWriter(self.out, name, shards.schema(self.vocab_size)) as writer:
+            if tables:
+                keys, ids, lengths = spill_arrays(pa.concat_tables(tables))
+                order = sharding.sort_order(keys)
+                keys, ids, lengths = keys[order], ids[order], lengths[order]
+                for lo in range(0, len(keys), self.CHUNK):
+                    part = slice(lo, lo + self.CHUNK)
+                    chunk = mask_table(keys[part], ids[part], lengths[part], self.word_start, self.vocab_size,
+                                       self.mask)
+                    writer.write(chunk)
+                    self.masked.inc(len(pa.compute.list_flatten(pa.compute.list_flatten(chunk["mask_positions"]))))
+        self.written.inc()
+        yield {"split": split, "shard": shard, **dataclasses.asdict(writer.info)}
 
 
 class ShardAndWrite(beam.PTransform):
-    """(split, table) batches → balanced, key-sorted shards on disk → one dict per shard written."""
+    """Packed rows → balanced, key-sorted, masked shards on disk → one dict per shard written."""
 
-    def __init__(self, out: str, work_dir: str, counts: dict, vocab_size: int, spill_rows: int):
+    def __init__(self, out: str, work_dir: str, counts: dict, mask: MaskSpec, spill_rows: int):
         super().__init__()
         self.out, self.work_dir, self.counts = out, work_dir, counts
-        self.vocab_size, self.spill_rows = vocab_size, spill_rows
+        self.mask, self.spill_rows = mask, spill_rows
 
     def expand(self, tables):
         counts = self.counts
@@ -142,5 +180,5 @@ class ShardAndWrite(beam.PTransform):
             (pieces, every_shard)
             | "with empty shards" >> beam.Flatten()
             | "group pieces" >> beam.GroupByKey()
-            | "write" >> beam.ParDo(WriteShardFn(self.out, counts, self.vocab_size))
+            | "mask and write" >> beam.ParDo(WriteShardFn(self.out, counts, self.mask))
         )

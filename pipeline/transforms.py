@@ -1,4 +1,4 @@
-"""The Beam PTransforms of `shatter-data build`: read → clean → tokenize → pack → mask (→ `pipeline.sink`).
+"""The Beam PTransforms of `shatter-data build`: read → clean → tokenize → pack (→ `pipeline.sink`).
 
 Each transform is a thin DoFn over a pure function of `pipeline.readers`, `cleaning`, `wikitext`,
 `tokenizer`, `packing`, `masking` and `shards` (the seqio / Beam-examples pattern). Elements are
@@ -84,9 +84,23 @@ class Tokenized:
 
 @dataclass(frozen=True)
 class Packed:
+    """Packed rows of one split, padded to seq_len: what the shard sink sorts, masks and writes."""
+
     split: str
-    keys: np.ndarray  # uint64 content key per row
-    rows: tuple[np.ndarray, ...]  # [CLS] ... [SEP] id arrays
+    keys: np.ndarray  # uint64 [n]: row_keys(ids, lengths), the content key the shards are sorted by
+    ids: np.ndarray  # int32 [n, seq_len]: [CLS] ... [SEP], then [PAD] (0) after `lengths`
+    lengths: np.ndarray  # int32 [n]
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """How rows are masked when their shard is written (`dupe_factor` static maskings, DESIGN.md)."""
+
+    model_path: str  # the sentencepiece model: vocabulary size and word starts
+    seed: int  # global seed; copy d of a row draws from row_seeds(seed, key, d)
+    dupe_factor: int  # static maskings per row
+    rate: float  # share of non-special tokens masked (BERT §3.1)
+    whole_word: bool  # mask whole words (word_start) instead of single tokens
 
 
 def content_key(data: bytes) -> int:
@@ -281,6 +295,18 @@ def Tokenize(model_path: str, validation_fraction: float):
     return beam.ParDo(TokenizeFn(model_path, validation_fraction))
 
 
+_ROW_KEY_SALT = np.uint64(0x524F574B4559)
+
+
+def row_keys(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """uint64 content key per padded row: a multilinear hash of its ids (sum of id x odd 64-bit
+    constant per column, mod 2**64) and its length, through splitmix64's finaliser. Padding adds
+    nothing, so a key depends on the row alone, not on the padded width."""
+    multipliers = masking.mix64(np.arange(ids.shape[1], dtype=np.uint64) + _ROW_KEY_SALT) | np.uint64(1)
+    h = np.asarray(ids).astype(np.uint64) @ multipliers
+    return masking.mix64(h ^ masking.mix64(np.asarray(lengths, dtype=np.uint64)))
+
+
 class PackFn(beam.DoFn):
     def __init__(self, seq_len: int, cross_document: bool):
         self.seq_len, self.cross_document = seq_len, cross_document
@@ -293,55 +319,23 @@ class PackFn(beam.DoFn):
         lost = sum(len(d) for d in batch.docs) - packing.content_tokens(rows)
         if lost:  # packing never drops; this guards the invariant in production too
             self.dropped.inc(lost)
-        keys = np.array([content_key(r.astype(np.int32).tobytes()) for r in rows], dtype=np.uint64)
         self.rows.inc(len(rows))
-        yield Packed(batch.split, keys, tuple(rows))
+        ids, lengths = packing.padded(rows, self.seq_len)
+        yield Packed(batch.split, row_keys(ids, lengths), ids, lengths)
 
 
 def Pack(seq_len: int, cross_document: bool):
     return beam.ParDo(PackFn(seq_len, cross_document))
 
 
-class MaskFn(beam.DoFn):
-    """Packed → (split, Arrow table) with `dupe_factor` static maskings and word starts."""
+def mask_table(keys: np.ndarray, ids: np.ndarray, lengths: np.ndarray, word_start_table: np.ndarray,
+               vocab_size: int, spec: MaskSpec) -> pa.Table:
+    """Padded rows → the shard schema's table: ids, word starts and `dupe_factor` maskings (pure).
 
-    CHUNK = 512  # rows per vectorised masking call, bounding the [B, D, L] scratch arrays
-
-    def __init__(self, model_path: str, seed: int, dupe_factor: int, rate: float, whole_word: bool):
-        self.model_path, self.seed, self.dupe_factor = model_path, seed, dupe_factor
-        self.rate, self.whole_word = rate, whole_word
-
-    def setup(self):
-        with FileSystems.open(self.model_path) as f:
-            sp = tokenizer.load(f.read())
-        self.vocab_size = sp.get_piece_size()
-        self.word_start = tokenizer.word_start_table(sp)
-        self.masked = counter("masked_positions")
-
-    def process(self, batch: Packed):
-        tables = []
-        for lo in range(0, len(batch.rows), self.CHUNK):
-            rows = batch.rows[lo : lo + self.CHUNK]
-            keys = batch.keys[lo : lo + self.CHUNK]
-            tables.append(mask_table(rows, keys, self.word_start, self.vocab_size, self.seed, self.dupe_factor,
-                                     self.rate, self.whole_word))
-            self.masked.inc(len(pa.compute.list_flatten(pa.compute.list_flatten(tables[-1]["mask_positions"]))))
-        if tables:
-            yield batch.split, pa.concat_tables(tables)
-
-
-def mask_table(rows, keys, word_start_table, vocab_size, seed, dupe_factor, rate, whole_word) -> pa.Table:
-    """Rows and keys → the shard schema's table (pure; the Mask step and tests share it)."""
-    lengths = np.array([len(r) for r in rows])
-    padded = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
-    for i, r in enumerate(rows):
-        padded[i, : len(r)] = r
-    ws_padded = word_start_table[padded]
-    masks = masking.mask_batch(padded, lengths, ws_padded, masking.row_seeds(seed, keys, dupe_factor),
-                               vocab_size, rate, whole_word)
-    word_start = [ws_padded[i, : len(r)] for i, r in enumerate(rows)]
-    return shards.rows_table(keys, list(rows), word_start, masks, dupe_factor, vocab_size)
-
-
-def Mask(model_path, seed, dupe_factor, rate, whole_word):
-    return beam.ParDo(MaskFn(model_path, seed, dupe_factor, rate, whole_word))
+    Vectorised over the rows, no per-row Python; the shard writer masks each chunk it writes.
+    """
+    word_start = word_start_table[ids]
+    masks = masking.mask_batch(ids, lengths, word_start, masking.row_seeds(spec.seed, keys, spec.dupe_factor),
+                               vocab_size, spec.rate, spec.whole_word)
+    in_row = np.arange(ids.shape[1])[None, :] < np.asarray(lengths)[:, None]
+    return shards.rows_table(keys, lengths, ids[in_row], word_start[in_row], masks, spec.dupe_factor, vocab_size)

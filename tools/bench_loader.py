@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline import shards as pshards  # noqa: E402
-from pipeline.transforms import mask_table  # noqa: E402
+from pipeline.transforms import MaskSpec, mask_table  # noqa: E402
 from train.data import MaskingSpec, ShardStream  # noqa: E402
 from train.shards import read_index, sha256_file  # noqa: E402
 
@@ -41,10 +41,11 @@ def synthetic_dataset(root: Path, rows: int, seq_len: int, vocab: int, dupe: int
         per = -(-n // shards)
         for i in range(shards):
             count = min(per, n - i * per)
-            body = rng.integers(5, vocab, (count, seq_len - 2))
-            batch = [np.concatenate([[2], r, [3]]) for r in body]
-            keys = rng.integers(0, 2**63, count, dtype=np.uint64)
-            table = mask_table(batch, keys, word_start_table, vocab, seed, dupe, 0.15, False)
+            ids = rng.integers(5, vocab, (count, seq_len), dtype=np.int32)
+            ids[:, 0], ids[:, -1] = 2, 3  # [CLS] ... [SEP]
+            keys = np.sort(rng.integers(0, 2**63, count, dtype=np.uint64))
+            table = mask_table(keys, ids, np.full(count, seq_len, np.int32), word_start_table, vocab,
+                               MaskSpec("", seed, dupe, 0.15, False))
             info = pshards.write_shard(str(root), pshards.shard_name(split, i, shards), table, vocab)
             entries.append(info.__dict__)
         splits[split] = {"shards": entries}

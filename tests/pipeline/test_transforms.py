@@ -11,8 +11,8 @@ from pipeline import packing, shards, tokenizer
 from pipeline.masking import SPECIAL_IDS
 from pipeline.readers import ReadSpec
 from pipeline.sink import ShardAndWrite
-from pipeline.transforms import (Clean, DocBatch, Mask, Pack, Packed, ReadDocuments, SampleLines,
-                                 Tokenize, Tokenized, content_key, mask_table)
+from pipeline.transforms import (Clean, DocBatch, MaskSpec, Pack, Packed, ReadDocuments, SampleLines,
+                                 Tokenize, Tokenized, content_key, mask_table, row_keys)
 
 from pipeline.config import BuildConfig, InputSpec
 
@@ -77,54 +77,85 @@ def test_tokenize_splits_by_document_hash(model_path):
         assert_that(out, check)
 
 
-def test_pack_keys_rows_by_content():
+def test_pack_pads_and_keys_rows_by_content():
     docs = (np.arange(5, 60, dtype=np.int32), np.arange(100, 120, dtype=np.int32))
     want = packing.pack_documents(list(docs), 16)
 
     def check(outputs):
         (packed,) = outputs
-        assert packed.split == "train" and [r.tolist() for r in packed.rows] == [r.tolist() for r in want]
-        assert packed.keys.tolist() == [content_key(r.astype(np.int32).tobytes()) for r in want]
+        assert packed.split == "train" and packed.ids.shape == (len(want), 16)
+        assert [r[:n].tolist() for r, n in zip(packed.ids, packed.lengths)] == [r.tolist() for r in want]
+        assert all((r[n:] == 0).all() for r, n in zip(packed.ids, packed.lengths))  # padding is [PAD]
+        assert packed.lengths[-1] < 16  # the stream's short last row
+        assert packed.keys.tolist() == row_keys(packed.ids, packed.lengths).tolist()
+        assert len(set(packed.keys.tolist())) == len(want)
 
     with _pipeline() as p:
         assert_that(p | beam.Create([Tokenized("train", docs)]) | Pack(16, True), check)
 
 
-def test_mask_adds_static_maskings(model_path):
+def test_row_keys_depend_on_the_row_alone():
+    rows = [np.array([2, 7, 8, 3]), np.array([2, 8, 7, 3]), np.array([2, 7, 8, 9, 3]), np.array([2, 7, 8, 3])]
+    narrow, lengths = packing.padded(rows, 5)
+    wide, _ = packing.padded(rows, 64)
+    keys = row_keys(narrow, lengths)
+    assert keys.tolist() == row_keys(wide, lengths).tolist()  # padding never changes a key
+    assert keys[0] == keys[3] and len(set(keys[:3].tolist())) == 3  # equal rows, equal keys; else distinct
+    # well spread: the top bits (the sharding buckets) of many keys are close to uniform
+    many = row_keys(*packing.padded([np.array([2, i, j, 3]) for i in range(100) for j in range(100)], 4))
+    assert np.histogram(many >> np.uint64(60), bins=16, range=(0, 16))[0].min() > 10000 / 16 * 0.85
+
+
+def _masked(model_path, rows, dupe_factor, seed=7):
     sp = tokenizer.load(open(model_path, "rb").read())
-    rows = tuple(packing.pack_documents([np.array(sp.encode(d)) for d in generated_documents(10)], 32))
-    keys = np.array([content_key(r.astype(np.int32).tobytes()) for r in rows], dtype=np.uint64)
-    want = mask_table(rows, keys, tokenizer.word_start_table(sp), sp.get_piece_size(), 7, 3, 0.15, False)
-
-    def check(outputs):
-        (split, table), = outputs
-        assert split == "validation" and table.equals(want)
-        assert table.schema.equals(shards.schema(300))
-        copies = table["mask_positions"].to_pylist()
-        assert all(len(c) == 3 for c in copies)
-        labels = table["mask_labels"].to_pylist()
-        assert not any(lab in SPECIAL_IDS for row in labels for copy in row for lab in copy)
-
-    with _pipeline() as p:
-        assert_that(p | beam.Create([Packed("validation", keys, rows)]) | Mask(model_path, 7, 3, 0.15, False), check)
+    ids, lengths = packing.padded(rows, max(len(r) for r in rows))
+    spec = MaskSpec(model_path, seed, dupe_factor, 0.15, False)
+    return mask_table(row_keys(ids, lengths), ids, lengths, tokenizer.word_start_table(sp), sp.get_piece_size(), spec)
 
 
-def test_shard_and_write_balances_sorts_and_writes_every_shard(model_path, tmp_path):
+def test_mask_table_adds_static_maskings(model_path):
+    sp = tokenizer.load(open(model_path, "rb").read())
+    rows = packing.pack_documents([np.array(sp.encode(d)) for d in generated_documents(10)], 32)
+    table = _masked(model_path, rows, 3)
+    assert table.schema.equals(shards.schema(300))
+    assert [r.tolist() for r in rows] == table["input_ids"].to_pylist()
+    ws = tokenizer.word_start_table(sp)
+    assert table["word_start"].to_pylist() == [ws[r].tolist() for r in rows]
+    copies = table["mask_positions"].to_pylist()
+    assert all(len(c) == 3 for c in copies)
+    assert any(a != b for c in copies for a, b in zip(c, c[1:]))  # the copies differ
+    labels = table["mask_labels"].to_pylist()
+    assert not any(lab in SPECIAL_IDS for row in labels for copy in row for lab in copy)
+    for row, positions, copy_labels in zip(rows, copies, labels):
+        for pos, lab in zip(positions, copy_labels):
+            assert row[pos].tolist() == lab
+    assert _masked(model_path, rows, 3).equals(table)  # deterministic
+    assert not _masked(model_path, rows, 3, seed=8)["mask_positions"].equals(table["mask_positions"])
+
+
+def test_shard_and_write_balances_sorts_masks_and_writes_every_shard(model_path, tmp_path):
     sp = tokenizer.load(open(model_path, "rb").read())
     rows = packing.pack_documents([np.array(sp.encode(d)) for d in generated_documents(120)], 16)
-    keys = np.array([content_key(r.astype(np.int32).tobytes()) for r in rows], dtype=np.uint64)
-    table = mask_table(rows, keys, tokenizer.word_start_table(sp), 300, 0, 1, 0.15, False)
-    pieces = [("train", table.slice(i, 50)) for i in range(0, table.num_rows, 50)]
+    ids, lengths = packing.padded(rows, 16)
+    keys = row_keys(ids, lengths)
+    pieces = [Packed("train", keys[i : i + 50], ids[i : i + 50], lengths[i : i + 50]) for i in range(0, len(rows), 50)]
     out = tmp_path / "out"
     counts = {"train": 4, "validation": 2}
+    spec = MaskSpec(model_path, 0, 2, 0.15, False)
     with _pipeline() as p:
-        infos = p | beam.Create(pieces) | ShardAndWrite(str(out), str(tmp_path / "work"), counts, 300, 120)
+        infos = p | beam.Create(pieces) | ShardAndWrite(str(out), str(tmp_path / "work"), counts, spec, 120)
         assert_that(infos | beam.Map(lambda i: (i["split"], i["shard"], i["file"])), equal_to(
             [("train", i, f"train-{i:05d}-of-00004.arrow") for i in range(4)]
             + [("validation", i, f"validation-{i:05d}-of-00002.arrow") for i in range(2)]))
     tables = [shards.read_shard(str(out / f"train-{i:05d}-of-00004.arrow")) for i in range(4)]
     sizes = [t.num_rows for t in tables]
-    assert sum(sizes) == table.num_rows and max(sizes) - min(sizes) <= 3
-    merged = pa.concat_tables(tables)["key"].to_numpy()
-    assert (np.diff(merged.astype(np.float64)) >= 0).all()  # key ranges, sorted within and across shards
-    assert sorted(merged.tolist()) == sorted(keys.tolist())
+    assert sum(sizes) == len(rows) and max(sizes) - min(sizes) <= 3
+    merged = pa.concat_tables(tables)
+    merged_keys = merged["key"].to_numpy()
+    assert (np.diff(merged_keys.astype(np.float64)) >= 0).all()  # key ranges, sorted within and across shards
+    assert sorted(merged_keys.tolist()) == sorted(keys.tolist())
+    # each row is written with its own ids and the maskings mask_table gives it, whatever its spill
+    order = np.argsort(keys, kind="stable")
+    want = mask_table(keys[order], ids[order], lengths[order], tokenizer.word_start_table(sp), sp.get_piece_size(), spec)
+    assert merged.equals(want)
+    assert shards.read_shard(str(out / "validation-00000-of-00002.arrow")).num_rows == 0
