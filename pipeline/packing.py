@@ -5,63 +5,79 @@ first and a closing [SEP] last (RoBERTa, Liu et al. 2019, §4.2 "FULL-SENTENCES"
 cross documents unless `cross_document=False`). Only the last row of a stream may be shorter. No
 token is dropped: every document token lands in exactly one row, in order; a separator that falls
 on a row boundary doubles as that row's closing [SEP].
+
+Rows come out padded, as one int32 [n, seq_len] array and their lengths: the row starts are found
+by a short loop over rows (each start fixes the next), and each row is one window of the stream.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from pipeline.masking import CLS_ID, SEP_ID
+from pipeline.masking import CLS_ID, PAD_ID, SEP_ID
 
 
-def pack_stream(stream: np.ndarray, seq_len: int, cls_id: int = CLS_ID, sep_id: int = SEP_ID) -> list[np.ndarray]:
-    """Cut `stream` (documents each followed by [SEP]) into `[CLS] ... [SEP]` rows of <= seq_len ids."""
+def pack_stream_padded(stream: np.ndarray, seq_len: int, cls_id: int = CLS_ID, sep_id: int = SEP_ID,
+                       pad_id: int = PAD_ID) -> tuple[np.ndarray, np.ndarray]:
+    """Cut `stream` (documents each followed by [SEP]) into `[CLS] ... [SEP]` rows of <= seq_len
+    ids: (ids int32 [n, seq_len] padded with `pad_id`, lengths int32 [n])."""
     if seq_len < 3:
         raise ValueError(f"seq_len must be >= 3 ([CLS], one token, [SEP]); got {seq_len}")
-    rows, i, n = [], 0, len(stream)
-    cls = np.array([cls_id], dtype=stream.dtype)
-    sep = np.array([sep_id], dtype=stream.dtype)
+    stream = np.asarray(stream)
+    n, room = len(stream), seq_len - 1  # ids after [CLS]
+    # from start i, a row takes `room` ids when they end on a [SEP] (or the stream ends first),
+    # else room - 1 ids and a [SEP] of its own
+    at_sep = (stream == sep_id).tobytes()  # indexing bytes is the fastest scalar lookup
+    starts, i = [], 0
     while i < n:
-        chunk = stream[i : i + seq_len - 1]
-        if len(chunk) < seq_len - 1 or chunk[-1] == sep_id:
-            # the stream (always ending in [SEP]) or a document ends exactly at the row's end
-            rows.append(np.concatenate([cls, chunk]))
-            i += len(chunk)
-        else:
-            rows.append(np.concatenate([cls, chunk[: seq_len - 2], sep]))
-            i += seq_len - 2
-    return rows
+        starts.append(i)
+        i += room if i + room > n or at_sep[i + room - 1] else room - 1
+    starts = np.asarray(starts, dtype=np.int64)
+    taken = np.minimum(np.diff(np.append(starts, i)), n - starts)
+    own_sep = taken == room - 1
+    own_sep[-1:] &= starts[-1:] + taken[-1:] < n  # the tail ends in the stream's own [SEP]
+    # each row is a window of the stream (past its end: padding), copied whole
+    windows = np.lib.stride_tricks.sliding_window_view(np.concatenate([stream, np.full(room, pad_id, stream.dtype)]),
+                                                       room)
+    ids = np.empty((len(starts), seq_len), dtype=np.int32)
+    ids[:, 0] = cls_id
+    ids[:, 1:] = windows[starts]
+    ids[own_sep, -1] = sep_id  # over the id the row leaves to the next one
+    return ids, (taken + 1 + own_sep).astype(np.int32)
 
 
-def pack_documents(
-    docs: list[np.ndarray], seq_len: int, cross_document: bool = True, cls_id: int = CLS_ID, sep_id: int = SEP_ID
-) -> list[np.ndarray]:
-    """Pack tokenised documents (empty ones ignored) into rows; per document if not cross_document."""
+def pack_documents_padded(docs: list[np.ndarray], seq_len: int, cross_document: bool = True, cls_id: int = CLS_ID,
+                          sep_id: int = SEP_ID) -> tuple[np.ndarray, np.ndarray]:
+    """Pack tokenised documents (empty ones ignored) into padded rows; per document if not cross_document."""
     docs = [np.asarray(d) for d in docs if len(d)]
     if not docs:
-        return []
-    dtype = np.result_type(*docs)
-    sep = np.array([sep_id], dtype=dtype)
+        return np.zeros((0, seq_len), dtype=np.int32), np.zeros(0, dtype=np.int32)
+    sep = np.array([sep_id], dtype=np.result_type(*docs))
     if not cross_document:
-        return [row for d in docs for row in pack_stream(np.concatenate([d, sep]), seq_len, cls_id, sep_id)]
-    stream = np.concatenate([part for d in docs for part in (d, sep)])
-    return pack_stream(stream, seq_len, cls_id, sep_id)
+        parts = [pack_stream_padded(np.concatenate([d, sep]), seq_len, cls_id, sep_id) for d in docs]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    return pack_stream_padded(np.concatenate([part for d in docs for part in (d, sep)]), seq_len, cls_id, sep_id)
 
 
-def content_tokens(rows: list[np.ndarray], special_ids=(CLS_ID, SEP_ID)) -> int:
-    """Number of non-special ids in `rows` (what the documents contributed)."""
-    if not rows:
-        return 0
-    flat = np.concatenate(rows)
-    return int(len(flat) - np.isin(flat, special_ids).sum())
+def unpad(ids: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    return [row[:length] for row, length in zip(ids, lengths)]
 
 
-def padded(rows: list[np.ndarray], width: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def pack_documents(docs: list[np.ndarray], seq_len: int, cross_document: bool = True, cls_id: int = CLS_ID,
+                   sep_id: int = SEP_ID) -> list[np.ndarray]:
+    """`pack_documents_padded` as a list of unpadded rows."""
+    return unpad(*pack_documents_padded(docs, seq_len, cross_document, cls_id, sep_id))
+
+
+def content_tokens(ids: np.ndarray, lengths: np.ndarray, special_ids=(CLS_ID, SEP_ID)) -> int:
+    """Number of non-special ids in padded rows (what the documents contributed)."""
+    in_row = np.arange(ids.shape[1])[None, :] < np.asarray(lengths)[:, None]
+    return int((in_row & ~np.isin(ids, special_ids)).sum())
+
+
+def padded(rows: list[np.ndarray], width: int, pad_id: int = PAD_ID) -> tuple[np.ndarray, np.ndarray]:
     """Rows as one int32 [n, width] array, padded with `pad_id`, and their int32 lengths."""
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
     ids = np.full((len(rows), width), pad_id, dtype=np.int32)
-    full = lengths == width
-    if full.any():
-        ids[full] = np.stack([r for r, f in zip(rows, full) if f])
-    for i in np.flatnonzero(~full):
-        ids[i, : lengths[i]] = rows[i]
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = row
     return ids, lengths

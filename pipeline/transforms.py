@@ -315,12 +315,11 @@ class PackFn(beam.DoFn):
         self.rows, self.dropped = counter("rows"), counter("tokens_dropped")
 
     def process(self, batch: Tokenized):
-        rows = packing.pack_documents(list(batch.docs), self.seq_len, self.cross_document)
-        lost = sum(len(d) for d in batch.docs) - packing.content_tokens(rows)
+        ids, lengths = packing.pack_documents_padded(list(batch.docs), self.seq_len, self.cross_document)
+        lost = sum(len(d) for d in batch.docs) - packing.content_tokens(ids, lengths)
         if lost:  # packing never drops; this guards the invariant in production too
             self.dropped.inc(lost)
-        self.rows.inc(len(rows))
-        ids, lengths = packing.padded(rows, self.seq_len)
+        self.rows.inc(len(lengths))
         yield Packed(batch.split, row_keys(ids, lengths), ids, lengths)
 
 

@@ -5,12 +5,14 @@ about --mb MB, written as JSON lines), in one run, interleaving the contenders o
 rounds and keeping each one's best:
   (a) raw sentencepiece batch encoding in a tight loop, one thread;
   (b) `shatter-data build` end to end (tokenize, pack, mask, shard, write; --tokenizer given), with
-      one worker (in-process) and two workers (multi_processing and multi_threading);
+      one worker (in-process) and two workers (multi_processing, and in_memory threads);
   (c) the same tokenize-and-pack with `datasets.map(batched=True, num_proc=2)`.
 Targets from the issue: (b, 1 worker) >= 0.5 x (a); (b, 2 workers) >= 1.6 x (b, 1 worker);
-(b, 2 workers) > (c).
+(b, 2 workers) > (c). With --marginal-mb, the same on a larger corpus, and the ratios of the
+marginal times (the larger run minus the smaller), from which fixed start-up costs cancel. Last, a
+breakdown of where the time goes: the build's pure functions timed stage by stage on one core.
 
-    .venv/bin/python tools/bench_pipeline.py --mb 50
+    .venv/bin/python tools/bench_pipeline.py --mb 50 --marginal-mb 150
 """
 from __future__ import annotations
 
@@ -102,10 +104,55 @@ def bench_datasets(corpus: Path, model: Path, seq_len: int, cache: Path) -> floa
     return time.perf_counter() - start
 
 
+def stage_breakdown(model: bytes, docs: list[str], seq_len: int, dupe_factor: int = 5) -> dict[str, float]:
+    """Seconds per stage of the build's own pure functions on one core, without Beam: what limits (b)."""
+    from pipeline import packing, sharding, shards
+    from pipeline.transforms import MaskSpec, mask_table, row_keys
+    import numpy as np
+    import pyarrow as pa
+
+    sp = tokenizer.load(model)
+    word_start, vocab = tokenizer.word_start_table(sp), sp.get_piece_size()
+    spec = MaskSpec("", 0, dupe_factor, 0.15, False)
+    times = dict.fromkeys(["clean", "encode", "to arrays", "pack", "row keys", "sort", "mask",
+                           "Arrow + zstd write"], 0.0)
+
+    def timed(name, fn, *a):
+        start = time.perf_counter()
+        out = fn(*a)
+        times[name] += time.perf_counter() - start
+        return out
+
+    packed, batch, chars = [], [], 0
+    for doc in docs + [None]:
+        if doc is not None:
+            batch.append(doc)
+            chars += len(doc)
+        if batch and (doc is None or chars >= 1 << 20):
+            text = timed("clean", lambda b: [cleaning.clean_plain(d) for d in b], batch)
+            encoded = timed("encode", sp.encode, text)
+            arrays = timed("to arrays", lambda e: [np.asarray(x, dtype=np.int32) for x in e], encoded)
+            ids, lengths = timed("pack", packing.pack_documents_padded, arrays, seq_len)
+            packed.append((timed("row keys", row_keys, ids, lengths), ids, lengths))
+            batch, chars = [], 0
+    keys, ids, lengths = (np.concatenate(x) for x in zip(*packed))
+    order = timed("sort", sharding.sort_order, keys)
+    keys, ids, lengths = timed("sort", lambda: (keys[order], ids[order], lengths[order]))
+    with tempfile.TemporaryDirectory() as tmp:
+        with shards.ShardWriter(tmp, "bench.arrow", shards.schema(vocab)) as writer:
+            for lo in range(0, len(keys), shards.ROWS_PER_RECORD_BATCH):
+                part = slice(lo, lo + shards.ROWS_PER_RECORD_BATCH)
+                table = timed("mask", mask_table, keys[part], ids[part], lengths[part], word_start, vocab, spec)
+                timed("Arrow + zstd write", writer.write, table)
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
     parser.add_argument("--mb", type=float, default=50, help="corpus size (cleaned text, repeated)")
+    parser.add_argument("--marginal-mb", type=float, default=0,
+                        help="also run on this larger corpus and report the marginal rates (fixed costs removed)")
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
@@ -115,47 +162,78 @@ def main():
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     work.mkdir(parents=True, exist_ok=True)
     docs = cleaned_documents(args.data)
-    corpus = work / "corpus.jsonl"
-    size = write_corpus(docs, corpus, args.mb)
     lines = [line for d in docs for line in cleaning.sample_lines(d)]
     model_bytes = tokenizer.train([x for _, x in tokenizer.smallest_lines(lines, 200_000)], args.vocab_size)
     model = work / "tokenizer.model"
     model.write_bytes(model_bytes)
-    all_docs = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
-    print(f"corpus: {size / 1e6:.1f} MB of cleaned text, {len(all_docs)} documents; vocab {args.vocab_size}, "
-          f"seq_len {args.seq_len}; load: {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores")
+    sizes = [args.mb] + ([args.marginal_mb] if args.marginal_mb else [])
+    corpora = {}
+    for mb in sizes:
+        corpus = work / f"corpus-{mb:g}mb.jsonl"
+        size = write_corpus(docs, corpus, mb)
+        all_docs = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+        _, tokens = bench_sentencepiece(model_bytes, all_docs, 1 << 20)
+        corpora[mb] = (corpus, size, all_docs, tokens)
+        print(f"corpus {mb:g}: {size / 1e6:.1f} MB of cleaned text, {len(all_docs)} documents, {tokens / 1e6:.1f} M tokens")
+    print(f"vocab {args.vocab_size}, seq_len {args.seq_len}, dupe_factor 5, 8 shards; "
+          f"load {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores")
 
-    contenders = {
-        "(a) sentencepiece encode, 1 thread": lambda: bench_sentencepiece(model_bytes, all_docs, 1 << 20)[0],
-        "(b) build, 1 worker (in-process)": lambda: bench_build(corpus, model, work / "out1", args.seq_len, [])[0],
-        "(b) build, 2 workers (multi_processing)": lambda: bench_build(
-            corpus, model, work / "out2p", args.seq_len,
-            ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"])[0],
-        "(b) build, 2 workers (multi_threading)": lambda: bench_build(
-            corpus, model, work / "out2t", args.seq_len,
-            ["--direct_num_workers", "2", "--direct_running_mode", "multi_threading"])[0],
-        "(c) datasets.map(batched, num_proc=2)": lambda: bench_datasets(corpus, model, args.seq_len, work / "hf"),
-    }
-    _, tokens = bench_sentencepiece(model_bytes, all_docs, 1 << 20)
-    best = {name: float("inf") for name in contenders}
+    def contenders(mb):
+        corpus, _, all_docs, _ = corpora[mb]
+        out = work / "out"
+        return {
+            A: lambda: bench_sentencepiece(model_bytes, all_docs, 1 << 20)[0],
+            B1: lambda: bench_build(corpus, model, out, args.seq_len, [])[0],
+            B2P: lambda: bench_build(corpus, model, out, args.seq_len,
+                                     ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"])[0],
+            B2T: lambda: bench_build(corpus, model, out, args.seq_len,
+                                     ["--direct_num_workers", "2", "--direct_running_mode", "in_memory"])[0],
+            C: lambda: bench_datasets(corpus, model, args.seq_len, work / "hf"),
+        }
+
+    best = {(mb, name): float("inf") for mb in sizes for name in NAMES}
     for r in range(args.rounds):
-        for name, run in contenders.items():
-            elapsed = run()
-            best[name] = min(best[name], elapsed)
-            print(f"  round {r + 1}: {name:<42} {elapsed:7.1f} s  (load {os.getloadavg()[0]:.2f})", flush=True)
-    print(f"\n{'contender':<44} {'seconds':>8} {'Mtok/s':>8} {'MB/s':>7}")
-    for name, seconds in best.items():
-        print(f"{name:<44} {seconds:8.1f} {tokens / seconds / 1e6:8.2f} {size / seconds / 1e6:7.2f}")
-    a, b1 = best["(a) sentencepiece encode, 1 thread"], best["(b) build, 1 worker (in-process)"]
-    b2 = min(best["(b) build, 2 workers (multi_processing)"], best["(b) build, 2 workers (multi_threading)"])
-    c = best["(c) datasets.map(batched, num_proc=2)"]
-    print(f"\n(b, 1 worker) / (a)        = {a / b1:.2f}   (target >= 0.5)")
-    print(f"(b, 2 workers) / (b, 1)    = {b1 / b2:.2f}   (target >= 1.6)")
-    print(f"(b, 2 workers) / (c)       = {c / b2:.2f}   (target > 1)")
-    counters = json.loads((work / "out1" / "index.json").read_text())["counters"]
-    print(f"build counters: {counters}")
+        for mb in sizes:
+            for name, run in contenders(mb).items():
+                elapsed = run()
+                best[mb, name] = min(best[mb, name], elapsed)
+                print(f"  round {r + 1}, {mb:g} MB: {name:<44} {elapsed:7.1f} s  (load {os.getloadavg()[0]:.2f})",
+                      flush=True)
+    for mb in sizes:
+        _, size, _, tokens = corpora[mb]
+        print(f"\n{mb:g} MB, end to end      {'seconds':>8} {'Mtok/s':>8} {'MB/s':>7}")
+        for name in NAMES:
+            seconds = best[mb, name]
+            print(f"{name:<44} {seconds:8.1f} {tokens / seconds / 1e6:8.2f} {size / seconds / 1e6:7.2f}")
+        print_ratios({name: best[mb, name] for name in NAMES}, f"{mb:g} MB end to end")
+    if len(sizes) == 2:  # the marginal time of the extra tokens: fixed start-up costs cancel
+        small, big = sizes
+        print_ratios({name: best[big, name] - best[small, name] for name in NAMES},
+                     f"marginal, {small:g} -> {big:g} MB (fixed costs removed)")
+    print("\nwhere the time goes: the build's pure functions on one core, no Beam "
+          f"({sizes[0]:g} MB corpus)")
+    times = stage_breakdown(model_bytes, corpora[sizes[0]][2], args.seq_len)
+    total = sum(times.values())
+    for name, seconds in times.items():
+        print(f"  {name:<22} {seconds:6.2f} s  {100 * seconds / total:5.1f} %")
+    print(f"  {'total':<22} {total:6.2f} s")
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
+
+
+A, B1 = "(a) sentencepiece encode, 1 thread", "(b) build, 1 worker (in-process)"
+B2P, B2T = "(b) build, 2 workers (multi_processing)", "(b) build, 2 workers (in_memory threads)"
+C = "(c) datasets.map(batched, num_proc=2)"
+NAMES = (A, B1, B2P, B2T, C)
+
+
+def print_ratios(seconds: dict, label: str) -> None:
+    a, b1, c = seconds[A], seconds[B1], seconds[C]
+    b2 = min(seconds[B2P], seconds[B2T])
+    print(f"ratios, {label}:")
+    print(f"  (b, 1 worker) / (a)        = {a / b1:.2f}   (target >= 0.5)")
+    print(f"  (b, 2 workers) / (b, 1)    = {b1 / b2:.2f}   (target >= 1.6)")
+    print(f"  (b, 2 workers) / (c)       = {c / b2:.2f}   (target > 1)")
 
 
 if __name__ == "__main__":

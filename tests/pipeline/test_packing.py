@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from pipeline.masking import CLS_ID, SEP_ID
-from pipeline.packing import content_tokens, pack_documents
+from pipeline.packing import content_tokens, pack_documents, pack_documents_padded, padded
 
 
 def _docs(seed=0, n=30):
@@ -22,7 +22,7 @@ def test_no_token_lost_and_exact_lengths(seq_len):
     rows = pack_documents(docs, seq_len)
     assert all(len(r) == seq_len for r in rows[:-1]) and 3 <= len(rows[-1]) <= seq_len
     assert all(r[0] == CLS_ID and r[-1] == SEP_ID for r in rows)
-    assert content_tokens(rows) == sum(len(d) for d in docs)
+    assert content_tokens(*padded(rows, seq_len)) == sum(len(d) for d in docs)
     assert np.array_equal(_content(rows), np.concatenate(docs))  # every token, in order
     inner_seps = sum(int((r[1:-1] == SEP_ID).sum()) for r in rows)
     assert len(docs) - len(rows) <= inner_seps <= len(docs) - 1  # boundaries not on a row end
@@ -32,7 +32,7 @@ def test_no_cross_document_rows_stay_within_documents():
     docs = _docs(1)
     rows = pack_documents(docs, 32, cross_document=False)
     assert all((r[1:-1] != SEP_ID).all() for r in rows)  # no separator inside any row
-    assert content_tokens(rows) == sum(len(d) for d in docs)
+    assert content_tokens(*padded(rows, 32)) == sum(len(d) for d in docs)
     per_doc = [-(-len(d) // 30) for d in docs]  # ceil(len / (seq_len - 2)) rows per document
     assert len(rows) == sum(per_doc)
 
@@ -44,3 +44,31 @@ def test_document_ending_at_row_end_uses_its_separator():
 
 def test_empty_input():
     assert pack_documents([], 16) == [] and pack_documents([np.array([], int)], 16) == []
+
+
+def _reference_rows(stream, seq_len):
+    """The recipe written as the obvious loop: a row takes seq_len - 1 ids when they end on a
+    [SEP] (or the stream ends), else seq_len - 2 ids and a [SEP] of its own."""
+    rows, i = [], 0
+    while i < len(stream):
+        chunk = stream[i : i + seq_len - 1]
+        if len(chunk) < seq_len - 1 or chunk[-1] == SEP_ID:
+            rows.append([CLS_ID, *chunk])
+            i += len(chunk)
+        else:
+            rows.append([CLS_ID, *chunk[: seq_len - 2], SEP_ID])
+            i += seq_len - 2
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_vectorised_packing_matches_the_loop(seed):
+    rng = np.random.default_rng(seed)
+    seq_len = int(rng.integers(3, 12))
+    docs = [rng.integers(5, 50, size=int(rng.integers(1, 3 * seq_len))) for _ in range(int(rng.integers(1, 40)))]
+    stream = np.concatenate([part for d in docs for part in (d, [SEP_ID])])
+    got = pack_documents(docs, seq_len)
+    assert [r.tolist() for r in got] == _reference_rows(stream.tolist(), seq_len)
+    ids, lengths = pack_documents_padded(docs, seq_len)
+    assert ids.shape == (len(got), seq_len) and ids.dtype == np.int32
+    assert (ids[np.arange(seq_len)[None, :] >= lengths[:, None]] == 0).all()  # padding is [PAD]

@@ -5,6 +5,7 @@ import gzip
 import json
 import re
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -90,6 +91,14 @@ def test_gutenberg_boilerplate_and_paragraphs():
             "licence text\n")
     assert cleaning.clean_book(text) == "First line of a paragraph.\nSecond one."
     assert cleaning.clean_book("No markers.\n\nAt all.") == "No markers.\nAt all."
+
+
+def test_collapse_spaces_is_split_and_join():
+    rng = np.random.default_rng(0)
+    alphabet = list("ab .\u00e9") + [c for c in map(chr, range(0x3001)) if c.isspace()]
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet, size=int(rng.integers(0, 40))))
+        assert cleaning.collapse_spaces(text) == " ".join(text.split()), repr(text)
 
 
 def _page(title, text, ns=0, page_id=1, redirect=False):
