@@ -197,6 +197,7 @@ class LiveReport:
         self._thread: threading.Thread | None = None
         self._dir: str | None = None
         self._saved_env: str | None = None
+        self._baseline: dict = {}
         self._source: Callable[[], dict] = self._local_counts
 
     def __enter__(self) -> "LiveReport":
