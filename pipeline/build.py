@@ -17,10 +17,13 @@ import time
 
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, WorkerOptions
+from apache_beam.portability.api import beam_provision_api_pb2
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+from apache_beam.runners.portability.fn_api_runner.fn_runner import ExtendedProvisionInfo
+from apache_beam.runners.portability.portable_runner import JobServiceHandle
 
-from pipeline import readers, shards, tokenizer
+from pipeline import progress, readers, shards, tokenizer
 from pipeline.config import BuildConfig
 from pipeline.sink import ShardAndWrite
 from pipeline.transforms import NAMESPACE, CacheFn, Clean, MaskSpec, Pack, ReadCache, ReadDocuments, SampleLines, Tokenize
@@ -39,23 +42,48 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     return PipelineOptions(beam_args)
 
 
+# Names that make Beam's SwitchingDirectRunner try Prism first, which it downloads (and which cannot
+# be downloaded offline); for this batch pipeline it would then pick the FnApiRunner anyway.
+SWITCHING_RUNNERS = ("DirectRunner", "SwitchingDirectRunner")
+
+
 def make_pipeline(beam_args: list[str]) -> beam.Pipeline:
     options = pipeline_options(beam_args)
-    if options.view_as(StandardOptions).runner is None:
-        return beam.Pipeline(runner=FnApiRunner(), options=options)
+    runner = options.view_as(StandardOptions).runner
+    if runner in SWITCHING_RUNNERS:
+        log.warning("--runner %s: running on the in-process FnApiRunner, which DirectRunner picks for this "
+                    "pipeline, without trying to download Prism first (pass --runner PrismRunner for Prism)",
+                    runner)
+        runner = None
+    if runner is None:
+        return beam.Pipeline(runner=_fn_api_runner(options), options=options)
     return beam.Pipeline(options=options)
 
 
-def run_and_report(pipeline: beam.Pipeline, stage: str, report=print, poll_seconds: float = 10.0) -> dict:
-    """Run to completion, printing the "shatter" counters (polled while a remote runner works)."""
+def _fn_api_runner(options: PipelineOptions) -> FnApiRunner:
+    """The FnApiRunner with the options in its provision info (as Beam's DirectRunner builds it), so
+    that `multi_processing` workers get them too (filesystem options, log level); their log level
+    follows the driver's "apache_beam" logger unless `--default_sdk_harness_log_level` is given."""
+    harness = options.view_as(WorkerOptions)
+    if harness.default_sdk_harness_log_level is None:
+        harness.default_sdk_harness_log_level = logging.getLevelName(
+            logging.getLogger("apache_beam").getEffectiveLevel())
+    encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
+    provision = beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)
+    return FnApiRunner(provision_info=ExtendedProvisionInfo(provision))
+
+
+def run_and_report(pipeline: beam.Pipeline, stage: str, report=print) -> dict:
+    """Run to completion, reporting the "shatter" counters every `--progress_seconds` meanwhile
+    (`pipeline.progress`: the live tally of a local runner, or Beam's metrics of a running job)
+    and Beam's committed counters at the end."""
     start = time.time()
-    result = pipeline.run()
-    state = result.state
-    while not beam.runners.runner.PipelineState.is_terminal(state):
-        time.sleep(poll_seconds)
-        report(f"[{stage} {time.time() - start:.0f}s] {format_counters(counters(result))}")
-        state = result.state
-    result.wait_until_finish()
+    seconds = pipeline.options.view_as(progress.ProgressOptions).progress_seconds
+    with progress.LiveReport(stage, report, seconds) as live:
+        result = pipeline.run()  # the FnApiRunner runs the whole pipeline here
+        if not beam.runners.runner.PipelineState.is_terminal(result.state):
+            live.follow(lambda: counters(result))
+        result.wait_until_finish()  # also what drives the BundleBasedDirectRunner's state to DONE
     values = counters(result)
     report(f"[{stage} done in {time.time() - start:.1f}s] {format_counters(values)}")
     return values

@@ -72,11 +72,14 @@ def main():
 @click.option("--on-error", type=click.Choice(["skip", "stop"]), default="skip", show_default=True,
               help="truncated/broken input: skip the rest of that file (counted) or stop")
 @click.option("--overwrite", is_flag=True, help="replace an existing dataset in --output")
+@click.option("--progress-seconds", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="seconds between progress lines (counters, docs/s, tokens/s) while building; 0: none")
 @click.option("-v", "--verbose", is_flag=True)
 @click.pass_context
 def build(ctx, corpus, inputs, wiki_index, output, validation_inputs, validation_fraction, seq_len, vocab_size,
           tokenizer, tokenizer_sample, tokenizer_model_type, dupe_factor, mask_rate, whole_word, cross_document,
-          num_shards, num_validation_shards, seed, text_field, text_mode, on_error, overwrite, verbose):
+          num_shards, num_validation_shards, seed, text_field, text_mode, on_error, overwrite, verbose,
+          progress_seconds):
     """Build OUT from corpora. Extra options (e.g. --runner, --direct_num_workers) go to Beam."""
     from pipeline.build import BuildError, build as run_build, configure_logging
     from pipeline.wiki import InputError
@@ -92,7 +95,8 @@ def build(ctx, corpus, inputs, wiki_index, output, validation_inputs, validation
             num_validation_shards=num_validation_shards, seed=seed, text_field=text_field, text_mode=text_mode,
             on_error=on_error,
         )
-        index = run_build(config, list(ctx.args), overwrite=overwrite, report=lambda m: click.echo(m, err=True))
+        beam_args = [f"--progress_seconds={progress_seconds}", *ctx.args]  # a Beam option (pipeline.progress)
+        index = run_build(config, beam_args, overwrite=overwrite, report=lambda m: click.echo(m, err=True))
     except (ValueError, BuildError, InputError) as e:
         _fail(_clean_message(e))
     except Exception as e:  # a runner wraps worker errors; show ours without the remote traceback

@@ -22,7 +22,7 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
-from pipeline import cleaning, masking, packing, readers, shards, tokenizer
+from pipeline import cleaning, masking, packing, progress, readers, shards, tokenizer
 from pipeline.wiki import InputError
 from pipeline.wikitext import clean_wikitext
 
@@ -30,8 +30,28 @@ NAMESPACE = "shatter"
 log = logging.getLogger(__name__)
 
 
-def counter(name: str):
-    return Metrics.counter(NAMESPACE, name)
+class _Counter:
+    """A Beam Metrics counter of the "shatter" namespace that also feeds the live progress tally
+    (`pipeline.progress`; display only: the build's counts are Beam's committed metrics)."""
+
+    __slots__ = ("name", "_beam")
+
+    def __init__(self, name: str):
+        self.name, self._beam = name, Metrics.counter(NAMESPACE, name)
+
+    def __getstate__(self):
+        return self.name
+
+    def __setstate__(self, name: str):
+        self.__init__(name)
+
+    def inc(self, n: int = 1) -> None:
+        self._beam.inc(n)
+        progress.add(self.name, n)
+
+
+def counter(name: str) -> _Counter:
+    return _Counter(name)
 
 
 class _Counters:

@@ -1,0 +1,162 @@
+"""Live progress (`pipeline.progress`): the tally, its formatting, and real builds on every local runner."""
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline import progress
+from pipeline.build import build, make_pipeline
+from pipeline.cli import main
+from pipeline.config import InputSpec
+
+from .conftest import generated_documents, small_config
+from .test_build import _files
+
+LINE = re.compile(r"^\[(?P<stage>[a-z ]+?) (?P<done>done in )?[0-9.]+s\] (?P<counts>.*?)(  \((?P<rates>.*)\))?$")
+
+
+def _parse(lines, stage):
+    """The counters of each progress line of `stage`, and those of its final line."""
+    live, final = [], None
+    for line in lines:
+        m = LINE.match(line)
+        if not m or m["stage"] != stage:
+            continue
+        counts = {} if m["counts"] == "(no counters yet)" else {
+            k: int(v) for k, v in (kv.split("=") for kv in m["counts"].split())}
+        if m["done"]:
+            assert final is None, "a line after the final one"
+            final = counts
+        else:
+            assert final is None, f"progress printed after the final line: {line}"
+            live.append(counts)
+    return live, final
+
+
+def _assert_sane(live, final):
+    assert final and any(live), "no progress line with counts before the final line"
+    for before, after in zip(live, live[1:]):
+        assert all(after.get(k, 0) >= n for k, n in before.items()), (before, after)
+    for counts in live:
+        assert all(n <= final.get(k, 0) for k, n in counts.items()), (counts, final)
+
+
+@pytest.fixture(scope="module")
+def long_corpus(tmp_path_factory):
+    """Enough text that a build lasts about a second: several progress lines at 0.1 s."""
+    root = tmp_path_factory.mktemp("long")
+    docs = generated_documents(6000, seed=3)
+    (root / "a.txt").write_text("\n\n".join(d.replace("\n", " ") for d in docs[:3000]) + "\n")
+    (root / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[3000:]))
+    return root
+
+
+def test_pure_formatting():
+    assert progress.merge({"a": 2, "b": 1}, {"a": 3}, minus={"b": 1}) == {"a": 5}
+    assert progress.rates({"documents_read": 10}, {"documents_read": 30, "document_tokens": 500}, 2.0) == {
+        "docs": 10.0, "tokens": 250.0}
+    assert progress.rates({}, {"documents_tokenized": 4, "documents_read": 8}, 4.0) == {"docs": 2.0}
+    assert progress.rates({}, {"rows": 3}, 0.0) == {}
+    assert [progress.human(x) for x in (999, 12_345, 3_400_000)] == ["999", "12.3k", "3.4M"]
+    line = progress.format_line("build", 20.7, {"rows": 5, "documents_read": 3}, {"docs": 1.5, "tokens": 12_000})
+    assert line == "[build 20s] documents_read=3 rows=5  (2 docs/s, 12.0k tokens/s)"
+    assert progress.format_line("build", 1, {}, {}) == "[build 1s] (no counters yet)"
+
+
+def test_tally_is_exact_across_threads():
+    before = progress.snapshot().get("t_threads", 0)
+
+    def work():
+        for _ in range(20_000):
+            progress.add("t_threads", 1)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert progress.snapshot()["t_threads"] - before == 80_000  # no update lost, no lock per add
+
+
+def test_live_report_stops_before_exit_and_zero_disables():
+    lines = []
+    with progress.LiveReport("stage", lines.append, 0.02):
+        for _ in range(10):
+            progress.add("t_live", 7)
+            time.sleep(0.01)
+        time.sleep(0.1)
+    n = len(lines)
+    time.sleep(0.1)
+    assert n >= 2 and len(lines) == n  # nothing once the block has ended
+    assert "t_live=70" in lines[-1] and all(line.startswith("[stage ") for line in lines)
+    silent = []
+    with progress.LiveReport("stage", silent.append, 0):
+        progress.add("t_live", 1)
+        time.sleep(0.1)
+    assert silent == []
+
+
+def test_worker_process_tally_reaches_the_driver():
+    """A subprocess started with the driver's environment writes its tally for the driver to sum."""
+    lines = []
+    code = "import time; from pipeline import progress; progress.add('t_worker', 5); time.sleep(1.0)"
+    with progress.LiveReport("stage", lines.append, 0.1):
+        subprocess.run([sys.executable, "-c", code], check=True)
+    assert any("t_worker=5" in line for line in lines), lines
+
+
+def test_in_process_build_reports_progress(long_corpus, tmp_path):
+    lines = []
+    config = small_config([InputSpec("text", str(long_corpus))], tmp_path / "o", tokenizer_sample=2000)
+    index = build(config, ["--progress_seconds", "0.1"], report=lines.append)
+    for stage in ("tokenizer sample", "build"):
+        live, final = _parse(lines, stage)
+        _assert_sane(live, final)
+    assert index["counters"]["documents_tokenized"] == _parse(lines, "build")[1]["documents_tokenized"]
+    assert not [t for t in threading.enumerate() if t.name == "shatter-progress"]  # stopped with each pipeline
+
+
+@pytest.mark.slow
+def test_multi_processing_build_sums_the_workers(built, long_corpus, tmp_path):
+    out, _ = built
+    lines = []
+    config = small_config([InputSpec("text", str(long_corpus))], tmp_path / "mp",
+                          tokenizer=str(out / "tokenizer.model"))
+    build(config, ["--progress_seconds", "0.1", "--direct_num_workers", "2", "--direct_running_mode",
+                   "multi_processing"], report=lines.append)
+    live, final = _parse(lines, "build")
+    _assert_sane(live, final)
+    assert any(c.get("documents_read", 0) > 0 for c in live)  # counted in the worker processes
+
+
+def test_progress_seconds_zero_prints_no_progress(built, corpus_dir, tmp_path):
+    out, _ = built
+    args = ["build", "--input", str(corpus_dir), "--output", str(tmp_path / "z"), "--seq-len", "64",
+            "--tokenizer", str(out / "tokenizer.model"), "--num-shards", "2"]
+    result = CliRunner().invoke(main, args + ["--progress-seconds", "0"])
+    assert result.exit_code == 0, result.output
+    assert "[build done in" in result.output and not re.search(r"^\[build \d+s\]", result.output, re.M)
+    assert CliRunner().invoke(main, args + ["--progress-seconds", "-1"]).exit_code == 2
+
+
+def test_bundle_based_direct_runner_writes_the_same_bytes(built, corpus_dir, tmp_path):
+    """Its run() returns at once and its state only changes in wait_until_finish (it used to hang)."""
+    out, _ = built
+    lines = []
+    config = small_config([InputSpec("text", str(corpus_dir))], tmp_path / "bb")
+    build(config, ["--runner", "BundleBasedDirectRunner", "--progress_seconds", "0.1"], report=lines.append)
+    assert _files(out) == _files(tmp_path / "bb")
+    live, final = _parse(lines, "build")
+    _assert_sane(live, final)  # followed through Beam's metrics of the running job
+    assert final["documents_tokenized"] == 300
+
+
+def test_direct_runner_never_downloads_prism(caplog):
+    assert type(make_pipeline(["--runner", "DirectRunner"]).runner).__name__ == "FnApiRunner"
+    assert "Prism" in caplog.text  # the user is told what runs instead
+    assert type(make_pipeline(["--runner", "BundleBasedDirectRunner"]).runner).__name__ == "BundleBasedDirectRunner"
