@@ -156,16 +156,18 @@ def mask_batch(
     valid = np.arange(top)[None, None, :] < counts[:, :, None]
     chosen_pos = np.where(valid, (key[:, :, :top] & key.dtype.type(_POS_MASK)).astype(np.int64), width)
     chosen_pos.sort(axis=2)
-    b_idx, d_idx, _ = np.nonzero(valid)
     positions = chosen_pos[valid]
+    per_copy = counts.reshape(-1)
+    b_idx = np.repeat(np.arange(n_rows), counts.sum(axis=1))
 
-    draw_seed = seed32[b_idx, d_idx]
-    action = fmix32(draw_seed ^ _unit_hash(positions, _SALT_ACTION))  # uniform on [0, 2**32)
+    draw_seed = np.repeat(seed32.reshape(-1), per_copy)
+    position_hash = np.stack([_unit_hash(pos, _SALT_ACTION), _unit_hash(pos, _SALT_RANDOM)])[:, positions]
+    action = _fmix32_inplace(draw_seed ^ position_hash[0])  # uniform on [0, 2**32)
     n_special = len(special_ids)
-    rand = fmix32(draw_seed ^ _unit_hash(positions, _SALT_RANDOM)) % _U32(vocab_size - n_special)
+    rand = _fmix32_inplace(draw_seed ^ position_hash[1]) % _U32(vocab_size - n_special)
     labels = ids[b_idx, positions]
     inputs = np.where(action < _P80, mask_id, np.where(action < _P90, rand.astype(np.int64) + n_special, labels))
-    offsets = np.concatenate([[0], np.cumsum(counts.reshape(-1))]).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(per_copy)]).astype(np.int64)
     return MaskedBatch(offsets, positions, labels, inputs.astype(np.int64))
 
 

@@ -130,7 +130,7 @@ def stage_breakdown(model: bytes, docs: list[str], seq_len: int, dupe_factor: in
             chars += len(doc)
         if batch and (doc is None or chars >= 1 << 20):
             text = timed("clean", lambda b: [cleaning.clean_plain(d) for d in b], batch)
-            encoded = timed("encode", sp.encode, text)
+            encoded = timed("encode", lambda t: sp.encode(t, num_threads=1), text)
             arrays = timed("to arrays", lambda e: [np.asarray(x, dtype=np.int32) for x in e], encoded)
             ids, lengths = timed("pack", packing.pack_documents_padded, arrays, seq_len)
             packed.append((timed("row keys", row_keys, ids, lengths), ids, lengths))
