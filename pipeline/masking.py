@@ -113,7 +113,8 @@ def mask_batch(
     n_rows, width = ids.shape
     if width > _POS_MASK:  # the all-ones key marks non-candidates
         raise ValueError(f"rows of {width} ids: masking positions are uint16 (rows of at most {_POS_MASK})")
-    seeds = np.asarray(seeds, dtype=_U64).reshape(n_rows, -1)
+    seeds = np.asarray(seeds, dtype=_U64)
+    seeds = seeds[:, None] if seeds.ndim == 1 else seeds  # [B] means one copy per row
     n_copies = seeds.shape[1]
     seed32 = (seeds ^ (seeds >> _U64(32))).astype(_U32)  # [B, D]
     cand = _candidates(ids, lengths, special_ids)

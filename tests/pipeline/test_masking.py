@@ -102,3 +102,8 @@ def test_every_position_is_masked_equally_often(whole_word):
     freq = np.bincount(out.positions, minlength=width) / (2 * n)
     assert abs(freq.mean() - 0.15) < 0.01
     assert np.abs(freq - 0.15).max() < 0.03  # no position favoured (by hash ties, word order, ...)
+
+
+def test_an_empty_batch_masks_nothing():
+    out = mask_batch(np.zeros((0, 16), int), np.zeros(0, int), np.zeros((0, 16), bool), row_seeds(0, [], 3), VOCAB)
+    assert out.offsets.tolist() == [0] and len(out.positions) == len(out.labels) == len(out.inputs) == 0
