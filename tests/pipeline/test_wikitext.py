@@ -42,3 +42,25 @@ def test_heavy_table_markup_leaves_no_residue(shared_data):
     assert all(len(c) > 200 for c in cleaned)  # the prose of every page survives
     for residue in ("|", "{{", "}}", "[[", "]]", "<ref", "wikitable", "colspan", "style=", "=="):
         assert residue not in joined, residue
+
+
+def test_references_go_even_when_malformed_and_keep_the_prose_around_them():
+    text = ("First.<ref name=\"a/b\"/> Second.<ref group=\"note\">{{cite web |url= |title=T}}</ref> Third."
+            "<ref name=x>open but never closed\n\nA new paragraph.<ref>closed</ref> End.<!-- <ref>x</ref> -->")
+    out = clean_wikitext(text)
+    assert "<ref" not in out and "cite" not in out and "x</ref" not in out
+    assert out.split("\n") == ["First. Second. Third.open but never closed", "A new paragraph. End."]
+
+
+@pytest.mark.shared_data
+def test_real_articles_leak_no_markup_and_drop_their_boilerplate(shared_data):
+    raw = bz2.open(shared_data / "wiki" / "enwiki-sample-pages-articles.xml.bz2").read().decode()
+    pages = [p for p in re.findall(r"<page>.*?</page>", raw, re.S) if "<ns>0</ns>" in p and "<redirect" not in p]
+    cleaned = [clean_wikitext(html.unescape(re.search(r"<text[^>]*>(.*?)</text>", p, re.S).group(1)))
+               for p in pages]
+    joined = "\n".join(cleaned)
+    for residue in ("<ref", "</ref", "<blockquote", "{{cite"):
+        assert residue not in joined, residue
+    # "See also" / "Bibliography" lists are dropped with their sections
+    assert "Bibliography of the American Revolutionary War" not in joined
+    assert "List of Presidents of the United States, sortable by previous experience" not in joined
