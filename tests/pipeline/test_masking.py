@@ -107,3 +107,10 @@ def test_every_position_is_masked_equally_often(whole_word):
 def test_an_empty_batch_masks_nothing():
     out = mask_batch(np.zeros((0, 16), int), np.zeros(0, int), np.zeros((0, 16), bool), row_seeds(0, [], 3), VOCAB)
     assert out.offsets.tolist() == [0] and len(out.positions) == len(out.labels) == len(out.inputs) == 0
+
+
+@pytest.mark.parametrize("rate", [0.0, -0.1, 1.5])
+def test_a_rate_outside_0_1_is_refused(rate):
+    ids, lengths, ws = _rows(n=4)
+    with pytest.raises(ValueError, match="rate"):
+        mask_batch(ids, lengths, ws, row_seeds(0, np.arange(4), 1), VOCAB, rate=rate)
