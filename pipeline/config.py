@@ -51,6 +51,12 @@ class BuildConfig:
             raise ValueError("no --input given")
         if self.seq_len < 8:
             raise ValueError(f"--seq-len {self.seq_len} is too short (at least 8)")
+        if self.seq_len > 65535:  # mask_positions are uint16 (DESIGN.md)
+            raise ValueError(f"--seq-len {self.seq_len} is too long (at most 65535: mask positions are uint16)")
+        if not 0 < self.mask_rate <= 1:
+            raise ValueError(f"--mask-rate {self.mask_rate} must be in (0, 1]")
+        if not 0 <= self.seed < 2**64:  # masking seeds are uint64 (pipeline.masking.row_seeds)
+            raise ValueError(f"--seed {self.seed} must be in [0, 2**64)")
         if not 0 <= self.validation_fraction < 1:
             raise ValueError("--validation-fraction must be in [0, 1)")
         if self.on_error not in ("skip", "stop"):

@@ -113,6 +113,8 @@ def mask_batch(
     n_rows, width = ids.shape
     if width > _POS_MASK:  # the all-ones key marks non-candidates
         raise ValueError(f"rows of {width} ids: masking positions are uint16 (rows of at most {_POS_MASK})")
+    if not 0 < rate <= 1:  # k <= n: the chosen keys are candidates' keys
+        raise ValueError(f"masking rate {rate} must be in (0, 1]")
     seeds = np.asarray(seeds, dtype=_U64)
     seeds = seeds[:, None] if seeds.ndim == 1 else seeds  # [B] means one copy per row
     n_copies = seeds.shape[1]

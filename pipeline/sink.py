@@ -144,8 +144,10 @@ class WriteShardFn(beam.DoFn):
         with shards.ShardWriter(self.out, name, shards.schema(self.vocab_size)) as writer:
             if tables:
                 keys, ids, lengths = spill_arrays(pa.concat_tables(tables))
+                del tables  # the pieces as read: only the merged arrays stay while masking
                 order = sharding.sort_order(keys)
                 keys, ids, lengths = keys[order], ids[order], lengths[order]
+                pa.default_memory_pool().release_unused()  # the merged copy, freed above: back to the OS
                 for lo in range(0, len(keys), self.CHUNK):
                     part = slice(lo, lo + self.CHUNK)
                     chunk = mask_table(keys[part], ids[part], lengths[part], self.word_start, self.vocab_size,

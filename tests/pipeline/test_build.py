@@ -221,3 +221,13 @@ def test_separate_validation_input(built, corpus_dir, tmp_path):
     assert index["counters"]["documents_tokenized"] == 120 + len(c_docs)
     assert sp.decode(sp.encode(c_docs[0].split("\n")[0]))[:40] in val_text  # validation = that corpus
     assert index["splits"]["validation"]["rows"] > 0 and index["splits"]["train"]["rows"] > 0
+
+
+@pytest.mark.parametrize("option, value", [("--mask-rate", "1.5"), ("--mask-rate", "0"), ("--seed", "-1"),
+                                           ("--seed", str(2**64)), ("--seq-len", "70000")])
+def test_out_of_range_options_fail_before_any_work(tmp_path, option, value):
+    """Checked with the config, not after tokenizing everything (masking needs rate in (0, 1], a
+    uint64 seed and uint16 positions), and never as a traceback."""
+    result = CliRunner().invoke(main, ["build", "--input", "x", "--output", str(tmp_path / "o"), option, value])
+    assert result.exit_code == 1 and option.lstrip("-") in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "o").exists()

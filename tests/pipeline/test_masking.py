@@ -63,15 +63,17 @@ def test_copies_differ_and_seeds_reproduce():
     assert not np.array_equal(row_seeds(3, [5], 2), row_seeds(4, [5], 2))
 
 
-def test_a_row_masks_the_same_alone_or_in_a_batch():
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_a_row_masks_the_same_alone_or_in_a_batch(whole_word):
     ids, lengths, ws = _rows(n=16)
     seeds = row_seeds(1, np.arange(16), 1)
-    batch = mask_batch(ids, lengths, ws, seeds, VOCAB)
-    b = 5
-    pos, lab, inp = mask_row(ids[b, : lengths[b]], ws[b, : lengths[b]], int(seeds[b, 0]), VOCAB)
-    s, e = batch.offsets[b], batch.offsets[b + 1]
-    assert np.array_equal(pos, batch.positions[s:e]) and np.array_equal(inp, batch.inputs[s:e])
-    assert np.array_equal(lab, batch.labels[s:e])
+    batch = mask_batch(ids, lengths, ws, seeds, VOCAB, whole_word=whole_word)
+    for b in (1, 5):  # row 0 fills the width; these are padded in the batch
+        pos, lab, inp = mask_row(ids[b, : lengths[b]], ws[b, : lengths[b]], int(seeds[b, 0]), VOCAB,
+                                 whole_word=whole_word)
+        s, e = batch.offsets[b], batch.offsets[b + 1]
+        assert len(pos) and np.array_equal(pos, batch.positions[s:e]) and np.array_equal(inp, batch.inputs[s:e])
+        assert np.array_equal(lab, batch.labels[s:e])
 
 
 def test_whole_word_masks_complete_words():
@@ -107,3 +109,10 @@ def test_every_position_is_masked_equally_often(whole_word):
 def test_an_empty_batch_masks_nothing():
     out = mask_batch(np.zeros((0, 16), int), np.zeros(0, int), np.zeros((0, 16), bool), row_seeds(0, [], 3), VOCAB)
     assert out.offsets.tolist() == [0] and len(out.positions) == len(out.labels) == len(out.inputs) == 0
+
+
+@pytest.mark.parametrize("rate", [0.0, -0.1, 1.5])
+def test_a_rate_outside_0_1_is_refused(rate):
+    ids, lengths, ws = _rows(n=4)
+    with pytest.raises(ValueError, match="rate"):
+        mask_batch(ids, lengths, ws, row_seeds(0, np.arange(4), 1), VOCAB, rate=rate)

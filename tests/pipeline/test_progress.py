@@ -121,17 +121,28 @@ def test_in_process_build_reports_progress(long_corpus, tmp_path):
     assert not [t for t in threading.enumerate() if t.name == "shatter-progress"]  # stopped with each pipeline
 
 
+def _long_config(built, long_corpus, out):
+    return small_config([InputSpec("text", str(long_corpus))], out, tokenizer=str(built[0] / "tokenizer.model"))
+
+
+@pytest.fixture(scope="module")
+def long_built(built, long_corpus, tmp_path_factory):
+    """The long corpus built on the default runner (FnApiRunner, one worker): the reference bytes."""
+    out = tmp_path_factory.mktemp("long_built") / "ds"
+    build(_long_config(built, long_corpus, out), ["--progress_seconds", "0"], report=lambda _: None)
+    return out
+
+
 @pytest.mark.slow
-def test_multi_processing_build_sums_the_workers(built, long_corpus, tmp_path):
-    out, _ = built
+def test_multi_processing_build_sums_the_workers(built, long_corpus, long_built, tmp_path):
     lines = []
-    config = small_config([InputSpec("text", str(long_corpus))], tmp_path / "mp",
-                          tokenizer=str(out / "tokenizer.model"))
-    build(config, ["--progress_seconds", "0.1", "--direct_num_workers", "2", "--direct_running_mode",
-                   "multi_processing"], report=lines.append)
+    build(_long_config(built, long_corpus, tmp_path / "mp"), ["--progress_seconds", "0.1", "--direct_num_workers",
+                                                              "2", "--direct_running_mode", "multi_processing"],
+          report=lines.append)
     live, final = _parse(lines, "build")
     _assert_sane(live, final)
     assert any(c.get("documents_read", 0) > 0 for c in live)  # counted in the worker processes
+    assert _files(long_built) == _files(tmp_path / "mp")
 
 
 def test_progress_seconds_zero_prints_no_progress(built, corpus_dir, tmp_path):
@@ -144,16 +155,16 @@ def test_progress_seconds_zero_prints_no_progress(built, corpus_dir, tmp_path):
     assert CliRunner().invoke(main, args + ["--progress-seconds", "-1"]).exit_code == 2
 
 
-def test_bundle_based_direct_runner_writes_the_same_bytes(built, corpus_dir, tmp_path):
-    """Its run() returns at once and its state only changes in wait_until_finish (it used to hang)."""
-    out, _ = built
+def test_bundle_based_direct_runner_writes_the_same_bytes(built, long_corpus, long_built, tmp_path):
+    """Its run() returns at once and its state only changes in wait_until_finish (it used to hang).
+    The long corpus: on the 300 documents of corpus_dir all counting could fall between two ticks."""
     lines = []
-    config = small_config([InputSpec("text", str(corpus_dir))], tmp_path / "bb")
-    build(config, ["--runner", "BundleBasedDirectRunner", "--progress_seconds", "0.1"], report=lines.append)
-    assert _files(out) == _files(tmp_path / "bb")
+    build(_long_config(built, long_corpus, tmp_path / "bb"), ["--runner", "BundleBasedDirectRunner",
+                                                              "--progress_seconds", "0.05"], report=lines.append)
+    assert _files(long_built) == _files(tmp_path / "bb")
     live, final = _parse(lines, "build")
     _assert_sane(live, final)  # followed through Beam's metrics of the running job
-    assert final["documents_tokenized"] == 300
+    assert final["documents_tokenized"] == 6000
 
 
 def test_direct_runner_never_downloads_prism(caplog):
