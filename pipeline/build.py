@@ -247,3 +247,5 @@ def configure_logging(verbose: bool) -> None:
                         format="%(levelname)s %(name)s: %(message)s")
     if not verbose:  # a failing worker's traceback is logged by Beam; the CLI prints the cause itself
         logging.getLogger("apache_beam").setLevel(logging.CRITICAL)
+        # but never hide that Beam dropped an option it could not parse (a typo would go unnoticed)
+        logging.getLogger("apache_beam.options.pipeline_options").setLevel(logging.WARNING)

@@ -30,6 +30,16 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
+def _check_beam_args(args: list[str], ours: set[str]) -> None:
+    """Options click does not know go to Beam, which discards what it cannot parse: one of ours in
+    Beam's spelling (`--seq_len`) would build with the default, so it stops the build instead."""
+    for arg in args:
+        if arg.startswith("--"):
+            given = arg[2:].split("=", 1)[0]
+            if given.replace("_", "-") in ours and "_" in given:
+                _fail(f"--{given} is not an option of shatter-data build: did you mean --{given.replace('_', '-')}?")
+
+
 def _clean_message(e: BaseException) -> str:
     """Our own error text out of a runner's wrapped exception (which carries a remote traceback)."""
     text = str(e)
@@ -85,6 +95,7 @@ def build(ctx, corpus, inputs, wiki_index, output, validation_inputs, validation
     from pipeline.wiki import InputError
 
     configure_logging(verbose)
+    _check_beam_args(list(ctx.args), {name for p in ctx.command.params for o in p.opts for name in [o.lstrip("-")]})
     try:
         config = BuildConfig(
             inputs=_inputs(inputs, corpus, wiki_index), output=output,

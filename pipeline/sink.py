@@ -38,6 +38,7 @@ class Spill:
 
 
 SPILL_BATCH_ROWS = 4096  # record batch size of spill files, so a key range is read batch by batch
+MAX_SHARD_IDS = 2**31 - 1  # Arrow list offsets are int32: a reader combining a shard's batches overflows past this
 
 
 def spill_table(keys: np.ndarray, ids: np.ndarray, lengths: np.ndarray) -> pa.Table:
@@ -145,6 +146,12 @@ class WriteShardFn(beam.DoFn):
             if tables:
                 keys, ids, lengths = spill_arrays(pa.concat_tables(tables))
                 del tables  # the pieces as read: only the merged arrays stay while masking
+                if int(lengths.sum()) > MAX_SHARD_IDS:
+                    more = self.counts[split] * -(-int(lengths.sum()) // MAX_SHARD_IDS) * 2
+                    raise ValueError(f"shatter-data input error: {name} would hold {int(lengths.sum())} ids, more "
+                                     f"than an Arrow list column can index ({MAX_SHARD_IDS}); rebuild with more "
+                                     f"shards (e.g. {'--num-shards' if split == 'train' else '--num-validation-shards'}"
+                                     f" {more})")
                 order = sharding.sort_order(keys)
                 keys, ids, lengths = keys[order], ids[order], lengths[order]
                 pa.default_memory_pool().release_unused()  # the merged copy, freed above: back to the OS

@@ -12,6 +12,11 @@ from typing import Optional
 
 import click
 
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError:  # a core install (what Beam workers get) has the pipeline only
+    raise SystemExit("shatter-extend needs the training stack: pip install 'shatter[train]'") from None
+
 from shatter.checkpoint import CheckpointError
 from shatter.extend import INITS, ExtendError, extend_model
 

@@ -3,9 +3,10 @@
 Dynamic masking is RoBERTa's per-epoch re-masking (Liu et al. 2019, §4.1) with BERT's recipe
 (Devlin et al. 2019, §3.1: 15% of the non-special tokens, 80% [MASK] / 10% random / 10% kept,
 optionally whole words): the pipeline's own pure function `pipeline.masking.mask_batch`, the one
-that wrote the static masks, seeded per sample and epoch. Its draws are counter-based hashes
-(splitmix64) of the seed, so a sample's mask depends on (seed, epoch, sample id) only, whatever
-the ranks, workers, batch composition or resume point, and the loader keeps no RNG state.
+that wrote the static masks, seeded per sample and epoch (splitmix64). Its draws are
+counter-based hashes (MurmurHash3's 32-bit finaliser) of the seed and the position, so a
+sample's mask depends on (seed, epoch, sample id) only, whatever the ranks, workers, batch
+composition or resume point, and the loader keeps no RNG state.
 
 Static masking scatters one of the shards' stored maskings (`mask_positions` / `mask_inputs` /
 `mask_labels`) into the batch.

@@ -1,5 +1,8 @@
 """`shatter-extend` end to end on real exports: output, report, and every refusal writes nothing."""
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import sentencepiece as spm
@@ -10,6 +13,8 @@ import shatter
 from tools.extend import main
 
 from .test_extend import OLD, inputs, tiny
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +97,11 @@ def test_refuses_to_overwrite_unless_asked(export, tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
     assert run(export(), "--max-len", 64, "--output", out, "--overwrite").exit_code == 0
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_without_the_train_extra_it_says_what_to_install():
+    """A core install (the pipeline only) has no torch: a one-line message, not a traceback."""
+    code = "import sys; sys.modules['torch'] = None; import tools.extend"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 1 and "pip install 'shatter[train]'" in proc.stderr
+    assert "Traceback" not in proc.stderr

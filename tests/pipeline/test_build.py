@@ -207,6 +207,26 @@ def test_cli_passes_beam_options_through(built, corpus_dir, tmp_path):
     assert bad.exit_code == 1 and "seq-len" in bad.output and "Traceback" not in bad.output
 
 
+def test_a_shard_too_large_for_arrow_offsets_stops_with_advice(built, corpus_dir, tmp_path, monkeypatch):
+    from pipeline import sink
+
+    out, _ = built
+    monkeypatch.setattr(sink, "MAX_SHARD_IDS", 1000)  # the real limit, 2**31 - 1 ids, scaled down
+    result = CliRunner().invoke(main, [
+        "build", "--corpus", "text", "--input", str(corpus_dir / "a.txt"), "--output", str(tmp_path / "o"),
+        "--tokenizer", str(out / "tokenizer.model"), "--seq-len", "64", "--num-shards", "2"])
+    assert result.exit_code == 1 and "more than an Arrow list column can index" in result.output
+    assert "--num-shards" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "o" / "index.json").exists()  # never a dataset that looks complete
+
+
+def test_our_options_in_beams_spelling_stop_the_build(tmp_path):
+    """Beam would discard `--seq_len` (not one of its options) and the build would use the default."""
+    result = CliRunner().invoke(main, ["build", "--input", "x", "--output", str(tmp_path / "o"), "--seq_len", "512"])
+    assert result.exit_code == 1 and "did you mean --seq-len?" in result.output
+    assert not (tmp_path / "o").exists()
+
+
 def test_separate_validation_input(built, corpus_dir, tmp_path):
     out, _ = built
     config = small_config([InputSpec("text", str(corpus_dir / "a.txt"))], tmp_path / "v",
