@@ -30,7 +30,7 @@ class DatasetError(Exception):
 
 def id_type(vocab_size: int) -> pa.DataType:
     """uint16 ids while they fit, int32 beyond (DESIGN.md)."""
-    return pa.uint16() if vocab_size <= 65536 else pa.int32()
+    return pa.uint16() if vocab_size <= 65535 else pa.int32()
 
 
 def schema(vocab_size: int) -> pa.Schema:

@@ -35,3 +35,12 @@ def test_empty_and_single_shard():
     assert edges[0] == 0 and edges[-1] == sharding.N_BUCKETS and (np.diff(edges) >= 0).all()
     keys = np.sort(_keys(10))
     assert sharding.shard_slices(keys, sharding.balanced_boundaries(sharding.histogram(keys), 1)) == [(0, 0, 10)]
+
+
+def test_id_type_follows_design_md():
+    """uint16 ids, or int32 when the vocabulary exceeds 65535 (DESIGN.md, shard layout)."""
+    import pyarrow as pa
+
+    from pipeline.shards import id_type
+
+    assert id_type(32000) == id_type(65535) == pa.uint16() and id_type(65536) == pa.int32()
