@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import logging
 import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -25,8 +26,10 @@ from pipeline.cleaning import decode, is_binary
 from pipeline.config import InputSpec
 from pipeline.wiki import InputError
 
+log = logging.getLogger(__name__)
 Count = Callable[[str, int], None]
 SPLITTABLE_TEXT = (".txt", ".jsonl", ".text")
+ONE_WORKER_WARNING_BYTES = 256 << 20  # a wiki file this large, read whole by one worker, is worth a warning
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ def expand_inputs(specs: tuple[InputSpec, ...], split_bytes: int, text_mode: str
             elif spec.corpus == "text" and path.endswith(SPLITTABLE_TEXT) and size > split_bytes:
                 out += [ReadSpec("text", path, s, min(s + split_bytes, size)) for s in range(0, size, split_bytes)]
             else:
+                if spec.corpus == "wiki" and size > ONE_WORKER_WARNING_BYTES:
+                    log.warning("%s (%.1f GB) is read whole by one worker: for parallel reads pass the "
+                                "multistream dump with its index (--wiki-index ...-multistream-index.txt.bz2), "
+                                "or the dump's split part files", path, size / 1e9)
                 out.append(ReadSpec(spec.corpus, path))
     return out
 

@@ -158,3 +158,15 @@ def test_multistream_ranges_read_the_same_articles(shared_data, tmp_path):
     got, counts = _read_all(ranges)
     expected, expected_counts = _read_all(readers.expand_inputs((InputSpec("wiki", str(dump)),), 1, "paragraph"))
     assert got == expected and counts == expected_counts and len(got) > 80
+
+
+def test_a_large_wiki_file_without_index_warns_that_one_worker_reads_it(tmp_path, caplog):
+    big = tmp_path / "enwiki-latest-pages-articles.xml.bz2"
+    with open(big, "wb") as f:  # sparse: only the size matters here
+        f.truncate(readers.ONE_WORKER_WARNING_BYTES + 1)
+    (tmp_path / "small.xml.bz2").write_bytes(b"x")
+    with caplog.at_level("WARNING", logger="pipeline.readers"):
+        specs = readers.expand_inputs((InputSpec("wiki", str(tmp_path)),), 1 << 20, "paragraph")
+    assert len(specs) == 2
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "enwiki-latest-pages-articles.xml.bz2" in warned[0] and "--wiki-index" in warned[0]
