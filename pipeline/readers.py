@@ -1,7 +1,8 @@
 """Readers: input paths to read specs (driver side), and read specs to batches of raw documents.
 
 A read spec is one file, or one byte range of a splittable file (plain `.txt`/`.jsonl`, a
-multistream wiki dump with its index), so large inputs are read in parallel. A range owns the
+multistream wiki dump: by its index, or by stream headers found in it), so large inputs are read
+in parallel. A range owns the
 records that *start* in it, as Beam's TextIO does. Each reader yields raw documents (wikitext,
 book text, plain text); cleaning is the next transform. Every skip is reported to a `count`
 callback by reason, and unreadable input raises `InputError` naming the file.
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 Count = Callable[[str, int], None]
 SPLITTABLE_TEXT = (".txt", ".jsonl", ".text")
 ONE_WORKER_WARNING_BYTES = 256 << 20  # a wiki file this large, read whole by one worker, is worth a warning
+WIKI_SCAN_BYTES = 32 << 20  # without an index, a multistream dump is split into ranges of at least this
 
 
 @dataclass(frozen=True)
@@ -65,13 +67,17 @@ def expand_inputs(specs: tuple[InputSpec, ...], split_bytes: int, text_mode: str
             if spec.corpus == "wiki" and spec.index:
                 offsets = wiki.read_multistream_index(spec.index)
                 out += [ReadSpec("wiki", path, s, e) for s, e in wiki.stream_ranges(offsets, size, split_bytes)]
+            elif spec.corpus == "wiki" and path.endswith(".bz2") and size > max(split_bytes, WIKI_SCAN_BYTES) and (
+                    offsets := wiki.scan_stream_offsets(path, size, max(split_bytes, WIKI_SCAN_BYTES))):
+                # a multistream dump given without its index: ranges start at scanned stream headers
+                out += [ReadSpec("wiki", path, s, e) for s, e in wiki.stream_ranges(offsets, size, split_bytes)]
             elif spec.corpus == "text" and path.endswith(SPLITTABLE_TEXT) and size > split_bytes:
                 out += [ReadSpec("text", path, s, min(s + split_bytes, size)) for s in range(0, size, split_bytes)]
             else:
                 if spec.corpus == "wiki" and size > ONE_WORKER_WARNING_BYTES:
-                    log.warning("%s (%.1f GB) is read whole by one worker: for parallel reads pass the "
-                                "multistream dump with its index (--wiki-index ...-multistream-index.txt.bz2), "
-                                "or the dump's split part files", path, size / 1e9)
+                    log.warning("%s (%.1f GB) is one bz2 stream, read whole by one worker: for parallel reads "
+                                "use the multistream dump (its index, --wiki-index, is optional) or the dump's "
+                                "part files", path, size / 1e9)
                 out.append(ReadSpec(spec.corpus, path))
     return out
 

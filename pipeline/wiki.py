@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bz2
 import io
+import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from typing import Iterator
@@ -121,6 +122,38 @@ def iter_page_bytes(path: str, start: int | None = None, end: int | None = None)
     except (EOFError, OSError) as e:
         where = path if start is None else f"{path} [bytes {start}:{end}]"
         raise InputError(f"{where}: compressed data is truncated or corrupt ({e})") from None
+
+
+_STREAM_HEADER = re.compile(rb"BZh[1-9]1AY&SY")  # "BZh" + level + the first block's magic, byte-aligned
+SCAN_CHUNK, SCAN_LIMIT = 256 << 10, 16 << 20
+
+
+def scan_stream_offsets(path: str, size: int, every: int) -> list[int]:
+    """Stream starts of a multistream `.bz2` found without its index: the first stream header at
+    or after each multiple of `every`. A header is 10 bytes that, byte-aligned, only begin a bz2
+    stream (inside compressed data the odds are 2**-80 per position). [] for a single-stream
+    file: no header within SCAN_LIMIT bytes of the first boundary (a dump's streams are ~100 pages).
+    """
+    offsets: list[int] = []
+    with FileSystems.open(path, compression_type="uncompressed") as f:
+        for boundary in range(every, size, every):
+            if offsets and offsets[-1] >= boundary:
+                continue
+            f.seek(boundary)
+            found, tail, pos = None, b"", boundary
+            while found is None and pos - boundary < SCAN_LIMIT:
+                chunk = f.read(SCAN_CHUNK)
+                if not chunk:
+                    break
+                m = _STREAM_HEADER.search(tail + chunk)
+                if m is not None:
+                    found = pos - len(tail) + m.start()
+                tail, pos = chunk[-9:], pos + len(chunk)
+            if found is not None:
+                offsets.append(found)
+            elif not offsets:
+                return []
+    return offsets
 
 
 def read_multistream_index(index_path: str) -> list[int]:

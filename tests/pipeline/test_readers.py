@@ -134,8 +134,8 @@ def test_truncated_bz2_names_the_file(tmp_path):
 
 
 @pytest.mark.shared_data
-def test_multistream_ranges_read_the_same_articles(shared_data, tmp_path):
-    """A multistream dump (+ index) built from the real sample reads as the plain dump does."""
+def _multistream_dump(shared_data, tmp_path):
+    """The real sample as a multistream dump (10 pages per bz2 stream) and its index."""
     raw = bz2.open(shared_data / "wiki" / "enwiki-sample-pages-articles.xml.bz2").read()
     first = raw.index(b"<page>")
     pages = re.findall(rb"<page>.*?</page>\s*", raw[first:], re.S)
@@ -153,6 +153,12 @@ def test_multistream_ranges_read_the_same_articles(shared_data, tmp_path):
     dump.write_bytes(b"".join(streams))
     index = tmp_path / "enwiki-multistream-index.txt.bz2"
     index.write_bytes(bz2.compress("".join(index_lines).encode()))
+    return dump, index
+
+
+def test_multistream_ranges_read_the_same_articles(shared_data, tmp_path):
+    """A multistream dump (+ index) built from the real sample reads as the plain dump does."""
+    dump, index = _multistream_dump(shared_data, tmp_path)
     ranges = readers.expand_inputs((InputSpec("wiki", str(dump), str(index)),), 200_000, "paragraph")
     assert len(ranges) > 3 and ranges[0].start == 0 and ranges[-1].end is None
     got, counts = _read_all(ranges)
@@ -170,3 +176,17 @@ def test_a_large_wiki_file_without_index_warns_that_one_worker_reads_it(tmp_path
     assert len(specs) == 2
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "enwiki-latest-pages-articles.xml.bz2" in warned[0] and "--wiki-index" in warned[0]
+
+
+def test_multistream_without_its_index_is_split_at_stream_headers(shared_data, tmp_path, monkeypatch):
+    dump, index = _multistream_dump(shared_data, tmp_path)
+    monkeypatch.setattr(readers, "WIKI_SCAN_BYTES", 0)  # scan every split_bytes (32 MiB by default)
+    scanned = readers.expand_inputs((InputSpec("wiki", str(dump)),), 200_000, "paragraph")
+    offsets = set(wiki.read_multistream_index(str(index)))
+    assert len(scanned) > 3 and all(r.start == 0 or r.start in offsets for r in scanned)  # real stream starts
+    got, counts = _read_all(scanned)
+    whole, whole_counts = _read_all([readers.ReadSpec("wiki", str(dump))])
+    assert got == whole and counts == whole_counts and len(got) > 80
+    single = tmp_path / "single.xml.bz2"  # one stream: no header after the first, one range
+    single.write_bytes(bz2.compress(bz2.open(dump).read()))
+    assert len(readers.expand_inputs((InputSpec("wiki", str(single)),), 200_000, "paragraph")) == 1
