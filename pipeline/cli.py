@@ -113,7 +113,12 @@ def build(ctx, corpus, inputs, wiki_index, output, validation_inputs, validation
     except Exception as e:  # a runner wraps worker errors; show ours without the remote traceback
         if "shatter-data input error" in str(e):
             _fail(_clean_message(e))
-        raise
+        if verbose:
+            raise
+        # anything else (a runner that cannot start, a worker crash): one line; -v shows the traceback
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        _fail(f"the build failed ({type(e).__name__}: {last}); no index.json was written. "
+              "Run again with -v for the full traceback")
     rows = {s: v["rows"] for s, v in index["splits"].items()}
     click.echo(f"wrote {output}: rows {rows}, vocab {index['tokenizer']['vocab_size']}")
 

@@ -220,6 +220,21 @@ def test_a_shard_too_large_for_arrow_offsets_stops_with_advice(built, corpus_dir
     assert not (tmp_path / "o" / "index.json").exists()  # never a dataset that looks complete
 
 
+def test_a_runner_failure_is_one_line_and_v_shows_the_traceback(tmp_path, monkeypatch):
+    import pipeline.build
+
+    def fail(*args, **kwargs):  # e.g. FlinkRunner offline: "Unable to fetch remote job server jar ..."
+        raise RuntimeError("job server failed\nUnable to fetch remote job server jar")
+
+    monkeypatch.setattr(pipeline.build, "build", fail)
+    args = ["build", "--input", "x", "--output", str(tmp_path / "o")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "RuntimeError: Unable to fetch remote job server jar" in result.output and "-v" in result.output
+    verbose = CliRunner().invoke(main, args + ["-v"])
+    assert isinstance(verbose.exception, RuntimeError)
+
+
 def test_our_options_in_beams_spelling_stop_the_build(tmp_path):
     """Beam would discard `--seq_len` (not one of its options) and the build would use the default."""
     result = CliRunner().invoke(main, ["build", "--input", "x", "--output", str(tmp_path / "o"), "--seq_len", "512"])
