@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sys
 import time
 
 import apache_beam as beam
@@ -240,12 +239,3 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
         entry["tokens"] = sum(s["tokens"] for s in entry["shards"])
     shards.write_index(config.output, index)
     return json.loads(json.dumps(index))  # exactly what index.json holds (lists, not tuples)
-
-
-def configure_logging(verbose: bool) -> None:
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    if not verbose:  # a failing worker's traceback is logged by Beam; the CLI prints the cause itself
-        logging.getLogger("apache_beam").setLevel(logging.CRITICAL)
-        # but never hide that Beam dropped an option it could not parse (a typo would go unnoticed)
-        logging.getLogger("apache_beam.options.pipeline_options").setLevel(logging.WARNING)

@@ -6,12 +6,33 @@ or `--direct_num_workers 2 --direct_running_mode multi_processing` work unchange
 """
 from __future__ import annotations
 
+import logging
 import re
 import sys
 
 import click
 
 from pipeline.config import CORPORA, BuildConfig, InputSpec
+
+
+class _DropBeamImportNoise(logging.Filter):
+    """Importing Beam warns "apitools not found ..." (its optional BigQuery client) on every command."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("apitools not found")
+
+
+def configure_logging(verbose: bool) -> None:
+    """Our warnings on stderr (INFO with -v); Beam's own logging only with -v, except that it
+    dropped an option it could not parse (a typo would otherwise go unnoticed). Called before Beam
+    is imported: its import would otherwise configure the root logger first."""
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", force=True)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_DropBeamImportNoise())
+    # a failing worker's traceback is logged by Beam; without -v the CLI prints the cause itself
+    logging.getLogger("apache_beam").setLevel(logging.INFO if verbose else logging.CRITICAL)
+    logging.getLogger("apache_beam.options.pipeline_options").setLevel(logging.WARNING)
 
 
 def _inputs(values, default_corpus: str, index: str | None) -> tuple[InputSpec, ...]:
@@ -50,6 +71,7 @@ def _clean_message(e: BaseException) -> str:
 @click.group()
 def main():
     """Shard datasets for pretraining: build (Apache Beam), inspect, verify."""
+    configure_logging(verbose=False)
 
 
 @main.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True))
@@ -91,10 +113,10 @@ def build(ctx, corpus, inputs, wiki_index, output, validation_inputs, validation
           num_shards, num_validation_shards, seed, text_field, text_mode, on_error, overwrite, verbose,
           progress_seconds):
     """Build OUT from corpora. Extra options (e.g. --runner, --direct_num_workers) go to Beam."""
-    from pipeline.build import BuildError, build as run_build, configure_logging
+    configure_logging(verbose)
+    from pipeline.build import BuildError, build as run_build
     from pipeline.wiki import InputError
 
-    configure_logging(verbose)
     _check_beam_args(list(ctx.args), {name for p in ctx.command.params for o in p.opts for name in [o.lstrip("-")]})
     try:
         config = BuildConfig(
@@ -154,3 +176,7 @@ def verify(out):
     if problems:
         sys.exit(1)
     click.echo(f"OK {out}")
+
+
+if __name__ == "__main__":
+    main()

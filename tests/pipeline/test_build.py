@@ -266,3 +266,14 @@ def test_out_of_range_options_fail_before_any_work(tmp_path, option, value):
     result = CliRunner().invoke(main, ["build", "--input", "x", "--output", str(tmp_path / "o"), option, value])
     assert result.exit_code == 1 and option.lstrip("-") in result.output, result.output
     assert "Traceback" not in result.output and not (tmp_path / "o").exists()
+
+
+def test_commands_print_no_import_noise(built):
+    """Importing Beam logs "apitools not found ..." at the root logger: the CLI filters it out."""
+    import subprocess
+    import sys
+
+    out, _ = built
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "verify", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK ")
+    assert "apitools" not in proc.stderr and "WARNING" not in proc.stderr
