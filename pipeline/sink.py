@@ -57,6 +57,14 @@ def spill_arrays(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             table["length"].to_numpy())
 
 
+def stack_padded(arrays: list[np.ndarray]) -> np.ndarray:
+    """Padded id arrays of possibly different widths, stacked at the widest (padding is 0, [PAD]).
+    Masks and keys do not depend on the width (`masking.mask_batch`, `transforms.row_keys`)."""
+    width = max(a.shape[1] for a in arrays)
+    return np.concatenate([a if a.shape[1] == width else np.pad(a, ((0, 0), (0, width - a.shape[1])))
+                           for a in arrays])
+
+
 class SpillFn(beam.DoFn):
     """Packed → Spill files of at most about `spill_rows` rows, sorted by key."""
 
@@ -87,7 +95,7 @@ class SpillFn(beam.DoFn):
         packed = self.buffers.pop(split)
         keys = np.concatenate([p.keys for p in packed])
         order = sharding.sort_order(keys)
-        table = spill_table(keys[order], np.concatenate([p.ids for p in packed])[order],
+        table = spill_table(keys[order], stack_padded([p.ids for p in packed])[order],
                             np.concatenate([p.lengths for p in packed])[order])
         uniq, counts = np.unique(sharding.buckets(keys[order]), return_counts=True)
         path = FileSystems.join(self.work_dir, f"spill-{uuid.uuid4().hex}.arrow")
@@ -144,8 +152,11 @@ class WriteShardFn(beam.DoFn):
         name = shards.shard_name(split, shard, self.counts[split])
         with shards.ShardWriter(self.out, name, shards.schema(self.vocab_size)) as writer:
             if tables:
-                keys, ids, lengths = spill_arrays(pa.concat_tables(tables))
+                arrays = [spill_arrays(t) for t in tables]  # spills may differ in width
                 del tables  # the pieces as read: only the merged arrays stay while masking
+                keys, lengths = (np.concatenate([a[i] for a in arrays]) for i in (0, 2))
+                ids = stack_padded([a[1] for a in arrays])
+                del arrays
                 if int(lengths.sum()) > MAX_SHARD_IDS:
                     more = self.counts[split] * -(-int(lengths.sum()) // MAX_SHARD_IDS) * 2
                     raise ValueError(f"shatter-data input error: {name} would hold {int(lengths.sum())} ids, more "

@@ -84,11 +84,11 @@ class Tokenized:
 
 @dataclass(frozen=True)
 class Packed:
-    """Packed rows of one split, padded to seq_len: what the shard sink sorts, masks and writes."""
+    """Packed rows of one split, padded to the longest: what the shard sink sorts, masks and writes."""
 
     split: str
     keys: np.ndarray  # uint64 [n]: row_keys(ids, lengths), the content key the shards are sorted by
-    ids: np.ndarray  # int32 [n, seq_len]: [CLS] ... [SEP], then [PAD] (0) after `lengths`
+    ids: np.ndarray  # int32 [n, width <= seq_len]: [CLS] ... [SEP], then [PAD] (0) after `lengths`
     lengths: np.ndarray  # int32 [n]
 
 
@@ -320,6 +320,7 @@ class PackFn(beam.DoFn):
         if lost:  # packing never drops; this guards the invariant in production too
             self.dropped.inc(lost)
         self.rows.inc(len(lengths))
+        ids = ids[:, : int(lengths.max(initial=1))]  # short rows only (per-document packing): no wasted padding
         yield Packed(batch.split, row_keys(ids, lengths), ids, lengths)
 
 

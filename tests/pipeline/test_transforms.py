@@ -159,3 +159,27 @@ def test_shard_and_write_balances_sorts_masks_and_writes_every_shard(model_path,
     want = mask_table(keys[order], ids[order], lengths[order], tokenizer.word_start_table(sp), sp.get_piece_size(), spec)
     assert merged.equals(want)
     assert shards.read_shard(str(out / "validation-00000-of-00002.arrow")).num_rows == 0
+
+
+def test_rows_padded_to_different_widths_write_the_same_shards(model_path, tmp_path):
+    """Per-document packing of short documents pads each batch only to its longest row; spills and
+    the writer stack such batches at the widest, and the bytes written do not depend on it."""
+    sp = tokenizer.load(open(model_path, "rb").read())
+    docs = [np.array(sp.encode(d))[: 2 + (i // 40) * 4] for i, d in enumerate(generated_documents(200))]
+    ids, lengths = packing.pack_documents_padded(docs, 32, cross_document=False)
+    keys = row_keys(ids, lengths)
+    spec = MaskSpec(model_path, 0, 2, 0.15, False)
+    counts = {"train": 3, "validation": 1}
+
+    def write(pieces, out):
+        with _pipeline() as p:
+            _ = p | beam.Create(pieces) | ShardAndWrite(str(out), str(tmp_path / f"work-{out.name}"), counts, spec, 70)
+        return {f.name: f.read_bytes() for f in sorted(out.glob("*.arrow"))}
+
+    full = [Packed("train", keys[i : i + 40], ids[i : i + 40], lengths[i : i + 40]) for i in range(0, len(keys), 40)]
+    trimmed = [Packed("train", p.keys, p.ids[:, : p.lengths.max()], p.lengths) for p in full]
+    assert len({p.ids.shape[1] for p in trimmed}) > 1 and max(p.ids.shape[1] for p in trimmed) < 32
+    assert write(trimmed, tmp_path / "trimmed") == write(full, tmp_path / "full")
+    with _pipeline() as p:
+        packed = p | beam.Create([Tokenized("train", tuple(docs))]) | Pack(32, False)
+        assert_that(packed | beam.Map(lambda x: x.ids.shape[1]), equal_to([int(lengths.max())]))
