@@ -36,18 +36,13 @@ class BuildError(Exception):
     """A build that cannot go on; the message says why (the CLI prints it without a traceback)."""
 
 
-def pipeline_options(beam_args: list[str]) -> PipelineOptions:
-    """Beam options from the command line's unknown options (runner, workers, project, ...)."""
-    return PipelineOptions(beam_args)
-
-
 # Names that make Beam's SwitchingDirectRunner try Prism first, which it downloads (and which cannot
 # be downloaded offline); for this batch pipeline it would then pick the FnApiRunner anyway.
 SWITCHING_RUNNERS = ("DirectRunner", "SwitchingDirectRunner")
 
 
 def make_pipeline(beam_args: list[str]) -> beam.Pipeline:
-    options = pipeline_options(beam_args)
+    options = PipelineOptions(beam_args)  # the command line's unknown options: runner, workers, project, ...
     runner = options.view_as(StandardOptions).runner
     if runner in SWITCHING_RUNNERS:
         log.warning("--runner %s: running on the in-process FnApiRunner, which DirectRunner picks for this "

@@ -29,15 +29,25 @@ _POS_MASK = 0xFFFF  # positions are uint16 (DESIGN.md), the low 16 bits of a sor
 _NOT_CANDIDATE = _U64(2**64 - 1)
 
 
-def mix64(x) -> np.ndarray:
-    """splitmix64's finaliser on a uint64 array: a bijection with full avalanche (wraps mod 2**64)."""
-    x = np.array(x, dtype=_U64, copy=True)
-    x ^= x >> _U64(30)
-    x *= _U64(0xBF58476D1CE4E5B9)
-    x ^= x >> _U64(27)
-    x *= _U64(0x94D049BB133111EB)
-    x ^= x >> _U64(31)
+# xorshift-multiply finalisers (shift, multiplier, shift, multiplier, shift): bijections with full avalanche
+_SPLITMIX64 = (30, 0xBF58476D1CE4E5B9, 27, 0x94D049BB133111EB, 31)  # splitmix64 (Steele et al. 2014)
+_FMIX32 = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)  # MurmurHash3's 32-bit finaliser (Appleby 2011)
+
+
+def _finalise(x: np.ndarray, constants) -> np.ndarray:
+    """Apply a xorshift-multiply finaliser in place (wraps modulo 2**bits of x's dtype)."""
+    s1, m1, s2, m2, s3 = (x.dtype.type(c) for c in constants)
+    x ^= x >> s1
+    x *= m1
+    x ^= x >> s2
+    x *= m2
+    x ^= x >> s3
     return x
+
+
+def mix64(x) -> np.ndarray:
+    """splitmix64's finaliser on a copy of `x` as uint64."""
+    return _finalise(np.array(x, dtype=_U64, copy=True), _SPLITMIX64)
 
 
 def row_seeds(global_seed: int, row_keys, dupe_factor: int) -> np.ndarray:
@@ -59,17 +69,8 @@ class MaskedBatch:
 
 
 def fmix32(x) -> np.ndarray:
-    """MurmurHash3's 32-bit finaliser (Appleby 2011): a bijection with full avalanche (on a copy)."""
-    return _fmix32_inplace(np.array(x, dtype=_U32, copy=True))
-
-
-def _fmix32_inplace(x: np.ndarray) -> np.ndarray:
-    x ^= x >> _U32(16)
-    x *= _U32(0x85EBCA6B)
-    x ^= x >> _U32(13)
-    x *= _U32(0xC2B2AE35)
-    x ^= x >> _U32(16)
-    return x
+    """MurmurHash3's 32-bit finaliser on a copy of `x` as uint32."""
+    return _finalise(np.array(x, dtype=_U32, copy=True), _FMIX32)
 
 
 def _unit_hash(unit, salt) -> np.ndarray:
@@ -126,11 +127,11 @@ def mask_batch(
 
     if whole_word:  # 64-bit keys: the full 32-bit word hash, so distinct words never merge
         unit = np.cumsum(np.asarray(word_start, dtype=bool) | ~cand, axis=1)
-        key = _fmix32_inplace(seed32[:, :, None] ^ _unit_hash(unit, _SALT_SELECT)[:, None, :]).astype(_U64)
+        key = _finalise(seed32[:, :, None] ^ _unit_hash(unit, _SALT_SELECT)[:, None, :], _FMIX32).astype(_U64)
         key <<= _U64(16)
         key |= np.where(cand, pos, _NOT_CANDIDATE)[:, None, :]  # non-candidates sort last
     else:  # 32-bit keys: the hash's top 16 bits rank single tokens; a tie (p = 2**-16) goes to the earlier one
-        key = _fmix32_inplace(seed32[:, :, None] ^ _unit_hash(pos, _SALT_SELECT)[None, None, :])
+        key = _finalise(seed32[:, :, None] ^ _unit_hash(pos, _SALT_SELECT)[None, None, :], _FMIX32)
         key &= _U32(0xFFFF0000)
         key |= np.where(cand, pos.astype(_U32), _U32(0xFFFFFFFF))[:, None, :]
     key = np.sort(key, axis=2)
@@ -165,9 +166,9 @@ def mask_batch(
 
     draw_seed = np.repeat(seed32.reshape(-1), per_copy)
     position_hash = np.stack([_unit_hash(pos, _SALT_ACTION), _unit_hash(pos, _SALT_RANDOM)])[:, positions]
-    action = _fmix32_inplace(draw_seed ^ position_hash[0])  # uniform on [0, 2**32)
+    action = _finalise(draw_seed ^ position_hash[0], _FMIX32)  # uniform on [0, 2**32)
     n_special = len(special_ids)
-    rand = _fmix32_inplace(draw_seed ^ position_hash[1]) % _U32(vocab_size - n_special)
+    rand = _finalise(draw_seed ^ position_hash[1], _FMIX32) % _U32(vocab_size - n_special)
     labels = ids[b_idx, positions]
     inputs = np.where(action < _P80, mask_id, np.where(action < _P90, rand.astype(np.int64) + n_special, labels))
     offsets = np.concatenate([[0], np.cumsum(per_copy)]).astype(np.int64)
@@ -184,7 +185,7 @@ def mask_row(
     special_ids=SPECIAL_IDS,
     mask_id: int = MASK_ID,
 ):
-    """One masking of one row: (positions, labels, inputs) int64 arrays. For dynamic masking."""
+    """One masking of one row: (positions, labels, inputs) int64 arrays, as `mask_batch` masks it in any batch."""
     ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
     out = mask_batch(
         ids, np.array([ids.shape[1]]), np.asarray(word_start, dtype=bool).reshape(1, -1),

@@ -43,10 +43,11 @@ def balanced_boundaries(hist: np.ndarray, num_shards: int) -> np.ndarray:
     return np.concatenate([[0], inner, [N_BUCKETS]]).astype(np.int64)
 
 
-def shard_slices(sorted_keys: np.ndarray, edges: np.ndarray) -> list[tuple[int, int, int]]:
-    """(shard, start, stop) row ranges of a key-sorted array, non-empty ones only."""
-    cuts = np.searchsorted(buckets(sorted_keys), edges, side="left")
-    return [(i, int(cuts[i]), int(cuts[i + 1])) for i in range(len(edges) - 1) if cuts[i + 1] > cuts[i]]
+def shard_cuts(sorted_buckets: np.ndarray, counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Row offsets int64[num_shards + 1] of key-sorted rows, given as their distinct buckets
+    (ascending) and each bucket's row count: shard i holds rows cuts[i]:cuts[i + 1]."""
+    cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return cum[np.searchsorted(sorted_buckets, edges, side="left")]
 
 
 def sort_order(keys: np.ndarray) -> np.ndarray:

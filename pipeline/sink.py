@@ -76,11 +76,12 @@ class SpillFn(beam.DoFn):
 
     def start_bundle(self):
         self.buffers: dict[str, list[Packed]] = {}
+        self.buffered: dict[str, int] = {}  # rows per split in `buffers`
 
     def process(self, packed: Packed):
-        buffer = self.buffers.setdefault(packed.split, [])
-        buffer.append(packed)
-        if sum(len(p.keys) for p in buffer) >= self.spill_rows:
+        self.buffers.setdefault(packed.split, []).append(packed)
+        self.buffered[packed.split] = self.buffered.get(packed.split, 0) + len(packed.keys)
+        if self.buffered[packed.split] >= self.spill_rows:
             yield self._flush(packed.split)
 
     def finish_bundle(self):
@@ -93,6 +94,7 @@ class SpillFn(beam.DoFn):
 
     def _flush(self, split: str) -> Spill:
         packed = self.buffers.pop(split)
+        self.buffered.pop(split)
         keys = np.concatenate([p.keys for p in packed])
         order = sharding.sort_order(keys)
         table = spill_table(keys[order], stack_padded([p.ids for p in packed])[order],
@@ -115,8 +117,7 @@ def spill_histogram(spill: Spill):
 
 def spill_pieces(spill: Spill, edges: dict):
     """((split, shard), (path, start, stop)): which rows of a spill file go to which shard."""
-    cum = np.concatenate([[0], np.cumsum(spill.counts)])
-    cuts = cum[np.searchsorted(spill.buckets, edges[spill.split], side="left")]
+    cuts = sharding.shard_cuts(spill.buckets, spill.counts, edges[spill.split])
     for shard in range(len(cuts) - 1):
         if cuts[shard + 1] > cuts[shard]:
             yield (spill.split, shard), (spill.path, int(cuts[shard]), int(cuts[shard + 1]))

@@ -184,15 +184,17 @@ def test_wiki_sample_end_to_end_via_cli(shared_data, tmp_path):
     assert "{{" not in text and "[[" not in text and "<ref" not in text
 
 
-def test_unknown_options_reach_beam_pipeline_options():
-    from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOptions
+def test_unknown_options_reach_the_pipeline_and_its_runner():
+    from apache_beam.options.pipeline_options import DirectOptions, GoogleCloudOptions
 
-    from pipeline.build import make_pipeline, pipeline_options
+    from pipeline.build import make_pipeline
 
-    options = pipeline_options(["--runner", "DataflowRunner", "--project", "proj", "--temp_location", "gs://b/t"])
-    assert options.view_as(StandardOptions).runner == "DataflowRunner"
-    assert options.view_as(GoogleCloudOptions).project == "proj"
-    assert type(make_pipeline([]).runner).__name__ == "FnApiRunner"  # never Prism by default
+    p = make_pipeline(["--direct_num_workers", "2", "--project", "proj", "--temp_location", "gs://b/t"])
+    assert type(p.runner).__name__ == "FnApiRunner"  # never Prism by default
+    assert p.options.view_as(DirectOptions).direct_num_workers == 2
+    assert p.options.view_as(GoogleCloudOptions).project == "proj"
+    # and the runner hands them to its workers (multi_processing harnesses read the provision info)
+    assert "proj" in str(p.runner._provision_info.provision_info.pipeline_options)
 
 
 def test_cli_passes_beam_options_through(built, corpus_dir, tmp_path):
