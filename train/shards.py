@@ -50,6 +50,10 @@ class Index:
             raise DataError(f"{self.root / 'index.json'}: no {split!r} shards (splits: {sorted(self.splits)})")
         return self.splits[split]
 
+    def rows(self, split: str) -> int:
+        """Rows of `split`: for "train", the epoch size of the training stream."""
+        return sum(s.rows for s in self.shards(split))
+
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()

@@ -210,3 +210,22 @@ def test_index_reader_is_beam_free_and_shares_the_pipeline_format(tmp_path):
     with pytest.raises(pshards.DatasetError) as pipeline_err:
         pshards.read_index(str(root))
     assert str(train_err.value) == str(pipeline_err.value)
+
+
+def test_validation_stream_can_be_iterated_again_without_rehashing(dataset, monkeypatch):
+    """The loop builds the validation stream once and passes over it at every evaluation."""
+    from train import shards
+    from train.config import DataArgs
+    from train.data import validation_stream
+
+    hashed = []
+    real = shards.sha256_file
+    monkeypatch.setattr(shards, "sha256_file", lambda path, *a: hashed.append(path) or real(path, *a))
+    s = validation_stream(read_index(dataset, verify_tokenizer=False), DataArgs(), batch_size=2, seq_len=32,
+                          rank=0, world_size=1)
+    first, second = list(s), list(s)
+    assert len(first) == 3 and len(first) == len(second)
+    for a, b in zip(first, second):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+    assert len(hashed) == 1, hashed  # one validation shard, hashed on the first pass only
