@@ -21,9 +21,22 @@ def test_pad_batch_masks_padding():
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
 
 
-def test_tokenizer_refuses_a_model_without_the_special_ids(tmp_path):
+def test_tokenizer_refuses_a_model_without_the_special_ids(tmp_path, tokenizer_model):
+    import sentencepiece as spm
+
+    from shatter.checkpoint import CheckpointError
+
     with pytest.raises(FileNotFoundError, match="tokenizer model not found"):
         Tokenizer(tmp_path / "missing.model")
+    (tmp_path / "corpus.txt").write_text("\n".join(f"line {i} of a small corpus, words {i * 7}" for i in range(200)))
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "plain"),
+                                   vocab_size=60, minloglevel=2)  # sentencepiece's own ids: <unk>=0 <s>=1 </s>=2
+    with pytest.raises(CheckpointError, match=r"plain.model: tokenizer has \[PAD\] at id"):
+        Tokenizer(tmp_path / "plain.model")
+    (tmp_path / "junk.model").write_bytes(b"not a model")
+    with pytest.raises(CheckpointError, match="junk.model"):
+        Tokenizer(tmp_path / "junk.model")
+    assert Tokenizer(tokenizer_model).vocab_size == 200
 
 
 def test_offsets_point_into_the_original_cased_text(tokenizer_model):
