@@ -21,6 +21,18 @@ def test_pad_batch_masks_padding():
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
 
 
+def test_encode_pair_matches_token_by_token_longest_first_truncation():
+    """BERT's _truncate_seq_pair (pop from the longer list until the pair fits), for every small case."""
+    for max_len in range(5, 16):
+        for la in range(0, 14):
+            for lb in range(1, 14):
+                a, b = list(range(10, 10 + la)), list(range(100, 100 + lb))
+                ra, rb = list(a), list(b)
+                while len(ra) + len(rb) > max_len - 3:
+                    (ra if len(ra) >= len(rb) else rb).pop()
+                assert encode_pair(a, b, max_len) == [CLS, *ra, SEP, *rb, SEP], (max_len, la, lb)
+
+
 def test_tokenizer_refuses_a_model_without_the_special_ids(tmp_path, tokenizer_model):
     import sentencepiece as spm
 
