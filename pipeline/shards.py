@@ -16,16 +16,12 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.io.filesystems import FileSystems
 
+from pipeline.index_format import (  # noqa: F401  (FORMAT, VERSION, DatasetError: re-exported)
+    FORMAT, INDEX_FILE, TOKENIZER_FILE, VERSION, DatasetError, missing_index, parse_index)
 from pipeline.masking import MaskedBatch
 
-FORMAT, VERSION = "shatter-shards", 1
-INDEX_FILE, TOKENIZER_FILE = "index.json", "tokenizer.model"
 ROWS_PER_RECORD_BATCH = 1024  # fixed, so bytes never depend on how rows arrived
 IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd", use_threads=False)
-
-
-class DatasetError(Exception):
-    """A shard dataset that is missing, incomplete or not in the expected format."""
 
 
 def id_type(vocab_size: int) -> pa.DataType:
@@ -179,18 +175,9 @@ def read_index(out: str) -> dict:
     """The dataset's index.json, checked: a clear DatasetError if missing, incomplete or foreign."""
     path = join(out, INDEX_FILE)
     if not FileSystems.exists(path):
-        raise DatasetError(f"{path} not found: {out} is not a finished shatter dataset "
-                           "(index.json is written last; an interrupted build has none)")
-    try:
-        with FileSystems.open(path) as f:
-            index = json.loads(f.read().decode())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{path}: not valid JSON ({e})") from None
-    if index.get("format") != FORMAT:
-        raise DatasetError(f"{path}: format {index.get('format')!r}, expected {FORMAT!r}")
-    if index.get("version") != VERSION:
-        raise DatasetError(f"{path}: version {index.get('version')!r}; this reader knows version {VERSION}")
-    return index
+        raise missing_index(path, out)
+    with FileSystems.open(path) as f:
+        return parse_index(f.read(), path)
 
 
 def shard_paths(out: str, split: str, index: dict | None = None) -> list[str]:

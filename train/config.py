@@ -154,21 +154,25 @@ def _section(cls, values: Mapping[str, Any], where: str):
     return cls(**{k: _coerce(cls, k, v, where) for k, v in values.items()})
 
 
-def from_dict(values: Mapping[str, Any], where: str = "config") -> TrainConfig:
-    """A TrainConfig from nested sections; unknown sections and keys are errors naming `where`."""
-    unknown = sorted(set(values) - set(SECTIONS))
+def sections_of(values: Any, where: str, known: Mapping[str, type]) -> dict[str, dict]:
+    """Each known section of a parsed config as a (possibly empty) dict; unknown sections, or a
+    section or top level that is not a mapping, are ConfigErrors naming `where`."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where}: the top level must be a mapping of sections")
+    unknown = sorted(set(values) - set(known))
     if unknown:
-        raise ConfigError(f"{where}: unknown section(s) {unknown}; known: {sorted(SECTIONS)}")
+        raise ConfigError(f"{where}: unknown section(s) {unknown}; known: {sorted(known)}")
     parts = {}
-    for name, cls in SECTIONS.items():
+    for name in known:
         section = values.get(name) or {}
         if not isinstance(section, Mapping):
             raise ConfigError(f"{where}: section {name!r} must be a mapping")
-        parts[name] = _section(cls, section, f"{where} [{name}]")
-    return TrainConfig(**parts)
+        parts[name] = dict(section)
+    return parts
 
 
-def load_yaml(path: str | Path) -> TrainConfig:
+def read_yaml(path: str | Path, known: Mapping[str, type]) -> dict[str, dict]:
+    """The sections (`sections_of`) of YAML config file `path`; every problem a ConfigError."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -176,9 +180,17 @@ def load_yaml(path: str | Path) -> TrainConfig:
         values = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from err
-    if not isinstance(values, Mapping):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return from_dict(values, where=str(path))
+    return sections_of(values, str(path), known)
+
+
+def from_dict(values: Mapping[str, Any], where: str = "config") -> TrainConfig:
+    """A TrainConfig from nested sections; unknown sections and keys are errors naming `where`."""
+    parts = sections_of(values, where, SECTIONS)
+    return TrainConfig(**{name: _section(cls, parts[name], f"{where} [{name}]") for name, cls in SECTIONS.items()})
+
+
+def load_yaml(path: str | Path) -> TrainConfig:
+    return from_dict(read_yaml(path, SECTIONS), where=str(path))
 
 
 def with_overrides(config: TrainConfig, flags: Mapping[str, Any]) -> TrainConfig:

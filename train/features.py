@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import sentencepiece as spm
 
-PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
+from pipeline.masking import CLS_ID as CLS, MASK_ID as MASK, PAD_ID as PAD, SEP_ID as SEP, UNK_ID as UNK  # noqa: F401
+from pipeline.tokenizer import load as load_sentencepiece
+from shatter.checkpoint import CheckpointError
 
 
 def _lower_same_length(text: str) -> str:
@@ -34,17 +35,17 @@ def _lower_same_length(text: str) -> str:
 
 
 class Tokenizer:
-    """The export's sentencepiece model, checked for the project's special ids."""
+    """The export's sentencepiece model, loaded and checked for the special ids by the pipeline's
+    own loader (`pipeline.tokenizer.load`)."""
 
     def __init__(self, path: str | Path):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: tokenizer model not found")
-        self.sp = spm.SentencePieceProcessor(model_file=str(path))
-        for token, want in (("[CLS]", CLS), ("[SEP]", SEP)):
-            got = self.sp.piece_to_id(token)
-            if got != want:
-                raise ValueError(f"{path}: {token} has id {got}, the project's contract is {want}")
+        try:
+            self.sp = load_sentencepiece(path.read_bytes())
+        except (RuntimeError, ValueError) as err:  # not a sentencepiece model, or other special ids
+            raise CheckpointError(f"{path}: {err}") from None
         self.vocab_size = self.sp.get_piece_size()
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:

@@ -33,7 +33,7 @@ if __package__ in (None, ""):
 
 import click  # noqa: E402
 
-from train.config import ConfigError, OptimArgs, RunArgs, TrainConfig, _section  # noqa: E402
+from train.config import ConfigError, OptimArgs, _section, read_yaml  # noqa: E402
 from train.finetune_data import DataConfig  # noqa: E402
 from train.tasks import TASKS  # noqa: E402
 
@@ -90,18 +90,7 @@ _SECTIONS = {"data": DataConfig, "optim": OptimArgs, "run": FinetuneArgs}
 
 def resolve(config_file: Optional[str], flags: Mapping[str, Any]) -> FinetuneConfig:
     """Defaults (with the task's lr), then the YAML file, then the flags; unknown keys rejected."""
-    import yaml
-
-    values: dict = {}
-    if config_file:
-        try:
-            values = yaml.safe_load(Path(config_file).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"{config_file}: {e}") from None
-        unknown = sorted(set(values) - set(_SECTIONS)) if isinstance(values, dict) else ["<not a mapping>"]
-        if unknown:
-            raise ConfigError(f"{config_file}: unknown section(s) {unknown}; known: {sorted(_SECTIONS)}")
-    sections = {name: dict(values.get(name) or {}) for name in _SECTIONS}
+    sections = read_yaml(config_file, _SECTIONS) if config_file else {name: {} for name in _SECTIONS}
     for flag, value in flags.items():
         if value is not None:
             section, key = FLAGS[flag].split(".")

@@ -23,17 +23,21 @@ from train.finetune_data import SpanData, build_task_data
 
 
 def global_batches(n: int, batch_size: int, seed: int, rank: int, world: int) -> Iterator[list[int]]:
-    """This rank's share of each global batch, over reshuffled epochs without end."""
+    """This rank's share of each global batch, over reshuffled epochs without end: the global
+    batches cut one stream, the concatenation of the permutations drawn from (seed, epoch)."""
     if batch_size % world:
         raise ConfigError(f"--batch-size {batch_size} is not divisible by the world size {world}")
-    stream: list[int] = []
-    epoch = 0
+    epoch, order, at = 0, np.random.default_rng([seed, 0]).permutation(n), 0
     while True:
-        while len(stream) < batch_size:
-            stream += np.random.default_rng([seed, epoch]).permutation(n).tolist()
-            epoch += 1
-        batch, stream = stream[:batch_size], stream[batch_size:]
-        yield batch[rank::world]
+        parts, need = [], batch_size
+        while need:
+            if at == n:
+                epoch, at = epoch + 1, 0
+                order = np.random.default_rng([seed, epoch]).permutation(n)
+            take = min(need, n - at)
+            parts.append(order[at : at + take])
+            at, need = at + take, need - take
+        yield np.concatenate(parts)[rank::world].tolist()
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ import torch
 
 from train import checkpoint
 from train.config import TrainConfig
-from train.data import StreamPosition, train_loader, validation_stream
+from train.data import ShardStream, StreamPosition, train_loader, validation_stream
 from train.engine import loss_scale
 from train.evaluate import evaluate
 from pipeline.masking import mix64
@@ -72,9 +72,9 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def run_validation(ctx: RunContext, step: int) -> dict:
-    stream = validation_stream(ctx.index, ctx.cfg.data, batch_size=ctx.cfg.run.micro_batch, seq_len=ctx.seq_len,
-                               rank=ctx.rank, world_size=ctx.world)
+def run_validation(ctx: RunContext, step: int, stream: ShardStream) -> dict:
+    """One pass over `stream` (the run's validation stream, built once: its shards are hashed and
+    decoded on the first pass, not at every evaluation)."""
     batches = ({k: b[k] for k in MODEL_INPUTS} for b in stream)
     result = evaluate(ctx.engine, batches, ctx.engine.device, distributed=ctx.world > 1)
     record = {"step": step, "split": "validation", "loss": result["loss"], "accuracy": result["accuracy"],
@@ -89,7 +89,7 @@ def _log_line(ctx: RunContext, state: checkpoint.TrainState, lr: float, tokens_p
         torch.distributed.all_reduce(window)
     loss = window[0].item() / window[1].item() if window[1] > 0 else float("nan")
     record = {"step": state.step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "samples": state.samples,
-              "epoch": state.samples / sum(s.rows for s in ctx.index.shards("train")),
+              "epoch": state.samples / ctx.index.rows("train"),
               "tokens": state.tokens, "skipped_nonfinite": state.skipped_nonfinite,
               "grad_norm": _grad_norm(ctx.engine)}
     scale = loss_scale(ctx.engine)
@@ -119,10 +119,12 @@ def save_and_export(ctx: RunContext, state: checkpoint.TrainState, export: bool,
 def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
     """Run until max_steps or SIGTERM; returns "complete" or "stopped"."""
     cfg, engine, run = ctx.cfg, ctx.engine, ctx.cfg.run
-    epoch_size = sum(s.rows for s in ctx.index.shards("train"))
+    epoch_size = ctx.index.rows("train")
     loader = train_loader(ctx.index, cfg.data, batch_size=run.micro_batch, seq_len=ctx.seq_len, seed=run.seed,
                           rank=ctx.rank, world_size=ctx.world, start=state.samples)
     loader.worker_init_fn = _ignore_sigterm
+    validation = validation_stream(ctx.index, cfg.data, batch_size=run.micro_batch, seq_len=ctx.seq_len,
+                                   rank=ctx.rank, world_size=ctx.world)
     batches = iter(loader)
     progress = Progress(ctx.rank, run.progress, state.step, run.max_steps)
     per_micro = run.micro_batch * ctx.world
@@ -171,7 +173,7 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
             progress.update(state.step - steps_shown, record["loss"], lr, tokens_per_s)
             clock, tokens_at, steps_shown = now, state.tokens, state.step
         if _due(state.step, run.eval_every, run.max_steps):
-            record = run_validation(ctx, state.step)
+            record = run_validation(ctx, state.step, validation)
             progress.write(f"step {state.step}: validation loss {record['loss']:.4f} accuracy {record['accuracy']:.4f}")
         export_now = _due(state.step, run.export_every, run.max_steps)
         if stop_seen or export_now or _due(state.step, run.save_every, run.max_steps):

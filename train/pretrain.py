@@ -59,9 +59,8 @@ def _run(cfg: TrainConfig) -> str:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_len {model.config.max_len}")
     engine = build_engine(model, cfg, ds_config)
     state, position, saved_config = checkpoint.resume(engine, run_dir)
-    epoch_size = sum(s.rows for s in index.shards("train"))
     if position is not None:
-        StreamPosition.from_dict(position, epoch_size)  # refuses a position on different data
+        StreamPosition.from_dict(position, index.rows("train"))  # refuses a position on different data
     if rank == 0:
         if saved_config is not None:
             changes = checkpoint.config_changes(saved_config, cfg.to_dict())

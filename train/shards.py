@@ -11,7 +11,6 @@ gathered with a few vectorised numpy calls instead of per-row Python.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-FORMAT = "shatter-shards"
-VERSION = 1
+from pipeline.index_format import INDEX_FILE, TOKENIZER_FILE, DatasetError, missing_index, parse_index
+
 REQUIRED_COLUMNS = ("input_ids", "mask_positions", "mask_labels", "mask_inputs", "word_start")
 
 
@@ -51,6 +50,10 @@ class Index:
             raise DataError(f"{self.root / 'index.json'}: no {split!r} shards (splits: {sorted(self.splits)})")
         return self.splits[split]
 
+    def rows(self, split: str) -> int:
+        """Rows of `split`: for "train", the epoch size of the training stream."""
+        return sum(s.rows for s in self.shards(split))
+
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
@@ -65,19 +68,14 @@ def read_index(root: str | Path, verify_tokenizer: bool = True) -> Index:
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"data directory not found: {root}")
-    path = root / "index.json"
-    if not path.is_file():
-        raise DataError(
-            f"{path} is missing: {root} is not a complete shard dataset "
-            "(index.json is written last by `shatter-data build`; was the build interrupted?)"
-        )
+    path = root / INDEX_FILE
     try:
-        raw = json.loads(path.read_text())
-        if raw.get("format") != FORMAT or raw.get("version") != VERSION:
-            raise DataError(
-                f"{path}: format {raw.get('format')!r} version {raw.get('version')!r}, "
-                f"expected {FORMAT!r} version {VERSION}"
-            )
+        if not path.is_file():
+            raise missing_index(str(path), str(root))
+        raw = parse_index(path.read_bytes(), str(path))
+    except DatasetError as err:  # the shared format check (pipeline/index_format.py), as a DataError
+        raise DataError(str(err)) from None
+    try:
         tok = raw["tokenizer"]
         splits = {
             name: tuple(ShardInfo(root / s["file"], int(s["rows"]), s["sha256"]) for s in split["shards"])
@@ -88,19 +86,17 @@ def read_index(root: str | Path, verify_tokenizer: bool = True) -> Index:
             seq_len=int(raw["seq_len"]),
             dupe_factor=int(raw["dupe_factor"]),
             vocab_size=int(tok["vocab_size"]),
-            tokenizer=root / tok.get("file", "tokenizer.model"),
+            tokenizer=root / tok.get("file", TOKENIZER_FILE),
             special_ids=dict(tok.get("special_ids", {})),
             splits=splits,
             raw=raw,
         )
     except (KeyError, TypeError, ValueError) as err:
-        if isinstance(err, DataError):
-            raise
         raise DataError(f"{path}: malformed index ({type(err).__name__}: {err})") from err
     if verify_tokenizer:
         if not index.tokenizer.is_file():
             raise DataError(f"{index.tokenizer}: tokenizer listed in {path} is missing")
-        if sha256_file(index.tokenizer) != tok["sha256"]:
+        if sha256_file(index.tokenizer) != tok.get("sha256"):
             raise DataError(f"{index.tokenizer}: sha256 differs from {path}; the tokenizer is not the one the shards were built with")
     return index
 

@@ -60,7 +60,7 @@ def tokenizer_model(tmp_path_factory) -> Path:
     corpus.write_text("\n".join(line.lower() for line in lines))
     spm.SentencePieceTrainer.train(
         input=str(corpus), model_prefix=str(root / "tokenizer"), vocab_size=200,
-        pad_id=0, unk_id=1, bos_id=-1, eos_id=-1,
+        pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
         user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"], minloglevel=2,
     )
     return root / "tokenizer.model"

@@ -31,3 +31,19 @@ def test_rejects_unknown_keys_and_bad_values(tmp_path):
         resolve(None, {**BASE, "task": "glue"})
     with pytest.raises(ConfigError, match="zero-stage"):
         resolve(None, {**BASE, "zero_stage": 3})
+
+
+def test_yaml_problems_are_config_errors_like_pretraining(tmp_path):
+    """The finetuning YAML is read by train.config.read_yaml, as the pretraining one."""
+    path = tmp_path / "ft.yaml"
+    path.write_text("run: 8\n")  # used to be a bare ValueError from dict(8)
+    with pytest.raises(ConfigError, match=r"ft.yaml: section 'run' must be a mapping"):
+        resolve(str(path), BASE)
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        resolve(str(path), BASE)
+    path.write_text("train:\n  lr: 1\n")
+    with pytest.raises(ConfigError, match=r"unknown section\(s\) \['train'\]"):
+        resolve(str(path), BASE)
+    with pytest.raises(ConfigError, match="config file not found"):
+        resolve(str(tmp_path / "nowhere.yaml"), BASE)

@@ -21,9 +21,34 @@ def test_pad_batch_masks_padding():
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
 
 
-def test_tokenizer_refuses_a_model_without_the_special_ids(tmp_path):
+def test_encode_pair_matches_token_by_token_longest_first_truncation():
+    """BERT's _truncate_seq_pair (pop from the longer list until the pair fits), for every small case."""
+    for max_len in range(5, 16):
+        for la in range(0, 14):
+            for lb in range(1, 14):
+                a, b = list(range(10, 10 + la)), list(range(100, 100 + lb))
+                ra, rb = list(a), list(b)
+                while len(ra) + len(rb) > max_len - 3:
+                    (ra if len(ra) >= len(rb) else rb).pop()
+                assert encode_pair(a, b, max_len) == [CLS, *ra, SEP, *rb, SEP], (max_len, la, lb)
+
+
+def test_tokenizer_refuses_a_model_without_the_special_ids(tmp_path, tokenizer_model):
+    import sentencepiece as spm
+
+    from shatter.checkpoint import CheckpointError
+
     with pytest.raises(FileNotFoundError, match="tokenizer model not found"):
         Tokenizer(tmp_path / "missing.model")
+    (tmp_path / "corpus.txt").write_text("\n".join(f"line {i} of a small corpus, words {i * 7}" for i in range(200)))
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "plain"),
+                                   vocab_size=60, minloglevel=2)  # sentencepiece's own ids: <unk>=0 <s>=1 </s>=2
+    with pytest.raises(CheckpointError, match=r"plain.model: tokenizer has \[PAD\] at id"):
+        Tokenizer(tmp_path / "plain.model")
+    (tmp_path / "junk.model").write_bytes(b"not a model")
+    with pytest.raises(CheckpointError, match="junk.model"):
+        Tokenizer(tmp_path / "junk.model")
+    assert Tokenizer(tokenizer_model).vocab_size == 200
 
 
 def test_offsets_point_into_the_original_cased_text(tokenizer_model):

@@ -117,3 +117,29 @@ def test_regression_and_multirc_grouping(tmp_path, export, write_jsonl):
     em = sum(all(predictions[f"{p}-{q}-{a}"] == gold[f"{p}-{q}-{a}"] for a in range(3))
              for p in range(8) for q in range(2)) / 16
     assert metrics["best"]["em"] == pytest.approx(em)
+
+
+@pytest.mark.parametrize("n,batch,world", [(10, 4, 2), (3, 8, 4), (7, 7, 1)])
+def test_global_batches_cut_one_stream_of_epoch_permutations(n, batch, world):
+    """Ranks split every global batch without overlap; the global batches, concatenated, are the
+    permutations of (seed, epoch 0), (seed, epoch 1), ... back to back (batches straddle epochs)."""
+    import itertools
+
+    import numpy as np
+
+    from train.finetune_loop import global_batches
+
+    steps = 3 * n // batch + 3
+    per_rank = [list(itertools.islice(global_batches(n, batch, 5, r, world), steps)) for r in range(world)]
+    stream = []
+    for step in range(steps):
+        shares = [per_rank[r][step] for r in range(world)]
+        assert all(len(s) == batch // world for s in shares)
+        merged = [None] * batch
+        for r, share in enumerate(shares):
+            merged[r::world] = share
+        stream += merged
+    epochs = np.concatenate([np.random.default_rng([5, e]).permutation(n) for e in range(len(stream) // n + 1)])
+    assert stream == epochs[: len(stream)].tolist()
+    for e in range(len(stream) // n):
+        assert sorted(stream[e * n : (e + 1) * n]) == list(range(n))

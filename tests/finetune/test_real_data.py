@@ -28,7 +28,8 @@ def rt_export(shared_data, tmp_path_factory):
     (root / "corpus.txt").write_text("\n".join(" ".join(t.split()) for t in texts))
     spm.SentencePieceTrainer.train(
         input=str(root / "corpus.txt"), model_prefix=str(root / "tokenizer"), vocab_size=2000,
-        pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
+        pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
+        user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
         minloglevel=2,
     )
     model = shatter.build_model("shatter-tiny", vocab_size=2000, max_len=64)

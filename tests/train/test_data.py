@@ -164,7 +164,7 @@ def test_missing_index_tokenizer_and_version_errors(tmp_path):
     with pytest.raises(DataError, match="not found"):
         read_index(tmp_path / "nowhere")
     (tmp_path / "partial").mkdir()
-    with pytest.raises(DataError, match="index.json is missing"):
+    with pytest.raises(DataError, match="index.json not found"):
         read_index(tmp_path / "partial")
     root = write_dataset(tmp_path / "data")
     (root / "tokenizer.model").write_bytes(b"another tokenizer")
@@ -188,3 +188,44 @@ def test_validation_stream_is_finite_and_split_between_ranks(dataset):
             ids += b["sample_id"].tolist()
     assert sorted(ids) == list(range(5))
     np.testing.assert_array_equal(np.unique(ids), np.arange(5))
+
+
+def test_index_reader_is_beam_free_and_shares_the_pipeline_format(tmp_path):
+    """train/ reads index.json through pipeline/index_format.py, never importing Beam."""
+    import subprocess
+    import sys
+
+    code = ("import sys, train.shards, train.data; "
+            "assert 'apache_beam' not in sys.modules, 'train imported apache_beam'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    from pipeline import shards as pshards
+
+    root = write_dataset(tmp_path / "data")
+    index = json.loads((root / "index.json").read_text())
+    index["format"] = "something-else"
+    (root / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DataError, match="format 'something-else'") as train_err:
+        read_index(root, verify_tokenizer=False)
+    with pytest.raises(pshards.DatasetError) as pipeline_err:
+        pshards.read_index(str(root))
+    assert str(train_err.value) == str(pipeline_err.value)
+
+
+def test_validation_stream_can_be_iterated_again_without_rehashing(dataset, monkeypatch):
+    """The loop builds the validation stream once and passes over it at every evaluation."""
+    from train import shards
+    from train.config import DataArgs
+    from train.data import validation_stream
+
+    hashed = []
+    real = shards.sha256_file
+    monkeypatch.setattr(shards, "sha256_file", lambda path, *a: hashed.append(path) or real(path, *a))
+    s = validation_stream(read_index(dataset, verify_tokenizer=False), DataArgs(), batch_size=2, seq_len=32,
+                          rank=0, world_size=1)
+    first, second = list(s), list(s)
+    assert len(first) == 3 and len(first) == len(second)
+    for a, b in zip(first, second):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+    assert len(hashed) == 1, hashed  # one validation shard, hashed on the first pass only

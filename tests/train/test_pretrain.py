@@ -167,7 +167,7 @@ def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
 
 @pytest.mark.parametrize("extra,message", [
     (["--data", "{tmp}/missing"], "data directory not found"),
-    (["--data", "{tmp}"], "index.json is missing"),
+    (["--data", "{tmp}"], "index.json not found"),
     (["--data", "{books}", "--seq-len", "128"], "longer than the data's seq_len 64"),
 ])
 def test_clear_errors_for_bad_data(books_data, tmp_path, extra, message):
