@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from shatter.attention.multihead import masked_softmax
 from shatter.partition import partition_mask
 
 NORM_EPS = 1e-12  # as F.normalize
@@ -54,11 +55,10 @@ def unskew(X: torch.Tensor) -> torch.Tensor:
 def activate(Z: torch.Tensor, mask_BL: torch.Tensor, sigmoid: bool) -> torch.Tensor:
     """Row-wise attention weights with padded keys at 0: eq. 5's L2-normalised sigmoid (the
     padded keys are zeroed before the normalisation) or a masked softmax."""
-    keep = mask_BL[:, None, :]
     if sigmoid:
-        P = torch.sigmoid(Z) * keep
+        P = torch.sigmoid(Z) * mask_BL[:, None, :]
         return P / P.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
-    return Z.masked_fill(~keep, torch.finfo(Z.dtype).min).softmax(-1)
+    return masked_softmax(Z, mask_BL)
 
 
 def _chunks(n: int, B: int, L: int):
