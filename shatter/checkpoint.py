@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Union
 
@@ -36,10 +35,14 @@ class CheckpointError(ValueError):
     """A checkpoint directory or one of its files is missing or unreadable (names the file)."""
 
 
-def _write_text(path: Path, text: str) -> None:
+def _write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    _write_bytes(path, text.encode())
 
 
 def save_pretrained(model: nn.Module, path: Union[str, Path], tokenizer: Any = None) -> Path:
@@ -62,11 +65,11 @@ def save_pretrained(model: nn.Module, path: Union[str, Path], tokenizer: Any = N
         (path / HEAD).unlink()  # the directory used to hold a head; it now holds an MLM model
     if tokenizer is not None:
         if hasattr(tokenizer, "serialized_model_proto"):
-            (path / TOKENIZER).write_bytes(tokenizer.serialized_model_proto())
+            _write_bytes(path / TOKENIZER, tokenizer.serialized_model_proto())
         elif Path(tokenizer).resolve() != (path / TOKENIZER).resolve():
             if not Path(tokenizer).is_file():
                 raise CheckpointError(f"tokenizer file {tokenizer} does not exist")
-            shutil.copyfile(tokenizer, path / TOKENIZER)
+            _write_bytes(path / TOKENIZER, Path(tokenizer).read_bytes())
     return path
 
 

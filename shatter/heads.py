@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shatter.checkpoint import CheckpointError
 from shatter.model import ShatterForMaskedLM
 
 STRATEGIES = ("modified", "cls")
@@ -142,6 +143,4 @@ def build_head(backbone: ShatterForMaskedLM, spec: Mapping[str, Any], source: Pa
             return SpanExtractionModel(backbone)
         raise ValueError(f"unknown head {kind!r}; expected sequence-classification or span-extraction")
     except (KeyError, TypeError, ValueError) as e:
-        from shatter.checkpoint import CheckpointError
-
         raise CheckpointError(f"{source}: {e}") from None

@@ -88,11 +88,12 @@ class Encoder(nn.Module):
         """[B, L] ids (and 1/0 mask) -> X^L [B, L, d]; with output_hidden_states an EncoderOutput."""
         mask_BL = self.key_mask(input_ids, attention_mask)
         x = self.embeddings(input_ids)
-        hidden = [x]
+        hidden = [x] if output_hidden_states else None  # else each X^k is freed once used (inference)
         for block in self.layers:
             x = block(x, mask_BL)
-            hidden.append(x)
-        return EncoderOutput(x, tuple(hidden)) if output_hidden_states else x
+            if hidden is not None:
+                hidden.append(x)
+        return EncoderOutput(x, tuple(hidden)) if hidden is not None else x
 
     def key_mask(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """Validate the inputs and return the bool key mask (True = real token)."""

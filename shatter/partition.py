@@ -100,7 +100,10 @@ def relative_index(length: int, max_len: int, device: torch.device) -> torch.Ten
 
 
 def partition_mask(table: torch.Tensor, length: int) -> torch.Tensor:
-    """N: Tensor[n, l, l] with N[h, i, j] = f_h(j - i), indexed from an (n, 2m-1) table."""
+    """N: Tensor[n, l, l] with N[h, i, j] = f_h(j - i), indexed from an (n, 2m-1) table.
+
+    Any Toeplitz [n, l, l] built from per-relative-position values works the same way (bert-rab
+    indexes its bias from W^B's rows this way); gradients flow back into `table`."""
     max_len = (table.shape[1] + 1) // 2
     return table[:, relative_index(length, max_len, table.device)]
 

@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -24,7 +23,9 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from shatter.checkpoint import CONFIG, TOKENIZER, WEIGHTS, CheckpointError, from_pretrained, save_pretrained
+from shatter.checkpoint import (
+    CONFIG, TOKENIZER, WEIGHTS, CheckpointError, from_pretrained, load_config, save_pretrained,
+)
 from shatter.config import ModelConfig, preset_config
 from shatter.model import ShatterForMaskedLM
 
@@ -63,12 +64,9 @@ def _config_for(tag_dir: Path, client_state: dict, state: dict) -> ModelConfig:
             return preset_config(model["preset"], **{**extra, **(model.get("overrides") or {})})
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{tag_dir / MODEL_STATES}: its stored config is unusable: {e}") from None
-    for candidate in (tag_dir / CONFIG, tag_dir.parent / CONFIG, tag_dir.parent.parent / "export" / CONFIG):
-        if candidate.is_file():
-            try:
-                return ModelConfig.from_dict(json.loads(candidate.read_text()))
-            except (ValueError, TypeError) as e:
-                raise CheckpointError(f"{candidate}: {e}") from None
+    for directory in (tag_dir, tag_dir.parent, tag_dir.parent.parent / "export"):
+        if (directory / CONFIG).is_file():
+            return load_config(directory)
     raise CheckpointError(
         f"{tag_dir}: no model config found (a 'model_config' or trainer 'config' entry in "
         f"{MODEL_STATES}, {CONFIG} beside the checkpoint, or the run's export/{CONFIG})"

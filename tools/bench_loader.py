@@ -13,7 +13,6 @@ paper's 8 V100s consume about 339 seq/s (128 x 1.6M steps in 161 h).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline import shards as pshards  # noqa: E402
+from pipeline.tokenizer import SPECIAL_PIECES  # noqa: E402
 from pipeline.transforms import MaskSpec, mask_table  # noqa: E402
 from train.data import MaskingSpec, ShardStream  # noqa: E402
 from train.shards import read_index, sha256_file  # noqa: E402
@@ -34,7 +34,7 @@ def synthetic_dataset(root: Path, rows: int, seq_len: int, vocab: int, dupe: int
     """Random full-length rows in the DESIGN.md layout, written with pipeline.shards."""
     rng = np.random.default_rng(seed)
     word_start_table = rng.random(vocab) < 0.7
-    (root / "tokenizer.model").write_bytes(b"benchmark: random ids, no tokenizer")
+    (root / pshards.TOKENIZER_FILE).write_bytes(b"benchmark: random ids, no tokenizer")
     splits = {}
     for split, n, shards in (("train", rows, 2), ("validation", 256, 1)):
         entries = []
@@ -42,18 +42,18 @@ def synthetic_dataset(root: Path, rows: int, seq_len: int, vocab: int, dupe: int
         for i in range(shards):
             count = min(per, n - i * per)
             ids = rng.integers(5, vocab, (count, seq_len), dtype=np.int32)
-            ids[:, 0], ids[:, -1] = 2, 3  # [CLS] ... [SEP]
+            ids[:, 0], ids[:, -1] = SPECIAL_PIECES["[CLS]"], SPECIAL_PIECES["[SEP]"]
             keys = np.sort(rng.integers(0, 2**63, count, dtype=np.uint64))
             table = mask_table(keys, ids, np.full(count, seq_len, np.int32), word_start_table, vocab,
                                MaskSpec("", seed, dupe, 0.15, False))
             info = pshards.write_shard(str(root), pshards.shard_name(split, i, shards), table, vocab)
             entries.append(info.__dict__)
         splits[split] = {"shards": entries}
-    tok = {"file": "tokenizer.model", "sha256": sha256_file(root / "tokenizer.model"), "vocab_size": vocab,
-           "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}}
-    index = {"format": "shatter-shards", "version": 1, "seq_len": seq_len, "dupe_factor": dupe, "tokenizer": tok,
-             "config": {"benchmark": True}, "splits": splits, "counters": {}}
-    (root / "index.json").write_text(json.dumps(index))
+    tok = {"file": pshards.TOKENIZER_FILE, "sha256": sha256_file(root / pshards.TOKENIZER_FILE),
+           "vocab_size": vocab, "special_ids": dict(SPECIAL_PIECES)}
+    index = {"format": pshards.FORMAT, "version": pshards.VERSION, "seq_len": seq_len, "dupe_factor": dupe,
+             "tokenizer": tok, "config": {"benchmark": True}, "splits": splits, "counters": {}}
+    pshards.write_index(str(root), index)
     return root
 
 

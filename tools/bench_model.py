@@ -7,9 +7,13 @@ them alike; the median of `--repeats` rounds after `--warmup` rounds is reported
 to `bert` from the same run. Memory is measured in a separate, untimed forward: the bytes of
 the tensors that autograd saves for the backward pass (deduplicated by storage, parameters
 excluded), in total and inside the attention modules only ("attention activation memory").
+With `--attention-only` the timed step is one attention module alone (block 0's, forward and
+backward of its context on random hidden states [batch, l, hidden]), the kernel comparison
+without the arch-independent dense layers, embeddings, MLM head and optimizer.
 
     python tools/bench_model.py                      # the default run in docs/benchmarks.md
     python tools/bench_model.py --lengths 256 --archs bert,shatter --layers 4 --repeats 9
+    python tools/bench_model.py --attention-only --lengths 256 --batch-tokens 2048 --archs bert,shatter
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ class BenchConfig:
     threads: int  # torch intra-op threads
     mask_rate: float  # fraction of positions predicted by the MLM head
     attention_dropout: float  # config.attention_dropout (softmax archs; BERT's default is 0.1)
+    attention_only: bool = False  # time block 0's attention module alone instead of a train step
 
 
 def make_batch(cfg: BenchConfig, length: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -64,6 +69,14 @@ def train_step(model, optimizer, batch) -> float:
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def attention_step(model, batch) -> float:
+    """Forward and backward of block 0's attention module alone on random hidden states."""
+    attention = model.encoder.layers[0].attention
+    start = time.perf_counter()
+    attention(batch["hidden"], batch["attention_mask"].bool()).sum().backward()
     return time.perf_counter() - start
 
 
@@ -103,12 +116,20 @@ def run(cfg: BenchConfig) -> list[dict]:
     rows = []
     for length in cfg.lengths:
         batch = make_batch(cfg, length)
+        if cfg.attention_only:
+            hidden = shatter.SIZES[cfg.size]["hidden"]
+            g = torch.Generator().manual_seed(1)
+            attention_batch = {"hidden": torch.randn(*batch["input_ids"].shape, hidden, generator=g).requires_grad_(),
+                               "attention_mask": batch["attention_mask"]}
         models = {arch: build(cfg, arch, length) for arch in cfg.archs}
         memory = {arch: saved_bytes(models[arch][0], batch) for arch in cfg.archs}
         times: dict[str, list[float]] = {arch: [] for arch in cfg.archs}
         for round_ in range(cfg.warmup + cfg.repeats):
             for arch in cfg.archs:  # interleaved: every round times every arch once
-                t = train_step(*models[arch], batch)
+                if cfg.attention_only:
+                    t = attention_step(models[arch][0], attention_batch)
+                else:
+                    t = train_step(*models[arch], batch)
                 if round_ >= cfg.warmup:
                     times[arch].append(t)
         ref_t = statistics.median(times["bert"])
@@ -137,7 +158,8 @@ def markdown(rows: list[dict], cfg: BenchConfig) -> str:
     by = {(r["arch"], r["length"]): r for r in rows}
     head = "| arch | " + " | ".join(f"l={n}" for n in lengths) + " |"
     sep = "|---|" + "---:|" * len(lengths)
-    out = ["Train-step time, median seconds (ratio to bert):", "", head, sep]
+    timed = "Attention forward+backward (block 0 alone)" if cfg.attention_only else "Train-step time"
+    out = [f"{timed}, median seconds (ratio to bert):", "", head, sep]
     for arch in cfg.archs:
         cells = [f"{by[arch, n]['step_s']:.3f} ({by[arch, n]['time_ratio']:.2f})" for n in lengths]
         out.append(f"| {arch} | " + " | ".join(cells) + " |")
@@ -171,7 +193,10 @@ def markdown(rows: list[dict], cfg: BenchConfig) -> str:
 @click.option("--threads", default=torch.get_num_threads(), show_default=True)
 @click.option("--attention-dropout", default=0.1, show_default=True,
               help="dropout on softmax attention probabilities (the sigmoid archs have none)")
-def main(archs, lengths, layers, size, batch_tokens, vocab_size, repeats, warmup, threads, attention_dropout):
+@click.option("--attention-only", is_flag=True,
+              help="time one attention module's forward+backward instead of a full train step")
+def main(archs, lengths, layers, size, batch_tokens, vocab_size, repeats, warmup, threads, attention_dropout,
+         attention_only):
     """Print per-arch train-step time and attention memory, with ratios to bert."""
     names = tuple(a for a in archs.split(",") if a)
     bad = [a for a in names if a not in ARCHS]
@@ -182,7 +207,7 @@ def main(archs, lengths, layers, size, batch_tokens, vocab_size, repeats, warmup
     cfg = BenchConfig(
         archs=names, lengths=tuple(int(n) for n in lengths.split(",")), layers=layers, size=size,
         batch_tokens=batch_tokens, vocab_size=vocab_size, repeats=repeats, warmup=warmup,
-        threads=threads, mask_rate=0.15, attention_dropout=attention_dropout,
+        threads=threads, mask_rate=0.15, attention_dropout=attention_dropout, attention_only=attention_only,
     )
     click.echo(markdown(run(cfg), cfg))
 

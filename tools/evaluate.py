@@ -24,10 +24,10 @@ from train.shards import DataError, read_index
 def evaluate_export(checkpoint: Path, data: Path, split: str = "validation", batch_size: int = 8,
                     max_samples: int | None = None) -> dict:
     """{"loss", "accuracy", "predictions", "seq_len", ...} of the export on `split` of `data`."""
-    model = shatter.from_pretrained(checkpoint)
-    index = read_index(data)
     if split != "validation":
         raise click.BadParameter("only the validation split has fixed masks to compare on", param_hint="--split")
+    model = shatter.from_pretrained(checkpoint)
+    index = read_index(data)
     if index.seq_len > model.config.max_len:
         raise click.ClickException(
             f"{data} has rows of length {index.seq_len}, longer than the model's max_len {model.config.max_len}: "

@@ -15,8 +15,8 @@ N[h, i, j] = f_h(j - i) is Toeplitz, so every sum over h or j against it is a sm
 with the (n, 2l - 1) table T in relative coordinates: B = skew(c T) and A_part = unskew(A) T^T,
 where skew maps G[i, r] to G[i, j - i + l - 1] as a zero-copy strided view (the Transformer-XL
 "relative shift"). Only X_bar needs A ⊙ N[h] itself; it is formed in chunks of parts, each
-chunk one batched matmul, and freed at once. N is indexed from the layer's table per call,
-never stored. `tests/shatter/test_model_lean.py` checks this against the naive reference.
+chunk one batched matmul, and freed at once. N is indexed from the layer's table chunk by
+chunk, never stored whole. `tests/shatter/test_model_lean.py` checks this against the naive reference.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from shatter.attention.multihead import masked_softmax
 from shatter.partition import partition_mask
 
 NORM_EPS = 1e-12  # as F.normalize
@@ -54,16 +55,20 @@ def unskew(X: torch.Tensor) -> torch.Tensor:
 def activate(Z: torch.Tensor, mask_BL: torch.Tensor, sigmoid: bool) -> torch.Tensor:
     """Row-wise attention weights with padded keys at 0: eq. 5's L2-normalised sigmoid (the
     padded keys are zeroed before the normalisation) or a masked softmax."""
-    keep = mask_BL[:, None, :]
     if sigmoid:
-        P = torch.sigmoid(Z) * keep
+        P = torch.sigmoid(Z) * mask_BL[:, None, :]
         return P / P.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
-    return Z.masked_fill(~keep, torch.finfo(Z.dtype).min).softmax(-1)
+    return masked_softmax(Z, mask_BL)
 
 
 def _chunks(n: int, B: int, L: int):
     step = max(1, min(n, CHUNK_ELEMENTS // max(1, B * L * L)))
     return [(h, min(n, h + step)) for h in range(0, n, step)]
+
+
+def _parts(table: torch.Tensor, h0: int, h1: int, L: int, dtype: torch.dtype) -> torch.Tensor:
+    """N[h0:h1] for length L, indexed per chunk so that the whole [n, L, L] N never exists at once."""
+    return partition_mask(table[h0:h1], L).to(dtype)
 
 
 def _scores(Z0, c, T):
@@ -78,11 +83,10 @@ class PartitionMix(torch.autograd.Function):
     def forward(ctx, Z0, c, V, mask_BL, table, sigmoid: bool):
         B, L, _ = Z0.shape
         T = table_window(table, L, Z0.dtype)
-        N = partition_mask(table, L).to(Z0.dtype)
         A = activate(_scores(Z0, c, T), mask_BL, sigmoid)
         out = torch.empty_like(V)
-        for h0, h1 in _chunks(N.shape[0], B, L):
-            out[:, h0:h1] = (A[:, None] * N[h0:h1]) @ V[:, h0:h1]
+        for h0, h1 in _chunks(table.shape[0], B, L):
+            out[:, h0:h1] = (A[:, None] * _parts(table, h0, h1, L, Z0.dtype)) @ V[:, h0:h1]
         part = unskew(A) @ T.t()
         ctx.save_for_backward(Z0, c, V, mask_BL, table)
         ctx.sigmoid = sigmoid
@@ -94,7 +98,6 @@ class PartitionMix(torch.autograd.Function):
         Z0, c, V, mask_BL, table = ctx.saved_tensors
         B, L, _ = Z0.shape
         T = table_window(table, L, Z0.dtype)
-        N = partition_mask(table, L).to(Z0.dtype)
         Z = _scores(Z0, c, T)
         A = activate(Z, mask_BL, ctx.sigmoid)
         # the A_part term: dL/dA[i, j] = sum_h g_part[i, h] N[h, i, j] = skew(g_part T)
@@ -102,8 +105,8 @@ class PartitionMix(torch.autograd.Function):
         gV = torch.zeros_like(V) if g_out is not None and ctx.needs_input_grad[2] else None
         if g_out is not None:
             g_out = g_out.contiguous()  # autograd may hand in an expanded or transposed view
-            for h0, h1 in _chunks(N.shape[0], B, L):
-                Nh = N[h0:h1]
+            for h0, h1 in _chunks(table.shape[0], B, L):
+                Nh = _parts(table, h0, h1, L, Z0.dtype)
                 if gV is not None:
                     gV[:, h0:h1] = (A[:, None] * Nh).transpose(-1, -2) @ g_out[:, h0:h1]
                 G = g_out[:, h0:h1] @ V[:, h0:h1].transpose(-1, -2)  # dL/d(A ⊙ N[h]): [B, h, L, L]

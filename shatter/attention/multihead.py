@@ -105,14 +105,17 @@ class RabAttention(BertAttention):
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__(config, layer)
-        self.num_buckets, self.max_distance = config.rab_buckets, config.rab_max_distance
         self.relative_attention_bias = nn.Embedding(config.rab_buckets, config.heads)  # W^B, m x n
+        # The bucket of every relative position -(max_len-1)..(max_len-1), computed once: the bias
+        # is Toeplitz, so each forward looks up 2 max_len - 1 rows of W^B and indexes [n, L, L]
+        # from them as the partition archs index N (instead of bucketing and embedding L^2 pairs).
+        rel = torch.arange(-(config.max_len - 1), config.max_len)
+        buckets = t5_relative_bucket(rel, config.rab_buckets, config.rab_max_distance)
+        self.register_buffer("buckets", buckets, persistent=False)  # (2 max_len - 1,)
 
     def _bias(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
-        L = x_BLD.shape[1]
-        pos = torch.arange(L, device=x_BLD.device)
-        bucket = t5_relative_bucket(pos[None, :] - pos[:, None], self.num_buckets, self.max_distance)
-        bias = self.relative_attention_bias(bucket).permute(2, 0, 1)[None]  # [1, n, L, L]
+        table = self.relative_attention_bias(self.buckets).t()  # [n, 2 max_len - 1]
+        bias = partition_mask(table, x_BLD.shape[1])[None]  # B[h, i, j] = W^B[bucket(j - i), h]: [1, n, L, L]
         pad = torch.zeros(mask_BL.shape, dtype=bias.dtype, device=bias.device)
         pad = pad.masked_fill(~mask_BL, torch.finfo(bias.dtype).min)
         return bias + pad[:, None, None, :]

@@ -105,3 +105,27 @@ def test_without_the_train_extra_it_says_what_to_install():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 1 and "pip install 'shatter[train]'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_checkpoint_without_a_stored_config_takes_the_runs_export_config(tmp_path, tokenizer_file):
+    """The last fallback of shatter.sources: RUN/export/config.json beside RUN/checkpoints/.
+    (The model-states file is written the way DeepSpeed's ZeRO-0 stores `module`; the real
+    DeepSpeed checkpoints are in test_deepspeed.py.)"""
+    model = tiny("shatter")
+    tag = tmp_path / "run" / "checkpoints" / "step1"
+    tag.mkdir(parents=True)
+    torch.save({"module": model.state_dict()}, tag / "mp_rank_00_model_states.pt")
+    (tag.parent / "latest").write_text("step1")
+    (tmp_path / "run" / "export").mkdir()
+    (tmp_path / "run" / "export" / "config.json").write_text(json.dumps(model.config.to_dict()))
+    out = tmp_path / "o"
+    result = run(tag.parent, "--max-len", 64, "--output", out, "--tokenizer", tokenizer_file)
+    assert result.exit_code == 0, result.output
+    extended = shatter.from_pretrained(out)
+    ids, mask = inputs(OLD)
+    with torch.no_grad():
+        torch.testing.assert_close(extended.encoder(ids, mask), model.encoder(ids, mask), rtol=0, atol=1e-5)
+    (tmp_path / "run" / "export" / "config.json").write_text('{"arch": "shatter", "colour": 1}')
+    out = tmp_path / "o2"
+    refused(run(tag.parent, "--max-len", 64, "--output", out, "--tokenizer", tokenizer_file), out,
+            "export/config.json: unknown ModelConfig keys: colour")

@@ -156,3 +156,23 @@ def test_bert_rab_smallest_valid_bucket_setting_runs():
     model = shatter.build_model("bert-rab-tiny", rab_buckets=8, rab_max_distance=3, vocab_size=50, max_len=64)
     ids = torch.randint(5, 50, (1, 64))
     assert torch.isfinite(model.encoder(ids, torch.ones_like(ids))).all()
+
+
+def test_bert_rab_bias_is_w_b_at_the_bucket_of_each_pair():
+    """B[h, i, j] = W^B[bucket(j - i), h] for every pair, from the table indexed per relative position."""
+    from shatter.attention.multihead import t5_relative_bucket
+
+    model = tiny("bert-rab", max_len=300)
+    attention = model.encoder.layers[1].attention
+    L = 300  # beyond rab_max_distance: the far buckets are reached on both sides
+    x = torch.zeros(2, L, model.config.hidden)
+    mask = torch.ones(2, L, dtype=torch.bool)
+    mask[1, 250:] = False
+    bias = attention._bias(x, mask)
+    pos = torch.arange(L)
+    bucket = t5_relative_bucket(pos[None, :] - pos[:, None], model.config.rab_buckets, model.config.rab_max_distance)
+    direct = attention.relative_attention_bias.weight[bucket].permute(2, 0, 1)  # [n, L, L]
+    assert bucket.unique().numel() == model.config.rab_buckets - 1  # all but 16 (j > i at distance 0)
+    torch.testing.assert_close(bias[0], direct, rtol=0, atol=0)
+    torch.testing.assert_close(bias[1, :, :, :250], direct[:, :, :250], rtol=0, atol=0)
+    assert (bias[1, :, :, 250:] < -1e30).all()  # padded keys

@@ -64,3 +64,18 @@ def test_export_loads_at_a_longer_max_len(tmp_path):
     x = ids(1, 30)
     torch.testing.assert_close(longer.encoder(x), model.encoder(x), rtol=1e-5, atol=1e-5)
     assert longer.encoder(ids(1, 100)).shape == (1, 100, 64)
+
+
+def test_tokenizer_from_a_loaded_processor_and_no_temp_files(tmp_path):
+    """A loaded SentencePieceProcessor is written as its serialized proto; like the other files
+    it goes through a temporary name, so none is left behind."""
+    spm = pytest.importorskip("sentencepiece")
+    (tmp_path / "c.txt").write_text("\n".join(f"the quick brown fox {i} jumps" for i in range(200)))
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "t"), vocab_size=48,
+                                   hard_vocab_limit=False, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "t.model"))
+    out = shatter.save_pretrained(tiny("shatter"), tmp_path / "export", tokenizer=sp)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+    again = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+    assert again.serialized_model_proto() == sp.serialized_model_proto()
+    assert again.encode("the quick brown fox") == sp.encode("the quick brown fox")

@@ -1,14 +1,11 @@
 """The demo's sample comes from the package registry and is checked by sha256 (issue 2, part 2)."""
 import dataclasses
 import hashlib
-import sys
-from pathlib import Path
 
 import click
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from demo import WIKI_SAMPLE, fetch_sample  # noqa: E402
+from tools.demo import WIKI_SAMPLE, fetch_sample
 
 
 @pytest.fixture(scope="module")
