@@ -19,6 +19,8 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 test: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 demo: setup

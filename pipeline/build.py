@@ -7,6 +7,7 @@ Two pipelines when a tokenizer must be trained (it necessarily sits between them
 Any Beam runner works: unknown command-line options become `PipelineOptions`; without `--runner`
 the in-process FnApiRunner is used (never Prism, which would be downloaded).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,7 +26,17 @@ from apache_beam.runners.portability.portable_runner import JobServiceHandle
 from pipeline import progress, readers, shards, tokenizer
 from pipeline.config import BuildConfig
 from pipeline.sink import ShardAndWrite
-from pipeline.transforms import NAMESPACE, CacheFn, Clean, MaskSpec, Pack, ReadCache, ReadDocuments, SampleLines, Tokenize
+from pipeline.transforms import (
+    NAMESPACE,
+    CacheFn,
+    Clean,
+    MaskSpec,
+    Pack,
+    ReadCache,
+    ReadDocuments,
+    SampleLines,
+    Tokenize,
+)
 
 log = logging.getLogger(__name__)
 SAMPLE_FILE, MANIFEST_FILE, WORK_DIR = ".tokenizer-sample.txt", ".shards-manifest.json", ".work"
@@ -42,12 +53,16 @@ SWITCHING_RUNNERS = ("DirectRunner", "SwitchingDirectRunner")
 
 
 def make_pipeline(beam_args: list[str]) -> beam.Pipeline:
-    options = PipelineOptions(beam_args)  # the command line's unknown options: runner, workers, project, ...
+    options = PipelineOptions(
+        beam_args
+    )  # the command line's unknown options: runner, workers, project, ...
     runner = options.view_as(StandardOptions).runner
     if runner in SWITCHING_RUNNERS:
-        log.warning("--runner %s: running on the in-process FnApiRunner, which DirectRunner picks for this "
-                    "pipeline, without trying to download Prism first (pass --runner PrismRunner for Prism)",
-                    runner)
+        log.warning(
+            "--runner %s: running on the in-process FnApiRunner, which DirectRunner picks for this "
+            "pipeline, without trying to download Prism first (pass --runner PrismRunner for Prism)",
+            runner,
+        )
         runner = None
     if runner is None:
         return beam.Pipeline(runner=_fn_api_runner(options), options=options)
@@ -61,7 +76,8 @@ def _fn_api_runner(options: PipelineOptions) -> FnApiRunner:
     harness = options.view_as(WorkerOptions)
     if harness.default_sdk_harness_log_level is None:
         harness.default_sdk_harness_log_level = logging.getLevelName(
-            logging.getLogger("apache_beam").getEffectiveLevel())
+            logging.getLogger("apache_beam").getEffectiveLevel()
+        )
     encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
     provision = beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)
     return FnApiRunner(provision_info=ExtendedProvisionInfo(provision))
@@ -92,7 +108,9 @@ def counters(result) -> dict:
             value = c.committed
         except Exception:  # some runners only report attempted values
             value = None
-        out[c.key.metric.name] = out.get(c.key.metric.name, 0) + int(value if value is not None else c.attempted)
+        out[c.key.metric.name] = out.get(c.key.metric.name, 0) + int(
+            value if value is not None else c.attempted
+        )
     return dict(sorted(out.items()))
 
 
@@ -114,12 +132,22 @@ def _prepare_output(config: BuildConfig, overwrite: bool) -> None:
     index = shards.join(out, shards.INDEX_FILE)
     if FileSystems.exists(index):
         if not overwrite:
-            raise BuildError(f"{out} already holds a dataset (index.json); pass --overwrite to replace it")
+            raise BuildError(
+                f"{out} already holds a dataset (index.json); pass --overwrite to replace it"
+            )
         FileSystems.delete([index])  # first, so an interrupted rebuild never looks complete
     # only what a build writes: never other files a user keeps next to the dataset
-    stale = [m.path for pattern in ("train-*-of-*.arrow", "validation-*-of-*.arrow", ".tmp-*", SAMPLE_FILE,
-                                    MANIFEST_FILE)
-             for m in FileSystems.match([shards.join(out, pattern)])[0].metadata_list]
+    stale = [
+        m.path
+        for pattern in (
+            "train-*-of-*.arrow",
+            "validation-*-of-*.arrow",
+            ".tmp-*",
+            SAMPLE_FILE,
+            MANIFEST_FILE,
+        )
+        for m in FileSystems.match([shards.join(out, pattern)])[0].metadata_list
+    ]
     if stale:
         FileSystems.delete(stale)
     _delete_tree(shards.join(out, WORK_DIR))
@@ -134,8 +162,14 @@ def _read_clean(p: beam.Pipeline, config: BuildConfig):
     docs = p | "read" >> ReadDocuments(train_specs, split, config) | "clean" >> Clean()
     if not config.validation_inputs:
         return docs
-    val_specs = readers.expand_inputs(config.validation_inputs, config.split_bytes, config.text_mode)
-    val = p | "read validation" >> ReadDocuments(val_specs, "validation", config) | "clean validation" >> Clean()
+    val_specs = readers.expand_inputs(
+        config.validation_inputs, config.split_bytes, config.text_mode
+    )
+    val = (
+        p
+        | "read validation" >> ReadDocuments(val_specs, "validation", config)
+        | "clean validation" >> Clean()
+    )
     return (docs, val) | "mix" >> beam.Flatten()
 
 
@@ -157,13 +191,18 @@ def train_tokenizer(config: BuildConfig, beam_args: list[str], report=print) -> 
     docs = _read_clean(p, config)
     lines = docs | "sample" >> SampleLines(config.tokenizer_sample)
     _ = lines | "write sample" >> beam.Map(lambda ls: _write_text(sample_path, json.dumps(ls)))
-    _ = (docs | "cache clean text" >> beam.ParDo(CacheFn(shards.join(config.output, WORK_DIR)))
-         | "cache files" >> beam.combiners.ToList()
-         | "write cache list" >> beam.Map(lambda paths: _write_text(cache_list, json.dumps(paths))))
+    _ = (
+        docs
+        | "cache clean text" >> beam.ParDo(CacheFn(shards.join(config.output, WORK_DIR)))
+        | "cache files" >> beam.combiners.ToList()
+        | "write cache list" >> beam.Map(lambda paths: _write_text(cache_list, json.dumps(paths)))
+    )
     values = run_and_report(p, "tokenizer sample", report)
     sample = json.loads(_read_text(sample_path))
-    report(f"training sentencepiece ({config.tokenizer_model_type}, vocab {config.vocab_size}) "
-           f"on {len(sample)} lines")
+    report(
+        f"training sentencepiece ({config.tokenizer_model_type}, vocab {config.vocab_size}) "
+        f"on {len(sample)} lines"
+    )
     model = tokenizer.train(sample, config.vocab_size, config.tokenizer_model_type)
     with FileSystems.create(shards.join(config.output, shards.TOKENIZER_FILE)) as f:
         f.write(model)
@@ -194,12 +233,16 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
 
     p = make_pipeline(beam_args)
     docs = _read_clean(p, config) if cached is None else p | "read cleaned" >> ReadCache(cached)
-    mask = MaskSpec(model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word)
+    mask = MaskSpec(
+        model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word
+    )
     infos = (
         docs
-        | "tokenize" >> Tokenize(model_path, 0.0 if config.validation_inputs else config.validation_fraction)
+        | "tokenize"
+        >> Tokenize(model_path, 0.0 if config.validation_inputs else config.validation_fraction)
         | "pack" >> Pack(config.seq_len, config.cross_document)
-        | "shard, mask and write" >> ShardAndWrite(config.output, work_dir, counts, mask, config.spill_rows)
+        | "shard, mask and write"
+        >> ShardAndWrite(config.output, work_dir, counts, mask, config.spill_rows)
         | "collect" >> beam.combiners.ToList()
     )
     _ = infos | "manifest" >> beam.Map(lambda rows: _write_text(manifest_path, json.dumps(rows)))
@@ -221,15 +264,22 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
         },
         "config": config.to_dict(),
         "splits": {
-            split: {"shards": [{k: r[k] for k in ("file", "rows", "tokens", "bytes", "sha256")}
-                               for r in infos if r["split"] == split]}
+            split: {
+                "shards": [
+                    {k: r[k] for k in ("file", "rows", "tokens", "bytes", "sha256")}
+                    for r in infos
+                    if r["split"] == split
+                ]
+            }
             for split in counts
         },
         # the reading counters come from the sampling pipeline when it cached the clean text
-        "counters": {k: sample_counters.get(k, 0) + build_counters.get(k, 0)
-                     for k in sorted(set(sample_counters) | set(build_counters))},
+        "counters": {
+            k: sample_counters.get(k, 0) + build_counters.get(k, 0)
+            for k in sorted(set(sample_counters) | set(build_counters))
+        },
     }
-    for split, entry in index["splits"].items():
+    for _split, entry in index["splits"].items():
         entry["rows"] = sum(s["rows"] for s in entry["shards"])
         entry["tokens"] = sum(s["tokens"] for s in entry["shards"])
     shards.write_index(config.output, index)

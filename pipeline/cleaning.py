@@ -5,12 +5,16 @@ The Gutenberg markers follow the conventions handled by Gutenberg's own `gutenbe
 cleaners ("*** START OF THE PROJECT GUTENBERG EBOOK ..." / "*** END OF ...", and the older
 "End of the Project Gutenberg EBook" trailer).
 """
+
 from __future__ import annotations
 
 import re
 
 _START = re.compile(r"^\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG.*$", re.I | re.M)
-_END = re.compile(r"^(\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG.*|End of (the )?Project Gutenberg.*)$", re.I | re.M)
+_END = re.compile(
+    r"^(\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG.*|End of (the )?Project Gutenberg.*)$",
+    re.I | re.M,
+)
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")
 _CONTROL = set(range(0, 9)) | {11, 12} | set(range(14, 32))
 # every character str.split() splits on (Unicode White_Space and a few separators, all <= U+3000)
@@ -39,7 +43,7 @@ def strip_gutenberg(text: str) -> str:
     """The body of a Project Gutenberg text (unchanged when it has no header/footer markers)."""
     start = _START.search(text)
     if start:
-        text = text[start.end():]
+        text = text[start.end() :]
     end = _END.search(text)
     if end:
         text = text[: end.start()]

@@ -4,6 +4,7 @@ Options that click does not know are handed to Beam as `PipelineOptions`, so
 `--runner DataflowRunner --project P --region R --temp_location gs://B/tmp --setup_file ./setup.py`
 or `--direct_num_workers 2 --direct_running_mode multi_processing` work unchanged.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,12 @@ def configure_logging(verbose: bool) -> None:
     """Our warnings on stderr (INFO with -v); Beam's own logging only with -v, except that it
     dropped an option it could not parse (a typo would otherwise go unnoticed). Called before Beam
     is imported: its import would otherwise configure the root logger first."""
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
     for handler in logging.getLogger().handlers:
         handler.addFilter(_DropBeamImportNoise())
     # a failing worker's traceback is logged by Beam; without -v the CLI prints the cause itself
@@ -58,14 +63,20 @@ def _check_beam_args(args: list[str], ours: set[str]) -> None:
         if arg.startswith("--"):
             given = arg[2:].split("=", 1)[0]
             if given.replace("_", "-") in ours and "_" in given:
-                _fail(f"--{given} is not an option of shatter-data build: did you mean --{given.replace('_', '-')}?")
+                _fail(
+                    f"--{given} is not an option of shatter-data build: did you mean --{given.replace('_', '-')}?"
+                )
 
 
 def _clean_message(e: BaseException) -> str:
     """Our own error text out of a runner's wrapped exception (which carries a remote traceback)."""
     text = str(e)
-    found = re.findall(r"shatter-data input error: ([^\n]+?)(?: \[while running [^\n]*)?$", text, re.M)
-    return found[-1] if found else text.strip().splitlines()[-1] if text.strip() else type(e).__name__
+    found = re.findall(
+        r"shatter-data input error: ([^\n]+?)(?: \[while running [^\n]*)?$", text, re.M
+    )
+    return (
+        found[-1] if found else text.strip().splitlines()[-1] if text.strip() else type(e).__name__
+    )
 
 
 @click.group()
@@ -75,61 +86,158 @@ def main():
 
 
 @main.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True))
-@click.option("--corpus", type=click.Choice(CORPORA), default="text", show_default=True,
-              help="reader for inputs not prefixed with CORPUS=")
-@click.option("--input", "inputs", multiple=True, required=True,
-              help="file, glob or directory (repeatable); CORPUS=PATH mixes corpora, e.g. books=data/books")
-@click.option("--wiki-index", default=None, help="multistream index of the wiki dump (parallel reads by stream)")
+@click.option(
+    "--corpus",
+    type=click.Choice(CORPORA),
+    default="text",
+    show_default=True,
+    help="reader for inputs not prefixed with CORPUS=",
+)
+@click.option(
+    "--input",
+    "inputs",
+    multiple=True,
+    required=True,
+    help="file, glob or directory (repeatable); CORPUS=PATH mixes corpora, e.g. books=data/books",
+)
+@click.option(
+    "--wiki-index",
+    default=None,
+    help="multistream index of the wiki dump (parallel reads by stream)",
+)
 @click.option("--output", required=True, help="dataset directory (local or gs://, s3://, ...)")
-@click.option("--validation-input", "validation_inputs", multiple=True,
-              help="separate validation corpus (repeatable); else --validation-fraction is held out")
+@click.option(
+    "--validation-input",
+    "validation_inputs",
+    multiple=True,
+    help="separate validation corpus (repeatable); else --validation-fraction is held out",
+)
 @click.option("--validation-fraction", type=float, default=0.005, show_default=True)
 @click.option("--seq-len", type=int, default=256, show_default=True)
 @click.option("--vocab-size", type=int, default=32000, show_default=True)
 @click.option("--tokenizer", default=None, help="existing sentencepiece model (skips training)")
-@click.option("--tokenizer-sample", type=int, default=2_000_000, show_default=True,
-              help="lines of cleaned text the tokenizer is trained on")
-@click.option("--tokenizer-model-type", type=click.Choice(["unigram", "bpe"]), default="unigram", show_default=True)
-@click.option("--dupe-factor", type=int, default=5, show_default=True, help="static maskings per row")
+@click.option(
+    "--tokenizer-sample",
+    type=int,
+    default=2_000_000,
+    show_default=True,
+    help="lines of cleaned text the tokenizer is trained on",
+)
+@click.option(
+    "--tokenizer-model-type",
+    type=click.Choice(["unigram", "bpe"]),
+    default="unigram",
+    show_default=True,
+)
+@click.option(
+    "--dupe-factor", type=int, default=5, show_default=True, help="static maskings per row"
+)
 @click.option("--mask-rate", type=float, default=0.15, show_default=True)
 @click.option("--whole-word/--no-whole-word", default=False, show_default=True)
-@click.option("--cross-document/--no-cross-document", default=True, show_default=True,
-              help="whether rows may span documents")
+@click.option(
+    "--cross-document/--no-cross-document",
+    default=True,
+    show_default=True,
+    help="whether rows may span documents",
+)
 @click.option("--num-shards", type=int, default=8, show_default=True)
 @click.option("--num-validation-shards", type=int, default=1, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--text-field", default="text", show_default=True, help="JSON field / Parquet column (text corpus)")
-@click.option("--text-mode", type=click.Choice(["paragraph", "line"]), default="paragraph", show_default=True,
-              help=".txt documents: blank-line separated, or one per line")
-@click.option("--on-error", type=click.Choice(["skip", "stop"]), default="skip", show_default=True,
-              help="truncated/broken input: skip the rest of that file (counted) or stop")
+@click.option(
+    "--text-field",
+    default="text",
+    show_default=True,
+    help="JSON field / Parquet column (text corpus)",
+)
+@click.option(
+    "--text-mode",
+    type=click.Choice(["paragraph", "line"]),
+    default="paragraph",
+    show_default=True,
+    help=".txt documents: blank-line separated, or one per line",
+)
+@click.option(
+    "--on-error",
+    type=click.Choice(["skip", "stop"]),
+    default="skip",
+    show_default=True,
+    help="truncated/broken input: skip the rest of that file (counted) or stop",
+)
 @click.option("--overwrite", is_flag=True, help="replace an existing dataset in --output")
-@click.option("--progress-seconds", type=click.FloatRange(min=0), default=10.0, show_default=True,
-              help="seconds between progress lines (counters, docs/s, tokens/s) while building; 0: none")
+@click.option(
+    "--progress-seconds",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="seconds between progress lines (counters, docs/s, tokens/s) while building; 0: none",
+)
 @click.option("-v", "--verbose", is_flag=True)
 @click.pass_context
-def build(ctx, corpus, inputs, wiki_index, output, validation_inputs, validation_fraction, seq_len, vocab_size,
-          tokenizer, tokenizer_sample, tokenizer_model_type, dupe_factor, mask_rate, whole_word, cross_document,
-          num_shards, num_validation_shards, seed, text_field, text_mode, on_error, overwrite, verbose,
-          progress_seconds):
+def build(
+    ctx,
+    corpus,
+    inputs,
+    wiki_index,
+    output,
+    validation_inputs,
+    validation_fraction,
+    seq_len,
+    vocab_size,
+    tokenizer,
+    tokenizer_sample,
+    tokenizer_model_type,
+    dupe_factor,
+    mask_rate,
+    whole_word,
+    cross_document,
+    num_shards,
+    num_validation_shards,
+    seed,
+    text_field,
+    text_mode,
+    on_error,
+    overwrite,
+    verbose,
+    progress_seconds,
+):
     """Build OUT from corpora. Extra options (e.g. --runner, --direct_num_workers) go to Beam."""
     configure_logging(verbose)
     from pipeline.build import BuildError, build as run_build
     from pipeline.wiki import InputError
 
-    _check_beam_args(list(ctx.args), {name for p in ctx.command.params for o in p.opts for name in [o.lstrip("-")]})
+    _check_beam_args(
+        list(ctx.args),
+        {name for p in ctx.command.params for o in p.opts for name in [o.lstrip("-")]},
+    )
     try:
         config = BuildConfig(
-            inputs=_inputs(inputs, corpus, wiki_index), output=output,
-            validation_inputs=_inputs(validation_inputs, corpus, None), validation_fraction=validation_fraction,
-            seq_len=seq_len, vocab_size=vocab_size, tokenizer=tokenizer, tokenizer_sample=tokenizer_sample,
-            tokenizer_model_type=tokenizer_model_type, dupe_factor=dupe_factor, mask_rate=mask_rate,
-            whole_word=whole_word, cross_document=cross_document, num_shards=num_shards,
-            num_validation_shards=num_validation_shards, seed=seed, text_field=text_field, text_mode=text_mode,
+            inputs=_inputs(inputs, corpus, wiki_index),
+            output=output,
+            validation_inputs=_inputs(validation_inputs, corpus, None),
+            validation_fraction=validation_fraction,
+            seq_len=seq_len,
+            vocab_size=vocab_size,
+            tokenizer=tokenizer,
+            tokenizer_sample=tokenizer_sample,
+            tokenizer_model_type=tokenizer_model_type,
+            dupe_factor=dupe_factor,
+            mask_rate=mask_rate,
+            whole_word=whole_word,
+            cross_document=cross_document,
+            num_shards=num_shards,
+            num_validation_shards=num_validation_shards,
+            seed=seed,
+            text_field=text_field,
+            text_mode=text_mode,
             on_error=on_error,
         )
-        beam_args = [f"--progress_seconds={progress_seconds}", *ctx.args]  # a Beam option (pipeline.progress)
-        index = run_build(config, beam_args, overwrite=overwrite, report=lambda m: click.echo(m, err=True))
+        beam_args = [
+            f"--progress_seconds={progress_seconds}",
+            *ctx.args,
+        ]  # a Beam option (pipeline.progress)
+        index = run_build(
+            config, beam_args, overwrite=overwrite, report=lambda m: click.echo(m, err=True)
+        )
     except (ValueError, BuildError, InputError) as e:
         _fail(_clean_message(e))
     except Exception as e:  # a runner wraps worker errors; show ours without the remote traceback
@@ -139,8 +247,10 @@ def build(ctx, corpus, inputs, wiki_index, output, validation_inputs, validation
             raise
         # anything else (a runner that cannot start, a worker crash): one line; -v shows the traceback
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-        _fail(f"the build failed ({type(e).__name__}: {last}); no index.json was written. "
-              "Run again with -v for the full traceback")
+        _fail(
+            f"the build failed ({type(e).__name__}: {last}); no index.json was written. "
+            "Run again with -v for the full traceback"
+        )
     rows = {s: v["rows"] for s, v in index["splits"].items()}
     click.echo(f"wrote {output}: rows {rows}, vocab {index['tokenizer']['vocab_size']}")
 

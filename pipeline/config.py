@@ -1,4 +1,5 @@
 """The build configuration: one frozen dataclass, saved whole in every index.json."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,12 @@ class BuildConfig:
 
     inputs: tuple[InputSpec, ...]  # training corpora, mixed in one build
     output: str  # dataset directory (local or remote)
-    validation_inputs: tuple[InputSpec, ...] = ()  # a separate validation corpus; else held out by hash
-    validation_fraction: float = 0.005  # share of documents held out by document hash (no validation_inputs)
+    validation_inputs: tuple[
+        InputSpec, ...
+    ] = ()  # a separate validation corpus; else held out by hash
+    validation_fraction: float = (
+        0.005  # share of documents held out by document hash (no validation_inputs)
+    )
     seq_len: int = 256  # ids per row, [CLS] and closing [SEP] included
     vocab_size: int = 32000  # sentencepiece vocabulary, special ids included
     tokenizer: str | None = None  # an existing sentencepiece model; else one is trained
@@ -38,21 +43,29 @@ class BuildConfig:
     seed: int = 0  # global seed of the maskings
     text_field: str = "text"  # JSON field / Parquet column of the `text` reader
     text_mode: str = "paragraph"  # .txt documents: "paragraph" (blank-line separated) or "line"
-    on_error: str = "skip"  # truncated/broken input: "skip" the rest of that file (counted) or "stop"
+    on_error: str = (
+        "skip"  # truncated/broken input: "skip" the rest of that file (counted) or "stop"
+    )
     batch_chars: int = 1 << 20  # characters of text per DoFn call (Beam overhead is per element)
     split_bytes: int = 4 << 20  # byte-range size for parallel reads of splittable files
-    spill_rows: int = 65536  # rows a worker buffers before spilling them, key-sorted, to a temp file
+    spill_rows: int = (
+        65536  # rows a worker buffers before spilling them, key-sorted, to a temp file
+    )
 
     def __post_init__(self):
         for spec in self.inputs + self.validation_inputs:
             if spec.corpus not in CORPORA:
-                raise ValueError(f"unknown corpus {spec.corpus!r} for {spec.path}; choose from {CORPORA}")
+                raise ValueError(
+                    f"unknown corpus {spec.corpus!r} for {spec.path}; choose from {CORPORA}"
+                )
         if not self.inputs:
             raise ValueError("no --input given")
         if self.seq_len < 8:
             raise ValueError(f"--seq-len {self.seq_len} is too short (at least 8)")
         if self.seq_len > 65535:  # mask_positions are uint16 (DESIGN.md)
-            raise ValueError(f"--seq-len {self.seq_len} is too long (at most 65535: mask positions are uint16)")
+            raise ValueError(
+                f"--seq-len {self.seq_len} is too long (at most 65535: mask positions are uint16)"
+            )
         if not 0 < self.mask_rate <= 1:
             raise ValueError(f"--mask-rate {self.mask_rate} must be in (0, 1]")
         if not 0 <= self.seed < 2**64:  # masking seeds are uint64 (pipeline.masking.row_seeds)
@@ -72,7 +85,7 @@ class BuildConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "BuildConfig":
+    def from_dict(cls, d: dict) -> BuildConfig:
         """Inverse of to_dict; unknown keys are rejected."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known

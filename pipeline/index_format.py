@@ -6,6 +6,7 @@ pipeline's Beam `FileSystems` reader (`pipeline.shards.read_index`) and the trai
 Like MosaicML streaming's index (`streaming.base.format.index`), readers check format and version
 before trusting anything else in the file.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,10 @@ class DatasetError(Exception):
 
 def missing_index(path: str, out: str) -> DatasetError:
     """The error for a dataset directory `out` without its index.json `path`."""
-    return DatasetError(f"{path} not found: {out} is not a finished shatter dataset "
-                        "(index.json is written last by `shatter-data build`; an interrupted build has none)")
+    return DatasetError(
+        f"{path} not found: {out} is not a finished shatter dataset "
+        "(index.json is written last by `shatter-data build`; an interrupted build has none)"
+    )
 
 
 def parse_index(data: bytes, path: str) -> dict:
@@ -35,5 +38,7 @@ def parse_index(data: bytes, path: str) -> dict:
     if index.get("format") != FORMAT:
         raise DatasetError(f"{path}: format {index.get('format')!r}, expected {FORMAT!r}")
     if index.get("version") != VERSION:
-        raise DatasetError(f"{path}: version {index.get('version')!r}; this reader knows version {VERSION}")
+        raise DatasetError(
+            f"{path}: version {index.get('version')!r}; this reader knows version {VERSION}"
+        )
     return index

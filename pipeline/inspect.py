@@ -5,6 +5,7 @@ exists with its recorded bytes and sha256, has the layout's schema, its recorded
 rows within `seq_len` that start with [CLS] and end with [SEP], `dupe_factor` maskings whose
 positions are in range and whose labels are the ids at those positions, and the tokenizer's hash.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,7 +46,9 @@ def check_table(table: pa.Table, seq_len: int, dupe_factor: int) -> list[str]:
     if (copies != dupe_factor).any():
         problems.append(f"rows with other than dupe_factor={dupe_factor} maskings")
     per_copy = pc.list_value_length(pc.list_flatten(table["mask_positions"])).to_numpy()
-    positions = pc.list_flatten(pc.list_flatten(table["mask_positions"])).to_numpy().astype(np.int64)
+    positions = (
+        pc.list_flatten(pc.list_flatten(table["mask_positions"])).to_numpy().astype(np.int64)
+    )
     labels = pc.list_flatten(pc.list_flatten(table["mask_labels"])).to_numpy()
     row_of_copy = np.repeat(np.arange(table.num_rows), copies)
     row_of_pos = np.repeat(row_of_copy, per_copy)
@@ -67,7 +70,7 @@ def verify_dataset(out: str) -> list[str]:
     elif _sha256(tok_path)[0] != tok["sha256"]:
         problems.append(f"{tok_path}: sha256 differs from index.json")
     want_schema = shards.schema(tok["vocab_size"])
-    for split, entry in index["splits"].items():
+    for _split, entry in index["splits"].items():
         for info in entry["shards"]:
             path = shards.join(out, info["file"])
             if not FileSystems.exists(path):
@@ -75,7 +78,9 @@ def verify_dataset(out: str) -> list[str]:
                 continue
             digest, size = _sha256(path)
             if size != info["bytes"] or digest != info["sha256"]:
-                problems.append(f"{path}: bytes/sha256 differ from index.json (corrupt or replaced)")
+                problems.append(
+                    f"{path}: bytes/sha256 differ from index.json (corrupt or replaced)"
+                )
                 continue
             try:
                 table = shards.read_shard(path)
@@ -87,9 +92,13 @@ def verify_dataset(out: str) -> list[str]:
                 continue
             tokens = int(pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0)
             if table.num_rows != info["rows"] or tokens != info["tokens"]:
-                problems.append(f"{path}: {table.num_rows} rows / {tokens} tokens, index.json says "
-                                f"{info['rows']} / {info['tokens']}")
-            problems += [f"{path}: {p}" for p in check_table(table, index["seq_len"], index["dupe_factor"])]
+                problems.append(
+                    f"{path}: {table.num_rows} rows / {tokens} tokens, index.json says "
+                    f"{info['rows']} / {info['tokens']}"
+                )
+            problems += [
+                f"{path}: {p}" for p in check_table(table, index["seq_len"], index["dupe_factor"])
+            ]
     return problems
 
 
@@ -97,8 +106,10 @@ def _histogram(lengths: np.ndarray, seq_len: int, bins: int = 8, width: int = 40
     edges = np.linspace(0, seq_len, bins + 1).astype(int)
     counts, _ = np.histogram(lengths, bins=edges)
     top = max(int(counts.max()), 1)
-    return [f"  {lo:>5}-{hi:<5} {c:>9} {'#' * int(round(width * c / top))}"
-            for lo, hi, c in zip(edges[:-1], edges[1:], counts)]
+    return [
+        f"  {lo:>5}-{hi:<5} {c:>9} {'#' * int(round(width * c / top))}"
+        for lo, hi, c in zip(edges[:-1], edges[1:], counts)
+    ]
 
 
 def inspect_dataset(out: str, sample_rows: int = 3, split: str = "train") -> str:
@@ -106,13 +117,17 @@ def inspect_dataset(out: str, sample_rows: int = 3, split: str = "train") -> str
     import sentencepiece as spm
 
     index = shards.read_index(out)
-    lines = [f"dataset {out}: seq_len {index['seq_len']}, dupe_factor {index['dupe_factor']}, "
-             f"vocab {index['tokenizer']['vocab_size']}"]
+    lines = [
+        f"dataset {out}: seq_len {index['seq_len']}, dupe_factor {index['dupe_factor']}, "
+        f"vocab {index['tokenizer']['vocab_size']}"
+    ]
     for name, entry in index["splits"].items():
         rows = [s["rows"] for s in entry["shards"]]
         spread = f", shard rows {min(rows)}..{max(rows)}" if rows else ""
-        lines.append(f"  {name}: {sum(rows)} rows, {sum(s['tokens'] for s in entry['shards'])} tokens, "
-                     f"{len(rows)} shards, {sum(s['bytes'] for s in entry['shards'])} bytes{spread}")
+        lines.append(
+            f"  {name}: {sum(rows)} rows, {sum(s['tokens'] for s in entry['shards'])} tokens, "
+            f"{len(rows)} shards, {sum(s['bytes'] for s in entry['shards'])} bytes{spread}"
+        )
     counters = index.get("counters", {})
     if counters:
         lines.append("  counters: " + " ".join(f"{k}={v}" for k, v in counters.items()))
@@ -136,7 +151,13 @@ def inspect_dataset(out: str, sample_rows: int = 3, split: str = "train") -> str
         for p, new in zip(row["mask_positions"][0], row["mask_inputs"][0]):
             shown[p] = new
         marks = {p: lab for p, lab in zip(row["mask_positions"][0], row["mask_labels"][0])}
-        lines.append("  masked: " + " ".join(
-            f"{sp.id_to_piece(t)}{{{sp.id_to_piece(marks[j])}}}" if j in marks else sp.id_to_piece(t)
-            for j, t in enumerate(shown)))
+        lines.append(
+            "  masked: "
+            + " ".join(
+                f"{sp.id_to_piece(t)}{{{sp.id_to_piece(marks[j])}}}"
+                if j in marks
+                else sp.id_to_piece(t)
+                for j, t in enumerate(shown)
+            )
+        )
     return "\n".join(lines)

@@ -12,6 +12,7 @@ batch of rows is masked in a handful of array operations. The seed of copy `d` o
 `row_seeds(global_seed, row_key, d)` (splitmix64, Steele et al. 2014); the per-token draws use
 MurmurHash3's 32-bit finaliser, which halves the memory traffic of the [B, D, L] arrays.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,13 +25,22 @@ SPECIAL_IDS = (PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID)
 _U64, _U32 = np.uint64, np.uint32
 _GOLDEN = _U32(0x9E3779B9)  # 2**32 / golden ratio: spreads consecutive counters before hashing
 _SALT_SELECT, _SALT_ACTION, _SALT_RANDOM = _U32(0x5E1EC7), _U32(0xAC7104), _U32(0x4A4D0)
-_P80, _P90 = _U32(int(0.8 * 2**32)), _U32(int(0.9 * 2**32))  # the 80% / 10% / 10% split of the draws
+_P80, _P90 = (
+    _U32(int(0.8 * 2**32)),
+    _U32(int(0.9 * 2**32)),
+)  # the 80% / 10% / 10% split of the draws
 _POS_MASK = 0xFFFF  # positions are uint16 (DESIGN.md), the low 16 bits of a sort key
 _NOT_CANDIDATE = _U64(2**64 - 1)
 
 
 # xorshift-multiply finalisers (shift, multiplier, shift, multiplier, shift): bijections with full avalanche
-_SPLITMIX64 = (30, 0xBF58476D1CE4E5B9, 27, 0x94D049BB133111EB, 31)  # splitmix64 (Steele et al. 2014)
+_SPLITMIX64 = (
+    30,
+    0xBF58476D1CE4E5B9,
+    27,
+    0x94D049BB133111EB,
+    31,
+)  # splitmix64 (Steele et al. 2014)
 _FMIX32 = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)  # MurmurHash3's 32-bit finaliser (Appleby 2011)
 
 
@@ -113,7 +123,9 @@ def mask_batch(
     ids = np.asarray(ids, dtype=np.int64)
     n_rows, width = ids.shape
     if width > _POS_MASK:  # the all-ones key marks non-candidates
-        raise ValueError(f"rows of {width} ids: masking positions are uint16 (rows of at most {_POS_MASK})")
+        raise ValueError(
+            f"rows of {width} ids: masking positions are uint16 (rows of at most {_POS_MASK})"
+        )
     if not 0 < rate <= 1:  # k <= n: the chosen keys are candidates' keys
         raise ValueError(f"masking rate {rate} must be in (0, 1]")
     seeds = np.asarray(seeds, dtype=_U64)
@@ -127,7 +139,9 @@ def mask_batch(
 
     if whole_word:  # 64-bit keys: the full 32-bit word hash, so distinct words never merge
         unit = np.cumsum(np.asarray(word_start, dtype=bool) | ~cand, axis=1)
-        key = _finalise(seed32[:, :, None] ^ _unit_hash(unit, _SALT_SELECT)[:, None, :], _FMIX32).astype(_U64)
+        key = _finalise(
+            seed32[:, :, None] ^ _unit_hash(unit, _SALT_SELECT)[:, None, :], _FMIX32
+        ).astype(_U64)
         key <<= _U64(16)
         key |= np.where(cand, pos, _NOT_CANDIDATE)[:, None, :]  # non-candidates sort last
     else:  # 32-bit keys: the hash's top 16 bits rank single tokens; a tie (p = 2**-16) goes to the earlier one
@@ -158,19 +172,25 @@ def mask_batch(
     # the chosen keys are the first counts[b, d] of each copy; their positions, ascending
     top = int(counts.max(initial=0))
     valid = np.arange(top)[None, None, :] < counts[:, :, None]
-    chosen_pos = np.where(valid, (key[:, :, :top] & key.dtype.type(_POS_MASK)).astype(np.int64), width)
+    chosen_pos = np.where(
+        valid, (key[:, :, :top] & key.dtype.type(_POS_MASK)).astype(np.int64), width
+    )
     chosen_pos.sort(axis=2)
     positions = chosen_pos[valid]
     per_copy = counts.reshape(-1)
     b_idx = np.repeat(np.arange(n_rows), counts.sum(axis=1))
 
     draw_seed = np.repeat(seed32.reshape(-1), per_copy)
-    position_hash = np.stack([_unit_hash(pos, _SALT_ACTION), _unit_hash(pos, _SALT_RANDOM)])[:, positions]
+    position_hash = np.stack([_unit_hash(pos, _SALT_ACTION), _unit_hash(pos, _SALT_RANDOM)])[
+        :, positions
+    ]
     action = _finalise(draw_seed ^ position_hash[0], _FMIX32)  # uniform on [0, 2**32)
     n_special = len(special_ids)
     rand = _finalise(draw_seed ^ position_hash[1], _FMIX32) % _U32(vocab_size - n_special)
     labels = ids[b_idx, positions]
-    inputs = np.where(action < _P80, mask_id, np.where(action < _P90, rand.astype(np.int64) + n_special, labels))
+    inputs = np.where(
+        action < _P80, mask_id, np.where(action < _P90, rand.astype(np.int64) + n_special, labels)
+    )
     offsets = np.concatenate([[0], np.cumsum(per_copy)]).astype(np.int64)
     return MaskedBatch(offsets, positions, labels, inputs.astype(np.int64))
 
@@ -188,7 +208,14 @@ def mask_row(
     """One masking of one row: (positions, labels, inputs) int64 arrays, as `mask_batch` masks it in any batch."""
     ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
     out = mask_batch(
-        ids, np.array([ids.shape[1]]), np.asarray(word_start, dtype=bool).reshape(1, -1),
-        np.array([[rng_seed]], dtype=_U64), vocab_size, rate, whole_word, special_ids, mask_id,
+        ids,
+        np.array([ids.shape[1]]),
+        np.asarray(word_start, dtype=bool).reshape(1, -1),
+        np.array([[rng_seed]], dtype=_U64),
+        vocab_size,
+        rate,
+        whole_word,
+        special_ids,
+        mask_id,
     )
     return out.positions, out.labels, out.inputs

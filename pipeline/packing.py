@@ -9,6 +9,7 @@ on a row boundary doubles as that row's closing [SEP].
 Rows come out padded, as one int32 [n, seq_len] array and their lengths: the row starts are found
 by a short loop over rows (each start fixes the next), and each row is one window of the stream.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,8 +17,13 @@ import numpy as np
 from pipeline.masking import CLS_ID, PAD_ID, SEP_ID
 
 
-def pack_stream_padded(stream: np.ndarray, seq_len: int, cls_id: int = CLS_ID, sep_id: int = SEP_ID,
-                       pad_id: int = PAD_ID) -> tuple[np.ndarray, np.ndarray]:
+def pack_stream_padded(
+    stream: np.ndarray,
+    seq_len: int,
+    cls_id: int = CLS_ID,
+    sep_id: int = SEP_ID,
+    pad_id: int = PAD_ID,
+) -> tuple[np.ndarray, np.ndarray]:
     """Cut `stream` (documents each followed by [SEP]) into `[CLS] ... [SEP]` rows of <= seq_len
     ids: (ids int32 [n, seq_len] padded with `pad_id`, lengths int32 [n])."""
     if seq_len < 3:
@@ -36,8 +42,9 @@ def pack_stream_padded(stream: np.ndarray, seq_len: int, cls_id: int = CLS_ID, s
     own_sep = taken == room - 1
     own_sep[-1:] &= starts[-1:] + taken[-1:] < n  # the tail ends in the stream's own [SEP]
     # each row is a window of the stream (past its end: padding), copied whole
-    windows = np.lib.stride_tricks.sliding_window_view(np.concatenate([stream, np.full(room, pad_id, stream.dtype)]),
-                                                       room)
+    windows = np.lib.stride_tricks.sliding_window_view(
+        np.concatenate([stream, np.full(room, pad_id, stream.dtype)]), room
+    )
     ids = np.empty((len(starts), seq_len), dtype=np.int32)
     ids[:, 0] = cls_id
     ids[:, 1:] = windows[starts]
@@ -45,25 +52,39 @@ def pack_stream_padded(stream: np.ndarray, seq_len: int, cls_id: int = CLS_ID, s
     return ids, (taken + 1 + own_sep).astype(np.int32)
 
 
-def pack_documents_padded(docs: list[np.ndarray], seq_len: int, cross_document: bool = True, cls_id: int = CLS_ID,
-                          sep_id: int = SEP_ID) -> tuple[np.ndarray, np.ndarray]:
+def pack_documents_padded(
+    docs: list[np.ndarray],
+    seq_len: int,
+    cross_document: bool = True,
+    cls_id: int = CLS_ID,
+    sep_id: int = SEP_ID,
+) -> tuple[np.ndarray, np.ndarray]:
     """Pack tokenised documents (empty ones ignored) into padded rows; per document if not cross_document."""
     docs = [np.asarray(d) for d in docs if len(d)]
     if not docs:
         return np.zeros((0, seq_len), dtype=np.int32), np.zeros(0, dtype=np.int32)
     sep = np.array([sep_id], dtype=np.result_type(*docs))
     if not cross_document:
-        parts = [pack_stream_padded(np.concatenate([d, sep]), seq_len, cls_id, sep_id) for d in docs]
+        parts = [
+            pack_stream_padded(np.concatenate([d, sep]), seq_len, cls_id, sep_id) for d in docs
+        ]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-    return pack_stream_padded(np.concatenate([part for d in docs for part in (d, sep)]), seq_len, cls_id, sep_id)
+    return pack_stream_padded(
+        np.concatenate([part for d in docs for part in (d, sep)]), seq_len, cls_id, sep_id
+    )
 
 
 def unpad(ids: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
     return [row[:length] for row, length in zip(ids, lengths)]
 
 
-def pack_documents(docs: list[np.ndarray], seq_len: int, cross_document: bool = True, cls_id: int = CLS_ID,
-                   sep_id: int = SEP_ID) -> list[np.ndarray]:
+def pack_documents(
+    docs: list[np.ndarray],
+    seq_len: int,
+    cross_document: bool = True,
+    cls_id: int = CLS_ID,
+    sep_id: int = SEP_ID,
+) -> list[np.ndarray]:
     """`pack_documents_padded` as a list of unpadded rows."""
     return unpad(*pack_documents_padded(docs, seq_len, cross_document, cls_id, sep_id))
 
@@ -74,7 +95,9 @@ def content_tokens(ids: np.ndarray, lengths: np.ndarray, special_ids=(CLS_ID, SE
     return int((in_row & ~np.isin(ids, special_ids)).sum())
 
 
-def padded(rows: list[np.ndarray], width: int, pad_id: int = PAD_ID) -> tuple[np.ndarray, np.ndarray]:
+def padded(
+    rows: list[np.ndarray], width: int, pad_id: int = PAD_ID
+) -> tuple[np.ndarray, np.ndarray]:
     """Rows as one int32 [n, width] array, padded with `pad_id`, and their int32 lengths."""
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
     ids = np.full((len(rows), width), pad_id, dtype=np.int32)

@@ -20,6 +20,7 @@ The final counts (index.json) still come from Beam's committed metrics, never fr
 Reference: Beam's FnApiRunner has a `progress_request_frequency`, but it exposes no callback, so
 it cannot feed a display without patching Beam internals.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -45,14 +46,20 @@ class ProgressOptions(PipelineOptions):
 
     @classmethod
     def _add_argparse_args(cls, parser):
-        parser.add_argument("--progress_seconds", type=float, default=DEFAULT_SECONDS,
-                            help="seconds between progress lines while a pipeline runs (0: none)")
+        parser.add_argument(
+            "--progress_seconds",
+            type=float,
+            default=DEFAULT_SECONDS,
+            help="seconds between progress lines while a pipeline runs (0: none)",
+        )
 
 
 # --- the tally of this process -------------------------------------------------------------------
 
 _local = threading.local()
-_tallies: list[dict] = []  # one dict per thread that ever counted (so no count is lost with a thread)
+_tallies: list[
+    dict
+] = []  # one dict per thread that ever counted (so no count is lost with a thread)
 _register = threading.Lock()  # taken once per thread, never per increment
 _writer: threading.Thread | None = None
 
@@ -93,6 +100,7 @@ os.register_at_fork(after_in_child=_after_fork)
 
 # --- worker subprocesses: write the tally where the driver reads it ------------------------------
 
+
 def _maybe_start_writer() -> None:
     """In a worker process of a driver that is showing progress, start the tally writer (once)."""
     global _writer
@@ -102,8 +110,12 @@ def _maybe_start_writer() -> None:
         spec = json.loads(os.environ[ENV])
         if spec["driver"] == os.getpid():
             return
-        _writer = threading.Thread(target=_write_loop, args=(spec["dir"], float(spec["every"])),
-                                   name="shatter-progress-writer", daemon=True)
+        _writer = threading.Thread(
+            target=_write_loop,
+            args=(spec["dir"], float(spec["every"])),
+            name="shatter-progress-writer",
+            daemon=True,
+        )
     except (ValueError, KeyError, TypeError):
         log.debug("ignoring a malformed %s", ENV)
         return
@@ -143,6 +155,7 @@ def read_worker_tallies(directory: str) -> dict[str, int]:
 
 
 # --- pure formatting -----------------------------------------------------------------------------
+
 
 def merge(*parts: dict, minus: dict | None = None) -> dict[str, int]:
     """Sum counter dicts, less a baseline, dropping zero entries; sorted by name."""
@@ -185,12 +198,18 @@ def format_line(stage: str, elapsed: float, values: dict, per_second: dict) -> s
 
 # --- the driver's reporter -----------------------------------------------------------------------
 
+
 class LiveReport:
     """Context manager around one pipeline run: a daemon thread reports the counters every
     `seconds` (0: never) until the block ends. No line is reported once `__exit__` has begun."""
 
-    def __init__(self, stage: str, report: Callable[[str], None], seconds: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        stage: str,
+        report: Callable[[str], None],
+        seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.stage, self.report, self.seconds, self.clock = stage, report, seconds, clock
         self._stop = threading.Event()
         self._print = threading.Lock()
@@ -200,7 +219,7 @@ class LiveReport:
         self._baseline: dict = {}
         self._source: Callable[[], dict] = self._local_counts
 
-    def __enter__(self) -> "LiveReport":
+    def __enter__(self) -> LiveReport:
         self.start = self.clock()
         if self.seconds <= 0:
             return self
@@ -232,7 +251,9 @@ class LiveReport:
                 log.debug("progress: %s", e)
                 continue
             now = self.clock()
-            line = format_line(self.stage, now - self.start, values, rates(before, values, now - then))
+            line = format_line(
+                self.stage, now - self.start, values, rates(before, values, now - then)
+            )
             with self._print:
                 if self._stop.is_set():
                     return

@@ -7,6 +7,7 @@ records that *start* in it, as Beam's TextIO does. Each reader yields raw docume
 book text, plain text); cleaning is the next transform. Every skip is reported to a `count`
 callback by reason, and unreadable input raises `InputError` naming the file.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -15,8 +16,8 @@ import json
 import logging
 import os
 import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import pyarrow.parquet as pq
 import zstandard
@@ -30,8 +31,12 @@ from pipeline.wiki import InputError
 log = logging.getLogger(__name__)
 Count = Callable[[str, int], None]
 SPLITTABLE_TEXT = (".txt", ".jsonl", ".text")
-ONE_WORKER_WARNING_BYTES = 256 << 20  # a wiki file this large, read whole by one worker, is worth a warning
-WIKI_SCAN_BYTES = 32 << 20  # without an index, a multistream dump is split into ranges of at least this
+ONE_WORKER_WARNING_BYTES = (
+    256 << 20
+)  # a wiki file this large, read whole by one worker, is worth a warning
+WIKI_SCAN_BYTES = (
+    32 << 20
+)  # without an index, a multistream dump is split into ranges of at least this
 
 
 @dataclass(frozen=True)
@@ -66,18 +71,39 @@ def expand_inputs(specs: tuple[InputSpec, ...], split_bytes: int, text_mode: str
         for path, size in files:
             if spec.corpus == "wiki" and spec.index:
                 offsets = wiki.read_multistream_index(spec.index)
-                out += [ReadSpec("wiki", path, s, e) for s, e in wiki.stream_ranges(offsets, size, split_bytes)]
-            elif spec.corpus == "wiki" and path.endswith(".bz2") and size > max(split_bytes, WIKI_SCAN_BYTES) and (
-                    offsets := wiki.scan_stream_offsets(path, size, max(split_bytes, WIKI_SCAN_BYTES))):
+                out += [
+                    ReadSpec("wiki", path, s, e)
+                    for s, e in wiki.stream_ranges(offsets, size, split_bytes)
+                ]
+            elif (
+                spec.corpus == "wiki"
+                and path.endswith(".bz2")
+                and size > max(split_bytes, WIKI_SCAN_BYTES)
+                and (
+                    offsets := wiki.scan_stream_offsets(
+                        path, size, max(split_bytes, WIKI_SCAN_BYTES)
+                    )
+                )
+            ):
                 # a multistream dump given without its index: ranges start at scanned stream headers
-                out += [ReadSpec("wiki", path, s, e) for s, e in wiki.stream_ranges(offsets, size, split_bytes)]
+                out += [
+                    ReadSpec("wiki", path, s, e)
+                    for s, e in wiki.stream_ranges(offsets, size, split_bytes)
+                ]
             elif spec.corpus == "text" and path.endswith(SPLITTABLE_TEXT) and size > split_bytes:
-                out += [ReadSpec("text", path, s, min(s + split_bytes, size)) for s in range(0, size, split_bytes)]
+                out += [
+                    ReadSpec("text", path, s, min(s + split_bytes, size))
+                    for s in range(0, size, split_bytes)
+                ]
             else:
                 if spec.corpus == "wiki" and size > ONE_WORKER_WARNING_BYTES:
-                    log.warning("%s (%.1f GB) is one bz2 stream, read whole by one worker: for parallel reads "
-                                "use the multistream dump (its index, --wiki-index, is optional) or the dump's "
-                                "part files", path, size / 1e9)
+                    log.warning(
+                        "%s (%.1f GB) is one bz2 stream, read whole by one worker: for parallel reads "
+                        "use the multistream dump (its index, --wiki-index, is optional) or the dump's "
+                        "part files",
+                        path,
+                        size / 1e9,
+                    )
                 out.append(ReadSpec(spec.corpus, path))
     return out
 
@@ -194,20 +220,28 @@ def _json_text(line: str, field: str, path: str, count: Count, on_error: str) ->
     return value if isinstance(value, str) else None
 
 
-def read_text(spec: ReadSpec, count: Count, on_error: str, text_field: str, text_mode: str) -> Iterator[str]:
+def read_text(
+    spec: ReadSpec, count: Count, on_error: str, text_field: str, text_mode: str
+) -> Iterator[str]:
     """Documents of a .txt / .jsonl / .jsonl.zst / .json.gz / .parquet file (or a range of one)."""
     path = spec.path
     if path.endswith(".parquet"):
         with FileSystems.open(path, compression_type="uncompressed") as f:
             table_file = pq.ParquetFile(f)
             if text_field not in table_file.schema_arrow.names:
-                raise InputError(f"{path}: no column {text_field!r} (columns: {table_file.schema_arrow.names})")
+                raise InputError(
+                    f"{path}: no column {text_field!r} (columns: {table_file.schema_arrow.names})"
+                )
             for batch in table_file.iter_batches(columns=[text_field]):
                 yield from (t for t in batch.column(0).to_pylist() if t)
         return
     if path.endswith((".zst", ".gz")):
         with FileSystems.open(path, compression_type="uncompressed") as raw:
-            stream = zstandard.ZstdDecompressor().stream_reader(raw) if path.endswith(".zst") else gzip.GzipFile(fileobj=raw)
+            stream = (
+                zstandard.ZstdDecompressor().stream_reader(raw)
+                if path.endswith(".zst")
+                else gzip.GzipFile(fileobj=raw)
+            )
             for line in io.BufferedReader(stream):
                 if line.strip():
                     text = _json_text(_decode(line, count), text_field, path, count, on_error)
@@ -239,7 +273,9 @@ def _whole_head(f) -> bytes:
     return f.read(8192)
 
 
-def read_documents(spec: ReadSpec, count: Count, on_error: str, text_field: str, text_mode: str) -> Iterator[str]:
+def read_documents(
+    spec: ReadSpec, count: Count, on_error: str, text_field: str, text_mode: str
+) -> Iterator[str]:
     """Raw documents of one read spec, by corpus."""
     if spec.corpus == "wiki":
         return read_wiki(spec, count, on_error)

@@ -8,6 +8,7 @@ every spill file. Shards are therefore key ranges of a hash: any row's shard dep
 keys only, never on workers or bundles, and no stage holds more than one shard in memory (Beam's
 local runners keep a GroupByKey's whole input in memory, so rows themselves never go through one).
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -5,6 +5,7 @@ writes to a temporary name and renames on success, recording bytes, rows and sha
 is written last and atomically, and the reader checks its format and version. All I/O goes through
 Beam's `FileSystems`, so `gs://` and other remote outputs work as local ones do.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +18,14 @@ import pyarrow as pa
 from apache_beam.io.filesystems import FileSystems
 
 from pipeline.index_format import (  # noqa: F401  (FORMAT, VERSION, DatasetError: re-exported)
-    FORMAT, INDEX_FILE, TOKENIZER_FILE, VERSION, DatasetError, missing_index, parse_index)
+    FORMAT,
+    INDEX_FILE,
+    TOKENIZER_FILE,
+    VERSION,
+    DatasetError,
+    missing_index,
+    parse_index,
+)
 from pipeline.masking import MaskedBatch
 
 ROWS_PER_RECORD_BATCH = 1024  # fixed, so bytes never depend on how rows arrived
@@ -51,12 +59,21 @@ def join(out: str, name: str) -> str:
     return FileSystems.join(out, name)
 
 
-def rows_table(keys: np.ndarray, lengths: np.ndarray, flat_ids: np.ndarray, flat_word_start: np.ndarray,
-               masks: MaskedBatch, dupe_factor: int, vocab_size: int) -> pa.Table:
+def rows_table(
+    keys: np.ndarray,
+    lengths: np.ndarray,
+    flat_ids: np.ndarray,
+    flat_word_start: np.ndarray,
+    masks: MaskedBatch,
+    dupe_factor: int,
+    vocab_size: int,
+) -> pa.Table:
     """One Arrow table from packed rows (flat ids and word starts, row lengths) and their
     `dupe_factor` maskings (vectorised, no per-row Python)."""
     ids_t = id_type(vocab_size)
-    ids_np = np.uint16 if ids_t == pa.uint16() else np.int32  # numpy casts first: pa.array is then zero-copy
+    ids_np = (
+        np.uint16 if ids_t == pa.uint16() else np.int32
+    )  # numpy casts first: pa.array is then zero-copy
     # every pa.array gets its type: untyped, pyarrow 25 infers it element by element (slow)
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), type=pa.int32())
     outer = pa.array(np.arange(len(lengths) + 1, dtype=np.int32) * dupe_factor, type=pa.int32())
@@ -69,8 +86,12 @@ def rows_table(keys: np.ndarray, lengths: np.ndarray, flat_ids: np.ndarray, flat
     return pa.Table.from_arrays(
         [
             pa.array(np.asarray(keys, dtype=np.uint64), type=pa.uint64()),
-            pa.ListArray.from_arrays(offsets, pa.array(np.asarray(flat_ids).astype(ids_np), type=ids_t)),
-            pa.ListArray.from_arrays(offsets, pa.array(np.asarray(flat_word_start, bool), type=pa.bool_())),
+            pa.ListArray.from_arrays(
+                offsets, pa.array(np.asarray(flat_ids).astype(ids_np), type=ids_t)
+            ),
+            pa.ListArray.from_arrays(
+                offsets, pa.array(np.asarray(flat_word_start, bool), type=pa.bool_())
+            ),
             nested(masks.positions, pa.uint16()),
             nested(masks.labels, ids_t),
             nested(masks.inputs, ids_t),
@@ -126,7 +147,7 @@ class ShardWriter:
         self.rows = self.tokens = 0
         self.info: ShardInfo | None = None
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         self._file = _HashingFile(FileSystems.create(self.temp))
         self._writer = pa.ipc.new_stream(self._file, self.schema, options=IPC_OPTIONS)
         return self
@@ -136,7 +157,9 @@ class ShardWriter:
         for batch in table.to_batches(max_chunksize=ROWS_PER_RECORD_BATCH):
             self._writer.write_batch(batch)
         self.rows += table.num_rows
-        self.tokens += int(pa.compute.sum(pa.compute.list_value_length(table["input_ids"])).as_py() or 0)
+        self.tokens += int(
+            pa.compute.sum(pa.compute.list_value_length(table["input_ids"])).as_py() or 0
+        )
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
@@ -146,7 +169,9 @@ class ShardWriter:
         self._writer.close()
         self._file.close()
         FileSystems.rename([self.temp], [self.final])
-        self.info = ShardInfo(self.name, self.rows, self.tokens, self._file.size, self._file.sha.hexdigest())
+        self.info = ShardInfo(
+            self.name, self.rows, self.tokens, self._file.size, self._file.sha.hexdigest()
+        )
 
 
 def write_shard(out: str, name: str, table: pa.Table, vocab_size: int) -> ShardInfo:

@@ -11,6 +11,7 @@ Only file names and histograms go through a GroupByKey, never rows: Beam's local
 GroupByKey's whole input in memory. Pattern: Beam's `fileio.WriteToFiles` (temp files, then
 finalise), with MosaicML streaming's shard writer.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,31 +39,43 @@ class Spill:
 
 
 SPILL_BATCH_ROWS = 4096  # record batch size of spill files, so a key range is read batch by batch
-MAX_SHARD_IDS = 2**31 - 1  # Arrow list offsets are int32: a reader combining a shard's batches overflows past this
+MAX_SHARD_IDS = (
+    2**31 - 1
+)  # Arrow list offsets are int32: a reader combining a shard's batches overflows past this
 
 
 def spill_table(keys: np.ndarray, ids: np.ndarray, lengths: np.ndarray) -> pa.Table:
     """Padded rows as an Arrow table (key, length, fixed-size ids), zero-copy from the arrays."""
     return pa.Table.from_arrays(
-        [pa.array(keys, type=pa.uint64()), pa.array(lengths, type=pa.int32()),
-         pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1), type=pa.int32()), ids.shape[1])],
-        names=["key", "length", "ids"])
+        [
+            pa.array(keys, type=pa.uint64()),
+            pa.array(lengths, type=pa.int32()),
+            pa.FixedSizeListArray.from_arrays(
+                pa.array(ids.reshape(-1), type=pa.int32()), ids.shape[1]
+            ),
+        ],
+        names=["key", "length", "ids"],
+    )
 
 
 def spill_arrays(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The inverse of spill_table: (keys, ids [n, width], lengths)."""
     ids = table["ids"].combine_chunks()
     flat = ids.flatten().to_numpy(zero_copy_only=False)
-    return (table["key"].to_numpy(), flat.reshape(len(table), ids.type.list_size),
-            table["length"].to_numpy())
+    return (
+        table["key"].to_numpy(),
+        flat.reshape(len(table), ids.type.list_size),
+        table["length"].to_numpy(),
+    )
 
 
 def stack_padded(arrays: list[np.ndarray]) -> np.ndarray:
     """Padded id arrays of possibly different widths, stacked at the widest (padding is 0, [PAD]).
     Masks and keys do not depend on the width (`masking.mask_batch`, `transforms.row_keys`)."""
     width = max(a.shape[1] for a in arrays)
-    return np.concatenate([a if a.shape[1] == width else np.pad(a, ((0, 0), (0, width - a.shape[1])))
-                           for a in arrays])
+    return np.concatenate(
+        [a if a.shape[1] == width else np.pad(a, ((0, 0), (0, width - a.shape[1]))) for a in arrays]
+    )
 
 
 class SpillFn(beam.DoFn):
@@ -97,8 +110,11 @@ class SpillFn(beam.DoFn):
         self.buffered.pop(split)
         keys = np.concatenate([p.keys for p in packed])
         order = sharding.sort_order(keys)
-        table = spill_table(keys[order], stack_padded([p.ids for p in packed])[order],
-                            np.concatenate([p.lengths for p in packed])[order])
+        table = spill_table(
+            keys[order],
+            stack_padded([p.ids for p in packed])[order],
+            np.concatenate([p.lengths for p in packed])[order],
+        )
         uniq, counts = np.unique(sharding.buckets(keys[order]), return_counts=True)
         path = FileSystems.join(self.work_dir, f"spill-{uuid.uuid4().hex}.arrow")
         with FileSystems.create(path) as f, pa.ipc.new_file(f, table.schema) as writer:
@@ -135,7 +151,9 @@ def read_piece(path: str, start: int, stop: int) -> pa.Table:
 class WriteShardFn(beam.DoFn):
     """The pieces of one shard → merged in key order → masked → one Arrow IPC stream file (temp + rename)."""
 
-    CHUNK = shards.ROWS_PER_RECORD_BATCH  # rows masked at a time: one record batch, so bytes never depend on it
+    CHUNK = (
+        shards.ROWS_PER_RECORD_BATCH
+    )  # rows masked at a time: one record batch, so bytes never depend on it
 
     def __init__(self, out: str, counts: dict, mask: MaskSpec):
         self.out, self.counts, self.mask = out, counts, mask
@@ -160,19 +178,33 @@ class WriteShardFn(beam.DoFn):
                 del arrays
                 if int(lengths.sum()) > MAX_SHARD_IDS:
                     more = self.counts[split] * -(-int(lengths.sum()) // MAX_SHARD_IDS) * 2
-                    raise ValueError(f"shatter-data input error: {name} would hold {int(lengths.sum())} ids, more "
-                                     f"than an Arrow list column can index ({MAX_SHARD_IDS}); rebuild with more "
-                                     f"shards (e.g. {'--num-shards' if split == 'train' else '--num-validation-shards'}"
-                                     f" {more})")
+                    raise ValueError(
+                        f"shatter-data input error: {name} would hold {int(lengths.sum())} ids, more "
+                        f"than an Arrow list column can index ({MAX_SHARD_IDS}); rebuild with more "
+                        f"shards (e.g. {'--num-shards' if split == 'train' else '--num-validation-shards'}"
+                        f" {more})"
+                    )
                 order = sharding.sort_order(keys)
                 keys, ids, lengths = keys[order], ids[order], lengths[order]
                 pa.default_memory_pool().release_unused()  # the merged copy, freed above: back to the OS
                 for lo in range(0, len(keys), self.CHUNK):
                     part = slice(lo, lo + self.CHUNK)
-                    chunk = mask_table(keys[part], ids[part], lengths[part], self.word_start, self.vocab_size,
-                                       self.mask)
+                    chunk = mask_table(
+                        keys[part],
+                        ids[part],
+                        lengths[part],
+                        self.word_start,
+                        self.vocab_size,
+                        self.mask,
+                    )
                     writer.write(chunk)
-                    self.masked.inc(len(pa.compute.list_flatten(pa.compute.list_flatten(chunk["mask_positions"]))))
+                    self.masked.inc(
+                        len(
+                            pa.compute.list_flatten(
+                                pa.compute.list_flatten(chunk["mask_positions"])
+                            )
+                        )
+                    )
         self.written.inc()
         yield {"split": split, "shard": shard, **dataclasses.asdict(writer.info)}
 
@@ -191,12 +223,17 @@ class ShardAndWrite(beam.PTransform):
         edges = (
             spills
             | "histogram" >> beam.Map(spill_histogram)
-            | "sum histograms" >> beam.CombinePerKey(lambda hists: sum(hists, np.zeros(sharding.N_BUCKETS, np.int64)))
-            | "boundaries" >> beam.MapTuple(lambda split, hist: (split, sharding.balanced_boundaries(hist, counts[split])))
+            | "sum histograms"
+            >> beam.CombinePerKey(lambda hists: sum(hists, np.zeros(sharding.N_BUCKETS, np.int64)))
+            | "boundaries"
+            >> beam.MapTuple(
+                lambda split, hist: (split, sharding.balanced_boundaries(hist, counts[split]))
+            )
         )
         pieces = spills | "pieces" >> beam.FlatMap(spill_pieces, edges=beam.pvalue.AsDict(edges))
         every_shard = tables.pipeline | "every shard" >> beam.Create(
-            [((split, i), None) for split, n in counts.items() for i in range(n)])
+            [((split, i), None) for split, n in counts.items() for i in range(n)]
+        )
         return (
             (pieces, every_shard)
             | "with empty shards" >> beam.Flatten()

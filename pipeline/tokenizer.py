@@ -5,6 +5,7 @@ does not depend on reading order or worker count), fed in hash order, with a fix
 no input shuffling and one thread. Text is lower-cased: NFKC + case folding (`nmt_nfkc_cf`).
 Special ids follow DESIGN.md: [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +17,13 @@ import sentencepiece as spm
 
 from pipeline.masking import CLS_ID, MASK_ID, PAD_ID, SEP_ID, SPECIAL_IDS, UNK_ID
 
-SPECIAL_PIECES = {"[PAD]": PAD_ID, "[UNK]": UNK_ID, "[CLS]": CLS_ID, "[SEP]": SEP_ID, "[MASK]": MASK_ID}
+SPECIAL_PIECES = {
+    "[PAD]": PAD_ID,
+    "[UNK]": UNK_ID,
+    "[CLS]": CLS_ID,
+    "[SEP]": SEP_ID,
+    "[MASK]": MASK_ID,
+}
 NORMALIZATION = "nmt_nfkc_cf"
 TRAINING_SEED = 1234
 
@@ -42,8 +49,12 @@ def train(lines: list[str], vocab_size: int, model_type: str = "unigram") -> byt
         vocab_size=vocab_size,
         model_type=model_type,
         normalization_rule_name=NORMALIZATION,
-        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=-1, eos_id=-1,
-        pad_piece="[PAD]", unk_piece="[UNK]",
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=-1,
+        eos_id=-1,
+        pad_piece="[PAD]",
+        unk_piece="[UNK]",
         control_symbols=["[CLS]", "[SEP]", "[MASK]"],
         shuffle_input_sentence=False,
         input_sentence_size=0,
@@ -60,12 +71,16 @@ def load(model: bytes) -> spm.SentencePieceProcessor:
     for piece, want in SPECIAL_PIECES.items():
         got = sp.piece_to_id(piece)
         if got != want or sp.id_to_piece(want) != piece:
-            raise ValueError(f"tokenizer has {piece} at id {got}, expected {want} (DESIGN.md special ids)")
+            raise ValueError(
+                f"tokenizer has {piece} at id {got}, expected {want} (DESIGN.md special ids)"
+            )
     return sp
 
 
 def word_start_table(sp: spm.SentencePieceProcessor) -> np.ndarray:
     """bool[vocab]: True for pieces that begin a word ('▁' prefix) and for special ids."""
-    table = np.array([sp.id_to_piece(i).startswith("\u2581") for i in range(sp.get_piece_size())], dtype=bool)
+    table = np.array(
+        [sp.id_to_piece(i).startswith("\u2581") for i in range(sp.get_piece_size())], dtype=bool
+    )
     table[list(SPECIAL_IDS)] = True
     return table

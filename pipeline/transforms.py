@@ -6,6 +6,7 @@ batches (about `batch_chars` of text, or all rows of such a batch), because Beam
 element. Expensive state (the sentencepiece processor) is loaded in `DoFn.setup()`. Every skip or
 drop increments a Metrics counter in the "shatter" namespace; nothing is swallowed silently.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -108,7 +109,9 @@ def content_key(data: bytes) -> int:
 
 
 class ReadFn(beam.DoFn):
-    def __init__(self, split: str, on_error: str, text_field: str, text_mode: str, batch_chars: int):
+    def __init__(
+        self, split: str, on_error: str, text_field: str, text_mode: str, batch_chars: int
+    ):
         self.split, self.on_error, self.text_field = split, on_error, text_field
         self.text_mode, self.batch_chars = text_mode, batch_chars
 
@@ -118,7 +121,9 @@ class ReadFn(beam.DoFn):
     def process(self, spec: readers.ReadSpec):
         docs, chars = [], 0
         try:
-            for doc in readers.read_documents(spec, self.count, self.on_error, self.text_field, self.text_mode):
+            for doc in readers.read_documents(
+                spec, self.count, self.on_error, self.text_field, self.text_mode
+            ):
                 self.count("documents_read", 1)
                 docs.append(doc)
                 chars += len(doc)
@@ -147,7 +152,8 @@ class ReadDocuments(beam.PTransform):
             pbegin
             | "specs" >> beam.Create(self.specs)
             | "spread" >> beam.Reshuffle()
-            | "read" >> beam.ParDo(ReadFn(self.split, c.on_error, c.text_field, c.text_mode, c.batch_chars))
+            | "read"
+            >> beam.ParDo(ReadFn(self.split, c.on_error, c.text_field, c.text_mode, c.batch_chars))
         )
 
 
@@ -159,7 +165,9 @@ class CacheFn(beam.DoFn):
     bytes as when cleaning runs in the build pipeline itself (a given --tokenizer).
     """
 
-    SCHEMA = pa.schema([("corpus", pa.string()), ("split", pa.string()), ("text", pa.large_string())])
+    SCHEMA = pa.schema(
+        [("corpus", pa.string()), ("split", pa.string()), ("text", pa.large_string())]
+    )
 
     def __init__(self, work_dir: str, batches_per_file: int = 16):
         self.work_dir, self.batches_per_file = work_dir, batches_per_file
@@ -184,8 +192,16 @@ class CacheFn(beam.DoFn):
         with FileSystems.create(path) as f, pa.ipc.new_file(f, self.SCHEMA) as writer:
             for b in self.pending:
                 n = len(b.docs)
-                writer.write_batch(pa.record_batch([pa.array([b.corpus] * n), pa.array([b.split] * n),
-                                                    pa.array(list(b.docs), pa.large_string())], schema=self.SCHEMA))
+                writer.write_batch(
+                    pa.record_batch(
+                        [
+                            pa.array([b.corpus] * n),
+                            pa.array([b.split] * n),
+                            pa.array(list(b.docs), pa.large_string()),
+                        ],
+                        schema=self.SCHEMA,
+                    )
+                )
         self.pending = []
         return path
 
@@ -196,8 +212,11 @@ class ReadCacheFn(beam.DoFn):
             reader = pa.ipc.open_file(f)
             for i in range(reader.num_record_batches):
                 batch = reader.get_batch(i)
-                yield DocBatch(batch.column(0)[0].as_py(), batch.column(1)[0].as_py(),
-                               tuple(batch.column(2).to_pylist()))
+                yield DocBatch(
+                    batch.column(0)[0].as_py(),
+                    batch.column(1)[0].as_py(),
+                    tuple(batch.column(2).to_pylist()),
+                )
 
 
 class ReadCache(beam.PTransform):
@@ -208,8 +227,12 @@ class ReadCache(beam.PTransform):
         self.paths = sorted(paths)
 
     def expand(self, pbegin):
-        return (pbegin | "cache files" >> beam.Create(self.paths) | "spread" >> beam.Reshuffle()
-                | "read cache" >> beam.ParDo(ReadCacheFn()))
+        return (
+            pbegin
+            | "cache files" >> beam.Create(self.paths)
+            | "spread" >> beam.Reshuffle()
+            | "read cache" >> beam.ParDo(ReadCacheFn())
+        )
 
 
 CLEANERS = {"wiki": clean_wikitext, "books": cleaning.clean_book, "text": cleaning.clean_plain}
@@ -247,7 +270,9 @@ class _SmallestLines(beam.CombineFn):
 
     def add_input(self, acc, batch: DocBatch):
         lines = (line for doc in batch.docs for line in cleaning.sample_lines(doc))
-        return heapq.nsmallest(self.n, itertools.chain(acc, ((tokenizer.line_hash(x), x) for x in lines)))
+        return heapq.nsmallest(
+            self.n, itertools.chain(acc, ((tokenizer.line_hash(x), x) for x in lines))
+        )
 
     def merge_accumulators(self, accs):
         return heapq.nsmallest(self.n, itertools.chain.from_iterable(accs))
@@ -302,7 +327,9 @@ def row_keys(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """uint64 content key per padded row: a multilinear hash of its ids (sum of id x odd 64-bit
     constant per column, mod 2**64) and its length, through splitmix64's finaliser. Padding adds
     nothing, so a key depends on the row alone, not on the padded width."""
-    multipliers = masking.mix64(np.arange(ids.shape[1], dtype=np.uint64) + _ROW_KEY_SALT) | np.uint64(1)
+    multipliers = masking.mix64(
+        np.arange(ids.shape[1], dtype=np.uint64) + _ROW_KEY_SALT
+    ) | np.uint64(1)
     h = np.asarray(ids).astype(np.uint64) @ multipliers
     return masking.mix64(h ^ masking.mix64(np.asarray(lengths, dtype=np.uint64)))
 
@@ -315,12 +342,16 @@ class PackFn(beam.DoFn):
         self.rows, self.dropped = counter("rows"), counter("tokens_dropped")
 
     def process(self, batch: Tokenized):
-        ids, lengths = packing.pack_documents_padded(list(batch.docs), self.seq_len, self.cross_document)
+        ids, lengths = packing.pack_documents_padded(
+            list(batch.docs), self.seq_len, self.cross_document
+        )
         lost = sum(len(d) for d in batch.docs) - packing.content_tokens(ids, lengths)
         if lost:  # packing never drops; this guards the invariant in production too
             self.dropped.inc(lost)
         self.rows.inc(len(lengths))
-        ids = ids[:, : int(lengths.max(initial=1))]  # short rows only (per-document packing): no wasted padding
+        ids = ids[
+            :, : int(lengths.max(initial=1))
+        ]  # short rows only (per-document packing): no wasted padding
         yield Packed(batch.split, row_keys(ids, lengths), ids, lengths)
 
 
@@ -328,14 +359,29 @@ def Pack(seq_len: int, cross_document: bool):
     return beam.ParDo(PackFn(seq_len, cross_document))
 
 
-def mask_table(keys: np.ndarray, ids: np.ndarray, lengths: np.ndarray, word_start_table: np.ndarray,
-               vocab_size: int, spec: MaskSpec) -> pa.Table:
+def mask_table(
+    keys: np.ndarray,
+    ids: np.ndarray,
+    lengths: np.ndarray,
+    word_start_table: np.ndarray,
+    vocab_size: int,
+    spec: MaskSpec,
+) -> pa.Table:
     """Padded rows → the shard schema's table: ids, word starts and `dupe_factor` maskings (pure).
 
     Vectorised over the rows, no per-row Python; the shard writer masks each chunk it writes.
     """
     word_start = word_start_table[ids]
-    masks = masking.mask_batch(ids, lengths, word_start, masking.row_seeds(spec.seed, keys, spec.dupe_factor),
-                               vocab_size, spec.rate, spec.whole_word)
+    masks = masking.mask_batch(
+        ids,
+        lengths,
+        word_start,
+        masking.row_seeds(spec.seed, keys, spec.dupe_factor),
+        vocab_size,
+        spec.rate,
+        spec.whole_word,
+    )
     in_row = np.arange(ids.shape[1])[None, :] < np.asarray(lengths)[:, None]
-    return shards.rows_table(keys, lengths, ids[in_row], word_start[in_row], masks, spec.dupe_factor, vocab_size)
+    return shards.rows_table(
+        keys, lengths, ids[in_row], word_start[in_row], masks, spec.dupe_factor, vocab_size
+    )

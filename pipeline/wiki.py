@@ -7,14 +7,15 @@ a multistream dump, which has no root element, parses like any other). The multi
 offsets of the independent bz2 streams, which `stream_ranges` groups into ranges for parallel
 reads. Reference: https://meta.wikimedia.org/wiki/Data_dumps/Dump_format
 """
+
 from __future__ import annotations
 
 import bz2
 import io
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from apache_beam.io.filesystems import FileSystems
 
@@ -65,7 +66,9 @@ def parse_page(raw: bytes) -> Page:
             fields[name] = child.text or ""
         elif name == "text":
             fields["text"] = child.text or ""
-    return Page(fields["title"], int(fields["ns"] or 0), int(fields["id"] or 0), redirect, fields["text"])
+    return Page(
+        fields["title"], int(fields["ns"] or 0), int(fields["id"] or 0), redirect, fields["text"]
+    )
 
 
 def scan_pages(chunks: Iterator[bytes]) -> Iterator[bytes]:
@@ -124,7 +127,9 @@ def iter_page_bytes(path: str, start: int | None = None, end: int | None = None)
         raise InputError(f"{where}: compressed data is truncated or corrupt ({e})") from None
 
 
-_STREAM_HEADER = re.compile(rb"BZh[1-9]1AY&SY")  # "BZh" + level + the first block's magic, byte-aligned
+_STREAM_HEADER = re.compile(
+    rb"BZh[1-9]1AY&SY"
+)  # "BZh" + level + the first block's magic, byte-aligned
 SCAN_CHUNK, SCAN_LIMIT = 256 << 10, 16 << 20
 
 
@@ -167,7 +172,9 @@ def read_multistream_index(index_path: str) -> list[int]:
     return sorted(offsets)
 
 
-def stream_ranges(offsets: list[int], file_size: int, target_bytes: int) -> list[tuple[int, int | None]]:
+def stream_ranges(
+    offsets: list[int], file_size: int, target_bytes: int
+) -> list[tuple[int, int | None]]:
     """Group consecutive streams into [start, end) byte ranges of about `target_bytes` each.
 
     The first range starts at 0 (the siteinfo header stream has no pages, so it costs nothing);

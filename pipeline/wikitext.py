@@ -6,28 +6,85 @@ non-prose tags, files/images, categories, interlanguage links, comments, heading
 whole boilerplate sections ("References", "External links", ...), as WikiExtractor (Attardi 2015)
 and the BERT data recipes do. The result is paragraphs joined by "\\n".
 """
+
 from __future__ import annotations
 
 import re
 
 import mwparserfromhell
-from mwparserfromhell.nodes import (Argument, Comment, ExternalLink, Heading, HTMLEntity, Tag, Template,
-                                    Text, Wikilink)
+from mwparserfromhell.nodes import (
+    Argument,
+    Comment,
+    ExternalLink,
+    Heading,
+    HTMLEntity,
+    Tag,
+    Template,
+    Text,
+    Wikilink,
+)
 
-DROP_TAGS = frozenset("table ref references gallery math chem score timeline imagemap syntaxhighlight source "
-                      "pre code templatedata graph mapframe maplink noinclude includeonly onlyinclude hiero "
-                      "inputbox categorytree poem".split())
+DROP_TAGS = frozenset(
+    "table ref references gallery math chem score timeline imagemap syntaxhighlight source "
+    "pre code templatedata graph mapframe maplink noinclude includeonly onlyinclude hiero "
+    "inputbox categorytree poem".split()
+)
 BREAK_TAGS = frozenset("br li dt dd p div blockquote".split())
-DROP_LINK_NAMESPACES = frozenset("file image media category wikipedia wp template help portal user special "
-                                 "draft module talk wikt wiktionary s q n b v voy commons".split())
-BOILERPLATE_SECTIONS = frozenset(["references", "notes", "footnotes", "citations", "sources", "bibliography",
-                                  "external links", "further reading", "see also", "notes and references",
-                                  "references and notes", "works cited", "general references", "gallery"])
-DISAMBIGUATION_TEMPLATES = frozenset(["disambiguation", "disambig", "dab", "disamb", "hndis", "geodis",
-                                      "numberdis", "mathdab", "hospitaldis", "schooldis", "shipindex", "set index",
-                                      "set index article", "ship index", "sia", "surname", "given name"])
-INLINE_TEMPLATES = {"ndash": "–", "snd": " – ", "spaced ndash": " – ", "mdash": "—", "nbsp": " ", "'": "'",
-                    "·": " · ", "dot": " · ", "en dash": "–", "em dash": "—"}
+DROP_LINK_NAMESPACES = frozenset(
+    "file image media category wikipedia wp template help portal user special "
+    "draft module talk wikt wiktionary s q n b v voy commons".split()
+)
+BOILERPLATE_SECTIONS = frozenset(
+    [
+        "references",
+        "notes",
+        "footnotes",
+        "citations",
+        "sources",
+        "bibliography",
+        "external links",
+        "further reading",
+        "see also",
+        "notes and references",
+        "references and notes",
+        "works cited",
+        "general references",
+        "gallery",
+    ]
+)
+DISAMBIGUATION_TEMPLATES = frozenset(
+    [
+        "disambiguation",
+        "disambig",
+        "dab",
+        "disamb",
+        "hndis",
+        "geodis",
+        "numberdis",
+        "mathdab",
+        "hospitaldis",
+        "schooldis",
+        "shipindex",
+        "set index",
+        "set index article",
+        "ship index",
+        "sia",
+        "surname",
+        "given name",
+    ]
+)
+INLINE_TEMPLATES = {
+    "ndash": "–",
+    "snd": " – ",
+    "spaced ndash": " – ",
+    "mdash": "—",
+    "nbsp": " ",
+    "'": "'",
+    "·": " · ",
+    "dot": " · ",
+    "en dash": "–",
+    "em dash": "—",
+}
 _LANG_PREFIX = re.compile(r"^[a-z]{2,3}(-[a-z]+)?$")
 _SPACES = re.compile(r"[ \t\u00a0]+")
 _EMPTY_BRACKETS = re.compile(r"\(\s*[,;:]?\s*\)|\[\s*\]")
@@ -35,7 +92,9 @@ _SPACE_BEFORE_PUNCT = re.compile(r" +([,.;:!?)])")
 _LIST_MARK = re.compile(r"^[*#:;]+\s*")
 # <ref .../> and <ref ...>...</ref> (never across another <ref), and comments: removed before parsing
 _REFS = re.compile(r"<ref\b[^>]*?/>|<ref\b[^>]*(?<!/)>(?:(?!<ref\b).)*?</ref\s*>", re.S | re.I)
-_STRAY_REF_TAGS = re.compile(r"</?ref\b[^>]*>", re.I)  # an unclosed <ref>: its text stays, as MediaWiki shows it
+_STRAY_REF_TAGS = re.compile(
+    r"</?ref\b[^>]*>", re.I
+)  # an unclosed <ref>: its text stays, as MediaWiki shows it
 _COMMENTS = re.compile(r"<!--.*?-->", re.S)
 
 
@@ -151,5 +210,7 @@ def clean_wikitext(wikitext: str) -> str:
     malformed one can make mwparserfromhell give up on the rest of a page, which then leaks
     markup (`<ref>...`, `<blockquote>`), keeps boilerplate sections or loses prose.
     """
-    code = mwparserfromhell.parse(_STRAY_REF_TAGS.sub("", _REFS.sub("", _COMMENTS.sub("", wikitext))))
+    code = mwparserfromhell.parse(
+        _STRAY_REF_TAGS.sub("", _REFS.sub("", _COMMENTS.sub("", wikitext)))
+    )
     return "\n".join(_tidy(_strip(_drop_boilerplate_sections(code.nodes))))

@@ -14,12 +14,13 @@ Files are written to a temporary name and renamed, so a crash never leaves a hal
 under the final name. References: nanoGPT (model args stored beside the weights), HF
 `save_pretrained`.
 """
+
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import safetensors
 import safetensors.torch
@@ -28,7 +29,12 @@ from torch import nn
 from shatter.config import ModelConfig
 from shatter.model import ShatterForMaskedLM
 
-WEIGHTS, CONFIG, HEAD, TOKENIZER = "model.safetensors", "config.json", "head.json", "tokenizer.model"
+WEIGHTS, CONFIG, HEAD, TOKENIZER = (
+    "model.safetensors",
+    "config.json",
+    "head.json",
+    "tokenizer.model",
+)
 
 
 class CheckpointError(ValueError):
@@ -45,7 +51,7 @@ def _write_text(path: Path, text: str) -> None:
     _write_bytes(path, text.encode())
 
 
-def save_pretrained(model: nn.Module, path: Union[str, Path], tokenizer: Any = None) -> Path:
+def save_pretrained(model: nn.Module, path: str | Path, tokenizer: Any = None) -> Path:
     """Write `model` (the MLM model or a head) to directory `path`; return the path.
 
     `tokenizer` may be the path of a sentencepiece `tokenizer.model` (copied) or a loaded
@@ -85,7 +91,7 @@ def _read_json(file: Path) -> dict:
     return data
 
 
-def load_config(path: Union[str, Path]) -> ModelConfig:
+def load_config(path: str | Path) -> ModelConfig:
     file = Path(path) / CONFIG
     try:
         return ModelConfig.from_dict(_read_json(file))
@@ -95,7 +101,7 @@ def load_config(path: Union[str, Path]) -> ModelConfig:
         raise CheckpointError(f"{file}: {e}") from None
 
 
-def from_pretrained(path: Union[str, Path], **overrides: Any) -> nn.Module:
+def from_pretrained(path: str | Path, **overrides: Any) -> nn.Module:
     """Load an export written by `save_pretrained`: the MLM model, or the head if `head.json`
     is present. `overrides` replace config fields that do not change the weights' shapes
     (e.g. `dropout=0.0` or `lean_attention=False`). Returned in eval mode."""
@@ -116,7 +122,9 @@ def from_pretrained(path: Union[str, Path], **overrides: Any) -> nn.Module:
     try:
         missing, unexpected = safetensors.torch.load_model(model, str(weights), strict=False)
     except (safetensors.SafetensorError, OSError, RuntimeError) as e:
-        raise CheckpointError(f"{weights} is corrupt or does not match {path / CONFIG}: {e}") from None
+        raise CheckpointError(
+            f"{weights} is corrupt or does not match {path / CONFIG}: {e}"
+        ) from None
     if missing or unexpected:
         raise CheckpointError(
             f"{weights} does not match {path / CONFIG} ({config.arch}): "

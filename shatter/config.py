@@ -1,19 +1,28 @@
 """The model config: one frozen dataclass, named size presets, and strict (de)serialisation.
 
 `ModelConfig` is what `config.json` in an export holds (DESIGN.md). Presets are `"{arch}-{size}"`;
-base and large follow Table 2 of the paper (/work/shared/paper/shatter.tex): 12 layers, hidden
+base and large follow Table 2 of the paper: 12 layers, hidden
 768, 12 heads or parts; and 24 layers, hidden 1024, 16 heads or parts. See docs/model.md for the
 Table 2 discrepancy (its Large parameter counts match 12 layers, not 24).
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 ARCHS = (
-    "bert", "bert-rpe", "bert-rab", "no-position",
-    "part-mask", "1h-softmax", "1h-sigmoid", "part-bias", "shatter",
+    "bert",
+    "bert-rpe",
+    "bert-rab",
+    "no-position",
+    "part-mask",
+    "1h-softmax",
+    "1h-sigmoid",
+    "part-bias",
+    "shatter",
 )
 
 # Archs whose attention multiplies by the partition mask N (§3.1): heads are the n parts.
@@ -52,8 +61,11 @@ class ModelConfig:
                 f"arch {self.arch!r} needs an even number of parts >= 4 (appendix: D = n/2 - 1 >= 1), "
                 f"got heads={self.heads}"
             )
-        if self.arch == "bert-rab" and (self.rab_buckets < 4 or self.rab_buckets % 4
-                                        or self.rab_max_distance <= self.rab_buckets // 4):
+        if self.arch == "bert-rab" and (
+            self.rab_buckets < 4
+            or self.rab_buckets % 4
+            or self.rab_max_distance <= self.rab_buckets // 4
+        ):
             # T5's bidirectional buckets: half per sign, exact below rab_buckets/4, log-spaced
             # from there to rab_max_distance, so the log range must be non-empty.
             raise ValueError(
@@ -68,7 +80,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
         """Build from a dict (e.g. config.json), rejecting keys this version does not know."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)

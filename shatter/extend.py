@@ -17,11 +17,11 @@ Sequence Length"):
 attends by relative position only and the learnt rows are kept, outputs on inputs of length
 <= L0 are unchanged: `tests/extend/` checks that property for every arch.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -55,14 +55,18 @@ class ExtendReport:
         lines = [f"{self.arch}: max_len {self.old_max_len} -> {self.new_max_len}"]
         if self.added:
             for name, n in self.added.items():
-                lines.append(f"  {name}: +{n:,} parameters ({self.init} init of rows "
-                             f"{self.old_max_len}..{self.new_max_len - 1}; learnt rows unchanged)")
+                lines.append(
+                    f"  {name}: +{n:,} parameters ({self.init} init of rows "
+                    f"{self.old_max_len}..{self.new_max_len - 1}; learnt rows unchanged)"
+                )
         else:
             lines.append("  no parameters added: position is relative (weights copied unchanged)")
         if self.rebuilt_buffers:
             shapes = sorted({tuple(s) for s in self.rebuilt_buffers.values()})
-            lines.append(f"  partition tables N recomputed for the new length in "
-                         f"{len(self.rebuilt_buffers)} layer(s): shape(s) {', '.join(map(str, shapes))}")
+            lines.append(
+                f"  partition tables N recomputed for the new length in "
+                f"{len(self.rebuilt_buffers)} layer(s): shape(s) {', '.join(map(str, shapes))}"
+            )
         lines.append(f"  total parameters added: {self.parameters_added:,}")
         return "\n".join(lines)
 
@@ -79,7 +83,11 @@ def _rebuild(model: nn.Module, config: ModelConfig) -> nn.Module:
 
 
 def new_position_rows(
-    learnt: torch.Tensor, max_len: int, init: str, std: float, generator: Optional[torch.Generator] = None
+    learnt: torch.Tensor,
+    max_len: int,
+    init: str,
+    std: float,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """P extended to `max_len` rows: the learnt rows first, then `init`'s rows."""
     old_len, hidden = learnt.shape
@@ -113,7 +121,9 @@ def extend_model(
     added = {}
     for name, tensor in state.items():
         if name not in target:
-            raise ExtendError(f"parameter {name} has no place in a {config.arch} model of length {max_len}")
+            raise ExtendError(
+                f"parameter {name} has no place in a {config.arch} model of length {max_len}"
+            )
         if target[name].shape == tensor.shape:
             continue
         if not name.endswith("position_embeddings.weight") or tensor.shape[0] != config.max_len:
@@ -130,5 +140,7 @@ def extend_model(
         for name, buf in extended.named_buffers()
         if name.endswith("partition") and buf.dim() == 2
     }
-    report = ExtendReport(config.arch, config.max_len, max_len, init, added, dict(sorted(rebuilt.items())))
+    report = ExtendReport(
+        config.arch, config.max_len, max_len, init, added, dict(sorted(rebuilt.items()))
+    )
     return extended, report

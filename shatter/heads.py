@@ -21,10 +21,12 @@
 `save_pretrained` writes `head.json` (`head_config()`) beside the weights, and
 `from_pretrained` rebuilds the head (shatter/checkpoint.py).
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,9 +62,15 @@ class SequenceClassificationModel(nn.Module):
         self.classifier = _init_linear(nn.Linear(d, num_labels), std)
 
     def head_config(self) -> dict[str, Any]:
-        return {"head": "sequence-classification", "num_labels": self.num_labels, "strategy": self.strategy}
+        return {
+            "head": "sequence-classification",
+            "num_labels": self.num_labels,
+            "strategy": self.strategy,
+        }
 
-    def sequence_vector(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def sequence_vector(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """y^L (modified) or the [CLS] state X^L[:, 0] (cls): [B, d]."""
         if self.strategy == "cls":
             return self.encoder(input_ids, attention_mask)[:, 0]
@@ -77,9 +85,11 @@ class SequenceClassificationModel(nn.Module):
         return y
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-    ) -> dict[str, Optional[torch.Tensor]]:
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor | None]:
         """-> {"loss", "logits" [B, num_labels]}; labels [B] (long, or float for regression)."""
         pooled = torch.tanh(self.pooler(self.sequence_vector(input_ids, attention_mask)))
         logits = self.classifier(self.dropout(pooled))
@@ -105,15 +115,20 @@ class SpanExtractionModel(nn.Module):
         return {"head": "span-extraction"}
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-        start_positions: Optional[torch.Tensor] = None, end_positions: Optional[torch.Tensor] = None,
-    ) -> dict[str, Optional[torch.Tensor]]:
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        start_positions: torch.Tensor | None = None,
+        end_positions: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor | None]:
         """-> {"loss", "start_logits" [B, L], "end_logits" [B, L]}; padded positions get the
         lowest float so that they are never predicted."""
         h = self.encoder(input_ids, attention_mask)
         logits = self.qa_outputs(h)
         if attention_mask is not None:
-            logits = logits.masked_fill(~attention_mask.bool()[..., None], torch.finfo(logits.dtype).min)
+            logits = logits.masked_fill(
+                ~attention_mask.bool()[..., None], torch.finfo(logits.dtype).min
+            )
         start, end = logits.unbind(-1)
         loss = None
         if start_positions is not None and end_positions is not None:
@@ -128,7 +143,9 @@ class SpanExtractionModel(nn.Module):
         return {"loss": loss, "start_logits": start, "end_logits": end}
 
 
-def build_head(backbone: ShatterForMaskedLM, spec: Mapping[str, Any], source: Path | str = "head.json") -> nn.Module:
+def build_head(
+    backbone: ShatterForMaskedLM, spec: Mapping[str, Any], source: Path | str = "head.json"
+) -> nn.Module:
     """Rebuild a head from its `head_config()` dict (read from `source`, named in errors)."""
     kind = spec.get("head")
     try:
@@ -136,11 +153,15 @@ def build_head(backbone: ShatterForMaskedLM, spec: Mapping[str, Any], source: Pa
             allowed = {"head", "num_labels", "strategy"}
             if set(spec) - allowed:
                 raise ValueError(f"unknown keys {sorted(set(spec) - allowed)}")
-            return SequenceClassificationModel(backbone, int(spec["num_labels"]), spec.get("strategy", "modified"))
+            return SequenceClassificationModel(
+                backbone, int(spec["num_labels"]), spec.get("strategy", "modified")
+            )
         if kind == "span-extraction":
             if set(spec) - {"head"}:
                 raise ValueError(f"unknown keys {sorted(set(spec) - {'head'})}")
             return SpanExtractionModel(backbone)
-        raise ValueError(f"unknown head {kind!r}; expected sequence-classification or span-extraction")
+        raise ValueError(
+            f"unknown head {kind!r}; expected sequence-classification or span-extraction"
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: {e}") from None

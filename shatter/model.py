@@ -10,9 +10,10 @@
 
 References: Devlin et al. 2019 (BERT, HF `modeling_bert.py`), nanoGPT `model.py`, cramming.
 """
+
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -82,23 +83,31 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(Block(config, k) for k in range(config.layers))
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
         output_hidden_states: bool = False,
     ):
         """[B, L] ids (and 1/0 mask) -> X^L [B, L, d]; with output_hidden_states an EncoderOutput."""
         mask_BL = self.key_mask(input_ids, attention_mask)
         x = self.embeddings(input_ids)
-        hidden = [x] if output_hidden_states else None  # else each X^k is freed once used (inference)
+        hidden = (
+            [x] if output_hidden_states else None
+        )  # else each X^k is freed once used (inference)
         for block in self.layers:
             x = block(x, mask_BL)
             if hidden is not None:
                 hidden.append(x)
         return EncoderOutput(x, tuple(hidden)) if hidden is not None else x
 
-    def key_mask(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def key_mask(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """Validate the inputs and return the bool key mask (True = real token)."""
         if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}"
+            )
         if input_ids.shape[1] > self.config.max_len:
             raise ValueError(
                 f"input length {input_ids.shape[1]} exceeds max_len {self.config.max_len} of this "
@@ -112,7 +121,9 @@ class Encoder(nn.Module):
             )
         mask = attention_mask.bool()
         if not bool(mask.any(-1).all()):
-            raise ValueError("every sequence needs at least one real token (attention_mask row of zeros)")
+            raise ValueError(
+                "every sequence needs at least one real token (attention_mask row of zeros)"
+            )
         return mask
 
 
@@ -127,7 +138,9 @@ class MaskedLMHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.layer_norm(F.gelu(self.dense(h))), self.word_embeddings.weight, self.bias)
+        return F.linear(
+            self.layer_norm(F.gelu(self.dense(h))), self.word_embeddings.weight, self.bias
+        )
 
 
 class ShatterForMaskedLM(nn.Module):
@@ -158,16 +171,20 @@ class ShatterForMaskedLM(nn.Module):
         nn.init.zeros_(self.mlm_head.bias)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-    ) -> dict[str, Optional[torch.Tensor]]:
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor | None]:
         """With labels ([B, L], -100 where not predicted): logits [M, V] at the M predicted
         positions and loss = their mean cross-entropy. Without: logits [B, L, V], loss None."""
         h = self.encoder(input_ids, attention_mask)
         if labels is None:
             return {"loss": None, "logits": self.mlm_head(h)}
         if labels.shape != input_ids.shape:
-            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
         predicted = labels != IGNORE_INDEX
         logits = self.mlm_head(h[predicted])  # [M, V]: decode only the predicted positions
         target = labels[predicted]

@@ -22,11 +22,11 @@ Everything is computed in float64 and cast at the end; `partition_table` gives t
 relative positions -(m-1)..(m-1) as an (n, 2m-1) table, from which N[h, i, j] = f_h(j - i) is
 indexed (`relative_index`) instead of being evaluated per batch.
 """
+
 from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Optional
 
 import torch
 
@@ -45,7 +45,11 @@ def partition_params(n_parts: int, layer: int, n_layers: int) -> tuple[int, floa
 
 
 def partition_of_unity(
-    rel_pos: torch.Tensor, n_parts: int, layer: int, n_layers: int, dtype: torch.dtype = torch.float32
+    rel_pos: torch.Tensor,
+    n_parts: int,
+    layer: int,
+    n_layers: int,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """f_h(rel_pos) for every part h: a Tensor[n_parts, *rel_pos.shape] (see the module docstring)."""
     if rel_pos.is_floating_point() or rel_pos.is_complex():
@@ -58,7 +62,9 @@ def partition_of_unity(
     u = u.clamp(0.0, 1.0)
     nu = torch.arange(D + 1, dtype=torch.float64).view(-1, *([1] * x.dim()))
     binom = torch.tensor([math.comb(D, v) for v in range(D + 1)], dtype=torch.float64)
-    bern = binom.view_as(nu) * u.unsqueeze(0) ** nu * (1.0 - u.unsqueeze(0)) ** (D - nu)  # [D+1, ...]
+    bern = (
+        binom.view_as(nu) * u.unsqueeze(0) ** nu * (1.0 - u.unsqueeze(0)) ** (D - nu)
+    )  # [D+1, ...]
     right = torch.where(x > 0, bern, torch.zeros_like(bern))
     left = torch.where(x < 0, bern, torch.zeros_like(bern))
     at_zero = (x == 0).to(torch.float64)
@@ -74,8 +80,12 @@ def _table_cpu(n_parts: int, layer: int, n_layers: int, max_len: int) -> torch.T
 
 
 def partition_table(
-    n_parts: int, layer: int, n_layers: int, max_len: int, dtype: torch.dtype = torch.float32,
-    device: Optional[torch.device] = None,
+    n_parts: int,
+    layer: int,
+    n_layers: int,
+    max_len: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Tensor[n, 2*max_len - 1]: column c holds f_h(c - (max_len - 1))."""
     return _table_cpu(n_parts, layer, n_layers, max_len).to(device=device, dtype=dtype)
@@ -120,8 +130,15 @@ def plot_partition(n_parts: int, layer: int, n_layers: int, span: int = 48, ax=N
     rel = torch.arange(-span, span + 1)
     f = partition_of_unity(rel, n_parts, layer, n_layers, dtype=torch.float64)
     for h in range(n_parts):
-        ax.plot(rel.numpy(), f[h].numpy(), marker=".", markersize=3, linewidth=1, label=f"$f_{{{h}}}$",
-                color=plt.cm.tab20(h % 20))
+        ax.plot(
+            rel.numpy(),
+            f[h].numpy(),
+            marker=".",
+            markersize=3,
+            linewidth=1,
+            label=f"$f_{{{h}}}$",
+            color=plt.cm.tab20(h % 20),
+        )
     ax.plot(rel.numpy(), f.sum(0).numpy(), "k--", linewidth=0.8, label="sum")
     ax.set_xlabel("relative position x = j - i")
     ax.set_ylim(-0.02, 1.05)
@@ -145,4 +162,3 @@ def save_figure(path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-

@@ -12,19 +12,25 @@
 - `write_export` writes into a temporary sibling directory and renames it into place, so a
   failed or interrupted write leaves nothing under the output name.
 """
+
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from shatter.checkpoint import (
-    CONFIG, TOKENIZER, WEIGHTS, CheckpointError, from_pretrained, load_config, save_pretrained,
+    CONFIG,
+    TOKENIZER,
+    WEIGHTS,
+    CheckpointError,
+    from_pretrained,
+    load_config,
+    save_pretrained,
 )
 from shatter.config import ModelConfig, preset_config
 from shatter.model import ShatterForMaskedLM
@@ -36,7 +42,7 @@ def is_export(path: Path) -> bool:
     return (path / CONFIG).is_file() and (path / WEIGHTS).is_file()
 
 
-def _deepspeed_tag_dir(path: Path) -> Optional[Path]:
+def _deepspeed_tag_dir(path: Path) -> Path | None:
     """The checkpoint tag folder that `path` names or whose `latest` file points at."""
     if (path / MODEL_STATES).is_file():
         return path
@@ -63,7 +69,9 @@ def _config_for(tag_dir: Path, client_state: dict, state: dict) -> ModelConfig:
             extra = {"vocab_size": int(vocab.shape[0])} if vocab is not None else {}
             return preset_config(model["preset"], **{**extra, **(model.get("overrides") or {})})
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{tag_dir / MODEL_STATES}: its stored config is unusable: {e}") from None
+        raise CheckpointError(
+            f"{tag_dir / MODEL_STATES}: its stored config is unusable: {e}"
+        ) from None
     for directory in (tag_dir, tag_dir.parent, tag_dir.parent.parent / "export"):
         if (directory / CONFIG).is_file():
             return load_config(directory)
@@ -89,7 +97,9 @@ def load_deepspeed(tag_dir: Path) -> tuple[ShatterForMaskedLM, dict]:
         try:
             state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
         except Exception as e:  # a missing rank file or a foreign layout surfaces as many types
-            raise CheckpointError(f"{tag_dir}: cannot consolidate the ZeRO checkpoint: {e}") from None
+            raise CheckpointError(
+                f"{tag_dir}: cannot consolidate the ZeRO checkpoint: {e}"
+            ) from None
     else:
         state = states.get("module")
     if not isinstance(state, dict) or not state:
@@ -100,7 +110,9 @@ def load_deepspeed(tag_dir: Path) -> tuple[ShatterForMaskedLM, dict]:
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatches
-        raise CheckpointError(f"{tag_dir}: weights do not match its {config.arch} config: {e}") from None
+        raise CheckpointError(
+            f"{tag_dir}: weights do not match its {config.arch} config: {e}"
+        ) from None
     tied = {"mlm_head.word_embeddings.weight", "encoder.embeddings.word_embeddings.weight"}
     if unexpected or set(missing) - tied:
         raise CheckpointError(
@@ -110,7 +122,7 @@ def load_deepspeed(tag_dir: Path) -> tuple[ShatterForMaskedLM, dict]:
     return model.eval(), states
 
 
-def load_model(path: Union[str, Path]) -> tuple[nn.Module, Optional[Path]]:
+def load_model(path: str | Path) -> tuple[nn.Module, Path | None]:
     """(model, its tokenizer.model or None) from an export or a DeepSpeed checkpoint directory."""
     path = Path(path)
     if not path.is_dir():
@@ -125,7 +137,11 @@ def load_model(path: Union[str, Path]) -> tuple[nn.Module, Optional[Path]]:
             f"(a 'latest' file or {MODEL_STATES})"
         )
     model, client_state = load_deepspeed(tag_dir)
-    candidates = [tag_dir / TOKENIZER, tag_dir.parent / TOKENIZER, tag_dir.parent.parent / "export" / TOKENIZER]
+    candidates = [
+        tag_dir / TOKENIZER,
+        tag_dir.parent / TOKENIZER,
+        tag_dir.parent.parent / "export" / TOKENIZER,
+    ]
     data_path = ((client_state.get("config") or {}).get("data") or {}).get("path")
     if data_path:  # the trainer's run config names the shard dataset, which holds the tokenizer
         candidates.append(Path(data_path) / TOKENIZER)
@@ -135,11 +151,15 @@ def load_model(path: Union[str, Path]) -> tuple[nn.Module, Optional[Path]]:
     return model, None
 
 
-def write_export(model: nn.Module, tokenizer: Path, output: Union[str, Path], overwrite: bool = False) -> Path:
+def write_export(
+    model: nn.Module, tokenizer: Path, output: str | Path, overwrite: bool = False
+) -> Path:
     """Write an export to `output` through a temporary sibling directory and a rename."""
     output = Path(output)
     if output.exists() and not overwrite and (not output.is_dir() or any(output.iterdir())):
-        raise CheckpointError(f"{output} already exists and is not empty (pass --overwrite to replace it)")
+        raise CheckpointError(
+            f"{output} already exists and is not empty (pass --overwrite to replace it)"
+        )
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     try:

@@ -1,4 +1,5 @@
 """Shared test fixtures: the location of ../shared/data and offline settings for `datasets`."""
+
 import os
 from pathlib import Path
 

@@ -1,4 +1,5 @@
-"""The packaging contract of issue 2: torch range, no beam[dill], console scripts, CI command."""
+"""The packaging contract: torch range, no beam[dill], console scripts, CI command."""
+
 import configparser
 from pathlib import Path
 
@@ -15,7 +16,11 @@ def _cfg():
 
 def _requirements(section="options", key="install_requires"):
     lines = _cfg()[section][key].splitlines()
-    return [Requirement(line) for line in (s.strip() for s in lines) if line and not line.startswith("#")]
+    return [
+        Requirement(line)
+        for line in (s.strip() for s in lines)
+        if line and not line.startswith("#")
+    ]
 
 
 def _train_requirements():

@@ -1,4 +1,4 @@
-"""Side-by-side train-step time and attention activation memory of every arch (issue 3 §6).
+"""Side-by-side train-step time and attention activation memory of every arch.
 
 For each sequence length, every arch is built at base width (hidden 768, 12 heads or parts,
 FFN 3072) with a few layers, and timed on full MLM train steps (forward, backward, AdamW step)
@@ -15,6 +15,7 @@ without the arch-independent dense layers, embeddings, MLM head and optimizer.
     python tools/bench_model.py --lengths 256 --archs bert,shatter --layers 4 --repeats 9
     python tools/bench_model.py --attention-only --lengths 256 --batch-tokens 2048 --archs bert,shatter
 """
+
 from __future__ import annotations
 
 import gc
@@ -57,10 +58,15 @@ def make_batch(cfg: BenchConfig, length: int, seed: int = 0) -> dict[str, torch.
 def build(cfg: BenchConfig, arch: str, length: int):
     torch.manual_seed(0)
     model = shatter.build_model(
-        f"{arch}-{cfg.size}", layers=cfg.layers, vocab_size=cfg.vocab_size, max_len=max(length, 512),
+        f"{arch}-{cfg.size}",
+        layers=cfg.layers,
+        vocab_size=cfg.vocab_size,
+        max_len=max(length, 512),
         attention_dropout=cfg.attention_dropout,
     ).train()
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # fused: one kernel, CPU too
+    return model, torch.optim.AdamW(
+        model.parameters(), lr=1e-4, fused=True
+    )  # fused: one kernel, CPU too
 
 
 def train_step(model, optimizer, batch) -> float:
@@ -119,8 +125,12 @@ def run(cfg: BenchConfig) -> list[dict]:
         if cfg.attention_only:
             hidden = shatter.SIZES[cfg.size]["hidden"]
             g = torch.Generator().manual_seed(1)
-            attention_batch = {"hidden": torch.randn(*batch["input_ids"].shape, hidden, generator=g).requires_grad_(),
-                               "attention_mask": batch["attention_mask"]}
+            attention_batch = {
+                "hidden": torch.randn(
+                    *batch["input_ids"].shape, hidden, generator=g
+                ).requires_grad_(),
+                "attention_mask": batch["attention_mask"],
+            }
         models = {arch: build(cfg, arch, length) for arch in cfg.archs}
         memory = {arch: saved_bytes(models[arch][0], batch) for arch in cfg.archs}
         times: dict[str, list[float]] = {arch: [] for arch in cfg.archs}
@@ -136,12 +146,19 @@ def run(cfg: BenchConfig) -> list[dict]:
         ref_all, ref_attn = memory["bert"]
         for arch in cfg.archs:
             med = statistics.median(times[arch])
-            rows.append(dict(
-                length=length, batch=batch["input_ids"].shape[0], arch=arch, step_s=med,
-                time_ratio=med / ref_t, act_mb=memory[arch][0] / 2**20, attn_mb=memory[arch][1] / 2**20,
-                attn_ratio=memory[arch][1] / ref_attn if ref_attn else float("nan"),
-                all_ratio=memory[arch][0] / ref_all,
-            ))
+            rows.append(
+                dict(
+                    length=length,
+                    batch=batch["input_ids"].shape[0],
+                    arch=arch,
+                    step_s=med,
+                    time_ratio=med / ref_t,
+                    act_mb=memory[arch][0] / 2**20,
+                    attn_mb=memory[arch][1] / 2**20,
+                    attn_ratio=memory[arch][1] / ref_attn if ref_attn else float("nan"),
+                    all_ratio=memory[arch][0] / ref_all,
+                )
+            )
             click.echo(
                 f"l={length:5d} b={rows[-1]['batch']:3d} {arch:12s} step {med:7.3f}s  x{med / ref_t:5.2f} bert  "
                 f"activations {rows[-1]['act_mb']:8.1f} MB (x{rows[-1]['all_ratio']:4.2f})  "
@@ -158,12 +175,20 @@ def markdown(rows: list[dict], cfg: BenchConfig) -> str:
     by = {(r["arch"], r["length"]): r for r in rows}
     head = "| arch | " + " | ".join(f"l={n}" for n in lengths) + " |"
     sep = "|---|" + "---:|" * len(lengths)
-    timed = "Attention forward+backward (block 0 alone)" if cfg.attention_only else "Train-step time"
+    timed = (
+        "Attention forward+backward (block 0 alone)" if cfg.attention_only else "Train-step time"
+    )
     out = [f"{timed}, median seconds (ratio to bert):", "", head, sep]
     for arch in cfg.archs:
         cells = [f"{by[arch, n]['step_s']:.3f} ({by[arch, n]['time_ratio']:.2f})" for n in lengths]
         out.append(f"| {arch} | " + " | ".join(cells) + " |")
-    out += ["", "Attention activation memory saved for backward, MB (ratio to bert):", "", head, sep]
+    out += [
+        "",
+        "Attention activation memory saved for backward, MB (ratio to bert):",
+        "",
+        head,
+        sep,
+    ]
     for arch in cfg.archs:
         cells = [f"{by[arch, n]['attn_mb']:.1f} ({by[arch, n]['attn_ratio']:.2f})" for n in lengths]
         out.append(f"| {arch} | " + " | ".join(cells) + " |")
@@ -172,10 +197,13 @@ def markdown(rows: list[dict], cfg: BenchConfig) -> str:
         cells = [f"{by[arch, n]['act_mb']:.1f} ({by[arch, n]['all_ratio']:.2f})" for n in lengths]
         out.append(f"| {arch} | " + " | ".join(cells) + " |")
     batches = ", ".join(f"l={n}: {by[cfg.archs[0], n]['batch']}" for n in lengths)
-    out += ["", f"batch sizes: {batches}; layers {cfg.layers}, size {cfg.size}, vocab {cfg.vocab_size}, "
-            f"median of {cfg.repeats} after {cfg.warmup} warm-up, {cfg.threads} threads, "
-            f"attention dropout {cfg.attention_dropout}, "
-            f"torch {torch.__version__}, load before: {os.getloadavg()[0]:.2f}"]
+    out += [
+        "",
+        f"batch sizes: {batches}; layers {cfg.layers}, size {cfg.size}, vocab {cfg.vocab_size}, "
+        f"median of {cfg.repeats} after {cfg.warmup} warm-up, {cfg.threads} threads, "
+        f"attention dropout {cfg.attention_dropout}, "
+        f"torch {torch.__version__}, load before: {os.getloadavg()[0]:.2f}",
+    ]
     return "\n".join(out)
 
 
@@ -184,30 +212,65 @@ def markdown(rows: list[dict], cfg: BenchConfig) -> str:
 @click.option("--lengths", default="128,256,512,1024", show_default=True)
 @click.option("--layers", default=2, show_default=True, help="encoder blocks at base width")
 @click.option("--size", default="base", show_default=True, type=click.Choice(list(shatter.SIZES)))
-@click.option("--batch-tokens", default=1024, show_default=True, help="tokens per batch (batch = this // l)")
-@click.option("--vocab-size", default=8000, show_default=True,
-              help="MLM vocabulary; the embedding/head cost is the same for every arch, and nine "
-                   "models with AdamW state at 32000 need ~6 GB")
+@click.option(
+    "--batch-tokens", default=1024, show_default=True, help="tokens per batch (batch = this // l)"
+)
+@click.option(
+    "--vocab-size",
+    default=8000,
+    show_default=True,
+    help="MLM vocabulary; the embedding/head cost is the same for every arch, and nine "
+    "models with AdamW state at 32000 need ~6 GB",
+)
 @click.option("--repeats", default=5, show_default=True)
 @click.option("--warmup", default=1, show_default=True)
 @click.option("--threads", default=torch.get_num_threads(), show_default=True)
-@click.option("--attention-dropout", default=0.1, show_default=True,
-              help="dropout on softmax attention probabilities (the sigmoid archs have none)")
-@click.option("--attention-only", is_flag=True,
-              help="time one attention module's forward+backward instead of a full train step")
-def main(archs, lengths, layers, size, batch_tokens, vocab_size, repeats, warmup, threads, attention_dropout,
-         attention_only):
+@click.option(
+    "--attention-dropout",
+    default=0.1,
+    show_default=True,
+    help="dropout on softmax attention probabilities (the sigmoid archs have none)",
+)
+@click.option(
+    "--attention-only",
+    is_flag=True,
+    help="time one attention module's forward+backward instead of a full train step",
+)
+def main(
+    archs,
+    lengths,
+    layers,
+    size,
+    batch_tokens,
+    vocab_size,
+    repeats,
+    warmup,
+    threads,
+    attention_dropout,
+    attention_only,
+):
     """Print per-arch train-step time and attention memory, with ratios to bert."""
     names = tuple(a for a in archs.split(",") if a)
     bad = [a for a in names if a not in ARCHS]
     if bad:
-        raise click.BadParameter(f"unknown archs {bad}; choose from {', '.join(ARCHS)}", param_hint="--archs")
+        raise click.BadParameter(
+            f"unknown archs {bad}; choose from {', '.join(ARCHS)}", param_hint="--archs"
+        )
     if "bert" not in names:
         names = ("bert", *names)
     cfg = BenchConfig(
-        archs=names, lengths=tuple(int(n) for n in lengths.split(",")), layers=layers, size=size,
-        batch_tokens=batch_tokens, vocab_size=vocab_size, repeats=repeats, warmup=warmup,
-        threads=threads, mask_rate=0.15, attention_dropout=attention_dropout, attention_only=attention_only,
+        archs=names,
+        lengths=tuple(int(n) for n in lengths.split(",")),
+        layers=layers,
+        size=size,
+        batch_tokens=batch_tokens,
+        vocab_size=vocab_size,
+        repeats=repeats,
+        warmup=warmup,
+        threads=threads,
+        mask_rate=0.15,
+        attention_dropout=attention_dropout,
+        attention_only=attention_only,
     )
     click.echo(markdown(run(cfg), cfg))
 

@@ -1,6 +1,6 @@
-"""Benchmark of `shatter-data build` (issue 4): tokens/s of the pipeline against its baselines.
+"""Benchmark of `shatter-data build`: tokens/s of the pipeline against its baselines.
 
-On the same cleaned text (../shared/data's wiki sample and books, cleaned once and repeated to
+On the same cleaned text (`--data`: a folder with a wiki sample and book texts, cleaned once and repeated to
 about --mb MB, written as JSON lines), in one run, interleaving the contenders over --rounds
 rounds and keeping each one's best:
   (a) raw sentencepiece batch encoding in a tight loop, one thread;
@@ -14,6 +14,7 @@ breakdown of where the time goes: the build's pure functions timed stage by stag
 
     .venv/bin/python tools/bench_pipeline.py --mb 50 --marginal-mb 150
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,10 @@ def wiki_articles(data: Path) -> list[str]:
 
 def cleaned_documents(data: Path) -> list[str]:
     docs = [clean_wikitext(text) for text in wiki_articles(data)]
-    docs += [cleaning.clean_book(p.read_text(encoding="utf-8", errors="replace"))
-             for p in sorted((data / "books").glob("*.txt"))]
+    docs += [
+        cleaning.clean_book(p.read_text(encoding="utf-8", errors="replace"))
+        for p in sorted((data / "books").glob("*.txt"))
+    ]
     return [d for d in docs if d]
 
 
@@ -80,11 +83,29 @@ def bench_sentencepiece(model: bytes, docs: list[str], batch_chars: int) -> tupl
     return time.perf_counter() - start, tokens
 
 
-def bench_build(corpus: Path, model: Path, out: Path, seq_len: int, beam_args: list[str]) -> tuple[float, dict]:
+def bench_build(
+    corpus: Path, model: Path, out: Path, seq_len: int, beam_args: list[str]
+) -> tuple[float, dict]:
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [str(REPO / ".venv" / "bin" / "shatter-data"), "build", "--corpus", "text", "--input", str(corpus),
-           "--output", str(out), "--tokenizer", str(model), "--seq-len", str(seq_len), "--num-shards", "8",
-           "--text-mode", "line", *beam_args]
+    cmd = [
+        str(REPO / ".venv" / "bin" / "shatter-data"),
+        "build",
+        "--corpus",
+        "text",
+        "--input",
+        str(corpus),
+        "--output",
+        str(out),
+        "--tokenizer",
+        str(model),
+        "--seq-len",
+        str(seq_len),
+        "--num-shards",
+        "8",
+        "--text-mode",
+        "line",
+        *beam_args,
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
@@ -110,18 +131,22 @@ def bench_datasets(corpus: Path, model: Path, seq_len: int, cache: Path) -> floa
     return time.perf_counter() - start
 
 
-def stage_breakdown(model: bytes, docs: list[str], seq_len: int, dupe_factor: int = 5) -> dict[str, float]:
+def stage_breakdown(
+    model: bytes, docs: list[str], seq_len: int, dupe_factor: int = 5
+) -> dict[str, float]:
     """Seconds per stage of the build's own pure functions on one core, without Beam: what limits (b)."""
+    import numpy as np
+
     from pipeline import packing, sharding, shards
     from pipeline.transforms import MaskSpec, mask_table, row_keys
-    import numpy as np
-    import pyarrow as pa
 
     sp = tokenizer.load(model)
     word_start, vocab = tokenizer.word_start_table(sp), sp.get_piece_size()
     spec = MaskSpec("", 0, dupe_factor, 0.15, False)
-    times = dict.fromkeys(["clean", "encode", "to arrays", "pack", "row keys", "sort", "mask",
-                           "Arrow + zstd write"], 0.0)
+    times = dict.fromkeys(
+        ["clean", "encode", "to arrays", "pack", "row keys", "sort", "mask", "Arrow + zstd write"],
+        0.0,
+    )
 
     def timed(name, fn, *a):
         start = time.perf_counter()
@@ -137,7 +162,9 @@ def stage_breakdown(model: bytes, docs: list[str], seq_len: int, dupe_factor: in
         if batch and (doc is None or chars >= 1 << 20):
             text = timed("clean", lambda b: [cleaning.clean_plain(d) for d in b], batch)
             encoded = timed("encode", lambda t: sp.encode(t, num_threads=1), text)
-            arrays = timed("to arrays", lambda e: [np.asarray(x, dtype=np.int32) for x in e], encoded)
+            arrays = timed(
+                "to arrays", lambda e: [np.asarray(x, dtype=np.int32) for x in e], encoded
+            )
             ids, lengths = timed("pack", packing.pack_documents_padded, arrays, seq_len)
             packed.append((timed("row keys", row_keys, ids, lengths), ids, lengths))
             batch, chars = [], 0
@@ -148,28 +175,52 @@ def stage_breakdown(model: bytes, docs: list[str], seq_len: int, dupe_factor: in
         with shards.ShardWriter(tmp, "bench.arrow", shards.schema(vocab)) as writer:
             for lo in range(0, len(keys), shards.ROWS_PER_RECORD_BATCH):
                 part = slice(lo, lo + shards.ROWS_PER_RECORD_BATCH)
-                table = timed("mask", mask_table, keys[part], ids[part], lengths[part], word_start, vocab, spec)
+                table = timed(
+                    "mask",
+                    mask_table,
+                    keys[part],
+                    ids[part],
+                    lengths[part],
+                    word_start,
+                    vocab,
+                    spec,
+                )
                 timed("Arrow + zstd write", writer.write, table)
     return times
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        required=True,
+        help="a folder with wiki/*.xml.bz2 and books/*.txt (the demo's sample works)",
+    )
     parser.add_argument("--mb", type=float, default=50, help="corpus size (cleaned text, repeated)")
-    parser.add_argument("--marginal-mb", type=float, default=0,
-                        help="also run on this larger corpus and report the marginal rates (fixed costs removed)")
+    parser.add_argument(
+        "--marginal-mb",
+        type=float,
+        default=0,
+        help="also run on this larger corpus and report the marginal rates (fixed costs removed)",
+    )
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument(
+        "--work", type=Path, default=None, help="scratch directory (default: a temp dir)"
+    )
     args = parser.parse_args()
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     work.mkdir(parents=True, exist_ok=True)
     docs = cleaned_documents(args.data)
     lines = [line for d in docs for line in cleaning.sample_lines(d)]
-    model_bytes = tokenizer.train([x for _, x in tokenizer.smallest_lines(lines, 200_000)], args.vocab_size)
+    model_bytes = tokenizer.train(
+        [x for _, x in tokenizer.smallest_lines(lines, 200_000)], args.vocab_size
+    )
     model = work / "tokenizer.model"
     model.write_bytes(model_bytes)
     sizes = [args.mb] + ([args.marginal_mb] if args.marginal_mb else [])
@@ -180,9 +231,13 @@ def main():
         all_docs = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
         _, tokens = bench_sentencepiece(model_bytes, all_docs, 1 << 20)
         corpora[mb] = (corpus, size, all_docs, tokens)
-        print(f"corpus {mb:g}: {size / 1e6:.1f} MB of cleaned text, {len(all_docs)} documents, {tokens / 1e6:.1f} M tokens")
-    print(f"vocab {args.vocab_size}, seq_len {args.seq_len}, dupe_factor 5, 8 shards; "
-          f"load {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores")
+        print(
+            f"corpus {mb:g}: {size / 1e6:.1f} MB of cleaned text, {len(all_docs)} documents, {tokens / 1e6:.1f} M tokens"
+        )
+    print(
+        f"vocab {args.vocab_size}, seq_len {args.seq_len}, dupe_factor 5, 8 shards; "
+        f"load {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores"
+    )
 
     def contenders(mb):
         corpus, _, all_docs, _ = corpora[mb]
@@ -190,10 +245,20 @@ def main():
         return {
             A: lambda: bench_sentencepiece(model_bytes, all_docs, 1 << 20)[0],
             B1: lambda: bench_build(corpus, model, out, args.seq_len, [])[0],
-            B2P: lambda: bench_build(corpus, model, out, args.seq_len,
-                                     ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"])[0],
-            B2T: lambda: bench_build(corpus, model, out, args.seq_len,
-                                     ["--direct_num_workers", "2", "--direct_running_mode", "in_memory"])[0],
+            B2P: lambda: bench_build(
+                corpus,
+                model,
+                out,
+                args.seq_len,
+                ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"],
+            )[0],
+            B2T: lambda: bench_build(
+                corpus,
+                model,
+                out,
+                args.seq_len,
+                ["--direct_num_workers", "2", "--direct_running_mode", "in_memory"],
+            )[0],
             C: lambda: bench_datasets(corpus, model, args.seq_len, work / "hf"),
         }
 
@@ -203,21 +268,29 @@ def main():
             for name, run in contenders(mb).items():
                 elapsed = run()
                 best[mb, name] = min(best[mb, name], elapsed)
-                print(f"  round {r + 1}, {mb:g} MB: {name:<44} {elapsed:7.1f} s  (load {os.getloadavg()[0]:.2f})",
-                      flush=True)
+                print(
+                    f"  round {r + 1}, {mb:g} MB: {name:<44} {elapsed:7.1f} s  (load {os.getloadavg()[0]:.2f})",
+                    flush=True,
+                )
     for mb in sizes:
         _, size, _, tokens = corpora[mb]
         print(f"\n{mb:g} MB, end to end      {'seconds':>8} {'Mtok/s':>8} {'MB/s':>7}")
         for name in NAMES:
             seconds = best[mb, name]
-            print(f"{name:<44} {seconds:8.1f} {tokens / seconds / 1e6:8.2f} {size / seconds / 1e6:7.2f}")
+            print(
+                f"{name:<44} {seconds:8.1f} {tokens / seconds / 1e6:8.2f} {size / seconds / 1e6:7.2f}"
+            )
         print_ratios({name: best[mb, name] for name in NAMES}, f"{mb:g} MB end to end")
     if len(sizes) == 2:  # the marginal time of the extra tokens: fixed start-up costs cancel
         small, big = sizes
-        print_ratios({name: best[big, name] - best[small, name] for name in NAMES},
-                     f"marginal, {small:g} -> {big:g} MB (fixed costs removed)")
-    print("\nwhere the time goes: the build's pure functions on one core, no Beam "
-          f"({sizes[0]:g} MB corpus)")
+        print_ratios(
+            {name: best[big, name] - best[small, name] for name in NAMES},
+            f"marginal, {small:g} -> {big:g} MB (fixed costs removed)",
+        )
+    print(
+        "\nwhere the time goes: the build's pure functions on one core, no Beam "
+        f"({sizes[0]:g} MB corpus)"
+    )
     times = stage_breakdown(model_bytes, corpora[sizes[0]][2], args.seq_len)
     total = sum(times.values())
     for name, seconds in times.items():
@@ -229,8 +302,10 @@ def main():
         clean_wikitext(text)
     seconds = time.perf_counter() - start
     chars = sum(map(len, articles))
-    print(f"wikitext cleaning (a wiki build's largest cost): {len(articles)} sample articles, {chars / 1e6:.1f} M chars "
-          f"in {seconds:.2f} s = {chars / seconds / 1e6:.2f} M chars/s on one core")
+    print(
+        f"wikitext cleaning (a wiki build's largest cost): {len(articles)} sample articles, {chars / 1e6:.1f} M chars "
+        f"in {seconds:.2f} s = {chars / seconds / 1e6:.2f} M chars/s on one core"
+    )
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -8,6 +8,7 @@ stepping forward, backward and optimizer. Contenders are interleaved round by ro
 machine slows them alike; the table gives the median tokens/s and the ratio to `bert` of the same
 size. Random full-length rows from tools/bench_loader.synthetic_dataset (vocabulary 32000).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,21 +41,36 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per contender per round")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: on a shared box OpenMP spin-waiting swamps 2 threads)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: on a shared box OpenMP spin-waiting swamps 2 threads)",
+    )
     args = parser.parse_args()
     init_distributed()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         index = read_index(synthetic_dataset(Path(tmp), 2048, args.seq_len, 32000, 1))
-        batches = list(ShardStream(index, "train", batch_size=args.micro_batch, seq_len=args.seq_len,
-                                   masking=MaskingSpec("static"), seed=0, finite=True))
+        batches = list(
+            ShardStream(
+                index,
+                "train",
+                batch_size=args.micro_batch,
+                seq_len=args.seq_len,
+                masking=MaskingSpec("static"),
+                seed=0,
+                finite=True,
+            )
+        )
     cfg = resolve(None, {"micro_batch": args.micro_batch, "max_steps": 10**6, "warmup_steps": 10})
     contenders = {}
     for size in args.sizes.split(","):
         for arch in args.archs.split(","):
             torch.manual_seed(0)
-            model = shatter.build_model(f"{arch}-{size}", vocab_size=32000, max_len=max(512, args.seq_len))
+            model = shatter.build_model(
+                f"{arch}-{size}", vocab_size=32000, max_len=max(512, args.seq_len)
+            )
             contenders[(arch, size)] = build_engine(model, cfg, deepspeed_config(cfg, 1))
     results = {key: [] for key in contenders}
     cursor = 0
@@ -70,8 +86,10 @@ def main() -> None:
                 tokens += int(batch["attention_mask"].sum())
             if r:
                 results[key].append(tokens / (time.perf_counter() - t0))
-    print(f"micro-batch {args.micro_batch} x length {args.seq_len}, fp32, {torch.get_num_threads()} threads, "
-          f"{args.rounds} rounds x {args.steps} steps (load average {os.getloadavg()[0]:.2f})")
+    print(
+        f"micro-batch {args.micro_batch} x length {args.seq_len}, fp32, {torch.get_num_threads()} threads, "
+        f"{args.rounds} rounds x {args.steps} steps (load average {os.getloadavg()[0]:.2f})"
+    )
     sizes = args.sizes.split(",")
     print(f"{'arch':12s}" + "".join(f"{size + ' tok/s':>14s}{'vs bert':>9s}" for size in sizes))
     for arch in args.archs.split(","):

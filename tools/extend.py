@@ -5,17 +5,19 @@ Thin click wrapper over `shatter.sources.load_model`, `shatter.extend.extend_mod
 (N not larger than max_len, an unknown or corrupt checkpoint, no tokenizer, an occupied output)
 prints one clear line, exits with status 1 and writes nothing.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import click
 
 try:
     import torch  # noqa: F401
 except ModuleNotFoundError:  # a core install (what Beam workers get) has the pipeline only
-    raise SystemExit("shatter-extend needs the training stack: pip install 'shatter[train]'") from None
+    raise SystemExit(
+        "shatter-extend needs the training stack: pip install 'shatter[train]'"
+    ) from None
 
 from shatter.checkpoint import CheckpointError
 from shatter.extend import INITS, ExtendError, extend_model
@@ -23,16 +25,36 @@ from shatter.extend import INITS, ExtendError, extend_model
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--max-len", "max_len", type=int, required=True, help="New maximum input length N (> current).")
-@click.option("--output", type=click.Path(path_type=Path), required=True, help="Export directory to write.")
-@click.option("--init", type=click.Choice(INITS), default="random", show_default=True,
-              help="bert/bert-rab: new position rows drawn like pretraining (random) or tiled from the learnt ones (copy).")
+@click.option(
+    "--max-len", "max_len", type=int, required=True, help="New maximum input length N (> current)."
+)
+@click.option(
+    "--output", type=click.Path(path_type=Path), required=True, help="Export directory to write."
+)
+@click.option(
+    "--init",
+    type=click.Choice(INITS),
+    default="random",
+    show_default=True,
+    help="bert/bert-rab: new position rows drawn like pretraining (random) or tiled from the learnt ones (copy).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --init random.")
-@click.option("--tokenizer", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="tokenizer.model to bundle when the checkpoint has none (e.g. a DeepSpeed checkpoint).")
+@click.option(
+    "--tokenizer",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="tokenizer.model to bundle when the checkpoint has none (e.g. a DeepSpeed checkpoint).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing non-empty --output.")
-def main(checkpoint: Path, max_len: int, output: Path, init: str, seed: int,
-         tokenizer: Optional[Path], overwrite: bool) -> None:
+def main(
+    checkpoint: Path,
+    max_len: int,
+    output: Path,
+    init: str,
+    seed: int,
+    tokenizer: Path | None,
+    overwrite: bool,
+) -> None:
     """Extend CHECKPOINT (an export or a DeepSpeed checkpoint directory) to inputs of --max-len tokens."""
     from shatter.sources import load_model, write_export
 

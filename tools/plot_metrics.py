@@ -6,6 +6,7 @@ against steps, one line per run; validation solid, training faint).
 Reads each RUN/metrics.jsonl (the DESIGN.md run layout). A run without a metrics file, or with no
 line to plot, is an error naming it.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,27 +28,39 @@ def read_metrics(run: Path) -> tuple[list[tuple[int, float]], list[tuple[int, fl
             continue
         if record.get("loss") is None:
             continue
-        (val if record.get("split") == "validation" else train).append((record["step"], record["loss"]))
+        (val if record.get("split") == "validation" else train).append(
+            (record["step"], record["loss"])
+        )
     if not train and not val:
         raise click.ClickException(f"{path}: no loss lines to plot")
     return sorted(train), sorted(val)
 
 
-def plot(runs: list[Path], labels: list[str], output: Path, show_train: bool, title: str | None) -> Path:
+def plot(
+    runs: list[Path], labels: list[str], output: Path, show_train: bool, title: str | None
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.3, 2.8), dpi=150)  # the paper's figure viewport, 6.3in x 2.8in
+    fig, ax = plt.subplots(
+        figsize=(6.3, 2.8), dpi=150
+    )  # the paper's figure viewport, 6.3in x 2.8in
     for i, (run, label) in enumerate(zip(runs, labels)):
         train, val = read_metrics(run)
         color = f"C{i}"
         if show_train and train:
             ax.plot(*zip(*train), color=color, alpha=0.3, linewidth=0.8)
         if val:
-            ax.plot(*zip(*val), color=color, linewidth=1.6, marker="o" if len(val) < 30 else None, markersize=3,
-                    label=label)
+            ax.plot(
+                *zip(*val),
+                color=color,
+                linewidth=1.6,
+                marker="o" if len(val) < 30 else None,
+                markersize=3,
+                label=label,
+            )
         else:
             ax.plot(*zip(*train), color=color, linewidth=1.2, label=f"{label} (train)")
     ax.set_xlabel("steps")
@@ -65,9 +78,13 @@ def plot(runs: list[Path], labels: list[str], output: Path, show_train: bool, ti
 
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--output", "-o", required=True, type=click.Path(path_type=Path), help="PNG to write.")
+@click.option(
+    "--output", "-o", required=True, type=click.Path(path_type=Path), help="PNG to write."
+)
 @click.option("--labels", help="Comma-separated legend labels (default: run directory names).")
-@click.option("--train/--no-train", "show_train", default=True, help="Also draw the training loss, faint.")
+@click.option(
+    "--train/--no-train", "show_train", default=True, help="Also draw the training loss, faint."
+)
 @click.option("--title", help="Figure title.")
 def main(runs, output, labels, show_train, title):
     """Draw the MLM loss curves of RUNS into a PNG."""

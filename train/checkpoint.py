@@ -11,6 +11,7 @@ optimizer partitions, so they are gathered from the checkpoint files with DeepSp
 zero_to_fp32 (which handles ZeRO-1/2/3); in plain fp32 without ZeRO the module's own weights
 are the masters.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,7 +52,9 @@ def latest_tag(run_dir: Path) -> str | None:
     return latest.read_text().strip() if latest.is_file() else None
 
 
-def save(engine, run_dir: Path, state: TrainState, config: dict, data_position: dict, keep: int) -> str:
+def save(
+    engine, run_dir: Path, state: TrainState, config: dict, data_position: dict, keep: int
+) -> str:
     """Collective: every rank calls it. Returns the tag written."""
     name = tag(state.step)
     client = {"train_state": state.to_dict(), "data_position": data_position, "config": config}
@@ -75,7 +78,9 @@ def resume(engine, run_dir: Path) -> tuple[TrainState, dict | None, dict | None]
         return TrainState(), None, None
     path, client = engine.load_checkpoint(str(run_dir / CHECKPOINTS), tag=name)
     if path is None:
-        raise RuntimeError(f"{run_dir / CHECKPOINTS / name}: DeepSpeed could not load this checkpoint")
+        raise RuntimeError(
+            f"{run_dir / CHECKPOINTS / name}: DeepSpeed could not load this checkpoint"
+        )
     return TrainState(**client["train_state"]), client["data_position"], client.get("config")
 
 
@@ -94,7 +99,9 @@ def config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
 def fp32_state_dict(engine, run_dir: Path, name: str) -> dict:
     """The consolidated fp32 weights of checkpoint `name` (rank 0 only)."""
     module = engine.module
-    if engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()):
+    if engine.zero_optimization_stage() == 0 and not (
+        engine.fp16_enabled() or engine.bfloat16_enabled()
+    ):
         return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -110,7 +117,9 @@ def export(engine, run_dir: Path, name: str, tokenizer: Path) -> Path | None:
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = {"mlm_head.word_embeddings.weight"}  # the decoder is the embedding table itself
         if set(missing) - tied or unexpected:
-            raise RuntimeError(f"export of {name}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+            raise RuntimeError(
+                f"export of {name}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+            )
         tmp = run_dir / f".{EXPORT}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shatter.save_pretrained(model, tmp, tokenizer=tokenizer)

@@ -6,13 +6,15 @@ overriding the one before: the dataclass defaults (the paper's §A.2 settings), 
 keys are rejected with the file name and the key, as in academic-budget-bert's argument groups
 (one dataclass per concern) and torchtitan's job config.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -27,19 +29,29 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelArgs:
     preset: str = "shatter-tiny"  # "{arch}-{size}" preset of shatter.build_model
-    overrides: Mapping[str, Any] = field(default_factory=dict)  # ModelConfig fields, e.g. {dropout: 0.0}
+    overrides: Mapping[str, Any] = field(
+        default_factory=dict
+    )  # ModelConfig fields, e.g. {dropout: 0.0}
 
 
 @dataclass(frozen=True)
 class DataArgs:
-    path: str | None = None  # shard dataset directory written by `shatter-data build` (has index.json)
-    seq_len: int | None = None  # truncate rows to this length; None = the data's seq_len; longer is an error
+    path: str | None = (
+        None  # shard dataset directory written by `shatter-data build` (has index.json)
+    )
+    seq_len: int | None = (
+        None  # truncate rows to this length; None = the data's seq_len; longer is an error
+    )
     masking: str = "static"  # "static": the shards' dupe_factor maskings cycled by epoch; "dynamic": fresh per epoch
-    mask_prob: float = 0.15  # dynamic masking: share of non-special tokens predicted (BERT §3.1; 80/10/10)
+    mask_prob: float = (
+        0.15  # dynamic masking: share of non-special tokens predicted (BERT §3.1; 80/10/10)
+    )
     whole_word: bool = False  # dynamic: mask whole words (uses the shards' word_start column)
     shuffle: bool = True  # deterministic per-epoch shuffle of shard order and rows, from run.seed
     num_workers: int = 1  # DataLoader worker processes per rank (0 = load in the training process)
-    verify_shards: bool = True  # sha256 of each shard checked against index.json before its first use
+    verify_shards: bool = (
+        True  # sha256 of each shard checked against index.json before its first use
+    )
     eval_samples: int | None = None  # validation rows evaluated each time; None = the whole split
 
 
@@ -48,7 +60,9 @@ class OptimArgs:
     lr: float = 1e-4  # peak learning rate (§A.2)
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW β1, β2 (§A.2)
     eps: float = 1e-6  # AdamW ε
-    weight_decay: float = 0.01  # decoupled weight decay, not applied to biases and LayerNorm weights (§A.2)
+    weight_decay: float = (
+        0.01  # decoupled weight decay, not applied to biases and LayerNorm weights (§A.2)
+    )
     warmup_steps: int = 10_000  # linear warm-up from 0 to lr (§A.2)
     decay: str = "linear"  # after warm-up: "linear" to 0 at run.max_steps (§A.2) or "constant"
     grad_clip: float = 1.0  # global gradient-norm clipping
@@ -70,11 +84,15 @@ class RunArgs:
     eval_every: int = 1000  # steps between validation passes (0 = only at the end)
     export_every: int = 0  # steps between exports to RUN/export (0 = only at the end)
     log_every: int = 10  # steps between metrics.jsonl training lines
-    max_nonfinite: int = 100  # consecutive NaN/inf micro-batches (each skipped and counted) before the run stops
+    max_nonfinite: int = (
+        100  # consecutive NaN/inf micro-batches (each skipped and counted) before the run stops
+    )
     keep_checkpoints: int = 2  # newest checkpoints kept under RUN/checkpoints (0 = keep all)
     num_gpus: int = 1  # world size the config is written for; --dry-run estimates for it
     gpu_memory_gb: float = 16.0  # --dry-run: memory of one GPU the estimate is compared with
-    deepspeed_config: str | None = None  # expert override: a DeepSpeed JSON merged over the built one
+    deepspeed_config: str | None = (
+        None  # expert override: a DeepSpeed JSON merged over the built one
+    )
     progress: bool = True  # tqdm progress bar on rank 0
     tensorboard: bool = True  # TensorBoard event files under RUN/tensorboard
 
@@ -89,17 +107,26 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         r, d = self.run, self.data
         checks = [
-            (r.precision in PRECISIONS, f"run.precision must be one of {PRECISIONS}, got {r.precision!r}"),
+            (
+                r.precision in PRECISIONS,
+                f"run.precision must be one of {PRECISIONS}, got {r.precision!r}",
+            ),
             (r.zero_stage in (0, 1, 2, 3), f"run.zero_stage must be 0-3, got {r.zero_stage}"),
             (d.masking in MASKINGS, f"data.masking must be one of {MASKINGS}, got {d.masking!r}"),
             (r.max_steps > 0, "run.max_steps must be positive"),
-            (r.micro_batch > 0 and r.grad_accum > 0, "run.micro_batch and run.grad_accum must be positive"),
+            (
+                r.micro_batch > 0 and r.grad_accum > 0,
+                "run.micro_batch and run.grad_accum must be positive",
+            ),
             (0 < d.mask_prob < 1, "data.mask_prob must be in (0, 1)"),
             (d.seq_len is None or d.seq_len >= 8, "data.seq_len must be at least 8"),
-            (self.optim.decay in ("linear", "constant"), "optim.decay must be 'linear' or 'constant'"),
+            (
+                self.optim.decay in ("linear", "constant"),
+                "optim.decay must be 'linear' or 'constant'",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -109,7 +136,7 @@ class TrainConfig:
 
 SECTIONS = {"model": ModelArgs, "data": DataArgs, "optim": OptimArgs, "run": RunArgs}
 
-# The command-line flags of issue 5 (a contract) and a few more, mapped to their config fields.
+# The command-line flags (a contract, docs/training.md) and a few more, mapped to their config fields.
 FLAGS = {
     "data": "data.path",
     "output": "run.output",
@@ -186,7 +213,9 @@ def read_yaml(path: str | Path, known: Mapping[str, type]) -> dict[str, dict]:
 def from_dict(values: Mapping[str, Any], where: str = "config") -> TrainConfig:
     """A TrainConfig from nested sections; unknown sections and keys are errors naming `where`."""
     parts = sections_of(values, where, SECTIONS)
-    return TrainConfig(**{name: _section(cls, parts[name], f"{where} [{name}]") for name, cls in SECTIONS.items()})
+    return TrainConfig(
+        **{name: _section(cls, parts[name], f"{where} [{name}]") for name, cls in SECTIONS.items()}
+    )
 
 
 def load_yaml(path: str | Path) -> TrainConfig:
@@ -203,7 +232,10 @@ def with_overrides(config: TrainConfig, flags: Mapping[str, Any]) -> TrainConfig
             raise ConfigError(f"unknown flag {flag!r}")
         section, key = FLAGS[flag].split(".")
         sections[section][key] = value
-    return replace(config, **{name: replace(getattr(config, name), **kv) for name, kv in sections.items() if kv})
+    return replace(
+        config,
+        **{name: replace(getattr(config, name), **kv) for name, kv in sections.items() if kv},
+    )
 
 
 def resolve(config_file: str | None, flags: Mapping[str, Any]) -> TrainConfig:

@@ -12,6 +12,7 @@ saved in every checkpoint (`StreamPosition`), and resuming reads only the rows i
 Like MosaicML streaming (deterministic sample-space partitioning, resumable position) and
 academic-budget-bert (static masks with a dupe factor, dynamic masking option).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -41,10 +42,15 @@ class StreamPosition:
         return self.samples % self.epoch_size
 
     def to_dict(self) -> dict:
-        return {"samples": self.samples, "epoch": self.epoch, "in_epoch": self.in_epoch, "epoch_size": self.epoch_size}
+        return {
+            "samples": self.samples,
+            "epoch": self.epoch,
+            "in_epoch": self.in_epoch,
+            "epoch_size": self.epoch_size,
+        }
 
     @classmethod
-    def from_dict(cls, state: dict, epoch_size: int) -> "StreamPosition":
+    def from_dict(cls, state: dict, epoch_size: int) -> StreamPosition:
         if state["epoch_size"] != epoch_size:
             raise DataError(
                 f"the checkpoint's data position is for a train split of {state['epoch_size']} rows, "
@@ -66,7 +72,9 @@ class EpochOrder:
 
     def __init__(self, rows_per_shard: list[int], seed: int, shuffle: bool):
         self.rows = np.asarray(rows_per_shard, dtype=np.int64)
-        self.base = np.concatenate([[0], np.cumsum(self.rows)])  # canonical sample id = base[s] + row
+        self.base = np.concatenate(
+            [[0], np.cumsum(self.rows)]
+        )  # canonical sample id = base[s] + row
         self.size = int(self.base[-1])
         self.seed, self.shuffle = seed, shuffle
         self._epoch, self._row_perms = None, {}
@@ -74,7 +82,11 @@ class EpochOrder:
     def _shards(self, epoch: int):
         if self._epoch != epoch:
             n = len(self.rows)
-            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            order = (
+                np.random.default_rng([self.seed, epoch]).permutation(n)
+                if self.shuffle
+                else np.arange(n)
+            )
             self._epoch, self._order, self._row_perms = epoch, order, {}
             self._start = np.concatenate([[0], np.cumsum(self.rows[order])])
         return self._order, self._start
@@ -83,7 +95,9 @@ class EpochOrder:
         if not self.shuffle:
             return None
         if shard not in self._row_perms:
-            self._row_perms[shard] = np.random.default_rng([self.seed, epoch, shard]).permutation(self.rows[shard])
+            self._row_perms[shard] = np.random.default_rng([self.seed, epoch, shard]).permutation(
+                self.rows[shard]
+            )
         return self._row_perms[shard]
 
     def locate(self, epoch: int, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -121,7 +135,9 @@ class ShardStream(IterableDataset):
         verify: bool = True,
     ):
         if seq_len > index.seq_len:
-            raise DataError(f"--seq-len {seq_len} exceeds the data's seq_len {index.seq_len} ({index.root / 'index.json'})")
+            raise DataError(
+                f"--seq-len {seq_len} exceeds the data's seq_len {index.seq_len} ({index.root / 'index.json'})"
+            )
         self.index, self.shards = index, index.shards(split)
         self.batch_size, self.seq_len, self.masking = batch_size, seq_len, masking
         self.seed, self.rank, self.world, self.start = seed, rank, world_size, start
@@ -134,7 +150,9 @@ class ShardStream(IterableDataset):
 
     def _shard(self, i: int) -> Shard:
         if i not in self._cache:
-            self._cache[i] = load_shard(self.shards[i], verify=self.verify and i not in self._verified)
+            self._cache[i] = load_shard(
+                self.shards[i], verify=self.verify and i not in self._verified
+            )
             self._verified.add(i)
             while len(self._cache) > 2:
                 self._cache.popitem(last=False)
@@ -147,7 +165,11 @@ class ShardStream(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         j = worker
         while True:
-            q = self.start + self.rank + self.world * (j * self.batch_size + np.arange(self.batch_size))
+            q = (
+                self.start
+                + self.rank
+                + self.world * (j * self.batch_size + np.arange(self.batch_size))
+            )
             if self.end is not None:
                 q = q[q < self.end]
                 if len(q) == 0:
@@ -213,8 +235,17 @@ class ShardStream(IterableDataset):
         if m.mode == "static":
             copy = m.fixed_copy if m.fixed_copy is not None else epoch % self.index.dupe_factor
             return static_mask(ids, length, shard, rows, copy)
-        return dynamic_mask(ids, length, ws, uid, epoch=epoch, seed=self.seed, vocab_size=self.index.vocab_size,
-                            mask_prob=m.mask_prob, whole_word=m.whole_word)
+        return dynamic_mask(
+            ids,
+            length,
+            ws,
+            uid,
+            epoch=epoch,
+            seed=self.seed,
+            vocab_size=self.index.vocab_size,
+            mask_prob=m.mask_prob,
+            whole_word=m.whole_word,
+        )
 
 
 def masking_spec(data_args) -> MaskingSpec:
@@ -222,24 +253,56 @@ def masking_spec(data_args) -> MaskingSpec:
     return MaskingSpec(d.masking, None, d.mask_prob, d.whole_word)
 
 
-def train_loader(index: Index, data_args, *, batch_size: int, seq_len: int, seed: int,
-                 rank: int, world_size: int, start: int) -> DataLoader:
+def train_loader(
+    index: Index,
+    data_args,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    start: int,
+) -> DataLoader:
     """The endless training DataLoader of one rank, starting at global stream position `start`."""
     stream = ShardStream(
-        index, "train", batch_size=batch_size, seq_len=seq_len, masking=masking_spec(data_args),
-        seed=seed, rank=rank, world_size=world_size, start=start, shuffle=data_args.shuffle,
+        index,
+        "train",
+        batch_size=batch_size,
+        seq_len=seq_len,
+        masking=masking_spec(data_args),
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        start=start,
+        shuffle=data_args.shuffle,
         verify=data_args.verify_shards,
     )
     workers = data_args.num_workers
-    return DataLoader(stream, batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None,
-                      persistent_workers=False)
+    return DataLoader(
+        stream,
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=4 if workers else None,
+        persistent_workers=False,
+    )
 
 
-def validation_stream(index: Index, data_args, *, batch_size: int, seq_len: int,
-                      rank: int, world_size: int) -> ShardStream:
+def validation_stream(
+    index: Index, data_args, *, batch_size: int, seq_len: int, rank: int, world_size: int
+) -> ShardStream:
     """The validation split in file order with the fixed static masks (copy 0): comparable across runs."""
     return ShardStream(
-        index, "validation", batch_size=batch_size, seq_len=seq_len, masking=MaskingSpec("static", fixed_copy=0),
-        seed=0, rank=rank, world_size=world_size, shuffle=False, finite=True,
-        max_samples=data_args.eval_samples, verify=data_args.verify_shards,
+        index,
+        "validation",
+        batch_size=batch_size,
+        seq_len=seq_len,
+        masking=MaskingSpec("static", fixed_copy=0),
+        seed=0,
+        rank=rank,
+        world_size=world_size,
+        shuffle=False,
+        finite=True,
+        max_samples=data_args.eval_samples,
+        verify=data_args.verify_shards,
     )

@@ -7,6 +7,7 @@ applied to biases and LayerNorm weights, 10k steps of linear warm-up then linear
 the last step (DeepSpeed's WarmupDecayLR), gradient clipping at 1.0. fp16 uses DeepSpeed's dynamic
 loss scaling (Micikevicius et al. 2018); ZeRO stages per Rajbhandari et al. 2020.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -73,7 +74,9 @@ def build_extensions() -> None:
     from deepspeed.comm.torch import build_shm_op
 
     if build_shm_op() is None:
-        raise RuntimeError("DeepSpeed reports its CPU shm_comm op as incompatible with this machine")
+        raise RuntimeError(
+            "DeepSpeed reports its CPU shm_comm op as incompatible with this machine"
+        )
 
 
 def init_distributed() -> tuple[int, int]:
@@ -100,7 +103,9 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | None = None)
     r, o = cfg.run, cfg.optim
     cpu = on_cpu() if cpu is None else cpu
     if cpu and r.precision == "fp16":
-        raise ConfigError("fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16); use bf16 or fp32 here")
+        raise ConfigError(
+            "fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16); use bf16 or fp32 here"
+        )
     scheduler = {
         "type": "WarmupDecayLR" if o.decay == "linear" else "WarmupLR",
         "params": {
@@ -111,13 +116,24 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | None = None)
         },
     }
     if o.decay == "linear":
-        scheduler["params"]["total_num_steps"] = r.max_steps  # eq. of §A.2: linear decay to 0 at the last step
+        scheduler["params"]["total_num_steps"] = (
+            r.max_steps
+        )  # eq. of §A.2: linear decay to 0 at the last step
     zero = {"stage": r.zero_stage}
     if r.zero_stage in (1, 2):
-        zero.update(overlap_comm=not cpu, contiguous_gradients=True, reduce_scatter=True,
-                    allgather_bucket_size=int(5e8), reduce_bucket_size=int(5e8))
+        zero.update(
+            overlap_comm=not cpu,
+            contiguous_gradients=True,
+            reduce_scatter=True,
+            allgather_bucket_size=int(5e8),
+            reduce_bucket_size=int(5e8),
+        )
     if r.zero_stage == 3:
-        zero.update(overlap_comm=not cpu, contiguous_gradients=True, stage3_gather_16bit_weights_on_model_save=False)
+        zero.update(
+            overlap_comm=not cpu,
+            contiguous_gradients=True,
+            stage3_gather_16bit_weights_on_model_save=False,
+        )
     return {
         "train_micro_batch_size_per_gpu": r.micro_batch,
         "gradient_accumulation_steps": r.grad_accum,
@@ -126,7 +142,10 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | None = None)
         "optimizer": {
             "type": "AdamW",
             "params": {
-                "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+                "lr": o.lr,
+                "betas": list(o.betas),
+                "eps": o.eps,
+                "weight_decay": o.weight_decay,
                 # torch.optim.AdamW on CPU: DeepSpeed's fused Adam would JIT-build a CUDA/C++ op
                 "torch_adam": cpu,
             },
@@ -166,9 +185,15 @@ def resolved_deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | Non
     except (OSError, json.JSONDecodeError) as err:
         raise ConfigError(f"--deepspeed-config {path}: {err}") from err
     merged = merge(built, override)
-    batch = merged["train_micro_batch_size_per_gpu"] * merged["gradient_accumulation_steps"] * world_size
+    batch = (
+        merged["train_micro_batch_size_per_gpu"]
+        * merged["gradient_accumulation_steps"]
+        * world_size
+    )
     if merged.get("train_batch_size") != batch:
-        merged["train_batch_size"] = batch  # the launcher's world size decides; keep DeepSpeed's identity true
+        merged["train_batch_size"] = (
+            batch  # the launcher's world size decides; keep DeepSpeed's identity true
+        )
     return merged
 
 
@@ -198,7 +223,9 @@ def build_engine(model: nn.Module, cfg: TrainConfig, ds_config: dict):
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=ds_config,
+        model=model,
+        model_parameters=param_groups(model, cfg.optim.weight_decay),
+        config=ds_config,
     )
     return engine
 
@@ -208,5 +235,7 @@ def loss_scale(engine) -> float | None:
     if not engine.fp16_enabled():
         return None
     optimizer = engine.optimizer
-    scale = getattr(optimizer, "cur_scale", None) or getattr(getattr(optimizer, "loss_scaler", None), "cur_scale", None)
+    scale = getattr(optimizer, "cur_scale", None) or getattr(
+        getattr(optimizer, "loss_scaler", None), "cur_scale", None
+    )
     return float(scale) if scale is not None else None

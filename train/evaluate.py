@@ -4,6 +4,7 @@ The validation split is read in file order with the fixed static masks (masking 
 figures of two runs or two archs are over the very same predictions. Every rank evaluates its own
 share of the rows; the sums are all-reduced, so the result does not depend on the world size.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,7 +24,13 @@ def masked_lm_sums(model, batch: dict) -> torch.Tensor:
     logits = logits.float()
     loss_sum = F.cross_entropy(logits, target, reduction="sum")
     correct = (logits.argmax(-1) == target).sum()
-    return torch.stack([loss_sum.double(), correct.double(), torch.tensor(float(target.numel()), dtype=torch.float64)])
+    return torch.stack(
+        [
+            loss_sum.double(),
+            correct.double(),
+            torch.tensor(float(target.numel()), dtype=torch.float64),
+        ]
+    )
 
 
 @torch.no_grad()
@@ -42,4 +49,8 @@ def evaluate(model, batches, device: torch.device, distributed: bool) -> dict:
     if was_training:
         model.train()
     n = max(totals[2].item(), 1.0)
-    return {"loss": totals[0].item() / n, "accuracy": totals[1].item() / n, "predictions": int(totals[2].item())}
+    return {
+        "loss": totals[0].item() / n,
+        "accuracy": totals[1].item() / n,
+        "predictions": int(totals[2].item()),
+    }

@@ -13,15 +13,20 @@
 The tokenizer is the export's sentencepiece model with the project's special ids
 ([PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4) on lower-cased text.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
-from pipeline.masking import CLS_ID as CLS, MASK_ID as MASK, PAD_ID as PAD, SEP_ID as SEP, UNK_ID as UNK  # noqa: F401
+from pipeline.masking import (
+    CLS_ID as CLS,  # noqa: F401
+    PAD_ID as PAD,
+    SEP_ID as SEP,
+)
 from pipeline.tokenizer import load as load_sentencepiece
 from shatter.checkpoint import CheckpointError
 
@@ -142,7 +147,9 @@ def span_windows(
         sp = ep = 0
         if gold is not None and start <= gold[0] and gold[1] < stop:
             sp, ep = gold[0] - start + offset, gold[1] - start + offset
-        windows.append(SpanWindow(example, ids, offset, begins[start:stop], ends[start:stop], sp, ep))
+        windows.append(
+            SpanWindow(example, ids, offset, begins[start:stop], ends[start:stop], sp, ep)
+        )
         if stop >= len(c_ids):
             return windows
         start += step

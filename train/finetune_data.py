@@ -7,21 +7,32 @@
 per-feature arrays of the evaluation pass. Metrics follow `train/task_metrics.py`; predictions are
 id -> label string (or float for regression), or for SQuAD the official `{id: answer}`.
 """
+
 from __future__ import annotations
 
 import collections
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from train import task_metrics as M
 from train.features import SpanWindow, Tokenizer, best_span, encode_pair, pad_batch, span_windows
-from train.tasks import TASKS, Examples, TaskDataError, TaskSpec, read_boolq, read_classify, read_glue, read_multirc, read_squad
+from train.tasks import (
+    TASKS,
+    Examples,
+    TaskDataError,
+    TaskSpec,
+    read_boolq,
+    read_classify,
+    read_glue,
+    read_multirc,
+    read_squad,
+)
 
 
 @dataclass(frozen=True)
@@ -29,14 +40,14 @@ class DataConfig:
     """What to read and how to cut it into model inputs."""
 
     task: str  # one of train.tasks.TASKS
-    train_file: Optional[Path] = None  # training file in the task's official format
-    validation_file: Optional[Path] = None  # None: hold out `validation_fraction` of train_file
+    train_file: Path | None = None  # training file in the task's official format
+    validation_file: Path | None = None  # None: hold out `validation_fraction` of train_file
     validation_fraction: float = 0.1  # share of train_file held out when no validation file
     max_len: int = 0  # tokens per input, [CLS] and [SEP]s included; 0: the checkpoint's max_len
     text_columns: tuple[str, ...] = ("text",)  # classify: one or two text columns
     label_column: str = "label"  # classify: the label column
-    id_column: Optional[str] = None  # classify: an id column (default: the row number)
-    labels: Optional[tuple[str, ...]] = None  # classify: label set in id order; other rows skipped
+    id_column: str | None = None  # classify: an id column (default: the row number)
+    labels: tuple[str, ...] | None = None  # classify: label set in id order; other rows skipped
     regression: bool = False  # classify: float labels, MSE, Pearson/Spearman
     doc_stride: int = 128  # SQuAD: tokens between the starts of consecutive context windows
     max_query_len: int = 64  # SQuAD: question tokens kept
@@ -74,7 +85,7 @@ class ClassificationData:
     """Sequence (pair) classification or regression; MultiRC groups options by question."""
 
     task: str
-    labels: Optional[tuple[str, ...]]  # None for regression
+    labels: tuple[str, ...] | None  # None for regression
     train_features: list[dict]
     eval_features: list[dict]
     skipped: dict[str, dict] = field(default_factory=dict)
@@ -107,7 +118,9 @@ class ClassificationData:
             scores = M.multirc_metrics(gold, preds, [f["group"] for f in self.eval_features])
         elif self.task == "classify":
             scores = M.accuracy(gold, preds)
-            majority = collections.Counter(f["label"] for f in self.train_features).most_common(1)[0][0]
+            majority = collections.Counter(f["label"] for f in self.train_features).most_common(1)[
+                0
+            ][0]
             scores["majority_accuracy"] = float(np.mean(np.asarray(gold) == majority))
         else:
             scores = M.CLASSIFICATION_METRICS[self.task](gold, preds)
@@ -151,7 +164,7 @@ class SpanData:
         return M.squad_metrics(predictions, golds), predictions
 
 
-def _label_set(cfg: DataConfig, spec: TaskSpec, train: Examples) -> Optional[tuple[str, ...]]:
+def _label_set(cfg: DataConfig, spec: TaskSpec, train: Examples) -> tuple[str, ...] | None:
     if spec.kind == "regression" or cfg.regression:
         return None
     if spec.labels is not None:
@@ -177,8 +190,14 @@ def _classification_features(
                 skipped[f"label not in {list(labels)}"] += 1
                 continue
             label = index[label]
-        features.append({"id": rid, "input_ids": encode_pair(ids_a[i], ids_b[i], max_len),
-                         "label": label, "group": group})
+        features.append(
+            {
+                "id": rid,
+                "input_ids": encode_pair(ids_a[i], ids_b[i], max_len),
+                "label": label,
+                "group": group,
+            }
+        )
     return features
 
 
@@ -190,11 +209,18 @@ def _span_features(examples: Examples, tokenizer: Tokenizer, cfg: DataConfig, tr
     ):
         golds = json.loads(label)
         answer = (start, start + len(golds[0])) if train else None
-        windows += span_windows(tokenizer, question, context, e, cfg.max_len, cfg.doc_stride,
-                                cfg.max_query_len, answer)
+        windows += span_windows(
+            tokenizer, question, context, e, cfg.max_len, cfg.doc_stride, cfg.max_query_len, answer
+        )
         records.append({"id": qid, "context": context, "golds": golds})
-    features = [{"input_ids": w.input_ids, "start_positions": w.start_position,
-                 "end_positions": w.end_position} for w in windows]
+    features = [
+        {
+            "input_ids": w.input_ids,
+            "start_positions": w.start_position,
+            "end_positions": w.end_position,
+        }
+        for w in windows
+    ]
     return features, windows, records
 
 
@@ -210,18 +236,30 @@ def build_task_data(cfg: DataConfig, tokenizer: Tokenizer):
         evaluation = read_examples(cfg, cfg.validation_file)
     for name, ex in (("train", train), ("validation", evaluation)):
         if len(ex.dataset) == 0:
-            raise TaskDataError(f"no usable {name} examples for task {cfg.task!r} "
-                                f"(skipped: {dict(ex.skipped)})")
+            raise TaskDataError(
+                f"no usable {name} examples for task {cfg.task!r} (skipped: {dict(ex.skipped)})"
+            )
     skipped = {"train": train.skipped, "validation": evaluation.skipped}
     if spec.kind == "span":
         train_features, _, _ = _span_features(train, tokenizer, cfg, train=True)
         eval_features, windows, records = _span_features(evaluation, tokenizer, cfg, train=False)
-        return SpanData(train_features, eval_features, records, windows, cfg.max_answer_len,
-                        {k: dict(v) for k, v in skipped.items()})
+        return SpanData(
+            train_features,
+            eval_features,
+            records,
+            windows,
+            cfg.max_answer_len,
+            {k: dict(v) for k, v in skipped.items()},
+        )
     labels = _label_set(cfg, spec, train)
-    train_features = _classification_features(train, labels, tokenizer, cfg.max_len, skipped["train"])
-    eval_features = _classification_features(evaluation, labels, tokenizer, cfg.max_len, skipped["validation"])
+    train_features = _classification_features(
+        train, labels, tokenizer, cfg.max_len, skipped["train"]
+    )
+    eval_features = _classification_features(
+        evaluation, labels, tokenizer, cfg.max_len, skipped["validation"]
+    )
     if not train_features or not eval_features:
         raise TaskDataError(f"no examples left after label mapping (skipped: {skipped})")
-    return ClassificationData(cfg.task, labels, train_features, eval_features,
-                              {k: dict(v) for k, v in skipped.items()})
+    return ClassificationData(
+        cfg.task, labels, train_features, eval_features, {k: dict(v) for k, v in skipped.items()}
+    )

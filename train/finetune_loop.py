@@ -6,13 +6,14 @@ with the trainer's config builder (train/engine.py), and runs. Every rank draws 
 batch order (seeded per epoch) and takes its slice, so the global batch is `batch_size` on any
 world size. Evaluation runs on rank 0 while the others wait.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -22,7 +23,9 @@ from train.finetune import FinetuneConfig, default_steps
 from train.finetune_data import SpanData, build_task_data
 
 
-def global_batches(n: int, batch_size: int, seed: int, rank: int, world: int) -> Iterator[list[int]]:
+def global_batches(
+    n: int, batch_size: int, seed: int, rank: int, world: int
+) -> Iterator[list[int]]:
     """This rank's share of each global batch, over reshuffled epochs without end: the global
     batches cut one stream, the concatenation of the permutations drawn from (seed, epoch)."""
     if batch_size % world:
@@ -51,14 +54,21 @@ def predict(model: torch.nn.Module, data, batch_size: int) -> dict[str, list[np.
     for start in range(0, len(features), batch_size):
         chunk = features[start : start + batch_size]
         batch = data.collate(chunk)
-        out = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
+        out = model(
+            input_ids=batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
+        )
         for key, value in out.items():
             if key == "loss" or value is None:
                 continue
             value = value.float().cpu().numpy()
             rows = outputs.setdefault(key, [])
             for i, f in enumerate(chunk):
-                rows.append(value[i, : len(f["input_ids"])] if value.ndim == 2 and key != "logits" else value[i])
+                rows.append(
+                    value[i, : len(f["input_ids"])]
+                    if value.ndim == 2 and key != "logits"
+                    else value[i]
+                )
     model.train(was_training)
     return outputs
 
@@ -78,7 +88,9 @@ def _save_best(module: torch.nn.Module, tokenizer: Path, out: Path) -> None:
     from shatter.sources import write_export
 
     copy = build_head(ShatterForMaskedLM(module.config), module.head_config())
-    copy.load_state_dict({k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()})
+    copy.load_state_dict(
+        {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    )
     write_export(copy, tokenizer, out, overwrite=True)
 
 
@@ -98,42 +110,71 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     checkpoint, run_dir = Path(cfg.run.checkpoint), Path(cfg.run.output)
     tokenizer_file = checkpoint / "tokenizer.model"
     if not tokenizer_file.is_file():
-        raise FileNotFoundError(f"{tokenizer_file}: the export has no tokenizer (re-export with one)")
+        raise FileNotFoundError(
+            f"{tokenizer_file}: the export has no tokenizer (re-export with one)"
+        )
     tokenizer = Tokenizer(tokenizer_file)
     backbone = shatter.from_pretrained(checkpoint)
     max_len = cfg.data.max_len or backbone.config.max_len
     if max_len > backbone.config.max_len:
-        raise ConfigError(f"--max-len {max_len} exceeds {checkpoint}'s max_len {backbone.config.max_len}; "
-                          f"extend it first: shatter-extend {checkpoint} --max-len {max_len} --output DIR")
+        raise ConfigError(
+            f"--max-len {max_len} exceeds {checkpoint}'s max_len {backbone.config.max_len}; "
+            f"extend it first: shatter-extend {checkpoint} --max-len {max_len} --output DIR"
+        )
     if tokenizer.vocab_size > backbone.config.vocab_size:
-        raise ConfigError(f"{tokenizer_file} has {tokenizer.vocab_size} pieces, more than the model's "
-                          f"vocab_size {backbone.config.vocab_size}")
+        raise ConfigError(
+            f"{tokenizer_file} has {tokenizer.vocab_size} pieces, more than the model's "
+            f"vocab_size {backbone.config.vocab_size}"
+        )
     data = build_task_data(dataclasses.replace(cfg.data, max_len=max_len), tokenizer)
     r = cfg.run
     steps = r.max_steps or default_steps(len(data.train_features), r.batch_size, r.epochs)
     optim = cfg.optim
     warmup = int(r.warmup_ratio * steps) if optim.warmup_steps < 0 else optim.warmup_steps
-    optim = dataclasses.replace(optim, warmup_steps=max(1, warmup))  # DeepSpeed's schedulers need >= 1
+    optim = dataclasses.replace(
+        optim, warmup_steps=max(1, warmup)
+    )  # DeepSpeed's schedulers need >= 1
 
     rank, world = init_distributed()
     torch.manual_seed(r.seed)
     model = _head(backbone, data, r.cls_strategy).train()
-    run_args = dataclasses.replace(RunArgs(), max_steps=steps, micro_batch=r.batch_size // world,
-                                   precision=r.precision, zero_stage=r.zero_stage, seed=r.seed,
-                                   deepspeed_config=r.deepspeed_config)
+    run_args = dataclasses.replace(
+        RunArgs(),
+        max_steps=steps,
+        micro_batch=r.batch_size // world,
+        precision=r.precision,
+        zero_stage=r.zero_stage,
+        seed=r.seed,
+        deepspeed_config=r.deepspeed_config,
+    )
     train_config = TrainConfig(optim=optim, run=run_args).validate()
     ds_config = resolved_deepspeed_config(train_config, world)
     engine = build_engine(model, train_config, ds_config)
     device = engine.device
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary = {"task": cfg.data.task, "main_metric": data.main_metric, "max_len": max_len, "steps": steps,
-               "train_features": len(data.train_features), "validation_features": len(data.eval_features),
-               "skipped": data.skipped, "evaluations": []}
+    summary = {
+        "task": cfg.data.task,
+        "main_metric": data.main_metric,
+        "max_len": max_len,
+        "steps": steps,
+        "train_features": len(data.train_features),
+        "validation_features": len(data.eval_features),
+        "skipped": data.skipped,
+        "evaluations": [],
+    }
     if rank == 0:
-        _write_json(run_dir / "config.json", {"config": cfg.to_dict(), "deepspeed": ds_config, "world_size": world,
-                                              "max_len": max_len, "steps": steps,
-                                              "labels": getattr(data, "labels", None)})
+        _write_json(
+            run_dir / "config.json",
+            {
+                "config": cfg.to_dict(),
+                "deepspeed": ds_config,
+                "world_size": world,
+                "max_len": max_len,
+                "steps": steps,
+                "labels": getattr(data, "labels", None),
+            },
+        )
         for split, counts in data.skipped.items():
             if counts:
                 print(f"{split}: skipped {sum(counts.values())} rows: {counts}", flush=True)
@@ -155,8 +196,15 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
             if step % r.log_every == 0 or step == steps:
                 lr, now = engine.get_lr()[0], time.time()
                 tokens_per_s = window_tokens / max(now - window_start, 1e-9)
-                writer.write({"step": step, "loss": window_loss / window_steps, "lr": lr,
-                              "tokens_per_s": round(tokens_per_s, 1), "elapsed_s": round(now - started, 2)})
+                writer.write(
+                    {
+                        "step": step,
+                        "loss": window_loss / window_steps,
+                        "lr": lr,
+                        "tokens_per_s": round(tokens_per_s, 1),
+                        "elapsed_s": round(now - started, 2),
+                    }
+                )
                 progress.update(window_steps, window_loss / window_steps, lr, tokens_per_s)
                 window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, now
             if step % r.eval_every and step != steps:
@@ -166,8 +214,10 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
                 record = {"step": step, **scores}
                 summary["evaluations"].append(record)
                 writer.write({"split": "validation", **record})
-                progress.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()
-                                                           if isinstance(v, float)))
+                progress.write(
+                    f"step {step}: "
+                    + ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if isinstance(v, float))
+                )
                 if best is None or scores[data.main_metric] > best[data.main_metric]:
                     best = record
                     _write_json(run_dir / "predictions.json", predictions)

@@ -7,6 +7,7 @@ metrics, validation, checkpoint, export, and a SIGTERM stop after saving. Dropou
 from (seed, stream position, rank) before every micro-batch, so a resumed run draws the same
 masks as an uninterrupted one without storing RNG state.
 """
+
 from __future__ import annotations
 
 import signal
@@ -16,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from pipeline.masking import mix64
 from train import checkpoint
 from train.config import TrainConfig
 from train.data import ShardStream, StreamPosition, train_loader, validation_stream
 from train.engine import loss_scale
 from train.evaluate import evaluate
-from pipeline.masking import mix64
 from train.metrics import MetricsWriter, Progress
 from train.shards import Index
 
@@ -77,21 +78,35 @@ def run_validation(ctx: RunContext, step: int, stream: ShardStream) -> dict:
     decoded on the first pass, not at every evaluation)."""
     batches = ({k: b[k] for k in MODEL_INPUTS} for b in stream)
     result = evaluate(ctx.engine, batches, ctx.engine.device, distributed=ctx.world > 1)
-    record = {"step": step, "split": "validation", "loss": result["loss"], "accuracy": result["accuracy"],
-              "predictions": result["predictions"]}
+    record = {
+        "step": step,
+        "split": "validation",
+        "loss": result["loss"],
+        "accuracy": result["accuracy"],
+        "predictions": result["predictions"],
+    }
     ctx.writer.write(record)
     return record
 
 
-def _log_line(ctx: RunContext, state: checkpoint.TrainState, lr: float, tokens_per_s: float) -> dict:
+def _log_line(
+    ctx: RunContext, state: checkpoint.TrainState, lr: float, tokens_per_s: float
+) -> dict:
     window = torch.tensor([state.window_loss, float(state.window_micro)], dtype=torch.float64)
     if ctx.world > 1:
         torch.distributed.all_reduce(window)
     loss = window[0].item() / window[1].item() if window[1] > 0 else float("nan")
-    record = {"step": state.step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "samples": state.samples,
-              "epoch": state.samples / ctx.index.rows("train"),
-              "tokens": state.tokens, "skipped_nonfinite": state.skipped_nonfinite,
-              "grad_norm": _grad_norm(ctx.engine)}
+    record = {
+        "step": state.step,
+        "loss": loss,
+        "lr": lr,
+        "tokens_per_s": tokens_per_s,
+        "samples": state.samples,
+        "epoch": state.samples / ctx.index.rows("train"),
+        "tokens": state.tokens,
+        "skipped_nonfinite": state.skipped_nonfinite,
+        "grad_norm": _grad_norm(ctx.engine),
+    }
     scale = loss_scale(ctx.engine)
     if scale is not None:
         record["loss_scale"] = scale
@@ -108,9 +123,13 @@ def _grad_norm(engine) -> float | None:
     return float(norm.item() if torch.is_tensor(norm) else norm)
 
 
-def save_and_export(ctx: RunContext, state: checkpoint.TrainState, export: bool, epoch_size: int) -> str:
+def save_and_export(
+    ctx: RunContext, state: checkpoint.TrainState, export: bool, epoch_size: int
+) -> str:
     position = StreamPosition(state.samples, epoch_size).to_dict()
-    name = checkpoint.save(ctx.engine, ctx.run_dir, state, ctx.cfg.to_dict(), position, ctx.cfg.run.keep_checkpoints)
+    name = checkpoint.save(
+        ctx.engine, ctx.run_dir, state, ctx.cfg.to_dict(), position, ctx.cfg.run.keep_checkpoints
+    )
     if export:
         checkpoint.export(ctx.engine, ctx.run_dir, name, ctx.index.tokenizer)
     return name
@@ -120,11 +139,25 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
     """Run until max_steps or SIGTERM; returns "complete" or "stopped"."""
     cfg, engine, run = ctx.cfg, ctx.engine, ctx.cfg.run
     epoch_size = ctx.index.rows("train")
-    loader = train_loader(ctx.index, cfg.data, batch_size=run.micro_batch, seq_len=ctx.seq_len, seed=run.seed,
-                          rank=ctx.rank, world_size=ctx.world, start=state.samples)
+    loader = train_loader(
+        ctx.index,
+        cfg.data,
+        batch_size=run.micro_batch,
+        seq_len=ctx.seq_len,
+        seed=run.seed,
+        rank=ctx.rank,
+        world_size=ctx.world,
+        start=state.samples,
+    )
     loader.worker_init_fn = _ignore_sigterm
-    validation = validation_stream(ctx.index, cfg.data, batch_size=run.micro_batch, seq_len=ctx.seq_len,
-                                   rank=ctx.rank, world_size=ctx.world)
+    validation = validation_stream(
+        ctx.index,
+        cfg.data,
+        batch_size=run.micro_batch,
+        seq_len=ctx.seq_len,
+        rank=ctx.rank,
+        world_size=ctx.world,
+    )
     batches = iter(loader)
     progress = Progress(ctx.rank, run.progress, state.step, run.max_steps)
     per_micro = run.micro_batch * ctx.world
@@ -138,8 +171,14 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
         inputs = {k: batch[k].to(engine.device) for k in MODEL_INPUTS}
         lr = engine.optimizer.param_groups[0]["lr"]
         loss = engine(**inputs)["loss"]
-        flags = torch.tensor([float(not torch.isfinite(loss.detach()).item()), float(ctx.stop.requested),
-                              float(batch["attention_mask"].sum())], dtype=torch.float64)
+        flags = torch.tensor(
+            [
+                float(not torch.isfinite(loss.detach()).item()),
+                float(ctx.stop.requested),
+                float(batch["attention_mask"].sum()),
+            ],
+            dtype=torch.float64,
+        )
         if ctx.world > 1:
             torch.distributed.all_reduce(flags)
         state.tokens += int(flags[2])
@@ -147,11 +186,14 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
         if flags[0] > 0:
             state.skipped_nonfinite += 1
             in_a_row += 1
-            progress.write(f"step {state.step + 1}: non-finite loss, micro-batch skipped ({state.skipped_nonfinite} so far)")
+            progress.write(
+                f"step {state.step + 1}: non-finite loss, micro-batch skipped ({state.skipped_nonfinite} so far)"
+            )
             if in_a_row >= run.max_nonfinite:
                 raise TrainingError(
                     f"the loss was NaN/inf for {in_a_row} micro-batches in a row at step {state.step + 1}: the run "
-                    f"has diverged; lower the lr or resume from an earlier checkpoint in {ctx.run_dir / 'checkpoints'}")
+                    f"has diverged; lower the lr or resume from an earlier checkpoint in {ctx.run_dir / 'checkpoints'}"
+                )
             if stop_seen and engine.micro_steps % run.grad_accum == 0:
                 save_and_export(ctx, state, False, epoch_size)
                 status = "stopped"
@@ -174,11 +216,15 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
             clock, tokens_at, steps_shown = now, state.tokens, state.step
         if _due(state.step, run.eval_every, run.max_steps):
             record = run_validation(ctx, state.step, validation)
-            progress.write(f"step {state.step}: validation loss {record['loss']:.4f} accuracy {record['accuracy']:.4f}")
+            progress.write(
+                f"step {state.step}: validation loss {record['loss']:.4f} accuracy {record['accuracy']:.4f}"
+            )
         export_now = _due(state.step, run.export_every, run.max_steps)
         if stop_seen or export_now or _due(state.step, run.save_every, run.max_steps):
             name = save_and_export(ctx, state, export_now, epoch_size)
-            progress.write(f"step {state.step}: checkpoint {name}" + (" and export" if export_now else ""))
+            progress.write(
+                f"step {state.step}: checkpoint {name}" + (" and export" if export_now else "")
+            )
         if stop_seen:
             status = "stopped"
             progress.write(f"SIGTERM: checkpoint saved at step {state.step}; exiting")

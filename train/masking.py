@@ -11,14 +11,23 @@ composition or resume point, and the loader keeps no RNG state.
 Static masking scatters one of the shards' stored maskings (`mask_positions` / `mask_inputs` /
 `mask_labels`) into the batch.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-from pipeline.masking import CLS_ID as CLS, MASK_ID as MASK, PAD_ID as PAD, SEP_ID as SEP  # noqa: F401
-from pipeline.masking import mask_batch, mix64, row_seeds
+from pipeline.masking import (  # noqa: F401  (re-exported: the trainer's special ids)
+    CLS_ID as CLS,
+    MASK_ID as MASK,
+    PAD_ID as PAD,
+    SEP_ID as SEP,
+    mask_batch,
+    mix64,
+    row_seeds,
+)
 
 IGNORE = -100  # label at positions that are not predicted (torch's cross-entropy ignore_index)
+
 
 def dynamic_seeds(seed: int, epoch: int, uid_B: np.ndarray) -> np.ndarray:
     """Seeds [B, 1] of sample ids `uid_B` in `epoch`: one fresh masking per sample and epoch."""
@@ -40,8 +49,15 @@ def dynamic_mask(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(input_ids, labels) int64 [B, L] for padded ids; labels are IGNORE where not predicted."""
     ids_BL = ids_BL.astype(np.int64, copy=False)
-    masks = mask_batch(ids_BL, lengths_B, word_start_BL, dynamic_seeds(seed, epoch, uid_B), vocab_size,
-                       rate=mask_prob, whole_word=whole_word)
+    masks = mask_batch(
+        ids_BL,
+        lengths_B,
+        word_start_BL,
+        dynamic_seeds(seed, epoch, uid_B),
+        vocab_size,
+        rate=mask_prob,
+        whole_word=whole_word,
+    )
     row = np.repeat(np.arange(len(ids_BL)), np.diff(masks.offsets))
     inputs = ids_BL.copy()
     labels = np.full(ids_BL.shape, IGNORE, dtype=np.int64)

@@ -12,6 +12,7 @@ forward on CPU while a saved-tensors hook records every tensor autograd keeps fo
 pass (parameters excluded, shared storages counted once). That is the activation memory of a
 training step; floating tensors are scaled from fp32 to the run's precision.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,9 @@ import torch
 from train.config import TrainConfig
 
 GIB = 1024**3
-CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspace and allocator slack: a rule of thumb, not measured
+CONTEXT_GIB = (
+    1.0  # CUDA context, cuBLAS workspace and allocator slack: a rule of thumb, not measured
+)
 
 
 @dataclass(frozen=True)
@@ -50,12 +53,21 @@ def model_states(params: int, precision: str, stage: int, gpus: int) -> ModelSta
     )
 
 
-def measure_activations(model: torch.nn.Module, batch: int, length: int, precision: str, vocab: int,
-                        mask_prob: float = 0.15, seed: int = 0) -> float:
+def measure_activations(
+    model: torch.nn.Module,
+    batch: int,
+    length: int,
+    precision: str,
+    vocab: int,
+    mask_prob: float = 0.15,
+    seed: int = 0,
+) -> float:
     """Bytes autograd saves for backward in one training forward of [batch, length] (CPU run)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, vocab, (batch, length), generator=gen)
-    labels = torch.where(torch.rand(batch, length, generator=gen) < mask_prob, ids, torch.full_like(ids, -100))
+    labels = torch.where(
+        torch.rand(batch, length, generator=gen) < mask_prob, ids, torch.full_like(ids, -100)
+    )
     mask = torch.ones_like(ids)
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, tuple[int, bool]] = {}
@@ -72,7 +84,8 @@ def measure_activations(model: torch.nn.Module, batch: int, length: int, precisi
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
-    del out, kept
+    del out
+    kept.clear()
     scale = 1.0 if precision == "fp32" else 0.5
     return sum(n * (scale if floating else 1.0) for n, floating in storages.values())
 
@@ -81,7 +94,9 @@ def estimate(cfg: TrainConfig, model: torch.nn.Module, seq_len: int, vocab: int)
     r = cfg.run
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     stages = {s: model_states(params, r.precision, s, r.num_gpus) for s in range(4)}
-    activations = measure_activations(model, r.micro_batch, seq_len, r.precision, vocab, cfg.data.mask_prob, r.seed)
+    activations = measure_activations(
+        model, r.micro_batch, seq_len, r.precision, vocab, cfg.data.mask_prob, r.seed
+    )
     chosen = stages[r.zero_stage].total + activations + CONTEXT_GIB * GIB
     return {
         "params": params,
@@ -116,7 +131,9 @@ def dry_run_report(cfg: TrainConfig) -> str:
     torch.manual_seed(cfg.run.seed)
     model = shatter.build_model(cfg.model.preset, **overrides)
     vocab = model.config.vocab_size
-    ds = resolved_deepspeed_config(cfg, cfg.run.num_gpus, cpu=False if cfg.run.precision == "fp16" else None)
+    ds = resolved_deepspeed_config(
+        cfg, cfg.run.num_gpus, cpu=False if cfg.run.precision == "fp16" else None
+    )
     est = estimate(cfg, model, seq_len, vocab)
     r = cfg.run
     lines = [
@@ -133,8 +150,10 @@ def dry_run_report(cfg: TrainConfig) -> str:
     for stage in range(4):
         w, g, o = est["stage_parts"][stage]
         mark = "  <- this run" if stage == r.zero_stage else ""
-        lines.append(f"ZeRO-{stage} model states: {est['stages'][stage] / GIB:6.2f} GiB "
-                     f"(weights {w / GIB:.2f}, grads {g / GIB:.2f}, optimizer {o / GIB:.2f}){mark}")
+        lines.append(
+            f"ZeRO-{stage} model states: {est['stages'][stage] / GIB:6.2f} GiB "
+            f"(weights {w / GIB:.2f}, grads {g / GIB:.2f}, optimizer {o / GIB:.2f}){mark}"
+        )
     verdict = "fits" if est["fits"] else "DOES NOT FIT"
     lines += [
         f"activations per micro-batch (measured on CPU, scaled to {r.precision}): {est['activations'] / GIB:.2f} GiB",

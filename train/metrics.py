@@ -5,6 +5,7 @@ Only rank 0 writes. metrics.jsonl has one JSON object per line: training lines
 "accuracy"}`. On a resume the lines after the checkpoint's step are dropped, so a restarted run's
 file reads as if it had never stopped.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,13 +52,20 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if not self.active:
             return
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in record.items()
+        }
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
         if self.tb is not None:
             prefix = record.get("split", "train")
             for key, value in record.items():
-                if key not in ("step", "split") and isinstance(value, (int, float)) and value is not None:
+                if (
+                    key not in ("step", "split")
+                    and isinstance(value, (int, float))
+                    and value is not None
+                ):
                     self.tb.add_scalar(f"{prefix}/{key}", value, record["step"])
 
     def close(self) -> None:
@@ -70,12 +78,21 @@ class Progress:
 
     def __init__(self, rank: int, enabled: bool, start: int, total: int):
         self.speaks = rank == 0
-        self.bar = tqdm(total=total, initial=start, desc="pretrain", unit="step", dynamic_ncols=True,
-                        disable=not (enabled and rank == 0), smoothing=0.05)
+        self.bar = tqdm(
+            total=total,
+            initial=start,
+            desc="pretrain",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (enabled and rank == 0),
+            smoothing=0.05,
+        )
 
     def update(self, steps: int, loss: float | None, lr: float, tokens_per_s: float) -> None:
         loss_text = f"{loss:.4f}" if loss is not None else "-"
-        self.bar.set_postfix_str(f"loss={loss_text} lr={lr:.2e} tok/s={tokens_per_s:,.0f}", refresh=False)
+        self.bar.set_postfix_str(
+            f"loss={loss_text} lr={lr:.2e} tok/s={tokens_per_s:,.0f}", refresh=False
+        )
         self.bar.update(steps)
 
     def write(self, text: str) -> None:

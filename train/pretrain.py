@@ -8,6 +8,7 @@ same --output resumes from the newest checkpoint in RUN/checkpoints; --dry-run p
 config, the DeepSpeed config, parameter counts and a per-GPU memory estimate without training.
 See docs/training.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,12 +37,16 @@ def _run(cfg: TrainConfig) -> str:
     from train.metrics import MetricsWriter, truncate_after
 
     if not cfg.data.path or not cfg.run.output:
-        raise ConfigError("--data and --output are required (or data.path and run.output in --config)")
+        raise ConfigError(
+            "--data and --output are required (or data.path and run.output in --config)"
+        )
     index = read_index(cfg.data.path)
     seq_len = cfg.data.seq_len or index.seq_len
     if seq_len > index.seq_len:
-        raise ConfigError(f"--seq-len {seq_len} is longer than the data's seq_len {index.seq_len} "
-                          f"({Path(cfg.data.path) / 'index.json'}); rebuild the shards with --seq-len {seq_len}")
+        raise ConfigError(
+            f"--seq-len {seq_len} is longer than the data's seq_len {index.seq_len} "
+            f"({Path(cfg.data.path) / 'index.json'}); rebuild the shards with --seq-len {seq_len}"
+        )
     for split in ("train", "validation"):
         index.shards(split)  # both splits present, or an error naming index.json
     stop = StopFlag()
@@ -60,15 +65,30 @@ def _run(cfg: TrainConfig) -> str:
     engine = build_engine(model, cfg, ds_config)
     state, position, saved_config = checkpoint.resume(engine, run_dir)
     if position is not None:
-        StreamPosition.from_dict(position, index.rows("train"))  # refuses a position on different data
+        StreamPosition.from_dict(
+            position, index.rows("train")
+        )  # refuses a position on different data
     if rank == 0:
         if saved_config is not None:
             changes = checkpoint.config_changes(saved_config, cfg.to_dict())
-            click.echo(f"resuming from step {state.step} (sample {state.samples})"
-                       + (": config changed: " + "; ".join(changes) if changes else ""), err=True)
+            click.echo(
+                f"resuming from step {state.step} (sample {state.samples})"
+                + (": config changed: " + "; ".join(changes) if changes else ""),
+                err=True,
+            )
             truncate_after(run_dir / "metrics.jsonl", state.step)
-        (run_dir / "config.json").write_text(json.dumps(
-            {"config": cfg.to_dict(), "deepspeed": ds_config, "world_size": world, "seq_len": seq_len}, indent=2) + "\n")
+        (run_dir / "config.json").write_text(
+            json.dumps(
+                {
+                    "config": cfg.to_dict(),
+                    "deepspeed": ds_config,
+                    "world_size": world,
+                    "seq_len": seq_len,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     writer = MetricsWriter(run_dir, rank, cfg.run.tensorboard)
     ctx = RunContext(cfg, index, engine, rank, world, run_dir, seq_len, writer, stop)
     try:
@@ -78,15 +98,26 @@ def _run(cfg: TrainConfig) -> str:
     finally:
         writer.close()
     if rank == 0:
-        where = (f"export in {run_dir / checkpoint.EXPORT}" if status == "complete" else
-                 f"checkpoint in {run_dir / 'checkpoints'}; run the same command again to resume")
-        click.echo(f"{status}: step {state.step}, {state.skipped_nonfinite} non-finite micro-batches skipped; "
-                   f"{where}", err=True)
+        where = (
+            f"export in {run_dir / checkpoint.EXPORT}"
+            if status == "complete"
+            else f"checkpoint in {run_dir / 'checkpoints'}; run the same command again to resume"
+        )
+        click.echo(
+            f"{status}: step {state.step}, {state.skipped_nonfinite} non-finite micro-batches skipped; "
+            f"{where}",
+            err=True,
+        )
     return status
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML config (sections model, data, optim, run).")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    help="YAML config (sections model, data, optim, run).",
+)
 @click.option("--data", help="Shard dataset directory (OUT of `shatter-data build`).")
 @click.option("--output", help="Run directory; an existing run there is resumed.")
 @click.option("--preset", help="Model preset, e.g. shatter-base, bert-tiny.")
@@ -97,20 +128,41 @@ def _run(cfg: TrainConfig) -> str:
 @click.option("--zero-stage", type=click.IntRange(0, 3), help="DeepSpeed ZeRO stage.")
 @click.option("--save-every", type=int, help="Steps between checkpoints.")
 @click.option("--eval-every", type=int, help="Steps between validation passes.")
-@click.option("--export-every", type=int, help="Steps between exports to RUN/export (always at the end).")
+@click.option(
+    "--export-every", type=int, help="Steps between exports to RUN/export (always at the end)."
+)
 @click.option("--log-every", type=int, help="Steps between metrics.jsonl lines.")
 @click.option("--seed", type=int, help="Seed of weights, shuffle, dynamic masks, dropout.")
-@click.option("--masking", type=click.Choice(["static", "dynamic"]), help="Stored masks by epoch, or fresh ones.")
+@click.option(
+    "--masking",
+    type=click.Choice(["static", "dynamic"]),
+    help="Stored masks by epoch, or fresh ones.",
+)
 @click.option("--whole-word/--no-whole-word", default=None, help="Dynamic masking of whole words.")
 @click.option("--seq-len", type=int, help="Truncate rows to this length (at most the data's).")
 @click.option("--num-workers", type=int, help="DataLoader workers per rank.")
 @click.option("--lr", type=float, help="Peak learning rate.")
 @click.option("--warmup-steps", type=int, help="Linear warm-up steps.")
 @click.option("--num-gpus", type=int, help="World size the config is written for (--dry-run).")
-@click.option("--deepspeed-config", type=click.Path(dir_okay=False), help="Expert: DeepSpeed JSON merged over the built one.")
+@click.option(
+    "--deepspeed-config",
+    type=click.Path(dir_okay=False),
+    help="Expert: DeepSpeed JSON merged over the built one.",
+)
 @click.option("--progress/--no-progress", default=None, help="tqdm progress bar on rank 0.")
-@click.option("--dry-run", is_flag=True, help="Print configs, parameter counts and a memory estimate; do not train.")
-@click.option("--local_rank", "--local-rank", "local_rank", type=int, hidden=True, help="Set by the deepspeed launcher.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print configs, parameter counts and a memory estimate; do not train.",
+)
+@click.option(
+    "--local_rank",
+    "--local-rank",
+    "local_rank",
+    type=int,
+    hidden=True,
+    help="Set by the deepspeed launcher.",
+)
 def main(config_file, dry_run, local_rank, **flags):
     """Pretrain a masked-LM encoder on a shard dataset with DeepSpeed."""
     try:

@@ -8,6 +8,7 @@ streaming's reader, we check the format version and each shard's sha256 before f
 A shard is decoded once into flat numpy arrays plus Arrow offsets (`Shard`), so that a batch is
 gathered with a few vectorised numpy calls instead of per-row Python.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,7 +19,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from pipeline.index_format import INDEX_FILE, TOKENIZER_FILE, DatasetError, missing_index, parse_index
+from pipeline.index_format import (
+    INDEX_FILE,
+    TOKENIZER_FILE,
+    DatasetError,
+    missing_index,
+    parse_index,
+)
 
 REQUIRED_COLUMNS = ("input_ids", "mask_positions", "mask_labels", "mask_inputs", "word_start")
 
@@ -47,7 +54,9 @@ class Index:
 
     def shards(self, split: str) -> tuple[ShardInfo, ...]:
         if split not in self.splits or not self.splits[split]:
-            raise DataError(f"{self.root / 'index.json'}: no {split!r} shards (splits: {sorted(self.splits)})")
+            raise DataError(
+                f"{self.root / 'index.json'}: no {split!r} shards (splits: {sorted(self.splits)})"
+            )
         return self.splits[split]
 
     def rows(self, split: str) -> int:
@@ -73,12 +82,16 @@ def read_index(root: str | Path, verify_tokenizer: bool = True) -> Index:
         if not path.is_file():
             raise missing_index(str(path), str(root))
         raw = parse_index(path.read_bytes(), str(path))
-    except DatasetError as err:  # the shared format check (pipeline/index_format.py), as a DataError
+    except (
+        DatasetError
+    ) as err:  # the shared format check (pipeline/index_format.py), as a DataError
         raise DataError(str(err)) from None
     try:
         tok = raw["tokenizer"]
         splits = {
-            name: tuple(ShardInfo(root / s["file"], int(s["rows"]), s["sha256"]) for s in split["shards"])
+            name: tuple(
+                ShardInfo(root / s["file"], int(s["rows"]), s["sha256"]) for s in split["shards"]
+            )
             for name, split in raw["splits"].items()
         }
         index = Index(
@@ -97,7 +110,9 @@ def read_index(root: str | Path, verify_tokenizer: bool = True) -> Index:
         if not index.tokenizer.is_file():
             raise DataError(f"{index.tokenizer}: tokenizer listed in {path} is missing")
         if sha256_file(index.tokenizer) != tok.get("sha256"):
-            raise DataError(f"{index.tokenizer}: sha256 differs from {path}; the tokenizer is not the one the shards were built with")
+            raise DataError(
+                f"{index.tokenizer}: sha256 differs from {path}; the tokenizer is not the one the shards were built with"
+            )
     return index
 
 
@@ -134,7 +149,9 @@ def load_shard(info: ShardInfo, verify: bool = True) -> Shard:
     if not info.file.is_file():
         raise DataError(f"shard {info.file} listed in index.json is missing")
     if verify and sha256_file(info.file) != info.sha256:
-        raise DataError(f"shard {info.file} is corrupted: its sha256 differs from index.json; rebuild or restore it")
+        raise DataError(
+            f"shard {info.file} is corrupted: its sha256 differs from index.json; rebuild or restore it"
+        )
     try:
         with pa.memory_map(str(info.file)) as source:
             table = ipc.open_stream(source).read_all()

@@ -12,12 +12,13 @@
 sklearn and scipy compute the standard ones; only the SQuAD normalisation and the MultiRC grouping
 are written here, because no maintained library ships them without a network download.
 """
+
 from __future__ import annotations
 
 import collections
 import re
 import string
-from typing import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 from scipy import stats

@@ -18,6 +18,7 @@ reports. Formats, as distributed:
 - `classify`: any CSV/TSV or JSON/JSONL file (compressed or not), `--text-columns a[,b]`,
   `--label-column c`.
 """
+
 from __future__ import annotations
 
 import bz2
@@ -28,7 +29,6 @@ import json
 import lzma
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import datasets
 
@@ -44,9 +44,9 @@ class GlueFormat:
     """Where one GLUE task keeps its fields in the distributed TSV."""
 
     text_a: str  # column of the first sentence
-    text_b: Optional[str]  # column of the second sentence, None for single-sentence tasks
+    text_b: str | None  # column of the second sentence, None for single-sentence tasks
     label: str  # column of the gold label
-    header: Optional[tuple[str, ...]] = None  # column names when the file has no header row
+    header: tuple[str, ...] | None = None  # column names when the file has no header row
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,13 @@ class TaskSpec:
 
     name: str
     kind: str  # "classification", "regression" or "span"
-    labels: Optional[tuple[str, ...]]  # label strings by id; None: taken from the data
-    glue: Optional[GlueFormat] = None  # set for the GLUE TSV tasks
+    labels: tuple[str, ...] | None  # label strings by id; None: taken from the data
+    glue: GlueFormat | None = None  # set for the GLUE TSV tasks
 
 
-_COLA = GlueFormat("sentence", None, "label", header=("source", "label", "original_label", "sentence"))
+_COLA = GlueFormat(
+    "sentence", None, "label", header=("source", "label", "original_label", "sentence")
+)
 TASKS: dict[str, TaskSpec] = {
     "cola": TaskSpec("cola", "classification", ("0", "1"), _COLA),
     "sst2": TaskSpec("sst2", "classification", ("0", "1"), GlueFormat("sentence", None, "label")),
@@ -173,7 +175,14 @@ def read_glue(spec: TaskSpec, path: Path) -> Examples:
         elif label not in spec.labels:
             skipped[f"label not in {list(spec.labels)}"] += 1
             continue
-        rows.append({"id": str(r.get("index") or r.get("id") or i), "text_a": a, "text_b": b, "label": label})
+        rows.append(
+            {
+                "id": str(r.get("index") or r.get("id") or i),
+                "text_a": a,
+                "text_b": b,
+                "label": label,
+            }
+        )
     return _build(rows, skipped)
 
 
@@ -198,10 +207,15 @@ def read_squad(path: Path) -> Examples:
                         skipped["answer text not found in context"] += 1
                         continue
                     skipped["answer_start corrected"] += 1
-                rows.append({
-                    "id": qa["id"], "text_a": qa["question"], "text_b": context,
-                    "label": json.dumps([a["text"] for a in answers]), "answer_start": start,
-                })
+                rows.append(
+                    {
+                        "id": qa["id"],
+                        "text_a": qa["question"],
+                        "text_b": context,
+                        "label": json.dumps([a["text"] for a in answers]),
+                        "answer_start": start,
+                    }
+                )
     return _build(rows, skipped)
 
 
@@ -214,8 +228,14 @@ def read_boolq(path: Path) -> Examples:
             skipped["missing question, passage or label"] += 1
             continue
         rid = r.get("idx", i)
-        rows.append({"id": str(i if rid is None else rid), "text_a": r["question"],
-                     "text_b": r["passage"], "label": str(bool(r["label"])).lower()})
+        rows.append(
+            {
+                "id": str(i if rid is None else rid),
+                "text_a": r["question"],
+                "text_b": r["passage"],
+                "label": str(bool(r["label"])).lower(),
+            }
+        )
     return _build(rows, skipped)
 
 
@@ -233,11 +253,15 @@ def read_multirc(path: Path) -> Examples:
                 if answer.get("label") is None or not answer.get("text"):
                     skipped["answer option without label or text"] += 1
                     continue
-                rows.append({
-                    "id": f"{group}-{answer['idx']}", "text_a": passage["text"],
-                    "text_b": f"{question['question']} {answer['text']}",
-                    "label": str(int(answer["label"])), "group": group,
-                })
+                rows.append(
+                    {
+                        "id": f"{group}-{answer['idx']}",
+                        "text_a": passage["text"],
+                        "text_b": f"{question['question']} {answer['text']}",
+                        "label": str(int(answer["label"])),
+                        "group": group,
+                    }
+                )
     if not rows:
         raise TaskDataError(f"{path}: no labelled MultiRC answer options found")
     return _build(rows, skipped)
@@ -248,7 +272,7 @@ def read_classify(
     text_columns: tuple[str, ...],
     label_column: str,
     regression: bool = False,
-    id_column: Optional[str] = None,
+    id_column: str | None = None,
 ) -> Examples:
     """Any CSV/TSV or JSON/JSONL table; rows with empty text or label are skipped and counted."""
     if not 1 <= len(text_columns) <= 2:
@@ -263,8 +287,12 @@ def read_classify(
             kwargs.update(sep="\t", quoting=csv.QUOTE_NONE)
         raw = _load(datasets.Dataset.from_csv, path, **kwargs)
     else:
-        raise TaskDataError(f"{path}: expected a .csv, .tsv, .json or .jsonl file (optionally .bz2/.gz/.xz)")
-    _need_columns(path, raw.column_names, [*text_columns, label_column] + ([id_column] if id_column else []))
+        raise TaskDataError(
+            f"{path}: expected a .csv, .tsv, .json or .jsonl file (optionally .bz2/.gz/.xz)"
+        )
+    _need_columns(
+        path, raw.column_names, [*text_columns, label_column] + ([id_column] if id_column else [])
+    )
     skipped, rows = collections.Counter(), []
     texts = [raw[c] for c in text_columns]
     ids = raw[id_column] if id_column else None
@@ -285,5 +313,12 @@ def read_classify(
         else:
             label = str(label).strip()
         rid = str(ids[i]) if ids is not None else str(i)
-        rows.append({"id": rid, "text_a": parts[0], "text_b": parts[1] if len(parts) > 1 else "", "label": label})
+        rows.append(
+            {
+                "id": rid,
+                "text_a": parts[0],
+                "text_b": parts[1] if len(parts) > 1 else "",
+                "label": label,
+            }
+        )
     return _build(rows, skipped)

@@ -6,11 +6,19 @@ for the §3.4 classification head; a class attribute `absolute_positions` tellin
 whether to add learnt absolute position embeddings (eq. 4). Each variant owns its position
 parameters (R, W^B) and its constant partition table.
 """
+
 from shatter.attention.multihead import (
-    BertAttention, NoPositionAttention, PartMaskAttention, RabAttention, RpeAttention,
+    BertAttention,
+    NoPositionAttention,
+    PartMaskAttention,
+    RabAttention,
+    RpeAttention,
 )
 from shatter.attention.single_head import (
-    OneHeadSigmoidAttention, OneHeadSoftmaxAttention, PartBiasAttention, ShatterAttention,
+    OneHeadSigmoidAttention,
+    OneHeadSoftmaxAttention,
+    PartBiasAttention,
+    ShatterAttention,
     SingleHeadPartitionAttention,
 )
 

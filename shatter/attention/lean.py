@@ -1,4 +1,4 @@
-"""Memory-lean partition mixing for the single-head archs (issue 3 §5).
+"""Memory-lean partition mixing for the single-head archs.
 
 The naive form of eq. 5 (and §3.3) broadcasts the single score matrix A (l x l) against the
 constant partition mask N (n x l x l) into the tensor A[h] = A ⊙ N[h] and keeps it for the
@@ -18,9 +18,8 @@ where skew maps G[i, r] to G[i, j - i + l - 1] as a zero-copy strided view (the 
 chunk one batched matmul, and freed at once. N is indexed from the layer's table chunk by
 chunk, never stored whole. `tests/shatter/test_model_lean.py` checks this against the naive reference.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -34,7 +33,7 @@ CHUNK_ELEMENTS = 1 << 24  # transient A ⊙ N[h0:h1] per chunk: at most 16M floa
 def table_window(table: torch.Tensor, L: int, dtype: torch.dtype) -> torch.Tensor:
     """T[:, r] = f_h(r - (L - 1)) for r in 0..2L-2: the columns of the table that length L uses."""
     m = (table.shape[1] + 1) // 2
-    return table[:, m - L: m + L - 1].to(dtype)
+    return table[:, m - L : m + L - 1].to(dtype)
 
 
 def skew(G: torch.Tensor) -> torch.Tensor:

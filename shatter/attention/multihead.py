@@ -9,6 +9,7 @@ References: Vaswani et al. 2017 (eq. 1-3 of the paper, §2); Shaw et al. 2018 as
 defines RPE in §2; T5's relative attention bias (Raffel et al. 2019, HF `T5Attention.
 _relative_position_bucket`); Part_Mask is eq. 4, §3.1.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,7 +59,9 @@ class BertAttention(nn.Module):
 
     def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         q, k, v = (_heads(f(x_BLD), self.n) for f in (self.query, self.key, self.value))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._bias(x_BLD, mask_BL), dropout_p=self._p())
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self._bias(x_BLD, mask_BL), dropout_p=self._p()
+        )
         return _merge(out)
 
     def _bias(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
@@ -69,7 +72,9 @@ class BertAttention(nn.Module):
         """§3.4: q = y W^Q, K = X W^K, V = X W^V, multi-head softmax over the layer's tokens."""
         q = _heads(self.query(y_BD)[:, None, :], self.n)
         k, v = _heads(self.key(x_BLD), self.n), _heads(self.value(x_BLD), self.n)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BL[:, None, None, :], dropout_p=self._p())
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask_BL[:, None, None, :], dropout_p=self._p()
+        )
         return _merge(out)[:, 0]
 
 
@@ -86,9 +91,14 @@ def t5_relative_bucket(rel_pos: torch.Tensor, num_buckets: int, max_distance: in
     bucket = (rel_pos > 0).long() * half
     dist = rel_pos.abs()
     exact = half // 2
-    log_bucket = exact + (
-        torch.log(dist.float().clamp_min(1) / exact) / math.log(max_distance / exact) * (half - exact)
-    ).long()
+    log_bucket = (
+        exact
+        + (
+            torch.log(dist.float().clamp_min(1) / exact)
+            / math.log(max_distance / exact)
+            * (half - exact)
+        ).long()
+    )
     log_bucket = log_bucket.clamp_max(half - 1)
     return bucket + torch.where(dist < exact, dist, log_bucket)
 
@@ -115,7 +125,9 @@ class RabAttention(BertAttention):
 
     def _bias(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         table = self.relative_attention_bias(self.buckets).t()  # [n, 2 max_len - 1]
-        bias = partition_mask(table, x_BLD.shape[1])[None]  # B[h, i, j] = W^B[bucket(j - i), h]: [1, n, L, L]
+        bias = partition_mask(table, x_BLD.shape[1])[
+            None
+        ]  # B[h, i, j] = W^B[bucket(j - i), h]: [1, n, L, L]
         pad = torch.zeros(mask_BL.shape, dtype=bias.dtype, device=bias.device)
         pad = pad.masked_fill(~mask_BL, torch.finfo(bias.dtype).min)
         return bias + pad[:, None, None, :]
@@ -141,7 +153,7 @@ class RpeAttention(BertAttention):
     def _relative(self, L: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of R that length L can reach, and the [L, L] index of clip(j - i) into them."""
         reach = min(L - 1, self.m - 1)
-        rows = self.relative_embeddings[self.m - 1 - reach: self.m + reach]
+        rows = self.relative_embeddings[self.m - 1 - reach : self.m + reach]
         pos = torch.arange(L, device=device)
         return rows, (pos[None, :] - pos[:, None]).clamp(-reach, reach) + reach
 

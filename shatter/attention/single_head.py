@@ -19,6 +19,7 @@ weights (the paper's eq. 5 has none, and the lean kernel would have to store its
 `config.lean_attention` picks the memory-lean kernel (shatter/attention/lean.py, the default)
 or the naive reference; both give the same values and gradients.
 """
+
 from __future__ import annotations
 
 import math

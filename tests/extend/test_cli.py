@@ -1,4 +1,5 @@
 """`shatter-extend` end to end on real exports: output, report, and every refusal writes nothing."""
+
 import json
 import subprocess
 import sys
@@ -20,10 +21,21 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory):
     root = tmp_path_factory.mktemp("tok")
-    (root / "c.txt").write_text("\n".join(f"the quick brown fox {i} jumps over lazy dogs {i * 7}" for i in range(300)))
-    spm.SentencePieceTrainer.train(input=str(root / "c.txt"), model_prefix=str(root / "t"), vocab_size=48, hard_vocab_limit=False,
-                                   pad_id=0, unk_id=1, bos_id=-1, eos_id=-1,
-                                   user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"], minloglevel=2)
+    (root / "c.txt").write_text(
+        "\n".join(f"the quick brown fox {i} jumps over lazy dogs {i * 7}" for i in range(300))
+    )
+    spm.SentencePieceTrainer.train(
+        input=str(root / "c.txt"),
+        model_prefix=str(root / "t"),
+        vocab_size=48,
+        hard_vocab_limit=False,
+        pad_id=0,
+        unk_id=1,
+        bos_id=-1,
+        eos_id=-1,
+        user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
+        minloglevel=2,
+    )
     return root / "t.model"
 
 
@@ -33,6 +45,7 @@ def export(tmp_path, tokenizer_file):
         path = tmp_path / f"export-{arch}"
         shatter.save_pretrained(tiny(arch), path, tokenizer=tokenizer_file if tokenizer else None)
         return path
+
     return make
 
 
@@ -40,18 +53,26 @@ def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-@pytest.mark.parametrize("arch, added", [("bert", (64 - OLD) * 32), ("shatter", 0), ("bert-rpe", 0)])
+@pytest.mark.parametrize(
+    "arch, added", [("bert", (64 - OLD) * 32), ("shatter", 0), ("bert-rpe", 0)]
+)
 def test_extends_an_export(export, tmp_path, arch, added):
     out = tmp_path / "extended"
     result = run(export(arch), "--max-len", 64, "--output", out, "--init", "copy")
     assert result.exit_code == 0, result.output
     assert f"total parameters added: {added:,}" in result.output
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.model",
+    ]
     assert json.loads((out / "config.json").read_text())["max_len"] == 64
     model, extended = shatter.from_pretrained(export(arch)), shatter.from_pretrained(out)
     ids, mask = inputs(OLD)
     with torch.no_grad():
-        torch.testing.assert_close(extended.encoder(ids, mask), model.encoder(ids, mask), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            extended.encoder(ids, mask), model.encoder(ids, mask), rtol=0, atol=1e-5
+        )
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # no temp dir left behind
 
 
@@ -65,12 +86,20 @@ def refused(result, out, message):
 
 def test_refuses_a_length_not_longer(export, tmp_path):
     out = tmp_path / "o"
-    refused(run(export(), "--max-len", OLD, "--output", out), out, "not larger than the model's max_len 16")
+    refused(
+        run(export(), "--max-len", OLD, "--output", out),
+        out,
+        "not larger than the model's max_len 16",
+    )
 
 
 def test_refuses_unknown_and_corrupt_checkpoints(export, tmp_path):
     out = tmp_path / "o"
-    refused(run(tmp_path / "nowhere", "--max-len", 64, "--output", out), out, "no such checkpoint directory")
+    refused(
+        run(tmp_path / "nowhere", "--max-len", 64, "--output", out),
+        out,
+        "no such checkpoint directory",
+    )
     stray = tmp_path / "stray"
     stray.mkdir()
     (stray / "notes.txt").write_text("hello")
@@ -85,7 +114,11 @@ def test_refuses_unknown_and_corrupt_checkpoints(export, tmp_path):
 
 def test_refuses_a_missing_tokenizer(export, tmp_path):
     out = tmp_path / "o"
-    refused(run(export(tokenizer=False), "--max-len", 64, "--output", out), out, "no tokenizer.model found")
+    refused(
+        run(export(tokenizer=False), "--max-len", 64, "--output", out),
+        out,
+        "no tokenizer.model found",
+    )
 
 
 def test_refuses_to_overwrite_unless_asked(export, tmp_path):
@@ -107,7 +140,9 @@ def test_without_the_train_extra_it_says_what_to_install():
     assert "Traceback" not in proc.stderr
 
 
-def test_a_checkpoint_without_a_stored_config_takes_the_runs_export_config(tmp_path, tokenizer_file):
+def test_a_checkpoint_without_a_stored_config_takes_the_runs_export_config(
+    tmp_path, tokenizer_file
+):
     """The last fallback of shatter.sources: RUN/export/config.json beside RUN/checkpoints/.
     (The model-states file is written the way DeepSpeed's ZeRO-0 stores `module`; the real
     DeepSpeed checkpoints are in test_deepspeed.py.)"""
@@ -124,8 +159,13 @@ def test_a_checkpoint_without_a_stored_config_takes_the_runs_export_config(tmp_p
     extended = shatter.from_pretrained(out)
     ids, mask = inputs(OLD)
     with torch.no_grad():
-        torch.testing.assert_close(extended.encoder(ids, mask), model.encoder(ids, mask), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            extended.encoder(ids, mask), model.encoder(ids, mask), rtol=0, atol=1e-5
+        )
     (tmp_path / "run" / "export" / "config.json").write_text('{"arch": "shatter", "colour": 1}')
     out = tmp_path / "o2"
-    refused(run(tag.parent, "--max-len", 64, "--output", out, "--tokenizer", tokenizer_file), out,
-            "export/config.json: unknown ModelConfig keys: colour")
+    refused(
+        run(tag.parent, "--max-len", 64, "--output", out, "--tokenizer", tokenizer_file),
+        out,
+        "export/config.json: unknown ModelConfig keys: colour",
+    )

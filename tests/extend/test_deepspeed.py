@@ -1,4 +1,5 @@
 """`shatter-extend` on a real DeepSpeed checkpoint (ZeRO-2, one rank, in a subprocess)."""
+
 import os
 import socket
 import subprocess
@@ -30,19 +31,47 @@ def free_port() -> int:
 def test_extends_a_deepspeed_checkpoint(tmp_path, tokenizer_file, stage):  # noqa: F811
     env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("deepspeed_checkpoint.py")), str(tmp_path / "checkpoints"),
-         str(stage), "fp32"], env=env, capture_output=True, text=True, timeout=900,  # a first JIT build under load is slow
+        [
+            sys.executable,
+            str(Path(__file__).with_name("deepspeed_checkpoint.py")),
+            str(tmp_path / "checkpoints"),
+            str(stage),
+            "fp32",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,  # a first JIT build under load is slow
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "extended"
-    result = CliRunner().invoke(main, [str(tmp_path / "checkpoints"), "--max-len", "32", "--output", str(out)])
-    assert result.exit_code != 0 and "no tokenizer.model found" in result.output and not out.exists()
-    result = CliRunner().invoke(main, [str(tmp_path / "checkpoints"), "--max-len", "32", "--output", str(out),
-                                       "--tokenizer", str(tokenizer_file)])
+    result = CliRunner().invoke(
+        main, [str(tmp_path / "checkpoints"), "--max-len", "32", "--output", str(out)]
+    )
+    assert (
+        result.exit_code != 0 and "no tokenizer.model found" in result.output and not out.exists()
+    )
+    result = CliRunner().invoke(
+        main,
+        [
+            str(tmp_path / "checkpoints"),
+            "--max-len",
+            "32",
+            "--output",
+            str(out),
+            "--tokenizer",
+            str(tokenizer_file),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert f"total parameters added: {16 * 64:,}" in result.output
-    reference, extended = shatter.from_pretrained(tmp_path / "reference"), shatter.from_pretrained(out)
+    reference, extended = (
+        shatter.from_pretrained(tmp_path / "reference"),
+        shatter.from_pretrained(out),
+    )
     assert extended.config.max_len == 32
     ids, mask = inputs(16)
     with torch.no_grad():
-        torch.testing.assert_close(extended.encoder(ids, mask), reference.encoder(ids, mask), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            extended.encoder(ids, mask), reference.encoder(ids, mask), rtol=0, atol=1e-5
+        )

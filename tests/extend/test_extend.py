@@ -1,4 +1,5 @@
 """Length extension: the property (old-length outputs unchanged) for every arch, and what changes."""
+
 import pytest
 import torch
 
@@ -9,8 +10,19 @@ OLD, NEW = 16, 40
 
 
 def tiny(arch: str, **overrides) -> torch.nn.Module:
-    fields = dict(vocab_size=50, hidden=32, layers=2, heads=4, ffn=64, max_len=OLD,
-                  dropout=0.0, attention_dropout=0.0, rpe_max_distance=8, rab_buckets=8, rab_max_distance=12)
+    fields = dict(
+        vocab_size=50,
+        hidden=32,
+        layers=2,
+        heads=4,
+        ffn=64,
+        max_len=OLD,
+        dropout=0.0,
+        attention_dropout=0.0,
+        rpe_max_distance=8,
+        rab_buckets=8,
+        rab_max_distance=12,
+    )
     fields.update(overrides)
     torch.manual_seed(0)
     return shatter.ShatterForMaskedLM(shatter.ModelConfig(arch=arch, **fields)).eval()
@@ -36,7 +48,9 @@ def test_outputs_at_the_old_length_are_unchanged(arch, init):
             before = model.encoder(ids, mask)
             after = extended.encoder(ids, mask)
             torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
-            torch.testing.assert_close(extended(ids, mask)["logits"], model(ids, mask)["logits"], rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                extended(ids, mask)["logits"], model(ids, mask)["logits"], rtol=0, atol=1e-5
+            )
         ids, mask = inputs(NEW)
         assert extended.encoder(ids, mask).shape == (3, NEW, 32)  # the new length runs
         with pytest.raises(ValueError, match="exceeds max_len"):
@@ -48,7 +62,9 @@ def test_outputs_at_the_old_length_are_unchanged(arch, init):
     if absolute:
         assert report.parameters_added == (NEW - OLD) * 32
     if arch in shatter.PARTITION_ARCHS:
-        assert report.rebuilt_buffers and all(s[-1] == 2 * NEW - 1 for s in report.rebuilt_buffers.values())
+        assert report.rebuilt_buffers and all(
+            s[-1] == 2 * NEW - 1 for s in report.rebuilt_buffers.values()
+        )
 
 
 @pytest.mark.parametrize("arch", ["bert", "bert-rab"])
@@ -58,12 +74,19 @@ def test_new_position_rows(arch):
     copy, _ = extend_model(model, NEW, init="copy")
     rows = copy.encoder.embeddings.position_embeddings.weight.detach()
     assert torch.equal(rows[:OLD], old)
-    assert torch.equal(rows[OLD : 2 * OLD], old) and torch.equal(rows[2 * OLD :], old[: NEW - 2 * OLD])
+    assert torch.equal(rows[OLD : 2 * OLD], old) and torch.equal(
+        rows[2 * OLD :], old[: NEW - 2 * OLD]
+    )
     random, _ = extend_model(model, 4096, init="random", seed=3)
     new = random.encoder.embeddings.position_embeddings.weight.detach()[OLD:]
-    assert abs(new.std().item() - 0.5) < 0.02 and abs(new.mean().item()) < 0.02  # the pretraining init
+    assert (
+        abs(new.std().item() - 0.5) < 0.02 and abs(new.mean().item()) < 0.02
+    )  # the pretraining init
     again, _ = extend_model(model, 4096, init="random", seed=3)
-    assert torch.equal(again.encoder.embeddings.position_embeddings.weight, random.encoder.embeddings.position_embeddings.weight)
+    assert torch.equal(
+        again.encoder.embeddings.position_embeddings.weight,
+        random.encoder.embeddings.position_embeddings.weight,
+    )
 
 
 def test_refuses_a_length_that_is_not_longer():

@@ -1,4 +1,5 @@
 """Fixtures for the finetuning tests: a synthetic corpus, its sentencepiece model, task files."""
+
 import json
 import random
 from pathlib import Path
@@ -8,7 +9,9 @@ import sentencepiece as spm
 
 POSITIVE = "good great fine lovely superb brilliant charming moving fresh witty".split()
 NEGATIVE = "bad awful dull boring weak tedious clumsy stale flat messy".split()
-FILLER = "the film movie plot story actor scene script director cast and was is a of this it".split()
+FILLER = (
+    "the film movie plot story actor scene script director cast and was is a of this it".split()
+)
 
 
 def sentence(rng: random.Random, words: list[str], n: int = 8) -> str:
@@ -24,7 +27,13 @@ def sentiment_rows(n: int, seed: int = 0) -> list[dict]:
         cue = POSITIVE if label else NEGATIVE
         words = [rng.choice(FILLER) for _ in range(6)] + [rng.choice(cue) for _ in range(3)]
         rng.shuffle(words)
-        rows.append({"id": f"r{i}", "review": " ".join(words).capitalize() + ".", "sentiment": ["neg", "pos"][label]})
+        rows.append(
+            {
+                "id": f"r{i}",
+                "review": " ".join(words).capitalize() + ".",
+                "sentiment": ["neg", "pos"][label],
+            }
+        )
     return rows
 
 
@@ -39,12 +48,21 @@ def squad_json(n_paragraphs: int, seed: int = 0) -> dict:
         after = sentence(rng, FILLER, rng.randint(5, 60))
         context = f"{before.capitalize()}. The {name} is painted {colour.upper()} today. {after}."
         start = context.index(colour.upper())
-        paragraphs.append({
-            "context": context,
-            "qas": [{"id": f"q{p}", "question": f"What colour is the {name}?",
-                     "answers": [{"text": colour.upper(), "answer_start": start},
-                                 {"text": f"{colour.upper()} today", "answer_start": start}]}],
-        })
+        paragraphs.append(
+            {
+                "context": context,
+                "qas": [
+                    {
+                        "id": f"q{p}",
+                        "question": f"What colour is the {name}?",
+                        "answers": [
+                            {"text": colour.upper(), "answer_start": start},
+                            {"text": f"{colour.upper()} today", "answer_start": start},
+                        ],
+                    }
+                ],
+            }
+        )
     return {"version": "1.1", "data": [{"title": "colours", "paragraphs": paragraphs}]}
 
 
@@ -54,14 +72,25 @@ def tokenizer_model(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("spm")
     rng = random.Random(1)
     lines = [r["review"] for r in sentiment_rows(400)]
-    lines += [p["context"] + " " + p["qas"][0]["question"] for p in squad_json(200)["data"][0]["paragraphs"]]
+    lines += [
+        p["context"] + " " + p["qas"][0]["question"]
+        for p in squad_json(200)["data"][0]["paragraphs"]
+    ]
     lines += [sentence(rng, FILLER + POSITIVE + NEGATIVE, 12) for _ in range(200)]
     corpus = root / "corpus.txt"
     corpus.write_text("\n".join(line.lower() for line in lines))
     spm.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(root / "tokenizer"), vocab_size=200,
-        pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
-        user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"], minloglevel=2,
+        input=str(corpus),
+        model_prefix=str(root / "tokenizer"),
+        vocab_size=200,
+        pad_id=0,
+        unk_id=1,
+        bos_id=-1,
+        eos_id=-1,
+        pad_piece="[PAD]",
+        unk_piece="[UNK]",
+        user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
+        minloglevel=2,
     )
     return root / "tokenizer.model"
 
@@ -71,4 +100,5 @@ def write_jsonl():
     def write(path: Path, rows: list[dict]) -> Path:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return path
+
     return write

@@ -1,4 +1,5 @@
 """The finetuning config: the paper's defaults per task, YAML sections, unknown keys rejected."""
+
 import pytest
 
 from train.config import ConfigError
@@ -11,13 +12,19 @@ def test_paper_defaults():
     cfg = resolve(None, BASE)
     assert cfg.optim.lr == 5e-6  # CoLA and SST-2 (§4.2.1)
     assert resolve(None, {**BASE, "task": "mnli"}).optim.lr == 1e-5
-    assert cfg.run.batch_size == 16 and cfg.run.eval_every == 1000 and cfg.run.cls_strategy == "modified"
+    assert (
+        cfg.run.batch_size == 16
+        and cfg.run.eval_every == 1000
+        and cfg.run.cls_strategy == "modified"
+    )
     assert resolve(None, {**BASE, "lr": 3e-5}).optim.lr == 3e-5
 
 
 def test_yaml_then_flags(tmp_path):
     path = tmp_path / "ft.yaml"
-    path.write_text("data:\n  text_columns: [a, b]\n  label_column: y\noptim:\n  lr: 2.0e-5\nrun:\n  eval_every: 50\n")
+    path.write_text(
+        "data:\n  text_columns: [a, b]\n  label_column: y\noptim:\n  lr: 2.0e-5\nrun:\n  eval_every: 50\n"
+    )
     cfg = resolve(str(path), {**BASE, "task": "classify", "eval_every": 10})
     assert cfg.data.text_columns == ("a", "b") and cfg.optim.lr == 2e-5 and cfg.run.eval_every == 10
 

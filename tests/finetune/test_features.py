@@ -1,4 +1,5 @@
 """Pair encoding, SQuAD windows and the span decoder on a real sentencepiece model."""
+
 import numpy as np
 import pytest
 
@@ -40,9 +41,15 @@ def test_tokenizer_refuses_a_model_without_the_special_ids(tmp_path, tokenizer_m
 
     with pytest.raises(FileNotFoundError, match="tokenizer model not found"):
         Tokenizer(tmp_path / "missing.model")
-    (tmp_path / "corpus.txt").write_text("\n".join(f"line {i} of a small corpus, words {i * 7}" for i in range(200)))
-    spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "plain"),
-                                   vocab_size=60, minloglevel=2)  # sentencepiece's own ids: <unk>=0 <s>=1 </s>=2
+    (tmp_path / "corpus.txt").write_text(
+        "\n".join(f"line {i} of a small corpus, words {i * 7}" for i in range(200))
+    )
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "corpus.txt"),
+        model_prefix=str(tmp_path / "plain"),
+        vocab_size=60,
+        minloglevel=2,
+    )  # sentencepiece's own ids: <unk>=0 <s>=1 </s>=2
     with pytest.raises(CheckpointError, match=r"plain.model: tokenizer has \[PAD\] at id"):
         Tokenizer(tmp_path / "plain.model")
     (tmp_path / "junk.model").write_bytes(b"not a model")
@@ -83,8 +90,14 @@ def test_windows_cover_the_context_and_find_the_answer(tokenizer_model, max_len,
             sl = np.full(len(w.input_ids), -5.0)
             el = np.full(len(w.input_ids), -5.0)
             sl[w.start_position], el[w.end_position] = 5.0, 5.0
-            logits = [(sl, el) if x is w else (np.zeros(len(x.input_ids)), np.zeros(len(x.input_ids))) for x in windows]
-            assert best_span(windows, [s for s, _ in logits], [e for _, e in logits], context) == answer["text"]
+            logits = [
+                (sl, el) if x is w else (np.zeros(len(x.input_ids)), np.zeros(len(x.input_ids)))
+                for x in windows
+            ]
+            assert (
+                best_span(windows, [s for s, _ in logits], [e for _, e in logits], context)
+                == answer["text"]
+            )
 
 
 def test_best_span_respects_order_and_length():

@@ -1,4 +1,5 @@
 """A few-step finetune end to end, on task files the tests write, through the command line."""
+
 import csv
 import json
 
@@ -15,9 +16,12 @@ from .conftest import sentiment_rows, squad_json
 def export(tmp_path, tokenizer_model):
     def make(arch="shatter", max_len=64):
         path = tmp_path / f"export-{arch}"
-        model = shatter.build_model(f"{arch}-tiny", vocab_size=200, max_len=max_len, hidden=32, ffn=64)
+        model = shatter.build_model(
+            f"{arch}-tiny", vocab_size=200, max_len=max_len, hidden=32, ffn=64
+        )
         shatter.save_pretrained(model, path, tokenizer=tokenizer_model)
         return path
+
     return make
 
 
@@ -39,9 +43,32 @@ def test_classify_learns_the_synthetic_sentiment(tmp_path, export, strategy):
     train = write_csv(tmp_path / "train.csv", sentiment_rows(320, seed=0))
     dev = write_csv(tmp_path / "dev.csv", sentiment_rows(80, seed=1))
     out = tmp_path / "run"
-    result = run("--task", "classify", "--checkpoint", export(), "--train-file", train, "--validation-file", dev,
-                 "--text-columns", "review", "--label-column", "sentiment", "--id-column", "id",
-                 "--output", out, "--max-steps", 60, "--eval-every", 30, "--lr", 1e-3, "--cls-strategy", strategy)
+    result = run(
+        "--task",
+        "classify",
+        "--checkpoint",
+        export(),
+        "--train-file",
+        train,
+        "--validation-file",
+        dev,
+        "--text-columns",
+        "review",
+        "--label-column",
+        "sentiment",
+        "--id-column",
+        "id",
+        "--output",
+        out,
+        "--max-steps",
+        60,
+        "--eval-every",
+        30,
+        "--lr",
+        1e-3,
+        "--cls-strategy",
+        strategy,
+    )
     assert result.exit_code == 0, result.output
     metrics = json.loads((out / "metrics.json").read_text())
     assert [e["step"] for e in metrics["evaluations"]] == [30, 60]
@@ -49,7 +76,10 @@ def test_classify_learns_the_synthetic_sentiment(tmp_path, export, strategy):
     assert metrics["best"]["accuracy"] == max(e["accuracy"] for e in metrics["evaluations"])
     assert metrics["best"]["accuracy"] > 0.8  # the cue words decide the label
     predictions = json.loads((out / "predictions.json").read_text())
-    assert set(predictions) == {f"r{i}" for i in range(80)} and set(predictions.values()) <= {"pos", "neg"}
+    assert set(predictions) == {f"r{i}" for i in range(80)} and set(predictions.values()) <= {
+        "pos",
+        "neg",
+    }
     best = shatter.from_pretrained(out / "best")
     assert best.head_config()["strategy"] == strategy
     assert (out / "best" / "tokenizer.model").is_file() and list((out / "tensorboard").iterdir())
@@ -61,61 +91,171 @@ def test_squad_runs_and_writes_official_predictions(tmp_path, export):
     train.write_text(json.dumps(squad_json(120, seed=0)))
     dev.write_text(json.dumps(squad_json(30, seed=1)))
     out = tmp_path / "run"
-    result = run("--task", "squad", "--checkpoint", export("bert", max_len=64), "--train-file", train,
-                 "--validation-file", dev, "--output", out, "--max-steps", 20, "--eval-every", 10, "--lr", 1e-3,
-                 "--doc-stride", 24)
+    result = run(
+        "--task",
+        "squad",
+        "--checkpoint",
+        export("bert", max_len=64),
+        "--train-file",
+        train,
+        "--validation-file",
+        dev,
+        "--output",
+        out,
+        "--max-steps",
+        20,
+        "--eval-every",
+        10,
+        "--lr",
+        1e-3,
+        "--doc-stride",
+        24,
+    )
     assert result.exit_code == 0, result.output
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["validation_features"] > 30  # long contexts became several windows
     predictions = json.loads((out / "predictions.json").read_text())
     assert set(predictions) == {f"q{i}" for i in range(30)}
-    contexts = {p["qas"][0]["id"]: p["context"] for p in squad_json(30, seed=1)["data"][0]["paragraphs"]}
-    assert all(answer in contexts[qid] for qid, answer in predictions.items())  # spans of the context
+    contexts = {
+        p["qas"][0]["id"]: p["context"] for p in squad_json(30, seed=1)["data"][0]["paragraphs"]
+    }
+    assert all(
+        answer in contexts[qid] for qid, answer in predictions.items()
+    )  # spans of the context
     assert 0 <= metrics["best"]["exact_match"] <= metrics["best"]["f1"] <= 100
 
 
 def test_refuses_a_length_beyond_the_checkpoint(tmp_path, export):
     train = write_csv(tmp_path / "train.csv", sentiment_rows(20))
-    result = run("--task", "classify", "--checkpoint", export(max_len=32), "--train-file", train,
-                 "--text-columns", "review", "--label-column", "sentiment", "--output", tmp_path / "run",
-                 "--max-len", 128)
-    assert result.exit_code != 0 and "shatter-extend" in result.output and "Traceback" not in result.output
+    result = run(
+        "--task",
+        "classify",
+        "--checkpoint",
+        export(max_len=32),
+        "--train-file",
+        train,
+        "--text-columns",
+        "review",
+        "--label-column",
+        "sentiment",
+        "--output",
+        tmp_path / "run",
+        "--max-len",
+        128,
+    )
+    assert (
+        result.exit_code != 0
+        and "shatter-extend" in result.output
+        and "Traceback" not in result.output
+    )
 
 
 def test_names_the_file_with_a_missing_column(tmp_path, export):
     train = write_csv(tmp_path / "train.csv", sentiment_rows(20))
-    result = run("--task", "classify", "--checkpoint", export(), "--train-file", train,
-                 "--text-columns", "body", "--label-column", "sentiment", "--output", tmp_path / "run")
-    assert result.exit_code != 0 and "train.csv" in result.output and "missing column" in result.output
+    result = run(
+        "--task",
+        "classify",
+        "--checkpoint",
+        export(),
+        "--train-file",
+        train,
+        "--text-columns",
+        "body",
+        "--label-column",
+        "sentiment",
+        "--output",
+        tmp_path / "run",
+    )
+    assert (
+        result.exit_code != 0 and "train.csv" in result.output and "missing column" in result.output
+    )
 
 
 def test_regression_and_multirc_grouping(tmp_path, export, write_jsonl):
     rows = sentiment_rows(48)
     sts = tmp_path / "sts.tsv"
-    sts.write_text("index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n" + "".join(
-        f"{i}\tg\tf\ty\to\ts\ts\t{r['review']}\t{rows[i - 1]['review']}\t{i % 6}.000\n" for i, r in enumerate(rows)))
-    result = run("--task", "stsb", "--checkpoint", export(), "--train-file", sts, "--validation-file", sts,
-                 "--output", tmp_path / "sts", "--max-steps", 4, "--lr", 1e-3)
+    sts.write_text(
+        "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+        + "".join(
+            f"{i}\tg\tf\ty\to\ts\ts\t{r['review']}\t{rows[i - 1]['review']}\t{i % 6}.000\n"
+            for i, r in enumerate(rows)
+        )
+    )
+    result = run(
+        "--task",
+        "stsb",
+        "--checkpoint",
+        export(),
+        "--train-file",
+        sts,
+        "--validation-file",
+        sts,
+        "--output",
+        tmp_path / "sts",
+        "--max-steps",
+        4,
+        "--lr",
+        1e-3,
+    )
     assert result.exit_code == 0, result.output
     metrics = json.loads((tmp_path / "sts" / "metrics.json").read_text())
     assert metrics["main_metric"] == "spearman" and {"pearson", "spearman"} <= set(metrics["best"])
     predictions = json.loads((tmp_path / "sts" / "predictions.json").read_text())
     assert len(predictions) == 48 and all(isinstance(v, float) for v in predictions.values())
 
-    mrc = write_jsonl(tmp_path / "mrc.jsonl", [{"idx": p, "passage": {"text": rows[p]["review"], "questions": [
-        {"idx": q, "question": "is it good?", "answers": [
-            {"idx": a, "text": rows[p + q + a]["review"], "label": (p + a) % 2} for a in range(3)]}
-        for q in range(2)]}} for p in range(8)])
-    result = run("--task", "multirc", "--checkpoint", export(), "--train-file", mrc, "--validation-file", mrc,
-                 "--output", tmp_path / "mrc", "--max-steps", 4, "--lr", 1e-3)
+    mrc = write_jsonl(
+        tmp_path / "mrc.jsonl",
+        [
+            {
+                "idx": p,
+                "passage": {
+                    "text": rows[p]["review"],
+                    "questions": [
+                        {
+                            "idx": q,
+                            "question": "is it good?",
+                            "answers": [
+                                {"idx": a, "text": rows[p + q + a]["review"], "label": (p + a) % 2}
+                                for a in range(3)
+                            ],
+                        }
+                        for q in range(2)
+                    ],
+                },
+            }
+            for p in range(8)
+        ],
+    )
+    result = run(
+        "--task",
+        "multirc",
+        "--checkpoint",
+        export(),
+        "--train-file",
+        mrc,
+        "--validation-file",
+        mrc,
+        "--output",
+        tmp_path / "mrc",
+        "--max-steps",
+        4,
+        "--lr",
+        1e-3,
+    )
     assert result.exit_code == 0, result.output
     metrics = json.loads((tmp_path / "mrc" / "metrics.json").read_text())
     predictions = json.loads((tmp_path / "mrc" / "predictions.json").read_text())
     assert metrics["main_metric"] == "f1a" and len(predictions) == 48
     # EM recomputed from the predictions: a question counts only if all three options are right.
     gold = {f"{p}-{q}-{a}": str((p + a) % 2) for p in range(8) for q in range(2) for a in range(3)}
-    em = sum(all(predictions[f"{p}-{q}-{a}"] == gold[f"{p}-{q}-{a}"] for a in range(3))
-             for p in range(8) for q in range(2)) / 16
+    em = (
+        sum(
+            all(predictions[f"{p}-{q}-{a}"] == gold[f"{p}-{q}-{a}"] for a in range(3))
+            for p in range(8)
+            for q in range(2)
+        )
+        / 16
+    )
     assert metrics["best"]["em"] == pytest.approx(em)
 
 
@@ -130,7 +270,9 @@ def test_global_batches_cut_one_stream_of_epoch_permutations(n, batch, world):
     from train.finetune_loop import global_batches
 
     steps = 3 * n // batch + 3
-    per_rank = [list(itertools.islice(global_batches(n, batch, 5, r, world), steps)) for r in range(world)]
+    per_rank = [
+        list(itertools.islice(global_batches(n, batch, 5, r, world), steps)) for r in range(world)
+    ]
     stream = []
     for step in range(steps):
         shares = [per_rank[r][step] for r in range(world)]
@@ -139,7 +281,9 @@ def test_global_batches_cut_one_stream_of_epoch_permutations(n, batch, world):
         for r, share in enumerate(shares):
             merged[r::world] = share
         stream += merged
-    epochs = np.concatenate([np.random.default_rng([5, e]).permutation(n) for e in range(len(stream) // n + 1)])
+    epochs = np.concatenate(
+        [np.random.default_rng([5, e]).permutation(n) for e in range(len(stream) // n + 1)]
+    )
     assert stream == epochs[: len(stream)].tolist()
     for e in range(len(stream) // n):
         assert sorted(stream[e * n : (e + 1) * n]) == list(range(n))

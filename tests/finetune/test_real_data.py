@@ -4,6 +4,7 @@ A tiny Shatter, randomly initialised (no pretraining in a unit test), with a sen
 trained here on the snippets, must beat the majority-class rate of the held-out split: the cue
 words of a review carry enough signal for a few hundred steps to find.
 """
+
 import bz2
 import collections
 import csv
@@ -27,8 +28,15 @@ def rt_export(shared_data, tmp_path_factory):
         texts = [row["text"].lower() for row in csv.DictReader(f)]
     (root / "corpus.txt").write_text("\n".join(" ".join(t.split()) for t in texts))
     spm.SentencePieceTrainer.train(
-        input=str(root / "corpus.txt"), model_prefix=str(root / "tokenizer"), vocab_size=2000,
-        pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
+        input=str(root / "corpus.txt"),
+        model_prefix=str(root / "tokenizer"),
+        vocab_size=2000,
+        pad_id=0,
+        unk_id=1,
+        bos_id=-1,
+        eos_id=-1,
+        pad_piece="[PAD]",
+        unk_piece="[UNK]",
         user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
         minloglevel=2,
     )
@@ -40,14 +48,36 @@ def rt_export(shared_data, tmp_path_factory):
 @pytest.mark.shared_data
 def test_rotten_tomatoes_beats_the_majority_class(shared_data, rt_export, tmp_path):
     out = tmp_path / "run"
-    result = CliRunner().invoke(main, [
-        "--task", "classify", "--checkpoint", str(rt_export), "--train-file", str(shared_data / RT),
-        "--text-columns", "text", "--label-column", "category", "--labels", "fresh,rotten",
-        "--output", str(out), "--max-steps", "200", "--eval-every", "200", "--lr", "1e-3",
-    ])
+    result = CliRunner().invoke(
+        main,
+        [
+            "--task",
+            "classify",
+            "--checkpoint",
+            str(rt_export),
+            "--train-file",
+            str(shared_data / RT),
+            "--text-columns",
+            "text",
+            "--label-column",
+            "category",
+            "--labels",
+            "fresh,rotten",
+            "--output",
+            str(out),
+            "--max-steps",
+            "200",
+            "--eval-every",
+            "200",
+            "--lr",
+            "1e-3",
+        ],
+    )
     assert result.exit_code == 0, result.output
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["skipped"]["train"] == {"label not in ['fresh', 'rotten']": 144}  # the 'plot' rows, counted
+    assert metrics["skipped"]["train"] == {
+        "label not in ['fresh', 'rotten']": 144
+    }  # the 'plot' rows, counted
     predictions = json.loads((out / "predictions.json").read_text())
     with io.TextIOWrapper(bz2.open(shared_data / RT), encoding="utf-8") as f:
         gold = {str(i): row["category"] for i, row in enumerate(csv.DictReader(f))}

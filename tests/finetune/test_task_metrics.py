@@ -1,4 +1,5 @@
 """Metric functions against cases worked out by hand."""
+
 import math
 
 import pytest

@@ -1,9 +1,18 @@
 """Readers of the official formats, on files written here in those formats."""
+
 import json
 
 import pytest
 
-from train.tasks import TASKS, TaskDataError, read_boolq, read_classify, read_glue, read_multirc, read_squad
+from train.tasks import (
+    TASKS,
+    TaskDataError,
+    read_boolq,
+    read_classify,
+    read_glue,
+    read_multirc,
+    read_squad,
+)
 
 
 def test_glue_tsv_keeps_quotes_literal_and_counts_malformed_lines(tmp_path):
@@ -18,7 +27,11 @@ def test_glue_tsv_keeps_quotes_literal_and_counts_malformed_lines(tmp_path):
         'it\'s "fine" really\t1\n'
     )
     ex = read_glue(TASKS["sst2"], path)
-    assert ex.dataset["text_a"] == ['"a quoted start and no closing quote', "plain text", 'it\'s "fine" really']
+    assert ex.dataset["text_a"] == [
+        '"a quoted start and no closing quote',
+        "plain text",
+        'it\'s "fine" really',
+    ]
     assert ex.dataset["label"] == ["1", "0", "1"]
     assert sum(ex.skipped.values()) == 3
     assert ex.skipped["malformed line (wrong number of tab-separated fields)"] == 1
@@ -26,7 +39,9 @@ def test_glue_tsv_keeps_quotes_literal_and_counts_malformed_lines(tmp_path):
 
 def test_cola_has_no_header(tmp_path):
     path = tmp_path / "train.tsv"
-    path.write_text("gj04\t1\t\tOur friends won't buy this analysis.\ngj04\t0\t*\tThey drank the pub.\n")
+    path.write_text(
+        "gj04\t1\t\tOur friends won't buy this analysis.\ngj04\t0\t*\tThey drank the pub.\n"
+    )
     ex = read_glue(TASKS["cola"], path)
     assert ex.dataset["text_a"] == ["Our friends won't buy this analysis.", "They drank the pub."]
     assert ex.dataset["label"] == ["1", "0"]
@@ -60,11 +75,36 @@ def test_missing_column_names_the_file(tmp_path):
 
 def test_squad_reader(tmp_path):
     context = "Denver won the game in 2016."
-    data = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": context, "qas": [
-        {"id": "a", "question": "Who won?", "answers": [{"text": "Denver", "answer_start": 0}]},
-        {"id": "b", "question": "When?", "answers": [{"text": "2016", "answer_start": 3}]},  # shifted
-        {"id": "c", "question": "Why?", "answers": [{"text": "luck", "answer_start": 0}]},
-    ]}]}]}
+    data = {
+        "version": "1.1",
+        "data": [
+            {
+                "title": "t",
+                "paragraphs": [
+                    {
+                        "context": context,
+                        "qas": [
+                            {
+                                "id": "a",
+                                "question": "Who won?",
+                                "answers": [{"text": "Denver", "answer_start": 0}],
+                            },
+                            {
+                                "id": "b",
+                                "question": "When?",
+                                "answers": [{"text": "2016", "answer_start": 3}],
+                            },  # shifted
+                            {
+                                "id": "c",
+                                "question": "Why?",
+                                "answers": [{"text": "luck", "answer_start": 0}],
+                            },
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
     path = tmp_path / "dev.json"
     path.write_text(json.dumps(data))
     ex = read_squad(path)
@@ -75,16 +115,42 @@ def test_squad_reader(tmp_path):
 
 
 def test_boolq_and_multirc(tmp_path, write_jsonl):
-    boolq = write_jsonl(tmp_path / "val.jsonl", [
-        {"question": "is it", "passage": "it is", "idx": 0, "label": True},
-        {"question": "is it not", "passage": "it is", "idx": 1, "label": False},
-    ])
+    boolq = write_jsonl(
+        tmp_path / "val.jsonl",
+        [
+            {"question": "is it", "passage": "it is", "idx": 0, "label": True},
+            {"question": "is it not", "passage": "it is", "idx": 1, "label": False},
+        ],
+    )
     ex = read_boolq(boolq)
     assert ex.dataset["label"] == ["true", "false"]
-    multirc = write_jsonl(tmp_path / "mrc.jsonl", [{"idx": 7, "version": 1.1, "passage": {"text": "P.", "questions": [
-        {"idx": 0, "question": "Q0?", "answers": [{"idx": 0, "text": "A", "label": 1}, {"idx": 1, "text": "B", "label": 0}]},
-        {"idx": 1, "question": "Q1?", "answers": [{"idx": 2, "text": "C", "label": 0}]},
-    ]}}])
+    multirc = write_jsonl(
+        tmp_path / "mrc.jsonl",
+        [
+            {
+                "idx": 7,
+                "version": 1.1,
+                "passage": {
+                    "text": "P.",
+                    "questions": [
+                        {
+                            "idx": 0,
+                            "question": "Q0?",
+                            "answers": [
+                                {"idx": 0, "text": "A", "label": 1},
+                                {"idx": 1, "text": "B", "label": 0},
+                            ],
+                        },
+                        {
+                            "idx": 1,
+                            "question": "Q1?",
+                            "answers": [{"idx": 2, "text": "C", "label": 0}],
+                        },
+                    ],
+                },
+            }
+        ],
+    )
     ex = read_multirc(multirc)
     assert ex.dataset["id"] == ["7-0-0", "7-0-1", "7-1-2"]
     assert ex.dataset["group"] == ["7-0", "7-0", "7-1"]
@@ -93,9 +159,14 @@ def test_boolq_and_multirc(tmp_path, write_jsonl):
 
 def test_classify_csv_and_jsonl(tmp_path, write_jsonl):
     csv_path = tmp_path / "reviews.csv"
-    csv_path.write_text('text,title,label\n"Great, really",t1,pos\n,t2,neg\n"Bad",t3,\n"Meh",t4,neg\n')
+    csv_path.write_text(
+        'text,title,label\n"Great, really",t1,pos\n,t2,neg\n"Bad",t3,\n"Meh",t4,neg\n'
+    )
     ex = read_classify(csv_path, ("text",), "label")
-    assert ex.dataset["text_a"] == ["Great, really", "Meh"] and ex.dataset["label"] == ["pos", "neg"]
+    assert ex.dataset["text_a"] == ["Great, really", "Meh"] and ex.dataset["label"] == [
+        "pos",
+        "neg",
+    ]
     assert ex.skipped == {"empty text": 1, "empty label": 1}
     pair = read_classify(csv_path, ("text", "title"), "label")
     assert pair.dataset["text_b"] == ["t1", "t4"]
@@ -107,6 +178,8 @@ def test_classify_csv_and_jsonl(tmp_path, write_jsonl):
 
 
 def test_real_rotten_tomatoes_reads(shared_data):
-    ex = read_classify(shared_data / "finetune" / "rotten_tomatoes_corpus.csv.bz2", ("text",), "category")
+    ex = read_classify(
+        shared_data / "finetune" / "rotten_tomatoes_corpus.csv.bz2", ("text",), "category"
+    )
     assert set(ex.dataset["label"]) == {"fresh", "rotten", "plot"}
     assert len(ex.dataset) > 5000

@@ -1,4 +1,5 @@
 """Fixtures: a small generated corpus and datasets built from it once per session."""
+
 import numpy as np
 import pytest
 
@@ -16,8 +17,10 @@ def generated_documents(n_docs: int, seed: int = 0) -> list[str]:
     for _ in range(n_docs):
         paragraphs = []
         for _ in range(rng.integers(1, 4)):
-            sentences = [" ".join(rng.choice(words, size=rng.integers(4, 15))).capitalize() + "."
-                         for _ in range(rng.integers(1, 6))]
+            sentences = [
+                " ".join(rng.choice(words, size=rng.integers(4, 15))).capitalize() + "."
+                for _ in range(rng.integers(1, 6))
+            ]
             paragraphs.append(" ".join(sentences))
         docs.append("\n".join(paragraphs))
     return docs
@@ -37,9 +40,18 @@ def corpus_dir(tmp_path_factory):
 
 
 def small_config(inputs, output, **overrides) -> BuildConfig:
-    base = dict(inputs=tuple(inputs), output=str(output), vocab_size=300, seq_len=64, dupe_factor=2,
-                num_shards=3, validation_fraction=0.1, tokenizer_sample=5000,
-                split_bytes=20_000, spill_rows=100)  # several read ranges and spills: real splitting
+    base = dict(
+        inputs=tuple(inputs),
+        output=str(output),
+        vocab_size=300,
+        seq_len=64,
+        dupe_factor=2,
+        num_shards=3,
+        validation_fraction=0.1,
+        tokenizer_sample=5000,
+        split_bytes=20_000,
+        spill_rows=100,
+    )  # several read ranges and spills: real splitting
     base.update(overrides)
     return BuildConfig(**base)
 

@@ -1,4 +1,5 @@
 """End to end: `build` on a generated corpus and on the real samples; the layout of DESIGN.md."""
+
 import json
 
 import datasets
@@ -18,7 +19,9 @@ from .conftest import generated_documents, quiet, small_config
 
 
 def _files(out):
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.suffix in (".arrow", ".model")}
+    return {
+        p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.suffix in (".arrow", ".model")
+    }
 
 
 def test_layout_and_index(built):
@@ -27,9 +30,16 @@ def test_layout_and_index(built):
     on_disk = json.loads((out / "index.json").read_text())
     assert on_disk == index and index["format"] == "shatter-shards" and index["version"] == 1
     assert [s["file"] for s in index["splits"]["train"]["shards"]] == [
-        f"train-{i:05d}-of-00003.arrow" for i in range(3)]
+        f"train-{i:05d}-of-00003.arrow" for i in range(3)
+    ]
     assert index["splits"]["validation"]["rows"] > 0 and index["splits"]["train"]["rows"] > 0
-    assert index["tokenizer"]["special_ids"] == {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
+    assert index["tokenizer"]["special_ids"] == {
+        "[PAD]": 0,
+        "[UNK]": 1,
+        "[CLS]": 2,
+        "[SEP]": 3,
+        "[MASK]": 4,
+    }
     assert index["counters"]["documents_read"] == 300
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp or work files left
     rows = [s["rows"] for s in index["splits"]["train"]["shards"]]
@@ -41,7 +51,10 @@ def test_shards_read_by_datasets_with_static_masks(built):
     out, index = built
     path = out / index["splits"]["train"]["shards"][0]["file"]
     with open(path, "rb") as f:
-        assert pa.ipc.open_stream(f).read_all().num_rows == index["splits"]["train"]["shards"][0]["rows"]
+        assert (
+            pa.ipc.open_stream(f).read_all().num_rows
+            == index["splits"]["train"]["shards"][0]["rows"]
+        )
     ds = datasets.Dataset.from_file(str(path))
     row = ds[0]
     assert len(row["input_ids"]) <= 64 and row["input_ids"][0] == 2 and row["input_ids"][-1] == 3
@@ -52,8 +65,11 @@ def test_shards_read_by_datasets_with_static_masks(built):
     assert (keys[1:] >= keys[:-1]).all()  # sorted by content key within the shard
     lengths = np.array([len(r) for r in ds["input_ids"]])
     assert (lengths == 64).mean() > 0.9
-    loaded = datasets.load_dataset("arrow", data_files=[str(out / s["file"]) for s in
-                                                        index["splits"]["train"]["shards"]], split="train")
+    loaded = datasets.load_dataset(
+        "arrow",
+        data_files=[str(out / s["file"]) for s in index["splits"]["train"]["shards"]],
+        split="train",
+    )
     assert len(loaded) == index["splits"]["train"]["rows"]
 
 
@@ -76,8 +92,13 @@ def test_given_tokenizer_gives_the_same_shards(built, corpus_dir, tmp_path):
     """The trained path reads cleaned text from its cache; with --tokenizer it cleans in the build."""
     out, _ = built
     again = tmp_path / "given"
-    build(small_config([InputSpec("text", str(corpus_dir))], again, tokenizer=str(out / "tokenizer.model")), [],
-          report=quiet)
+    build(
+        small_config(
+            [InputSpec("text", str(corpus_dir))], again, tokenizer=str(out / "tokenizer.model")
+        ),
+        [],
+        report=quiet,
+    )
     assert _files(out) == _files(again)
 
 
@@ -87,7 +108,9 @@ def test_two_workers_write_the_same_bytes(built, corpus_dir, tmp_path, mode):
     out, _ = built
     two = tmp_path / mode
     config = small_config([InputSpec("text", str(corpus_dir))], two)
-    index = build(config, ["--direct_num_workers", "2", "--direct_running_mode", mode], report=quiet)
+    index = build(
+        config, ["--direct_num_workers", "2", "--direct_running_mode", mode], report=quiet
+    )
     assert index["counters"]["spill_files"] > 2
     assert _files(out) == _files(two)
 
@@ -103,9 +126,22 @@ def test_bad_input_stops_with_the_file_name_or_is_counted(built, tmp_path):
     data = bz2.compress(("<mediawiki>" + pages + "</mediawiki>").encode())
     dump.write_bytes(data[: len(data) // 2])
     (tmp_path / "ok.txt").write_bytes(good + b"caf\xe9\n")
-    args = ["build", "--input", f"wiki={dump}", "--input", f"text={tmp_path / 'ok.txt'}", "--seq-len", "32",
-            "--tokenizer", str(out / "tokenizer.model"), "--num-shards", "1"]
-    stop = CliRunner().invoke(main, args + ["--output", str(tmp_path / "stop"), "--on-error", "stop"])
+    args = [
+        "build",
+        "--input",
+        f"wiki={dump}",
+        "--input",
+        f"text={tmp_path / 'ok.txt'}",
+        "--seq-len",
+        "32",
+        "--tokenizer",
+        str(out / "tokenizer.model"),
+        "--num-shards",
+        "1",
+    ]
+    stop = CliRunner().invoke(
+        main, args + ["--output", str(tmp_path / "stop"), "--on-error", "stop"]
+    )
     assert stop.exit_code == 1 and "dump.xml.bz2" in stop.output and "truncated" in stop.output
     assert "Traceback" not in stop.output and not (tmp_path / "stop" / "index.json").exists()
     skip = CliRunner().invoke(main, args + ["--output", str(tmp_path / "skip")])
@@ -139,7 +175,9 @@ def test_inspect_shows_stats_and_masked_rows(built):
     out, _ = built
     result = CliRunner().invoke(main, ["inspect", str(out), "--rows", "2"])
     assert result.exit_code == 0, result.output
-    assert "train:" in result.output and "row lengths" in result.output and "[MASK]" in result.output
+    assert (
+        "train:" in result.output and "row lengths" in result.output and "[MASK]" in result.output
+    )
 
 
 @pytest.mark.slow
@@ -148,20 +186,38 @@ def test_mixed_books_and_wiki_tables(shared_data, tmp_path):
     """Mixing corpora in one build, on the hard table-markup dump and two real books."""
     out = tmp_path / "mixed"
     books = shared_data / "books"
-    config = small_config([InputSpec("wiki", str(shared_data / "wiki" / "enwiki-table-markup.xml.bz2")),
-                           InputSpec("books", str(books / "macbeth_gut.txt")),
-                           InputSpec("books", str(books / "britannica-11th.txt"))], out, vocab_size=500,
-                          whole_word=True, cross_document=False)
+    config = small_config(
+        [
+            InputSpec("wiki", str(shared_data / "wiki" / "enwiki-table-markup.xml.bz2")),
+            InputSpec("books", str(books / "macbeth_gut.txt")),
+            InputSpec("books", str(books / "britannica-11th.txt")),
+        ],
+        out,
+        vocab_size=500,
+        whole_word=True,
+        cross_document=False,
+    )
     index = build(config, [], report=quiet)
     counters = index["counters"]
     assert counters["documents_read"] == 2 + 5 and counters.get("tokens_dropped", 0) == 0
     assert verify_dataset(str(out)) == []
     sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
-    texts = [sp.decode(r) for s in ("train", "validation") for p in shards.shard_paths(str(out), s)
-             for r in shards.read_shard(p)["input_ids"].to_pylist()]
+    texts = [
+        sp.decode(r)
+        for s in ("train", "validation")
+        for p in shards.shard_paths(str(out), s)
+        for r in shards.read_shard(p)["input_ids"].to_pylist()
+    ]
     joined = " ".join(texts)
-    assert "macbeth" in joined and "wikitable" not in joined and "{|" not in joined and "colspan" not in joined
-    assert all(t.count("[SEP]") == 0 for t in texts)  # no-cross-document: decode drops the closing [SEP]
+    assert (
+        "macbeth" in joined
+        and "wikitable" not in joined
+        and "{|" not in joined
+        and "colspan" not in joined
+    )
+    assert all(
+        t.count("[SEP]") == 0 for t in texts
+    )  # no-cross-document: decode drops the closing [SEP]
 
 
 @pytest.mark.slow
@@ -169,9 +225,26 @@ def test_mixed_books_and_wiki_tables(shared_data, tmp_path):
 def test_wiki_sample_end_to_end_via_cli(shared_data, tmp_path):
     out = tmp_path / "wiki"
     dump = shared_data / "wiki" / "enwiki-sample-pages-articles.xml.bz2"
-    result = CliRunner().invoke(main, ["build", "--corpus", "wiki", "--input", str(dump), "--output", str(out),
-                                       "--vocab-size", "1000", "--seq-len", "128", "--num-shards", "2",
-                                       "--tokenizer-sample", "3000"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "build",
+            "--corpus",
+            "wiki",
+            "--input",
+            str(dump),
+            "--output",
+            str(out),
+            "--vocab-size",
+            "1000",
+            "--seq-len",
+            "128",
+            "--num-shards",
+            "2",
+            "--tokenizer-sample",
+            "3000",
+        ],
+    )
     assert result.exit_code == 0, result.output
     index = shards.read_index(str(out))
     counters = index["counters"]
@@ -189,7 +262,9 @@ def test_unknown_options_reach_the_pipeline_and_its_runner():
 
     from pipeline.build import make_pipeline
 
-    p = make_pipeline(["--direct_num_workers", "2", "--project", "proj", "--temp_location", "gs://b/t"])
+    p = make_pipeline(
+        ["--direct_num_workers", "2", "--project", "proj", "--temp_location", "gs://b/t"]
+    )
     assert type(p.runner).__name__ == "FnApiRunner"  # never Prism by default
     assert p.options.view_as(DirectOptions).direct_num_workers == 2
     assert p.options.view_as(GoogleCloudOptions).project == "proj"
@@ -199,24 +274,61 @@ def test_unknown_options_reach_the_pipeline_and_its_runner():
 
 def test_cli_passes_beam_options_through(built, corpus_dir, tmp_path):
     out, _ = built
-    result = CliRunner().invoke(main, [
-        "build", "--corpus", "text", "--input", str(corpus_dir / "a.txt"), "--output", str(tmp_path / "o"),
-        "--tokenizer", str(out / "tokenizer.model"), "--seq-len", "64", "--num-shards", "2",
-        "--direct_num_workers", "2", "--direct_running_mode", "multi_threading"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "build",
+            "--corpus",
+            "text",
+            "--input",
+            str(corpus_dir / "a.txt"),
+            "--output",
+            str(tmp_path / "o"),
+            "--tokenizer",
+            str(out / "tokenizer.model"),
+            "--seq-len",
+            "64",
+            "--num-shards",
+            "2",
+            "--direct_num_workers",
+            "2",
+            "--direct_running_mode",
+            "multi_threading",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert shards.read_index(str(tmp_path / "o"))["splits"]["train"]["rows"] > 0
-    bad = CliRunner().invoke(main, ["build", "--input", "x", "--output", str(tmp_path / "p"), "--seq-len", "2"])
+    bad = CliRunner().invoke(
+        main, ["build", "--input", "x", "--output", str(tmp_path / "p"), "--seq-len", "2"]
+    )
     assert bad.exit_code == 1 and "seq-len" in bad.output and "Traceback" not in bad.output
 
 
-def test_a_shard_too_large_for_arrow_offsets_stops_with_advice(built, corpus_dir, tmp_path, monkeypatch):
+def test_a_shard_too_large_for_arrow_offsets_stops_with_advice(
+    built, corpus_dir, tmp_path, monkeypatch
+):
     from pipeline import sink
 
     out, _ = built
     monkeypatch.setattr(sink, "MAX_SHARD_IDS", 1000)  # the real limit, 2**31 - 1 ids, scaled down
-    result = CliRunner().invoke(main, [
-        "build", "--corpus", "text", "--input", str(corpus_dir / "a.txt"), "--output", str(tmp_path / "o"),
-        "--tokenizer", str(out / "tokenizer.model"), "--seq-len", "64", "--num-shards", "2"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "build",
+            "--corpus",
+            "text",
+            "--input",
+            str(corpus_dir / "a.txt"),
+            "--output",
+            str(tmp_path / "o"),
+            "--tokenizer",
+            str(out / "tokenizer.model"),
+            "--seq-len",
+            "64",
+            "--num-shards",
+            "2",
+        ],
+    )
     assert result.exit_code == 1 and "more than an Arrow list column can index" in result.output
     assert "--num-shards" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "o" / "index.json").exists()  # never a dataset that looks complete
@@ -225,47 +337,74 @@ def test_a_shard_too_large_for_arrow_offsets_stops_with_advice(built, corpus_dir
 def test_a_runner_failure_is_one_line_and_v_shows_the_traceback(tmp_path, monkeypatch):
     import pipeline.build
 
-    def fail(*args, **kwargs):  # e.g. FlinkRunner offline: "Unable to fetch remote job server jar ..."
+    def fail(
+        *args, **kwargs
+    ):  # e.g. FlinkRunner offline: "Unable to fetch remote job server jar ..."
         raise RuntimeError("job server failed\nUnable to fetch remote job server jar")
 
     monkeypatch.setattr(pipeline.build, "build", fail)
     args = ["build", "--input", "x", "--output", str(tmp_path / "o")]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and "Traceback" not in result.output
-    assert "RuntimeError: Unable to fetch remote job server jar" in result.output and "-v" in result.output
+    assert (
+        "RuntimeError: Unable to fetch remote job server jar" in result.output
+        and "-v" in result.output
+    )
     verbose = CliRunner().invoke(main, args + ["-v"])
     assert isinstance(verbose.exception, RuntimeError)
 
 
 def test_our_options_in_beams_spelling_stop_the_build(tmp_path):
     """Beam would discard `--seq_len` (not one of its options) and the build would use the default."""
-    result = CliRunner().invoke(main, ["build", "--input", "x", "--output", str(tmp_path / "o"), "--seq_len", "512"])
+    result = CliRunner().invoke(
+        main, ["build", "--input", "x", "--output", str(tmp_path / "o"), "--seq_len", "512"]
+    )
     assert result.exit_code == 1 and "did you mean --seq-len?" in result.output
     assert not (tmp_path / "o").exists()
 
 
 def test_separate_validation_input(built, corpus_dir, tmp_path):
     out, _ = built
-    config = small_config([InputSpec("text", str(corpus_dir / "a.txt"))], tmp_path / "v",
-                          validation_inputs=(InputSpec("text", str(corpus_dir / "c.jsonl")),),
-                          tokenizer=str(out / "tokenizer.model"))
+    config = small_config(
+        [InputSpec("text", str(corpus_dir / "a.txt"))],
+        tmp_path / "v",
+        validation_inputs=(InputSpec("text", str(corpus_dir / "c.jsonl")),),
+        tokenizer=str(out / "tokenizer.model"),
+    )
     index = build(config, [], report=quiet)
-    val_rows = [r for p in shards.shard_paths(str(tmp_path / "v"), "validation")
-                for r in shards.read_shard(p)["input_ids"].to_pylist()]
+    val_rows = [
+        r
+        for p in shards.shard_paths(str(tmp_path / "v"), "validation")
+        for r in shards.read_shard(p)["input_ids"].to_pylist()
+    ]
     sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
     val_text = " ".join(sp.decode(r) for r in val_rows)
-    c_docs = [json.loads(line)["text"] for line in (corpus_dir / "c.jsonl").read_text().splitlines()]
+    c_docs = [
+        json.loads(line)["text"] for line in (corpus_dir / "c.jsonl").read_text().splitlines()
+    ]
     assert index["counters"]["documents_tokenized"] == 120 + len(c_docs)
-    assert sp.decode(sp.encode(c_docs[0].split("\n")[0]))[:40] in val_text  # validation = that corpus
+    assert (
+        sp.decode(sp.encode(c_docs[0].split("\n")[0]))[:40] in val_text
+    )  # validation = that corpus
     assert index["splits"]["validation"]["rows"] > 0 and index["splits"]["train"]["rows"] > 0
 
 
-@pytest.mark.parametrize("option, value", [("--mask-rate", "1.5"), ("--mask-rate", "0"), ("--seed", "-1"),
-                                           ("--seed", str(2**64)), ("--seq-len", "70000")])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--mask-rate", "1.5"),
+        ("--mask-rate", "0"),
+        ("--seed", "-1"),
+        ("--seed", str(2**64)),
+        ("--seq-len", "70000"),
+    ],
+)
 def test_out_of_range_options_fail_before_any_work(tmp_path, option, value):
     """Checked with the config, not after tokenizing everything (masking needs rate in (0, 1], a
     uint64 seed and uint16 positions), and never as a traceback."""
-    result = CliRunner().invoke(main, ["build", "--input", "x", "--output", str(tmp_path / "o"), option, value])
+    result = CliRunner().invoke(
+        main, ["build", "--input", "x", "--output", str(tmp_path / "o"), option, value]
+    )
     assert result.exit_code == 1 and option.lstrip("-") in result.output, result.output
     assert "Traceback" not in result.output and not (tmp_path / "o").exists()
 
@@ -276,6 +415,8 @@ def test_commands_print_no_import_noise(built):
     import sys
 
     out, _ = built
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "verify", str(out)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "verify", str(out)], capture_output=True, text=True
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("OK ")
     assert "apitools" not in proc.stderr and "WARNING" not in proc.stderr

@@ -1,4 +1,5 @@
 """Properties of the masking recipe (BERT §3.1): rates, 80/10/10, specials untouched, determinism."""
+
 import numpy as np
 import pytest
 
@@ -69,10 +70,19 @@ def test_a_row_masks_the_same_alone_or_in_a_batch(whole_word):
     seeds = row_seeds(1, np.arange(16), 1)
     batch = mask_batch(ids, lengths, ws, seeds, VOCAB, whole_word=whole_word)
     for b in (1, 5):  # row 0 fills the width; these are padded in the batch
-        pos, lab, inp = mask_row(ids[b, : lengths[b]], ws[b, : lengths[b]], int(seeds[b, 0]), VOCAB,
-                                 whole_word=whole_word)
+        pos, lab, inp = mask_row(
+            ids[b, : lengths[b]],
+            ws[b, : lengths[b]],
+            int(seeds[b, 0]),
+            VOCAB,
+            whole_word=whole_word,
+        )
         s, e = batch.offsets[b], batch.offsets[b + 1]
-        assert len(pos) and np.array_equal(pos, batch.positions[s:e]) and np.array_equal(inp, batch.inputs[s:e])
+        assert (
+            len(pos)
+            and np.array_equal(pos, batch.positions[s:e])
+            and np.array_equal(inp, batch.inputs[s:e])
+        )
         assert np.array_equal(lab, batch.labels[s:e])
 
 
@@ -85,7 +95,9 @@ def test_whole_word_masks_complete_words():
         special = np.isin(ids[b], SPECIAL_IDS)
         word = np.cumsum(ws[b] | special)
         for p in chosen:  # every candidate token of a chosen token's word is chosen too
-            mates = np.flatnonzero((word == word[p]) & ~special & (np.arange(ids.shape[1]) < lengths[b]))
+            mates = np.flatnonzero(
+                (word == word[p]) & ~special & (np.arange(ids.shape[1]) < lengths[b])
+            )
             assert set(mates.tolist()) <= chosen
 
 
@@ -99,16 +111,31 @@ def test_rows_without_candidates_get_no_masks():
 def test_every_position_is_masked_equally_often(whole_word):
     n, width = 4000, 64
     ids = np.random.default_rng(1).integers(len(SPECIAL_IDS), VOCAB, size=(n, width))
-    ws = np.ones((n, width), bool) if not whole_word else np.arange(width)[None, :].repeat(n, 0) % 2 == 0
-    out = mask_batch(ids, np.full(n, width), ws, row_seeds(5, np.arange(n), 2), VOCAB, whole_word=whole_word)
+    ws = (
+        np.ones((n, width), bool)
+        if not whole_word
+        else np.arange(width)[None, :].repeat(n, 0) % 2 == 0
+    )
+    out = mask_batch(
+        ids, np.full(n, width), ws, row_seeds(5, np.arange(n), 2), VOCAB, whole_word=whole_word
+    )
     freq = np.bincount(out.positions, minlength=width) / (2 * n)
     assert abs(freq.mean() - 0.15) < 0.01
     assert np.abs(freq - 0.15).max() < 0.03  # no position favoured (by hash ties, word order, ...)
 
 
 def test_an_empty_batch_masks_nothing():
-    out = mask_batch(np.zeros((0, 16), int), np.zeros(0, int), np.zeros((0, 16), bool), row_seeds(0, [], 3), VOCAB)
-    assert out.offsets.tolist() == [0] and len(out.positions) == len(out.labels) == len(out.inputs) == 0
+    out = mask_batch(
+        np.zeros((0, 16), int),
+        np.zeros(0, int),
+        np.zeros((0, 16), bool),
+        row_seeds(0, [], 3),
+        VOCAB,
+    )
+    assert (
+        out.offsets.tolist() == [0]
+        and len(out.positions) == len(out.labels) == len(out.inputs) == 0
+    )
 
 
 @pytest.mark.parametrize("rate", [0.0, -0.1, 1.5])

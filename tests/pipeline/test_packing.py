@@ -1,4 +1,5 @@
 """Packing (RoBERTa FULL-SENTENCES): exact row lengths, [CLS]/[SEP], no token lost, order kept."""
+
 import numpy as np
 import pytest
 
@@ -39,7 +40,10 @@ def test_no_cross_document_rows_stay_within_documents():
 
 def test_document_ending_at_row_end_uses_its_separator():
     rows = pack_documents([np.arange(5, 11), np.arange(20, 23)], seq_len=8)
-    assert [r.tolist() for r in rows] == [[CLS_ID, 5, 6, 7, 8, 9, 10, SEP_ID], [CLS_ID, 20, 21, 22, SEP_ID]]
+    assert [r.tolist() for r in rows] == [
+        [CLS_ID, 5, 6, 7, 8, 9, 10, SEP_ID],
+        [CLS_ID, 20, 21, 22, SEP_ID],
+    ]
 
 
 def test_empty_input():
@@ -65,7 +69,10 @@ def _reference_rows(stream, seq_len):
 def test_vectorised_packing_matches_the_loop(seed):
     rng = np.random.default_rng(seed)
     seq_len = int(rng.integers(3, 12))
-    docs = [rng.integers(5, 50, size=int(rng.integers(1, 3 * seq_len))) for _ in range(int(rng.integers(1, 40)))]
+    docs = [
+        rng.integers(5, 50, size=int(rng.integers(1, 3 * seq_len)))
+        for _ in range(int(rng.integers(1, 40)))
+    ]
     stream = np.concatenate([part for d in docs for part in (d, [SEP_ID])])
     got = pack_documents(docs, seq_len)
     assert [r.tolist() for r in got] == _reference_rows(stream.tolist(), seq_len)

@@ -1,4 +1,5 @@
 """Live progress (`pipeline.progress`): the tally, its formatting, and real builds on every local runner."""
+
 import json
 import re
 import subprocess
@@ -17,7 +18,9 @@ from pipeline.config import InputSpec
 from .conftest import generated_documents, small_config
 from .test_build import _files
 
-LINE = re.compile(r"^\[(?P<stage>[a-z ]+?) (?P<done>done in )?[0-9.]+s\] (?P<counts>.*?)(  \((?P<rates>.*)\))?$")
+LINE = re.compile(
+    r"^\[(?P<stage>[a-z ]+?) (?P<done>done in )?[0-9.]+s\] (?P<counts>.*?)(  \((?P<rates>.*)\))?$"
+)
 
 
 def _parse(lines, stage):
@@ -27,8 +30,11 @@ def _parse(lines, stage):
         m = LINE.match(line)
         if not m or m["stage"] != stage:
             continue
-        counts = {} if m["counts"] == "(no counters yet)" else {
-            k: int(v) for k, v in (kv.split("=") for kv in m["counts"].split())}
+        counts = (
+            {}
+            if m["counts"] == "(no counters yet)"
+            else {k: int(v) for k, v in (kv.split("=") for kv in m["counts"].split())}
+        )
         if m["done"]:
             assert final is None, "a line after the final one"
             final = counts
@@ -58,12 +64,15 @@ def long_corpus(tmp_path_factory):
 
 def test_pure_formatting():
     assert progress.merge({"a": 2, "b": 1}, {"a": 3}, minus={"b": 1}) == {"a": 5}
-    assert progress.rates({"documents_read": 10}, {"documents_read": 30, "document_tokens": 500}, 2.0) == {
-        "docs": 10.0, "tokens": 250.0}
+    assert progress.rates(
+        {"documents_read": 10}, {"documents_read": 30, "document_tokens": 500}, 2.0
+    ) == {"docs": 10.0, "tokens": 250.0}
     assert progress.rates({}, {"documents_tokenized": 4, "documents_read": 8}, 4.0) == {"docs": 2.0}
     assert progress.rates({}, {"rows": 3}, 0.0) == {}
     assert [progress.human(x) for x in (999, 12_345, 3_400_000)] == ["999", "12.3k", "3.4M"]
-    line = progress.format_line("build", 20.7, {"rows": 5, "documents_read": 3}, {"docs": 1.5, "tokens": 12_000})
+    line = progress.format_line(
+        "build", 20.7, {"rows": 5, "documents_read": 3}, {"docs": 1.5, "tokens": 12_000}
+    )
     assert line == "[build 20s] documents_read=3 rows=5  (2 docs/s, 12.0k tokens/s)"
     assert progress.format_line("build", 1, {}, {}) == "[build 1s] (no counters yet)"
 
@@ -104,7 +113,9 @@ def test_live_report_stops_before_exit_and_zero_disables():
 def test_worker_process_tally_reaches_the_driver():
     """A subprocess started with the driver's environment writes its tally for the driver to sum."""
     lines = []
-    code = "import time; from pipeline import progress; progress.add('t_worker', 5); time.sleep(1.0)"
+    code = (
+        "import time; from pipeline import progress; progress.add('t_worker', 5); time.sleep(1.0)"
+    )
     with progress.LiveReport("stage", lines.append, 0.1):
         subprocess.run([sys.executable, "-c", code], check=True)
     assert any("t_worker=5" in line for line in lines), lines
@@ -112,17 +123,25 @@ def test_worker_process_tally_reaches_the_driver():
 
 def test_in_process_build_reports_progress(long_corpus, tmp_path):
     lines = []
-    config = small_config([InputSpec("text", str(long_corpus))], tmp_path / "o", tokenizer_sample=2000)
+    config = small_config(
+        [InputSpec("text", str(long_corpus))], tmp_path / "o", tokenizer_sample=2000
+    )
     index = build(config, ["--progress_seconds", "0.1"], report=lines.append)
     for stage in ("tokenizer sample", "build"):
         live, final = _parse(lines, stage)
         _assert_sane(live, final)
-    assert index["counters"]["documents_tokenized"] == _parse(lines, "build")[1]["documents_tokenized"]
-    assert not [t for t in threading.enumerate() if t.name == "shatter-progress"]  # stopped with each pipeline
+    assert (
+        index["counters"]["documents_tokenized"] == _parse(lines, "build")[1]["documents_tokenized"]
+    )
+    assert not [
+        t for t in threading.enumerate() if t.name == "shatter-progress"
+    ]  # stopped with each pipeline
 
 
 def _long_config(built, long_corpus, out):
-    return small_config([InputSpec("text", str(long_corpus))], out, tokenizer=str(built[0] / "tokenizer.model"))
+    return small_config(
+        [InputSpec("text", str(long_corpus))], out, tokenizer=str(built[0] / "tokenizer.model")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +155,18 @@ def long_built(built, long_corpus, tmp_path_factory):
 @pytest.mark.slow
 def test_multi_processing_build_sums_the_workers(built, long_corpus, long_built, tmp_path):
     lines = []
-    build(_long_config(built, long_corpus, tmp_path / "mp"), ["--progress_seconds", "0.1", "--direct_num_workers",
-                                                              "2", "--direct_running_mode", "multi_processing"],
-          report=lines.append)
+    build(
+        _long_config(built, long_corpus, tmp_path / "mp"),
+        [
+            "--progress_seconds",
+            "0.1",
+            "--direct_num_workers",
+            "2",
+            "--direct_running_mode",
+            "multi_processing",
+        ],
+        report=lines.append,
+    )
     live, final = _parse(lines, "build")
     _assert_sane(live, final)
     assert any(c.get("documents_read", 0) > 0 for c in live)  # counted in the worker processes
@@ -147,11 +175,24 @@ def test_multi_processing_build_sums_the_workers(built, long_corpus, long_built,
 
 def test_progress_seconds_zero_prints_no_progress(built, corpus_dir, tmp_path):
     out, _ = built
-    args = ["build", "--input", str(corpus_dir), "--output", str(tmp_path / "z"), "--seq-len", "64",
-            "--tokenizer", str(out / "tokenizer.model"), "--num-shards", "2"]
+    args = [
+        "build",
+        "--input",
+        str(corpus_dir),
+        "--output",
+        str(tmp_path / "z"),
+        "--seq-len",
+        "64",
+        "--tokenizer",
+        str(out / "tokenizer.model"),
+        "--num-shards",
+        "2",
+    ]
     result = CliRunner().invoke(main, args + ["--progress-seconds", "0"])
     assert result.exit_code == 0, result.output
-    assert "[build done in" in result.output and not re.search(r"^\[build \d+s\]", result.output, re.M)
+    assert "[build done in" in result.output and not re.search(
+        r"^\[build \d+s\]", result.output, re.M
+    )
     assert CliRunner().invoke(main, args + ["--progress-seconds", "-1"]).exit_code == 2
 
 
@@ -159,8 +200,11 @@ def test_bundle_based_direct_runner_writes_the_same_bytes(built, long_corpus, lo
     """Its run() returns at once and its state only changes in wait_until_finish (it used to hang).
     The long corpus: on the 300 documents of corpus_dir all counting could fall between two ticks."""
     lines = []
-    build(_long_config(built, long_corpus, tmp_path / "bb"), ["--runner", "BundleBasedDirectRunner",
-                                                              "--progress_seconds", "0.05"], report=lines.append)
+    build(
+        _long_config(built, long_corpus, tmp_path / "bb"),
+        ["--runner", "BundleBasedDirectRunner", "--progress_seconds", "0.05"],
+        report=lines.append,
+    )
     assert _files(long_built) == _files(tmp_path / "bb")
     live, final = _parse(lines, "build")
     _assert_sane(live, final)  # followed through Beam's metrics of the running job
@@ -170,4 +214,7 @@ def test_bundle_based_direct_runner_writes_the_same_bytes(built, long_corpus, lo
 def test_direct_runner_never_downloads_prism(caplog):
     assert type(make_pipeline(["--runner", "DirectRunner"]).runner).__name__ == "FnApiRunner"
     assert "Prism" in caplog.text  # the user is told what runs instead
-    assert type(make_pipeline(["--runner", "BundleBasedDirectRunner"]).runner).__name__ == "BundleBasedDirectRunner"
+    assert (
+        type(make_pipeline(["--runner", "BundleBasedDirectRunner"]).runner).__name__
+        == "BundleBasedDirectRunner"
+    )

@@ -1,5 +1,6 @@
 """Readers: byte ranges read the same documents as whole files; wiki dumps (plain, multistream,
 broken); books; text formats; bad input counted or reported with the file name."""
+
 import bz2
 import gzip
 import json
@@ -25,9 +26,17 @@ class Counts(dict):
 
 def _read_all(specs, **kw):
     counts = Counts()
-    docs = [d for s in specs for d in readers.read_documents(s, counts, kw.get("on_error", "skip"),
-                                                              kw.get("text_field", "text"),
-                                                              kw.get("text_mode", "paragraph"))]
+    docs = [
+        d
+        for s in specs
+        for d in readers.read_documents(
+            s,
+            counts,
+            kw.get("on_error", "skip"),
+            kw.get("text_field", "text"),
+            kw.get("text_mode", "paragraph"),
+        )
+    ]
     return docs, counts
 
 
@@ -76,19 +85,27 @@ def test_invalid_utf8_empty_and_binary_files(tmp_path):
     got, counts = _read_all(specs)
     assert [d.strip() for d in got] == ["caf\ufffd au lait", "second \ufffd\ufffd paragraph"]
     assert counts == {"invalid_utf8_replaced": 3, "skipped_empty_file": 2, "skipped_binary_file": 1}
-    books, counts = _read_all(readers.expand_inputs((InputSpec("books", str(tmp_path)),), 1 << 20, "paragraph"))
-    assert len(books) == 1 and counts["skipped_binary_file"] == 1 and counts["skipped_empty_file"] == 2
+    books, counts = _read_all(
+        readers.expand_inputs((InputSpec("books", str(tmp_path)),), 1 << 20, "paragraph")
+    )
+    assert (
+        len(books) == 1 and counts["skipped_binary_file"] == 1 and counts["skipped_empty_file"] == 2
+    )
 
 
 def test_missing_input_names_the_path(tmp_path):
     with pytest.raises(InputError, match="nothing-here"):
-        readers.expand_inputs((InputSpec("text", str(tmp_path / "nothing-here*.txt")),), 1 << 20, "line")
+        readers.expand_inputs(
+            (InputSpec("text", str(tmp_path / "nothing-here*.txt")),), 1 << 20, "line"
+        )
 
 
 def test_gutenberg_boilerplate_and_paragraphs():
-    text = ("The Project Gutenberg EBook of X\n\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\n\n"
-            "First line\nof a paragraph.\n\n\nSecond   one.\n\n*** END OF THIS PROJECT GUTENBERG EBOOK X ***\n"
-            "licence text\n")
+    text = (
+        "The Project Gutenberg EBook of X\n\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\n\n"
+        "First line\nof a paragraph.\n\n\nSecond   one.\n\n*** END OF THIS PROJECT GUTENBERG EBOOK X ***\n"
+        "licence text\n"
+    )
     assert cleaning.clean_book(text) == "First line of a paragraph.\nSecond one."
     assert cleaning.clean_book("No markers.\n\nAt all.") == "No markers.\nAt all."
 
@@ -103,24 +120,35 @@ def test_collapse_spaces_is_split_and_join():
 
 def _page(title, text, ns=0, page_id=1, redirect=False):
     red = '<redirect title="X" />' if redirect else ""
-    return (f"<page><title>{title}</title><ns>{ns}</ns><id>{page_id}</id>{red}<revision><id>9</id>"
-            f"<text xml:space=\"preserve\">{text}</text></revision></page>\n")
+    return (
+        f"<page><title>{title}</title><ns>{ns}</ns><id>{page_id}</id>{red}<revision><id>9</id>"
+        f'<text xml:space="preserve">{text}</text></revision></page>\n'
+    )
 
 
 HEADER = '<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/"><siteinfo><sitename>W</sitename></siteinfo>\n'
 
 
 def test_wiki_skips_by_reason_and_broken_pages(tmp_path):
-    pages = [_page("A", "Alpha is a letter."), _page("B", "#REDIRECT [[A]]", redirect=True),
-             _page("Talk:A", "chat", ns=1), _page("C (disambiguation)", "C may mean"),
-             _page("D", "D may be {{disambiguation}}"), _page("E", "broken &bogus; entity"),
-             _page("F", "Foxtrot too.")]
+    pages = [
+        _page("A", "Alpha is a letter."),
+        _page("B", "#REDIRECT [[A]]", redirect=True),
+        _page("Talk:A", "chat", ns=1),
+        _page("C (disambiguation)", "C may mean"),
+        _page("D", "D may be {{disambiguation}}"),
+        _page("E", "broken &bogus; entity"),
+        _page("F", "Foxtrot too."),
+    ]
     path = tmp_path / "dump.xml.bz2"
     path.write_bytes(bz2.compress((HEADER + "".join(pages) + "</mediawiki>").encode()))
     got, counts = _read_all([readers.ReadSpec("wiki", str(path))])
     assert got == ["Alpha is a letter.", "Foxtrot too."]
-    assert counts == {"skipped_redirect": 1, "skipped_not_article_namespace": 1, "skipped_disambiguation": 2,
-                      "skipped_broken_page": 1}
+    assert counts == {
+        "skipped_redirect": 1,
+        "skipped_not_article_namespace": 1,
+        "skipped_disambiguation": 2,
+        "skipped_broken_page": 1,
+    }
     with pytest.raises(InputError, match="dump.xml.bz2: broken XML page"):
         _read_all([readers.ReadSpec("wiki", str(path))], on_error="stop")
 
@@ -159,10 +187,14 @@ def _multistream_dump(shared_data, tmp_path):
 def test_multistream_ranges_read_the_same_articles(shared_data, tmp_path):
     """A multistream dump (+ index) built from the real sample reads as the plain dump does."""
     dump, index = _multistream_dump(shared_data, tmp_path)
-    ranges = readers.expand_inputs((InputSpec("wiki", str(dump), str(index)),), 200_000, "paragraph")
+    ranges = readers.expand_inputs(
+        (InputSpec("wiki", str(dump), str(index)),), 200_000, "paragraph"
+    )
     assert len(ranges) > 3 and ranges[0].start == 0 and ranges[-1].end is None
     got, counts = _read_all(ranges)
-    expected, expected_counts = _read_all(readers.expand_inputs((InputSpec("wiki", str(dump)),), 1, "paragraph"))
+    expected, expected_counts = _read_all(
+        readers.expand_inputs((InputSpec("wiki", str(dump)),), 1, "paragraph")
+    )
     assert got == expected and counts == expected_counts and len(got) > 80
 
 
@@ -175,15 +207,23 @@ def test_a_large_wiki_file_without_index_warns_that_one_worker_reads_it(tmp_path
         specs = readers.expand_inputs((InputSpec("wiki", str(tmp_path)),), 1 << 20, "paragraph")
     assert len(specs) == 2
     warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 1 and "enwiki-latest-pages-articles.xml.bz2" in warned[0] and "--wiki-index" in warned[0]
+    assert (
+        len(warned) == 1
+        and "enwiki-latest-pages-articles.xml.bz2" in warned[0]
+        and "--wiki-index" in warned[0]
+    )
 
 
-def test_multistream_without_its_index_is_split_at_stream_headers(shared_data, tmp_path, monkeypatch):
+def test_multistream_without_its_index_is_split_at_stream_headers(
+    shared_data, tmp_path, monkeypatch
+):
     dump, index = _multistream_dump(shared_data, tmp_path)
     monkeypatch.setattr(readers, "WIKI_SCAN_BYTES", 0)  # scan every split_bytes (32 MiB by default)
     scanned = readers.expand_inputs((InputSpec("wiki", str(dump)),), 200_000, "paragraph")
     offsets = set(wiki.read_multistream_index(str(index)))
-    assert len(scanned) > 3 and all(r.start == 0 or r.start in offsets for r in scanned)  # real stream starts
+    assert len(scanned) > 3 and all(
+        r.start == 0 or r.start in offsets for r in scanned
+    )  # real stream starts
     got, counts = _read_all(scanned)
     whole, whole_counts = _read_all([readers.ReadSpec("wiki", str(dump))])
     assert got == whole and counts == whole_counts and len(got) > 80

@@ -1,5 +1,6 @@
 """What remote Beam workers get: `--setup_file ./setup.py` stages this package with the core
 dependencies only (no torch, no deepspeed), through Beam's own stager, as Dataflow does."""
+
 import re
 import tarfile
 from pathlib import Path
@@ -11,7 +12,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_setup_file_stages_the_pipeline_without_the_training_stack(tmp_path):
-    Stager.create_job_resources(PipelineOptions(["--setup_file", str(REPO / "setup.py")]), str(tmp_path))
+    Stager.create_job_resources(
+        PipelineOptions(["--setup_file", str(REPO / "setup.py")]), str(tmp_path)
+    )
     (sdist,) = tmp_path.glob("shatter-*.tar.gz")
     with tarfile.open(sdist) as tar:
         names = tar.getnames()

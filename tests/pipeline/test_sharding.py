@@ -1,4 +1,5 @@
 """Balanced key-range sharding: balance, coverage, independence from how rows are split."""
+
 import numpy as np
 import pytest
 
@@ -7,11 +8,15 @@ from pipeline import sharding
 
 def _sizes(sorted_keys, edges):
     """Rows per shard, through the cut function the shard sink uses on each spill."""
-    return np.diff(sharding.shard_cuts(*np.unique(sharding.buckets(sorted_keys), return_counts=True), edges))
+    return np.diff(
+        sharding.shard_cuts(*np.unique(sharding.buckets(sorted_keys), return_counts=True), edges)
+    )
 
 
 def _keys(n, seed=0):
-    return np.random.default_rng(seed).integers(0, 2**63, size=n, dtype=np.int64).astype(np.uint64) * np.uint64(2)
+    return np.random.default_rng(seed).integers(0, 2**63, size=n, dtype=np.int64).astype(
+        np.uint64
+    ) * np.uint64(2)
 
 
 @pytest.mark.parametrize("n,shards", [(37, 4), (1000, 8), (200_000, 16)])
@@ -31,8 +36,10 @@ def test_boundaries_depend_only_on_the_set_of_keys():
     keys = _keys(5000, 1)
     parts = np.array_split(np.random.default_rng(2).permutation(keys), 7)
     summed = sum(sharding.histogram(p) for p in parts)
-    assert np.array_equal(sharding.balanced_boundaries(summed, 5),
-                          sharding.balanced_boundaries(sharding.histogram(keys), 5))
+    assert np.array_equal(
+        sharding.balanced_boundaries(summed, 5),
+        sharding.balanced_boundaries(sharding.histogram(keys), 5),
+    )
 
 
 def test_empty_and_single_shard():

@@ -1,4 +1,6 @@
 """Each PTransform on literal inputs, with TestPipeline and assert_that (on the FnApiRunner)."""
+
+import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -6,15 +8,25 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-import apache_beam as beam
 from pipeline import packing, shards, tokenizer
+from pipeline.config import BuildConfig, InputSpec
 from pipeline.masking import SPECIAL_IDS
 from pipeline.readers import ReadSpec
 from pipeline.sink import ShardAndWrite
-from pipeline.transforms import (Clean, DocBatch, MaskSpec, Pack, Packed, ReadDocuments, SampleLines,
-                                 Tokenize, Tokenized, content_key, mask_table, row_keys)
-
-from pipeline.config import BuildConfig, InputSpec
+from pipeline.transforms import (
+    Clean,
+    DocBatch,
+    MaskSpec,
+    Pack,
+    Packed,
+    ReadDocuments,
+    SampleLines,
+    Tokenize,
+    Tokenized,
+    content_key,
+    mask_table,
+    row_keys,
+)
 
 from .conftest import generated_documents
 
@@ -34,26 +46,53 @@ def model_path(tmp_path_factory):
 def test_read_documents_batches_by_characters(tmp_path):
     docs = ["first doc", "second doc here", "third"]
     (tmp_path / "a.txt").write_text("\n".join(docs) + "\n")
-    config = BuildConfig(inputs=(InputSpec("text", str(tmp_path)),), output=str(tmp_path), text_mode="line",
-                         batch_chars=20)
+    config = BuildConfig(
+        inputs=(InputSpec("text", str(tmp_path)),),
+        output=str(tmp_path),
+        text_mode="line",
+        batch_chars=20,
+    )
     with _pipeline() as p:
         out = p | ReadDocuments([ReadSpec("text", str(tmp_path / "a.txt"))], "auto", config)
-        assert_that(out, equal_to([DocBatch("text", "auto", ("first doc\n", "second doc here\n")),
-                                   DocBatch("text", "auto", ("third\n",))]))
+        assert_that(
+            out,
+            equal_to(
+                [
+                    DocBatch("text", "auto", ("first doc\n", "second doc here\n")),
+                    DocBatch("text", "auto", ("third\n",)),
+                ]
+            ),
+        )
 
 
 def test_clean_per_corpus_and_drops_empty_documents():
-    batches = [DocBatch("wiki", "auto", ("'''Paris''' is the [[capital city|capital]] of [[France]].{{cn}}", "{{stub}}")),
-               DocBatch("text", "train", ("  two\n\nparagraphs  ",))]
+    batches = [
+        DocBatch(
+            "wiki",
+            "auto",
+            ("'''Paris''' is the [[capital city|capital]] of [[France]].{{cn}}", "{{stub}}"),
+        ),
+        DocBatch("text", "train", ("  two\n\nparagraphs  ",)),
+    ]
     with _pipeline() as p:
         out = p | beam.Create(batches) | Clean()
-        assert_that(out, equal_to([DocBatch("wiki", "auto", ("Paris is the capital of France.",)),
-                                   DocBatch("text", "train", ("two\nparagraphs",))]))
+        assert_that(
+            out,
+            equal_to(
+                [
+                    DocBatch("wiki", "auto", ("Paris is the capital of France.",)),
+                    DocBatch("text", "train", ("two\nparagraphs",)),
+                ]
+            ),
+        )
 
 
 def test_sample_lines_takes_the_smallest_hashes_in_order():
     lines = [f"line {i}" for i in range(50)]
-    batches = [DocBatch("text", "auto", ("\n".join(lines[:20]),)), DocBatch("text", "auto", ("\n".join(lines[20:]),))]
+    batches = [
+        DocBatch("text", "auto", ("\n".join(lines[:20]),)),
+        DocBatch("text", "auto", ("\n".join(lines[20:]),)),
+    ]
     expected = [line for _, line in tokenizer.smallest_lines(lines, 7)]
     with _pipeline() as p:
         out = p | beam.Create(batches) | SampleLines(7)
@@ -84,8 +123,12 @@ def test_pack_pads_and_keys_rows_by_content():
     def check(outputs):
         (packed,) = outputs
         assert packed.split == "train" and packed.ids.shape == (len(want), 16)
-        assert [r[:n].tolist() for r, n in zip(packed.ids, packed.lengths)] == [r.tolist() for r in want]
-        assert all((r[n:] == 0).all() for r, n in zip(packed.ids, packed.lengths))  # padding is [PAD]
+        assert [r[:n].tolist() for r, n in zip(packed.ids, packed.lengths)] == [
+            r.tolist() for r in want
+        ]
+        assert all(
+            (r[n:] == 0).all() for r, n in zip(packed.ids, packed.lengths)
+        )  # padding is [PAD]
         assert packed.lengths[-1] < 16  # the stream's short last row
         assert packed.keys.tolist() == row_keys(packed.ids, packed.lengths).tolist()
         assert len(set(packed.keys.tolist())) == len(want)
@@ -95,14 +138,23 @@ def test_pack_pads_and_keys_rows_by_content():
 
 
 def test_row_keys_depend_on_the_row_alone():
-    rows = [np.array([2, 7, 8, 3]), np.array([2, 8, 7, 3]), np.array([2, 7, 8, 9, 3]), np.array([2, 7, 8, 3])]
+    rows = [
+        np.array([2, 7, 8, 3]),
+        np.array([2, 8, 7, 3]),
+        np.array([2, 7, 8, 9, 3]),
+        np.array([2, 7, 8, 3]),
+    ]
     narrow, lengths = packing.padded(rows, 5)
     wide, _ = packing.padded(rows, 64)
     keys = row_keys(narrow, lengths)
     assert keys.tolist() == row_keys(wide, lengths).tolist()  # padding never changes a key
-    assert keys[0] == keys[3] and len(set(keys[:3].tolist())) == 3  # equal rows, equal keys; else distinct
+    assert (
+        keys[0] == keys[3] and len(set(keys[:3].tolist())) == 3
+    )  # equal rows, equal keys; else distinct
     # well spread: the top bits (the sharding buckets) of many keys are close to uniform
-    many = row_keys(*packing.padded([np.array([2, i, j, 3]) for i in range(100) for j in range(100)], 4))
+    many = row_keys(
+        *packing.padded([np.array([2, i, j, 3]) for i in range(100) for j in range(100)], 4)
+    )
     assert np.histogram(many >> np.uint64(60), bins=16, range=(0, 16))[0].min() > 10000 / 16 * 0.85
 
 
@@ -110,7 +162,14 @@ def _masked(model_path, rows, dupe_factor, seed=7):
     sp = tokenizer.load(open(model_path, "rb").read())
     ids, lengths = packing.padded(rows, max(len(r) for r in rows))
     spec = MaskSpec(model_path, seed, dupe_factor, 0.15, False)
-    return mask_table(row_keys(ids, lengths), ids, lengths, tokenizer.word_start_table(sp), sp.get_piece_size(), spec)
+    return mask_table(
+        row_keys(ids, lengths),
+        ids,
+        lengths,
+        tokenizer.word_start_table(sp),
+        sp.get_piece_size(),
+        spec,
+    )
 
 
 def test_mask_table_adds_static_maskings(model_path):
@@ -130,7 +189,9 @@ def test_mask_table_adds_static_maskings(model_path):
         for pos, lab in zip(positions, copy_labels):
             assert row[pos].tolist() == lab
     assert _masked(model_path, rows, 3).equals(table)  # deterministic
-    assert not _masked(model_path, rows, 3, seed=8)["mask_positions"].equals(table["mask_positions"])
+    assert not _masked(model_path, rows, 3, seed=8)["mask_positions"].equals(
+        table["mask_positions"]
+    )
 
 
 def test_shard_and_write_balances_sorts_masks_and_writes_every_shard(model_path, tmp_path):
@@ -138,25 +199,45 @@ def test_shard_and_write_balances_sorts_masks_and_writes_every_shard(model_path,
     rows = packing.pack_documents([np.array(sp.encode(d)) for d in generated_documents(120)], 16)
     ids, lengths = packing.padded(rows, 16)
     keys = row_keys(ids, lengths)
-    pieces = [Packed("train", keys[i : i + 50], ids[i : i + 50], lengths[i : i + 50]) for i in range(0, len(rows), 50)]
+    pieces = [
+        Packed("train", keys[i : i + 50], ids[i : i + 50], lengths[i : i + 50])
+        for i in range(0, len(rows), 50)
+    ]
     out = tmp_path / "out"
     counts = {"train": 4, "validation": 2}
     spec = MaskSpec(model_path, 0, 2, 0.15, False)
     with _pipeline() as p:
-        infos = p | beam.Create(pieces) | ShardAndWrite(str(out), str(tmp_path / "work"), counts, spec, 120)
-        assert_that(infos | beam.Map(lambda i: (i["split"], i["shard"], i["file"])), equal_to(
-            [("train", i, f"train-{i:05d}-of-00004.arrow") for i in range(4)]
-            + [("validation", i, f"validation-{i:05d}-of-00002.arrow") for i in range(2)]))
+        infos = (
+            p
+            | beam.Create(pieces)
+            | ShardAndWrite(str(out), str(tmp_path / "work"), counts, spec, 120)
+        )
+        assert_that(
+            infos | beam.Map(lambda i: (i["split"], i["shard"], i["file"])),
+            equal_to(
+                [("train", i, f"train-{i:05d}-of-00004.arrow") for i in range(4)]
+                + [("validation", i, f"validation-{i:05d}-of-00002.arrow") for i in range(2)]
+            ),
+        )
     tables = [shards.read_shard(str(out / f"train-{i:05d}-of-00004.arrow")) for i in range(4)]
     sizes = [t.num_rows for t in tables]
     assert sum(sizes) == len(rows) and max(sizes) - min(sizes) <= 3
     merged = pa.concat_tables(tables)
     merged_keys = merged["key"].to_numpy()
-    assert (np.diff(merged_keys.astype(np.float64)) >= 0).all()  # key ranges, sorted within and across shards
+    assert (
+        np.diff(merged_keys.astype(np.float64)) >= 0
+    ).all()  # key ranges, sorted within and across shards
     assert sorted(merged_keys.tolist()) == sorted(keys.tolist())
     # each row is written with its own ids and the maskings mask_table gives it, whatever its spill
     order = np.argsort(keys, kind="stable")
-    want = mask_table(keys[order], ids[order], lengths[order], tokenizer.word_start_table(sp), sp.get_piece_size(), spec)
+    want = mask_table(
+        keys[order],
+        ids[order],
+        lengths[order],
+        tokenizer.word_start_table(sp),
+        sp.get_piece_size(),
+        spec,
+    )
     assert merged.equals(want)
     assert shards.read_shard(str(out / "validation-00000-of-00002.arrow")).num_rows == 0
 
@@ -165,7 +246,9 @@ def test_rows_padded_to_different_widths_write_the_same_shards(model_path, tmp_p
     """Per-document packing of short documents pads each batch only to its longest row; spills and
     the writer stack such batches at the widest, and the bytes written do not depend on it."""
     sp = tokenizer.load(open(model_path, "rb").read())
-    docs = [np.array(sp.encode(d))[: 2 + (i // 40) * 4] for i, d in enumerate(generated_documents(200))]
+    docs = [
+        np.array(sp.encode(d))[: 2 + (i // 40) * 4] for i, d in enumerate(generated_documents(200))
+    ]
     ids, lengths = packing.pack_documents_padded(docs, 32, cross_document=False)
     keys = row_keys(ids, lengths)
     spec = MaskSpec(model_path, 0, 2, 0.15, False)
@@ -173,10 +256,17 @@ def test_rows_padded_to_different_widths_write_the_same_shards(model_path, tmp_p
 
     def write(pieces, out):
         with _pipeline() as p:
-            _ = p | beam.Create(pieces) | ShardAndWrite(str(out), str(tmp_path / f"work-{out.name}"), counts, spec, 70)
+            _ = (
+                p
+                | beam.Create(pieces)
+                | ShardAndWrite(str(out), str(tmp_path / f"work-{out.name}"), counts, spec, 70)
+            )
         return {f.name: f.read_bytes() for f in sorted(out.glob("*.arrow"))}
 
-    full = [Packed("train", keys[i : i + 40], ids[i : i + 40], lengths[i : i + 40]) for i in range(0, len(keys), 40)]
+    full = [
+        Packed("train", keys[i : i + 40], ids[i : i + 40], lengths[i : i + 40])
+        for i in range(0, len(keys), 40)
+    ]
     trimmed = [Packed("train", p.keys, p.ids[:, : p.lengths.max()], p.lengths) for p in full]
     assert len({p.ids.shape[1] for p in trimmed}) > 1 and max(p.ids.shape[1] for p in trimmed) < 32
     assert write(trimmed, tmp_path / "trimmed") == write(full, tmp_path / "full")

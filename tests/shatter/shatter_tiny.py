@@ -1,10 +1,19 @@
 """Tiny models and inputs shared by the model tests."""
+
 import torch
 
 import shatter
 
 VOCAB = 50
-RELATIVE = ["bert-rpe", "no-position", "part-mask", "1h-softmax", "1h-sigmoid", "part-bias", "shatter"]
+RELATIVE = [
+    "bert-rpe",
+    "no-position",
+    "part-mask",
+    "1h-softmax",
+    "1h-sigmoid",
+    "part-bias",
+    "shatter",
+]
 ABSOLUTE = ["bert", "bert-rab"]
 
 

@@ -1,10 +1,11 @@
 """Every arch: shapes, gradients, padding invariance, shift and permutation (in)variance, lengths."""
+
 import pytest
 import torch
+from shatter_tiny import ABSOLUTE, RELATIVE, VOCAB, ids, tiny
 
 import shatter
 from shatter.config import ARCHS
-from shatter_tiny import ABSOLUTE, RELATIVE, VOCAB, ids, tiny
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -21,7 +22,9 @@ def test_shapes_loss_and_gradients_reach_every_parameter(arch):
     manual = torch.nn.functional.cross_entropy(out["logits"], labels[labels != -100])
     torch.testing.assert_close(out["loss"], manual)
     out["loss"].backward()
-    silent = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    silent = [
+        n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0
+    ]
     assert not silent, f"no gradient reaches {silent}"
     h = model.encoder(x, mask)
     assert h.shape == (3, 20, model.config.hidden)
@@ -83,7 +86,9 @@ def test_only_no_position_is_permutation_equivariant(arch):
 def test_same_outputs_at_max_len_128_and_1024(arch):
     short = tiny(arch, max_len=128)
     long = tiny(arch, seed=5, max_len=1024)
-    assert {k: v.shape for k, v in short.state_dict().items()} == {k: v.shape for k, v in long.state_dict().items()}
+    assert {k: v.shape for k, v in short.state_dict().items()} == {
+        k: v.shape for k, v in long.state_dict().items()
+    }
     long.load_state_dict(short.state_dict())
     x = ids(2, 100)
     torch.testing.assert_close(long.encoder(x), short.encoder(x), rtol=1e-5, atol=1e-5)
@@ -153,7 +158,9 @@ def test_bert_rab_rejects_bucket_settings_t5_cannot_bucket(buckets, distance):
 
 
 def test_bert_rab_smallest_valid_bucket_setting_runs():
-    model = shatter.build_model("bert-rab-tiny", rab_buckets=8, rab_max_distance=3, vocab_size=50, max_len=64)
+    model = shatter.build_model(
+        "bert-rab-tiny", rab_buckets=8, rab_max_distance=3, vocab_size=50, max_len=64
+    )
     ids = torch.randint(5, 50, (1, 64))
     assert torch.isfinite(model.encoder(ids, torch.ones_like(ids))).all()
 
@@ -170,9 +177,13 @@ def test_bert_rab_bias_is_w_b_at_the_bucket_of_each_pair():
     mask[1, 250:] = False
     bias = attention._bias(x, mask)
     pos = torch.arange(L)
-    bucket = t5_relative_bucket(pos[None, :] - pos[:, None], model.config.rab_buckets, model.config.rab_max_distance)
+    bucket = t5_relative_bucket(
+        pos[None, :] - pos[:, None], model.config.rab_buckets, model.config.rab_max_distance
+    )
     direct = attention.relative_attention_bias.weight[bucket].permute(2, 0, 1)  # [n, L, L]
-    assert bucket.unique().numel() == model.config.rab_buckets - 1  # all but 16 (j > i at distance 0)
+    assert (
+        bucket.unique().numel() == model.config.rab_buckets - 1
+    )  # all but 16 (j > i at distance 0)
     torch.testing.assert_close(bias[0], direct, rtol=0, atol=0)
     torch.testing.assert_close(bias[1, :, :, :250], direct[:, :, :250], rtol=0, atol=0)
     assert (bias[1, :, :, 250:] < -1e30).all()  # padded keys

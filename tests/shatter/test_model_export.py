@@ -1,11 +1,12 @@
 """save_pretrained / from_pretrained: round trip, the files written, and clear errors."""
+
 import json
 
 import pytest
 import torch
+from shatter_tiny import ids, tiny
 
 import shatter
-from shatter_tiny import ids, tiny
 
 
 @pytest.mark.parametrize("arch", ["shatter", "bert", "bert-rpe"])
@@ -14,12 +15,18 @@ def test_round_trip_gives_the_same_model(tmp_path, arch):
     tok = tmp_path / "spm.model"
     tok.write_bytes(b"\x0a\x03abc")
     out = shatter.save_pretrained(model, tmp_path / "export", tokenizer=tok)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.model",
+    ]
     assert json.loads((out / "config.json").read_text()) == model.config.to_dict()
     assert (out / "tokenizer.model").read_bytes() == tok.read_bytes()
     loaded = shatter.from_pretrained(out)
     assert not loaded.training and loaded.config == model.config
-    assert loaded.mlm_head.word_embeddings.weight is loaded.encoder.embeddings.word_embeddings.weight
+    assert (
+        loaded.mlm_head.word_embeddings.weight is loaded.encoder.embeddings.word_embeddings.weight
+    )
     x = ids(2, 11)
     torch.testing.assert_close(loaded(x)["logits"], model(x)["logits"], rtol=0, atol=0)
 
@@ -29,7 +36,9 @@ def test_overrides_and_config_errors(tmp_path):
     assert shatter.from_pretrained(tmp_path, dropout=0.2).config.dropout == 0.2
     data = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**data, "colour": "red"}))
-    with pytest.raises(shatter.CheckpointError, match=r"config\.json.*unknown ModelConfig keys: colour"):
+    with pytest.raises(
+        shatter.CheckpointError, match=r"config\.json.*unknown ModelConfig keys: colour"
+    ):
         shatter.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(shatter.CheckpointError, match=r"config\.json is not valid JSON"):
@@ -71,11 +80,20 @@ def test_tokenizer_from_a_loaded_processor_and_no_temp_files(tmp_path):
     it goes through a temporary name, so none is left behind."""
     spm = pytest.importorskip("sentencepiece")
     (tmp_path / "c.txt").write_text("\n".join(f"the quick brown fox {i} jumps" for i in range(200)))
-    spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "t"), vocab_size=48,
-                                   hard_vocab_limit=False, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "c.txt"),
+        model_prefix=str(tmp_path / "t"),
+        vocab_size=48,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "t.model"))
     out = shatter.save_pretrained(tiny("shatter"), tmp_path / "export", tokenizer=sp)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.model",
+    ]
     again = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
     assert again.serialized_model_proto() == sp.serialized_model_proto()
     assert again.encode("the quick brown fox") == sp.encode("the quick brown fox")

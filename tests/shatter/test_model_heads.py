@@ -1,13 +1,14 @@
 """Finetuning heads: shapes, losses, gradients, padding invariance, save/load."""
+
 import json
 
 import pytest
 import torch
+from shatter_tiny import ids, tiny
 
 import shatter
 from shatter.config import ARCHS
 from shatter.heads import SequenceClassificationModel, SpanExtractionModel
-from shatter_tiny import ids, tiny
 
 POSITION_ONLY = ("partition_embeddings", "relative_embeddings", "relative_attention_bias")
 
@@ -26,11 +27,19 @@ def test_modified_classification_gradients_and_padding(arch):
     mask[2, 6:] = 0
     out = model(x, mask, torch.tensor([0, 2, 1, 2]))
     assert out["logits"].shape == (4, 3)
-    torch.testing.assert_close(out["loss"], torch.nn.functional.cross_entropy(out["logits"], torch.tensor([0, 2, 1, 2])))
+    torch.testing.assert_close(
+        out["loss"], torch.nn.functional.cross_entropy(out["logits"], torch.tensor([0, 2, 1, 2]))
+    )
     out["loss"].backward()
     last = f"encoder.layers.{model.config.layers - 1}.attention."
-    silent = {n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0}
-    expected = {n for n, _ in model.named_parameters() if n.startswith(last) and any(s in n for s in POSITION_ONLY)}
+    silent = {
+        n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0
+    }
+    expected = {
+        n
+        for n, _ in model.named_parameters()
+        if n.startswith(last) and any(s in n for s in POSITION_ONLY)
+    }
     assert silent == expected, silent ^ expected
     model.eval()
     x = ids(2, 10)
@@ -73,10 +82,14 @@ def test_span_extraction(arch):
     assert out["start_logits"].shape == out["end_logits"].shape == (2, 17)
     assert (out["start_logits"][:, 12:] == torch.finfo(torch.float32).min).all()
     out["loss"].backward()
-    silent = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    silent = [
+        n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0
+    ]
     assert not silent
     model.eval()
-    torch.testing.assert_close(model(xp, mp)["start_logits"][:, :12], model(x)["start_logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        model(xp, mp)["start_logits"][:, :12], model(x)["start_logits"], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_heads_save_and_load(tmp_path):

@@ -1,11 +1,12 @@
 """The memory-lean partition mixing equals the naive reference, forward and gradients, and
 keeps far fewer activations for the backward pass."""
+
 import pytest
 import torch
+from shatter_tiny import ids, tiny
 
 from shatter.attention.lean import PartitionMix, partition_mix_lean, partition_mix_naive
 from shatter.partition import partition_table
-from shatter_tiny import ids, tiny
 from tools.bench_model import saved_bytes
 
 SINGLE_HEAD = ["1h-softmax", "1h-sigmoid", "part-bias", "shatter"]
@@ -37,7 +38,10 @@ def test_lean_kernel_gradcheck(sigmoid, bias):
 @pytest.mark.parametrize("sigmoid", [True, False])
 def test_lean_kernel_equals_naive(sigmoid):
     Z0, c, V, mask, table = _inputs(True)
-    g_out, g_part = torch.randn(2, 4, 7, 3, dtype=torch.float64), torch.randn(2, 7, 4, dtype=torch.float64)
+    g_out, g_part = (
+        torch.randn(2, 4, 7, 3, dtype=torch.float64),
+        torch.randn(2, 7, 4, dtype=torch.float64),
+    )
     results = []
     for mix in (partition_mix_lean, partition_mix_naive):
         out, part = mix(Z0, c, V, mask, table, sigmoid)
@@ -55,7 +59,9 @@ def test_lean_model_equals_naive_forward_and_gradients(arch):
     x = ids(2, 24)
     mask = torch.ones_like(x)
     mask[0, 17:] = 0
-    labels = torch.where(torch.rand(x.shape, generator=torch.Generator().manual_seed(2)) < 0.3, x, -100)
+    labels = torch.where(
+        torch.rand(x.shape, generator=torch.Generator().manual_seed(2)) < 0.3, x, -100
+    )
     outs = [m(x, mask, labels) for m in (lean, naive)]
     torch.testing.assert_close(outs[0]["logits"], outs[1]["logits"], rtol=1e-5, atol=1e-5)
     for out in outs:
@@ -66,7 +72,11 @@ def test_lean_model_equals_naive_forward_and_gradients(arch):
 
 def test_lean_keeps_a_fraction_of_the_naive_activations():
     x = ids(2, 256)
-    batch = {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": torch.where(x % 7 == 0, x, -100)}
+    batch = {
+        "input_ids": x,
+        "attention_mask": torch.ones_like(x),
+        "labels": torch.where(x % 7 == 0, x, -100),
+    }
     lean = saved_bytes(tiny("shatter", max_len=256).train(), batch)
     naive = saved_bytes(tiny("shatter", max_len=256, lean_attention=False).train(), batch)
     # naive keeps A ⊙ N ([B, n, L, L], n = 4) and more per layer; lean keeps one [B, L, L]

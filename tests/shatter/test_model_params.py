@@ -1,5 +1,6 @@
 """Parameter counts against Table 2 (excluding word embeddings, encoder only, no MLM head) and
 the config contract. The derivation of Table 2's figures is in docs/model.md."""
+
 import dataclasses
 
 import pytest
@@ -14,7 +15,9 @@ def _encoder_params(preset: str) -> int:
     return shatter.count_parameters(model.encoder)
 
 
-@pytest.mark.parametrize("preset,table2", [("shatter-base", 78.0e6), ("bert-base", 84.9e6), ("bert-rpe-base", 87.3e6)])
+@pytest.mark.parametrize(
+    "preset,table2", [("shatter-base", 78.0e6), ("bert-base", 84.9e6), ("bert-rpe-base", 87.3e6)]
+)
 def test_base_parameter_counts_match_table2(preset, table2):
     assert abs(_encoder_params(preset) / table2 - 1) < 0.01
 
@@ -27,11 +30,17 @@ def _layer_matrices(preset: str, **overrides) -> int:
     return sum(p.numel() for p in model.encoder.layers.parameters() if p.dim() == 2)
 
 
-@pytest.mark.parametrize("preset,overrides,table2", [
-    ("bert-base", {}, 84.9), ("shatter-base", {}, 78.0), ("bert-rpe-base", {}, 87.3),
-    # Large: 151.0M and 138.6M hold for 12 layers of width 1024, not the 24 the table states
-    ("bert-large", {"layers": 12}, 151.0), ("shatter-large", {"layers": 12}, 138.6),
-])
+@pytest.mark.parametrize(
+    "preset,overrides,table2",
+    [
+        ("bert-base", {}, 84.9),
+        ("shatter-base", {}, 78.0),
+        ("bert-rpe-base", {}, 87.3),
+        # Large: 151.0M and 138.6M hold for 12 layers of width 1024, not the 24 the table states
+        ("bert-large", {"layers": 12}, 151.0),
+        ("shatter-large", {"layers": 12}, 138.6),
+    ],
+)
 def test_table2_counts_the_layers_weight_matrices(preset, overrides, table2):
     """Table 2's figures are exactly the layers' weight matrices (plus R), no biases, LayerNorms
     or embeddings: the derivation docs/model.md gives, checked on the models we build."""
@@ -54,7 +63,13 @@ def test_count_parameters_excludes_word_embeddings_once():
 
 def test_config_contract():
     config = shatter.preset_config("shatter-small", max_len=1024)
-    assert (config.arch, config.hidden, config.layers, config.heads, config.max_len) == ("shatter", 256, 4, 4, 1024)
+    assert (config.arch, config.hidden, config.layers, config.heads, config.max_len) == (
+        "shatter",
+        256,
+        4,
+        4,
+        1024,
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.hidden = 3
     assert dataclasses.replace(config, max_len=64).max_len == 64

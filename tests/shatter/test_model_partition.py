@@ -1,5 +1,6 @@
 """The partition of unity (appendix): its properties, and its values against a direct float64
 evaluation of the appendix formula at chosen points."""
+
 import math
 
 import pytest
@@ -16,7 +17,9 @@ def test_partition_of_unity_properties(n, k, L):
     f = partition_of_unity(x, n, k, L, dtype=torch.float64)
     assert f.shape == (n, x.numel())
     assert (f >= 0).all()
-    torch.testing.assert_close(f.sum(0), torch.ones_like(x, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        f.sum(0), torch.ones_like(x, dtype=torch.float64), rtol=0, atol=1e-12
+    )
     half = n // 2
     # the first half covers x > 0, the second half x < 0, mirrored
     assert (f[:half, x < 0] == 0).all() and (f[half:, x > 0] == 0).all()
@@ -50,14 +53,18 @@ def test_partition_matches_appendix_formula(n, k, L):
     f = partition_of_unity(torch.tensor(points), n, k, L, dtype=torch.float64)
     for col, x in enumerate(points):
         for h in range(n):
-            assert f[h, col].item() == pytest.approx(_appendix_f(h, x, n, k, L), rel=1e-12, abs=1e-15)
+            assert f[h, col].item() == pytest.approx(
+                _appendix_f(h, x, n, k, L), rel=1e-12, abs=1e-15
+            )
 
 
 def test_partition_params_first_and_last_layer():
     D, alpha, beta = partition_params(12, 11, 12)  # last layer: beta = -1/12, parts ~12 apart
     assert (D, alpha, beta) == (5, -5.0, pytest.approx(-1 / 12))
     D, alpha, beta = partition_params(12, 0, 12)
-    assert alpha == pytest.approx(-5 / 12) and beta == pytest.approx(-(1 / 5) * (5 / 12) ** (1 / 12))
+    assert alpha == pytest.approx(-5 / 12) and beta == pytest.approx(
+        -(1 / 5) * (5 / 12) ** (1 / 12)
+    )
 
 
 def test_partition_rejects_bad_arguments():

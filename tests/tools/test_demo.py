@@ -1,4 +1,5 @@
-"""The demo's sample comes from the package registry and is checked by sha256 (issue 2, part 2)."""
+"""The demo's sample comes from the package registry and is checked by sha256."""
+
 import dataclasses
 import hashlib
 
@@ -15,7 +16,10 @@ def sample(tmp_path_factory):
 
 def test_sample_is_the_real_dump(sample, shared_data):
     assert sample.read_bytes()[:3] == b"BZh"
-    assert sample.read_bytes() == (shared_data / "wiki" / "enwiki-sample-pages-articles.xml.bz2").read_bytes()
+    assert (
+        sample.read_bytes()
+        == (shared_data / "wiki" / "enwiki-sample-pages-articles.xml.bz2").read_bytes()
+    )
 
 
 def test_corrupted_cache_is_fetched_again(sample):
@@ -28,4 +32,6 @@ def test_wrong_checksum_is_refused(tmp_path):
     wrong = dataclasses.replace(WIKI_SAMPLE, sha256="0" * 64)
     with pytest.raises(click.ClickException, match="sha256"):
         fetch_sample(wrong, tmp_path)
-    assert not list(tmp_path.glob("*.bz2")), "a file that failed its check must not be left in the cache"
+    assert not list(tmp_path.glob("*.bz2")), (
+        "a file that failed its check must not be left in the cache"
+    )

@@ -2,6 +2,7 @@
 
 End-to-end tests use datasets built by the real `shatter-data build` instead (see conftest.py).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,15 +35,33 @@ def _rows(rng, n, seq_len, vocab, dupe_factor, min_len):
         yield ids, positions, labels, inputs, word_start
 
 
-def write_dataset(root: Path, *, shards=(3, 2), seq_len=32, dupe_factor=2, vocab=100, seed=0, min_len=6,
-                  val_rows=(5,)) -> Path:
+def write_dataset(
+    root: Path,
+    *,
+    shards=(3, 2),
+    seq_len=32,
+    dupe_factor=2,
+    vocab=100,
+    seed=0,
+    min_len=6,
+    val_rows=(5,),
+) -> Path:
     """A dataset with train shards of the given row counts and validation shards of `val_rows`."""
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    (root / "tokenizer.model").write_bytes(b"not a real sentencepiece model: the loader only checks its sha256")
+    (root / "tokenizer.model").write_bytes(
+        b"not a real sentencepiece model: the loader only checks its sha256"
+    )
     l16 = pa.list_(pa.uint16())
-    schema = pa.schema([("input_ids", l16), ("mask_positions", pa.list_(l16)), ("mask_labels", pa.list_(l16)),
-                        ("mask_inputs", pa.list_(l16)), ("word_start", pa.list_(pa.bool_()))])
+    schema = pa.schema(
+        [
+            ("input_ids", l16),
+            ("mask_positions", pa.list_(l16)),
+            ("mask_labels", pa.list_(l16)),
+            ("mask_inputs", pa.list_(l16)),
+            ("word_start", pa.list_(pa.bool_())),
+        ]
+    )
     splits = {}
     for split, counts in (("train", shards), ("validation", val_rows)):
         entries = []
@@ -54,12 +73,30 @@ def write_dataset(root: Path, *, shards=(3, 2), seq_len=32, dupe_factor=2, vocab
             with ipc.new_stream(str(root / name), schema, options=options) as writer:
                 for batch in table.to_batches(max_chunksize=max(1, n // 2)):
                     writer.write_batch(batch)
-            entries.append({"file": name, "rows": n, "tokens": 0, "bytes": (root / name).stat().st_size,
-                            "sha256": _sha(root / name)})
+            entries.append(
+                {
+                    "file": name,
+                    "rows": n,
+                    "tokens": 0,
+                    "bytes": (root / name).stat().st_size,
+                    "sha256": _sha(root / name),
+                }
+            )
         splits[split] = {"shards": entries}
-    index = {"format": "shatter-shards", "version": 1, "seq_len": seq_len, "dupe_factor": dupe_factor,
-             "tokenizer": {"file": "tokenizer.model", "sha256": _sha(root / "tokenizer.model"), "vocab_size": vocab,
-                           "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}},
-             "config": {}, "splits": splits, "counters": {}}
+    index = {
+        "format": "shatter-shards",
+        "version": 1,
+        "seq_len": seq_len,
+        "dupe_factor": dupe_factor,
+        "tokenizer": {
+            "file": "tokenizer.model",
+            "sha256": _sha(root / "tokenizer.model"),
+            "vocab_size": vocab,
+            "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4},
+        },
+        "config": {},
+        "splits": splits,
+        "counters": {},
+    }
     (root / "index.json").write_text(json.dumps(index))
     return root

@@ -1,4 +1,5 @@
 """Typed configs, YAML loading, flag overrides and the DeepSpeed config built from them."""
+
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,14 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 def test_defaults_are_the_papers_optimisation():
     o = TrainConfig().optim
     assert (o.lr, o.betas, o.eps, o.weight_decay, o.warmup_steps, o.decay, o.grad_clip) == (
-        1e-4, (0.9, 0.999), 1e-6, 0.01, 10_000, "linear", 1.0)
+        1e-4,
+        (0.9, 0.999),
+        1e-6,
+        0.01,
+        10_000,
+        "linear",
+        1.0,
+    )
 
 
 def test_unknown_keys_are_rejected_naming_file_and_key(tmp_path):
@@ -30,7 +38,9 @@ def test_unknown_keys_are_rejected_naming_file_and_key(tmp_path):
 def test_flags_override_the_file(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("run:\n  max_steps: 10\n  micro_batch: 4\noptim:\n  betas: [0.8, 0.9]\n")
-    cfg = resolve(str(f), {"max_steps": 7, "micro_batch": None, "masking": "dynamic", "seq_len": 32})
+    cfg = resolve(
+        str(f), {"max_steps": 7, "micro_batch": None, "masking": "dynamic", "seq_len": 32}
+    )
     assert cfg.run.max_steps == 7 and cfg.run.micro_batch == 4
     assert cfg.optim.betas == (0.8, 0.9)
     assert cfg.data.masking == "dynamic" and cfg.data.seq_len == 32
@@ -42,11 +52,15 @@ def test_flags_override_the_file(tmp_path):
 def test_shipped_configs_load(path):
     cfg = load_yaml(path).validate()
     if path.name.startswith("v100x8"):
-        arch = path.name[len("v100x8-"):-len("-base-256.yaml")]
+        arch = path.name[len("v100x8-") : -len("-base-256.yaml")]
         assert cfg.model.preset == f"{arch}-base"
         r = cfg.run
-        assert (r.micro_batch * r.grad_accum * r.num_gpus, cfg.data.seq_len, r.max_steps, r.precision) == (
-            128, 256, 1_600_000, "fp16")
+        assert (
+            r.micro_batch * r.grad_accum * r.num_gpus,
+            cfg.data.seq_len,
+            r.max_steps,
+            r.precision,
+        ) == (128, 256, 1_600_000, "fp16")
 
 
 def test_every_arch_has_a_v100_config():
@@ -62,7 +76,9 @@ def test_fp16_config_validated_by_deepspeed():
 
     cfg = load_yaml(REPO / "configs" / "v100x8-shatter-base-256.yaml")
     assert deepspeed_config(cfg, 8, cpu=False)["train_batch_size"] == 128
-    parsed = DeepSpeedConfig(deepspeed_config(cfg, 1, cpu=False))  # DeepSpeed checks batch = micro x accum x its world
+    parsed = DeepSpeedConfig(
+        deepspeed_config(cfg, 1, cpu=False)
+    )  # DeepSpeed checks batch = micro x accum x its world
     fp16 = parsed.float16_config
     assert fp16.enabled and fp16.loss_scale == 0  # 0 = dynamic loss scaling
     assert fp16.initial_scale_power == 16 and fp16.loss_scale_window == 1000
@@ -77,7 +93,9 @@ def test_fp16_config_validated_by_deepspeed():
 
 def test_expert_deepspeed_config_merges_over_the_built_one(tmp_path):
     f = tmp_path / "ds.json"
-    f.write_text('{"zero_optimization": {"stage": 2, "overlap_comm": false}, "gradient_clipping": 0.5}')
+    f.write_text(
+        '{"zero_optimization": {"stage": 2, "overlap_comm": false}, "gradient_clipping": 0.5}'
+    )
     cfg = resolve(None, {"deepspeed_config": str(f), "micro_batch": 3, "grad_accum": 2})
     ds = resolved_deepspeed_config(cfg, world_size=4, cpu=True)
     assert ds["zero_optimization"]["stage"] == 2 and ds["gradient_clipping"] == 0.5
@@ -94,10 +112,14 @@ def test_no_weight_decay_on_biases_and_layernorm():
     exempt = {names[id(p)] for p in no_decay["params"]}
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
     assert exempt and all(n.endswith("bias") or "norm" in n for n in exempt)
-    assert any(n.endswith("bias") for n in exempt) and any("norm" in n and n.endswith("weight") for n in exempt)
+    assert any(n.endswith("bias") for n in exempt) and any(
+        "norm" in n and n.endswith("weight") for n in exempt
+    )
     decayed = {names[id(p)] for p in decay["params"]}
     assert "encoder.embeddings.word_embeddings.weight" in decayed
     assert all(not n.endswith("bias") for n in decayed)
     total = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
-    assert total == sum(p.numel() for p in model.parameters())  # every parameter once (tied weights too)
+    assert total == sum(
+        p.numel() for p in model.parameters()
+    )  # every parameter once (tied weights too)
     assert isinstance(decay["params"][0], torch.nn.Parameter)

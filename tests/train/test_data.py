@@ -1,13 +1,14 @@
 """The streaming loader: no overlap or gap across ranks and workers, exact resume, checks, masking."""
+
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from shardutil import write_dataset
 from torch.utils.data import DataLoader
 
-from shardutil import write_dataset
 from train.data import MaskingSpec, ShardStream, StreamPosition
 from train.masking import IGNORE, MASK, PAD, SEP
 from train.shards import DataError, read_index
@@ -15,7 +16,9 @@ from train.shards import DataError, read_index
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
-    return write_dataset(tmp_path_factory.mktemp("shards") / "data", shards=(7, 5, 9, 3), seq_len=32, dupe_factor=3)
+    return write_dataset(
+        tmp_path_factory.mktemp("shards") / "data", shards=(7, 5, 9, 3), seq_len=32, dupe_factor=3
+    )
 
 
 def stream(index, **kw):
@@ -34,7 +37,9 @@ def test_each_epoch_sees_every_sample_once_across_ranks_and_workers(dataset, wor
     index = read_index(dataset)
     n = 24  # rows of the train split
     batch = 2
-    steps = 2 * n // (batch * world) + 1  # two epochs and a bit: batches straddle the epoch boundary
+    steps = (
+        2 * n // (batch * world) + 1
+    )  # two epochs and a bit: batches straddle the epoch boundary
     per_rank = []
     for rank in range(world):
         s = stream(index, batch_size=batch, rank=rank, world_size=world)
@@ -46,7 +51,7 @@ def test_each_epoch_sees_every_sample_once_across_ranks_and_workers(dataset, wor
         rows = [(b["epoch"], b["sample_id"]) for b in (per_rank[r][step] for r in range(world))]
         for k in range(batch):
             seen += [(int(e[k]), int(u[k])) for e, u in rows]
-    first, second = seen[:n], seen[n:2 * n]
+    first, second = seen[:n], seen[n : 2 * n]
     assert sorted(u for _, u in first) == list(range(n)) and {e for e, _ in first} == {0}
     assert sorted(u for _, u in second) == list(range(n)) and {e for e, _ in second} == {1}
     assert [u for _, u in first] != [u for _, u in second], "epochs must be shuffled differently"
@@ -69,8 +74,10 @@ def test_a_different_world_size_resumes_at_the_same_global_position(dataset):
     start = 6
     r0 = take(iter(stream(index, batch_size=1, rank=0, world_size=2, start=start)), 7)
     r1 = take(iter(stream(index, batch_size=1, rank=1, world_size=2, start=start)), 7)
-    interleaved = torch.stack([torch.cat([a["sample_id"] for a in r0]), torch.cat([b["sample_id"] for b in r1])], 1)
-    assert torch.equal(interleaved.reshape(-1), one[start:start + 14])
+    interleaved = torch.stack(
+        [torch.cat([a["sample_id"] for a in r0]), torch.cat([b["sample_id"] for b in r1])], 1
+    )
+    assert torch.equal(interleaved.reshape(-1), one[start : start + 14])
 
 
 def test_position_round_trip_and_refusal_on_other_data():
@@ -99,14 +106,18 @@ def test_static_masks_cycle_by_epoch_and_match_the_shards(dataset):
     epochs = take(iter(s), dupe + 1)
     import pyarrow.ipc as ipc
 
-    shard0 = ipc.open_stream(str(dataset / index.raw["splits"]["train"]["shards"][0]["file"])).read_all()
+    shard0 = ipc.open_stream(
+        str(dataset / index.raw["splits"]["train"]["shards"][0]["file"])
+    ).read_all()
     for e, b in enumerate(epochs[:dupe]):
         row0 = b["sample_id"].tolist().index(0)
         predicted = torch.nonzero(b["labels"][row0] != IGNORE).flatten().tolist()
         assert predicted == shard0["mask_positions"][0][e].as_py()
         assert b["input_ids"][row0, predicted].tolist() == shard0["mask_inputs"][0][e].as_py()
         assert b["labels"][row0, predicted].tolist() == shard0["mask_labels"][0][e].as_py()
-    assert torch.equal(epochs[dupe]["labels"], epochs[0]["labels"])  # epoch dupe_factor reuses copy 0
+    assert torch.equal(
+        epochs[dupe]["labels"], epochs[0]["labels"]
+    )  # epoch dupe_factor reuses copy 0
     assert not torch.equal(epochs[1]["labels"], epochs[0]["labels"])
 
 
@@ -184,7 +195,9 @@ def test_validation_stream_is_finite_and_split_between_ranks(dataset):
     index = read_index(dataset)
     ids = []
     for rank in range(2):
-        for b in validation_stream(index, DataArgs(), batch_size=2, seq_len=32, rank=rank, world_size=2):
+        for b in validation_stream(
+            index, DataArgs(), batch_size=2, seq_len=32, rank=rank, world_size=2
+        ):
             ids += b["sample_id"].tolist()
     assert sorted(ids) == list(range(5))
     np.testing.assert_array_equal(np.unique(ids), np.arange(5))
@@ -195,8 +208,10 @@ def test_index_reader_is_beam_free_and_shares_the_pipeline_format(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, train.shards, train.data; "
-            "assert 'apache_beam' not in sys.modules, 'train imported apache_beam'")
+    code = (
+        "import sys, train.shards, train.data; "
+        "assert 'apache_beam' not in sys.modules, 'train imported apache_beam'"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     from pipeline import shards as pshards
@@ -220,9 +235,17 @@ def test_validation_stream_can_be_iterated_again_without_rehashing(dataset, monk
 
     hashed = []
     real = shards.sha256_file
-    monkeypatch.setattr(shards, "sha256_file", lambda path, *a: hashed.append(path) or real(path, *a))
-    s = validation_stream(read_index(dataset, verify_tokenizer=False), DataArgs(), batch_size=2, seq_len=32,
-                          rank=0, world_size=1)
+    monkeypatch.setattr(
+        shards, "sha256_file", lambda path, *a: hashed.append(path) or real(path, *a)
+    )
+    s = validation_stream(
+        read_index(dataset, verify_tokenizer=False),
+        DataArgs(),
+        batch_size=2,
+        seq_len=32,
+        rank=0,
+        world_size=1,
+    )
     first, second = list(s), list(s)
     assert len(first) == 3 and len(first) == len(second)
     for a, b in zip(first, second):

@@ -1,4 +1,5 @@
 """--dry-run's memory estimate (ZeRO formulas, measured activations) and tools/plot_metrics.py."""
+
 import json
 from pathlib import Path
 
@@ -26,7 +27,9 @@ def test_activations_are_measured_linear_in_batch_and_halved_in_16_bit():
     model = shatter.build_model("bert-tiny", vocab_size=300)
     one = measure_activations(model, 2, 64, "fp32", 300)
     two = measure_activations(model, 4, 64, "fp32", 300)
-    assert one > 2 * 64 * model.config.hidden * 4 * model.config.layers  # at least a hidden state per layer
+    assert (
+        one > 2 * 64 * model.config.hidden * 4 * model.config.layers
+    )  # at least a hidden state per layer
     assert two == pytest.approx(2 * one, rel=0.15)
     assert measure_activations(model, 2, 64, "bf16", 300) < 0.7 * one
     longer = measure_activations(model, 2, 128, "fp32", 300)
@@ -36,15 +39,27 @@ def test_activations_are_measured_linear_in_batch_and_halved_in_16_bit():
 def test_dry_run_prints_configs_counts_and_verdict():
     from train.pretrain import main
 
-    result = CliRunner().invoke(main, ["--config", str(REPO / "configs" / "cpu-tiny.yaml"), "--preset", "bert-tiny",
-                                       "--seq-len", "64", "--dry-run"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "--config",
+            str(REPO / "configs" / "cpu-tiny.yaml"),
+            "--preset",
+            "bert-tiny",
+            "--seq-len",
+            "64",
+            "--dry-run",
+        ],
+    )
     assert result.exit_code == 0, result.output
     out = result.output
     assert '"train_batch_size": 32' in out  # micro 16 x 2 ranks (num_gpus of cpu-tiny.yaml)
     for stage in range(4):
         assert f"ZeRO-{stage} model states" in out
     assert "<- this run" in out and "fits" in out
-    model = shatter.build_model("bert-tiny", max_len=64)  # built at the training length, as pretrain.py does
+    model = shatter.build_model(
+        "bert-tiny", max_len=64
+    )  # built at the training length, as pretrain.py does
     assert f"{shatter.count_parameters(model):,}" in out
 
 
@@ -56,8 +71,13 @@ def test_plot_metrics_draws_runs_and_names_a_bad_one(tmp_path):
         run = tmp_path / f"run{i}"
         run.mkdir()
         lines = [{"step": s, "loss": 8 - s / 10 - i, "lr": 1e-4} for s in range(1, 21)]
-        lines += [{"step": s, "split": "validation", "loss": 8 - s / 9 - i, "accuracy": 0.1} for s in (10, 20)]
-        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 21, "lo')
+        lines += [
+            {"step": s, "split": "validation", "loss": 8 - s / 9 - i, "accuracy": 0.1}
+            for s in (10, 20)
+        ]
+        (run / "metrics.jsonl").write_text(
+            "".join(json.dumps(x) + "\n" for x in lines) + '{"step": 21, "lo'
+        )
         runs.append(str(run))
     png = tmp_path / "curves.png"
     result = CliRunner().invoke(main, [*runs, "-o", str(png), "--labels", "a,b"])

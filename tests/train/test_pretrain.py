@@ -1,6 +1,7 @@
 """End to end under the deepspeed launcher (two CPU ranks, gloo) on real text built by the real
 `shatter-data build`: the loss falls; kill -9 then restart reproduces the uninterrupted losses
 exactly (fp32); bf16 with ZeRO-2; SIGTERM saves before exit; the export is the engine's model."""
+
 import json
 import os
 import signal
@@ -33,9 +34,25 @@ def free_port() -> int:
 
 
 def command(data: Path, run: Path, *extra: str, ranks: int = 2) -> list[str]:
-    launcher = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()), SCRIPT]
-    return launcher + ["--data", str(data), "--output", str(run), "--preset", "shatter-tiny",
-                       "--config", str(REPO / "configs" / "cpu-tiny.yaml"), *extra]
+    launcher = [
+        str(BIN / "deepspeed"),
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        str(free_port()),
+        SCRIPT,
+    ]
+    return launcher + [
+        "--data",
+        str(data),
+        "--output",
+        str(run),
+        "--preset",
+        "shatter-tiny",
+        "--config",
+        str(REPO / "configs" / "cpu-tiny.yaml"),
+        *extra,
+    ]
 
 
 def run_to_end(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
@@ -53,14 +70,38 @@ def metrics(run: Path) -> tuple[dict[int, float], dict[int, dict]]:
 
 def export_validation(export: Path, data: Path, eval_samples: int) -> dict:
     model = shatter.from_pretrained(export)
-    stream = validation_stream(read_index(data), DataArgs(eval_samples=eval_samples), batch_size=16,
-                               seq_len=64, rank=0, world_size=1)
+    stream = validation_stream(
+        read_index(data),
+        DataArgs(eval_samples=eval_samples),
+        batch_size=16,
+        seq_len=64,
+        rank=0,
+        world_size=1,
+    )
     batches = ({k: b[k] for k in ("input_ids", "attention_mask", "labels")} for b in stream)
     return evaluate(model, batches, torch.device("cpu"), distributed=False)
 
 
-FP32_ARGS = ("--max-steps", "60", "--precision", "fp32", "--zero-stage", "1", "--micro-batch", "8",
-             "--save-every", "10", "--eval-every", "30", "--log-every", "1", "--warmup-steps", "5", "--lr", "2e-3")
+FP32_ARGS = (
+    "--max-steps",
+    "60",
+    "--precision",
+    "fp32",
+    "--zero-stage",
+    "1",
+    "--micro-batch",
+    "8",
+    "--save-every",
+    "10",
+    "--eval-every",
+    "30",
+    "--log-every",
+    "1",
+    "--warmup-steps",
+    "5",
+    "--lr",
+    "2e-3",
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +122,14 @@ def test_fp32_zero1_two_ranks_loss_falls_and_exports_the_engines_model(books_dat
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["world_size"] == 2 and cfg["deepspeed"]["train_batch_size"] == 16
     assert (run / "export" / "STEP").read_text().strip() == "step00000060"
-    assert {p.name for p in (run / "export").iterdir()} >= {"model.safetensors", "config.json", "tokenizer.model"}
-    assert (run / "export" / "tokenizer.model").read_bytes() == (books_data / "tokenizer.model").read_bytes()
+    assert {p.name for p in (run / "export").iterdir()} >= {
+        "model.safetensors",
+        "config.json",
+        "tokenizer.model",
+    }
+    assert (run / "export" / "tokenizer.model").read_bytes() == (
+        books_data / "tokenizer.model"
+    ).read_bytes()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     # the engine evaluated its model at step 60; the export, reloaded, must give the same numbers
     mine = export_validation(run / "export", books_data, eval_samples=512)
@@ -91,14 +138,22 @@ def test_fp32_zero1_two_ranks_loss_falls_and_exports_the_engines_model(books_dat
     assert mine["accuracy"] == pytest.approx(val[60]["accuracy"], abs=1e-9)
 
 
-def test_kill_9_after_a_checkpoint_then_restart_gives_the_same_losses(books_data, reference, tmp_path):
+def test_kill_9_after_a_checkpoint_then_restart_gives_the_same_losses(
+    books_data, reference, tmp_path
+):
     run = tmp_path / "run"
     cmd = command(books_data, run, *FP32_ARGS)
-    job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    job = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         deadline = time.time() + 180
         while time.time() < deadline and job.poll() is None:
-            logged = (run / "metrics.jsonl").read_text().count('"lr"') if (run / "metrics.jsonl").exists() else 0
+            logged = (
+                (run / "metrics.jsonl").read_text().count('"lr"')
+                if (run / "metrics.jsonl").exists()
+                else 0
+            )
             if (run / "checkpoints" / "latest").exists() and logged >= 12:
                 break
             time.sleep(0.05)
@@ -114,18 +169,45 @@ def test_kill_9_after_a_checkpoint_then_restart_gives_the_same_losses(books_data
     assert f"resuming from step {int(killed_at[4:])}" in done.stderr
     ref_train, ref_val = metrics(reference[0])
     train, val = metrics(run)
-    assert train == ref_train  # bit for bit, every step, the steps redone after the checkpoint included
+    assert (
+        train == ref_train
+    )  # bit for bit, every step, the steps redone after the checkpoint included
     assert {s: v["loss"] for s, v in val.items()} == {s: v["loss"] for s, v in ref_val.items()}
 
 
 def test_bf16_zero2_dynamic_whole_word_masking(books_data, tmp_path):
     run = tmp_path / "run"
-    run_to_end(command(books_data, run, "--max-steps", "6", "--precision", "bf16", "--zero-stage", "2",
-                       "--masking", "dynamic", "--whole-word", "--save-every", "3", "--eval-every", "6",
-                       "--export-every", "3", "--micro-batch", "4", "--log-every", "1"))
+    run_to_end(
+        command(
+            books_data,
+            run,
+            "--max-steps",
+            "6",
+            "--precision",
+            "bf16",
+            "--zero-stage",
+            "2",
+            "--masking",
+            "dynamic",
+            "--whole-word",
+            "--save-every",
+            "3",
+            "--eval-every",
+            "6",
+            "--export-every",
+            "3",
+            "--micro-batch",
+            "4",
+            "--log-every",
+            "1",
+        )
+    )
     train, val = metrics(run)
     assert sorted(train) == list(range(1, 7)) and all(v == v for v in train.values())
-    assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == ["step00000003", "step00000006"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == [
+        "step00000003",
+        "step00000006",
+    ]
     optim_files = list((run / "checkpoints" / "step00000006").glob("*optim_states.pt"))
     assert len(optim_files) == 2  # ZeRO-2: one optimizer partition per rank
     assert (run / "export" / "STEP").read_text().strip() == "step00000006"
@@ -137,15 +219,44 @@ def test_bf16_zero2_dynamic_whole_word_masking(books_data, tmp_path):
 def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
     """A plain single process (no launcher; the launcher passes SIGTERM on to its ranks)."""
     run = tmp_path / "run"
-    cmd = [sys.executable, SCRIPT, "--data", str(books_data), "--output", str(run), "--preset", "shatter-tiny",
-           "--config", str(REPO / "configs" / "cpu-tiny.yaml"), "--max-steps", "100000", "--save-every", "0",
-           "--eval-every", "0", "--log-every", "1", "--micro-batch", "4", "--num-workers", "1"]
-    job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        "--data",
+        str(books_data),
+        "--output",
+        str(run),
+        "--preset",
+        "shatter-tiny",
+        "--config",
+        str(REPO / "configs" / "cpu-tiny.yaml"),
+        "--max-steps",
+        "100000",
+        "--save-every",
+        "0",
+        "--eval-every",
+        "0",
+        "--log-every",
+        "1",
+        "--micro-batch",
+        "4",
+        "--num-workers",
+        "1",
+    ]
+    job = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 180
         while time.time() < deadline and job.poll() is None:
-            if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 3:
+            if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count(
+                "\n"
+            ) >= 3:
                 break
             time.sleep(0.05)
         if job.poll() is not None:
@@ -160,16 +271,21 @@ def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
     assert f"SIGTERM: checkpoint saved at step {int(saved[4:])}" in err
     assert "export in" not in err, "a stopped run writes no export and must not claim one"
     assert "run the same command again to resume" in err
-    state = torch.load(run / "checkpoints" / saved / "mp_rank_00_model_states.pt", weights_only=False)
+    state = torch.load(
+        run / "checkpoints" / saved / "mp_rank_00_model_states.pt", weights_only=False
+    )
     assert state["train_state"]["step"] == int(saved[4:]) >= 3
     assert state["data_position"]["samples"] == 4 * state["train_state"]["step"]
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--data", "{tmp}/missing"], "data directory not found"),
-    (["--data", "{tmp}"], "index.json not found"),
-    (["--data", "{books}", "--seq-len", "128"], "longer than the data's seq_len 64"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--data", "{tmp}/missing"], "data directory not found"),
+        (["--data", "{tmp}"], "index.json not found"),
+        (["--data", "{books}", "--seq-len", "128"], "longer than the data's seq_len 64"),
+    ],
+)
 def test_clear_errors_for_bad_data(books_data, tmp_path, extra, message):
     from click.testing import CliRunner
 
@@ -182,14 +298,36 @@ def test_clear_errors_for_bad_data(books_data, tmp_path, extra, message):
     assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
 
 
-def test_nonfinite_losses_are_skipped_counted_and_a_diverged_run_stops_clearly(books_data, tmp_path):
+def test_nonfinite_losses_are_skipped_counted_and_a_diverged_run_stops_clearly(
+    books_data, tmp_path
+):
     """Weights initialised at 1e30 overflow fp32: every loss is NaN/inf."""
     config = tmp_path / "diverge.yaml"
-    config.write_text((REPO / "configs" / "cpu-tiny.yaml").read_text().replace(
-        "  preset: shatter-tiny", "  preset: shatter-tiny\n  overrides: {initializer_range: 1.0e+30}").replace(
-        "run:\n", "run:\n  max_nonfinite: 4\n"))
-    cmd = [sys.executable, SCRIPT, "--data", str(books_data), "--output", str(tmp_path / "run"),
-           "--config", str(config), "--max-steps", "10", "--micro-batch", "2", "--num-workers", "0"]
+    config.write_text(
+        (REPO / "configs" / "cpu-tiny.yaml")
+        .read_text()
+        .replace(
+            "  preset: shatter-tiny",
+            "  preset: shatter-tiny\n  overrides: {initializer_range: 1.0e+30}",
+        )
+        .replace("run:\n", "run:\n  max_nonfinite: 4\n")
+    )
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        "--data",
+        str(books_data),
+        "--output",
+        str(tmp_path / "run"),
+        "--config",
+        str(config),
+        "--max-steps",
+        "10",
+        "--micro-batch",
+        "2",
+        "--num-workers",
+        "0",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "non-finite loss, micro-batch skipped (4 so far)" in done.stderr
