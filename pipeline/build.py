@@ -23,8 +23,9 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.runners.portability.fn_api_runner.fn_runner import ExtendedProvisionInfo
 from apache_beam.runners.portability.portable_runner import JobServiceHandle
 
-from pipeline import progress, readers, shards, tokenizer
+from pipeline import progress, readers, tokenizer
 from pipeline.config import BuildConfig
+from pipeline.format import FORMAT, INDEX_FILE, TOKENIZER_FILE, VERSION, fs, write_index
 from pipeline.sink import ShardAndWrite
 from pipeline.transforms import (
     NAMESPACE,
@@ -129,7 +130,7 @@ def _delete_tree(path: str) -> None:
 
 def _prepare_output(config: BuildConfig, overwrite: bool) -> None:
     out = config.output
-    index = shards.join(out, shards.INDEX_FILE)
+    index = fs.join(out, INDEX_FILE)
     if FileSystems.exists(index):
         if not overwrite:
             raise BuildError(
@@ -146,11 +147,11 @@ def _prepare_output(config: BuildConfig, overwrite: bool) -> None:
             SAMPLE_FILE,
             MANIFEST_FILE,
         )
-        for m in FileSystems.match([shards.join(out, pattern)])[0].metadata_list
+        for m in FileSystems.match([fs.join(out, pattern)])[0].metadata_list
     ]
     if stale:
         FileSystems.delete(stale)
-    _delete_tree(shards.join(out, WORK_DIR))
+    _delete_tree(fs.join(out, WORK_DIR))
     if not FileSystems.exists(out):
         FileSystems.mkdirs(out)
 
@@ -185,15 +186,15 @@ def _read_text(path: str) -> str:
 
 def train_tokenizer(config: BuildConfig, beam_args: list[str], report=print) -> dict:
     """Pipeline 1 and the training; returns the counters. Writes OUT/tokenizer.model."""
-    sample_path = shards.join(config.output, SAMPLE_FILE)
+    sample_path = fs.join(config.output, SAMPLE_FILE)
     p = make_pipeline(beam_args)
-    cache_list = shards.join(config.output, CACHE_LIST)
+    cache_list = fs.join(config.output, CACHE_LIST)
     docs = _read_clean(p, config)
     lines = docs | "sample" >> SampleLines(config.tokenizer_sample)
     _ = lines | "write sample" >> beam.Map(lambda ls: _write_text(sample_path, json.dumps(ls)))
     _ = (
         docs
-        | "cache clean text" >> beam.ParDo(CacheFn(shards.join(config.output, WORK_DIR)))
+        | "cache clean text" >> beam.ParDo(CacheFn(fs.join(config.output, WORK_DIR)))
         | "cache files" >> beam.combiners.ToList()
         | "write cache list" >> beam.Map(lambda paths: _write_text(cache_list, json.dumps(paths)))
     )
@@ -204,7 +205,7 @@ def train_tokenizer(config: BuildConfig, beam_args: list[str], report=print) -> 
         f"on {len(sample)} lines"
     )
     model = tokenizer.train(sample, config.vocab_size, config.tokenizer_model_type)
-    with FileSystems.create(shards.join(config.output, shards.TOKENIZER_FILE)) as f:
+    with FileSystems.create(fs.join(config.output, TOKENIZER_FILE)) as f:
         f.write(model)
     FileSystems.delete([sample_path])
     return values
@@ -213,7 +214,7 @@ def train_tokenizer(config: BuildConfig, beam_args: list[str], report=print) -> 
 def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, report=print) -> dict:
     """Build the dataset of `config` and return its index (also written to OUT/index.json)."""
     _prepare_output(config, overwrite)
-    model_path = shards.join(config.output, shards.TOKENIZER_FILE)
+    model_path = fs.join(config.output, TOKENIZER_FILE)
     sample_counters, cached = {}, None
     if config.tokenizer:
         with FileSystems.open(config.tokenizer) as f:
@@ -222,14 +223,14 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
             f.write(model)
     else:
         sample_counters = train_tokenizer(config, beam_args, report)
-        cached = json.loads(_read_text(shards.join(config.output, CACHE_LIST)))
+        cached = json.loads(_read_text(fs.join(config.output, CACHE_LIST)))
     with FileSystems.open(model_path) as f:
         model = f.read()
     sp = tokenizer.load(model)
     vocab_size = sp.get_piece_size()
     counts = {"train": config.num_shards, "validation": config.num_validation_shards}
-    work_dir = shards.join(config.output, WORK_DIR)
-    manifest_path = shards.join(config.output, MANIFEST_FILE)
+    work_dir = fs.join(config.output, WORK_DIR)
+    manifest_path = fs.join(config.output, MANIFEST_FILE)
 
     p = make_pipeline(beam_args)
     docs = _read_clean(p, config) if cached is None else p | "read cleaned" >> ReadCache(cached)
@@ -252,12 +253,12 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
     FileSystems.delete([manifest_path])
     _delete_tree(work_dir)
     index = {
-        "format": shards.FORMAT,
-        "version": shards.VERSION,
+        "format": FORMAT,
+        "version": VERSION,
         "seq_len": config.seq_len,
         "dupe_factor": config.dupe_factor,
         "tokenizer": {
-            "file": shards.TOKENIZER_FILE,
+            "file": TOKENIZER_FILE,
             "sha256": hashlib.sha256(model).hexdigest(),
             "vocab_size": vocab_size,
             "special_ids": dict(tokenizer.SPECIAL_PIECES),
@@ -282,5 +283,5 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
     for _split, entry in index["splits"].items():
         entry["rows"] = sum(s["rows"] for s in entry["shards"])
         entry["tokens"] = sum(s["tokens"] for s in entry["shards"])
-    shards.write_index(config.output, index)
+    write_index(config.output, index)
     return json.loads(json.dumps(index))  # exactly what index.json holds (lists, not tuples)

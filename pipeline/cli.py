@@ -261,8 +261,8 @@ def build(
 @click.option("--split", default="train", show_default=True)
 def inspect(out, rows, split):
     """Stats, a length histogram and decoded sample rows with their masks."""
+    from pipeline.format import DatasetError
     from pipeline.inspect import inspect_dataset
-    from pipeline.shards import DatasetError
 
     try:
         click.echo(inspect_dataset(out, rows, split))
@@ -274,8 +274,8 @@ def inspect(out, rows, split):
 @click.argument("out")
 def verify(out):
     """Check checksums, schema and counts; exit non-zero naming the first bad file."""
+    from pipeline.format import DatasetError
     from pipeline.inspect import verify_dataset
-    from pipeline.shards import DatasetError
 
     try:
         problems = verify_dataset(out)

@@ -8,24 +8,12 @@ positions are in range and whose labels are the ids at those positions, and the 
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from apache_beam.io.filesystems import FileSystems
 
-from pipeline import shards
+from pipeline.format import fs, read_index, read_shard, schema, sha256_file
 from pipeline.masking import CLS_ID, SEP_ID
-
-
-def _sha256(path: str) -> tuple[str, int]:
-    sha, size = hashlib.sha256(), 0
-    with FileSystems.open(path, compression_type="uncompressed") as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-            size += len(chunk)
-    return sha.hexdigest(), size
 
 
 def check_table(table: pa.Table, seq_len: int, dupe_factor: int) -> list[str]:
@@ -61,29 +49,26 @@ def check_table(table: pa.Table, seq_len: int, dupe_factor: int) -> list[str]:
 
 def verify_dataset(out: str) -> list[str]:
     """Problems found, each naming its file (empty list: the dataset is sound)."""
-    index = shards.read_index(out)
+    index = read_index(out, verify_tokenizer=False)
     problems = []
-    tok = index["tokenizer"]
-    tok_path = shards.join(out, tok["file"])
-    if not FileSystems.exists(tok_path):
-        problems.append(f"{tok_path}: missing")
-    elif _sha256(tok_path)[0] != tok["sha256"]:
-        problems.append(f"{tok_path}: sha256 differs from index.json")
-    want_schema = shards.schema(tok["vocab_size"])
-    for _split, entry in index["splits"].items():
-        for info in entry["shards"]:
-            path = shards.join(out, info["file"])
-            if not FileSystems.exists(path):
+    if not fs.exists(index.tokenizer):
+        problems.append(f"{index.tokenizer}: missing")
+    elif sha256_file(index.tokenizer) != index.tokenizer_sha256:
+        problems.append(f"{index.tokenizer}: sha256 differs from index.json")
+    want_schema = schema(index.vocab_size)
+    for infos in index.splits.values():
+        for info in infos:
+            path = index.shard_path(info)
+            if not fs.exists(path):
                 problems.append(f"{path}: missing")
                 continue
-            digest, size = _sha256(path)
-            if size != info["bytes"] or digest != info["sha256"]:
+            if fs.size(path) != info.bytes or sha256_file(path) != info.sha256:
                 problems.append(
                     f"{path}: bytes/sha256 differ from index.json (corrupt or replaced)"
                 )
                 continue
             try:
-                table = shards.read_shard(path)
+                table = read_shard(path)
             except (pa.ArrowInvalid, OSError) as e:
                 problems.append(f"{path}: unreadable Arrow IPC stream ({e})")
                 continue
@@ -91,13 +76,13 @@ def verify_dataset(out: str) -> list[str]:
                 problems.append(f"{path}: schema {table.schema} differs from the layout's")
                 continue
             tokens = int(pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0)
-            if table.num_rows != info["rows"] or tokens != info["tokens"]:
+            if table.num_rows != info.rows or tokens != info.tokens:
                 problems.append(
                     f"{path}: {table.num_rows} rows / {tokens} tokens, index.json says "
-                    f"{info['rows']} / {info['tokens']}"
+                    f"{info.rows} / {info.tokens}"
                 )
             problems += [
-                f"{path}: {p}" for p in check_table(table, index["seq_len"], index["dupe_factor"])
+                f"{path}: {p}" for p in check_table(table, index.seq_len, index.dupe_factor)
             ]
     return problems
 
@@ -116,31 +101,31 @@ def inspect_dataset(out: str, sample_rows: int = 3, split: str = "train") -> str
     """A report: config summary, per-split stats, length histogram, decoded sample rows with masks."""
     import sentencepiece as spm
 
-    index = shards.read_index(out)
+    index = read_index(out, verify_tokenizer=False)
     lines = [
-        f"dataset {out}: seq_len {index['seq_len']}, dupe_factor {index['dupe_factor']}, "
-        f"vocab {index['tokenizer']['vocab_size']}"
+        f"dataset {out}: seq_len {index.seq_len}, dupe_factor {index.dupe_factor}, "
+        f"vocab {index.vocab_size}"
     ]
-    for name, entry in index["splits"].items():
-        rows = [s["rows"] for s in entry["shards"]]
+    for name, infos in index.splits.items():
+        rows = [s.rows for s in infos]
         spread = f", shard rows {min(rows)}..{max(rows)}" if rows else ""
         lines.append(
-            f"  {name}: {sum(rows)} rows, {sum(s['tokens'] for s in entry['shards'])} tokens, "
-            f"{len(rows)} shards, {sum(s['bytes'] for s in entry['shards'])} bytes{spread}"
+            f"  {name}: {sum(rows)} rows, {sum(s.tokens for s in infos)} tokens, "
+            f"{len(rows)} shards, {sum(s.bytes for s in infos)} bytes{spread}"
         )
-    counters = index.get("counters", {})
+    counters = index.raw.get("counters", {})
     if counters:
         lines.append("  counters: " + " ".join(f"{k}={v}" for k, v in counters.items()))
-    paths = shards.shard_paths(out, split, index)
-    tables = [t for t in (shards.read_shard(p) for p in paths) if t.num_rows]
+    paths = [index.shard_path(s) for s in index.splits.get(split, ())]
+    tables = [t for t in (read_shard(p) for p in paths) if t.num_rows]
     if not tables:
         lines.append(f"  ({split} has no rows)")
         return "\n".join(lines)
     table = pa.concat_tables(tables)
     lengths = pc.list_value_length(table["input_ids"]).to_numpy()
     lines.append(f"{split} row lengths (mean {lengths.mean():.1f}):")
-    lines += _histogram(lengths, index["seq_len"])
-    with FileSystems.open(shards.join(out, index["tokenizer"]["file"])) as f:
+    lines += _histogram(lengths, index.seq_len)
+    with fs.open_read(index.tokenizer) as f:
         sp = spm.SentencePieceProcessor(model_proto=f.read())
     for i in range(min(sample_rows, table.num_rows)):
         row = table.slice(i, 1).to_pylist()[0]

@@ -3,7 +3,7 @@
 Workers spill key-sorted rows (key, length and padded ids only) to temporary Arrow IPC files with
 a histogram of their keys; the summed histograms give balanced key ranges (`pipeline.sharding`); each shard's
 writer reads its range of every spill, sorts it, adds the `dupe_factor` static maskings chunk by
-chunk (`transforms.mask_table`) and writes one file through `pipeline.shards.ShardWriter` (temp +
+chunk (`transforms.mask_table`) and writes one file through `pipeline.ShardWriter` (temp +
 rename). Masking last keeps the sorts and spills cheap: until it is written, a row is a key, a
 length and a fixed-width id array (sorted with numpy, spilled and read back without copies),
 and a chunk's masks exist only while it is written.
@@ -23,7 +23,9 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline import sharding, shards, tokenizer
+from pipeline import sharding, tokenizer
+from pipeline.format import schema, shard_name
+from pipeline.format.writer import ROWS_PER_RECORD_BATCH, ShardWriter
 from pipeline.transforms import MaskSpec, Packed, counter, mask_table
 
 
@@ -151,9 +153,7 @@ def read_piece(path: str, start: int, stop: int) -> pa.Table:
 class WriteShardFn(beam.DoFn):
     """The pieces of one shard → merged in key order → masked → one Arrow IPC stream file (temp + rename)."""
 
-    CHUNK = (
-        shards.ROWS_PER_RECORD_BATCH
-    )  # rows masked at a time: one record batch, so bytes never depend on it
+    CHUNK = ROWS_PER_RECORD_BATCH  # rows masked at a time: one record batch, so bytes never depend on it
 
     def __init__(self, out: str, counts: dict, mask: MaskSpec):
         self.out, self.counts, self.mask = out, counts, mask
@@ -168,8 +168,8 @@ class WriteShardFn(beam.DoFn):
     def process(self, element):
         (split, shard), pieces = element
         tables = [read_piece(*p) for p in sorted(p for p in pieces if p is not None)]
-        name = shards.shard_name(split, shard, self.counts[split])
-        with shards.ShardWriter(self.out, name, shards.schema(self.vocab_size)) as writer:
+        name = shard_name(split, shard, self.counts[split])
+        with ShardWriter(self.out, name, schema(self.vocab_size)) as writer:
             if tables:
                 arrays = [spill_arrays(t) for t in tables]  # spills may differ in width
                 del tables  # the pieces as read: only the merged arrays stay while masking

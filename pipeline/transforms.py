@@ -23,7 +23,8 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
-from pipeline import cleaning, masking, packing, progress, readers, shards, tokenizer
+from pipeline import cleaning, masking, packing, progress, readers, tokenizer
+from pipeline.format.writer import rows_table
 from pipeline.wiki import InputError
 from pipeline.wikitext import clean_wikitext
 
@@ -382,6 +383,6 @@ def mask_table(
         spec.whole_word,
     )
     in_row = np.arange(ids.shape[1])[None, :] < np.asarray(lengths)[:, None]
-    return shards.rows_table(
+    return rows_table(
         keys, lengths, ids[in_row], word_start[in_row], masks, spec.dupe_factor, vocab_size
     )

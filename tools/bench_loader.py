@@ -24,17 +24,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline import shards as pshards  # noqa: E402
+from pipeline import format as pshards  # noqa: E402
+from pipeline.format import read_index, sha256_file  # noqa: E402
 from pipeline.tokenizer import SPECIAL_PIECES  # noqa: E402
 from pipeline.transforms import MaskSpec, mask_table  # noqa: E402
 from train.data import MaskingSpec, ShardStream  # noqa: E402
-from train.shards import read_index, sha256_file  # noqa: E402
 
 
 def synthetic_dataset(
     root: Path, rows: int, seq_len: int, vocab: int, dupe: int, seed: int = 0
 ) -> Path:
-    """Random full-length rows in the DESIGN.md layout, written with pipeline.shards."""
+    """Random full-length rows in the DESIGN.md layout, written with pipeline.format."""
     rng = np.random.default_rng(seed)
     word_start_table = rng.random(vocab) < 0.7
     (root / pshards.TOKENIZER_FILE).write_bytes(b"benchmark: random ids, no tokenizer")

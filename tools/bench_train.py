@@ -24,11 +24,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import shatter  # noqa: E402
+from pipeline.format import read_index  # noqa: E402
 from tools.bench_loader import synthetic_dataset  # noqa: E402
 from train.config import resolve  # noqa: E402
 from train.data import MaskingSpec, ShardStream  # noqa: E402
 from train.engine import build_engine, deepspeed_config, init_distributed  # noqa: E402
-from train.shards import read_index  # noqa: E402
 
 INPUTS = ("input_ids", "attention_mask", "labels")
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import click
 
+from pipeline.format import sha256_file
 from tools.plot_metrics import read_metrics
-from train.shards import sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

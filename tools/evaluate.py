@@ -16,10 +16,10 @@ import click
 import torch
 
 import shatter
+from pipeline.format import DatasetError, read_index
 from train.config import DataArgs
 from train.data import validation_stream
 from train.evaluate import evaluate
-from train.shards import DataError, read_index
 
 
 def evaluate_export(
@@ -83,7 +83,7 @@ def main(
     """Masked-LM loss and accuracy of an export on a shard dataset's validation split."""
     try:
         result = evaluate_export(checkpoint, data, split, batch_size, max_samples)
-    except (DataError, FileNotFoundError, ValueError) as err:
+    except (DatasetError, FileNotFoundError, ValueError) as err:
         raise click.ClickException(str(err)) from None
     click.echo(
         f"{split} (l={result['seq_len']}): loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f} "

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from pipeline.format import DatasetError, Index, Shard, load_shard
 from train.masking import IGNORE, PAD, SEP, dynamic_mask, ragged_gather, static_mask
-from train.shards import DataError, Index, Shard, load_shard
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class StreamPosition:
     @classmethod
     def from_dict(cls, state: dict, epoch_size: int) -> StreamPosition:
         if state["epoch_size"] != epoch_size:
-            raise DataError(
+            raise DatasetError(
                 f"the checkpoint's data position is for a train split of {state['epoch_size']} rows, "
                 f"the data now has {epoch_size}: resuming on different data cannot be exact"
             )
@@ -135,8 +135,8 @@ class ShardStream(IterableDataset):
         verify: bool = True,
     ):
         if seq_len > index.seq_len:
-            raise DataError(
-                f"--seq-len {seq_len} exceeds the data's seq_len {index.seq_len} ({index.root / 'index.json'})"
+            raise DatasetError(
+                f"--seq-len {seq_len} exceeds the data's seq_len {index.seq_len} ({index.path})"
             )
         self.index, self.shards = index, index.shards(split)
         self.batch_size, self.seq_len, self.masking = batch_size, seq_len, masking
@@ -150,8 +150,9 @@ class ShardStream(IterableDataset):
 
     def _shard(self, i: int) -> Shard:
         if i not in self._cache:
+            info = self.shards[i]
             self._cache[i] = load_shard(
-                self.shards[i], verify=self.verify and i not in self._verified
+                self.index.shard_path(info), info, verify=self.verify and i not in self._verified
             )
             self._verified.add(i)
             while len(self._cache) > 2:

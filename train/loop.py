@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.format import Index
 from pipeline.masking import mix64
 from train import checkpoint
 from train.config import TrainConfig
@@ -24,7 +25,6 @@ from train.data import ShardStream, StreamPosition, train_loader, validation_str
 from train.engine import loss_scale
 from train.evaluate import evaluate
 from train.metrics import MetricsWriter, Progress
-from train.shards import Index
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels")
 

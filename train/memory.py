@@ -110,14 +110,14 @@ def estimate(cfg: TrainConfig, model: torch.nn.Module, seq_len: int, vocab: int)
 
 def dry_run_report(cfg: TrainConfig) -> str:
     import shatter
+    from pipeline.format import DatasetError, read_index
     from train.engine import resolved_deepspeed_config
-    from train.shards import DataError, read_index
 
     index = None
     if cfg.data.path:
         try:
             index = read_index(cfg.data.path, verify_tokenizer=False)
-        except DataError as err:
+        except DatasetError as err:
             note = f"(data not read: {err})"
         else:
             note = f"(data: {cfg.data.path}, seq_len {index.seq_len}, vocab {index.vocab_size})"

@@ -22,8 +22,8 @@ if __package__ in (None, ""):
 
 import click  # noqa: E402
 
+from pipeline.format import DatasetError, read_index  # noqa: E402
 from train.config import PRECISIONS, ConfigError, TrainConfig, resolve  # noqa: E402
-from train.shards import DataError, read_index  # noqa: E402
 
 
 def _run(cfg: TrainConfig) -> str:
@@ -173,7 +173,7 @@ def main(config_file, dry_run, local_rank, **flags):
             click.echo(dry_run_report(cfg))
             return
         status = _run(cfg)
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DatasetError) as err:
         raise click.ClickException(str(err)) from None
     except RuntimeError as err:
         from train.loop import TrainingError

@@ -9,13 +9,18 @@ import pytest
 import sentencepiece as spm
 from click.testing import CliRunner
 
-from pipeline import shards
+from pipeline import format as shards
 from pipeline.build import build
 from pipeline.cli import main
 from pipeline.config import InputSpec
 from pipeline.inspect import verify_dataset
 
 from .conftest import generated_documents, quiet, small_config
+
+
+def shard_paths(out: str, split: str) -> list[str]:
+    index = shards.read_index(out, verify_tokenizer=False)
+    return [index.shard_path(s) for s in index.splits.get(split, ())]
 
 
 def _files(out):
@@ -146,7 +151,7 @@ def test_bad_input_stops_with_the_file_name_or_is_counted(built, tmp_path):
     assert "Traceback" not in stop.output and not (tmp_path / "stop" / "index.json").exists()
     skip = CliRunner().invoke(main, args + ["--output", str(tmp_path / "skip")])
     assert skip.exit_code == 0, skip.output
-    counters = shards.read_index(str(tmp_path / "skip"))["counters"]
+    counters = shards.read_index(str(tmp_path / "skip")).raw["counters"]
     assert counters["skipped_rest_of_file"] == 1 and counters["invalid_utf8_replaced"] == 1
 
 
@@ -205,7 +210,7 @@ def test_mixed_books_and_wiki_tables(shared_data, tmp_path):
     texts = [
         sp.decode(r)
         for s in ("train", "validation")
-        for p in shards.shard_paths(str(out), s)
+        for p in shard_paths(str(out), s)
         for r in shards.read_shard(p)["input_ids"].to_pylist()
     ]
     joined = " ".join(texts)
@@ -246,7 +251,7 @@ def test_wiki_sample_end_to_end_via_cli(shared_data, tmp_path):
         ],
     )
     assert result.exit_code == 0, result.output
-    index = shards.read_index(str(out))
+    index = shards.read_index(str(out)).raw
     counters = index["counters"]
     assert counters["skipped_redirect"] > 50 and counters["documents_read"] > 80
     assert counters.get("tokens_dropped", 0) == 0
@@ -297,7 +302,7 @@ def test_cli_passes_beam_options_through(built, corpus_dir, tmp_path):
         ],
     )
     assert result.exit_code == 0, result.output
-    assert shards.read_index(str(tmp_path / "o"))["splits"]["train"]["rows"] > 0
+    assert shards.read_index(str(tmp_path / "o")).raw["splits"]["train"]["rows"] > 0
     bad = CliRunner().invoke(
         main, ["build", "--input", "x", "--output", str(tmp_path / "p"), "--seq-len", "2"]
     )
@@ -374,7 +379,7 @@ def test_separate_validation_input(built, corpus_dir, tmp_path):
     index = build(config, [], report=quiet)
     val_rows = [
         r
-        for p in shards.shard_paths(str(tmp_path / "v"), "validation")
+        for p in shard_paths(str(tmp_path / "v"), "validation")
         for r in shards.read_shard(p)["input_ids"].to_pylist()
     ]
     sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))

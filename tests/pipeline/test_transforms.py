@@ -8,7 +8,7 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline import packing, shards, tokenizer
+from pipeline import format as shards, packing, tokenizer
 from pipeline.config import BuildConfig, InputSpec
 from pipeline.masking import SPECIAL_IDS
 from pipeline.readers import ReadSpec

@@ -9,9 +9,9 @@ import torch
 from shardutil import write_dataset
 from torch.utils.data import DataLoader
 
+from pipeline.format import DatasetError, read_index
 from train.data import MaskingSpec, ShardStream, StreamPosition
 from train.masking import IGNORE, MASK, PAD, SEP
-from train.shards import DataError, read_index
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_position_round_trip_and_refusal_on_other_data():
     p = StreamPosition(samples=53, epoch_size=24)
     assert (p.epoch, p.in_epoch) == (2, 5)
     assert StreamPosition.from_dict(p.to_dict(), 24) == p
-    with pytest.raises(DataError, match="24 rows"):
+    with pytest.raises(DatasetError, match="24 rows"):
         StreamPosition.from_dict(p.to_dict(), 25)
 
 
@@ -156,7 +156,7 @@ def test_truncation_to_a_shorter_seq_len_keeps_sep(dataset):
 
 
 def test_longer_seq_len_than_the_data_is_an_error(dataset):
-    with pytest.raises(DataError, match="seq-len 64.*32"):
+    with pytest.raises(DatasetError, match="seq-len 64.*32"):
         stream(read_index(dataset), seq_len=64)
 
 
@@ -167,24 +167,24 @@ def test_corrupted_shard_is_refused_by_name(tmp_path):
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     s = stream(read_index(root), batch_size=8, shuffle=False)
-    with pytest.raises(DataError, match=r"train-00001-of-00002\.arrow.*corrupted"):
+    with pytest.raises(DatasetError, match=r"train-00001-of-00002\.arrow.*corrupted"):
         next(iter(s))
 
 
 def test_missing_index_tokenizer_and_version_errors(tmp_path):
-    with pytest.raises(DataError, match="not found"):
+    with pytest.raises(DatasetError, match="not found"):
         read_index(tmp_path / "nowhere")
     (tmp_path / "partial").mkdir()
-    with pytest.raises(DataError, match="index.json not found"):
+    with pytest.raises(DatasetError, match="index.json not found"):
         read_index(tmp_path / "partial")
     root = write_dataset(tmp_path / "data")
     (root / "tokenizer.model").write_bytes(b"another tokenizer")
-    with pytest.raises(DataError, match="tokenizer.model: sha256"):
+    with pytest.raises(DatasetError, match="tokenizer.model: sha256"):
         read_index(root)
     index = json.loads((root / "index.json").read_text())
     index["version"] = 2
     (root / "index.json").write_text(json.dumps(index))
-    with pytest.raises(DataError, match="version 2"):
+    with pytest.raises(DatasetError, match="version 2"):
         read_index(root, verify_tokenizer=False)
 
 
@@ -203,40 +203,36 @@ def test_validation_stream_is_finite_and_split_between_ranks(dataset):
     np.testing.assert_array_equal(np.unique(ids), np.arange(5))
 
 
-def test_index_reader_is_beam_free_and_shares_the_pipeline_format(tmp_path):
-    """train/ reads index.json through pipeline/index_format.py, never importing Beam."""
+def test_format_reader_is_beam_free(tmp_path):
+    """The trainer reads a local dataset through pipeline.format without importing Beam."""
     import subprocess
     import sys
 
+    root = write_dataset(tmp_path / "data")
     code = (
-        "import sys, train.shards, train.data; "
-        "assert 'apache_beam' not in sys.modules, 'train imported apache_beam'"
+        "import sys, train.data; from pipeline.format import read_index, load_shard; "
+        f"i = read_index({str(root)!r}); s = i.shards('train')[0]; load_shard(i.shard_path(s), s); "
+        "assert 'apache_beam' not in sys.modules, 'the reader imported apache_beam'"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    from pipeline import shards as pshards
-
-    root = write_dataset(tmp_path / "data")
     index = json.loads((root / "index.json").read_text())
     index["format"] = "something-else"
     (root / "index.json").write_text(json.dumps(index))
-    with pytest.raises(DataError, match="format 'something-else'") as train_err:
+    with pytest.raises(DatasetError, match="format 'something-else'"):
         read_index(root, verify_tokenizer=False)
-    with pytest.raises(pshards.DatasetError) as pipeline_err:
-        pshards.read_index(str(root))
-    assert str(train_err.value) == str(pipeline_err.value)
 
 
 def test_validation_stream_can_be_iterated_again_without_rehashing(dataset, monkeypatch):
     """The loop builds the validation stream once and passes over it at every evaluation."""
-    from train import shards
+    from pipeline.format import reader
     from train.config import DataArgs
     from train.data import validation_stream
 
     hashed = []
-    real = shards.sha256_file
+    real = reader.sha256_file
     monkeypatch.setattr(
-        shards, "sha256_file", lambda path, *a: hashed.append(path) or real(path, *a)
+        reader, "sha256_file", lambda path, *a: hashed.append(path) or real(path, *a)
     )
     s = validation_stream(
         read_index(dataset, verify_tokenizer=False),

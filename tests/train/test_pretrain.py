@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import shatter
+from pipeline.format import read_index
 from train.config import DataArgs
 from train.data import validation_stream
 from train.evaluate import evaluate
-from train.shards import read_index
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
