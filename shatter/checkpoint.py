@@ -27,6 +27,7 @@ import safetensors.torch
 from torch import nn
 
 from shatter.config import ModelConfig
+from shatter.heads import build_head
 from shatter.model import ShatterForMaskedLM
 
 WEIGHTS, CONFIG, HEAD, TOKENIZER = (
@@ -113,9 +114,10 @@ def from_pretrained(path: str | Path, **overrides: Any) -> nn.Module:
         config = ModelConfig.from_dict({**config.to_dict(), **overrides})
     model: nn.Module = ShatterForMaskedLM(config)
     if (path / HEAD).exists():
-        from shatter.heads import build_head
-
-        model = build_head(model, _read_json(path / HEAD), path / HEAD)
+        try:
+            model = build_head(model, _read_json(path / HEAD), path / HEAD)
+        except ValueError as e:  # head.json names the file already
+            raise CheckpointError(str(e)) from None
     weights = path / WEIGHTS
     if not weights.is_file():
         raise CheckpointError(f"{weights} is missing")

@@ -1,7 +1,7 @@
 """The finetuning loop: build, train, evaluate every `eval_every` steps, keep the best.
 
 Functions plus the engine (no trainer class): `finetune(cfg)` loads the export and its tokenizer,
-builds the task data (train/finetune_data.py) and the head (shatter.heads), a DeepSpeed engine
+builds the task data (train/finetuning/data.py) and the head (shatter.heads), a DeepSpeed engine
 with the trainer's config builder (train/engine.py), and runs. Every rank draws the same global
 batch order (seeded per epoch) and takes its slice, so the global batch is `batch_size` on any
 world size. Evaluation runs on rank 0 while the others wait.
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from train.config import ConfigError, RunArgs, TrainConfig
-from train.finetune import FinetuneConfig, default_steps
-from train.finetune_data import SpanData, build_task_data
+from train.finetuning.config import FinetuneConfig, default_steps
+from train.finetuning.data import SpanData, build_task_data
 
 
 def global_batches(
@@ -104,7 +104,7 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     """Run one finetuning; return metrics.json's content on rank 0 (None elsewhere)."""
     import shatter
     from train.engine import build_engine, init_distributed, resolved_deepspeed_config
-    from train.features import Tokenizer
+    from train.finetuning.features import Tokenizer
     from train.metrics import MetricsWriter, Progress
 
     checkpoint, run_dir = Path(cfg.run.checkpoint), Path(cfg.run.output)
