@@ -81,10 +81,10 @@ def main(
     output: Path | None,
 ) -> None:
     """Masked-LM loss and accuracy of an export on a shard dataset's validation split."""
-    try:
+    from train.lifecycle import process_exit
+
+    with process_exit(known=(DatasetError, FileNotFoundError, ValueError)):
         result = evaluate_export(checkpoint, data, split, batch_size, max_samples)
-    except (DatasetError, FileNotFoundError, ValueError) as err:
-        raise click.ClickException(str(err)) from None
     click.echo(
         f"{split} (l={result['seq_len']}): loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f} "
         f"over {result['predictions']} masked tokens"

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+OPTIMIZER_IMPLS = ("torch", "deepspeed")
 PRECISIONS = ("fp32", "bf16", "fp16")
 MASKINGS = ("static", "dynamic")
 
@@ -69,6 +70,9 @@ class OptimArgs:
     initial_scale_power: int = 16  # fp16 dynamic loss scaling starts at 2**this
     loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
     min_loss_scale: float = 1.0  # fp16: the scale never goes below this
+    # AdamW on a GPU: "torch" = torch.optim.AdamW(fused=True) handed to DeepSpeed (no JIT build);
+    # "deepspeed" = DeepSpeed's FusedAdam (JIT-built with nvcc). On a CPU: torch's AdamW always.
+    impl: str = "torch"
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,10 @@ class TrainConfig:
                 self.optim.decay in ("linear", "constant"),
                 "optim.decay must be 'linear' or 'constant'",
             ),
+            (
+                self.optim.impl in OPTIMIZER_IMPLS,
+                f"optim.impl must be one of {OPTIMIZER_IMPLS}, got {self.optim.impl!r}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -157,6 +165,7 @@ FLAGS = {
     "num_workers": "data.num_workers",
     "lr": "optim.lr",
     "warmup_steps": "optim.warmup_steps",
+    "optim_impl": "optim.impl",
     "deepspeed_config": "run.deepspeed_config",
     "num_gpus": "run.num_gpus",
     "progress": "run.progress",

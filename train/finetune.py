@@ -106,12 +106,11 @@ def main(config_file, local_rank, **flags):
     from shatter.checkpoint import CheckpointError
     from train.finetuning.loop import finetune
     from train.finetuning.tasks import TaskDataError
+    from train.lifecycle import process_exit
 
-    try:
+    with process_exit(known=(ConfigError, CheckpointError, TaskDataError, FileNotFoundError)):
         cfg = resolve(config_file, flags)
         result = finetune(cfg)
-    except (ConfigError, CheckpointError, TaskDataError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
     if result is not None:
         best = result["best"]
         click.echo(

@@ -23,7 +23,13 @@ if __package__ in (None, ""):
 import click  # noqa: E402
 
 from pipeline.format import DatasetError, read_index  # noqa: E402
-from train.config import PRECISIONS, ConfigError, TrainConfig, resolve  # noqa: E402
+from train.config import (  # noqa: E402
+    OPTIMIZER_IMPLS,
+    PRECISIONS,
+    ConfigError,
+    TrainConfig,
+    resolve,
+)
 
 
 def _run(cfg: TrainConfig) -> str:
@@ -33,8 +39,9 @@ def _run(cfg: TrainConfig) -> str:
     from train import checkpoint
     from train.data import StreamPosition
     from train.engine import build_engine, init_distributed, resolved_deepspeed_config
-    from train.loop import RunContext, StopFlag, train
-    from train.metrics import MetricsWriter, truncate_after
+    from train.lifecycle import StopFlag
+    from train.loop import RunContext, train
+    from train.metrics import MetricsWriter, gpu_memory, truncate_after
 
     if not cfg.data.path or not cfg.run.output:
         raise ConfigError(
@@ -49,8 +56,7 @@ def _run(cfg: TrainConfig) -> str:
         )
     for split in ("train", "validation"):
         index.shards(split)  # both splits present, or an error naming index.json
-    stop = StopFlag()
-    stop.install()
+    stop = StopFlag().install()
     rank, world = init_distributed()
     run_dir = Path(cfg.run.output)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -103,9 +109,16 @@ def _run(cfg: TrainConfig) -> str:
             if status == "complete"
             else f"checkpoint in {run_dir / 'checkpoints'}; run the same command again to resume"
         )
+        memory = gpu_memory(engine.device)
+        peak = (
+            f"; GPU memory peak {memory['gpu_mem_peak_gb']:.2f} GiB allocated, "
+            f"{memory['gpu_mem_reserved_gb']:.2f} GiB reserved"
+            if memory
+            else ""
+        )
         click.echo(
-            f"{status}: step {state.step}, {state.skipped_nonfinite} non-finite micro-batches skipped; "
-            f"{where}",
+            f"{status}: step {state.step}, {state.skipped_nonfinite} non-finite micro-batches skipped"
+            f"{peak}; {where}",
             err=True,
         )
     return status
@@ -143,6 +156,11 @@ def _run(cfg: TrainConfig) -> str:
 @click.option("--num-workers", type=int, help="DataLoader workers per rank.")
 @click.option("--lr", type=float, help="Peak learning rate.")
 @click.option("--warmup-steps", type=int, help="Linear warm-up steps.")
+@click.option(
+    "--optim-impl",
+    type=click.Choice(OPTIMIZER_IMPLS),
+    help="AdamW on a GPU: torch's fused AdamW (default) or DeepSpeed's JIT-built FusedAdam.",
+)
 @click.option("--num-gpus", type=int, help="World size the config is written for (--dry-run).")
 @click.option(
     "--deepspeed-config",
@@ -165,7 +183,10 @@ def _run(cfg: TrainConfig) -> str:
 )
 def main(config_file, dry_run, local_rank, **flags):
     """Pretrain a masked-LM encoder on a shard dataset with DeepSpeed."""
-    try:
+    from train.lifecycle import process_exit
+    from train.loop import TrainingError
+
+    with process_exit(known=(ConfigError, DatasetError, TrainingError)):
         cfg = resolve(config_file, flags)
         if dry_run:
             from train.memory import dry_run_report
@@ -173,16 +194,8 @@ def main(config_file, dry_run, local_rank, **flags):
             click.echo(dry_run_report(cfg))
             return
         status = _run(cfg)
-    except (ConfigError, DatasetError) as err:
-        raise click.ClickException(str(err)) from None
-    except RuntimeError as err:
-        from train.loop import TrainingError
-
-        if not isinstance(err, TrainingError):
-            raise
-        raise click.ClickException(str(err)) from None
-    if status == "stopped":
-        sys.exit(143)  # 128 + SIGTERM: the run is not finished; the same command resumes it
+        if status == "stopped":
+            sys.exit(143)  # 128 + SIGTERM: the run is not finished; the same command resumes it
 
 
 if __name__ == "__main__":

@@ -188,13 +188,15 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     try:
         for step in range(1, steps + 1):
             batch = data.collate([data.train_features[i] for i in next(batches)])
-            loss = engine(**{k: v.to(device) for k, v in batch.items()})["loss"]
+            loss = engine(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})["loss"]
             engine.backward(loss)
             engine.step()
-            window_loss, window_steps = window_loss + loss.item(), window_steps + 1
+            # summed on the device: the loss is read at log steps only (no host sync per step)
+            window_loss, window_steps = window_loss + loss.detach().float(), window_steps + 1
             window_tokens += int(batch["attention_mask"].sum()) * world  # this rank's share, scaled
             if step % r.log_every == 0 or step == steps:
                 lr, now = engine.get_lr()[0], time.time()
+                window_loss = float(window_loss)
                 tokens_per_s = window_tokens / max(now - window_start, 1e-9)
                 writer.write(
                     {
