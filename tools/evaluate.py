@@ -94,4 +94,6 @@ def main(
 
 
 if __name__ == "__main__":
-    main()
+    from train.lifecycle import run_cli
+
+    run_cli(main)

@@ -121,4 +121,6 @@ def main(config_file, local_rank, **flags):
 
 
 if __name__ == "__main__":
-    main()
+    from train.lifecycle import run_cli
+
+    run_cli(main)

@@ -13,6 +13,8 @@ masks as an uninterrupted one without storing RNG state.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,9 +227,12 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
     host_reads = engine.device.type == "cpu"
     window = DeviceWindow(engine.device)
     agreed_stop = LaggedStop(engine.device, ctx.world)
+    sample_log = _sample_log(ctx.rank)
     engine.train()
     while state.step < run.max_steps:
         batch = next(batches)
+        if sample_log is not None:
+            sample_log.write(json.dumps([state.samples, batch["sample_id"].tolist()]) + "\n")
         torch.manual_seed(dropout_seed(run.seed, state.samples, ctx.rank))
         state.samples += per_micro
         inputs = {k: batch[k].to(engine.device, non_blocking=True) for k in MODEL_INPUTS}
@@ -319,6 +324,13 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
             break
     progress.close()
     return status
+
+
+def _sample_log(rank: int):
+    """SHATTER_SAMPLE_LOG=PREFIX (a debugging aid): each rank appends [stream position, the
+    canonical row ids of its micro-batch] per micro-batch to PREFIX.rankR.jsonl."""
+    prefix = os.environ.get("SHATTER_SAMPLE_LOG")
+    return open(f"{prefix}.rank{rank}.jsonl", "a", buffering=1) if prefix else None
 
 
 def _global_tokens(ctx: RunContext, local: int) -> int:

@@ -32,7 +32,7 @@ from train.config import (  # noqa: E402
 )
 
 
-def _run(cfg: TrainConfig) -> str:
+def _run(cfg: TrainConfig) -> int:
     import torch
 
     import shatter
@@ -121,7 +121,7 @@ def _run(cfg: TrainConfig) -> str:
             f"{peak}; {where}",
             err=True,
         )
-    return status
+    return 0 if status == "complete" else stop.exit_code
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -193,10 +193,12 @@ def main(config_file, dry_run, local_rank, **flags):
 
             click.echo(dry_run_report(cfg))
             return
-        status = _run(cfg)
-        if status == "stopped":
-            sys.exit(143)  # 128 + SIGTERM: the run is not finished; the same command resumes it
+        code = _run(cfg)
+        if code:
+            sys.exit(code)  # 128 + the signal: the run is not finished; the same command resumes it
 
 
 if __name__ == "__main__":
-    main()
+    from train.lifecycle import run_cli
+
+    run_cli(main)
