@@ -1,10 +1,12 @@
 """Shared test fixtures: the location of ../shared/data and offline settings for `datasets`."""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))  # jobs.py: launched commands, timed
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -228,6 +228,7 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
     window = DeviceWindow(engine.device)
     agreed_stop = LaggedStop(engine.device, ctx.world)
     sample_log = _sample_log(ctx.rank)
+    sync_debug = os.environ.get("SHATTER_SYNC_DEBUG") if engine.device.type == "cuda" else None
     engine.train()
     while state.step < run.max_steps:
         batch = next(batches)
@@ -235,6 +236,8 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
             sample_log.write(json.dumps([state.samples, batch["sample_id"].tolist()]) + "\n")
         torch.manual_seed(dropout_seed(run.seed, state.samples, ctx.rank))
         state.samples += per_micro
+        if sync_debug:  # SHATTER_SYNC_DEBUG=warn|error: torch flags each host sync of the step
+            torch.cuda.set_sync_debug_mode(sync_debug)
         inputs = {k: batch[k].to(engine.device, non_blocking=True) for k in MODEL_INPUTS}
         lr = engine.optimizer.param_groups[0]["lr"]
         loss = engine(**inputs)["loss"]
@@ -280,6 +283,8 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
             engine.backward(loss)
             engine.step()
             window.add(loss, bad)
+        if sync_debug:
+            torch.cuda.set_sync_debug_mode(0)  # the boundary's reads (logs, saves) are expected
         if engine.global_steps == state.step:
             continue  # inside a gradient accumulation
         state.step = engine.global_steps

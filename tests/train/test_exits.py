@@ -10,11 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from jobs import Job
 
 from train.lifecycle import one_line
 
@@ -35,52 +35,6 @@ def _copy(data: Path, tmp: Path) -> Path:
     out = tmp / "data"
     shutil.copytree(data, out)
     return out
-
-
-class Job:
-    """A launched command whose output lines are time-stamped as they come."""
-
-    def __init__(self, cmd: list[str], env: dict | None = None):
-        self.lines: list[tuple[float, str]] = []
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-            start_new_session=True,
-        )
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
-
-    def wait_for(self, text: str, timeout: float) -> float:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            hit = next((t for t, line in self.lines if text in line), None)
-            if hit is not None:
-                return hit
-            if self.proc.poll() is not None and not self.reader.is_alive():
-                break
-            time.sleep(0.2)
-        raise AssertionError(f"no line with {text!r}:\n" + self.text[-4000:])
-
-    def finish(self, timeout: float) -> tuple[int, float]:
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher, its ranks, their workers
-            raise AssertionError("the job did not end:\n" + self.text[-4000:]) from None
-        self.reader.join(5)
-        return code, time.monotonic()
-
-    @property
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines)
 
 
 def launch(data: Path, run: Path, *extra: str, port: int, ranks: int = 2) -> list[str]:
