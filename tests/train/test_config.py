@@ -1,5 +1,6 @@
 """Typed configs, YAML loading, flag overrides and the DeepSpeed config built from them."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -84,11 +85,36 @@ def test_fp16_config_validated_by_deepspeed():
     assert fp16.initial_scale_power == 16 and fp16.loss_scale_window == 1000
     assert not parsed.bfloat16_config.enabled
     assert parsed.zero_optimization_stage == 1 and parsed.gradient_clipping == 1.0
-    assert parsed.optimizer_name == "adamw" and parsed.scheduler_name == "WarmupDecayLR"
+    # a GPU's default: torch's fused AdamW, a client optimizer (no optimizer section to build)
+    assert parsed.optimizer_name is None and parsed.scheduler_name == "WarmupDecayLR"
     assert parsed.scheduler_params["total_num_steps"] == 1_600_000
     assert parsed.scheduler_params["warmup_num_steps"] == 10_000
     with pytest.raises(ConfigError, match="GPU"):
         deepspeed_config(cfg, 8, cpu=True)
+
+
+def test_the_optimizer_implementation_flag(monkeypatch):
+    import torch
+
+    from train.engine import client_optimizer, cuda_arch_list_for_jit, param_groups
+
+    gpu = resolve(None, {})
+    fused = resolve(None, {"optim_impl": "deepspeed"})
+    assert "optimizer" not in deepspeed_config(gpu, 8, cpu=False)
+    built = deepspeed_config(fused, 8, cpu=False)["optimizer"]
+    assert built["type"] == "AdamW" and built["params"]["torch_adam"] is False
+    for cfg in (gpu, fused):  # a CPU: DeepSpeed builds torch's AdamW either way
+        assert deepspeed_config(cfg, 2, cpu=True)["optimizer"]["params"]["torch_adam"] is True
+    with pytest.raises(ConfigError, match="optim.impl"):
+        resolve(None, {"optim_impl": "apex"})
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = client_optimizer(param_groups(model, 0.01), gpu.optim)
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is True
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+    assert opt.defaults["eps"] == 1e-6 and opt.defaults["betas"] == (0.9, 0.999)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a;9.0;8.6+PTX")
+    cuda_arch_list_for_jit()  # DeepSpeed's op builder reads int() of each part
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;8.6"
 
 
 def test_expert_deepspeed_config_merges_over_the_built_one(tmp_path):
