@@ -174,8 +174,8 @@ def _exit_code(err: BaseException) -> int:
 @contextmanager
 def process_exit(known: tuple[type[BaseException], ...] = ()):
     """The body of a CLI. `known` errors (bad config, data) and any other exception become one
-    line and exit 1 (a `click.ClickException`); every path destroys the process group and arms
-    the exit watchdog."""
+    line and exit 1 (a `click.ClickException`); every path arms the exit watchdog and, in a
+    process of its own (`run_cli`), destroys the process group."""
     import click
 
     code = 0
@@ -197,4 +197,5 @@ def process_exit(known: tuple[type[BaseException], ...] = ()):
     finally:
         _owner["code"] = code
         arm_watchdog(code)
-        close_process_group()
+        if _owner["cli"]:  # in-process callers (tests, notebooks) keep DeepSpeed's cached group
+            close_process_group()

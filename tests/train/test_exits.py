@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,12 @@ from pathlib import Path
 
 import pytest
 from jobs import Job
+from test_pretrain import command, free_port
 
 from train.lifecycle import one_line
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-SCRIPT = str(REPO / "train" / "pretrain.py")
 EXIT_WITHIN_S = 60  # from the failure's line to the launcher's exit
 
 
@@ -37,35 +36,9 @@ def _copy(data: Path, tmp: Path) -> Path:
     return out
 
 
-def launch(data: Path, run: Path, *extra: str, port: int, ranks: int = 2) -> list[str]:
-    return [
-        str(BIN / "deepspeed"),
-        "--num_gpus",
-        str(ranks),
-        "--master_port",
-        str(port),
-        SCRIPT,
-        "--data",
-        str(data),
-        "--output",
-        str(run),
-        "--preset",
-        "shatter-tiny",
-        "--config",
-        str(REPO / "configs" / "cpu-tiny.yaml"),
-        "--micro-batch",
-        "4",
-        "--num-workers",
-        "2",
-        "--no-progress",
-        *extra,
-    ]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def launch(data: Path, run: Path, *extra: str, launcher: list[str] | None = None) -> list[str]:
+    flags = ("--micro-batch", "4", "--num-workers", "2", "--no-progress")
+    return command(data, run, *flags, *extra, launcher=launcher)
 
 
 def _fails_soon(job: Job, marker: str) -> float:
@@ -158,7 +131,7 @@ def test_every_train_shard_corrupted(books_data, tmp_path):
     data = _copy(books_data, tmp_path)
     for shard in data.glob("train-*.arrow"):
         _corrupt(shard)
-    job = Job(launch(data, tmp_path / "run", "--max-steps", "5", port=_port()))
+    job = Job(launch(data, tmp_path / "run", "--max-steps", "5"))
     _fails_soon(job, "is corrupted")
     assert "train-0000" in job.text
 
@@ -169,7 +142,7 @@ def test_a_corrupted_validation_shard(books_data, tmp_path):
     data = _copy(books_data, tmp_path)
     for shard in data.glob("validation-*.arrow"):
         _corrupt(shard)
-    job = Job(launch(data, tmp_path / "run", "--max-steps", "6", "--eval-every", "2", port=_port()))
+    job = Job(launch(data, tmp_path / "run", "--max-steps", "6", "--eval-every", "2"))
     _fails_soon(job, "is corrupted")
     assert "validation-0000" in job.text
 
@@ -181,7 +154,7 @@ def test_a_checkpoint_that_cannot_be_written(books_data, tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "step00000002").write_text("in the way\n")
-    job = Job(launch(books_data, run, "--max-steps", "6", "--save-every", "2", port=_port()))
+    job = Job(launch(books_data, run, "--max-steps", "6", "--save-every", "2"))
     _fails_soon(job, "step00000002")
 
 
@@ -199,7 +172,6 @@ def test_sigterm_during_checkpoints_saves_and_exits(books_data, tmp_path):
             "1",
             "--eval-every",
             "0",
-            port=_port(),
         )
     )
     job.wait_for("checkpoint step00000002", timeout=300)
@@ -226,43 +198,17 @@ def test_two_nodes_of_one_rank_read_disjoint_data_and_resume(books_data, tmp_pat
     a shared hostfile, the master on 127.0.0.1."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
-    run, port, log = tmp_path / "run", _port(), tmp_path / "samples"
+    run, port, log = tmp_path / "run", free_port(), tmp_path / "samples"
 
     def nodes(max_steps: int) -> list[Job]:
         jobs = []
         for node in (0, 1):
-            cmd = [
-                str(BIN / "deepspeed"),
-                "--hostfile",
-                str(hostfile),
-                "--no_ssh",
-                "--node_rank",
-                str(node),
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
-                SCRIPT,
-                "--data",
-                str(books_data),
-                "--output",
-                str(run),
-                "--preset",
-                "shatter-tiny",
-                "--config",
-                str(REPO / "configs" / "cpu-tiny.yaml"),
-                "--micro-batch",
-                "4",
-                "--num-workers",
-                "1",
-                "--no-progress",
-                "--max-steps",
-                str(max_steps),
-                "--save-every",
-                "3",
-                "--eval-every",
-                "0",
-            ]
+            launcher = [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh"]
+            launcher += ["--node_rank", str(node), "--master_addr", "127.0.0.1"]
+            launcher += ["--master_port", str(port)]
+            extra = ("--num-workers", "1", "--max-steps", str(max_steps))
+            cmd = launch(books_data, run, *extra, "--save-every", "3", "--eval-every", "0",
+                         launcher=launcher)  # fmt: skip
             jobs.append(Job(cmd, env={"SHATTER_SAMPLE_LOG": str(log)}))
         return jobs
 

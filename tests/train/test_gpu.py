@@ -10,13 +10,14 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from jobs import Job, finish_soon
+from shardutil import build_books
+from test_pretrain import command
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,30 +27,10 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-SCRIPT = str(REPO / "train" / "pretrain.py")
 
 
 def pretrain(data: Path, run: Path, *extra: str) -> list[str]:
-    return [
-        str(BIN / "deepspeed"),
-        "--num_gpus",
-        "1",
-        "--master_port",
-        str(29500 + os.getpid() % 1000),
-        SCRIPT,
-        "--data",
-        str(data),
-        "--output",
-        str(run),
-        "--preset",
-        "shatter-tiny",
-        "--config",
-        str(REPO / "configs" / "cpu-tiny.yaml"),
-        "--micro-batch",
-        "16",
-        "--no-progress",
-        *extra,
-    ]
+    return command(data, run, "--micro-batch", "16", "--no-progress", *extra, ranks=1)
 
 
 def train_lines(run: Path) -> list[dict]:
@@ -108,26 +89,8 @@ def test_extend_to_1024_and_evaluate_at_1024(shared_data, books_data, tmp_path):
     run = tmp_path / "run"
     finish_soon(Job(pretrain(books_data, run, "--precision", "bf16", "--max-steps", "4")), 300)
     long_data = tmp_path / "l1024"
-    build = [
-        str(BIN / "shatter-data"),
-        "build",
-        "--corpus",
-        "books",
-        "--input",
-        str(shared_data / "books"),
-        "--output",
-        str(long_data),
-        "--seq-len",
-        "1024",
-        "--tokenizer",
-        str(books_data / "tokenizer.model"),
-        "--num-shards",
-        "1",
-        "--validation-fraction",
-        "0.05",
-    ]
-    done = subprocess.run(build, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    build_books(shared_data, long_data, "--seq-len", "1024", "--num-shards", "1",
+                "--tokenizer", str(books_data / "tokenizer.model"))  # fmt: skip
     extended = tmp_path / "extended"
     extend = [str(BIN / "shatter-extend"), str(run / "export"), "--max-len", "1024"]
     finish_soon(Job(extend + ["--output", str(extended)]), timeout=300)
