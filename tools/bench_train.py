@@ -72,17 +72,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         index = read_index(synthetic_dataset(Path(tmp), 2048, args.seq_len, 32000, 1))
-        batches = list(
-            ShardStream(
-                index,
-                "train",
-                batch_size=args.micro_batch,
-                seq_len=args.seq_len,
-                masking=MaskingSpec("static"),
-                seed=0,
-                finite=True,
-            )
-        )
+        batches = static_batches(index, args)
     cfg = resolve(None, {"micro_batch": args.micro_batch, "max_steps": 10**6, "warmup_steps": 10})
     contenders = {}
     for size in args.sizes.split(","):
@@ -119,6 +109,21 @@ def main() -> None:
             bert = np.median(results[("bert", size)]) if ("bert", size) in results else float("nan")
             row += f"{value:14,.0f}{value / bert:8.2f}x"
         print(row)
+
+
+def static_batches(index, args, max_samples: int | None = None) -> list[dict]:
+    """One pass of the train split with static masks, in memory."""
+    stream = ShardStream(
+        index,
+        "train",
+        batch_size=args.micro_batch,
+        seq_len=args.seq_len,
+        masking=MaskingSpec("static"),
+        seed=0,
+        finite=True,
+        max_samples=max_samples,
+    )
+    return list(stream)
 
 
 def bare_tokens_per_s(model, batches, precision: str, device: torch.device, steps: int) -> float:
@@ -199,18 +204,7 @@ def trainer_vs_bare(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = synthetic_dataset(Path(tmp), 4096, args.seq_len, 32000, 1)
         index = read_index(data_dir)
-        batches = list(
-            ShardStream(
-                index,
-                "train",
-                batch_size=args.micro_batch,
-                seq_len=args.seq_len,
-                masking=MaskingSpec("static"),
-                seed=0,
-                finite=True,
-                max_samples=args.micro_batch * args.steps,
-            )
-        )
+        batches = static_batches(index, args, max_samples=args.micro_batch * args.steps)
         for size in args.sizes.split(","):
             for arch in args.archs.split(","):
                 name = f"{arch}-{size}"
