@@ -287,7 +287,9 @@ def SampleLines(n: int):
 
 
 class TokenizeFn(beam.DoFn):
-    """DocBatch → Tokenized per split, with sentencepiece's batch API; held-out docs by hash."""
+    """DocBatch → Tokenized per split, with sentencepiece's batch API. An "auto" document is held
+    out for validation when its content key is below `validation_fraction` of the key range, or
+    when it is the corpus's smallest key `held_out` (so a small corpus still gets one)."""
 
     def __init__(self, model_path: str, validation_fraction: float):
         self.model_path, self.validation_fraction = model_path, validation_fraction
@@ -298,7 +300,7 @@ class TokenizeFn(beam.DoFn):
         self.docs, self.tokens = counter("documents_tokenized"), counter("document_tokens")
         self.empty = counter("skipped_empty_after_tokenizing")
 
-    def process(self, batch: DocBatch):
+    def process(self, batch: DocBatch, held_out: int | None = None):
         encoded = self.sp.encode(list(batch.docs), num_threads=1)
         by_split = {"train": [], "validation": []}
         threshold = self.validation_fraction * 2.0**64
@@ -308,7 +310,8 @@ class TokenizeFn(beam.DoFn):
                 continue
             split = batch.split
             if split == "auto":
-                split = "validation" if content_key(text.encode()) < threshold else "train"
+                key = content_key(text.encode())
+                split = "validation" if key < threshold or key == held_out else "train"
             by_split[split].append(np.asarray(ids, dtype=np.int32))
             self.tokens.inc(len(ids))
         self.docs.inc(sum(len(v) for v in by_split.values()))
@@ -317,8 +320,35 @@ class TokenizeFn(beam.DoFn):
                 yield Tokenized(split, tuple(docs))
 
 
-def Tokenize(model_path: str, validation_fraction: float):
-    return beam.ParDo(TokenizeFn(model_path, validation_fraction))
+def Tokenize(model_path: str, validation_fraction: float, held_out=None):
+    """`held_out`: a side input of the smallest "auto" document key (`SmallestKey`), or None."""
+    fn = TokenizeFn(model_path, validation_fraction)
+    return beam.ParDo(fn) if held_out is None else beam.ParDo(fn, held_out=held_out)
+
+
+class _SmallestKey(beam.CombineFn):
+    """The smallest content key of the "auto" documents, if there are at least two (else None)."""
+
+    def create_accumulator(self):
+        return (None, 0)
+
+    def add_input(self, acc, batch: DocBatch):
+        if batch.split != "auto":
+            return acc
+        keys = [content_key(d.encode()) for d in batch.docs]
+        return self.merge_accumulators([acc, (min(keys, default=None), len(keys))])
+
+    def merge_accumulators(self, accs):
+        accs = list(accs)
+        keys = [k for k, _ in accs if k is not None]
+        return (min(keys, default=None), sum(n for _, n in accs))
+
+    def extract_output(self, acc):
+        return acc[0] if acc[1] > 1 else None
+
+
+def SmallestKey():
+    return beam.CombineGlobally(_SmallestKey())
 
 
 _ROW_KEY_SALT = np.uint64(0x524F574B4559)
