@@ -26,11 +26,13 @@ from apache_beam.io.filesystems import FileSystems
 from pipeline import progress, readers, runners, tokenizer
 from pipeline.config import BuildConfig
 from pipeline.format import FORMAT, INDEX_FILE, TOKENIZER_FILE, VERSION, fs, write_index
+from pipeline.inspect import validation_warnings
 from pipeline.sink import ShardAndWrite
 from pipeline.transforms import (
     NAMESPACE,
     CacheFn,
     Clean,
+    HoldOutFn,
     MaskSpec,
     Pack,
     ReadCache,
@@ -66,7 +68,6 @@ RUNNER_ONLY_COUNTERS = (
     "invalid_utf8_replaced",
     "skipped_* (every skip, by reason)",
 )
-MIN_VALIDATION_ROWS = 100
 
 
 class BuildError(Exception):
@@ -226,6 +227,12 @@ def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=
     )
     values = run_and_report(p, "tokenizer sample", report)
     sample = json.loads(_read_text(sample_path))
+    if not sample:
+        inputs = ", ".join(spec.path for spec in config.inputs)
+        raise BuildError(
+            f"no text to train the tokenizer on in {inputs}: every document was empty, binary or "
+            "skipped (the counters above say why); check --input and --corpus, or pass --tokenizer"
+        )
     report(
         f"training sentencepiece ({config.tokenizer_model_type}, vocab {config.vocab_size}) "
         f"on {len(sample)} lines"
@@ -292,12 +299,12 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
         model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word
     )
     fraction = 0.0 if config.validation_inputs else config.validation_fraction
-    held_out = None  # and the document with the smallest key, so that the split is never empty
-    if fraction > 0:
-        held_out = beam.pvalue.AsSingleton(docs | "smallest key" >> SmallestKey())
+    if fraction > 0:  # by hash (Tokenize), and the smallest-key document: never an empty split
+        smallest = beam.pvalue.AsSingleton(docs | "smallest key" >> SmallestKey())
+        docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), held_out=smallest)
     infos = (
         docs
-        | "tokenize" >> Tokenize(model_path, fraction, held_out)
+        | "tokenize" >> Tokenize(model_path, fraction)
         | "pack" >> Pack(config.seq_len, config.cross_document)
         | "shard, mask and write" >> ShardAndWrite(out, work_dir, counts, mask, config.spill_rows)
         | "collect" >> beam.combiners.ToList()
@@ -349,27 +356,3 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
         log.warning("%s", warning)
     write_index(out, index)
     return json.loads(json.dumps(index))  # exactly what index.json holds (lists, not tuples)
-
-
-def validation_warnings(index: dict) -> list[str]:
-    """Why a dataset's validation split is too small to be useful (empty list: it is not)."""
-    config = index.get("config", {})
-    val = index["splits"].get("validation", {"shards": []})
-    rows, shards = sum(s["rows"] for s in val["shards"]), len(val["shards"])
-    fix = (
-        "pass a larger --validation-fraction (or a --validation-input)"
-        if not config.get("validation_inputs")
-        else "pass a larger --validation-input"
-    )
-    out = []
-    if rows < MIN_VALIDATION_ROWS:
-        out.append(
-            f"the validation split has {rows} rows, fewer than {MIN_VALIDATION_ROWS}: its loss "
-            f"will be noisy; {fix}"
-        )
-    if rows < shards:
-        out.append(
-            f"the validation split has {rows} rows for {shards} shards: some are empty; {fix} "
-            f"or fewer --num-validation-shards"
-        )
-    return out

@@ -287,9 +287,7 @@ def SampleLines(n: int):
 
 
 class TokenizeFn(beam.DoFn):
-    """DocBatch → Tokenized per split, with sentencepiece's batch API. An "auto" document is held
-    out for validation when its content key is below `validation_fraction` of the key range, or
-    when it is the corpus's smallest key `held_out` (so a small corpus still gets one)."""
+    """DocBatch → Tokenized per split, with sentencepiece's batch API; held-out docs by hash."""
 
     def __init__(self, model_path: str, validation_fraction: float):
         self.model_path, self.validation_fraction = model_path, validation_fraction
@@ -300,7 +298,7 @@ class TokenizeFn(beam.DoFn):
         self.docs, self.tokens = counter("documents_tokenized"), counter("document_tokens")
         self.empty = counter("skipped_empty_after_tokenizing")
 
-    def process(self, batch: DocBatch, held_out: int | None = None):
+    def process(self, batch: DocBatch):
         encoded = self.sp.encode(list(batch.docs), num_threads=1)
         by_split = {"train": [], "validation": []}
         threshold = self.validation_fraction * 2.0**64
@@ -310,8 +308,7 @@ class TokenizeFn(beam.DoFn):
                 continue
             split = batch.split
             if split == "auto":
-                key = content_key(text.encode())
-                split = "validation" if key < threshold or key == held_out else "train"
+                split = "validation" if content_key(text.encode()) < threshold else "train"
             by_split[split].append(np.asarray(ids, dtype=np.int32))
             self.tokens.inc(len(ids))
         self.docs.inc(sum(len(v) for v in by_split.values()))
@@ -320,10 +317,8 @@ class TokenizeFn(beam.DoFn):
                 yield Tokenized(split, tuple(docs))
 
 
-def Tokenize(model_path: str, validation_fraction: float, held_out=None):
-    """`held_out`: a side input of the smallest "auto" document key (`SmallestKey`), or None."""
-    fn = TokenizeFn(model_path, validation_fraction)
-    return beam.ParDo(fn) if held_out is None else beam.ParDo(fn, held_out=held_out)
+def Tokenize(model_path: str, validation_fraction: float):
+    return beam.ParDo(TokenizeFn(model_path, validation_fraction))
 
 
 class _SmallestKey(beam.CombineFn):
@@ -349,6 +344,27 @@ class _SmallestKey(beam.CombineFn):
 
 def SmallestKey():
     return beam.CombineGlobally(_SmallestKey())
+
+
+class HoldOutFn(beam.DoFn):
+    """DocBatch → the same, except that the "auto" document with the corpus's smallest content key
+    (`SmallestKey`, a side input) moves to a "validation" batch of its own when the hash threshold
+    of `Tokenize` would not hold it out: a small corpus (a few books) still gets a validation
+    split. Where the threshold holds it out anyway (any large corpus), batches pass unchanged."""
+
+    def __init__(self, validation_fraction: float):
+        self.threshold = validation_fraction * 2.0**64
+
+    def process(self, batch: DocBatch, held_out: int | None):
+        if batch.split != "auto" or held_out is None or held_out < self.threshold:
+            yield batch
+            return
+        keep = [d for d in batch.docs if content_key(d.encode()) != held_out]
+        if len(keep) < len(batch.docs):
+            moved = tuple(d for d in batch.docs if content_key(d.encode()) == held_out)
+            yield DocBatch(batch.corpus, "validation", moved)
+        if keep:
+            yield DocBatch(batch.corpus, batch.split, tuple(keep))
 
 
 _ROW_KEY_SALT = np.uint64(0x524F574B4559)
