@@ -78,6 +78,7 @@ class ChunkedPartitionAttention(torch.autograd.Function):
         acc = torch.promote_types(Q.dtype, torch.float32)  # pointwise work and statistics
         scale = 1.0 / math.sqrt(d)
         keep = mask_BL[:, None, :].to(acc)
+        Xq = X.to(Q.dtype)  # the matmul dtype (a no-op unless the caller mixes precisions)
         out = V.new_empty(V.shape)
         part = torch.empty(B, L, n, dtype=V.dtype, device=V.device)
         stat = torch.empty(B, L, dtype=acc, device=Q.device)
@@ -85,7 +86,7 @@ class ChunkedPartitionAttention(torch.autograd.Function):
             for i0 in range(0, L, r := block_rows(B, n, L)):
                 i1 = min(L, i0 + r)
                 N = _parts(table, i0, i1, L, acc)
-                S = _scores(Q, X, c, N, i0, i1, scale)
+                S = _scores(Q, Xq, c, N, i0, i1, scale)
                 if sigmoid:  # eq. 5: padded keys zeroed before the L2 normalisation
                     s = stat[:, i0:i1] = (torch.sigmoid(S) * keep).norm(dim=-1).clamp_min(NORM_EPS)
                 else:  # a row with no real key (a sequence of padding only) gets A = 0
@@ -109,6 +110,7 @@ class ChunkedPartitionAttention(torch.autograd.Function):
         acc = stat.dtype
         scale = 1.0 / math.sqrt(d)
         keep = mask_BL[:, None, :].to(acc)
+        Xq = X.to(Q.dtype)
         need_q, need_x, need_v, need_c = ctx.needs_input_grad[:4]
         gQ = torch.zeros(Q.shape, dtype=acc, device=Q.device) if need_q else None
         gX = torch.zeros(X.shape, dtype=acc, device=X.device) if need_x else None
@@ -124,16 +126,17 @@ class ChunkedPartitionAttention(torch.autograd.Function):
             for i0 in range(0, L, r := block_rows(B, n, L)):
                 i1 = min(L, i0 + r)
                 N = _parts(table, i0, i1, L, acc)
-                S = _scores(Q, X, c, N, i0, i1, scale)
+                S = _scores(Q, Xq, c, N, i0, i1, scale)
                 A = _weights(S, keep, stat[:, i0:i1], ctx.sigmoid)
                 # dL/d(A ⊙ N[h]) = g_out[h] V[h]^T + g_part[:, h] (A_part's term), then times N[h]
-                G = torch.zeros(B, n, i1 - i0, L, dtype=acc, device=Q.device)
                 if g_out is not None:
-                    G += g_out[:, :, i0:i1] @ V.transpose(-1, -2)
+                    G = (g_out[:, :, i0:i1] @ V.transpose(-1, -2)).to(acc)
                     if gV is not None:
                         AN = A[:, None].to(V.dtype) * N[None].to(V.dtype)
                         gV += (AN.transpose(-1, -2) @ g_out[:, :, i0:i1]).to(acc)
                         del AN
+                else:
+                    G = torch.zeros(B, n, i1 - i0, L, dtype=acc, device=Q.device)
                 if g_part is not None:
                     G += g_part[:, i0:i1].transpose(1, 2)[..., None].to(acc)
                 gA = G.mul_(N).sum(1)
@@ -148,7 +151,7 @@ class ChunkedPartitionAttention(torch.autograd.Function):
                     gc[:, i0:i1] = _per_part(gS, N)
                 gZ = (gS * scale).to(Q.dtype)
                 if gQ is not None:
-                    gQ[:, i0:i1] = (gZ @ X).to(acc)
+                    gQ[:, i0:i1] = (gZ @ Xq).to(acc)
                 if gX is not None:
                     gX += (gZ.transpose(-1, -2) @ Q[:, i0:i1]).to(acc)
 

@@ -30,7 +30,7 @@ def _inputs(bias: bool, dtype=torch.float64, B=2, L=7, d=8, n=4, seed=0):
     c = torch.randn(B, L, n, generator=g, dtype=dtype, requires_grad=True) if bias else None
     mask = torch.ones(B, L, dtype=torch.bool)
     mask[1, L - 2 :] = False  # a ragged second sequence
-    table = partition_table(n, 1, 3, max_len=16, dtype=dtype)
+    table = partition_table(n, 1, 3, max_len=max(16, L), dtype=dtype)
     return Q, X, V, c, mask, table
 
 
@@ -134,9 +134,11 @@ def test_unknown_impl_is_rejected():
 def test_auto_picks_lean_on_cpu_and_triton_is_imported_lazily(monkeypatch):
     assert impls.auto_impl(torch.device("cpu"), sigmoid=True) == "lean"
     assert impls.resolve("auto", torch.device("cpu"), True) is impls.lean
-    assert "shatter.attention.triton_kernel" not in sys.modules  # building models never imports it
-    tiny("shatter", attention_impl="triton")
+    monkeypatch.delitem(sys.modules, "shatter.attention.triton_kernel", raising=False)
+    impls._triton_kernel.cache_clear()
+    tiny("shatter", attention_impl="triton")  # building a model never imports the kernel
     assert "shatter.attention.triton_kernel" not in sys.modules
+    impls._triton_kernel.cache_clear()
     # a CUDA device: by capability, with or without triton, sigmoid or not (no device needed)
     monkeypatch.setattr(impls, "_capability", lambda index: (7, 0))
     assert impls.auto_impl(torch.device("cuda", 0), sigmoid=True) == "chunked"
@@ -178,3 +180,51 @@ def test_chunked_saves_linear_activations_no_more_than_bert_sdpa():
     grow = (chunked[1024] - chunked[512]) / (chunked[512] - chunked[256])
     assert 1.95 < grow < 2.05, chunked
     assert chunked[1024] < 0.2 * _attention_bytes("shatter", 1024, attention_impl="lean")
+
+
+@pytest.mark.parametrize("arch", ["1h-softmax", "shatter"])
+def test_chunked_under_bf16_autocast_tracks_naive(arch):
+    x, mask, labels = _batch()
+    outs = {}
+    for impl in ("chunked", "naive"):
+        model = tiny(arch, attention_impl=impl)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[impl] = model(x, mask, labels)
+        outs[impl]["loss"].backward()
+        outs[impl]["grad"] = model.encoder.layers[0].attention.query.weight.grad
+    for key in ("logits", "grad"):
+        got, want = outs["chunked"][key].float(), outs["naive"][key].float()
+        assert (got - want).norm() < 0.05 * want.norm(), key
+
+
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", FORMS)
+def test_chunked_in_low_precision_tracks_the_fp64_reference(form, dtype, device):
+    """chunked on `dtype` inputs (matmuls in dtype, statistics in fp32) against naive in fp64."""
+    sigmoid, bias = FORMS[form]
+    Q, X, V, c, mask, table = _inputs(bias, B=2, L=40, d=32)
+    exact = [t.detach().to(device).requires_grad_() for t in (Q, X, V, c) if t is not None]
+    low = [t.detach().to(dtype).requires_grad_() for t in exact]
+    mask, table = mask.to(device), table.float().to(device)
+    g_out = torch.randn(V.shape, dtype=torch.float64, device=device)
+
+    def run(leaves, impl):
+        q, x, v, *rest = leaves
+        out, part = impls.IMPLS[impl](q, x, v, rest[0] if bias else None, mask, table, sigmoid)
+        grads = torch.autograd.grad((out.double() * g_out).sum() + part.double().sum(), leaves)
+        return [out, part, *grads]
+
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    for got, want in zip(run(low, "chunked"), run(exact, "naive"), strict=True):
+        assert got.dtype == dtype
+        assert (got.double() - want).norm() <= tol * want.norm()
