@@ -49,7 +49,7 @@ def _parts(table: torch.Tensor, i0: int, i1: int, L: int, dtype: torch.dtype) ->
 
 def _scores(Q, X, c, N, i0, i1, scale):
     """Z + B for rows i0:i1 in float32 or wider: [B, r, L]."""
-    Z = (Q[:, i0:i1] @ X.transpose(-1, -2)).to(N.dtype) * scale
+    Z = ((Q[:, i0:i1] * scale) @ X.transpose(-1, -2)).to(N.dtype)  # scaled first: no fp16 overflow
     if c is not None:  # B_ij = sum_h c_ih N[h, i, j]: [B, r, 1, n] @ [r, n, L]
         Z = Z + (c[:, i0:i1, None, :].to(N.dtype) @ N.transpose(0, 1)).squeeze(-2)
     return Z

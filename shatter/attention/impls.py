@@ -35,7 +35,7 @@ Impl = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def _scores(Q: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    return Q @ X.transpose(-1, -2) / math.sqrt(Q.shape[-1])  # Z0 = Q X^T / sqrt(d), eq. 5
+    return (Q / math.sqrt(Q.shape[-1])) @ X.transpose(-1, -2)  # Z0 = Q X^T / sqrt(d), eq. 5
 
 
 def lean(Q, X, V, c, mask_BL, table, sigmoid: bool):
