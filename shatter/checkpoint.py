@@ -105,7 +105,7 @@ def load_config(path: str | Path) -> ModelConfig:
 def from_pretrained(path: str | Path, **overrides: Any) -> nn.Module:
     """Load an export written by `save_pretrained`: the MLM model, or the head if `head.json`
     is present. `overrides` replace config fields that do not change the weights' shapes
-    (e.g. `dropout=0.0` or `lean_attention=False`). Returned in eval mode."""
+    (e.g. `dropout=0.0` or `attention_impl="chunked"`). Returned in eval mode."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
