@@ -24,8 +24,9 @@ from shatter.kernels.partition_attention import (
     INTERPRET,
     MAX_D_CHUNKS,
     MAX_PARTS,
-    partition_bwd_dqdx_kernel,
+    partition_bwd_dq_kernel,
     partition_bwd_dv_kernel,
+    partition_bwd_dx_kernel,
     partition_fwd_kernel,
 )
 
@@ -61,7 +62,9 @@ def _check(Q, X, V, c, mask, table):
     ]  # fmt: skip
     for bad, what in problems:
         if bad:
-            raise ValueError(f"partition_attention_triton: {what} (shatter/attention/triton_kernel.py)")
+            raise ValueError(
+                f"partition_attention_triton: {what} (shatter/attention/triton_kernel.py)"
+            )
 
 
 class PartitionAttentionTriton(torch.autograd.Function):
@@ -129,7 +132,8 @@ class PartitionAttentionTriton(torch.autograd.Function):
             dc = torch.empty(B, L, n, device=Q.device, dtype=Q.dtype) if c is not None else Q
             block = "BLOCK_N" if key_major else "BLOCK_M"
             grid = lambda META, block=block: (triton.cdiv(L, META[block]), B)  # noqa: E731
-            partition_bwd_dqdx_kernel[grid](
+            kernel = partition_bwd_dx_kernel if key_major else partition_bwd_dq_kernel
+            kernel[grid](
                 Q, X, V, cc, mask32, table, rho, delta, g_out, g_part, g, dc,
                 *strides[:4], V.stride(0), V.stride(1), V.stride(2), *strides[4:],
                 table.stride(0), g_out.stride(0), g_out.stride(1), g_out.stride(2),

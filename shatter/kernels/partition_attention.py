@@ -34,34 +34,63 @@ cores. Under TRITON_INTERPRET=1 (CPU tests) only one small configuration is tune
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from shatter.attention.lean import NORM_EPS
-
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_PARTS = 16  # n/2 <= 8 unrolled per-part accumulators
 MAX_D_CHUNKS = 4  # dQ/dX accumulators: at most 4 chunks of 256 columns
 
 
-def _cfg(block_m, block_n, block_d, warps, stages):
+def _cfg(block_m, block_n, block_d, warps, stages, archs=(80, 90)):
+    """An autotune configuration and the arch families (80: sm_80..89, 90: sm_90+) it is for."""
     meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d}
-    return triton.Config(meta, num_warps=warps, num_stages=stages)
+    config = triton.Config(meta, num_warps=warps, num_stages=stages)
+    config.archs = archs
+    return config
 
 
 INTERPRET_CONFIGS = [_cfg(16, 16, 16, 1, 1)]
-FWD_CONFIGS = [_cfg(64, 64, 64, 8, 2), _cfg(64, 32, 64, 4, 2), _cfg(32, 64, 64, 4, 2)]
-DV_CONFIGS = [_cfg(64, 64, 64, 8, 2), _cfg(32, 64, 64, 4, 2), _cfg(64, 32, 64, 4, 2)]
-DQDX_CONFIGS = [_cfg(32, 32, 64, 4, 2), _cfg(32, 64, 64, 8, 2), _cfg(16, 64, 64, 4, 2)]
+# Each configuration compiles, for the arch families it names, at d=768/n=12 and d=1024/n=16 in
+# bf16 and fp16 within shared memory, without spills and with tensor-core instructions: checked
+# by tools/kernel_report.py (table in docs/benchmarks.md), which also found the ones left out.
+# Larger tiles spill: the d-wide score contraction plus n/2 part (or d-wide) fp32 accumulators
+# leave few registers, and sm_80's mma.sync keeps more of them live than sm_90's wgmma.
+FWD_CONFIGS = [
+    _cfg(16, 32, 64, 4, 2),
+    _cfg(32, 64, 64, 8, 2, archs=(90,)),
+    _cfg(16, 64, 64, 4, 2, archs=(90,)),
+    _cfg(32, 32, 64, 8, 2, archs=(80,)),
+    _cfg(32, 64, 32, 8, 2, archs=(80,)),
+]
+DV_CONFIGS = [
+    _cfg(16, 64, 64, 8, 2, archs=(90,)),
+    _cfg(32, 64, 64, 16, 2, archs=(90,)),
+    _cfg(32, 64, 32, 8, 2, archs=(90,)),
+    _cfg(16, 32, 64, 8, 2, archs=(80,)),
+]
+DQ_CONFIGS = [_cfg(16, 32, 64, 8, 2), _cfg(16, 16, 64, 4, 2, archs=(90,))]
+DX_CONFIGS = [_cfg(64, 16, 64, 8, 2), _cfg(32, 16, 64, 8, 2), _cfg(32, 32, 64, 8, 2, archs=(90,))]
 AUTOTUNE_KEY = ["L_KEY", "D_MODEL", "N_PARTS", "HAS_C"]
 
 
-def _configs(configs):
-    return INTERPRET_CONFIGS if INTERPRET else configs
+def arch_family(capability: tuple[int, int]) -> int:
+    return 90 if capability[0] >= 9 else 80
+
+
+def _for_this_gpu(configs, named_args, **kwargs):
+    family = arch_family(torch.cuda.get_device_capability())
+    return [c for c in configs if family in c.archs]
+
+
+def _autotune(configs):
+    if INTERPRET:
+        return triton.autotune(configs=INTERPRET_CONFIGS, key=AUTOTUNE_KEY)
+    prune = {"early_config_prune": _for_this_gpu}
+    return triton.autotune(configs=configs, key=AUTOTUNE_KEY, prune_configs_by=prune)
 
 
 # ------------------------------------------------------------------------------------ tiles
@@ -151,10 +180,10 @@ def _chunk_store(ptr_rows, rows_ok, acc, d0, D_MODEL, scale, DC: tl.constexpr):
 # ---------------------------------------------------------------------------------- kernels
 
 
-@triton.autotune(configs=_configs(FWD_CONFIGS), key=AUTOTUNE_KEY)
+@_autotune(FWD_CONFIGS)
 @triton.jit
 def partition_fwd_kernel(
-    Q, X, V, C, Mk, T, O, AP, SS,
+    Q, X, V, C, Mk, T, OUT, AP, SS,
     sq_b, sq_l, sx_b, sx_l, sv_b, sv_h, sv_l, sc_b, sc_l, st_h, so_b, so_h, so_l, sa_b, sa_l,
     L, L_KEY, D_MODEL, K_PART, T_CENTRE, scale,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
@@ -204,7 +233,7 @@ def partition_fwd_kernel(
         if HALF > 7:
             acc7, ap7 = _fwd_part(acc7, ap7, p, f_ptr + 7 * st_h, col, ok, v_ptrs + 7 * sv_h, v_ok, PREC)  # fmt: skip
     row_ok = offs_m < L
-    o_ptrs = O + b * so_b + h0 * so_h + offs_m[:, None] * so_l + offs_k[None, :]
+    o_ptrs = OUT + b * so_b + h0 * so_h + offs_m[:, None] * so_l + offs_k[None, :]
     o_ok = row_ok[:, None] & (offs_k < K_PART)[None, :]
     a_ptrs = AP + b * sa_b + offs_m * sa_l + h0
     tl.store(o_ptrs, acc0, mask=o_ok)
@@ -232,7 +261,7 @@ def partition_fwd_kernel(
     tl.store(SS + (b * 2 + side) * L + offs_m, ss, mask=row_ok)
 
 
-@triton.autotune(configs=_configs(DV_CONFIGS), key=AUTOTUNE_KEY)
+@_autotune(DV_CONFIGS)
 @triton.jit
 def partition_bwd_dv_kernel(
     Q, X, C, Mk, T, RHO, DO, DV,
@@ -298,9 +327,8 @@ def partition_bwd_dv_kernel(
         tl.store(dv_ptrs + 7 * sd_h, acc7.to(ty), mask=dv_ok)
 
 
-@triton.autotune(configs=_configs(DQDX_CONFIGS), key=AUTOTUNE_KEY + ["KEY_MAJOR"])
 @triton.jit
-def partition_bwd_dqdx_kernel(
+def _bwd_dqdx(
     Q, X, V, C, Mk, T, RHO, DELTA, DO, DAP, G, DC,
     sq_b, sq_l, sx_b, sx_l, sv_b, sv_h, sv_l, sc_b, sc_l, st_h, sd_b, sd_h, sd_l, sa_b, sa_l,
     sg_b, sg_l,
@@ -386,3 +414,9 @@ def partition_bwd_dqdx_kernel(
             dc_ptrs = DC + b * L * N_PARTS + offs_out[:, None] * N_PARTS + parts
             dc_ok = out_ok[:, None] & (parts < N_PARTS)
             tl.store(dc_ptrs, dc.to(DC.dtype.element_ty), mask=dc_ok)
+
+
+# one kernel, two autotuned launchers: the row-major dQ/dc and key-major dX programs have
+# different register budgets
+partition_bwd_dq_kernel = _autotune(DQ_CONFIGS)(_bwd_dqdx)
+partition_bwd_dx_kernel = _autotune(DX_CONFIGS)(_bwd_dqdx)
