@@ -28,7 +28,7 @@ import click
 
 SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # usable shared memory per block (A100, H100)
 SHAPES = {"base": (768, 12), "large": (1024, 16)}  # (d, n), the paper's sizes
-DTYPES = {"bf16": "bf16", "fp16": "fp16"}
+DTYPES = ("bf16", "fp16", "fp32")  # fp32 runs IEEE dots: no tensor cores expected
 L_EXAMPLE = 512  # a typical pretraining length: sets which int arguments are multiples of 16
 MAX_LEN = 512
 
@@ -52,7 +52,7 @@ class Row:
             out.append(f"smem {self.smem} > {SMEM_LIMIT[self.arch]}")
         if self.spill:
             out.append(f"spills {self.spill} bytes")
-        if not self.hmma + self.hgmma:
+        if not self.hmma + self.hgmma and self.dtype != "fp32":
             out.append("no tensor-core instruction")
         return out
 
@@ -112,7 +112,8 @@ def compile_one(arch: int, kernel: str, shape: str, dtype: str, config) -> Row:
     }[kernel]
     fn = tuned.fn
     d, n = SHAPES[shape]
-    meta = kernel_meta(d, n, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    meta = kernel_meta(d, n, torch_dtype)
     args = _args(kernel, d, n, dtype)
     constexprs = {"HAS_C": True, "N_PARTS": n, "BLOCK_K": meta["BLOCK_K"], "PREC": meta["PREC"]}
     constexprs.update(config.kwargs)
@@ -155,7 +156,7 @@ def _split(text: str) -> list[str]:
 @click.option("--arch", default="80,90", help="compute capabilities, comma-separated (80, 90)")
 @click.option("--kernel", "kernels", default="fwd,dv,dq,dx", help="kernels to compile")
 @click.option("--shape", "shapes", default="base,large", help="base (d=768, n=12), large")
-@click.option("--dtype", "dtypes", default="bf16,fp16", help="bf16, fp16")
+@click.option("--dtype", "dtypes", default="bf16,fp16", help="bf16, fp16, fp32")
 @click.option("--first-config", is_flag=True, help="only each kernel's first autotune config")
 def main(arch, kernels, shapes, dtypes, first_config):
     """Compile the Triton kernels ahead of time and check their resources (see module doc)."""
@@ -187,7 +188,15 @@ def main(arch, kernels, shapes, dtypes, first_config):
                 for dtype in _split(dtypes):
                     configs = [c for c in lists[kernel] if cap in c.archs]
                     for config in configs[:1] if first_config else configs:
-                        r = compile_one(cap, kernel, shape, dtype, config)
+                        try:
+                            r = compile_one(cap, kernel, shape, dtype, config)
+                        except Exception as e:  # a compile error: one line, then stop
+                            what = f"sm_{cap} {kernel} {shape} {dtype} {config}"
+                            msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+                            raise SystemExit(
+                                f"kernel_report: {what} does not compile: {msg} "
+                                "(shatter/kernels/partition_attention.py)"
+                            ) from None
                         bad = r.problems()
                         failed += bool(bad)
                         print(

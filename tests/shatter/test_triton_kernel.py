@@ -61,7 +61,7 @@ def _rel_err(a, b):
 
 
 CASES = {  # B, L, d, n, bias, key lengths: L not a multiple of the 16-wide block; padding
-    "1h-sigmoid": (2, 20, 32, 4, False, [20, 13]),
+    "1h-sigmoid, one sequence all padding": (3, 20, 32, 4, False, [20, 13, 0]),
     "part-bias n=12, d=48": (1, 20, 48, 12, True, [14]),
     "shatter n=8": (1, 18, 64, 8, True, [18]),
     "shatter n=16, d/n=4": (1, 17, 64, 16, True, [11]),
