@@ -5,7 +5,7 @@ large (d=1024, n=16) shapes, and each dtype, it compiles the kernel for each req
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))`, reads shared memory from the
 compiled kernel's metadata, and runs the wheel's `cuobjdump` on the cubin for registers, spill
 (stack) bytes and HMMA/HGMMA tensor-core instruction counts; each configuration is compiled for the
-arch families it is listed for (`archs`). It prints one table row per compile
+arch families and activations it is listed for (`archs`, `acts`). It prints one table row per compile
 and exits non-zero when a configuration exceeds the arch's shared memory per block, spills, or
 has no tensor-core instruction: such configurations must leave the autotune lists of
 shatter/kernels/partition_attention.py.
@@ -16,6 +16,7 @@ shatter/kernels/partition_attention.py.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -37,6 +38,7 @@ MAX_LEN = 512
 class Row:
     arch: int
     kernel: str
+    activation: str
     shape: str
     dtype: str
     config: str
@@ -69,13 +71,15 @@ def _args(kernel: str, d: int, n: int, dtype: str) -> dict[str, tuple[str, objec
     v = {"sv_b": L * d, "sv_h": k, "sv_l": d}
     if kernel == "fwd":
         ptrs = dict(Q=dtype, X=dtype, V=dtype, C=dtype, Mk="fp32", T="fp32", OUT="fp32", AP="fp32")
-        ptrs["SS"] = "fp32"
+        ptrs.update(SS="fp32", MX="fp32")
         ints = {**common, **v, "so_b": L * d, "so_h": L * k, "so_l": k, "sa_b": L * n, "sa_l": n}
     elif kernel == "dv":
-        ptrs = dict(Q=dtype, X=dtype, C=dtype, Mk="fp32", T="fp32", RHO="fp32", DO=dtype, DV=dtype)
+        ptrs = dict(Q=dtype, X=dtype, C=dtype, Mk="fp32", T="fp32", STAT="fp32", STAT2="fp32")
+        ptrs.update(DO=dtype, DV=dtype)
         ints = {**common, "sd_b": L * d, "sd_h": L * k, "sd_l": k}
     else:
-        ptrs = dict(Q=dtype, X=dtype, V=dtype, C=dtype, Mk="fp32", T="fp32", RHO="fp32")
+        ptrs = dict(Q=dtype, X=dtype, V=dtype, C=dtype, Mk="fp32", T="fp32", STAT="fp32")
+        ptrs["STAT2"] = "fp32"
         ptrs.update(DELTA="fp32", DO=dtype, DAP=dtype, G=dtype, DC=dtype)
         ints = {**common, **v, "sd_b": L * d, "sd_h": L * k, "sd_l": k, "sa_b": L * n, "sa_l": n}
         ints.update(sg_b=L * d, sg_l=d)
@@ -95,7 +99,7 @@ def _cuobjdump(*args: str) -> str:
     return res.stdout
 
 
-def compile_one(arch: int, kernel: str, shape: str, dtype: str, config) -> Row:
+def compile_one(arch: int, kernel: str, activation: str, shape: str, dtype: str, config) -> Row:
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -116,6 +120,7 @@ def compile_one(arch: int, kernel: str, shape: str, dtype: str, config) -> Row:
     meta = kernel_meta(d, n, torch_dtype)
     args = _args(kernel, d, n, dtype)
     constexprs = {"HAS_C": True, "N_PARTS": n, "BLOCK_K": meta["BLOCK_K"], "PREC": meta["PREC"]}
+    constexprs["SIGMOID"] = activation == "sigmoid"
     constexprs.update(config.kwargs)
     if kernel in ("dq", "dx"):
         constexprs.update(KEY_MAJOR=kernel == "dx", NP=meta["NP"], DCH=meta["DCH"])
@@ -143,7 +148,7 @@ def compile_one(arch: int, kernel: str, shape: str, dtype: str, config) -> Row:
     cfg = "M{BLOCK_M} N{BLOCK_N} D{BLOCK_D}".format(**config.kwargs)
     cfg += f" w{config.num_warps} s{config.num_stages}"
     return Row(
-        arch, kernel, shape, dtype, cfg, compiled.metadata.shared, regs, stack,
+        arch, kernel, activation, shape, dtype, cfg, compiled.metadata.shared, regs, stack,
         len(re.findall(r"\bHMMA\b", sass)), len(re.findall(r"\bHGMMA\b", sass)),
     )  # fmt: skip
 
@@ -155,10 +160,11 @@ def _split(text: str) -> list[str]:
 @click.command()
 @click.option("--arch", default="80,90", help="compute capabilities, comma-separated (80, 90)")
 @click.option("--kernel", "kernels", default="fwd,dv,dq,dx", help="kernels to compile")
+@click.option("--activation", "activations", default="sigmoid,softmax", help="sigmoid, softmax")
 @click.option("--shape", "shapes", default="base,large", help="base (d=768, n=12), large")
 @click.option("--dtype", "dtypes", default="bf16,fp16", help="bf16, fp16, fp32")
 @click.option("--first-config", is_flag=True, help="only each kernel's first autotune config")
-def main(arch, kernels, shapes, dtypes, first_config):
+def main(arch, kernels, activations, shapes, dtypes, first_config):
     """Compile the Triton kernels ahead of time and check their resources (see module doc)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("kernel_report: unset TRITON_INTERPRET: the interpreter compiles nothing")
@@ -169,6 +175,7 @@ def main(arch, kernels, shapes, dtypes, first_config):
     for name, values, known in (
         ("--arch", archs, SMEM_LIMIT),
         ("--kernel", _split(kernels), ("fwd", "dv", "dq", "dx")),
+        ("--activation", _split(activations), ("sigmoid", "softmax")),
         ("--shape", _split(shapes), SHAPES),
         ("--dtype", _split(dtypes), DTYPES),
     ):
@@ -178,33 +185,35 @@ def main(arch, kernels, shapes, dtypes, first_config):
     from shatter.kernels import partition_attention as pa
 
     lists = {"fwd": pa.FWD_CONFIGS, "dv": pa.DV_CONFIGS, "dq": pa.DQ_CONFIGS, "dx": pa.DX_CONFIGS}
-    header = f"{'arch':>5} {'kernel':6} {'shape':5} {'dtype':5} {'config':20} {'smem':>7} "
+    header = (
+        f"{'arch':>5} {'kernel':6} {'act':7} {'shape':5} {'dtype':5} {'config':20} {'smem':>7} "
+    )
     header += f"{'regs':>4} {'spill':>5} {'HMMA':>5} {'HGMMA':>5}  check"
     print(header)
     failed = 0
-    for cap in archs:
-        for kernel in _split(kernels):
-            for shape in _split(shapes):
-                for dtype in _split(dtypes):
-                    configs = [c for c in lists[kernel] if cap in c.archs]
-                    for config in configs[:1] if first_config else configs:
-                        try:
-                            r = compile_one(cap, kernel, shape, dtype, config)
-                        except Exception as e:  # a compile error: one line, then stop
-                            what = f"sm_{cap} {kernel} {shape} {dtype} {config}"
-                            msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
-                            raise SystemExit(
-                                f"kernel_report: {what} does not compile: {msg} "
-                                "(shatter/kernels/partition_attention.py)"
-                            ) from None
-                        bad = r.problems()
-                        failed += bool(bad)
-                        print(
-                            f"sm_{r.arch:<2} {r.kernel:6} {r.shape:5} {r.dtype:5} {r.config:20} "
-                            f"{r.smem:>7} {r.regs:>4} {r.spill:>5} {r.hmma:>5} {r.hgmma:>5}  "
-                            + ("; ".join(bad) or "ok"),
-                            flush=True,
-                        )
+    combos = itertools.product(
+        archs, _split(kernels), _split(activations), _split(shapes), _split(dtypes)
+    )
+    for cap, kernel, act, shape, dtype in combos:
+        configs = [c for c in lists[kernel] if cap in c.archs and act in c.acts]
+        for config in configs[:1] if first_config else configs:
+            try:
+                r = compile_one(cap, kernel, act, shape, dtype, config)
+            except Exception as e:  # a compile error: one line, then stop
+                what = f"sm_{cap} {kernel} {act} {shape} {dtype} {config}"
+                msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+                raise SystemExit(
+                    f"kernel_report: {what} does not compile: {msg} "
+                    "(shatter/kernels/partition_attention.py)"
+                ) from None
+            bad = r.problems()
+            failed += bool(bad)
+            print(
+                f"sm_{r.arch:<2} {r.kernel:6} {r.activation:7} {r.shape:5} {r.dtype:5} "
+                f"{r.config:20} {r.smem:>7} {r.regs:>4} {r.spill:>5} {r.hmma:>5} {r.hgmma:>5}  "
+                + ("; ".join(bad) or "ok"),
+                flush=True,
+            )
     if failed:
         raise SystemExit(
             f"kernel_report: {failed} configuration(s) fail the checks above: drop them from the "

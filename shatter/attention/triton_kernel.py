@@ -67,9 +67,22 @@ def _check(Q, X, V, c, mask, table):
             )
 
 
+def _normalisers(ss, mx, sigmoid: bool):
+    """From the two sides' statistics [B, 2, L]: the row statistics [2, B, L] the backward pass
+    takes (ρ = 1/‖p‖ twice, or the row maximum and log Σ_j exp(z_ij − max)) and each side's
+    output factor [B, 2, L]."""
+    if sigmoid:  # ρ_i = 1 / ‖p_i‖ from the two halves of Σ_j p_ij² (eq. 5)
+        rho = ss.sum(1).sqrt_().clamp_min_(NORM_EPS).reciprocal_()
+        return rho.expand(2, *rho.shape), rho[:, None, :].expand_as(ss)
+    top = mx.amax(1)  # softmax: Σ_j exp(z_ij - top_i) = Σ_sides ss exp(mx - top)
+    w = torch.exp(mx - top[:, None])
+    total = (ss * w).sum(1)
+    return torch.stack([top, total.log()]), w / total[:, None]
+
+
 class PartitionAttentionTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, Q, X, V, c, mask_BL, table, scale):
+    def forward(ctx, Q, X, V, c, mask_BL, table, scale, sigmoid):
         B, L, d = Q.shape
         n = table.shape[0]
         Q, X = Q.contiguous(), X.contiguous()
@@ -81,27 +94,32 @@ class PartitionAttentionTriton(torch.autograd.Function):
         out = torch.empty(B, n, L, d // n, device=Q.device, dtype=torch.float32)
         part = torch.empty(B, L, n, device=Q.device, dtype=torch.float32)
         ss = torch.empty(B, 2, L, device=Q.device, dtype=torch.float32)
+        mx = torch.empty_like(ss) if not sigmoid else ss  # the softmax's per-side maximum
         meta = kernel_meta(d, n, Q.dtype)
         grid = lambda META: (triton.cdiv(L, META["BLOCK_M"]), 2 * B)  # noqa: E731
         partition_fwd_kernel[grid](
-            Q, X, V, cc, mask32, table, out, part, ss,
+            Q, X, V, cc, mask32, table, out, part, ss, mx,
             Q.stride(0), Q.stride(1), X.stride(0), X.stride(1),
             V.stride(0), V.stride(1), V.stride(2), cc.stride(0), cc.stride(1), table.stride(0),
             out.stride(0), out.stride(1), out.stride(2), part.stride(0), part.stride(1),
             L, triton.next_power_of_2(L), d, d // n, (table.shape[1] - 1) // 2, scale,
             HAS_C=c is not None, N_PARTS=n, BLOCK_K=meta["BLOCK_K"], PREC=meta["PREC"],
+            SIGMOID=sigmoid,
         )  # fmt: skip
-        # ρ_i = 1 / ‖p_i‖ from the two sides' sums of p² (eq. 5); the outputs were unnormalised
-        rho = ss.sum(1).sqrt_().clamp_min_(NORM_EPS).reciprocal_()
-        out = out.mul_(rho[:, None, :, None]).to(Q.dtype)
-        part = part.mul_(rho[:, :, None]).to(Q.dtype)
-        ctx.save_for_backward(Q, X, V, c, mask32, table, rho, out, part)
-        ctx.scale = scale
+        stat, factor = _normalisers(ss, mx, sigmoid)
+        # the kernel's outputs are unnormalised, each side's parts relative to its own factor
+        half = n // 2
+        out = out.view(B, 2, half, L, d // n).mul_(factor[:, :, None, :, None])
+        part = part.view(B, L, 2, half).mul_(factor.transpose(1, 2)[..., None])
+        out = out.view(B, n, L, d // n).to(Q.dtype)
+        part = part.view(B, L, n).to(Q.dtype)
+        ctx.save_for_backward(Q, X, V, c, mask32, table, stat, out, part)
+        ctx.scale, ctx.sigmoid = scale, sigmoid
         return out, part
 
     @staticmethod
     def backward(ctx, g_out, g_part):
-        Q, X, V, c, mask32, table, rho, out, part = ctx.saved_tensors
+        Q, X, V, c, mask32, table, stat, out, part = ctx.saved_tensors
         B, L, d = Q.shape
         n = table.shape[0]
         g_out = torch.zeros_like(out) if g_out is None else g_out.to(Q.dtype).contiguous()
@@ -113,7 +131,7 @@ class PartitionAttentionTriton(torch.autograd.Function):
         common = dict(
             L=L, L_KEY=triton.next_power_of_2(L), D_MODEL=d, K_PART=d // n,
             T_CENTRE=(table.shape[1] - 1) // 2, scale=ctx.scale, HAS_C=c is not None,
-            N_PARTS=n, BLOCK_K=meta["BLOCK_K"], PREC=meta["PREC"],
+            N_PARTS=n, BLOCK_K=meta["BLOCK_K"], PREC=meta["PREC"], SIGMOID=ctx.sigmoid,
         )  # fmt: skip
         strides = (Q.stride(0), Q.stride(1), X.stride(0), X.stride(1), cc.stride(0), cc.stride(1))
         gQ = gX = gV = gc = None
@@ -122,7 +140,7 @@ class PartitionAttentionTriton(torch.autograd.Function):
             gV = torch.empty(B, n, L, d // n, device=Q.device, dtype=Q.dtype)
             grid = lambda META: (triton.cdiv(L, META["BLOCK_N"]), 2 * B)  # noqa: E731
             partition_bwd_dv_kernel[grid](
-                Q, X, cc, mask32, table, rho, g_out, gV,
+                Q, X, cc, mask32, table, stat[0], stat[1], g_out, gV,
                 *strides, table.stride(0), gV.stride(0), gV.stride(1), gV.stride(2), **common,
             )  # fmt: skip
         for key_major, needed in ((False, need_q or need_c), (True, need_x)):
@@ -134,7 +152,7 @@ class PartitionAttentionTriton(torch.autograd.Function):
             grid = lambda META, block=block: (triton.cdiv(L, META[block]), B)  # noqa: E731
             kernel = partition_bwd_dx_kernel if key_major else partition_bwd_dq_kernel
             kernel[grid](
-                Q, X, V, cc, mask32, table, rho, delta, g_out, g_part, g, dc,
+                Q, X, V, cc, mask32, table, stat[0], stat[1], delta, g_out, g_part, g, dc,
                 *strides[:4], V.stride(0), V.stride(1), V.stride(2), *strides[4:],
                 table.stride(0), g_out.stride(0), g_out.stride(1), g_out.stride(2),
                 g_part.stride(0), g_part.stride(1), g.stride(0), g.stride(1),
@@ -145,19 +163,14 @@ class PartitionAttentionTriton(torch.autograd.Function):
                 gX = g
             else:
                 gQ, gc = g, (dc if c is not None else None)
-        return gQ, gX, gV, gc, None, None, None
+        return gQ, gX, gV, gc, None, None, None, None
 
 
 def partition_attention_triton(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, sigmoid: bool):
     """(X_bar [B, n, L, d/n], A_part [B, L, n]) as `lean.partition_mix_lean` gives them for
     Z0 = Q Xᵀ/√d; the 1h-sigmoid arch passes c = None."""
-    if not sigmoid:
-        raise NotImplementedError(
-            "partition_attention_triton has no softmax kernel (1h-softmax): use "
-            "attention_impl='lean' or 'chunked' for it (shatter/attention/triton_kernel.py)"
-        )
     _check(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table)
     scale = 1.0 / math.sqrt(Q_BLD.shape[-1])
     return PartitionAttentionTriton.apply(
-        Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, scale
+        Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, scale, bool(sigmoid)
     )

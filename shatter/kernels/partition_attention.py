@@ -45,51 +45,60 @@ MAX_PARTS = 16  # n/2 <= 8 unrolled per-part accumulators
 MAX_D_CHUNKS = 4  # dQ/dX accumulators: at most 4 chunks of 256 columns
 
 
-def _cfg(block_m, block_n, block_d, warps, stages, archs=(80, 90)):
-    """An autotune configuration and the arch families (80: sm_80..89, 90: sm_90+) it is for."""
+def _cfg(block_m, block_n, block_d, warps, stages, archs=(80, 90), acts=("sigmoid", "softmax")):
+    """An autotune configuration, the arch families (80: sm_80..89, 90: sm_90+) and the
+    activations it is for."""
     meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d}
     config = triton.Config(meta, num_warps=warps, num_stages=stages)
-    config.archs = archs
+    config.archs, config.acts = archs, acts
     return config
 
 
 INTERPRET_CONFIGS = [_cfg(16, 16, 16, 1, 1)]
-# Each configuration compiles, for the arch families it names, at d=768/n=12 and d=1024/n=16 in
-# bf16 and fp16 within shared memory, without spills and with tensor-core instructions: checked
-# by tools/kernel_report.py (table in docs/benchmarks.md), which also found the ones left out.
-# Larger tiles spill: the d-wide score contraction plus n/2 part (or d-wide) fp32 accumulators
-# leave few registers, and sm_80's mma.sync keeps more of them live than sm_90's wgmma.
+# Each configuration compiles, for the arch families and activations it names, at d=768/n=12 and
+# d=1024/n=16 in bf16 and fp16 within shared memory, without spills and with tensor-core
+# instructions: checked by tools/kernel_report.py (docs/benchmarks.md), which also found the ones
+# left out. Larger tiles spill: the d-wide score contraction plus n/2 part (or d-wide) fp32
+# accumulators leave few registers, and sm_80's mma.sync keeps more of them live than wgmma.
+SIGMOID_ONLY = ("sigmoid",)
 FWD_CONFIGS = [
     _cfg(16, 32, 64, 4, 2),
-    _cfg(32, 64, 64, 8, 2, archs=(90,)),
-    _cfg(16, 64, 64, 4, 2, archs=(90,)),
+    _cfg(32, 64, 64, 8, 2, archs=(90,), acts=SIGMOID_ONLY),
+    _cfg(16, 64, 64, 4, 2, archs=(90,), acts=SIGMOID_ONLY),
     _cfg(32, 32, 64, 8, 2, archs=(80,)),
-    _cfg(32, 64, 32, 8, 2, archs=(80,)),
+    _cfg(32, 64, 32, 8, 2, archs=(80,), acts=SIGMOID_ONLY),
 ]
 DV_CONFIGS = [
     _cfg(16, 64, 64, 8, 2, archs=(90,)),
-    _cfg(32, 64, 64, 16, 2, archs=(90,)),
     _cfg(32, 64, 32, 8, 2, archs=(90,)),
-    _cfg(16, 32, 64, 8, 2, archs=(80,)),
+    _cfg(32, 64, 64, 16, 2, archs=(90,), acts=SIGMOID_ONLY),
+    _cfg(16, 32, 64, 8, 1, archs=(80,)),
+    _cfg(16, 16, 64, 8, 2, archs=(80,)),
 ]
 DQ_CONFIGS = [_cfg(16, 32, 64, 8, 2), _cfg(16, 16, 64, 4, 2, archs=(90,))]
-DX_CONFIGS = [_cfg(64, 16, 64, 8, 2), _cfg(32, 16, 64, 8, 2), _cfg(32, 32, 64, 8, 2, archs=(90,))]
-AUTOTUNE_KEY = ["L_KEY", "D_MODEL", "N_PARTS", "HAS_C"]
+DX_CONFIGS = [
+    _cfg(32, 16, 64, 8, 2),
+    _cfg(64, 16, 64, 8, 2, archs=(90,)),
+    _cfg(64, 16, 64, 8, 2, archs=(80,), acts=SIGMOID_ONLY),
+    _cfg(32, 32, 64, 8, 2, archs=(90,)),
+]
+AUTOTUNE_KEY = ["L_KEY", "D_MODEL", "N_PARTS", "HAS_C", "SIGMOID"]
 
 
 def arch_family(capability: tuple[int, int]) -> int:
     return 90 if capability[0] >= 9 else 80
 
 
-def _for_this_gpu(configs, named_args, **kwargs):
+def _for_this_call(configs, named_args, **kwargs):
     family = arch_family(torch.cuda.get_device_capability())
-    return [c for c in configs if family in c.archs]
+    act = "sigmoid" if kwargs["SIGMOID"] else "softmax"
+    return [c for c in configs if family in c.archs and act in c.acts]
 
 
 def _autotune(configs):
     if INTERPRET:
         return triton.autotune(configs=INTERPRET_CONFIGS, key=AUTOTUNE_KEY)
-    prune = {"early_config_prune": _for_this_gpu}
+    prune = {"early_config_prune": _for_this_call}
     return triton.autotune(configs=configs, key=AUTOTUNE_KEY, prune_configs_by=prune)
 
 
@@ -106,14 +115,14 @@ def _part_range(i0, j0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_PARTS: t
 
 
 @triton.jit
-def _sigmoid_tile(
+def _score_tile(
     Q, X, C, Mk, T, b, i0, j0, L, D_MODEL, T_CENTRE, scale,
     sq_b, sq_l, sx_b, sx_l, sc_b, sc_l, st_h,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """p = sigmoid(z + b) m on the tile (0 outside the sequence), s = sigmoid(z + b), the
-    table column of j - i, the in-sequence mask and m."""
+    """z + b on the tile (eq. 5's argument), the table column of j - i, the in-sequence mask and
+    the key mask m."""
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_n = j0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -138,14 +147,40 @@ def _sigmoid_tile(
             c_h = tl.load(C + b * sc_b + offs_m * sc_l + h, mask=row_ok, other=0.0)
             z += c_h.to(tl.float32)[:, None] * f
     m = tl.load(Mk + b * L + offs_n, mask=col_ok, other=0.0)
-    s = tl.sigmoid(z)
-    p = tl.where(ok, s * m[None, :], 0.0)
-    return p, s, col, ok, m
+    return z, col, ok, m
 
 
 @triton.jit
-def _fwd_part(acc, a_sum, p, f_ptr, col, ok, v_ptrs, v_ok, PREC: tl.constexpr):
-    """One part h: acc += (p ⊙ f_h) V[h], a_sum += rowsum(p ⊙ f_h)."""
+def _softmax_logits(z, m):
+    """Padded keys at the fp32 minimum, as multihead.masked_softmax fills them."""
+    return tl.where(m[None, :] > 0, z, -3.4028234663852886e38)
+
+
+@triton.jit
+def _weights(z, m, ok, stat, stat2, SIGMOID: tl.constexpr):
+    """The attention weights A on the tile, from the row statistics (sigmoid: stat = ρ = 1/‖p‖;
+    softmax: stat = the row's maximum, stat2 = log Σ_j exp(z_ij − max), apart so that a row with
+    no real key keeps its uniform weights in fp32), and g with dZ = g ⊙ (dA − A δ) (sigmoid: A = p ρ,
+    p = s m, so g = ρ m s (1 − s)) or dZ = g ⊙ (dA − δ) (softmax: g = A at real keys)."""
+    if SIGMOID:
+        s = tl.sigmoid(z)
+        a = tl.where(ok, s * m[None, :], 0.0) * stat[:, None]
+        g = (stat[:, None] * m[None, :]) * (s * (1.0 - s))
+    else:
+        a = tl.where(ok, tl.exp((_softmax_logits(z, m) - stat[:, None]) - stat2[:, None]), 0.0)
+        g = tl.where(m[None, :] > 0, a, 0.0)
+    return a, g
+
+
+@triton.jit
+def _fwd_part(
+    acc, a_sum, p, alpha, f_ptr, col, ok, v_ptrs, v_ok, SIGMOID: tl.constexpr, PREC: tl.constexpr
+):
+    """One part h: acc += (p ⊙ f_h) V[h], a_sum += rowsum(p ⊙ f_h); the softmax first rescales
+    both to the new running maximum (alpha)."""
+    if not SIGMOID:
+        acc = acc * alpha[:, None]
+        a_sum = a_sum * alpha
     w = p * tl.load(f_ptr + col, mask=ok, other=0.0).to(tl.float32)
     v = tl.load(v_ptrs, mask=v_ok, other=0.0)
     return tl.dot(w.to(v.dtype), v, acc, input_precision=PREC), a_sum + tl.sum(w, 1)
@@ -183,14 +218,15 @@ def _chunk_store(ptr_rows, rows_ok, acc, d0, D_MODEL, scale, DC: tl.constexpr):
 @_autotune(FWD_CONFIGS)
 @triton.jit
 def partition_fwd_kernel(
-    Q, X, V, C, Mk, T, OUT, AP, SS,
+    Q, X, V, C, Mk, T, OUT, AP, SS, MX,
     sq_b, sq_l, sx_b, sx_l, sv_b, sv_h, sv_l, sc_b, sc_l, st_h, so_b, so_h, so_l, sa_b, sa_l,
     L, L_KEY, D_MODEL, K_PART, T_CENTRE, scale,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch × side): unnormalised X̄ and A_part of the side's n/2 parts
-    (fp32) and the side's share of ‖p_i‖²."""
+    (fp32) and the side's share of the normaliser: Σ p² (sigmoid) or, softmax, Σ exp(z − MX)
+    with MX the side's running maximum (online softmax)."""
     HALF: tl.constexpr = N_PARTS // 2
     b = (tl.program_id(1) // 2).to(tl.int64)
     side = tl.program_id(1) % 2  # 0: keys j >= i, parts 0..n/2-1; 1: j <= i, parts n/2..n-1
@@ -203,35 +239,50 @@ def partition_fwd_kernel(
     ap0 = tl.zeros([BLOCK_M], dtype=tl.float32)
     ap1, ap2, ap3, ap4, ap5, ap6, ap7 = ap0, ap0, ap0, ap0, ap0, ap0, ap0
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     lo = tl.where(side == 0, (i0 // BLOCK_N) * BLOCK_N, 0)
     hi = tl.where(side == 0, L, tl.minimum(L, i0 + BLOCK_M))
     for j0 in range(lo, hi, BLOCK_N):
-        p, s, col, ok, m = _sigmoid_tile(
+        z, col, ok, m = _score_tile(
             Q, X, C, Mk, T, b, i0, j0, L, D_MODEL, T_CENTRE, scale,
             sq_b, sq_l, sx_b, sx_l, sc_b, sc_l, st_h,
             HAS_C, N_PARTS, PREC, BLOCK_M, BLOCK_N, BLOCK_D,
         )  # fmt: skip
         offs_n = j0 + tl.arange(0, BLOCK_N)
         rel = offs_n[None, :] - offs_m[:, None]
-        mine = tl.where(side == 0, rel >= 0, rel < 0)  # the diagonal's p² once, on the right
-        ss += tl.sum(tl.where(mine, p * p, 0.0), 1)
+        mine = tl.where(side == 0, rel >= 0, rel < 0)  # the diagonal counted once, on the right
+        if SIGMOID:  # p = sigmoid(z + b) m, eq. 5
+            p = tl.where(ok, tl.sigmoid(z) * m[None, :], 0.0)
+            ss += tl.sum(tl.where(mine, p * p, 0.0), 1)
+            alpha = ss  # unused
+        else:  # p = exp(z + b - MX) over the side's keys, the diagonal included
+            here = ok & tl.where(side == 0, rel >= 0, rel <= 0)
+            zf = tl.where(here, _softmax_logits(z, m), float("-inf"))
+            mx_new = tl.maximum(mx, tl.max(zf, 1))
+            mx_safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)
+            alpha = tl.exp(mx - mx_safe)
+            p = tl.exp(zf - mx_safe[:, None])
+            ss = ss * alpha + tl.sum(tl.where(mine, p, 0.0), 1)
+            mx = mx_new
         v_ptrs = V + b * sv_b + h0 * sv_h + offs_n[:, None] * sv_l + offs_k[None, :]
         v_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
         f_ptr = T + h0 * st_h
-        acc0, ap0 = _fwd_part(acc0, ap0, p, f_ptr, col, ok, v_ptrs, v_ok, PREC)
-        acc1, ap1 = _fwd_part(acc1, ap1, p, f_ptr + st_h, col, ok, v_ptrs + sv_h, v_ok, PREC)
+        acc0, ap0 = _fwd_part(acc0, ap0, p, alpha, f_ptr, col, ok, v_ptrs, v_ok, SIGMOID, PREC)
+        acc1, ap1 = _fwd_part(
+            acc1, ap1, p, alpha, f_ptr + st_h, col, ok, v_ptrs + sv_h, v_ok, SIGMOID, PREC
+        )
         if HALF > 2:
-            acc2, ap2 = _fwd_part(acc2, ap2, p, f_ptr + 2 * st_h, col, ok, v_ptrs + 2 * sv_h, v_ok, PREC)  # fmt: skip
+            acc2, ap2 = _fwd_part(acc2, ap2, p, alpha, f_ptr + 2 * st_h, col, ok, v_ptrs + 2 * sv_h, v_ok, SIGMOID, PREC)  # fmt: skip
         if HALF > 3:
-            acc3, ap3 = _fwd_part(acc3, ap3, p, f_ptr + 3 * st_h, col, ok, v_ptrs + 3 * sv_h, v_ok, PREC)  # fmt: skip
+            acc3, ap3 = _fwd_part(acc3, ap3, p, alpha, f_ptr + 3 * st_h, col, ok, v_ptrs + 3 * sv_h, v_ok, SIGMOID, PREC)  # fmt: skip
         if HALF > 4:
-            acc4, ap4 = _fwd_part(acc4, ap4, p, f_ptr + 4 * st_h, col, ok, v_ptrs + 4 * sv_h, v_ok, PREC)  # fmt: skip
+            acc4, ap4 = _fwd_part(acc4, ap4, p, alpha, f_ptr + 4 * st_h, col, ok, v_ptrs + 4 * sv_h, v_ok, SIGMOID, PREC)  # fmt: skip
         if HALF > 5:
-            acc5, ap5 = _fwd_part(acc5, ap5, p, f_ptr + 5 * st_h, col, ok, v_ptrs + 5 * sv_h, v_ok, PREC)  # fmt: skip
+            acc5, ap5 = _fwd_part(acc5, ap5, p, alpha, f_ptr + 5 * st_h, col, ok, v_ptrs + 5 * sv_h, v_ok, SIGMOID, PREC)  # fmt: skip
         if HALF > 6:
-            acc6, ap6 = _fwd_part(acc6, ap6, p, f_ptr + 6 * st_h, col, ok, v_ptrs + 6 * sv_h, v_ok, PREC)  # fmt: skip
+            acc6, ap6 = _fwd_part(acc6, ap6, p, alpha, f_ptr + 6 * st_h, col, ok, v_ptrs + 6 * sv_h, v_ok, SIGMOID, PREC)  # fmt: skip
         if HALF > 7:
-            acc7, ap7 = _fwd_part(acc7, ap7, p, f_ptr + 7 * st_h, col, ok, v_ptrs + 7 * sv_h, v_ok, PREC)  # fmt: skip
+            acc7, ap7 = _fwd_part(acc7, ap7, p, alpha, f_ptr + 7 * st_h, col, ok, v_ptrs + 7 * sv_h, v_ok, SIGMOID, PREC)  # fmt: skip
     row_ok = offs_m < L
     o_ptrs = OUT + b * so_b + h0 * so_h + offs_m[:, None] * so_l + offs_k[None, :]
     o_ok = row_ok[:, None] & (offs_k < K_PART)[None, :]
@@ -259,16 +310,18 @@ def partition_fwd_kernel(
         tl.store(o_ptrs + 7 * so_h, acc7, mask=o_ok)
         tl.store(a_ptrs + 7, ap7, mask=row_ok)
     tl.store(SS + (b * 2 + side) * L + offs_m, ss, mask=row_ok)
+    if not SIGMOID:
+        tl.store(MX + (b * 2 + side) * L + offs_m, mx, mask=row_ok)
 
 
 @_autotune(DV_CONFIGS)
 @triton.jit
 def partition_bwd_dv_kernel(
-    Q, X, C, Mk, T, RHO, DO, DV,
+    Q, X, C, Mk, T, STAT, STAT2, DO, DV,
     sq_b, sq_l, sx_b, sx_l, sc_b, sc_l, st_h, sd_b, sd_h, sd_l,
     L, L_KEY, D_MODEL, K_PART, T_CENTRE, scale,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Program (key block, batch × side): dV[h] = Σ_i (A ⊙ f_h)ᵀ dX̄[h] for the side's parts;
     dO and dV share the [B, n, L, d/n] strides sd_*."""
@@ -284,13 +337,15 @@ def partition_bwd_dv_kernel(
     lo = tl.where(side == 0, 0, (j0 // BLOCK_M) * BLOCK_M)
     hi = tl.where(side == 0, tl.minimum(L, j0 + BLOCK_N), L)
     for i0 in range(lo, hi, BLOCK_M):
-        p, s, col, ok, m = _sigmoid_tile(
+        z, col, ok, m = _score_tile(
             Q, X, C, Mk, T, b, i0, j0, L, D_MODEL, T_CENTRE, scale,
             sq_b, sq_l, sx_b, sx_l, sc_b, sc_l, st_h,
             HAS_C, N_PARTS, PREC, BLOCK_M, BLOCK_N, BLOCK_D,
         )  # fmt: skip
         offs_m = i0 + tl.arange(0, BLOCK_M)
-        a = p * tl.load(RHO + b * L + offs_m, mask=offs_m < L, other=0.0)[:, None]
+        stat = tl.load(STAT + b * L + offs_m, mask=offs_m < L, other=0.0)
+        stat2 = tl.load(STAT2 + b * L + offs_m, mask=offs_m < L, other=0.0)
+        a, g = _weights(z, m, ok, stat, stat2, SIGMOID)
         do_ptrs = DO + b * sd_b + h0 * sd_h + offs_m[:, None] * sd_l + offs_k[None, :]
         do_ok = (offs_m < L)[:, None] & (offs_k < K_PART)[None, :]
         f_ptr = T + h0 * st_h
@@ -329,13 +384,13 @@ def partition_bwd_dv_kernel(
 
 @triton.jit
 def _bwd_dqdx(
-    Q, X, V, C, Mk, T, RHO, DELTA, DO, DAP, G, DC,
+    Q, X, V, C, Mk, T, STAT, STAT2, DELTA, DO, DAP, G, DC,
     sq_b, sq_l, sx_b, sx_l, sv_b, sv_h, sv_l, sc_b, sc_l, st_h, sd_b, sd_h, sd_l, sa_b, sa_l,
     sg_b, sg_l,
     L, L_KEY, D_MODEL, K_PART, T_CENTRE, scale,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    KEY_MAJOR: tl.constexpr, NP: tl.constexpr, DCH: tl.constexpr, NUM_DC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SIGMOID: tl.constexpr, KEY_MAJOR: tl.constexpr, NP: tl.constexpr, DCH: tl.constexpr,
+    NUM_DC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Row-major (KEY_MAJOR=False): G = dQ and DC = dc for a row block over all key blocks.
     Key-major: G = dX for a key block over all row blocks. G is [B, L, d] (strides sg_*); the
@@ -352,7 +407,7 @@ def _bwd_dqdx(
     for t0 in range(0, L, step):
         i0 = t0 if KEY_MAJOR else fixed
         j0 = fixed if KEY_MAJOR else t0
-        p, s, col, ok, m = _sigmoid_tile(
+        z, col, ok, m = _score_tile(
             Q, X, C, Mk, T, b, i0, j0, L, D_MODEL, T_CENTRE, scale,
             sq_b, sq_l, sx_b, sx_l, sc_b, sc_l, st_h,
             HAS_C, N_PARTS, PREC, BLOCK_M, BLOCK_N, BLOCK_D,
@@ -361,7 +416,9 @@ def _bwd_dqdx(
         offs_n = j0 + tl.arange(0, BLOCK_N)
         row_ok = offs_m < L
         col_ok = offs_n < L
-        rho = tl.load(RHO + b * L + offs_m, mask=row_ok, other=0.0)
+        stat = tl.load(STAT + b * L + offs_m, mask=row_ok, other=0.0)
+        stat2 = tl.load(STAT2 + b * L + offs_m, mask=row_ok, other=0.0)
+        a, g = _weights(z, m, ok, stat, stat2, SIGMOID)
         delta = tl.load(DELTA + b * L + offs_m, mask=row_ok, other=0.0)
         do_ptrs = DO + b * sd_b + offs_m[:, None] * sd_l + offs_k[None, :]
         v_ptrs = V + b * sv_b + offs_n[:, None] * sv_l + offs_k[None, :]
@@ -375,8 +432,10 @@ def _bwd_dqdx(
             dap = tl.load(DAP + b * sa_b + offs_m * sa_l + h, mask=row_ok, other=0.0)
             g_w = tl.dot(do, tl.trans(v), input_precision=PREC) + dap.to(tl.float32)[:, None]
             da += f * g_w
-        # dP = (dA - A δ) ρ with A = p ρ; dZ = dP m s (1 - s)
-        dz = (da - p * (rho * delta)[:, None]) * rho[:, None] * (s * (1.0 - s)) * m[None, :]
+        if SIGMOID:  # dP = (dA - A δ) ρ, dZ = dP m s (1 - s)  (as lean.PartitionMix)
+            dz = g * (da - a * delta[:, None])
+        else:  # dZ = A (dA - δ)
+            dz = g * (da - delta[:, None])
         dz = tl.where(ok, dz, 0.0)
         if KEY_MAJOR:  # dX_j += Σ_i dZ_ij Q_i
             w = tl.trans(dz)

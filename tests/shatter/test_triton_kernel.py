@@ -1,10 +1,11 @@
 """The fused Triton partition attention equals the naive reference (lean.partition_mix_naive with
 Z0 = Q Xᵀ/√d, and autograd through it): values and the gradients of Q, X, V and c, for 1h-sigmoid
-(c = None) and part-bias/shatter (c), with padding and lengths that are not a multiple of the block.
+(c = None), part-bias/shatter (c) and 1h-softmax, with padding (a sequence with no real key
+included) and lengths that are not a multiple of the block.
 
 Without a GPU the kernels run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set by
 tests/conftest.py; one 16 x 16 configuration); with one, the same cases run compiled, and the
-`gpu` test adds the paper's base shape in fp32, fp16 and bf16."""
+`gpu` test adds the paper's base shape in fp32, fp16 and bf16 (`make test-gpu`)."""
 
 import math
 import os
@@ -41,9 +42,9 @@ def _inputs(B, L, d, n, bias, lengths, dtype=torch.float32, device="cpu", seed=0
     return Q, X, V, c, mask, table
 
 
-def _reference(Q, X, V, c, mask, table):
+def _reference(Q, X, V, c, mask, table, sigmoid=True):
     Z0 = Q @ X.transpose(-1, -2) / math.sqrt(Q.shape[-1])
-    return partition_mix_naive(Z0, c, V, mask, table, True)
+    return partition_mix_naive(Z0, c, V, mask, table, sigmoid)
 
 
 def _values_and_grads(fn, Q, X, V, c, mask, table):
@@ -60,20 +61,22 @@ def _rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-CASES = {  # B, L, d, n, bias, key lengths: L not a multiple of the 16-wide block; padding
-    "1h-sigmoid, one sequence all padding": (3, 20, 32, 4, False, [20, 13, 0]),
-    "part-bias n=12, d=48": (1, 20, 48, 12, True, [14]),
-    "shatter n=8": (1, 18, 64, 8, True, [18]),
-    "shatter n=16, d/n=4": (1, 17, 64, 16, True, [11]),
+CASES = {  # B, L, d, n, bias, key lengths, sigmoid: L not a multiple of the 16-wide block
+    "1h-sigmoid, one sequence all padding": (3, 20, 32, 4, False, [20, 13, 0], True),
+    "part-bias n=12, d=48": (1, 20, 48, 12, True, [14], True),
+    "shatter n=8": (1, 18, 64, 8, True, [18], True),
+    "shatter n=16, d/n=4": (1, 17, 64, 16, True, [11], True),
+    "1h-softmax, one sequence all padding": (3, 20, 32, 4, False, [20, 13, 0], False),
+    "softmax with the part bias, n=12": (1, 20, 48, 12, True, [14], False),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_equals_naive(kernel, case):
-    B, L, d, n, bias, lengths = CASES[case]
+    B, L, d, n, bias, lengths, sigmoid = CASES[case]
     inputs = _inputs(B, L, d, n, bias, lengths, device=DEVICE)
-    got = _values_and_grads(lambda *a: kernel(*a, sigmoid=True), *inputs)
-    want = _values_and_grads(_reference, *inputs)
+    got = _values_and_grads(lambda *a: kernel(*a, sigmoid=sigmoid), *inputs)
+    want = _values_and_grads(lambda *a: _reference(*a, sigmoid=sigmoid), *inputs)
     names = ["X_bar", "A_part", "dQ", "dX", "dV", "dc"]
     for name, a, b in zip(names, got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{case}: {name} differs")
@@ -91,10 +94,8 @@ def test_kernel_padding_keys_change_nothing(kernel):
     torch.testing.assert_close(part2[:, :13], part[:, :13], rtol=1e-6, atol=1e-6)
 
 
-def test_softmax_and_bad_shapes_are_refused(kernel):
+def test_bad_shapes_are_refused(kernel):
     Q, X, V, c, mask, table = _inputs(1, 8, 32, 4, True, [8], device=DEVICE)
-    with pytest.raises(NotImplementedError, match="softmax"):
-        kernel(Q, X, V, c, mask, table, sigmoid=False)
     with pytest.raises(ValueError, match="exceeds the table's max_len"):
         kernel(Q, X, V, c, mask, table[:, 60:-60], sigmoid=True)
     with pytest.raises(ValueError, match="V has shape"):
@@ -106,8 +107,12 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
-@pytest.mark.parametrize("bias", [False, True], ids=["1h-sigmoid", "shatter"])
-def test_compiled_kernel_equals_naive_at_base_shape(dtype, bias):
+@pytest.mark.parametrize(
+    "bias, sigmoid",
+    [(False, True), (True, True), (False, False)],
+    ids=["1h-sigmoid", "shatter", "1h-softmax"],
+)
+def test_compiled_kernel_equals_naive_at_base_shape(dtype, bias, sigmoid):
     """d = 768, n = 12 (base), L = 509 (ragged): the compiled kernels against the fp32 naive
     reference evaluated on the same (rounded) inputs, per output and gradient."""
     if not torch.cuda.is_available():
@@ -117,9 +122,9 @@ def test_compiled_kernel_equals_naive_at_base_shape(dtype, bias):
     from shatter.attention.triton_kernel import partition_attention_triton
 
     inputs = _inputs(2, 509, 768, 12, bias, [509, 300], dtype=dtype, device="cuda")
-    got = _values_and_grads(lambda *a: partition_attention_triton(*a, sigmoid=True), *inputs)
+    got = _values_and_grads(lambda *a: partition_attention_triton(*a, sigmoid=sigmoid), *inputs)
     Q, X, V, c, mask, table = inputs
     as32 = [t.detach().float().requires_grad_() if t is not None else None for t in (Q, X, V, c)]
-    want = _values_and_grads(_reference, *as32, mask, table)
+    want = _values_and_grads(lambda *a: _reference(*a, sigmoid=sigmoid), *as32, mask, table)
     for name, a, b in zip(["X_bar", "A_part", "dQ", "dX", "dV", "dc"], got, want):
         assert _rel_err(a, b) < TOLERANCE[dtype], f"{dtype} {name}: {_rel_err(a, b):.2e}"
