@@ -6,7 +6,7 @@ batch = max(1, batch_tokens // l), random inputs with 10% padded keys in the las
 it times forward and forward + backward with `triton.testing.do_bench` (median ms) and prints
 each contender's ratio to SDPA from the same run. Needs a CUDA device.
 
-    python tools/bench_kernel.py --lengths 128,512,1024 --dtype bf16
+    python tools/bench_kernel.py --lengths 128,512,1024 --dtype bf16 --arch shatter
 """
 
 from __future__ import annotations
@@ -21,30 +21,31 @@ from shatter.attention.lean import partition_mix_lean
 from shatter.partition import partition_table
 
 SHAPES = {"base": (768, 12), "large": (1024, 16)}
+ARCHS = {"shatter": (True, True), "1h-sigmoid": (False, True), "1h-softmax": (False, False)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def contenders(B: int, L: int, d: int, n: int, dtype: torch.dtype, bias: bool):
+def contenders(B, L, d, n, dtype, bias: bool, sigmoid: bool, device: str = "cuda"):
     """name -> (forward function, its differentiable inputs); the same Q, X, V for all."""
     from shatter.attention.triton_kernel import partition_attention_triton
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    new = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=dtype).requires_grad_()  # noqa: E731
+    g = torch.Generator(device=device).manual_seed(0)
+    new = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype).requires_grad_()  # noqa: E731
     Q, X, V_BLD = new(B, L, d), new(B, L, d), new(B, L, d)
     c = new(B, L, n) if bias else None
-    mask = torch.ones(B, L, device="cuda")
+    mask = torch.ones(B, L, device=device)
     mask[-1, L - L // 10 :] = 0
-    table = partition_table(n, 0, 12, max_len=L, device="cuda")
+    table = partition_table(n, 0, 12, max_len=L, device=device)
 
     def V():
         return V_BLD.view(B, L, n, d // n).transpose(1, 2)
 
     def triton_fn():
-        return partition_attention_triton(Q, X, V(), c, mask, table, True)
+        return partition_attention_triton(Q, X, V(), c, mask, table, sigmoid)
 
     def lean_fn():
         Z0 = Q @ X.transpose(-1, -2) / math.sqrt(d)
-        return partition_mix_lean(Z0, c, V(), mask, table, True)
+        return partition_mix_lean(Z0, c, V(), mask.bool(), table, sigmoid)
 
     heads = lambda t: t.view(B, L, n, d // n).transpose(1, 2)  # noqa: E731
     keep = mask.bool()[:, None, None, :]
@@ -75,8 +76,8 @@ def timings(fn, leaves) -> tuple[float, float]:
 @click.option("--shape", default="base", show_default=True, type=click.Choice(list(SHAPES)))
 @click.option("--dtype", default="bf16", show_default=True, type=click.Choice(list(DTYPES)))
 @click.option("--batch-tokens", default=16384, show_default=True, help="tokens per batch")
-@click.option("--no-bias", is_flag=True, help="1h-sigmoid (c = None) instead of shatter's c")
-def main(lengths, shape, dtype, batch_tokens, no_bias):
+@click.option("--arch", default="shatter", show_default=True, type=click.Choice(list(ARCHS)))
+def main(lengths, shape, dtype, batch_tokens, arch):
     """Time the attention kernels on the GPU and print ratios to SDPA (see module doc)."""
     if not torch.cuda.is_available():
         raise SystemExit(
@@ -89,15 +90,14 @@ def main(lengths, shape, dtype, batch_tokens, no_bias):
             f"bench_kernel: --lengths takes integers like 128,512, got {lengths!r}"
         ) from None
     d, n = SHAPES[shape]
-    print(f"{torch.cuda.get_device_name()}, {shape} (d={d}, n={n}), {dtype}, "
-          f"{'1h-sigmoid' if no_bias else 'shatter (with c)'}")  # fmt: skip
+    print(f"{torch.cuda.get_device_name()}, {arch}-{shape} (d={d}, n={n}), {dtype}")
     print("| l | batch | kernel | fwd ms | fwd+bwd ms | fwd / sdpa | fwd+bwd / sdpa |")
     print("|---|---|---|---|---|---|---|")
     for L in ls:
         B = max(1, batch_tokens // L)
         times = {
             name: timings(fn, leaves)
-            for name, (fn, leaves) in contenders(B, L, d, n, DTYPES[dtype], not no_bias).items()
+            for name, (fn, leaves) in contenders(B, L, d, n, DTYPES[dtype], *ARCHS[arch]).items()
         }
         ref = times["sdpa"]
         for name, (fwd, both) in times.items():

@@ -3,8 +3,10 @@
 `partition_attention_triton(Q, X, V, c, mask, table, sigmoid)` computes what
 `lean.partition_mix_lean(Q Xᵀ/√d, c, V, mask, table, sigmoid)` computes, without ever forming an
 L x L tensor: the kernels (shatter/kernels/partition_attention.py) recompute score tiles from Q
-and X. It saves Q, X, V, c, the mask, ρ = 1/‖p‖ per row (O(B·L)) and, as FlashAttention-2 does,
-its two outputs, from which the backward pass takes the row term δ.
+and X. `sigmoid=True` is eq. 5's L2-normalised sigmoid (1h-sigmoid, part-bias, shatter),
+`sigmoid=False` the masked softmax of 1h-softmax. It saves Q, X, V, c, the mask, O(B·L) row
+statistics (ρ = 1/‖p‖, or the softmax's maximum and log-sum) and, as FlashAttention-2 does, its
+two outputs, from which the backward pass takes the row term δ.
 
 Inputs: Q, X [B, L, d]; V [B, n, L, d/n]; c = Q Rᵀ [B, L, n] or None (1h-sigmoid); mask [B, L]
 (1 token, 0 padding); table [n, 2 max_len - 1] (shatter/partition.py). fp16, bf16 or fp32 (fp32

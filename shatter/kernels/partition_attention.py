@@ -15,11 +15,19 @@ them, and there is no running maximum (a sigmoid needs none). Each side also sum
 (the diagonal counted once, on the right); the two halves of ‖p_i‖² and the unnormalised outputs
 (fp32) are combined by one O(B·L·d) elementwise step.
 
-The backward pass recomputes the tiles from Q, X, V, c, the mask and ρ (saved, O(B·L)). With
+The softmax of the 1h-softmax ablation (SIGMOID=False) runs the same programs with an online
+softmax per side: p_ij = exp(z_ij + b_ij − M_i^side) with the side's running maximum, the
+accumulators rescaled when it grows; the combining step weighs the sides by exp(M^side − M).
+Padded keys take the fp32 minimum as multihead.masked_softmax fills them, so a row without a
+real key is uniform over the sequence as there.
+
+The backward pass recomputes the tiles from Q, X, V, c, the mask and ρ (saved, O(B·L); the
+softmax saves each row's maximum and log-sum). With
 δ_i = Σ_j dA_ij A_ij = Σ_h ⟨dX̄[h]_i, X̄[h]_i⟩ + ⟨dA_part_i, A_part_i⟩ from the forward outputs
 (FlashAttention-2's D = rowsum(dO∘O)) and dA_ij = Σ_h f_h(j−i) (⟨dX̄[h]_i, V[h]_j⟩ + dA_part_ih):
 
     dp_ij = ρ_i (dA_ij − A_ij δ_i),   dZ_ij = dp_ij m_j s_ij (1 − s_ij)     (as lean.PartitionMix)
+    softmax: dZ_ij = A_ij (dA_ij − δ_i) at real keys
     dQ = dZ X / √d,   dX = dZᵀ Q / √d (X as key only),   dc_ih = Σ_j dZ_ij f_h(j−i),
     dV[h]_j = Σ_i A_ij f_h(j−i) dX̄[h]_i.
 
@@ -80,7 +88,6 @@ DX_CONFIGS = [
     _cfg(32, 16, 64, 8, 2),
     _cfg(64, 16, 64, 8, 2, archs=(90,)),
     _cfg(64, 16, 64, 8, 2, archs=(80,), acts=SIGMOID_ONLY),
-    _cfg(32, 32, 64, 8, 2, archs=(90,)),
 ]
 AUTOTUNE_KEY = ["L_KEY", "D_MODEL", "N_PARTS", "HAS_C", "SIGMOID"]
 
