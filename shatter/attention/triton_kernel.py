@@ -24,6 +24,7 @@ import triton
 from shatter.attention.lean import NORM_EPS
 from shatter.kernels.partition_attention import (
     INTERPRET,
+    MAX_CHUNK,
     MAX_D_CHUNKS,
     MAX_PARTS,
     partition_bwd_dq_kernel,
@@ -32,11 +33,9 @@ from shatter.kernels.partition_attention import (
     partition_fwd_kernel,
 )
 
-MAX_CHUNK = 256  # columns per dQ/dX accumulator chunk
-
 
 def kernel_meta(d: int, n: int, dtype: torch.dtype) -> dict:
-    """The shape-derived compile-time constants shared by the three kernels."""
+    """The shape-derived compile-time constants the kernels share (tools/kernel_report.py too)."""
     return {
         "N_PARTS": n,
         "BLOCK_K": max(16, triton.next_power_of_2(d // n)),

@@ -50,7 +50,8 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_PARTS = 16  # n/2 <= 8 unrolled per-part accumulators
-MAX_D_CHUNKS = 4  # dQ/dX accumulators: at most 4 chunks of 256 columns
+MAX_CHUNK = 256  # columns per dQ/dX accumulator chunk
+MAX_D_CHUNKS = 4  # dQ/dX accumulators: at most 4 chunks, so d <= 1024
 
 
 def _cfg(block_m, block_n, block_d, warps, stages, archs=(80, 90), acts=("sigmoid", "softmax")):
