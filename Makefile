@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test test-gpu demo bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
+
+# the tests marked gpu (compiled Triton kernels against the references); they skip without CUDA
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu
 
 demo: setup
 	$(PY) tools/demo.py

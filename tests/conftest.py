@@ -8,6 +8,13 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU the Triton kernels run under Triton's interpreter on CPU tensors. It must be chosen
+# before anything imports triton (its own tl.* helpers are decorated at import); with a GPU the
+# same tests run the compiled kernels on CUDA tensors.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # DeepSpeed JIT-builds its CPU comm op into this directory; subprocesses the tests start inherit
 # it, so every DeepSpeed run of the suite shares the trainer's per-environment build.
 from train.engine import extensions_dir  # noqa: E402
