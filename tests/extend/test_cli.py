@@ -62,6 +62,7 @@ def test_extends_an_export(export, tmp_path, arch, added):
     assert result.exit_code == 0, result.output
     assert f"total parameters added: {added:,}" in result.output
     assert sorted(p.name for p in out.iterdir()) == [
+        "checksums.json",
         "config.json",
         "model.safetensors",
         "tokenizer.model",

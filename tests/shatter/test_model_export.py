@@ -16,6 +16,7 @@ def test_round_trip_gives_the_same_model(tmp_path, arch):
     tok.write_bytes(b"\x0a\x03abc")
     out = shatter.save_pretrained(model, tmp_path / "export", tokenizer=tok)
     assert sorted(p.name for p in out.iterdir()) == [
+        "checksums.json",
         "config.json",
         "model.safetensors",
         "tokenizer.model",
@@ -90,6 +91,7 @@ def test_tokenizer_from_a_loaded_processor_and_no_temp_files(tmp_path):
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "t.model"))
     out = shatter.save_pretrained(tiny("shatter"), tmp_path / "export", tokenizer=sp)
     assert sorted(p.name for p in out.iterdir()) == [
+        "checksums.json",
         "config.json",
         "model.safetensors",
         "tokenizer.model",
