@@ -21,8 +21,8 @@ under the final name. References: nanoGPT (model args stored beside the weights)
 from __future__ import annotations
 
 import json
+import logging
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ WEIGHTS, CONFIG, HEAD, TOKENIZER, CHECKSUMS = (
     "tokenizer.model",
     "checksums.json",
 )
+log = logging.getLogger(__name__)  # unconfigured, Python prints warnings as one stderr line
 
 
 class CheckpointError(ValueError):
@@ -105,10 +106,12 @@ def verify_weights(path: str | Path) -> None:
     path = Path(path)
     weights, sums = path / WEIGHTS, path / CHECKSUMS
     if not sums.is_file():
-        warnings.warn(
-            f"{path} has no {CHECKSUMS}: {weights} cannot be verified (an export written before "
-            "checksums existed; re-export it to add one)",
-            stacklevel=3,
+        log.warning(
+            "warning: %s has no %s: %s cannot be verified (an export written before checksums "
+            "existed; re-export it to add one)",
+            path,
+            CHECKSUMS,
+            weights,
         )
         return
     expected = _read_json(sums).get(WEIGHTS)

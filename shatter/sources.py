@@ -163,6 +163,13 @@ def describe_non_export(path: str | Path, option: str = "--checkpoint") -> str |
             f"`shatter-extend {path / 'checkpoints'} --max-len N --output DIR`"
         )
     if (path / "latest").is_file() or (path / MODEL_STATES).is_file():
+        run_export = next((p / "export" for p in path.parents[:2] if is_export(p / "export")), None)
+        if run_export is not None:
+            return (
+                f"{option} {path} is a DeepSpeed checkpoint, not an export; the run's export is "
+                f"{run_export} (or convert this checkpoint with "
+                f"`shatter-extend {path} --max-len N --output DIR`)"
+            )
         return (
             f"{option} {path} is a DeepSpeed checkpoint, not an export: pass the run's export/ "
             f"directory, or convert it with `shatter-extend {path} --max-len N --output DIR` "

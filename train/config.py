@@ -27,6 +27,10 @@ class ConfigError(ValueError):
     """A config file or flag that cannot describe a run; the message names the file and the key."""
 
 
+class PresetError(ConfigError):
+    """An unknown --preset: a usage error (exit status 2)."""
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     preset: str = "shatter-tiny"  # "{arch}-{size}" preset of shatter.build_model
@@ -133,12 +137,22 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        from shatter.config import preset_config  # torch-free, but the package imports torch
+        from shatter.config import (
+            ARCHS,
+            SIZES,
+            preset_config,  # torch-free, but the package imports torch
+        )
 
+        arch, _, size = self.model.preset.rpartition("-")
+        if arch not in ARCHS or size not in SIZES:
+            raise PresetError(
+                f"unknown --preset {self.model.preset!r}: it is ARCH-SIZE with ARCH one of "
+                f"{', '.join(ARCHS)} and SIZE one of {', '.join(SIZES)} (e.g. shatter-tiny)"
+            )
         try:
             preset_config(self.model.preset, **self.model.overrides)
         except (TypeError, ValueError) as err:
-            raise ConfigError(f"--preset / model.overrides: {err}") from None
+            raise ConfigError(f"model.overrides {dict(self.model.overrides)}: {err}") from None
         return self
 
 

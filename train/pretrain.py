@@ -27,6 +27,7 @@ from pipeline.format import DatasetError, read_index  # noqa: E402
 from train.config import (  # noqa: E402
     PRECISIONS,
     ConfigError,
+    PresetError,
     TrainConfig,
     check_output,
     resolve,
@@ -91,6 +92,12 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
     if problem and rank0:
         click.echo(f"warning: {problem}", err=True)
     return index, seq_len
+
+
+class UsageError(click.ClickException):
+    """One line, like every other refusal, but the exit status of a usage error."""
+
+    exit_code = 2
 
 
 def _run(cfg: TrainConfig) -> str:
@@ -228,6 +235,8 @@ def main(config_file, dry_run, local_rank, **flags):
             click.echo(dry_run_report(cfg))
             return
         status = _run(cfg)
+    except PresetError as err:
+        raise UsageError(str(err)) from None
     except (ConfigError, DatasetError) as err:
         raise click.ClickException(str(err)) from None
     except RuntimeError as err:
