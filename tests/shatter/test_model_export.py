@@ -1,5 +1,6 @@
 """save_pretrained / from_pretrained: round trip, the files written, and clear errors."""
 
+import hashlib
 import json
 
 import pytest
@@ -99,3 +100,27 @@ def test_tokenizer_from_a_loaded_processor_and_no_temp_files(tmp_path):
     again = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
     assert again.serialized_model_proto() == sp.serialized_model_proto()
     assert again.encode("the quick brown fox") == sp.encode("the quick brown fox")
+
+
+def test_corrupted_weights_are_refused_and_old_exports_load_with_a_warning(tmp_path, caplog):
+    model = tiny("shatter")
+    out = shatter.save_pretrained(model, tmp_path / "export")
+    weights = out / "model.safetensors"
+    digest = json.loads((out / "checksums.json").read_text())["model.safetensors"]
+    assert digest == hashlib.sha256(weights.read_bytes()).hexdigest()
+    good = weights.read_bytes()
+    data = bytearray(good)
+    data[-200:-136] = bytes(b ^ 0xFF for b in data[-200:-136])  # 64 flipped bytes in the values
+    weights.write_bytes(bytes(data))
+    with pytest.raises(shatter.CheckpointError, match="model.safetensors is corrupted.*checksums"):
+        shatter.from_pretrained(out)
+    weights.write_bytes(good)
+    (out / "checksums.json").unlink()  # an export written before checksums existed
+    with caplog.at_level("WARNING", logger="shatter.checkpoint"):
+        loaded = shatter.from_pretrained(out)
+    assert "has no checksums.json" in caplog.text and str(weights) in caplog.text
+    with torch.no_grad():
+        x = ids(2, 8)
+        torch.testing.assert_close(
+            loaded.encoder(x, torch.ones_like(x)), model.encoder(x, torch.ones_like(x))
+        )
