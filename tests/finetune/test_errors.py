@@ -106,3 +106,12 @@ def test_truncated_squad_json_names_the_parse_position(tmp_path, export):  # noq
     )  # fmt: skip
     line = one_line_error(result, bad, "not valid JSON at line 1 column", "truncated")
     assert "(character " in line and not out.exists()
+
+
+def test_an_output_under_a_regular_file_is_refused_before_any_work(tmp_path, export, good_csv):  # noqa: F811
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    one_line_error(
+        classify(export(), good_csv, good_csv, afile / "run"), f"under {afile}, which is a file"
+    )
+    assert afile.read_text() == "keep"

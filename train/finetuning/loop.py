@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.config import ConfigError, RunArgs, TrainConfig
+from train.config import ConfigError, RunArgs, TrainConfig, check_output
 from train.finetuning.config import FinetuneConfig, default_steps
 from train.finetuning.data import SpanData, build_task_data
 
@@ -113,6 +113,7 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     problem = describe_non_export(checkpoint)
     if problem:
         raise CheckpointError(problem)
+    check_output(run_dir, directory=True)
     tokenizer_file = checkpoint / "tokenizer.model"
     if not tokenizer_file.is_file():
         raise FileNotFoundError(
