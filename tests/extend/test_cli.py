@@ -201,12 +201,9 @@ def test_a_trainer_checkpoint_is_extended_from_the_length_the_run_trained_at(
     )
 
 
-def test_corrupted_weights_are_refused_naming_the_checksum_file(export, tmp_path):
+def test_corrupted_weights_are_refused_naming_the_checksum_file(export, tmp_path, flip_weights):
     path = export()
-    weights = path / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-200:-136] = bytes(b ^ 0xFF for b in data[-200:-136])  # 64 flipped bytes
-    weights.write_bytes(bytes(data))
+    weights = flip_weights(path)
     out = tmp_path / "o"
     refused(run(path, "--max-len", 64, "--output", out), out, f"{weights} is corrupted")
     assert str(path / "checksums.json") in run(path, "--max-len", 64, "--output", out).output

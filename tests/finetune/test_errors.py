@@ -61,12 +61,9 @@ def test_each_wrong_checkpoint_directory_gets_its_own_message(tmp_path, export, 
     one_line_error(classify(run_dir / "checkpoints", good_csv, good_csv, out), run_dir / "export")
 
 
-def test_corrupted_weights_are_refused_naming_the_file(tmp_path, export, good_csv):  # noqa: F811
+def test_corrupted_weights_are_refused_naming_the_file(tmp_path, export, good_csv, flip_weights):  # noqa: F811
     path = export()
-    weights = path / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-200:-136] = bytes(b ^ 0xFF for b in data[-200:-136])  # 64 flipped bytes
-    weights.write_bytes(bytes(data))
+    weights = flip_weights(path)
     out = tmp_path / "ft"
     one_line_error(classify(path, good_csv, good_csv, out), weights, "corrupted", "checksums.json")
     assert not out.exists()

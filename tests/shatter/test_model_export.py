@@ -102,16 +102,16 @@ def test_tokenizer_from_a_loaded_processor_and_no_temp_files(tmp_path):
     assert again.encode("the quick brown fox") == sp.encode("the quick brown fox")
 
 
-def test_corrupted_weights_are_refused_and_old_exports_load_with_a_warning(tmp_path, caplog):
+def test_corrupted_weights_are_refused_and_old_exports_load_with_a_warning(
+    tmp_path, caplog, flip_weights
+):
     model = tiny("shatter")
     out = shatter.save_pretrained(model, tmp_path / "export")
     weights = out / "model.safetensors"
     digest = json.loads((out / "checksums.json").read_text())["model.safetensors"]
     assert digest == hashlib.sha256(weights.read_bytes()).hexdigest()
     good = weights.read_bytes()
-    data = bytearray(good)
-    data[-200:-136] = bytes(b ^ 0xFF for b in data[-200:-136])  # 64 flipped bytes in the values
-    weights.write_bytes(bytes(data))
+    flip_weights(out)
     with pytest.raises(shatter.CheckpointError, match="model.safetensors is corrupted.*checksums"):
         shatter.from_pretrained(out)
     weights.write_bytes(good)

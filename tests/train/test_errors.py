@@ -132,7 +132,7 @@ def test_a_damaged_dataset_is_refused_at_start_up(books_data, tmp_path, damage):
 
 @pytest.mark.slow
 def test_evaluate_refuses_bad_data_and_weights_before_writing(
-    books_data, noval_data, tiny_run, tmp_path
+    books_data, noval_data, tiny_run, tmp_path, flip_weights
 ):
     export = tiny_run[0] / "export"
     result = tmp_path / "result.json"
@@ -172,10 +172,7 @@ def test_evaluate_refuses_bad_data_and_weights_before_writing(
     # 64 flipped bytes in the weights
     broken = tmp_path / "broken"
     shutil.copytree(export, broken)
-    weights = broken / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-200:-136] = bytes(b ^ 0xFF for b in data[-200:-136])
-    weights.write_bytes(bytes(data))
+    weights = flip_weights(broken)
     one_line_error(
         evaluate("--checkpoint", broken, "--data", books_data), weights, "corrupted", "checksums"
     )
