@@ -163,20 +163,21 @@ def _load(loader, path: Path, **kwargs) -> datasets.Dataset:
         lines = [line for line in (f.readline() for _ in range(2)) if line.strip()]
     if not lines:
         raise TaskDataError(f"{path}: the file is empty (0 bytes or only blank lines)")
-    is_json = loader is datasets.Dataset.from_json
-    if is_json:
-        _check_json(path)
-    elif len(lines) == 1 and kwargs.get("header", "infer") is not None:
-        raise TaskDataError(f"{path}: only a header line ({lines[0].strip()[:80]!r}), no data rows")
+    if loader is not datasets.Dataset.from_json and len(lines) == 1:
+        if kwargs.get("header", "infer") is not None:
+            raise TaskDataError(
+                f"{path}: only a header line ({lines[0].strip()[:80]!r}), no data rows"
+            )
     try:
         data = loader(str(path), **kwargs)
     except Exception as e:  # datasets wraps parser errors in several types; name the file
+        if loader is datasets.Dataset.from_json:
+            _check_json(path)  # a parse error: its position, said plainly
         cause = e
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__
-        raise TaskDataError(
-            f"{path}: cannot be read ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
-        ) from None
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        raise TaskDataError(f"{path}: cannot be read ({type(cause).__name__}: {first})") from None
     if len(data) == 0:
         raise TaskDataError(f"{path}: no data rows")
     return data
