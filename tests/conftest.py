@@ -31,3 +31,18 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real sample data not found at {SHARED_DATA} (set SHATTER_SHARED_DATA)")
     return SHARED_DATA
+
+
+@pytest.fixture
+def flip_weights():
+    """Damage an export the way a bad disk or copy does: 64 bytes of its weights flipped (in the
+    tensor data, so safetensors still parses the file). Returns the weights file."""
+
+    def flip(export: Path) -> Path:
+        weights = export / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-200:-136] = bytes(b ^ 0xFF for b in data[-200:-136])
+        weights.write_bytes(bytes(data))
+        return weights
+
+    return flip

@@ -85,7 +85,8 @@ def run_validation(ctx: RunContext, step: int, stream: ShardStream) -> dict:
         "accuracy": result["accuracy"],
         "predictions": result["predictions"],
     }
-    ctx.writer.write(record)
+    if record["predictions"]:  # an empty split has no loss: no line rather than a fake 0.0
+        ctx.writer.write(record)
     return record
 
 
@@ -218,6 +219,8 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
             record = run_validation(ctx, state.step, validation)
             progress.write(
                 f"step {state.step}: validation loss {record['loss']:.4f} accuracy {record['accuracy']:.4f}"
+                if record["predictions"]
+                else f"step {state.step}: no validation data (0 masked tokens), validation skipped"
             )
         export_now = _due(state.step, run.export_every, run.max_steps)
         if stop_seen or export_now or _due(state.step, run.save_every, run.max_steps):
