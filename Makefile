@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e '.[train,test,demo]'
+	$(PY) -m pip install -q -e '.[train,test,demo,pipeline-dask]'
 	$(PY) -c "from train.engine import build_extensions; build_extensions()"
 	touch $(STAMP)
 
@@ -23,7 +23,9 @@ test: setup
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
-# The GPU lane: the real CLIs on one CUDA device (tests marked gpu; they skip without CUDA).
+# The tests marked gpu: the compiled Triton kernels against the references, and the GPU lane of
+# the real CLIs on one CUDA device (tests/train/test_gpu.py, tests/finetune/test_gpu.py); they
+# skip without CUDA.
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu -s
 

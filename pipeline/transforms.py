@@ -321,6 +321,52 @@ def Tokenize(model_path: str, validation_fraction: float):
     return beam.ParDo(TokenizeFn(model_path, validation_fraction))
 
 
+class _SmallestKey(beam.CombineFn):
+    """The smallest content key of the "auto" documents, if there are at least two (else None)."""
+
+    def create_accumulator(self):
+        return (None, 0)
+
+    def add_input(self, acc, batch: DocBatch):
+        if batch.split != "auto":
+            return acc
+        keys = [content_key(d.encode()) for d in batch.docs]
+        return self.merge_accumulators([acc, (min(keys, default=None), len(keys))])
+
+    def merge_accumulators(self, accs):
+        accs = list(accs)
+        keys = [k for k, _ in accs if k is not None]
+        return (min(keys, default=None), sum(n for _, n in accs))
+
+    def extract_output(self, acc):
+        return acc[0] if acc[1] > 1 else None
+
+
+def SmallestKey():
+    return beam.CombineGlobally(_SmallestKey())
+
+
+class HoldOutFn(beam.DoFn):
+    """DocBatch → the same, except that the "auto" document with the corpus's smallest content key
+    (`SmallestKey`, a side input) moves to a "validation" batch of its own when the hash threshold
+    of `Tokenize` would not hold it out: a small corpus (a few books) still gets a validation
+    split. Where the threshold holds it out anyway (any large corpus), batches pass unchanged."""
+
+    def __init__(self, validation_fraction: float):
+        self.threshold = validation_fraction * 2.0**64
+
+    def process(self, batch: DocBatch, held_out: int | None):
+        if batch.split != "auto" or held_out is None or held_out < self.threshold:
+            yield batch
+            return
+        keep = [d for d in batch.docs if content_key(d.encode()) != held_out]
+        if len(keep) < len(batch.docs):
+            moved = tuple(d for d in batch.docs if content_key(d.encode()) == held_out)
+            yield DocBatch(batch.corpus, "validation", moved)
+        if keep:
+            yield DocBatch(batch.corpus, batch.split, tuple(keep))
+
+
 _ROW_KEY_SALT = np.uint64(0x524F574B4559)
 
 

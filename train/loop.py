@@ -71,7 +71,8 @@ def run_validation(ctx: RunContext, step: int, stream: ShardStream) -> dict:
         "accuracy": result["accuracy"],
         "predictions": result["predictions"],
     }
-    ctx.writer.write(record)
+    if record["predictions"]:  # an empty split has no loss: no line rather than a fake 0.0
+        ctx.writer.write(record)
     return record
 
 
@@ -315,6 +316,8 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
             record = run_validation(ctx, state.step, validation)
             progress.write(
                 f"step {state.step}: validation loss {record['loss']:.4f} accuracy {record['accuracy']:.4f}"
+                if record["predictions"]
+                else f"step {state.step}: no validation data (0 masked tokens), validation skipped"
             )
         if save_now:
             name = save_and_export(ctx, state, export_now, epoch_size)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import Job, finish_soon
+
+from tests.jobs import Job, finish_soon
 
 from .conftest import sentiment_rows, squad_json
 from .test_finetune import export, write_csv  # noqa: F401 (a fixture)

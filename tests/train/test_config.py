@@ -149,3 +149,37 @@ def test_no_weight_decay_on_biases_and_layernorm():
         p.numel() for p in model.parameters()
     )  # every parameter once (tied weights too)
     assert isinstance(decay["params"][0], torch.nn.Parameter)
+
+
+def test_the_default_warm_up_scales_with_a_short_run_but_a_set_one_is_kept(tmp_path):
+    from train.config import lr_at, resolve, schedule_problem
+
+    short = resolve(None, {"max_steps": 20})
+    assert short.optim.warmup_steps == 2 and schedule_problem(short) is None
+    assert max(lr_at(short.optim, 20, s) for s in range(1, 21)) == short.optim.lr
+    assert resolve(None, {"max_steps": 10**6}).optim.warmup_steps == 10_000  # the paper's §A.2
+    kept = resolve(None, {"max_steps": 20, "warmup_steps": 100})
+    assert kept.optim.warmup_steps == 100
+    problem = schedule_problem(kept)
+    assert "warm-up (100 steps) is not shorter than the run (20 steps)" in problem
+    assert "lr never reaches its peak" in problem
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("optim:\n  warmup_steps: 50\nrun:\n  max_steps: 40\n")
+    assert resolve(str(yaml_file), {}).optim.warmup_steps == 50  # the file sets it: kept, warned
+    assert schedule_problem(resolve(str(yaml_file), {})) is not None
+
+
+def test_outputs_under_a_file_or_of_the_wrong_kind_are_refused(tmp_path):
+    from train.config import ConfigError, check_output
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match="under .*afile, which is a file"):
+        check_output(afile / "run" / "deeper", directory=True)
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        check_output(afile, directory=True)
+    with pytest.raises(ConfigError, match="is a directory; give a file name"):
+        check_output(tmp_path, directory=False)
+    check_output(tmp_path / "new" / "run", directory=True)
+    check_output(tmp_path / "result.json", directory=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # checks create nothing

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import Job
 from test_pretrain import command, free_port
 
+from tests.jobs import Job
 from train.lifecycle import one_line
 
 REPO = Path(__file__).resolve().parents[2]

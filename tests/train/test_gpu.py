@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import Job, finish_soon
 from shardutil import build_books
 from test_pretrain import command
+
+from tests.jobs import Job, finish_soon
 
 pytestmark = [
     pytest.mark.gpu,

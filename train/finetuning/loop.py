@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.config import ConfigError, RunArgs, TrainConfig
+from train.config import ConfigError, RunArgs, TrainConfig, check_output
 from train.finetuning.config import FinetuneConfig, default_steps
 from train.finetuning.data import SpanData, build_task_data
 
@@ -103,11 +103,17 @@ def _write_json(path: Path, value) -> None:
 def finetune(cfg: FinetuneConfig) -> dict | None:
     """Run one finetuning; return metrics.json's content on rank 0 (None elsewhere)."""
     import shatter
+    from shatter.checkpoint import CheckpointError
+    from shatter.sources import describe_non_export
     from train.engine import build_engine, init_distributed, resolved_deepspeed_config
     from train.finetuning.features import Tokenizer
     from train.metrics import MetricsWriter, Progress
 
     checkpoint, run_dir = Path(cfg.run.checkpoint), Path(cfg.run.output)
+    problem = describe_non_export(checkpoint)
+    if problem:
+        raise CheckpointError(problem)
+    check_output(run_dir, directory=True)
     tokenizer_file = checkpoint / "tokenizer.model"
     if not tokenizer_file.is_file():
         raise FileNotFoundError(
