@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import itertools
 import logging
 import uuid
 from dataclasses import dataclass
@@ -260,26 +259,62 @@ def Clean():
     return beam.ParDo(CleanFn())
 
 
+class _Sample:
+    """A _SmallestLines accumulator: (hash, line) candidates and, once pruned to n, the n-th
+    smallest hash (`bound`), above which no line can enter the sample any more."""
+
+    __slots__ = ("items", "bound")
+
+    def __init__(self, items=(), bound=None):
+        self.items, self.bound = list(items), bound
+
+    def __getstate__(self):
+        return self.items, self.bound
+
+    def __setstate__(self, state):
+        self.items, self.bound = state
+
+
 class _SmallestLines(beam.CombineFn):
-    """The n lines with the smallest hashes over all batches: a deterministic tokenizer sample."""
+    """The n lines with the smallest hashes over all batches: a deterministic tokenizer sample.
+
+    Memory is bounded by the sample, never the corpus: a line whose hash is above the n-th
+    smallest seen so far is dropped at once, the candidates are pruned back to n when they reach
+    1.5 n (so time is linear in the text), and a line that sentencepiece's trainer would skip
+    (`tokenizer.trainable`) keeps its place by its hash alone, its text replaced by "" (so the
+    corpus itself never piles up here when its lines are whole documents). The trainer gets the
+    same lines in the same order as from `tokenizer.smallest_lines`.
+    """
 
     def __init__(self, n: int):
         self.n = n
 
     def create_accumulator(self):
-        return []
+        return _Sample()
 
-    def add_input(self, acc, batch: DocBatch):
-        lines = (line for doc in batch.docs for line in cleaning.sample_lines(doc))
-        return heapq.nsmallest(
-            self.n, itertools.chain(acc, ((tokenizer.line_hash(x), x) for x in lines))
-        )
+    def _prune(self, acc: _Sample) -> _Sample:
+        if len(acc.items) >= self.n:
+            acc.items = heapq.nsmallest(self.n, acc.items)
+            acc.bound = acc.items[-1][0]
+        return acc
+
+    def add_input(self, acc: _Sample, batch: DocBatch):
+        items, bound = acc.items, acc.bound
+        for doc in batch.docs:
+            for line in cleaning.sample_lines(doc):
+                h = tokenizer.line_hash(line)
+                if bound is None or h <= bound:  # ties kept: a tie is the same line
+                    items.append((h, line if tokenizer.trainable(line) else ""))
+        if len(items) >= self.n + max(self.n // 2, 1):
+            self._prune(acc)
+        return acc
 
     def merge_accumulators(self, accs):
-        return heapq.nsmallest(self.n, itertools.chain.from_iterable(accs))
+        items = [item for acc in accs for item in acc.items]
+        return self._prune(_Sample(items))
 
-    def extract_output(self, acc):
-        return [line for _, line in sorted(acc)]
+    def extract_output(self, acc: _Sample):
+        return [line for _, line in sorted(acc.items)[: self.n] if line]
 
 
 def SampleLines(n: int):
