@@ -72,7 +72,11 @@ def check_options(args: list[str], ours: set[str] = frozenset()) -> None:
     _import_runner_options(_runner_name(args))
     from apache_beam.options.pipeline_options import _BeamArgumentParser
 
-    parser = _BeamArgumentParser(allow_abbrev=False)
+    class Parser(_BeamArgumentParser):
+        def error(self, message):  # argparse would print its usage and exit 2
+            raise OptionError(f"Beam pipeline options: {message}")
+
+    parser = Parser(allow_abbrev=False)
     for cls in {str(c): c for c in PipelineOptions.__subclasses__()}.values():
         cls._add_argparse_args(parser)
     _, unknown = parser.parse_known_args(args)

@@ -356,17 +356,21 @@ def Tokenize(model_path: str, validation_fraction: float):
     return beam.ParDo(TokenizeFn(model_path, validation_fraction))
 
 
+def _batch_smallest_key(batch: DocBatch) -> tuple[int | None, int]:
+    """(smallest content key, documents) of an "auto" batch; (None, 0) for any other."""
+    if batch.split != "auto":
+        return (None, 0)
+    return (min(content_key(d.encode()) for d in batch.docs), len(batch.docs))
+
+
 class _SmallestKey(beam.CombineFn):
-    """The smallest content key of the "auto" documents, if there are at least two (else None)."""
+    """The smallest of the batches' smallest keys, if there are at least two documents (else None)."""
 
     def create_accumulator(self):
         return (None, 0)
 
-    def add_input(self, acc, batch: DocBatch):
-        if batch.split != "auto":
-            return acc
-        keys = [content_key(d.encode()) for d in batch.docs]
-        return self.merge_accumulators([acc, (min(keys, default=None), len(keys))])
+    def add_input(self, acc, pair):
+        return self.merge_accumulators([acc, pair])
 
     def merge_accumulators(self, accs):
         accs = list(accs)
@@ -377,8 +381,17 @@ class _SmallestKey(beam.CombineFn):
         return acc[0] if acc[1] > 1 else None
 
 
-def SmallestKey():
-    return beam.CombineGlobally(_SmallestKey())
+class SmallestKey(beam.PTransform):
+    """DocBatch → the corpus's smallest "auto" document key (a singleton). Each batch is reduced to
+    one (key, count) pair first, so that no text goes through the combine's shuffle on a runner
+    without combiner lifting (Dask)."""
+
+    def expand(self, docs):
+        return (
+            docs
+            | "batch keys" >> beam.Map(_batch_smallest_key)
+            | "smallest" >> beam.CombineGlobally(_SmallestKey())
+        )
 
 
 class HoldOutFn(beam.DoFn):

@@ -101,6 +101,12 @@ def test_a_misspelled_beam_option_is_an_error_with_a_suggestion(built, corpus_di
     assert not (tmp_path / "o").exists()  # refused before any work
     stray = CliRunner().invoke(main, _args(out, corpus_dir / "a.txt", tmp_path / "o", "extra"))
     assert stray.exit_code == 1 and "unexpected argument 'extra'" in stray.output
+    bad = ("--direct_running_mode", "multi_procesing")  # a bad value: argparse would exit 2
+    choice = CliRunner().invoke(main, _args(out, corpus_dir / "a.txt", tmp_path / "o", *bad))
+    assert choice.exit_code == 1 and "usage:" not in choice.output
+    (line,) = _error_lines(choice.output)
+    assert "invalid choice: 'multi_procesing'" in line
+    assert not (tmp_path / "o").exists()
 
 
 def test_runner_flags_after_double_dash_pass_unchecked(built, corpus_dir, tmp_path):
