@@ -213,17 +213,24 @@ def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=
     cache_list = fs.join(out, CACHE_LIST)
     docs = _read_clean(p, config)
     lines = docs | "sample" >> SampleLines(config.tokenizer_sample)
+    # the hold-out document's key is found here, where every document passes anyway: as a side
+    # input of the build pipeline it would make the runner buffer the whole corpus until it is known
+    smallest = docs | "smallest key" >> SmallestKey()
 
-    def write_outputs(paths, sample):
+    def write_outputs(paths, sample, smallest_key):
         _write_text(sample_path, json.dumps(sample))
-        _write_text(cache_list, json.dumps(paths))
+        _write_text(cache_list, json.dumps({"files": paths, "smallest_key": smallest_key}))
 
     _ = (  # one sink (runners that compute only what a sink needs run every branch)
         docs
         | "cache clean text" >> beam.ParDo(CacheFn(fs.join(out, WORK_DIR)))
         | "cache files" >> beam.combiners.ToList()
         | "write sample and cache list"
-        >> beam.Map(write_outputs, sample=beam.pvalue.AsSingleton(lines))
+        >> beam.Map(
+            write_outputs,
+            sample=beam.pvalue.AsSingleton(lines),
+            smallest_key=beam.pvalue.AsSingleton(smallest),
+        )
     )
     values = run_and_report(p, "tokenizer sample", report)
     sample = json.loads(_read_text(sample_path))
@@ -294,14 +301,21 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
     manifest_path = fs.join(out, MANIFEST_FILE)
 
     p = runners.make_pipeline(beam_args)
-    docs = _read_clean(p, config) if cached is None else p | "read cleaned" >> ReadCache(cached)
+    docs = (
+        _read_clean(p, config)
+        if cached is None
+        else p | "read cleaned" >> ReadCache(cached["files"])
+    )
     mask = MaskSpec(
         model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word
     )
     fraction = 0.0 if config.validation_inputs else config.validation_fraction
     if fraction > 0:  # by hash (Tokenize), and the smallest-key document: never an empty split
-        smallest = beam.pvalue.AsSingleton(docs | "smallest key" >> SmallestKey())
-        docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), held_out=smallest)
+        if cached is not None:  # found by the tokenizer's pipeline: no side input over the corpus
+            docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), cached["smallest_key"])
+        else:  # a given tokenizer: the runner may buffer the documents until the key is known
+            smallest = beam.pvalue.AsSingleton(docs | "smallest key" >> SmallestKey())
+            docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), held_out=smallest)
     infos = (
         docs
         | "tokenize" >> Tokenize(model_path, fraction)

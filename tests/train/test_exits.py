@@ -106,13 +106,17 @@ def test_the_exit_watchdog_ends_a_process_whose_exit_hangs():
 import multiprocessing as mp, os, signal, sys, time
 sys.path.insert(0, {str(REPO)!r})
 import train.lifecycle as lc
-def child(parent):
+def child(parent, ready):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a loader worker: ends when its parent does
+    ready.set()
     while os.getppid() == parent:
         time.sleep(0.2)
 if __name__ == "__main__":
-    p = mp.get_context("fork").Process(target=child, args=(os.getpid(),), daemon=True)
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=child, args=(os.getpid(), ready), daemon=True)
     p.start()
+    assert ready.wait(30)  # SIGTERM ignored before the exit begins: no race with terminate()
     lc.arm_watchdog(3, after_s=2)
     sys.exit(3)
 """
