@@ -23,6 +23,7 @@ ARCHS = (
     "1h-sigmoid",
     "part-bias",
     "shatter",
+    "xlnet",
 )
 
 # Archs whose attention multiplies by the partition mask N (§3.1): heads are the n parts.
