@@ -39,7 +39,7 @@ class Embeddings(nn.Module):
             self.position_embeddings = nn.Embedding(config.max_len, config.hidden)  # P (eq. 4)
         else:
             self.position_embeddings = None
-        if getattr(ATTENTIONS[config.arch], "two_stream", False):
+        if hasattr(ATTENTIONS[config.arch], "two_stream"):
             # w, the query stream's start at every position (XLNet's mask_emb, shatter/xlnet.py)
             std = config.initializer_range
             self.query_stream = nn.Parameter(torch.randn(config.hidden) * std)

@@ -26,7 +26,7 @@ def two_stream_encode(
     rank_BL: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h^L, g^L), each [B, L, d]: the content and the query stream after the last block."""
-    if not getattr(encoder.layers[0].attention, "two_stream", False):
+    if not hasattr(encoder.layers[0].attention, "two_stream"):
         raise ValueError(
             f"arch {encoder.config.arch!r} has no two-stream attention: the permutation LM "
             "(objective plm) needs arch xlnet; use objective mlm"

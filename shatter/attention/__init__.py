@@ -3,8 +3,7 @@
 Contract of every variant (cramming's): `forward(x_BLD, mask_BL) -> context_BLD` before the
 output projection W^O, which the encoder block owns; `pool(y_BD, x_BLD, mask_BL) -> context_BD`
 for the §3.4 classification head; a class attribute `absolute_positions` telling the embeddings
-whether to add learnt absolute position embeddings (eq. 4). A variant with `two_stream = True`
-(xlnet) also has `two_stream(h, g, mask_BL, rank_BL) -> (content, query)` for the permutation
+whether to add learnt absolute position embeddings (eq. 4). A variant may also have (xlnet) `two_stream(h, g, mask_BL, rank_BL) -> (content, query)` for the permutation
 LM (shatter/xlnet.py runs the two streams through the same blocks). Each variant owns its position
 parameters (R, W^B) and its constant partition table.
 """

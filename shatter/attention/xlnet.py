@@ -43,8 +43,7 @@ def sinusoid(distances: torch.Tensor, d: int) -> torch.Tensor:
 class XLNetAttention(nn.Module):
     """XLNet's relative attention; `two_stream` is the permutation-LM form of the same weights."""
 
-    absolute_positions = False
-    two_stream = True  # the embeddings hold the query stream's start vector w (model.py)
+    absolute_positions = False  # having `two_stream`, the embeddings also hold w (model.py)
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()

@@ -16,8 +16,13 @@ def _encoder_params(preset: str) -> int:
 
 
 @pytest.mark.parametrize(
-    "preset,table2", [("shatter-base", 78.0e6), ("bert-base", 84.9e6), ("bert-rpe-base", 87.3e6),
-     ("xlnet-base", 92.0e6)]
+    "preset,table2",
+    [
+        ("shatter-base", 78.0e6),
+        ("bert-base", 84.9e6),
+        ("bert-rpe-base", 87.3e6),
+        ("xlnet-base", 92.0e6),
+    ],
 )
 def test_base_parameter_counts_match_table2(preset, table2):
     assert abs(_encoder_params(preset) / table2 - 1) < 0.01
