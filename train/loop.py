@@ -26,7 +26,7 @@ from train.engine import loss_scale
 from train.evaluate import evaluate
 from train.metrics import MetricsWriter, Progress
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "labels")
+MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "perm_rank")  # perm_rank: plm only
 
 
 class TrainingError(RuntimeError):
@@ -76,11 +76,12 @@ def _due(step: int, every: int, last: int) -> bool:
 def run_validation(ctx: RunContext, step: int, stream: ShardStream) -> dict:
     """One pass over `stream` (the run's validation stream, built once: its shards are hashed and
     decoded on the first pass, not at every evaluation)."""
-    batches = ({k: b[k] for k in MODEL_INPUTS} for b in stream)
+    batches = ({k: b[k] for k in MODEL_INPUTS if k in b} for b in stream)
     result = evaluate(ctx.engine, batches, ctx.engine.device, distributed=ctx.world > 1)
     record = {
         "step": step,
         "split": "validation",
+        "objective": ctx.cfg.data.objective,  # mlm or plm: never plotted against each other
         "loss": result["loss"],
         "accuracy": result["accuracy"],
         "predictions": result["predictions"],
@@ -98,6 +99,7 @@ def _log_line(
     loss = window[0].item() / window[1].item() if window[1] > 0 else float("nan")
     record = {
         "step": state.step,
+        "objective": ctx.cfg.data.objective,
         "loss": loss,
         "lr": lr,
         "tokens_per_s": tokens_per_s,
@@ -168,7 +170,7 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
         batch = next(batches)
         torch.manual_seed(dropout_seed(run.seed, state.samples, ctx.rank))
         state.samples += per_micro
-        inputs = {k: batch[k].to(engine.device) for k in MODEL_INPUTS}
+        inputs = {k: batch[k].to(engine.device) for k in MODEL_INPUTS if k in batch}
         lr = engine.optimizer.param_groups[0]["lr"]
         loss = engine(**inputs)["loss"]
         flags = torch.tensor(
