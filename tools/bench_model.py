@@ -2,7 +2,7 @@
 
 For each sequence length, every arch is built at base width (hidden 768, 12 heads or parts,
 FFN 3072) with a few layers, and timed on full MLM train steps (forward, backward, AdamW step)
-on the same batch, the archs interleaved round by round so that load from other processes hits
+on the same batch (xlnet: its permutation-LM step, two streams), the archs interleaved round by round so that load from other processes hits
 them alike; the median of `--repeats` rounds after `--warmup` rounds is reported, with its ratio
 to `bert` from the same run. Memory is measured in a separate, untimed forward: the bytes of
 the tensors that autograd saves for the backward pass (deduplicated by storage, parameters
@@ -55,6 +55,17 @@ def make_batch(cfg: BenchConfig, length: int, seed: int = 0) -> dict[str, torch.
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
 
 
+def arch_batch(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """xlnet trains with the permutation LM: its step is the two-stream one, the predicted
+    positions last in a random factorisation order (shatter/xlnet.py, train/plm.py)."""
+    if not hasattr(model.encoder.layers[0].attention, "two_stream"):
+        return batch
+    labels = batch["labels"]
+    g = torch.Generator().manual_seed(2)
+    rank = torch.rand(labels.shape, generator=g).argsort(-1).argsort(-1)
+    return {**batch, "perm_rank": torch.where(labels != -100, rank, -1)}
+
+
 def build(cfg: BenchConfig, arch: str, length: int):
     torch.manual_seed(0)
     model = shatter.build_model(
@@ -103,8 +114,22 @@ def saved_bytes(model, batch) -> tuple[int, int]:
                 totals["attention"] += nbytes
         return t
 
+    def counted(method):  # the two-stream attention is a method, not the module's forward
+        def run(*args):
+            inside[0] = 1
+            try:
+                return method(*args)
+            finally:
+                inside[0] = 0
+
+        return run
+
     hooks = []
     for block in model.encoder.layers:
+        if hasattr(block.attention, "two_stream"):
+            block.attention.two_stream = counted(
+                type(block.attention).two_stream.__get__(block.attention)
+            )
         hooks.append(block.attention.register_forward_pre_hook(lambda *a: inside.__setitem__(0, 1)))
         hooks.append(block.attention.register_forward_hook(lambda *a: inside.__setitem__(0, 0)))
     try:
@@ -114,6 +139,8 @@ def saved_bytes(model, batch) -> tuple[int, int]:
     finally:
         for h in hooks:
             h.remove()
+        for block in model.encoder.layers:
+            block.attention.__dict__.pop("two_stream", None)
     return totals["all"], totals["attention"]
 
 
@@ -132,14 +159,15 @@ def run(cfg: BenchConfig) -> list[dict]:
                 "attention_mask": batch["attention_mask"],
             }
         models = {arch: build(cfg, arch, length) for arch in cfg.archs}
-        memory = {arch: saved_bytes(models[arch][0], batch) for arch in cfg.archs}
+        batches = {arch: arch_batch(models[arch][0], batch) for arch in cfg.archs}
+        memory = {arch: saved_bytes(models[arch][0], batches[arch]) for arch in cfg.archs}
         times: dict[str, list[float]] = {arch: [] for arch in cfg.archs}
         for round_ in range(cfg.warmup + cfg.repeats):
             for arch in cfg.archs:  # interleaved: every round times every arch once
                 if cfg.attention_only:
                     t = attention_step(models[arch][0], attention_batch)
                 else:
-                    t = train_step(*models[arch], batch)
+                    t = train_step(*models[arch], batches[arch])
                 if round_ >= cfg.warmup:
                     times[arch].append(t)
         ref_t = statistics.median(times["bert"])
