@@ -32,12 +32,11 @@ OBJECTIVES = ("mlm", "plm")
 TARGETS = ("spans", "static")
 
 
-def two_stream_arch(preset: str) -> bool:
-    """Whether the preset's arch has two-stream attention (xlnet): the PLM needs it."""
+def default_objective(arch: str) -> str:
+    """The arch's own objective: "plm" for two-stream attention (xlnet), else "mlm"."""
     from shatter.attention import ATTENTIONS
 
-    attention = ATTENTIONS.get(preset.rpartition("-")[0])
-    return attention is not None and hasattr(attention, "two_stream")
+    return "plm" if hasattr(ATTENTIONS.get(arch), "two_stream") else "mlm"
 
 
 def with_objective(cfg: TrainConfig) -> TrainConfig:
@@ -50,9 +49,9 @@ def with_objective(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"data.plm_targets must be one of {TARGETS}, got {d.plm_targets!r}")
     if d.plm_ratio < 2 or d.plm_max_span < 1:
         raise ConfigError("data.plm_ratio must be >= 2 and data.plm_max_span >= 1")
-    two = two_stream_arch(cfg.model.preset)
-    objective = d.objective or ("plm" if two else "mlm")
-    if objective == "plm" and not two:
+    own = default_objective(cfg.model.preset.rpartition("-")[0])
+    objective = d.objective or own
+    if objective == "plm" and own != "plm":
         raise ConfigError(
             f"objective plm needs a two-stream arch (xlnet); {cfg.model.preset} is a masked-LM "
             "arch: drop --objective plm (data.objective) or use an xlnet preset"
