@@ -13,7 +13,7 @@ from tools.extend import main as extend_main
 from train.finetune import main as finetune_main
 
 from .conftest import sentiment_rows, squad_json
-from .test_finetune import write_csv
+from .test_finetune import multirc_rows, sts_tsv, write_csv
 
 
 def run(main, *args):
@@ -61,39 +61,13 @@ def test_extended_xlnet_learns_the_synthetic_sentiment(tmp_path, extended, strat
 @pytest.mark.slow
 def test_extended_xlnet_finetunes_regression_multirc_and_squad(tmp_path, extended, write_jsonl):
     rows = sentiment_rows(24)
-    sts = tmp_path / "sts.tsv"
-    sts.write_text(
-        "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
-        + "".join(
-            f"{i}\tg\tf\ty\to\ts\ts\t{r['review']}\t{rows[i - 1]['review']}\t{i % 6}.000\n"
-            for i, r in enumerate(rows)
-        )
-    )
+    sts = sts_tsv(tmp_path / "sts.tsv", rows)
     common = ("--checkpoint", extended, "--max-steps", 4, "--lr", 1e-3)
     run(finetune_main, "--task", "stsb", *common, "--train-file", sts, "--validation-file", sts,
         "--output", tmp_path / "sts")  # fmt: skip
     assert json.loads((tmp_path / "sts" / "metrics.json").read_text())["main_metric"] == "spearman"
     mrc = write_jsonl(
-        tmp_path / "mrc.jsonl",
-        [
-            {
-                "idx": p,
-                "passage": {
-                    "text": rows[p]["review"],
-                    "questions": [
-                        {
-                            "idx": 0,
-                            "question": "is it good?",
-                            "answers": [
-                                {"idx": a, "text": rows[p + a]["review"], "label": a % 2}
-                                for a in range(2)
-                            ],
-                        }
-                    ],
-                },
-            }
-            for p in range(6)
-        ],
+        tmp_path / "mrc.jsonl", multirc_rows(rows, passages=6, questions=1, answers=2)
     )
     run(finetune_main, "--task", "multirc", *common, "--train-file", mrc, "--validation-file", mrc,
         "--output", tmp_path / "mrc")  # fmt: skip

@@ -2,14 +2,9 @@
 objective, the permutation LM: the PLM loss falls, validation is labelled plm, kill -9 then
 restart reproduces the uninterrupted losses exactly, and the export loads single-stream."""
 
-import os
-import signal
-import subprocess
-import time
-
 import pytest
 import torch
-from test_pretrain import REPO, command, metrics, run_to_end
+from test_pretrain import FP32_ARGS, command, kill_9_after_a_checkpoint, metrics, run_to_end
 
 import shatter
 from pipeline.format import read_index
@@ -19,24 +14,8 @@ from train.evaluate import evaluate
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
-ARGS = (
-    "--preset",
-    "xlnet-tiny",
-    "--max-steps",
-    "40",
-    "--micro-batch",
-    "8",
-    "--save-every",
-    "10",
-    "--eval-every",
-    "20",
-    "--log-every",
-    "1",
-    "--warmup-steps",
-    "5",
-    "--lr",
-    "2e-3",
-)
+# test_pretrain's fp32 ZeRO-1 run, shortened to 40 steps (the last value of a flag wins)
+ARGS = (*FP32_ARGS, "--preset", "xlnet-tiny", "--max-steps", "40", "--eval-every", "20")
 
 
 @pytest.fixture(scope="module")
@@ -72,24 +51,7 @@ def test_plm_loss_falls_and_validation_is_labelled_plm(books_data, plm_run):
 def test_kill_9_then_restart_gives_the_same_plm_losses(books_data, plm_run, tmp_path):
     run = tmp_path / "run"
     cmd = command(books_data, run, *ARGS)
-    job = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline and job.poll() is None:
-            log = run / "metrics.jsonl"
-            logged = log.read_text().count('"lr"') if log.exists() else 0
-            if (run / "checkpoints" / "latest").exists() and logged >= 12:
-                break
-            time.sleep(0.05)
-        assert job.poll() is None, "the run ended before it could be killed"
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait(30)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    killed_at = (run / "checkpoints" / "latest").read_text().strip()
+    killed_at = kill_9_after_a_checkpoint(cmd, run)
     assert killed_at != "step00000040"
     done = run_to_end(cmd)
     assert f"resuming from step {int(killed_at[4:])}" in done.stderr
