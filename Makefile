@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test test-gpu demo bench clean
 
 setup: $(STAMP)
 
@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e '.[train,test,demo]'
+	$(PY) -m pip install -q -e '.[train,test,demo,pipeline-dask]'
 	$(PY) -c "from train.engine import build_extensions; build_extensions()"
 	touch $(STAMP)
 
@@ -22,6 +22,12 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
+
+# The tests marked gpu: the compiled Triton kernels against the references, and the GPU lane of
+# the real CLIs on one CUDA device (tests/train/test_gpu.py, tests/finetune/test_gpu.py); they
+# skip without CUDA.
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu -s
 
 demo: setup
 	$(PY) tools/demo.py

@@ -4,115 +4,95 @@ Two pipelines when a tokenizer must be trained (it necessarily sits between them
   1. read → clean → sample lines (the n smallest line hashes) → the driver trains sentencepiece;
   2. read → clean → tokenize → pack → shard → mask → write, then index.json from the shard
      manifest and Beam's counters.
-Any Beam runner works: unknown command-line options become `PipelineOptions`; without `--runner`
-the in-process FnApiRunner is used (never Prism, which would be downloaded).
+Any Beam runner works (`pipeline.runners`: the options beyond ours become `PipelineOptions`;
+without `--runner` the in-process FnApiRunner). A runner without metrics (Dask) gets the counts
+that the written shards give. `--overwrite` builds beside the old dataset and swaps on success.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import logging
+import os
+import posixpath
 import time
+import uuid
 
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, WorkerOptions
-from apache_beam.portability.api import beam_provision_api_pb2
-from apache_beam.runners.portability.fn_api_runner import FnApiRunner
-from apache_beam.runners.portability.fn_api_runner.fn_runner import ExtendedProvisionInfo
-from apache_beam.runners.portability.portable_runner import JobServiceHandle
 
-from pipeline import progress, readers, tokenizer
+from pipeline import progress, readers, runners, tokenizer
 from pipeline.config import BuildConfig
 from pipeline.format import FORMAT, INDEX_FILE, TOKENIZER_FILE, VERSION, fs, write_index
+from pipeline.inspect import validation_warnings
 from pipeline.sink import ShardAndWrite
 from pipeline.transforms import (
     NAMESPACE,
     CacheFn,
     Clean,
+    HoldOutFn,
     MaskSpec,
     Pack,
     ReadCache,
     ReadDocuments,
     SampleLines,
+    SmallestKey,
     Tokenize,
 )
 
 log = logging.getLogger(__name__)
 SAMPLE_FILE, MANIFEST_FILE, WORK_DIR = ".tokenizer-sample.txt", ".shards-manifest.json", ".work"
 CACHE_LIST = ".work/clean-files.json"
+# every name a build writes in OUT: what --overwrite replaces (never other files kept there)
+BUILD_FILES = (
+    INDEX_FILE,
+    TOKENIZER_FILE,
+    "train-*-of-*.arrow",
+    "validation-*-of-*.arrow",
+    ".tmp-*",
+    SAMPLE_FILE,
+    MANIFEST_FILE,
+    WORK_DIR,
+)
+# the counters a runner without metrics cannot give (index.json says so); rows and shards_written
+# are then counted from the written shards
+RUNNER_ONLY_COUNTERS = (
+    "documents_read",
+    "documents_tokenized",
+    "document_tokens",
+    "masked_positions",
+    "spill_files",
+    "tokens_dropped",
+    "invalid_utf8_replaced",
+    "skipped_* (every skip, by reason)",
+)
 
 
 class BuildError(Exception):
     """A build that cannot go on; the message says why (the CLI prints it without a traceback)."""
 
 
-# Names that make Beam's SwitchingDirectRunner try Prism first, which it downloads (and which cannot
-# be downloaded offline); for this batch pipeline it would then pick the FnApiRunner anyway.
-SWITCHING_RUNNERS = ("DirectRunner", "SwitchingDirectRunner")
-
-
-def make_pipeline(beam_args: list[str]) -> beam.Pipeline:
-    options = PipelineOptions(
-        beam_args
-    )  # the command line's unknown options: runner, workers, project, ...
-    runner = options.view_as(StandardOptions).runner
-    if runner in SWITCHING_RUNNERS:
-        log.warning(
-            "--runner %s: running on the in-process FnApiRunner, which DirectRunner picks for this "
-            "pipeline, without trying to download Prism first (pass --runner PrismRunner for Prism)",
-            runner,
-        )
-        runner = None
-    if runner is None:
-        return beam.Pipeline(runner=_fn_api_runner(options), options=options)
-    return beam.Pipeline(options=options)
-
-
-def _fn_api_runner(options: PipelineOptions) -> FnApiRunner:
-    """The FnApiRunner with the options in its provision info (as Beam's DirectRunner builds it), so
-    that `multi_processing` workers get them too (filesystem options, log level); their log level
-    follows the driver's "apache_beam" logger unless `--default_sdk_harness_log_level` is given."""
-    harness = options.view_as(WorkerOptions)
-    if harness.default_sdk_harness_log_level is None:
-        harness.default_sdk_harness_log_level = logging.getLevelName(
-            logging.getLogger("apache_beam").getEffectiveLevel()
-        )
-    encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
-    provision = beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)
-    return FnApiRunner(provision_info=ExtendedProvisionInfo(provision))
-
-
-def run_and_report(pipeline: beam.Pipeline, stage: str, report=print) -> dict:
+def run_and_report(pipeline: beam.Pipeline, stage: str, report=print) -> dict | None:
     """Run to completion, reporting the "shatter" counters every `--progress_seconds` meanwhile
     (`pipeline.progress`: the live tally of a local runner, or Beam's metrics of a running job)
-    and Beam's committed counters at the end."""
+    and Beam's committed counters at the end; None if the runner has no metrics (Dask)."""
     start = time.time()
     seconds = pipeline.options.view_as(progress.ProgressOptions).progress_seconds
     with progress.LiveReport(stage, report, seconds) as live:
         result = pipeline.run()  # the FnApiRunner runs the whole pipeline here
         if not beam.runners.runner.PipelineState.is_terminal(result.state):
-            live.follow(lambda: counters(result))
+            live.follow(lambda: runners.counters(result, NAMESPACE))
         result.wait_until_finish()  # also what drives the BundleBasedDirectRunner's state to DONE
-    values = counters(result)
-    report(f"[{stage} done in {time.time() - start:.1f}s] {format_counters(values)}")
+    values = runners.counters(result, NAMESPACE)
+    shown = (
+        format_counters(values)
+        if values is not None
+        else f"({type(pipeline.runner).__name__} reports no counters)"
+    )
+    report(f"[{stage} done in {time.time() - start:.1f}s] {shown}")
     return values
-
-
-def counters(result) -> dict:
-    """The "shatter" namespace counters of a pipeline result (committed where the runner has them)."""
-    out = {}
-    query = result.metrics().query(beam.metrics.MetricsFilter().with_namespace(NAMESPACE))
-    for c in query["counters"]:
-        try:
-            value = c.committed
-        except Exception:  # some runners only report attempted values
-            value = None
-        out[c.key.metric.name] = out.get(c.key.metric.name, 0) + int(
-            value if value is not None else c.attempted
-        )
-    return dict(sorted(out.items()))
 
 
 def format_counters(values: dict) -> str:
@@ -120,33 +100,41 @@ def format_counters(values: dict) -> str:
 
 
 def _delete_tree(path: str) -> None:
-    """Remove a work directory and everything under it (any filesystem)."""
-    found = FileSystems.match([FileSystems.join(path, "*")])[0].metadata_list
+    """Remove a directory and everything under it (any filesystem)."""
+    if not fs.is_remote(path):
+        fs.delete(path)
+        return
+    found = FileSystems.match([FileSystems.join(path, "**")])[0].metadata_list
     if found:
         FileSystems.delete([m.path for m in found])
     if FileSystems.exists(path):
         FileSystems.delete([path])
 
 
-def _prepare_output(config: BuildConfig, overwrite: bool) -> None:
-    out = config.output
-    index = fs.join(out, INDEX_FILE)
-    if FileSystems.exists(index):
+def _owned(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in BUILD_FILES)
+
+
+def _prepare_output(config: BuildConfig, overwrite: bool) -> str:
+    """The directory to build into: OUT itself, or, when OUT holds a dataset that --overwrite
+    replaces, a new directory beside it (swapped in by `_swap_in` once the build has succeeded)."""
+    out = config.output.rstrip("/")
+    if FileSystems.exists(fs.join(out, INDEX_FILE)):
         if not overwrite:
             raise BuildError(
                 f"{out} already holds a dataset (index.json); pass --overwrite to replace it"
             )
-        FileSystems.delete([index])  # first, so an interrupted rebuild never looks complete
-    # only what a build writes: never other files a user keeps next to the dataset
+        parent, name = posixpath.split(out) if fs.is_remote(out) else os.path.split(out)
+        staging = (posixpath if fs.is_remote(out) else os.path).join(
+            parent, f".{name}.building-{uuid.uuid4().hex[:12]}"
+        )
+        FileSystems.mkdirs(staging)
+        return staging
+    # an interrupted build (no index.json): only what a build writes, never other files kept there
     stale = [
         m.path
-        for pattern in (
-            "train-*-of-*.arrow",
-            "validation-*-of-*.arrow",
-            ".tmp-*",
-            SAMPLE_FILE,
-            MANIFEST_FILE,
-        )
+        for pattern in BUILD_FILES
+        if pattern not in (INDEX_FILE, TOKENIZER_FILE, WORK_DIR)
         for m in FileSystems.match([fs.join(out, pattern)])[0].metadata_list
     ]
     if stale:
@@ -154,6 +142,40 @@ def _prepare_output(config: BuildConfig, overwrite: bool) -> None:
     _delete_tree(fs.join(out, WORK_DIR))
     if not FileSystems.exists(out):
         FileSystems.mkdirs(out)
+    return out
+
+
+def _swap_in(staging: str, out: str) -> None:
+    """Replace the dataset in `out` with the finished build in `staging`.
+
+    Local: the files of `out` that a build does not write move into `staging`, then two renames
+    swap the directories (`out` is never a mix of old and new files) and the old one is deleted.
+    Remote (gs://, s3://: no directory rename): the old index.json is deleted first, then the
+    old build files, then the new files are renamed in (copy and delete), index.json last; a
+    failure meanwhile leaves `out` without index.json, i.e. unfinished, never a mixed dataset."""
+    if not fs.is_remote(out):
+        for name in os.listdir(out):
+            if not _owned(name):
+                os.rename(os.path.join(out, name), os.path.join(staging, name))
+        aside = f"{staging}.replaced"
+        os.rename(out, aside)
+        os.rename(staging, out)
+        fs.delete(aside)
+        return
+    FileSystems.delete([fs.join(out, INDEX_FILE)])
+    old = [
+        m.path
+        for pattern in BUILD_FILES
+        if pattern not in (INDEX_FILE, WORK_DIR)
+        for m in FileSystems.match([fs.join(out, pattern)])[0].metadata_list
+    ]
+    if old:
+        FileSystems.delete(old)
+    new = [m.path for m in FileSystems.match([fs.join(staging, "*")])[0].metadata_list]
+    new.sort(key=lambda p: posixpath.basename(p) == INDEX_FILE)  # index.json last
+    for path in new:
+        FileSystems.rename([path], [fs.join(out, posixpath.basename(path))])
+    _delete_tree(staging)
 
 
 def _read_clean(p: beam.Pipeline, config: BuildConfig):
@@ -184,37 +206,66 @@ def _read_text(path: str) -> str:
         return f.read().decode()
 
 
-def train_tokenizer(config: BuildConfig, beam_args: list[str], report=print) -> dict:
+def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=print):
     """Pipeline 1 and the training; returns the counters. Writes OUT/tokenizer.model."""
-    sample_path = fs.join(config.output, SAMPLE_FILE)
-    p = make_pipeline(beam_args)
-    cache_list = fs.join(config.output, CACHE_LIST)
+    sample_path = fs.join(out, SAMPLE_FILE)
+    p = runners.make_pipeline(beam_args)
+    cache_list = fs.join(out, CACHE_LIST)
     docs = _read_clean(p, config)
     lines = docs | "sample" >> SampleLines(config.tokenizer_sample)
-    _ = lines | "write sample" >> beam.Map(lambda ls: _write_text(sample_path, json.dumps(ls)))
-    _ = (
+
+    def write_outputs(paths, sample):
+        _write_text(sample_path, json.dumps(sample))
+        _write_text(cache_list, json.dumps(paths))
+
+    _ = (  # one sink (runners that compute only what a sink needs run every branch)
         docs
-        | "cache clean text" >> beam.ParDo(CacheFn(fs.join(config.output, WORK_DIR)))
+        | "cache clean text" >> beam.ParDo(CacheFn(fs.join(out, WORK_DIR)))
         | "cache files" >> beam.combiners.ToList()
-        | "write cache list" >> beam.Map(lambda paths: _write_text(cache_list, json.dumps(paths)))
+        | "write sample and cache list"
+        >> beam.Map(write_outputs, sample=beam.pvalue.AsSingleton(lines))
     )
     values = run_and_report(p, "tokenizer sample", report)
     sample = json.loads(_read_text(sample_path))
+    if not sample:
+        inputs = ", ".join(spec.path for spec in config.inputs)
+        raise BuildError(
+            f"no text to train the tokenizer on in {inputs}: every document was empty, binary or "
+            "skipped (the counters above say why); check --input and --corpus, or pass --tokenizer"
+        )
     report(
         f"training sentencepiece ({config.tokenizer_model_type}, vocab {config.vocab_size}) "
         f"on {len(sample)} lines"
     )
     model = tokenizer.train(sample, config.vocab_size, config.tokenizer_model_type)
-    with FileSystems.create(fs.join(config.output, TOKENIZER_FILE)) as f:
+    with FileSystems.create(fs.join(out, TOKENIZER_FILE)) as f:
         f.write(model)
     FileSystems.delete([sample_path])
     return values
 
 
 def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, report=print) -> dict:
-    """Build the dataset of `config` and return its index (also written to OUT/index.json)."""
-    _prepare_output(config, overwrite)
-    model_path = fs.join(config.output, TOKENIZER_FILE)
+    """Build the dataset of `config` and return its index (also written to OUT/index.json).
+    With `overwrite`, an existing dataset is replaced only once the new one is complete."""
+    out = config.output.rstrip("/")
+    work = _prepare_output(config, overwrite)
+    if work == out:
+        return _build_into(config, work, beam_args, report)
+    try:
+        index = _build_into(config, work, beam_args, report)
+    except BaseException:
+        try:
+            _delete_tree(work)
+        except Exception as e:  # the build's own error is the one to show
+            log.warning("could not remove the unfinished build %s: %s", work, e)
+        raise
+    _swap_in(work, out)
+    return index
+
+
+def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=print) -> dict:
+    """The build itself, writing into `out` (OUT, or the new directory beside it)."""
+    model_path = fs.join(out, TOKENIZER_FILE)
     sample_counters, cached = {}, None
     if config.tokenizer:
         with FileSystems.open(config.tokenizer) as f:
@@ -222,28 +273,40 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
         with FileSystems.create(model_path) as f:
             f.write(model)
     else:
-        sample_counters = train_tokenizer(config, beam_args, report)
-        cached = json.loads(_read_text(fs.join(config.output, CACHE_LIST)))
+        sample_counters = train_tokenizer(config, out, beam_args, report)
+        cached = json.loads(_read_text(fs.join(out, CACHE_LIST)))
     with FileSystems.open(model_path) as f:
         model = f.read()
     sp = tokenizer.load(model)
     vocab_size = sp.get_piece_size()
+    if not config.tokenizer and vocab_size < config.vocab_size:
+        # tokenizer.train lets sentencepiece stop short (hard_vocab_limit=False) rather than fail
+        log.warning(
+            "--vocab-size %d is more than this corpus supports: sentencepiece made a vocabulary of "
+            "%d pieces (index.json records both). Train on more text (--tokenizer-sample, more "
+            "input) or pass --vocab-size %d or less to silence this",
+            config.vocab_size,
+            vocab_size,
+            vocab_size,
+        )
     counts = {"train": config.num_shards, "validation": config.num_validation_shards}
-    work_dir = fs.join(config.output, WORK_DIR)
-    manifest_path = fs.join(config.output, MANIFEST_FILE)
+    work_dir = fs.join(out, WORK_DIR)
+    manifest_path = fs.join(out, MANIFEST_FILE)
 
-    p = make_pipeline(beam_args)
+    p = runners.make_pipeline(beam_args)
     docs = _read_clean(p, config) if cached is None else p | "read cleaned" >> ReadCache(cached)
     mask = MaskSpec(
         model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word
     )
+    fraction = 0.0 if config.validation_inputs else config.validation_fraction
+    if fraction > 0:  # by hash (Tokenize), and the smallest-key document: never an empty split
+        smallest = beam.pvalue.AsSingleton(docs | "smallest key" >> SmallestKey())
+        docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), held_out=smallest)
     infos = (
         docs
-        | "tokenize"
-        >> Tokenize(model_path, 0.0 if config.validation_inputs else config.validation_fraction)
+        | "tokenize" >> Tokenize(model_path, fraction)
         | "pack" >> Pack(config.seq_len, config.cross_document)
-        | "shard, mask and write"
-        >> ShardAndWrite(config.output, work_dir, counts, mask, config.spill_rows)
+        | "shard, mask and write" >> ShardAndWrite(out, work_dir, counts, mask, config.spill_rows)
         | "collect" >> beam.combiners.ToList()
     )
     _ = infos | "manifest" >> beam.Map(lambda rows: _write_text(manifest_path, json.dumps(rows)))
@@ -252,6 +315,9 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
     infos = sorted(json.loads(_read_text(manifest_path)), key=lambda r: (r["split"], r["shard"]))
     FileSystems.delete([manifest_path])
     _delete_tree(work_dir)
+    recorded = config.to_dict()
+    if not config.tokenizer:
+        recorded["requested_vocab_size"] = config.vocab_size  # tokenizer.vocab_size: what it has
     index = {
         "format": FORMAT,
         "version": VERSION,
@@ -263,7 +329,7 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
             "vocab_size": vocab_size,
             "special_ids": dict(tokenizer.SPECIAL_PIECES),
         },
-        "config": config.to_dict(),
+        "config": recorded,
         "splits": {
             split: {
                 "shards": [
@@ -274,14 +340,19 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
             }
             for split in counts
         },
-        # the reading counters come from the sampling pipeline when it cached the clean text
-        "counters": {
-            k: sample_counters.get(k, 0) + build_counters.get(k, 0)
-            for k in sorted(set(sample_counters) | set(build_counters))
-        },
     }
     for _split, entry in index["splits"].items():
         entry["rows"] = sum(s["rows"] for s in entry["shards"])
         entry["tokens"] = sum(s["tokens"] for s in entry["shards"])
-    write_index(config.output, index)
+    if sample_counters is None or build_counters is None:  # a runner without metrics (Dask)
+        index["counters"] = {"rows": sum(r["rows"] for r in infos), "shards_written": len(infos)}
+        index["counters_unavailable"] = list(RUNNER_ONLY_COUNTERS)
+    else:  # the reading counters come from the sampling pipeline when it cached the clean text
+        index["counters"] = {
+            k: sample_counters.get(k, 0) + build_counters.get(k, 0)
+            for k in sorted(set(sample_counters) | set(build_counters))
+        }
+    for warning in validation_warnings(index):
+        log.warning("%s", warning)
+    write_index(out, index)
     return json.loads(json.dumps(index))  # exactly what index.json holds (lists, not tuples)

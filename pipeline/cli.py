@@ -2,7 +2,9 @@
 
 Options that click does not know are handed to Beam as `PipelineOptions`, so
 `--runner DataflowRunner --project P --region R --temp_location gs://B/tmp --setup_file ./setup.py`
-or `--direct_num_workers 2 --direct_running_mode multi_processing` work unchanged.
+or `--direct_num_workers 2 --direct_running_mode multi_processing` work unchanged. Each must be one
+that Beam declares (a typo is an error with a did-you-mean, `pipeline.runners.check_options`);
+what follows `--` goes to the runner unchecked.
 """
 
 from __future__ import annotations
@@ -56,16 +58,14 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
-def _check_beam_args(args: list[str], ours: set[str]) -> None:
-    """Options click does not know go to Beam, which discards what it cannot parse: one of ours in
-    Beam's spelling (`--seq_len`) would build with the default, so it stops the build instead."""
-    for arg in args:
-        if arg.startswith("--"):
-            given = arg[2:].split("=", 1)[0]
-            if given.replace("_", "-") in ours and "_" in given:
-                _fail(
-                    f"--{given} is not an option of shatter-data build: did you mean --{given.replace('_', '-')}?"
-                )
+class _BuildCommand(click.Command):
+    """`build`: everything after `--` is kept aside, unparsed and unchecked, for the runner."""
+
+    def parse_args(self, ctx, args):
+        if "--" in args:
+            cut = args.index("--")
+            args, ctx.meta["runner_args"] = args[:cut], args[cut + 1 :]
+        return super().parse_args(ctx, args)
 
 
 def _clean_message(e: BaseException) -> str:
@@ -85,7 +85,10 @@ def main():
     configure_logging(verbose=False)
 
 
-@main.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True))
+@main.command(
+    cls=_BuildCommand,
+    context_settings=dict(ignore_unknown_options=True, allow_extra_args=True),
+)
 @click.option(
     "--corpus",
     type=click.Choice(CORPORA),
@@ -200,15 +203,20 @@ def build(
     verbose,
     progress_seconds,
 ):
-    """Build OUT from corpora. Extra options (e.g. --runner, --direct_num_workers) go to Beam."""
+    """Build OUT from corpora. Extra options (e.g. --runner, --direct_num_workers) go to Beam;
+    options that only the runner knows go after `--` (passed on unchecked)."""
     configure_logging(verbose)
     from pipeline.build import BuildError, build as run_build
+    from pipeline.runners import OptionError, check_options
     from pipeline.wiki import InputError
 
-    _check_beam_args(
-        list(ctx.args),
-        {name for p in ctx.command.params for o in p.opts for name in [o.lstrip("-")]},
-    )
+    try:
+        check_options(
+            list(ctx.args),
+            {name for p in ctx.command.params for o in p.opts for name in [o.lstrip("-")]},
+        )
+    except OptionError as e:
+        _fail(str(e))
     try:
         config = BuildConfig(
             inputs=_inputs(inputs, corpus, wiki_index),
@@ -231,10 +239,11 @@ def build(
             text_mode=text_mode,
             on_error=on_error,
         )
-        beam_args = [
+        beam_args = [  # --progress_seconds is a Beam option (pipeline.progress)
             f"--progress_seconds={progress_seconds}",
             *ctx.args,
-        ]  # a Beam option (pipeline.progress)
+            *ctx.meta.get("runner_args", ()),
+        ]
         index = run_build(
             config, beam_args, overwrite=overwrite, report=lambda m: click.echo(m, err=True)
         )
@@ -247,8 +256,9 @@ def build(
             raise
         # anything else (a runner that cannot start, a worker crash): one line; -v shows the traceback
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        kept = " (the dataset already there is unchanged)" if overwrite else ""
         _fail(
-            f"the build failed ({type(e).__name__}: {last}); no index.json was written. "
+            f"the build failed ({type(e).__name__}: {last}); no index.json was written{kept}. "
             "Run again with -v for the full traceback"
         )
     rows = {s: v["rows"] for s, v in index["splits"].items()}

@@ -15,6 +15,8 @@ import pyarrow.compute as pc
 from pipeline.format import fs, read_index, read_shard, schema, sha256_file
 from pipeline.masking import CLS_ID, SEP_ID
 
+MIN_VALIDATION_ROWS = 100  # fewer: the validation loss is too noisy to compare runs by
+
 
 def check_table(table: pa.Table, seq_len: int, dupe_factor: int) -> list[str]:
     """Content problems of one shard's table (empty list if none)."""
@@ -87,6 +89,30 @@ def verify_dataset(out: str) -> list[str]:
     return problems
 
 
+def validation_warnings(index: dict) -> list[str]:
+    """Why a dataset's validation split is too small to be useful (empty list: it is not)."""
+    config = index.get("config", {})
+    val = index["splits"].get("validation", {"shards": []})
+    rows, shards = sum(s["rows"] for s in val["shards"]), len(val["shards"])
+    fix = (
+        "pass a larger --validation-fraction (or a --validation-input)"
+        if not config.get("validation_inputs")
+        else "pass a larger --validation-input"
+    )
+    out = []
+    if rows < MIN_VALIDATION_ROWS:
+        out.append(
+            f"the validation split has {rows} rows, fewer than {MIN_VALIDATION_ROWS}: its loss "
+            f"will be noisy; {fix}"
+        )
+    if rows < shards:
+        out.append(
+            f"the validation split has {rows} rows for {shards} shards: some are empty; {fix} "
+            f"or fewer --num-validation-shards"
+        )
+    return out
+
+
 def _histogram(lengths: np.ndarray, seq_len: int, bins: int = 8, width: int = 40) -> list[str]:
     edges = np.linspace(0, seq_len, bins + 1).astype(int)
     counts, _ = np.histogram(lengths, bins=edges)
@@ -106,13 +132,16 @@ def inspect_dataset(out: str, sample_rows: int = 3, split: str = "train") -> str
         f"dataset {out}: seq_len {index.seq_len}, dupe_factor {index.dupe_factor}, "
         f"vocab {index.vocab_size}"
     ]
+    total = sum(s.rows for infos in index.splits.values() for s in infos)
     for name, infos in index.splits.items():
         rows = [s.rows for s in infos]
         spread = f", shard rows {min(rows)}..{max(rows)}" if rows else ""
+        share = f" ({100 * sum(rows) / total:.2f}% of rows)" if total else ""
         lines.append(
-            f"  {name}: {sum(rows)} rows, {sum(s.tokens for s in infos)} tokens, "
+            f"  {name}: {sum(rows)} rows{share}, {sum(s.tokens for s in infos)} tokens, "
             f"{len(rows)} shards, {sum(s.bytes for s in infos)} bytes{spread}"
         )
+    lines += [f"  warning: {w}" for w in validation_warnings(index.raw)]
     counters = index.raw.get("counters", {})
     if counters:
         lines.append("  counters: " + " ".join(f"{k}={v}" for k, v in counters.items()))

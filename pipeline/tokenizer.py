@@ -26,10 +26,20 @@ SPECIAL_PIECES = {
 }
 NORMALIZATION = "nmt_nfkc_cf"
 TRAINING_SEED = 1234
+# sentencepiece's `max_sentence_length` (its default, passed explicitly): its trainer skips longer
+# lines, so a sample needs only their hashes, never their text
+MAX_SENTENCE_BYTES = 4192
 
 
 def line_hash(line: str) -> int:
     return int.from_bytes(hashlib.blake2b(line.encode(), digest_size=8).digest(), "little")
+
+
+def trainable(line: str) -> bool:
+    """Whether sentencepiece's trainer uses `line` (at most MAX_SENTENCE_BYTES bytes of UTF-8)."""
+    return len(line) <= MAX_SENTENCE_BYTES // 4 or (
+        len(line) <= MAX_SENTENCE_BYTES and len(line.encode()) <= MAX_SENTENCE_BYTES
+    )
 
 
 def smallest_lines(lines, n: int) -> list[tuple[int, str]]:
@@ -58,6 +68,7 @@ def train(lines: list[str], vocab_size: int, model_type: str = "unigram") -> byt
         control_symbols=["[CLS]", "[SEP]", "[MASK]"],
         shuffle_input_sentence=False,
         input_sentence_size=0,
+        max_sentence_length=MAX_SENTENCE_BYTES,
         num_threads=1,
         hard_vocab_limit=False,  # a small sample may not support the full vocabulary
         minloglevel=2,

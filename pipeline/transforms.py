@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import itertools
 import logging
 import uuid
 from dataclasses import dataclass
@@ -260,26 +259,62 @@ def Clean():
     return beam.ParDo(CleanFn())
 
 
+class _Sample:
+    """A _SmallestLines accumulator: (hash, line) candidates and, once pruned to n, the n-th
+    smallest hash (`bound`), above which no line can enter the sample any more."""
+
+    __slots__ = ("items", "bound")
+
+    def __init__(self, items=(), bound=None):
+        self.items, self.bound = list(items), bound
+
+    def __getstate__(self):
+        return self.items, self.bound
+
+    def __setstate__(self, state):
+        self.items, self.bound = state
+
+
 class _SmallestLines(beam.CombineFn):
-    """The n lines with the smallest hashes over all batches: a deterministic tokenizer sample."""
+    """The n lines with the smallest hashes over all batches: a deterministic tokenizer sample.
+
+    Memory is bounded by the sample, never the corpus: a line whose hash is above the n-th
+    smallest seen so far is dropped at once, the candidates are pruned back to n when they reach
+    1.5 n (so time is linear in the text), and a line that sentencepiece's trainer would skip
+    (`tokenizer.trainable`) keeps its place by its hash alone, its text replaced by "" (so the
+    corpus itself never piles up here when its lines are whole documents). The trainer gets the
+    same lines in the same order as from `tokenizer.smallest_lines`.
+    """
 
     def __init__(self, n: int):
         self.n = n
 
     def create_accumulator(self):
-        return []
+        return _Sample()
 
-    def add_input(self, acc, batch: DocBatch):
-        lines = (line for doc in batch.docs for line in cleaning.sample_lines(doc))
-        return heapq.nsmallest(
-            self.n, itertools.chain(acc, ((tokenizer.line_hash(x), x) for x in lines))
-        )
+    def _prune(self, acc: _Sample) -> _Sample:
+        if len(acc.items) >= self.n:
+            acc.items = heapq.nsmallest(self.n, acc.items)
+            acc.bound = acc.items[-1][0]
+        return acc
+
+    def add_input(self, acc: _Sample, batch: DocBatch):
+        items, bound = acc.items, acc.bound
+        for doc in batch.docs:
+            for line in cleaning.sample_lines(doc):
+                h = tokenizer.line_hash(line)
+                if bound is None or h <= bound:  # ties kept: a tie is the same line
+                    items.append((h, line if tokenizer.trainable(line) else ""))
+        if len(items) >= self.n + max(self.n // 2, 1):
+            self._prune(acc)
+        return acc
 
     def merge_accumulators(self, accs):
-        return heapq.nsmallest(self.n, itertools.chain.from_iterable(accs))
+        items = [item for acc in accs for item in acc.items]
+        return self._prune(_Sample(items))
 
-    def extract_output(self, acc):
-        return [line for _, line in sorted(acc)]
+    def extract_output(self, acc: _Sample):
+        return [line for _, line in sorted(acc.items)[: self.n] if line]
 
 
 def SampleLines(n: int):
@@ -319,6 +354,65 @@ class TokenizeFn(beam.DoFn):
 
 def Tokenize(model_path: str, validation_fraction: float):
     return beam.ParDo(TokenizeFn(model_path, validation_fraction))
+
+
+def _batch_smallest_key(batch: DocBatch) -> tuple[int | None, int]:
+    """(smallest content key, documents) of an "auto" batch; (None, 0) for any other."""
+    if batch.split != "auto":
+        return (None, 0)
+    return (min(content_key(d.encode()) for d in batch.docs), len(batch.docs))
+
+
+class _SmallestKey(beam.CombineFn):
+    """The smallest of the batches' smallest keys, if there are at least two documents (else None)."""
+
+    def create_accumulator(self):
+        return (None, 0)
+
+    def add_input(self, acc, pair):
+        return self.merge_accumulators([acc, pair])
+
+    def merge_accumulators(self, accs):
+        accs = list(accs)
+        keys = [k for k, _ in accs if k is not None]
+        return (min(keys, default=None), sum(n for _, n in accs))
+
+    def extract_output(self, acc):
+        return acc[0] if acc[1] > 1 else None
+
+
+class SmallestKey(beam.PTransform):
+    """DocBatch → the corpus's smallest "auto" document key (a singleton). Each batch is reduced to
+    one (key, count) pair first, so that no text goes through the combine's shuffle on a runner
+    without combiner lifting (Dask)."""
+
+    def expand(self, docs):
+        return (
+            docs
+            | "batch keys" >> beam.Map(_batch_smallest_key)
+            | "smallest" >> beam.CombineGlobally(_SmallestKey())
+        )
+
+
+class HoldOutFn(beam.DoFn):
+    """DocBatch → the same, except that the "auto" document with the corpus's smallest content key
+    (`SmallestKey`, a side input) moves to a "validation" batch of its own when the hash threshold
+    of `Tokenize` would not hold it out: a small corpus (a few books) still gets a validation
+    split. Where the threshold holds it out anyway (any large corpus), batches pass unchanged."""
+
+    def __init__(self, validation_fraction: float):
+        self.threshold = validation_fraction * 2.0**64
+
+    def process(self, batch: DocBatch, held_out: int | None):
+        if batch.split != "auto" or held_out is None or held_out < self.threshold:
+            yield batch
+            return
+        keep = [d for d in batch.docs if content_key(d.encode()) != held_out]
+        if len(keep) < len(batch.docs):
+            moved = tuple(d for d in batch.docs if content_key(d.encode()) == held_out)
+            yield DocBatch(batch.corpus, "validation", moved)
+        if keep:
+            yield DocBatch(batch.corpus, batch.split, tuple(keep))
 
 
 _ROW_KEY_SALT = np.uint64(0x524F574B4559)

@@ -6,6 +6,9 @@
   `{"head": "sequence-classification", "num_labels": 3, "strategy": "modified"}` or
   `{"head": "span-extraction"}`. `from_pretrained` then rebuilds the head around a fresh
   backbone and loads the weights of both; without it, it returns the masked-LM model.
+- `checksums.json` is `{"model.safetensors": "<sha256>"}`: every loader (`from_pretrained`, so
+  shatter-extend, finetuning and tools/evaluate.py) checks the weights against it and names the
+  file on a mismatch; an export without one (written before it existed) loads with a warning.
 - The state dict depends on max_len only through the absolute position embeddings
   (`encoder.embeddings.position_embeddings.weight`, bert and bert-rab); partition tables are
   non-persistent buffers recomputed for any max_len.
@@ -18,6 +21,7 @@ under the final name. References: nanoGPT (model args stored beside the weights)
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -26,15 +30,19 @@ import safetensors
 import safetensors.torch
 from torch import nn
 
+from pipeline.format.reader import sha256_file
 from shatter.config import ModelConfig
+from shatter.heads import build_head
 from shatter.model import ShatterForMaskedLM
 
-WEIGHTS, CONFIG, HEAD, TOKENIZER = (
+WEIGHTS, CONFIG, HEAD, TOKENIZER, CHECKSUMS = (
     "model.safetensors",
     "config.json",
     "head.json",
     "tokenizer.model",
+    "checksums.json",
 )
+log = logging.getLogger(__name__)  # unconfigured, Python prints warnings as one stderr line
 
 
 class CheckpointError(ValueError):
@@ -62,7 +70,9 @@ def save_pretrained(model: nn.Module, path: str | Path, tokenizer: Any = None) -
     config: ModelConfig = model.config
     tmp = path / (WEIGHTS + ".tmp")
     safetensors.torch.save_model(model, str(tmp), metadata={"format": "pt", "arch": config.arch})
+    digest = sha256_file(str(tmp))
     os.replace(tmp, path / WEIGHTS)
+    _write_text(path / CHECKSUMS, json.dumps({WEIGHTS: digest}, indent=2) + "\n")
     _write_text(path / CONFIG, json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
     head = getattr(model, "head_config", None)
     if head is not None:
@@ -91,6 +101,29 @@ def _read_json(file: Path) -> dict:
     return data
 
 
+def verify_weights(path: str | Path) -> None:
+    """Check `path`/model.safetensors against `path`/checksums.json (a warning when there is none)."""
+    path = Path(path)
+    weights, sums = path / WEIGHTS, path / CHECKSUMS
+    if not sums.is_file():
+        log.warning(
+            "warning: %s has no %s: %s cannot be verified (an export written before checksums "
+            "existed; re-export it to add one)",
+            path,
+            CHECKSUMS,
+            weights,
+        )
+        return
+    expected = _read_json(sums).get(WEIGHTS)
+    if not isinstance(expected, str):
+        raise CheckpointError(f"{sums} has no sha256 for {WEIGHTS}; re-export the model")
+    if sha256_file(str(weights)) != expected:
+        raise CheckpointError(
+            f"{weights} is corrupted: its sha256 differs from {sums}; restore the file or "
+            "re-export it from the run's checkpoint"
+        )
+
+
 def load_config(path: str | Path) -> ModelConfig:
     file = Path(path) / CONFIG
     try:
@@ -104,7 +137,7 @@ def load_config(path: str | Path) -> ModelConfig:
 def from_pretrained(path: str | Path, **overrides: Any) -> nn.Module:
     """Load an export written by `save_pretrained`: the MLM model, or the head if `head.json`
     is present. `overrides` replace config fields that do not change the weights' shapes
-    (e.g. `dropout=0.0` or `lean_attention=False`). Returned in eval mode."""
+    (e.g. `dropout=0.0` or `attention_impl="chunked"`). Returned in eval mode."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -113,12 +146,14 @@ def from_pretrained(path: str | Path, **overrides: Any) -> nn.Module:
         config = ModelConfig.from_dict({**config.to_dict(), **overrides})
     model: nn.Module = ShatterForMaskedLM(config)
     if (path / HEAD).exists():
-        from shatter.heads import build_head
-
-        model = build_head(model, _read_json(path / HEAD), path / HEAD)
+        try:
+            model = build_head(model, _read_json(path / HEAD), path / HEAD)
+        except ValueError as e:  # head.json names the file already
+            raise CheckpointError(str(e)) from None
     weights = path / WEIGHTS
     if not weights.is_file():
         raise CheckpointError(f"{weights} is missing")
+    verify_weights(path)
     try:
         missing, unexpected = safetensors.torch.load_model(model, str(weights), strict=False)
     except (safetensors.SafetensorError, OSError, RuntimeError) as e:

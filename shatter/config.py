@@ -26,6 +26,10 @@ ARCHS = (
     "xlnet",
 )
 
+# How the single-head partition archs compute attention (shatter/attention/impls.py): every impl
+# gives the same values and gradients from the same weights; `auto` picks one by device.
+ATTENTION_IMPLS = ("auto", "triton", "chunked", "lean", "naive")
+
 # Archs whose attention multiplies by the partition mask N (§3.1): heads are the n parts.
 PARTITION_ARCHS = ("part-mask", "1h-softmax", "1h-sigmoid", "part-bias", "shatter")
 
@@ -47,7 +51,7 @@ class ModelConfig:
     rpe_max_distance: int = 128  # bert-rpe: R has 2*128-1 rows, distances clipped to +-127 (§4)
     rab_buckets: int = 32  # bert-rab: T5 relative attention bias buckets (T5 default)
     rab_max_distance: int = 128  # bert-rab: T5 max distance for the log-spaced buckets
-    lean_attention: bool = True  # single-head partition archs: memory-lean kernel (False: naive)
+    attention_impl: str = "auto"  # single-head partition archs: one of ATTENTION_IMPLS
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -73,6 +77,11 @@ class ModelConfig:
                 f"bert-rab needs rab_buckets a multiple of 4 (>= 4) and rab_max_distance > rab_buckets/4, "
                 f"got rab_buckets={self.rab_buckets}, rab_max_distance={self.rab_max_distance}"
             )
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"unknown attention_impl {self.attention_impl!r}; expected one of "
+                f"{', '.join(ATTENTION_IMPLS)}"
+            )
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"config.{name} must be in [0, 1), got {getattr(self, name)!r}")
@@ -82,7 +91,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
-        """Build from a dict (e.g. config.json), rejecting keys this version does not know."""
+        """Build from a dict (e.g. config.json), rejecting keys this version does not know.
+        Exports from before `attention_impl` hold `lean_attention`: True -> auto, False -> naive."""
+        if "lean_attention" in data:
+            data = dict(data)
+            lean = data.pop("lean_attention")
+            data.setdefault("attention_impl", "auto" if lean else "naive")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shatter.checkpoint import CheckpointError
 from shatter.model import ShatterForMaskedLM
 
 STRATEGIES = ("modified", "cls")
@@ -164,4 +163,4 @@ def build_head(
             f"unknown head {kind!r}; expected sequence-classification or span-extraction"
         )
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{source}: {e}") from None
+        raise ValueError(f"{source}: {e}") from None

@@ -55,6 +55,25 @@ def _deepspeed_tag_dir(path: Path) -> Path | None:
     return None
 
 
+def _trained_length(tag_dir: Path, run_config: dict) -> int | None:
+    """The length a trainer run built its model for: RUN/config.json's `seq_len`, else the run
+    config's data.seq_len, else its dataset's index.json seq_len; None when none says."""
+    import json
+
+    for run_file in (tag_dir.parent.parent / CONFIG, tag_dir.parent / CONFIG):
+        try:
+            return int(json.loads(run_file.read_text())["seq_len"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    data = run_config.get("data") or {}
+    if data.get("seq_len"):
+        return int(data["seq_len"])
+    try:
+        return int(json.loads((Path(data["path"]) / "index.json").read_text())["seq_len"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _config_for(tag_dir: Path, client_state: dict, state: dict) -> ModelConfig:
     """The checkpoint's ModelConfig: stored whole, or rebuilt from the trainer's run config
     (`config.model.preset` + `overrides`, vocab_size read off the word embeddings), or a
@@ -67,6 +86,9 @@ def _config_for(tag_dir: Path, client_state: dict, state: dict) -> ModelConfig:
             model = run_config["model"]
             vocab = state.get("encoder.embeddings.word_embeddings.weight")
             extra = {"vocab_size": int(vocab.shape[0])} if vocab is not None else {}
+            seq_len = _trained_length(tag_dir, run_config)
+            if seq_len:  # the trainer builds the model for the length it trains at
+                extra["max_len"] = seq_len
             return preset_config(model["preset"], **{**extra, **(model.get("overrides") or {})})
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(
@@ -120,6 +142,43 @@ def load_deepspeed(tag_dir: Path) -> tuple[ShatterForMaskedLM, dict]:
             f"missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
     return model.eval(), states
+
+
+def describe_non_export(path: str | Path, option: str = "--checkpoint") -> str | None:
+    """None when `path` is an export, else one sentence saying what it is and what to pass
+    instead: no such directory, a training run, a DeepSpeed checkpoint, or something else."""
+    path = Path(path)
+    if not path.exists():
+        return f"{option} {path}: no such directory"
+    if not path.is_dir():
+        return f"{option} {path} is a file; pass an export directory (RUN/export or shatter-extend's --output)"
+    if is_export(path):
+        return None
+    if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
+        if is_export(path / "export"):
+            return f"{option} {path} is a training run directory; pass its export: {option} {path / 'export'}"
+        return (
+            f"{option} {path} is a training run directory without an export yet: finish the run "
+            f"(the same pretrain command resumes it) or export its checkpoint with "
+            f"`shatter-extend {path / 'checkpoints'} --max-len N --output DIR`"
+        )
+    if (path / "latest").is_file() or (path / MODEL_STATES).is_file():
+        run_export = next((p / "export" for p in path.parents[:2] if is_export(p / "export")), None)
+        if run_export is not None:
+            return (
+                f"{option} {path} is a DeepSpeed checkpoint, not an export; the run's export is "
+                f"{run_export} (or convert this checkpoint with "
+                f"`shatter-extend {path} --max-len N --output DIR`)"
+            )
+        return (
+            f"{option} {path} is a DeepSpeed checkpoint, not an export: pass the run's export/ "
+            f"directory, or convert it with `shatter-extend {path} --max-len N --output DIR` "
+            "(N above its max_len)"
+        )
+    return (
+        f"{option} {path} is not a shatter export (it needs {WEIGHTS} and {CONFIG}); pass RUN/export "
+        "or shatter-extend's --output"
+    )
 
 
 def load_model(path: str | Path) -> tuple[nn.Module, Path | None]:

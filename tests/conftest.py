@@ -1,6 +1,9 @@
-"""Shared test fixtures: the location of ../shared/data and offline settings for `datasets`."""
+"""Shared test fixtures: the location of ../shared/data, a shard dataset built from it by the real
+pipeline, and offline settings for `datasets`."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,13 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU the Triton kernels run under Triton's interpreter on CPU tensors. It must be chosen
+# before anything imports triton (its own tl.* helpers are decorated at import); with a GPU the
+# same tests run the compiled kernels on CUDA tensors.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # DeepSpeed JIT-builds its CPU comm op into this directory; subprocesses the tests start inherit
 # it, so every DeepSpeed run of the suite shares the trainer's per-environment build.
 from train.engine import extensions_dir  # noqa: E402
@@ -24,3 +34,49 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real sample data not found at {SHARED_DATA} (set SHATTER_SHARED_DATA)")
     return SHARED_DATA
+
+
+@pytest.fixture
+def flip_weights():
+    """Damage an export the way a bad disk or copy does: 64 bytes of its weights flipped (in the
+    tensor data, so safetensors still parses the file). Returns the weights file."""
+
+    def flip(export: Path) -> Path:
+        weights = export / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-200:-136] = bytes(b ^ 0xFF for b in data[-200:-136])
+        weights.write_bytes(bytes(data))
+        return weights
+
+    return flip
+
+
+@pytest.fixture(scope="session")
+def books_data(shared_data, tmp_path_factory) -> Path:
+    """Real text (Gutenberg books of ../shared/data) through the real pipeline: length 64, vocab 2000."""
+    out = tmp_path_factory.mktemp("books") / "data"
+    cmd = [
+        str(Path(sys.executable).parent / "shatter-data"),
+        "build",
+        "--corpus",
+        "books",
+        "--input",
+        str(shared_data / "books"),
+        "--output",
+        str(out),
+        "--seq-len",
+        "64",
+        "--vocab-size",
+        "2000",
+        "--dupe-factor",
+        "2",
+        "--num-shards",
+        "4",
+        "--validation-fraction",
+        "0.05",
+        "--seed",
+        "0",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out

@@ -7,12 +7,18 @@ rounds and keeping each one's best:
   (b) `shatter-data build` end to end (tokenize, pack, mask, shard, write; --tokenizer given), with
       one worker (in-process) and two workers (multi_processing, and in_memory threads);
   (c) the same tokenize-and-pack with `datasets.map(batched=True, num_proc=2)`.
-Targets from the issue: (b, 1 worker) >= 0.5 x (a); (b, 2 workers) >= 1.6 x (b, 1 worker);
-(b, 2 workers) > (c). With --marginal-mb, the same on a larger corpus, and the ratios of the
+Targets: (b, 1 worker) >= 0.5 x (a); (b, 2 workers) >= 1.6 x (b, 1 worker); (b, 2 workers) > (c). With --marginal-mb, the same on a larger corpus, and the ratios of the
 marginal times (the larger run minus the smaller), from which fixed start-up costs cancel. Last, a
 breakdown of where the time goes: the build's pure functions timed stage by stage on one core.
 
     .venv/bin/python tools/bench_pipeline.py --mb 50 --marginal-mb 150
+
+With --runners, only `shatter-data build` on the same corpus, runner against runner: the in-process
+FnApiRunner, `multi_processing` with 2 workers, and `--runner DaskRunner` on a LocalCluster of 2
+worker processes (1 thread each; started before the clock, as a running cluster would be), with
+the check that all three write the same bytes:
+
+    .venv/bin/python tools/bench_pipeline.py --data DATA --mb 150 --runners --rounds 1
 """
 
 from __future__ import annotations
@@ -88,7 +94,9 @@ def bench_build(
 ) -> tuple[float, dict]:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [
-        str(REPO / ".venv" / "bin" / "shatter-data"),
+        sys.executable,
+        "-m",
+        "pipeline.cli",
         "build",
         "--corpus",
         "text",
@@ -107,7 +115,8 @@ def bench_build(
         *beam_args,
     ]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     elapsed = time.perf_counter() - start
     if proc.returncode:
         raise SystemExit(f"build failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
@@ -137,7 +146,8 @@ def stage_breakdown(
     """Seconds per stage of the build's own pure functions on one core, without Beam: what limits (b)."""
     import numpy as np
 
-    from pipeline import packing, sharding, shards
+    from pipeline import format as shards, packing, sharding
+    from pipeline.format.writer import ROWS_PER_RECORD_BATCH
     from pipeline.transforms import MaskSpec, mask_table, row_keys
 
     sp = tokenizer.load(model)
@@ -173,8 +183,8 @@ def stage_breakdown(
     keys, ids, lengths = timed("sort", lambda: (keys[order], ids[order], lengths[order]))
     with tempfile.TemporaryDirectory() as tmp:
         with shards.ShardWriter(tmp, "bench.arrow", shards.schema(vocab)) as writer:
-            for lo in range(0, len(keys), shards.ROWS_PER_RECORD_BATCH):
-                part = slice(lo, lo + shards.ROWS_PER_RECORD_BATCH)
+            for lo in range(0, len(keys), ROWS_PER_RECORD_BATCH):
+                part = slice(lo, lo + ROWS_PER_RECORD_BATCH)
                 table = timed(
                     "mask",
                     mask_table,
@@ -210,6 +220,11 @@ def main():
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
+        "--runners",
+        action="store_true",
+        help="only the build, FnApiRunner vs multi_processing vs Dask (2 workers each)",
+    )
+    parser.add_argument(
         "--work", type=Path, default=None, help="scratch directory (default: a temp dir)"
     )
     args = parser.parse_args()
@@ -238,6 +253,12 @@ def main():
         f"vocab {args.vocab_size}, seq_len {args.seq_len}, dupe_factor 5, 8 shards; "
         f"load {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores"
     )
+
+    if args.runners:
+        compare_runners(corpora[sizes[0]], model, work, args)
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+        return
 
     def contenders(mb):
         corpus, _, all_docs, _ = corpora[mb]
@@ -308,6 +329,54 @@ def main():
     )
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def compare_runners(corpus_info, model: Path, work: Path, args) -> None:
+    """The build on three runners, 2 workers where parallel; best of --rounds; same bytes checked."""
+    from distributed import LocalCluster
+
+    corpus, size, _, tokens = corpus_info
+    cluster = LocalCluster(
+        n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None
+    )
+    runs = {
+        "FnApiRunner, in-process (1 worker)": [],
+        "FnApiRunner, multi_processing, 2 workers": [
+            *("--direct_num_workers", "2", "--direct_running_mode", "multi_processing"),
+        ],
+        "DaskRunner, LocalCluster of 2 processes": [
+            *("--runner", "DaskRunner", "--dask_client_address", cluster.scheduler_address),
+        ],
+    }
+    best, files = dict.fromkeys(runs, float("inf")), {}
+    try:
+        for r in range(args.rounds):
+            for name, beam_args in runs.items():
+                out = work / f"out-{len(files)}"
+                load = os.getloadavg()[0]
+                elapsed, _ = bench_build(corpus, model, out, args.seq_len, beam_args)
+                best[name] = min(best[name], elapsed)
+                files[name] = {p.name: p.read_bytes() for p in out.glob("*.arrow")}
+                shutil.rmtree(out, ignore_errors=True)
+                print(
+                    f"  round {r + 1}: {name:<42} {elapsed:7.1f} s  (load before "
+                    f"{load:.2f}, after {os.getloadavg()[0]:.2f})",
+                    flush=True,
+                )
+    finally:
+        cluster.close()
+    first = next(iter(files.values()))
+    same = all(f == first for f in files.values())
+    print(
+        f"\n{size / 1e6:.0f} MB, build only      {'seconds':>8} {'Mtok/s':>8} {'MB/s':>7} {'x 1 worker':>10}"
+    )
+    base = best[next(iter(runs))]
+    for name, seconds in best.items():
+        print(
+            f"{name:<42} {seconds:8.1f} {tokens / seconds / 1e6:8.2f} {size / seconds / 1e6:7.2f}"
+            f" {base / seconds:10.2f}"
+        )
+    print(f"same shard bytes on every runner: {same}")
 
 
 A, B1 = "(a) sentencepiece encode, 1 thread", "(b) build, 1 worker (in-process)"

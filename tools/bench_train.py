@@ -7,6 +7,13 @@ configs/cpu-tiny.yaml uses) over batches of the real loader (static masks, lengt
 stepping forward, backward and optimizer. Contenders are interleaved round by round, so a busy
 machine slows them alike; the table gives the median tokens/s and the ratio to `bert` of the same
 size. Random full-length rows from tools/bench_loader.synthetic_dataset (vocabulary 32000).
+
+    python tools/bench_train.py --device cuda [--precision bf16] [--sizes base] [--archs shatter,bert]
+
+`--vs-bare` (the default with `--device cuda`): per contender, the trainer's own loop
+(train/loop.py over the real loader, tokens/s of its metrics.jsonl line after a warm-up window)
+beside the bare model step (forward, backward, torch's AdamW, fused on a GPU, the same precision,
+batches already on the device) and their ratio: what the trainer's host work and syncs cost.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -47,22 +55,24 @@ def main() -> None:
         default=1,
         help="torch threads (1: on a shared box OpenMP spin-waiting swamps 2 threads)",
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument(
+        "--vs-bare",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="trainer loop vs bare model step (default: on with --device cuda)",
+    )
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_train.py: --device cuda but torch sees no CUDA device; use --device cpu")
+    if args.vs_bare if args.vs_bare is not None else args.device == "cuda":
+        return trainer_vs_bare(args)
     init_distributed()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         index = read_index(synthetic_dataset(Path(tmp), 2048, args.seq_len, 32000, 1))
-        batches = list(
-            ShardStream(
-                index,
-                "train",
-                batch_size=args.micro_batch,
-                seq_len=args.seq_len,
-                masking=MaskingSpec("static"),
-                seed=0,
-                finite=True,
-            )
-        )
+        batches = static_batches(index, args)
     cfg = resolve(None, {"micro_batch": args.micro_batch, "max_steps": 10**6, "warmup_steps": 10})
     contenders = {}
     for size in args.sizes.split(","):
@@ -99,6 +109,128 @@ def main() -> None:
             bert = np.median(results[("bert", size)]) if ("bert", size) in results else float("nan")
             row += f"{value:14,.0f}{value / bert:8.2f}x"
         print(row)
+
+
+def static_batches(index, args, max_samples: int | None = None) -> list[dict]:
+    """One pass of the train split with static masks, in memory."""
+    stream = ShardStream(
+        index,
+        "train",
+        batch_size=args.micro_batch,
+        seq_len=args.seq_len,
+        masking=MaskingSpec("static"),
+        seed=0,
+        finite=True,
+        max_samples=max_samples,
+    )
+    return list(stream)
+
+
+def bare_tokens_per_s(model, batches, precision: str, device: torch.device, steps: int) -> float:
+    """Forward, backward and AdamW (fused on a GPU) on batches already on the device."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    staged = [{k: b[k].to(device) for k in INPUTS} for b in batches]
+
+    def step(batch):
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = model(**batch)["loss"]
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    for i in range(steps):  # warm-up
+        step(staged[i % len(staged)])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    tokens, t0 = 0, time.perf_counter()
+    for i in range(steps):
+        batch = staged[i % len(staged)]
+        step(batch)
+        tokens += int(batches[i % len(batches)]["attention_mask"].sum())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - t0)
+
+
+def trainer_tokens_per_s(model, index, data_dir: Path, run_dir: Path, args) -> dict:
+    """The real loop for 2 x --steps steps; tokens/s of its second metrics window."""
+    import json
+
+    from train import checkpoint
+    from train.lifecycle import StopFlag
+    from train.loop import RunContext, train
+    from train.metrics import MetricsWriter
+
+    flags = {
+        "data": str(data_dir),
+        "output": str(run_dir),
+        "micro_batch": args.micro_batch,
+        "max_steps": 2 * args.steps,
+        "warmup_steps": 1,
+        "log_every": args.steps,
+        "eval_every": 10**9,
+        "save_every": 10**9,
+        "export_every": 10**9,
+        "precision": args.precision,
+        "progress": False,
+        "num_workers": 2,
+    }
+    cfg = resolve(None, flags)
+    cfg = type(cfg)(
+        cfg.model,
+        replace(cfg.data, eval_samples=args.micro_batch),
+        cfg.optim,
+        replace(cfg.run, tensorboard=False),
+    )
+    engine = build_engine(model, cfg, deepspeed_config(cfg, 1))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    writer = MetricsWriter(run_dir, 0, False)
+    ctx = RunContext(cfg, index, engine, 0, 1, run_dir, args.seq_len, writer, StopFlag())
+    train(ctx, checkpoint.TrainState())
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [x for x in lines if "split" not in x]
+    return train_lines[1]
+
+
+def trainer_vs_bare(args) -> None:
+    init_distributed()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = synthetic_dataset(Path(tmp), 4096, args.seq_len, 32000, 1)
+        index = read_index(data_dir)
+        batches = static_batches(index, args, max_samples=args.micro_batch * args.steps)
+        for size in args.sizes.split(","):
+            for arch in args.archs.split(","):
+                name = f"{arch}-{size}"
+                torch.manual_seed(0)
+                model = shatter.build_model(name, vocab_size=32000, max_len=max(512, args.seq_len))
+                record = trainer_tokens_per_s(
+                    model, index, data_dir, Path(tmp) / f"run-{name}", args
+                )
+                torch.manual_seed(0)
+                bare_model = shatter.build_model(
+                    name, vocab_size=32000, max_len=max(512, args.seq_len)
+                ).to(device)
+                bare = bare_tokens_per_s(bare_model, batches, args.precision, device, args.steps)
+                rows.append((name, record, bare))
+                del bare_model
+    print(
+        f"{args.device}, {args.precision}, micro-batch {args.micro_batch} x length {args.seq_len}, "
+        f"{args.steps} timed steps (load average {os.getloadavg()[0]:.2f})"
+    )
+    print(f"{'model':16s}{'trainer tok/s':>15s}{'bare tok/s':>13s}{'ratio':>8s}{'peak GiB':>10s}")
+    for name, record, bare in rows:
+        peak = record.get("gpu_mem_peak_gb")
+        print(
+            f"{name:16s}{record['tokens_per_s']:15,.0f}{bare:13,.0f}"
+            f"{record['tokens_per_s'] / bare:8.2f}" + (f"{peak:10.2f}" if peak else f"{'-':>10s}")
+        )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ import click
 import torch
 
 import shatter
-from pipeline.format import DatasetError, read_index
-from train.config import DataArgs
+from pipeline.format import DatasetError, read_index, sha256_file
+from shatter.checkpoint import TOKENIZER, CheckpointError
+from shatter.sources import describe_non_export
+from train.config import DataArgs, check_output
 from train.data import validation_stream
 from train.evaluate import evaluate
 from train.plm import default_objective
@@ -36,8 +38,25 @@ def evaluate_export(
         raise click.BadParameter(
             "only the validation split has fixed masks to compare on", param_hint="--split"
         )
-    model = shatter.from_pretrained(checkpoint)
+    problem = describe_non_export(checkpoint)
+    if problem:
+        raise CheckpointError(problem)
     index = read_index(data)
+    index.check_files()
+    rows = index.rows(split) if index.splits.get(split) else 0
+    if rows == 0:
+        raise DatasetError(
+            f"{index.path}: the {split} split has no rows, so there is nothing to evaluate; "
+            "rebuild the shards with `shatter-data build ... --validation-fraction 0.01`"
+        )
+    model_tokenizer = checkpoint / TOKENIZER
+    if model_tokenizer.is_file() and sha256_file(model_tokenizer) != index.tokenizer_sha256:
+        raise DatasetError(
+            f"{index.tokenizer} (the data's tokenizer, recorded in {index.path}) differs from "
+            f"{model_tokenizer} (the model's): token ids would mean other words; evaluate on data "
+            f"built with `shatter-data build --tokenizer {model_tokenizer}`"
+        )
+    model = shatter.from_pretrained(checkpoint)
     if index.seq_len > model.config.max_len:
         raise click.ClickException(
             f"{data} has rows of length {index.seq_len}, longer than the model's max_len {model.config.max_len}: "
@@ -53,6 +72,11 @@ def evaluate_export(
         world_size=1,
     )
     result = evaluate(model, stream, torch.device("cpu"), distributed=False)
+    if result["predictions"] == 0:
+        raise DatasetError(
+            f"{index.path}: the {split} split has {rows} rows but no masked tokens; nothing to "
+            "evaluate (rebuild the shards)"
+        )
     return {
         **result,
         "split": split,
@@ -85,10 +109,12 @@ def main(
     output: Path | None,
 ) -> None:
     """Masked-LM loss and accuracy of an export on a shard dataset's validation split."""
-    try:
+    from train.lifecycle import process_exit
+
+    with process_exit(known=(DatasetError, FileNotFoundError, ValueError)):
+        if output:
+            check_output(output, directory=False)
         result = evaluate_export(checkpoint, data, split, batch_size, max_samples)
-    except (DatasetError, FileNotFoundError, ValueError) as err:
-        raise click.ClickException(str(err)) from None
     click.echo(
         f"{split} (l={result['seq_len']}, {result['objective']}): loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f} "
         f"over {result['predictions']} masked tokens"
@@ -98,4 +124,6 @@ def main(
 
 
 if __name__ == "__main__":
-    main()
+    from train.lifecycle import run_cli
+
+    run_cli(main)

@@ -68,7 +68,12 @@ def main(
                 + "; pass --tokenizer PATH (the dataset's tokenizer.model)"
             )
         extended, report = extend_model(model, max_len, init=init, seed=seed)
-        write_export(extended, Path(tokenizer), output, overwrite=overwrite)
+        try:
+            write_export(extended, Path(tokenizer), output, overwrite=overwrite)
+        except OSError as e:  # written beside and swapped in: a failure changes nothing
+            raise click.ClickException(
+                f"cannot write {output}: {e}; {output} is unchanged"
+            ) from None
     except (CheckpointError, ExtendError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(report.describe())

@@ -57,7 +57,12 @@ def save(
 ) -> str:
     """Collective: every rank calls it. Returns the tag written."""
     name = tag(state.step)
-    client = {"train_state": state.to_dict(), "data_position": data_position, "config": config}
+    client = {
+        "train_state": state.to_dict(),
+        "data_position": data_position,
+        "config": config,
+        "model_config": engine.module.config.to_dict(),  # shatter-extend reads the length here
+    }
     engine.save_checkpoint(str(run_dir / CHECKPOINTS), tag=name, client_state=client)
     if torch.distributed.get_rank() == 0 and keep > 0:
         prune(run_dir / CHECKPOINTS, keep)
@@ -76,7 +81,16 @@ def resume(engine, run_dir: Path) -> tuple[TrainState, dict | None, dict | None]
     name = latest_tag(run_dir)
     if name is None:
         return TrainState(), None, None
-    path, client = engine.load_checkpoint(str(run_dir / CHECKPOINTS), tag=name)
+    try:
+        path, client = engine.load_checkpoint(str(run_dir / CHECKPOINTS), tag=name)
+    except (RuntimeError, KeyError, ValueError) as err:  # e.g. weights of another shape
+        from train.config import ConfigError
+
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"{run_dir / CHECKPOINTS / name} cannot be resumed by this model ({first}); use the "
+            "run's own --preset, --seq-len and data, or another --output for a new run"
+        ) from None
     if path is None:
         raise RuntimeError(
             f"{run_dir / CHECKPOINTS / name}: DeepSpeed could not load this checkpoint"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -18,12 +19,17 @@ from typing import Any
 
 import yaml
 
+OPTIMIZER_IMPLS = ("torch", "deepspeed")
 PRECISIONS = ("fp32", "bf16", "fp16")
 MASKINGS = ("static", "dynamic")
 
 
 class ConfigError(ValueError):
     """A config file or flag that cannot describe a run; the message names the file and the key."""
+
+
+class PresetError(ConfigError):
+    """An unknown --preset: a usage error (exit status 2)."""
 
 
 @dataclass(frozen=True)
@@ -67,12 +73,16 @@ class OptimArgs:
     weight_decay: float = (
         0.01  # decoupled weight decay, not applied to biases and LayerNorm weights (§A.2)
     )
-    warmup_steps: int = 10_000  # linear warm-up from 0 to lr (§A.2)
+    warmup_steps: int = 10_000  # linear warm-up from 0 to lr (§A.2); when neither --config nor
+    # --warmup-steps sets it, `resolve` uses default_warmup(run.max_steps) instead
     decay: str = "linear"  # after warm-up: "linear" to 0 at run.max_steps (§A.2) or "constant"
     grad_clip: float = 1.0  # global gradient-norm clipping
     initial_scale_power: int = 16  # fp16 dynamic loss scaling starts at 2**this
     loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
     min_loss_scale: float = 1.0  # fp16: the scale never goes below this
+    # AdamW on a GPU: "torch" = torch.optim.AdamW(fused=True) handed to DeepSpeed (no JIT build);
+    # "deepspeed" = DeepSpeed's FusedAdam (JIT-built with nvcc). On a CPU: torch's AdamW always.
+    impl: str = "torch"
 
 
 @dataclass(frozen=True)
@@ -131,11 +141,86 @@ class TrainConfig:
                 self.optim.decay in ("linear", "constant"),
                 "optim.decay must be 'linear' or 'constant'",
             ),
+            (
+                self.optim.impl in OPTIMIZER_IMPLS,
+                f"optim.impl must be one of {OPTIMIZER_IMPLS}, got {self.optim.impl!r}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        from shatter.config import (
+            ARCHS,
+            SIZES,
+            preset_config,  # torch-free, but the package imports torch
+        )
+
+        arch, _, size = self.model.preset.rpartition("-")
+        if arch not in ARCHS or size not in SIZES:
+            raise PresetError(
+                f"unknown --preset {self.model.preset!r}: it is ARCH-SIZE with ARCH one of "
+                f"{', '.join(ARCHS)} and SIZE one of {', '.join(SIZES)} (e.g. shatter-tiny)"
+            )
+        try:
+            preset_config(self.model.preset, **self.model.overrides)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"model.overrides {dict(self.model.overrides)}: {err}") from None
         return self
+
+
+def default_warmup(max_steps: int) -> int:
+    """The paper's 10k warm-up steps (§A.2), or 10% of a shorter run: a 20-step run that kept 10k
+    would end at lr 1.8e-7, having learnt nothing."""
+    return max(1, min(OptimArgs.warmup_steps, max_steps // 10))
+
+
+def lr_at(optim: OptimArgs, max_steps: int, step: int) -> float:
+    """The learning rate at `step` (1-based), as DeepSpeed's WarmupDecayLR / WarmupLR give it
+    (linear warm-up from 0, then linear decay to 0 at max_steps, or constant)."""
+    warmup = max(optim.warmup_steps, 1)
+    if step < warmup:
+        return optim.lr * step / warmup
+    if optim.decay == "constant":
+        return optim.lr
+    return optim.lr * max(0.0, (max_steps - step) / max(1.0, max_steps - warmup))
+
+
+def schedule_problem(cfg: TrainConfig) -> str | None:
+    """A sentence when the schedule keeps the lr near 0 for most of the run, else None."""
+    o, steps = cfg.optim, cfg.run.max_steps
+    if o.warmup_steps >= steps:
+        return (
+            f"warm-up ({o.warmup_steps} steps) is not shorter than the run ({steps} steps): the lr "
+            f"never reaches its peak {o.lr:g} (it is {lr_at(o, steps, steps):.2g} at the last "
+            f"step); lower --warmup-steps (e.g. {default_warmup(steps)}) or raise --max-steps"
+        )
+    low = sum(lr_at(o, steps, s) < 0.01 * o.lr for s in range(1, steps + 1))
+    if low > steps / 2:
+        return (
+            f"the lr is below 1% of its peak {o.lr:g} for {low} of {steps} steps: "
+            "check --warmup-steps, --max-steps and optim.decay"
+        )
+    return None
+
+
+def check_output(path: str | Path, directory: bool, option: str = "--output") -> None:
+    """Refuse, before any work, an output that cannot be written: a regular file where a directory
+    is wanted (or the reverse), or a path under a regular file or an unwritable directory."""
+    path = Path(path)
+    if path.exists():
+        if directory and not path.is_dir():
+            raise ConfigError(f"{option} {path} is a file, not a directory; choose another path")
+        if not directory and path.is_dir():
+            raise ConfigError(f"{option} {path} is a directory; give a file name")
+    parent = path if directory and path.is_dir() else path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(
+            f"{option} {path} is under {parent}, which is a file, not a directory; choose another path"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {path}: {parent} is not writable; choose another path")
 
 
 SECTIONS = {"model": ModelArgs, "data": DataArgs, "optim": OptimArgs, "run": RunArgs}
@@ -162,6 +247,7 @@ FLAGS = {
     "num_workers": "data.num_workers",
     "lr": "optim.lr",
     "warmup_steps": "optim.warmup_steps",
+    "optim_impl": "optim.impl",
     "deepspeed_config": "run.deepspeed_config",
     "num_gpus": "run.num_gpus",
     "progress": "run.progress",
@@ -244,6 +330,11 @@ def with_overrides(config: TrainConfig, flags: Mapping[str, Any]) -> TrainConfig
 
 
 def resolve(config_file: str | None, flags: Mapping[str, Any]) -> TrainConfig:
-    """Defaults, then the YAML file, then the flags; validated."""
-    base = load_yaml(config_file) if config_file else TrainConfig()
-    return with_overrides(base, flags).validate()
+    """Defaults, then the YAML file, then the flags; validated. A warm-up set by neither the file
+    nor a flag is `default_warmup(run.max_steps)`."""
+    sections = read_yaml(config_file, SECTIONS) if config_file else {}
+    base = from_dict(sections, where=str(config_file)) if config_file else TrainConfig()
+    cfg = with_overrides(base, flags)
+    if "warmup_steps" not in sections.get("optim", {}) and flags.get("warmup_steps") is None:
+        cfg = replace(cfg, optim=replace(cfg.optim, warmup_steps=default_warmup(cfg.run.max_steps)))
+    return cfg.validate()

@@ -303,8 +303,10 @@ def train_loader(
     rank: int,
     world_size: int,
     start: int,
+    pin_memory: bool = False,
 ) -> DataLoader:
-    """The endless training DataLoader of one rank, starting at global stream position `start`."""
+    """The endless training DataLoader of one rank, starting at global stream position `start`
+    (`pin_memory` on a GPU: page-locked batches, copied with `non_blocking=True`)."""
     stream = ShardStream(
         index,
         "train",
@@ -325,6 +327,7 @@ def train_loader(
         num_workers=workers,
         prefetch_factor=4 if workers else None,
         persistent_workers=False,
+        pin_memory=pin_memory,
     )
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from train.config import ConfigError, TrainConfig
+from train.lifecycle import COLLECTIVE_TIMEOUT
 
 
 def on_cpu() -> bool:
@@ -88,7 +89,11 @@ def init_distributed() -> tuple[int, int]:
     if on_cpu():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     rendezvous = {"init_method": _file_store(), "rank": 0, "world_size": 1} if alone else {}
-    deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl", **rendezvous)
+    deepspeed.init_distributed(
+        dist_backend="gloo" if on_cpu() else "nccl",
+        timeout=COLLECTIVE_TIMEOUT,  # a rank whose peer died fails instead of waiting 30 min
+        **rendezvous,
+    )
     if on_cpu() and "OMP_NUM_THREADS" not in os.environ:
         # ranks on one host share its cores; oversubscribed BLAS threads make every rank slower
         local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -134,22 +139,11 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | None = None)
             contiguous_gradients=True,
             stage3_gather_16bit_weights_on_model_save=False,
         )
-    return {
+    built = {
         "train_micro_batch_size_per_gpu": r.micro_batch,
         "gradient_accumulation_steps": r.grad_accum,
         "train_batch_size": r.micro_batch * r.grad_accum * world_size,
         "gradient_clipping": o.grad_clip,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": o.lr,
-                "betas": list(o.betas),
-                "eps": o.eps,
-                "weight_decay": o.weight_decay,
-                # torch.optim.AdamW on CPU: DeepSpeed's fused Adam would JIT-build a CUDA/C++ op
-                "torch_adam": cpu,
-            },
-        },
         "scheduler": scheduler,
         "fp16": {
             "enabled": r.precision == "fp16",
@@ -164,6 +158,21 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | None = None)
         "steps_per_print": 10**12,  # the trainer logs; DeepSpeed's own step prints are noise
         "wall_clock_breakdown": False,
     }
+    if cpu or o.impl == "deepspeed":
+        # DeepSpeed builds the optimizer: torch.optim.AdamW on a CPU (`torch_adam`: no C++/CUDA
+        # op to build), its JIT-built FusedAdam on a GPU. Otherwise build_engine passes torch's
+        # fused AdamW as a client optimizer (`client_optimizer`).
+        built["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": o.lr,
+                "betas": list(o.betas),
+                "eps": o.eps,
+                "weight_decay": o.weight_decay,
+                "torch_adam": cpu,
+            },
+        }
+    return built
 
 
 def merge(base: dict, override: dict) -> dict:
@@ -218,13 +227,38 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def client_optimizer(groups: list[dict], optim) -> torch.optim.Optimizer:
+    """torch's AdamW with its fused CUDA kernel (shipped compiled in torch: nothing to build for
+    the user's CUDA or arch), §A.2's hyper-parameters."""
+    return torch.optim.AdamW(
+        groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, fused=True
+    )
+
+
+def cuda_arch_list_for_jit() -> None:
+    """DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST as numbers and dies on the arch
+    suffixes nvcc accepts (`9.0a`): keep the numbers for its JIT build (FusedAdam)."""
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if archs:
+        cleaned = [a.rstrip("abf+PTX").rstrip("+") for a in archs.replace(";", " ").split()]
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(dict.fromkeys(a for a in cleaned if a))
+
+
 def build_engine(model: nn.Module, cfg: TrainConfig, ds_config: dict):
-    """deepspeed.initialize with the optimizer and scheduler of `ds_config`."""
+    """deepspeed.initialize with the scheduler of `ds_config`, and its optimizer when it names
+    one; else torch's fused AdamW as a client optimizer (a GPU, `optim.impl: torch`)."""
     import deepspeed
 
+    groups = param_groups(model, cfg.optim.weight_decay)
+    if "optimizer" in ds_config:
+        cuda_arch_list_for_jit()
+        optimizer = None
+    else:
+        optimizer = client_optimizer(groups, cfg.optim)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=param_groups(model, cfg.optim.weight_decay),
+        model_parameters=groups if optimizer is None else None,
+        optimizer=optimizer,
         config=ds_config,
     )
     return engine

@@ -28,13 +28,9 @@ def masked_lm_sums(model, batch: dict) -> torch.Tensor:
     logits = logits.float()
     loss_sum = F.cross_entropy(logits, target, reduction="sum")
     correct = (logits.argmax(-1) == target).sum()
-    return torch.stack(
-        [
-            loss_sum.double(),
-            correct.double(),
-            torch.tensor(float(target.numel()), dtype=torch.float64),
-        ]
-    )
+    # every tensor of a step takes its device from its inputs
+    count = torch.full((), target.numel(), dtype=torch.float64, device=target.device)
+    return torch.stack([loss_sum.double(), correct.double(), count])
 
 
 @torch.no_grad()
@@ -42,19 +38,14 @@ def evaluate(model, batches, device: torch.device, distributed: bool) -> dict:
     """{"loss", "accuracy", "predictions"} over all batches of all ranks."""
     was_training = model.training
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed on the device
     for batch in batches:
-        batch = {k: v.to(device) for k, v in batch.items()}
-        totals += masked_lm_sums(model, batch).cpu()
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        totals += masked_lm_sums(model, batch)
     if distributed and torch.distributed.is_initialized():
-        reduced = totals.to(device)
-        torch.distributed.all_reduce(reduced)
-        totals = reduced.cpu()
+        torch.distributed.all_reduce(totals)
     if was_training:
         model.train()
-    n = max(totals[2].item(), 1.0)
-    return {
-        "loss": totals[0].item() / n,
-        "accuracy": totals[1].item() / n,
-        "predictions": int(totals[2].item()),
-    }
+    loss, correct, count = totals.tolist()  # the one host read of the pass
+    n = max(count, 1.0)
+    return {"loss": loss / n, "accuracy": correct / n, "predictions": int(count)}

@@ -1,16 +1,20 @@
 """The training loop: functions over a DeepSpeed engine and a small `TrainState` (no trainer class).
 
-Per micro-batch: forward, one all-reduce of [loss not finite, stop requested, tokens] so every
-rank takes the same decision, then backward and step unless some rank's loss was NaN/inf (then
-all skip it and count it; fp16 overflow stays the loss scaler's job). At each optimizer step:
-metrics, validation, checkpoint, export, and a SIGTERM stop after saving. Dropout is reseeded
+No host sync per step on a GPU: the loss window and the non-finite counters stay on the device
+and are read at log steps and checkpoints only; the stop request (SIGTERM, Ctrl-C) is agreed
+between ranks one optimizer step late through a pinned copy. A micro-batch whose loss is NaN/inf
+on some rank is skipped on every rank and counted: on a CPU (where reading a value costs
+nothing) before its backward; on a GPU its loss is zeroed instead (fp16 overflow stays the loss
+scaler's job). `run.max_nonfinite` in a row stop the run. At each optimizer step: metrics,
+validation, checkpoint, export, and a stop after saving when one was requested. Dropout is reseeded
 from (seed, stream position, rank) before every micro-batch, so a resumed run draws the same
 masks as an uninterrupted one without storing RNG state.
 """
 
 from __future__ import annotations
 
-import signal
+import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,32 +28,14 @@ from train.config import TrainConfig
 from train.data import ShardStream, StreamPosition, train_loader, validation_stream
 from train.engine import loss_scale
 from train.evaluate import evaluate
-from train.metrics import MetricsWriter, Progress
+from train.lifecycle import StopFlag, ignore_stop_signals
+from train.metrics import MetricsWriter, Progress, gpu_memory
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "perm_rank")  # perm_rank: plm only
 
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (e.g. a diverged loss); the message says what to do."""
-
-
-class StopFlag:
-    """Set by SIGTERM; the loop saves a checkpoint at the next step boundary and exits."""
-
-    def __init__(self):
-        self.requested = False
-
-    def install(self) -> None:
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-
-
-def _ignore_sigterm(worker_id: int) -> None:
-    # Loader workers outlive a SIGTERM (the launcher signals the whole process tree) so that the
-    # main process can still finish its step and save; they exit when the main process does.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def dropout_seed(seed: int, samples: int, rank: int) -> int:
@@ -86,7 +72,8 @@ def run_validation(ctx: RunContext, step: int, stream: ShardStream) -> dict:
         "accuracy": result["accuracy"],
         "predictions": result["predictions"],
     }
-    ctx.writer.write(record)
+    if record["predictions"]:  # an empty split has no loss: no line rather than a fake 0.0
+        ctx.writer.write(record)
     return record
 
 
@@ -95,8 +82,10 @@ def _log_line(
 ) -> dict:
     window = torch.tensor([state.window_loss, float(state.window_micro)], dtype=torch.float64)
     if ctx.world > 1:
+        window = window.to(ctx.engine.device)
         torch.distributed.all_reduce(window)
-    loss = window[0].item() / window[1].item() if window[1] > 0 else float("nan")
+    window = window.tolist()
+    loss = window[0] / window[1] if window[1] > 0 else float("nan")
     record = {
         "step": state.step,
         "objective": ctx.cfg.data.objective,
@@ -108,6 +97,7 @@ def _log_line(
         "tokens": state.tokens,
         "skipped_nonfinite": state.skipped_nonfinite,
         "grad_norm": _grad_norm(ctx.engine),
+        **gpu_memory(ctx.engine.device),
     }
     scale = loss_scale(ctx.engine)
     if scale is not None:
@@ -116,6 +106,57 @@ def _log_line(
     ctx.writer.write(record)
     state.window_loss, state.window_micro = 0.0, 0
     return record
+
+
+class DeviceWindow:
+    """What the loop sums per micro-batch, kept where the loss is: [loss sum, micro-batches,
+    non-finite micro-batches, current run of them in a row, longest run]. `fold` reads it into
+    the `TrainState` (one host sync) at log steps and checkpoints."""
+
+    def __init__(self, device: torch.device):
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
+
+    def add(self, loss: torch.Tensor, bad: torch.Tensor) -> None:
+        s, bad = self.sums, bad.to(torch.float64)
+        s[0] += torch.where(bad > 0, 0.0, loss.detach().to(torch.float64))
+        s[1] += 1 - bad
+        s[2] += bad
+        s[3] = (s[3] + 1) * bad  # eq. of a run: reset to 0 by a finite micro-batch
+        s[4] = torch.maximum(s[4], s[3])
+
+    def fold(self, state: checkpoint.TrainState) -> tuple[int, int]:
+        """Move the sums into `state`; returns (new non-finite micro-batches, longest run)."""
+        loss, micro, bad, run, longest = self.sums.tolist()
+        state.window_loss += loss
+        state.window_micro += int(micro)
+        state.skipped_nonfinite += int(bad)
+        self.sums[:3] = 0
+        self.sums[4] = run
+        return int(bad), int(longest)
+
+
+class LaggedStop:
+    """The ranks' agreement on a stop request, one optimizer step late: each boundary posts
+    this rank's flag (an async all-reduce and a pinned copy) and reads the previous boundary's
+    agreed value, which the GPU finished long ago. One rank alone reads its flag directly."""
+
+    def __init__(self, device: torch.device, world: int):
+        self.device, self.world, self.pending = device, world, None
+
+    def __call__(self, requested: bool) -> bool:
+        if self.world == 1:
+            return requested
+        flag = torch.full((1,), float(requested), device=self.device)
+        torch.distributed.all_reduce(flag)
+        host = torch.empty(1, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        previous, self.pending = self.pending, (host, done)
+        if previous is None:
+            return False
+        previous[1].synchronize()
+        return bool(previous[0][0] > 0)
 
 
 def _grad_norm(engine) -> float | None:
@@ -137,8 +178,15 @@ def save_and_export(
     return name
 
 
+def _raise_diverged(ctx: RunContext, run: int, step: int) -> None:
+    raise TrainingError(
+        f"the loss was NaN/inf for {run} micro-batches in a row at step {step}: the run "
+        f"has diverged; lower the lr or resume from an earlier checkpoint in {ctx.run_dir / 'checkpoints'}"
+    )
+
+
 def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
-    """Run until max_steps or SIGTERM; returns "complete" or "stopped"."""
+    """Run until max_steps or a stop request; returns "complete" or "stopped"."""
     cfg, engine, run = ctx.cfg, ctx.engine, ctx.cfg.run
     epoch_size = ctx.index.rows("train")
     loader = train_loader(
@@ -150,8 +198,9 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
         rank=ctx.rank,
         world_size=ctx.world,
         start=state.samples,
+        pin_memory=engine.device.type == "cuda",
     )
-    loader.worker_init_fn = _ignore_sigterm
+    loader.worker_init_fn = ignore_stop_signals
     validation = validation_stream(
         ctx.index,
         cfg.data,
@@ -161,58 +210,109 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
         world_size=ctx.world,
     )
     batches = iter(loader)
+    try:
+        return _steps(ctx, state, batches, validation, epoch_size)
+    finally:
+        # the workers, blocked on their index queues, end now rather than be joined at exit
+        shutdown = getattr(batches, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        del batches
+
+
+def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
+    engine, run = ctx.engine, ctx.cfg.run
     progress = Progress(ctx.rank, run.progress, state.step, run.max_steps)
     per_micro = run.micro_batch * ctx.world
     clock, tokens_at, steps_shown = time.perf_counter(), state.tokens, state.step
-    stop_seen, status, in_a_row = False, "complete", 0
+    stop_seen, status, in_a_row, local_tokens = False, "complete", 0, 0
+    # on a CPU a value costs nothing to read: skip decisions are taken before the backward
+    host_reads = engine.device.type == "cpu"
+    window = DeviceWindow(engine.device)
+    agreed_stop = LaggedStop(engine.device, ctx.world)
+    sample_log = _sample_log(ctx.rank)
+    sync_debug = os.environ.get("SHATTER_SYNC_DEBUG") if engine.device.type == "cuda" else None
     engine.train()
     while state.step < run.max_steps:
         batch = next(batches)
+        if sample_log is not None:
+            sample_log.write(json.dumps([state.samples, batch["sample_id"].tolist()]) + "\n")
         torch.manual_seed(dropout_seed(run.seed, state.samples, ctx.rank))
         state.samples += per_micro
-        inputs = {k: batch[k].to(engine.device) for k in MODEL_INPUTS if k in batch}
+        if sync_debug:  # SHATTER_SYNC_DEBUG=warn|error: torch flags each host sync of the step
+            torch.cuda.set_sync_debug_mode(sync_debug)
+        inputs = {
+            k: batch[k].to(engine.device, non_blocking=True) for k in MODEL_INPUTS if k in batch
+        }
         lr = engine.optimizer.param_groups[0]["lr"]
         loss = engine(**inputs)["loss"]
-        flags = torch.tensor(
-            [
-                float(not torch.isfinite(loss.detach()).item()),
-                float(ctx.stop.requested),
-                float(batch["attention_mask"].sum()),
-            ],
-            dtype=torch.float64,
-        )
-        if ctx.world > 1:
-            torch.distributed.all_reduce(flags)
-        state.tokens += int(flags[2])
-        stop_seen = stop_seen or flags[1] > 0
-        if flags[0] > 0:
-            state.skipped_nonfinite += 1
-            in_a_row += 1
-            progress.write(
-                f"step {state.step + 1}: non-finite loss, micro-batch skipped ({state.skipped_nonfinite} so far)"
+        if host_reads:
+            flags = torch.tensor(
+                [
+                    float(not torch.isfinite(loss.detach()).item()),
+                    float(ctx.stop.requested),
+                    float(batch["attention_mask"].sum()),
+                ],
+                dtype=torch.float64,
             )
-            if in_a_row >= run.max_nonfinite:
-                raise TrainingError(
-                    f"the loss was NaN/inf for {in_a_row} micro-batches in a row at step {state.step + 1}: the run "
-                    f"has diverged; lower the lr or resume from an earlier checkpoint in {ctx.run_dir / 'checkpoints'}"
+            if ctx.world > 1:
+                torch.distributed.all_reduce(flags)
+            state.tokens += int(flags[2])
+            stop_seen = stop_seen or flags[1] > 0
+            if flags[0] > 0:
+                state.skipped_nonfinite += 1
+                in_a_row += 1
+                progress.write(
+                    f"step {state.step + 1}: non-finite loss, micro-batch skipped ({state.skipped_nonfinite} so far)"
                 )
-            if stop_seen and engine.micro_steps % run.grad_accum == 0:
-                save_and_export(ctx, state, False, epoch_size)
-                status = "stopped"
-                progress.write(f"SIGTERM: checkpoint saved at step {state.step}; exiting")
-                break
-            continue
-        in_a_row = 0
-        engine.backward(loss)
-        engine.step()
-        state.window_loss += loss.item()
-        state.window_micro += 1
+                if in_a_row >= run.max_nonfinite:
+                    _raise_diverged(ctx, in_a_row, state.step + 1)
+                if stop_seen and engine.micro_steps % run.grad_accum == 0:
+                    save_and_export(ctx, state, False, epoch_size)
+                    status = "stopped"
+                    progress.write(
+                        f"{ctx.stop.name or 'stop'}: checkpoint saved at step {state.step}; exiting"
+                    )
+                    break
+                continue
+            in_a_row = 0
+            engine.backward(loss)
+            engine.step()
+            window.add(loss, torch.zeros((), dtype=torch.float64))
+        else:
+            local_tokens += int(batch["attention_mask"].sum())  # a CPU tensor: no sync
+            bad = (~torch.isfinite(loss.detach())).to(torch.float64)
+            if ctx.world > 1:
+                torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+            loss = torch.where(bad > 0, torch.zeros_like(loss), loss)  # skipped: no gradient
+            engine.backward(loss)
+            engine.step()
+            window.add(loss, bad)
+        if sync_debug:
+            torch.cuda.set_sync_debug_mode(0)  # the boundary's reads (logs, saves) are expected
         if engine.global_steps == state.step:
             continue  # inside a gradient accumulation
         state.step = engine.global_steps
-        now = time.perf_counter()
-        tokens_per_s = (state.tokens - tokens_at) / max(now - clock, 1e-9)
-        if _due(state.step, run.log_every, run.max_steps):
+        if not host_reads:
+            stop_seen = stop_seen or agreed_stop(ctx.stop.requested)
+        log_now = _due(state.step, run.log_every, run.max_steps)
+        export_now = _due(state.step, run.export_every, run.max_steps)
+        save_now = stop_seen or export_now or _due(state.step, run.save_every, run.max_steps)
+        if log_now or save_now:
+            if not host_reads:
+                state.tokens += _global_tokens(ctx, local_tokens)
+                local_tokens = 0
+            new_bad, longest = window.fold(state)
+            if not host_reads and new_bad:
+                progress.write(
+                    f"step {state.step}: {new_bad} non-finite micro-batches skipped "
+                    f"({state.skipped_nonfinite} so far)"
+                )
+            if not host_reads and longest >= run.max_nonfinite:
+                _raise_diverged(ctx, longest, state.step)
+        if log_now:
+            now = time.perf_counter()
+            tokens_per_s = (state.tokens - tokens_at) / max(now - clock, 1e-9)
             record = _log_line(ctx, state, lr, tokens_per_s)
             progress.update(state.step - steps_shown, record["loss"], lr, tokens_per_s)
             clock, tokens_at, steps_shown = now, state.tokens, state.step
@@ -220,17 +320,34 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
             record = run_validation(ctx, state.step, validation)
             progress.write(
                 f"step {state.step}: validation loss {record['loss']:.4f} accuracy {record['accuracy']:.4f}"
+                if record["predictions"]
+                else f"step {state.step}: no validation data (0 masked tokens), validation skipped"
             )
-        export_now = _due(state.step, run.export_every, run.max_steps)
-        if stop_seen or export_now or _due(state.step, run.save_every, run.max_steps):
+        if save_now:
             name = save_and_export(ctx, state, export_now, epoch_size)
             progress.write(
                 f"step {state.step}: checkpoint {name}" + (" and export" if export_now else "")
             )
         if stop_seen:
             status = "stopped"
-            progress.write(f"SIGTERM: checkpoint saved at step {state.step}; exiting")
+            progress.write(
+                f"{ctx.stop.name or 'stop'}: checkpoint saved at step {state.step}; exiting"
+            )
             break
     progress.close()
-    del batches
     return status
+
+
+def _sample_log(rank: int):
+    """SHATTER_SAMPLE_LOG=PREFIX (a debugging aid): each rank appends [stream position, the
+    canonical row ids of its micro-batch] per micro-batch to PREFIX.rankR.jsonl."""
+    prefix = os.environ.get("SHATTER_SAMPLE_LOG")
+    return open(f"{prefix}.rank{rank}.jsonl", "a", buffering=1) if prefix else None
+
+
+def _global_tokens(ctx: RunContext, local: int) -> int:
+    if ctx.world == 1:
+        return local
+    total = torch.tensor([float(local)], dtype=torch.float64, device=ctx.engine.device)
+    torch.distributed.all_reduce(total)
+    return int(total.item())

@@ -18,6 +18,20 @@ from tqdm import tqdm
 METRICS = "metrics.jsonl"
 
 
+def gpu_memory(device) -> dict:
+    """{"gpu_mem_peak_gb": max allocated, "gpu_mem_reserved_gb": reserved by the caching
+    allocator} of a CUDA device since the process began (GiB); {} elsewhere."""
+    import torch
+
+    if getattr(device, "type", device) != "cuda":
+        return {}
+    gib = 2**30
+    return {
+        "gpu_mem_peak_gb": round(torch.cuda.max_memory_allocated(device) / gib, 3),
+        "gpu_mem_reserved_gb": round(torch.cuda.memory_reserved(device) / gib, 3),
+    }
+
+
 def truncate_after(path: Path, step: int) -> int:
     """Drop lines of steps after `step` (work a crash lost); return how many were dropped."""
     if not path.is_file():

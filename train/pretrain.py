@@ -12,6 +12,7 @@ See docs/training.md.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,34 +24,96 @@ if __package__ in (None, ""):
 import click  # noqa: E402
 
 from pipeline.format import DatasetError, read_index  # noqa: E402
-from train.config import PRECISIONS, ConfigError, TrainConfig, resolve  # noqa: E402
+from train.config import (  # noqa: E402
+    OPTIMIZER_IMPLS,
+    PRECISIONS,
+    ConfigError,
+    PresetError,
+    TrainConfig,
+    check_output,
+    resolve,
+    schedule_problem,
+)
+
+SHAPE_FIELDS = ("arch", "hidden", "layers", "heads", "ffn", "rpe_max_distance", "rab_buckets")
 
 
-def _run(cfg: TrainConfig) -> str:
+def _check_same_arch(cfg: TrainConfig) -> None:
+    """A run directory is resumed only by the model it holds (RUN/config.json says which)."""
+    from shatter.config import preset_config
+
+    saved = Path(cfg.run.output) / "config.json"
+    try:
+        before = json.loads(saved.read_text())["config"]["model"]
+        old = preset_config(before["preset"], **(before.get("overrides") or {}))
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no run there yet (or one too old to say): the checkpoint load decides
+    new = preset_config(cfg.model.preset, **cfg.model.overrides)
+    diff = [
+        f"{k} {getattr(old, k)} -> {getattr(new, k)}"
+        for k in SHAPE_FIELDS
+        if getattr(old, k) != getattr(new, k)
+    ]
+    if diff:
+        raise ConfigError(
+            f"{cfg.run.output} holds a {before['preset']} run ({saved}); --preset "
+            f"{cfg.model.preset} differs ({', '.join(diff)}): resume with --preset "
+            f"{before['preset']} and its model overrides, or start a new run with another --output"
+        )
+
+
+def start_up_checks(cfg: TrainConfig) -> tuple:
+    """Everything that can be refused before a process group, a model or a byte of output exists:
+    the paths, the data's files and length, a resumed run's arch; the schedule is warned about.
+    Returns (the checked index, the training length)."""
+    if not cfg.data.path or not cfg.run.output:
+        raise ConfigError(
+            "--data and --output are required (or data.path and run.output in --config)"
+        )
+    check_output(cfg.run.output, directory=True)
+    index = read_index(cfg.data.path)
+    index.check_files()
+    seq_len = cfg.data.seq_len or index.seq_len
+    if seq_len > index.seq_len:
+        raise ConfigError(
+            f"--seq-len {seq_len} is longer than the data's seq_len {index.seq_len} "
+            f"({index.path}); rebuild the shards with --seq-len {seq_len}"
+        )
+    if index.rows("train") == 0:
+        raise DatasetError(f"{index.path}: the train split has 0 rows; rebuild with more text")
+    _check_same_arch(cfg)
+    rank0 = os.environ.get("RANK", "0") == "0"  # before the process group exists
+    if rank0 and (not index.splits.get("validation") or index.rows("validation") == 0):
+        click.echo(
+            f"no validation data in {index.path}: validation is skipped; rebuild the shards with "
+            "`shatter-data build ... --validation-fraction 0.01` to get some",
+            err=True,
+        )
+    problem = schedule_problem(cfg)
+    if problem and rank0:
+        click.echo(f"warning: {problem}", err=True)
+    return index, seq_len
+
+
+class UsageError(click.ClickException):
+    """One line, like every other refusal, but the exit status of a usage error."""
+
+    exit_code = 2
+
+
+def _run(cfg: TrainConfig) -> int:
     import torch
 
     import shatter
     from train import checkpoint
     from train.data import StreamPosition
     from train.engine import build_engine, init_distributed, resolved_deepspeed_config
-    from train.loop import RunContext, StopFlag, train
-    from train.metrics import MetricsWriter, truncate_after
+    from train.lifecycle import StopFlag
+    from train.loop import RunContext, train
+    from train.metrics import MetricsWriter, gpu_memory, truncate_after
 
-    if not cfg.data.path or not cfg.run.output:
-        raise ConfigError(
-            "--data and --output are required (or data.path and run.output in --config)"
-        )
-    index = read_index(cfg.data.path)
-    seq_len = cfg.data.seq_len or index.seq_len
-    if seq_len > index.seq_len:
-        raise ConfigError(
-            f"--seq-len {seq_len} is longer than the data's seq_len {index.seq_len} "
-            f"({Path(cfg.data.path) / 'index.json'}); rebuild the shards with --seq-len {seq_len}"
-        )
-    for split in ("train", "validation"):
-        index.shards(split)  # both splits present, or an error naming index.json
-    stop = StopFlag()
-    stop.install()
+    index, seq_len = start_up_checks(cfg)
+    stop = StopFlag().install()
     rank, world = init_distributed()
     run_dir = Path(cfg.run.output)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -103,12 +166,19 @@ def _run(cfg: TrainConfig) -> str:
             if status == "complete"
             else f"checkpoint in {run_dir / 'checkpoints'}; run the same command again to resume"
         )
+        memory = gpu_memory(engine.device)
+        peak = (
+            f"; GPU memory peak {memory['gpu_mem_peak_gb']:.2f} GiB allocated, "
+            f"{memory['gpu_mem_reserved_gb']:.2f} GiB reserved"
+            if memory
+            else ""
+        )
         click.echo(
-            f"{status}: step {state.step}, {state.skipped_nonfinite} non-finite micro-batches skipped; "
-            f"{where}",
+            f"{status}: step {state.step}, {state.skipped_nonfinite} non-finite micro-batches skipped"
+            f"{peak}; {where}",
             err=True,
         )
-    return status
+    return 0 if status == "complete" else stop.exit_code
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -148,6 +218,11 @@ def _run(cfg: TrainConfig) -> str:
 @click.option("--num-workers", type=int, help="DataLoader workers per rank.")
 @click.option("--lr", type=float, help="Peak learning rate.")
 @click.option("--warmup-steps", type=int, help="Linear warm-up steps.")
+@click.option(
+    "--optim-impl",
+    type=click.Choice(OPTIMIZER_IMPLS),
+    help="AdamW on a GPU: torch's fused AdamW (default) or DeepSpeed's JIT-built FusedAdam.",
+)
 @click.option("--num-gpus", type=int, help="World size the config is written for (--dry-run).")
 @click.option(
     "--deepspeed-config",
@@ -170,27 +245,26 @@ def _run(cfg: TrainConfig) -> str:
 )
 def main(config_file, dry_run, local_rank, **flags):
     """Pretrain a masked-LM encoder on a shard dataset with DeepSpeed."""
-    try:
-        from train.plm import with_objective
+    from train.lifecycle import process_exit
+    from train.loop import TrainingError
+    from train.plm import with_objective
 
-        cfg = with_objective(resolve(config_file, flags))
-        if dry_run:
-            from train.memory import dry_run_report
+    with process_exit(known=(ConfigError, DatasetError, TrainingError)):
+        try:
+            cfg = with_objective(resolve(config_file, flags))
+            if dry_run:
+                from train.memory import dry_run_report
 
-            click.echo(dry_run_report(cfg))
-            return
-        status = _run(cfg)
-    except (ConfigError, DatasetError) as err:
-        raise click.ClickException(str(err)) from None
-    except RuntimeError as err:
-        from train.loop import TrainingError
-
-        if not isinstance(err, TrainingError):
-            raise
-        raise click.ClickException(str(err)) from None
-    if status == "stopped":
-        sys.exit(143)  # 128 + SIGTERM: the run is not finished; the same command resumes it
+                click.echo(dry_run_report(cfg))
+                return
+            code = _run(cfg)
+        except PresetError as err:
+            raise UsageError(str(err)) from None
+        if code:
+            sys.exit(code)  # 128 + the signal: the run is not finished; the same command resumes it
 
 
 if __name__ == "__main__":
-    main()
+    from train.lifecycle import run_cli
+
+    run_cli(main)

@@ -52,6 +52,25 @@ class Index:
         """Rows of `split`: for "train", the epoch size of the training stream."""
         return sum(s.rows for s in self.shards(split))
 
+    def check_files(self) -> None:
+        """Every shard of every split exists with the size index.json records: cheap (no read),
+        so a deleted or truncated shard stops a run at start-up, not when the stream reaches it.
+        The sha256 is checked when a shard is first opened (`load_shard`)."""
+        for split, shards in self.splits.items():
+            for info in shards:
+                path = self.shard_path(info)
+                if not fs.exists(path):
+                    raise DatasetError(
+                        f"{path}: {split} shard listed in {self.path} is missing; "
+                        "restore it or rebuild the dataset with `shatter-data build`"
+                    )
+                size = fs.size(path)
+                if size != info.bytes:
+                    raise DatasetError(
+                        f"{path}: {size} bytes, {self.path} records {info.bytes} (truncated or "
+                        "replaced); restore it or rebuild the dataset with `shatter-data build`"
+                    )
+
 
 def parse_index(data: bytes, path: str) -> dict:
     """The checked content of index.json `path` (its bytes `data`): JSON, this format and version."""

@@ -16,8 +16,8 @@ normalisation. R is the n x d partition embedding matrix of the layer. V_part us
 without its bias, as Shaw's V_rel = R W^V does. These archs have no dropout on the attention
 weights (the paper's eq. 5 has none, and the lean kernel would have to store its mask).
 
-`config.lean_attention` picks the memory-lean kernel (shatter/attention/lean.py, the default)
-or the naive reference; both give the same values and gradients.
+`config.attention_impl` picks how A, X_bar and A_part are computed (shatter/attention/impls.py:
+triton, chunked, lean or naive, `auto` by device); all give the same values and gradients.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shatter.attention.lean import activate, partition_mix_lean, partition_mix_naive
+from shatter.attention.impls import resolve
+from shatter.attention.lean import activate
 from shatter.config import ModelConfig
 from shatter.partition import partition_table
 
@@ -50,15 +51,16 @@ class SingleHeadPartitionAttention(nn.Module):
             self.partition_embeddings = nn.Parameter(torch.empty(self.n, d))  # R, n x d
         table = partition_table(config.heads, layer, config.layers, config.max_len)
         self.register_buffer("partition", table, persistent=False)  # (n, 2 max_len - 1)
-        self.mix = partition_mix_lean if config.lean_attention else partition_mix_naive
+        self.impl = config.attention_impl
 
     def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         B, L, d = x_BLD.shape
         Q = self.query(x_BLD)
-        Z0 = Q @ x_BLD.transpose(-1, -2) / math.sqrt(d)  # Q X^T / sqrt(d): [B, L, L]
         c = Q @ self.partition_embeddings.t() if self.partition_bias else None  # Q R^T: [B, L, n]
         V = self.value(x_BLD).view(B, L, self.n, d // self.n).transpose(1, 2)  # [B, n, L, d/n]
-        x_bar, a_part = self.mix(Z0, c, V, mask_BL, self.partition, self.sigmoid)
+        X = x_BLD.to(Q.dtype)  # the keys (K = X) in the matmul dtype: bf16 under autocast
+        mix = resolve(self.impl, x_BLD.device, self.sigmoid)  # scores Q X^T / sqrt(d) inside
+        x_bar, a_part = mix(Q, X, V, c, mask_BL, self.partition, self.sigmoid)
         context = x_bar.transpose(1, 2).reshape(B, L, d)
         if self.partition_value:
             v_part = F.linear(self.partition_embeddings, self.value.weight)  # R W^V: [n, d]

@@ -62,6 +62,7 @@ def test_extends_an_export(export, tmp_path, arch, added):
     assert result.exit_code == 0, result.output
     assert f"total parameters added: {added:,}" in result.output
     assert sorted(p.name for p in out.iterdir()) == [
+        "checksums.json",
         "config.json",
         "model.safetensors",
         "tokenizer.model",
@@ -169,3 +170,59 @@ def test_a_checkpoint_without_a_stored_config_takes_the_runs_export_config(
         out,
         "export/config.json: unknown ModelConfig keys: colour",
     )
+
+
+def test_a_trainer_checkpoint_is_extended_from_the_length_the_run_trained_at(
+    tmp_path, tokenizer_file
+):
+    """A trainer checkpoint that stores only the run config (preset + overrides, no model
+    config): the length is the run's RUN/config.json seq_len, not the preset's 512."""
+    model = tiny("shatter")
+    overrides = {k: getattr(model.config, k) for k in ("hidden", "ffn", "dropout")}
+    run_dir = tmp_path / "run"
+    tag = run_dir / "checkpoints" / "step00000002"
+    tag.mkdir(parents=True)
+    client = {"module": model.state_dict()}
+    client["config"] = {"model": {"preset": "shatter-tiny", "overrides": overrides}, "data": {}}
+    torch.save(client, tag / "mp_rank_00_model_states.pt")
+    (tag.parent / "latest").write_text(tag.name)
+    (run_dir / "config.json").write_text(json.dumps({"seq_len": OLD}))
+    out = tmp_path / "o"
+    result = run(tag.parent, "--max-len", 2 * OLD, "--output", out, "--tokenizer", tokenizer_file)
+    assert result.exit_code == 0, result.output
+    assert f"shatter: max_len {OLD} -> {2 * OLD}" in result.output
+    assert json.loads((out / "config.json").read_text())["max_len"] == 2 * OLD
+    refused(
+        run(
+            tag.parent, "--max-len", OLD, "--output", tmp_path / "o2", "--tokenizer", tokenizer_file
+        ),
+        tmp_path / "o2",
+        f"not larger than the model's max_len {OLD}",
+    )
+
+
+def test_corrupted_weights_are_refused_naming_the_checksum_file(export, tmp_path, flip_weights):
+    path = export()
+    weights = flip_weights(path)
+    out = tmp_path / "o"
+    refused(run(path, "--max-len", 64, "--output", out), out, f"{weights} is corrupted")
+    assert str(path / "checksums.json") in run(path, "--max-len", 64, "--output", out).output
+
+
+def test_a_failed_overwrite_leaves_the_old_export_byte_identical(export, tmp_path, monkeypatch):
+    out = tmp_path / "o"
+    assert run(export(), "--max-len", 64, "--output", out).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    source = export("shatter")
+
+    def disk_full(*args, **kwargs):  # the failure injected: the write of the new weights
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_model", disk_full)
+    result = run(source, "--max-len", 64, "--output", out, "--overwrite")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: cannot write {out}: [Errno 28] No space left on device; {out} is unchanged"
+    ]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]

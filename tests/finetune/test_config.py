@@ -3,7 +3,7 @@
 import pytest
 
 from train.config import ConfigError
-from train.finetune import resolve
+from train.finetuning.config import resolve
 
 BASE = {"task": "sst2", "train_file": "t.tsv", "checkpoint": "ck", "output": "run"}
 

@@ -277,7 +277,7 @@ def test_global_batches_cut_one_stream_of_epoch_permutations(n, batch, world):
 
     import numpy as np
 
-    from train.finetune_loop import global_batches
+    from train.finetuning.loop import global_batches
 
     steps = 3 * n // batch + 3
     per_rank = [

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from train import task_metrics as m
+from train.finetuning import metrics as m
 
 
 @pytest.mark.parametrize(

@@ -265,7 +265,7 @@ def test_wiki_sample_end_to_end_via_cli(shared_data, tmp_path):
 def test_unknown_options_reach_the_pipeline_and_its_runner():
     from apache_beam.options.pipeline_options import DirectOptions, GoogleCloudOptions
 
-    from pipeline.build import make_pipeline
+    from pipeline.runners import make_pipeline
 
     p = make_pipeline(
         ["--direct_num_workers", "2", "--project", "proj", "--temp_location", "gs://b/t"]

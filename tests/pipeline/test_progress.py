@@ -11,9 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline import progress
-from pipeline.build import build, make_pipeline
+from pipeline.build import build
 from pipeline.cli import main
 from pipeline.config import InputSpec
+from pipeline.runners import make_pipeline
 
 from .conftest import generated_documents, small_config
 from .test_build import _files

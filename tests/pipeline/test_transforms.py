@@ -99,6 +99,59 @@ def test_sample_lines_takes_the_smallest_hashes_in_order():
         assert_that(out, equal_to([expected]))
 
 
+def _lines_with_long_ones(n_lines: int, seed: int = 3) -> list[str]:
+    """Short lines, and lines around sentencepiece's length limit in bytes ("é" is two)."""
+    lines = [line for d in generated_documents(n_lines // 2, seed) for line in d.split("\n")]
+    limit = tokenizer.MAX_SENTENCE_BYTES
+    for k, i in enumerate(range(0, len(lines), 7)):
+        word = lines[i].split()[0]
+        ascii_, accented = (word + " ") * limit, (word + "é ") * limit
+        lines[i] = (
+            [
+                ascii_[:limit],  # the trainer's longest line
+                ascii_[: limit + 1],  # one byte too long
+                accented[: limit // 2],  # fewer characters than bytes
+                accented[: limit - 5],  # few enough characters, too many bytes
+                ascii_ * 3,
+            ][k % 5][:-1]
+            + "z"
+        )  # no space at the ends: cleaned lines have none
+    return lines
+
+
+def test_sample_keeps_the_trainers_lines_and_drops_only_the_text_it_skips():
+    """Against the naive reference (heapq over all lines): the same trainable lines in the same
+    order, many prunings on the way, and training gives the same model bytes."""
+    lines = _lines_with_long_ones(600)
+    assert {tokenizer.trainable(x) for x in lines} == {True, False}
+    assert any(len(x.encode()) == tokenizer.MAX_SENTENCE_BYTES for x in lines)
+    n = 150
+    fn = SampleLines(n).fn
+    acc, most = fn.create_accumulator(), 0
+    for i in range(0, len(lines), 10):
+        acc = fn.add_input(acc, DocBatch("text", "auto", ("\n".join(lines[i : i + 10]),)))
+        most = max(most, len(acc.items))
+        # the long lines' text is never held: memory is bounded by the sample, not the corpus
+        assert all(tokenizer.trainable(x) for _, x in acc.items)
+    assert most < 1.5 * n + 10
+    naive = [line for _, line in tokenizer.smallest_lines(lines, n)]
+    sample = fn.extract_output(fn.merge_accumulators([acc, fn.create_accumulator()]))
+    assert sample == [x for x in naive if tokenizer.trainable(x)]
+    assert len(sample) < len(naive)
+    assert tokenizer.train(sample, 200) == tokenizer.train(naive, 200)
+
+
+def test_sample_merges_accumulators_like_one():
+    lines = _lines_with_long_ones(300, seed=4)
+    fn, n = SampleLines(40).fn, 40
+    parts = [
+        fn.add_input(fn.create_accumulator(), DocBatch("text", "auto", ("\n".join(lines[i::3]),)))
+        for i in range(3)
+    ]
+    naive = [x for _, x in tokenizer.smallest_lines(lines, n) if tokenizer.trainable(x)]
+    assert fn.extract_output(fn.merge_accumulators(parts)) == naive
+
+
 def test_tokenize_splits_by_document_hash(model_path):
     sp = tokenizer.load(open(model_path, "rb").read())
     docs = tuple(generated_documents(40, seed=5))

@@ -1,5 +1,6 @@
 """save_pretrained / from_pretrained: round trip, the files written, and clear errors."""
 
+import hashlib
 import json
 
 import pytest
@@ -16,6 +17,7 @@ def test_round_trip_gives_the_same_model(tmp_path, arch):
     tok.write_bytes(b"\x0a\x03abc")
     out = shatter.save_pretrained(model, tmp_path / "export", tokenizer=tok)
     assert sorted(p.name for p in out.iterdir()) == [
+        "checksums.json",
         "config.json",
         "model.safetensors",
         "tokenizer.model",
@@ -90,6 +92,7 @@ def test_tokenizer_from_a_loaded_processor_and_no_temp_files(tmp_path):
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "t.model"))
     out = shatter.save_pretrained(tiny("shatter"), tmp_path / "export", tokenizer=sp)
     assert sorted(p.name for p in out.iterdir()) == [
+        "checksums.json",
         "config.json",
         "model.safetensors",
         "tokenizer.model",
@@ -97,3 +100,27 @@ def test_tokenizer_from_a_loaded_processor_and_no_temp_files(tmp_path):
     again = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
     assert again.serialized_model_proto() == sp.serialized_model_proto()
     assert again.encode("the quick brown fox") == sp.encode("the quick brown fox")
+
+
+def test_corrupted_weights_are_refused_and_old_exports_load_with_a_warning(
+    tmp_path, caplog, flip_weights
+):
+    model = tiny("shatter")
+    out = shatter.save_pretrained(model, tmp_path / "export")
+    weights = out / "model.safetensors"
+    digest = json.loads((out / "checksums.json").read_text())["model.safetensors"]
+    assert digest == hashlib.sha256(weights.read_bytes()).hexdigest()
+    good = weights.read_bytes()
+    flip_weights(out)
+    with pytest.raises(shatter.CheckpointError, match="model.safetensors is corrupted.*checksums"):
+        shatter.from_pretrained(out)
+    weights.write_bytes(good)
+    (out / "checksums.json").unlink()  # an export written before checksums existed
+    with caplog.at_level("WARNING", logger="shatter.checkpoint"):
+        loaded = shatter.from_pretrained(out)
+    assert "has no checksums.json" in caplog.text and str(weights) in caplog.text
+    with torch.no_grad():
+        x = ids(2, 8)
+        torch.testing.assert_close(
+            loaded.encoder(x, torch.ones_like(x)), model.encoder(x, torch.ones_like(x))
+        )

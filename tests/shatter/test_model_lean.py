@@ -54,7 +54,7 @@ def test_lean_kernel_equals_naive(sigmoid):
 @pytest.mark.parametrize("arch", SINGLE_HEAD)
 def test_lean_model_equals_naive_forward_and_gradients(arch):
     lean = tiny(arch)
-    naive = tiny(arch, seed=1, lean_attention=False)
+    naive = tiny(arch, seed=1, attention_impl="naive")
     naive.load_state_dict(lean.state_dict())
     x = ids(2, 24)
     mask = torch.ones_like(x)
@@ -78,7 +78,7 @@ def test_lean_keeps_a_fraction_of_the_naive_activations():
         "labels": torch.where(x % 7 == 0, x, -100),
     }
     lean = saved_bytes(tiny("shatter", max_len=256).train(), batch)
-    naive = saved_bytes(tiny("shatter", max_len=256, lean_attention=False).train(), batch)
+    naive = saved_bytes(tiny("shatter", max_len=256, attention_impl="naive").train(), batch)
     # naive keeps A ⊙ N ([B, n, L, L], n = 4) and more per layer; lean keeps one [B, L, L]
     assert lean[0] < 0.5 * naive[0]  # the whole model
     assert lean[1] < 0.25 * naive[1]  # inside the attention modules

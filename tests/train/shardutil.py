@@ -1,12 +1,14 @@
 """Small shard datasets in the DESIGN.md layout, written with pyarrow, for the loader's unit tests.
 
-End-to-end tests use datasets built by the real `shatter-data build` instead (see conftest.py).
+End-to-end tests use datasets built by the real `shatter-data build` instead: `build_books`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +102,16 @@ def write_dataset(
     }
     (root / "index.json").write_text(json.dumps(index))
     return root
+
+
+BIN = Path(sys.executable).parent
+
+
+def build_books(shared_data: Path, out: Path, *flags: str) -> Path:
+    """Gutenberg books of ../shared/data through the real `shatter-data build`; `flags` win."""
+    cmd = [str(BIN / "shatter-data"), "build", "--corpus", "books"]
+    cmd += ["--input", str(shared_data / "books"), "--output", str(out)]
+    cmd += ["--validation-fraction", "0.05", "--seed", "0", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out

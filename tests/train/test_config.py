@@ -1,5 +1,6 @@
 """Typed configs, YAML loading, flag overrides and the DeepSpeed config built from them."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -84,11 +85,36 @@ def test_fp16_config_validated_by_deepspeed():
     assert fp16.initial_scale_power == 16 and fp16.loss_scale_window == 1000
     assert not parsed.bfloat16_config.enabled
     assert parsed.zero_optimization_stage == 1 and parsed.gradient_clipping == 1.0
-    assert parsed.optimizer_name == "adamw" and parsed.scheduler_name == "WarmupDecayLR"
+    # a GPU's default: torch's fused AdamW, a client optimizer (no optimizer section to build)
+    assert parsed.optimizer_name is None and parsed.scheduler_name == "WarmupDecayLR"
     assert parsed.scheduler_params["total_num_steps"] == 1_600_000
     assert parsed.scheduler_params["warmup_num_steps"] == 10_000
     with pytest.raises(ConfigError, match="GPU"):
         deepspeed_config(cfg, 8, cpu=True)
+
+
+def test_the_optimizer_implementation_flag(monkeypatch):
+    import torch
+
+    from train.engine import client_optimizer, cuda_arch_list_for_jit, param_groups
+
+    gpu = resolve(None, {})
+    fused = resolve(None, {"optim_impl": "deepspeed"})
+    assert "optimizer" not in deepspeed_config(gpu, 8, cpu=False)
+    built = deepspeed_config(fused, 8, cpu=False)["optimizer"]
+    assert built["type"] == "AdamW" and built["params"]["torch_adam"] is False
+    for cfg in (gpu, fused):  # a CPU: DeepSpeed builds torch's AdamW either way
+        assert deepspeed_config(cfg, 2, cpu=True)["optimizer"]["params"]["torch_adam"] is True
+    with pytest.raises(ConfigError, match="optim.impl"):
+        resolve(None, {"optim_impl": "apex"})
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = client_optimizer(param_groups(model, 0.01), gpu.optim)
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is True
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+    assert opt.defaults["eps"] == 1e-6 and opt.defaults["betas"] == (0.9, 0.999)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a;9.0;8.6+PTX")
+    cuda_arch_list_for_jit()  # DeepSpeed's op builder reads int() of each part
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;8.6"
 
 
 def test_expert_deepspeed_config_merges_over_the_built_one(tmp_path):
@@ -123,3 +149,37 @@ def test_no_weight_decay_on_biases_and_layernorm():
         p.numel() for p in model.parameters()
     )  # every parameter once (tied weights too)
     assert isinstance(decay["params"][0], torch.nn.Parameter)
+
+
+def test_the_default_warm_up_scales_with_a_short_run_but_a_set_one_is_kept(tmp_path):
+    from train.config import lr_at, resolve, schedule_problem
+
+    short = resolve(None, {"max_steps": 20})
+    assert short.optim.warmup_steps == 2 and schedule_problem(short) is None
+    assert max(lr_at(short.optim, 20, s) for s in range(1, 21)) == short.optim.lr
+    assert resolve(None, {"max_steps": 10**6}).optim.warmup_steps == 10_000  # the paper's §A.2
+    kept = resolve(None, {"max_steps": 20, "warmup_steps": 100})
+    assert kept.optim.warmup_steps == 100
+    problem = schedule_problem(kept)
+    assert "warm-up (100 steps) is not shorter than the run (20 steps)" in problem
+    assert "lr never reaches its peak" in problem
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("optim:\n  warmup_steps: 50\nrun:\n  max_steps: 40\n")
+    assert resolve(str(yaml_file), {}).optim.warmup_steps == 50  # the file sets it: kept, warned
+    assert schedule_problem(resolve(str(yaml_file), {})) is not None
+
+
+def test_outputs_under_a_file_or_of_the_wrong_kind_are_refused(tmp_path):
+    from train.config import ConfigError, check_output
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match="under .*afile, which is a file"):
+        check_output(afile / "run" / "deeper", directory=True)
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        check_output(afile, directory=True)
+    with pytest.raises(ConfigError, match="is a directory; give a file name"):
+        check_output(tmp_path, directory=False)
+    check_output(tmp_path / "new" / "run", directory=True)
+    check_output(tmp_path / "result.json", directory=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # checks create nothing

@@ -33,16 +33,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(data: Path, run: Path, *extra: str, ranks: int = 2) -> list[str]:
-    launcher = [
-        str(BIN / "deepspeed"),
-        "--num_gpus",
-        str(ranks),
-        "--master_port",
-        str(free_port()),
-        SCRIPT,
-    ]
+def command(
+    data: Path, run: Path, *extra: str, ranks: int = 2, launcher: list[str] | None = None
+) -> list[str]:
+    """The pretraining command under `launcher` (default: the deepspeed launcher, `ranks` on
+    this machine)."""
+    if launcher is None:
+        launcher = [str(BIN / "deepspeed"), "--num_gpus", str(ranks)]
+        launcher += ["--master_port", str(free_port())]
     return launcher + [
+        SCRIPT,
         "--data",
         str(data),
         "--output",

@@ -130,13 +130,57 @@ def _build(rows: list[dict], skipped: collections.Counter) -> Examples:
     return Examples(datasets.Dataset.from_dict(columns), skipped)
 
 
+def _check_json(path: Path) -> None:
+    """A JSON file parses (JSONL: every line does); else a TaskDataError naming the position."""
+    with _open_text(path) as f:
+        text = f.read()
+    try:
+        json.loads(text)
+        return
+    except json.JSONDecodeError as whole:
+        if ".jsonl" not in path.suffixes:
+            raise TaskDataError(
+                f"{path}: not valid JSON at line {whole.lineno} column {whole.colno} "
+                f"(character {whole.pos}): {whole.msg}; the file is truncated or damaged"
+            ) from None
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskDataError(
+                    f"{path}: line {number} is not valid JSON (column {e.colno}): {e.msg}; "
+                    "the file is truncated or damaged"
+                ) from None
+
+
 def _load(loader, path: Path, **kwargs) -> datasets.Dataset:
+    """`loader` (datasets' from_csv or from_json) on `path`, with the cause of every failure
+    named: no file, an empty file, a header without rows, a JSON parse error and its position."""
     if not path.is_file():
         raise TaskDataError(f"{path}: no such file")
+    with _open_text(path) as f:
+        lines = [line for line in (f.readline() for _ in range(2)) if line.strip()]
+    if not lines:
+        raise TaskDataError(f"{path}: the file is empty (0 bytes or only blank lines)")
+    if loader is not datasets.Dataset.from_json and len(lines) == 1:
+        if kwargs.get("header", "infer") is not None:
+            raise TaskDataError(
+                f"{path}: only a header line ({lines[0].strip()[:80]!r}), no data rows"
+            )
     try:
-        return loader(str(path), **kwargs)
+        data = loader(str(path), **kwargs)
     except Exception as e:  # datasets wraps parser errors in several types; name the file
-        raise TaskDataError(f"{path}: cannot be read ({type(e).__name__}: {e})") from e
+        if loader is datasets.Dataset.from_json:
+            _check_json(path)  # a parse error: its position, said plainly
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        raise TaskDataError(f"{path}: cannot be read ({type(cause).__name__}: {first})") from None
+    if len(data) == 0:
+        raise TaskDataError(f"{path}: no data rows")
+    return data
 
 
 def _need_columns(path: Path, have, need) -> None:

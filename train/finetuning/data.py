@@ -4,7 +4,7 @@
 (SQuAD). Both offer the same small contract to the training loop in `train/finetune.py`:
 `train_features` / `eval_features` (lists of dicts), `collate(features) -> batch dict` and
 `score(outputs) -> (metrics, predictions)`, where `outputs` maps each head output name to the
-per-feature arrays of the evaluation pass. Metrics follow `train/task_metrics.py`; predictions are
+per-feature arrays of the evaluation pass. Metrics follow `train/finetuning/metrics.py`; predictions are
 id -> label string (or float for regression), or for SQuAD the official `{id: answer}`.
 """
 
@@ -20,9 +20,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train import task_metrics as M
-from train.features import SpanWindow, Tokenizer, best_span, encode_pair, pad_batch, span_windows
-from train.tasks import (
+from train.finetuning import metrics as M
+from train.finetuning.features import (
+    SpanWindow,
+    Tokenizer,
+    best_span,
+    encode_pair,
+    pad_batch,
+    span_windows,
+)
+from train.finetuning.tasks import (
     TASKS,
     Examples,
     TaskDataError,
@@ -39,7 +46,7 @@ from train.tasks import (
 class DataConfig:
     """What to read and how to cut it into model inputs."""
 
-    task: str  # one of train.tasks.TASKS
+    task: str  # one of train.finetuning.tasks.TASKS
     train_file: Path | None = None  # training file in the task's official format
     validation_file: Path | None = None  # None: hold out `validation_fraction` of train_file
     validation_fraction: float = 0.1  # share of train_file held out when no validation file

@@ -1,7 +1,7 @@
 """The finetuning loop: build, train, evaluate every `eval_every` steps, keep the best.
 
 Functions plus the engine (no trainer class): `finetune(cfg)` loads the export and its tokenizer,
-builds the task data (train/finetune_data.py) and the head (shatter.heads), a DeepSpeed engine
+builds the task data (train/finetuning/data.py) and the head (shatter.heads), a DeepSpeed engine
 with the trainer's config builder (train/engine.py), and runs. Every rank draws the same global
 batch order (seeded per epoch) and takes its slice, so the global batch is `batch_size` on any
 world size. Evaluation runs on rank 0 while the others wait.
@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.config import ConfigError, RunArgs, TrainConfig
-from train.finetune import FinetuneConfig, default_steps
-from train.finetune_data import SpanData, build_task_data
+from train.config import ConfigError, RunArgs, TrainConfig, check_output
+from train.finetuning.config import FinetuneConfig, default_steps
+from train.finetuning.data import SpanData, build_task_data
 
 
 def global_batches(
@@ -103,11 +103,17 @@ def _write_json(path: Path, value) -> None:
 def finetune(cfg: FinetuneConfig) -> dict | None:
     """Run one finetuning; return metrics.json's content on rank 0 (None elsewhere)."""
     import shatter
+    from shatter.checkpoint import CheckpointError
+    from shatter.sources import describe_non_export
     from train.engine import build_engine, init_distributed, resolved_deepspeed_config
-    from train.features import Tokenizer
+    from train.finetuning.features import Tokenizer
     from train.metrics import MetricsWriter, Progress
 
     checkpoint, run_dir = Path(cfg.run.checkpoint), Path(cfg.run.output)
+    problem = describe_non_export(checkpoint)
+    if problem:
+        raise CheckpointError(problem)
+    check_output(run_dir, directory=True)
     tokenizer_file = checkpoint / "tokenizer.model"
     if not tokenizer_file.is_file():
         raise FileNotFoundError(
@@ -188,13 +194,15 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     try:
         for step in range(1, steps + 1):
             batch = data.collate([data.train_features[i] for i in next(batches)])
-            loss = engine(**{k: v.to(device) for k, v in batch.items()})["loss"]
+            loss = engine(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})["loss"]
             engine.backward(loss)
             engine.step()
-            window_loss, window_steps = window_loss + loss.item(), window_steps + 1
+            # summed on the device: the loss is read at log steps only (no host sync per step)
+            window_loss, window_steps = window_loss + loss.detach().float(), window_steps + 1
             window_tokens += int(batch["attention_mask"].sum()) * world  # this rank's share, scaled
             if step % r.log_every == 0 or step == steps:
                 lr, now = engine.get_lr()[0], time.time()
+                window_loss = float(window_loss)
                 tokens_per_s = window_tokens / max(now - window_start, 1e-9)
                 writer.write(
                     {

@@ -1,0 +1,169 @@
+"""Beam's DaskRunner (`apache_beam.runners.dask`), fixed for this pipeline.
+
+Beam 2.77's Dask runner translates the pipeline into `dask.bag` operations; as shipped, a build on
+it would lose data or do its work twice. This subclass keeps its translations of Create, Flatten
+and GroupByKey and its options (`--dask_client_address`, `--dask_npartitions`, ...) and replaces:
+
+1. ParDo: Beam's bundle function collects a DoFn's outputs *before* `finish_bundle`, so what a DoFn
+   emits there is dropped (our spill and cache writers emit their files there). Here outputs are
+   collected after `finish_bundle`, and each bundle gets its own copy of the DoFn and receivers.
+2. Side inputs: Beam computes a side input's bag inside every task that reads it (`list(bag)` on a
+   worker), which recomputes its whole upstream (every spill written twice). Here a side input is
+   one dask Item, computed once in the graph and broadcast to the tasks that read it.
+3. Sinks: Beam computes the last transform's bag only, so a pipeline with two sinks silently skips
+   the other. Here every transform whose output nobody reads is computed.
+
+Also: a Create is split into one element per partition unless `--dask_npartitions` or
+`--dask_partition_size` says otherwise (Beam's default of 128 elements per partition puts a
+build's few dozen input ranges on one worker; Reshuffle is a no-op on Dask), and the client is
+closed when the job ends. The runner reports no metrics (`PipelineResult.metrics()` raises
+NotImplementedError): `pipeline.build` takes what it can from the written shards instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import apache_beam
+import cloudpickle
+import dask
+import dask.distributed as ddist
+from apache_beam import pvalue
+from apache_beam.pipeline import PipelineVisitor
+from apache_beam.runners.common import DoFnContext, DoFnInvoker, DoFnSignature, _OutputHandler
+from apache_beam.runners.dask import dask_runner as beam_dask, transform_evaluator as te
+from apache_beam.runners.dask.overrides import dask_overrides
+from apache_beam.transforms.sideinputs import SideInputMap
+from apache_beam.transforms.window import GlobalWindow
+from apache_beam.utils.windowed_value import WindowedValue
+
+
+def _run_bundle(items, packed: bytes, *side_values):
+    """One dask partition = one bundle: setup, start, process each item, finish, teardown; then the
+    outputs (those of `finish_bundle` included). `packed` is the pickled (invoker args, kwargs,
+    receivers, side input views), unpickled here so that no two bundles share a DoFn instance."""
+    args, kwargs, receivers, views = cloudpickle.loads(packed)
+    kwargs["side_inputs"] = [
+        SideInputMap(view, options, [te.get_windowed_value(v, window_fn) for v in values])
+        for (view, options, window_fn), values in zip(views, side_values)
+    ] or None
+    invoker = DoFnInvoker.create_invoker(*args, **kwargs)
+    invoker.invoke_setup()
+    invoker.invoke_start_bundle()
+    for item in items:
+        invoker.invoke_process(item)
+    invoker.invoke_finish_bundle()
+    invoker.invoke_teardown()
+    return [v.value for v in receivers.values]
+
+
+def _windowed(item, window_fn):
+    if window_fn is None and not isinstance(item, WindowedValue):
+        return WindowedValue(item, 0, (GlobalWindow(),))
+    return te.get_windowed_value(item, window_fn)
+
+
+class ParDo(te.DaskBagOp):
+    """Beam's ParDo translation with outputs collected after finish_bundle (fix 1) and side inputs
+    as broadcast Items (fix 2)."""
+
+    def apply(self, input_bag, side_inputs=None):
+        transform = self.transform
+        args, kwargs = transform.raw_side_inputs
+        main_input = next(iter(self.applied.main_inputs.values()))
+        window_fn = getattr(getattr(main_input, "windowing", None), "windowfn", None)
+        receivers = te.OneReceiver()
+        invoker_args = [
+            DoFnSignature(transform.fn),
+            _OutputHandler(
+                window_fn=window_fn,
+                main_receivers=receivers[None],
+                tagged_receivers=receivers,
+                per_element_output_counter=None,
+                output_batch_converter=None,
+                process_yields_batches=False,
+                process_batch_yields_elements=False,
+            ),
+        ]
+        invoker_kwargs = dict(
+            context=DoFnContext(transform.label, state=None),
+            input_args=list(args),
+            input_kwargs=kwargs,
+            user_state_context=None,
+            bundle_finalizer_param=apache_beam.DoFn.BundleFinalizerParam(),
+        )
+        views, items = [], []
+        for si, bag in side_inputs or ():
+            views.append((type(si), si._view_options(), si._window_mapping_fn))
+            items.append(bag.reduction(list, lambda parts: [x for p in parts for x in p]))
+        packed = cloudpickle.dumps((invoker_args, invoker_kwargs, receivers, views))
+        return input_bag.map(_windowed, window_fn).map_partitions(_run_bundle, packed, *items)
+
+
+TRANSLATIONS = {**te.TRANSLATIONS, apache_beam.ParDo: ParDo}
+
+
+@dataclasses.dataclass
+class _Visitor(PipelineVisitor):
+    """Beam's pipeline → dask.bag translation, remembering which outputs are read (fix 3)."""
+
+    bag_kwargs: dict
+    bags: dict = dataclasses.field(default_factory=collections.OrderedDict)
+    read: set = dataclasses.field(default_factory=set)
+
+    def visit_transform(self, node) -> None:
+        op = TRANSLATIONS.get(node.transform.__class__, te.NoOp)(node, bag_kwargs=self.bag_kwargs)
+        kws = {"input_bag": None, "side_inputs": None}
+        inputs = list(node.inputs)
+        if inputs:
+            bags = []
+            for value in inputs:
+                if isinstance(value, pvalue.PBegin):
+                    bags.append(None)
+                if value.producer in self.bags:
+                    bags.append(self.bags[value.producer])
+                    self.read.add(value.producer)
+            single = len(bags) == 1 and not isinstance(op, te.Flatten)
+            kws["input_bag"] = bags[0] if single else bags
+        if node.side_inputs:
+            if not isinstance(op, ParDo):
+                raise NotImplementedError(f"{node.full_label}: side inputs of a non-ParDo")
+            kws["side_inputs"] = []
+            for si in node.side_inputs:
+                kws["side_inputs"].append((si, self.bags[si.pvalue.producer]))
+                self.read.add(si.pvalue.producer)
+        self.bags[node] = op.apply(**kws)
+
+    def sinks(self) -> list:
+        return [bag for node, bag in self.bags.items() if node not in self.read and bag is not None]
+
+
+@dataclasses.dataclass
+class DaskRunnerResult(beam_dask.DaskRunnerResult):
+    """Beam's result; the client is closed once the job ends (it would otherwise outlive it)."""
+
+    def wait_until_finish(self, duration=None) -> str:
+        try:
+            return super().wait_until_finish(duration)
+        finally:
+            if self._state in (beam_dask.PipelineState.DONE, beam_dask.PipelineState.FAILED):
+                self.client.close()
+
+
+class DaskRunner(beam_dask.DaskRunner):
+    """`--runner DaskRunner`: Beam's DaskRunner with the fixes above."""
+
+    def run_pipeline(self, pipeline, options):
+        dask_options = options.view_as(beam_dask.DaskOptions).get_all_options(
+            drop_default=True, current_only=True
+        )
+        bag_kwargs = beam_dask.DaskOptions._extract_bag_kwargs(dask_options)
+        if not bag_kwargs:
+            bag_kwargs = {"partition_size": 1}  # one read range, cache file or shard per task
+        client = ddist.Client(**dask_options)
+        pipeline.replace_all(dask_overrides())
+        visitor = _Visitor(bag_kwargs)
+        pipeline.visit(visitor)
+        futures = client.compute(list(dask.optimize(*visitor.sinks())))
+        return DaskRunnerResult(client, futures)

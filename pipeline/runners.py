@@ -1,0 +1,161 @@
+"""Runners and their options: which Beam runner a build runs on, the checked command-line options
+it gets, and the counters it reports.
+
+- No `--runner`: the in-process FnApiRunner (never Prism, which would be downloaded), with the
+  options in its provision info so that `multi_processing` workers get them too.
+- `--runner DaskRunner` (or Beam's full `apache_beam.runners.dask.dask_runner.DaskRunner`): Beam's
+  Dask runner with three fixes for this pipeline (`DaskRunner` below).
+- Any other runner by name, with its options (`--project`, `--flink_master`, ...).
+
+Beam discards the options it cannot parse with a warning, so a misspelled one (`--direct_num_workrs
+2`) would build with the default: `check_options` makes that an error naming the option, with a
+did-you-mean, except for what follows `--` on the command line (runner-specific flags that Beam's
+Python SDK does not declare, which portable runners hand to their job server).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import logging
+
+import apache_beam as beam
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, WorkerOptions
+from apache_beam.portability.api import beam_provision_api_pb2
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+from apache_beam.runners.portability.fn_api_runner.fn_runner import ExtendedProvisionInfo
+from apache_beam.runners.portability.portable_runner import JobServiceHandle
+
+from pipeline import progress  # noqa: F401  (registers --progress_seconds with Beam's options)
+
+log = logging.getLogger(__name__)
+
+# Names that make Beam's SwitchingDirectRunner try Prism first, which it downloads (and which cannot
+# be downloaded offline); for this batch pipeline it would then pick the FnApiRunner anyway.
+SWITCHING_RUNNERS = ("DirectRunner", "SwitchingDirectRunner")
+DASK_RUNNERS = ("DaskRunner", "apache_beam.runners.dask.dask_runner.DaskRunner")
+DASK_MODULE = "apache_beam.runners.dask.dask_runner"
+
+
+class OptionError(ValueError):
+    """A command-line option that no Beam options class declares (the message names it)."""
+
+
+def _runner_name(args: list[str]) -> str | None:
+    return PipelineOptions(args).view_as(StandardOptions).runner
+
+
+def _import_runner_options(runner: str | None) -> None:
+    """A runner's options class is declared in its module: import it before parsing (Dask's)."""
+    if runner in DASK_RUNNERS:
+        try:
+            importlib.import_module(DASK_MODULE)
+        except ImportError as e:  # Beam imports dask lazily; its own module imports fine without
+            raise OptionError(_no_dask(e)) from None
+    elif runner and "." in runner:
+        try:
+            importlib.import_module(runner.rsplit(".", 1)[0])
+        except ImportError:
+            pass  # Beam names the missing module when it creates the runner
+
+
+def _no_dask(e: Exception) -> str:
+    return (
+        f"--runner DaskRunner needs dask.distributed ({e}); install it with "
+        "pip install 'shatter[pipeline-dask]' (or pip install 'dask[distributed]')"
+    )
+
+
+def check_options(args: list[str], ours: set[str] = frozenset()) -> None:
+    """An OptionError for the first option in `args` that no Beam options class declares, or for
+    a stray value, with the closest known option (Beam's or, spelled with `_`, one of `ours`)."""
+    _import_runner_options(_runner_name(args))
+    from apache_beam.options.pipeline_options import _BeamArgumentParser
+
+    class Parser(_BeamArgumentParser):
+        def error(self, message):  # argparse would print its usage and exit 2
+            raise OptionError(f"Beam pipeline options: {message}")
+
+    parser = Parser(allow_abbrev=False)
+    for cls in {str(c): c for c in PipelineOptions.__subclasses__()}.values():
+        cls._add_argparse_args(parser)
+    _, unknown = parser.parse_known_args(args)
+    known = [o for action in parser._actions for o in action.option_strings]
+    for arg in unknown:
+        if not arg.startswith("-"):
+            raise OptionError(
+                f"unexpected argument {arg!r} (a value without an option; --input takes one "
+                "path each time it is given)"
+            )
+        name = arg.split("=", 1)[0]
+        if name.lstrip("-").replace("_", "-") in ours:
+            raise OptionError(
+                f"{name} is not an option of shatter-data build: did you mean "
+                f"--{name.lstrip('-').replace('_', '-')}?"
+            )
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise OptionError(
+            f"{name} is not a Beam pipeline option: {hint}(options that only your runner knows "
+            "go after `--`, e.g. shatter-data build ... -- --flink_conf_dir DIR)"
+        )
+
+
+def make_pipeline(beam_args: list[str]) -> beam.Pipeline:
+    """A pipeline on the runner `beam_args` name (the command line's options beyond ours)."""
+    options = PipelineOptions(beam_args)
+    runner = options.view_as(StandardOptions).runner
+    if runner in SWITCHING_RUNNERS:
+        log.warning(
+            "--runner %s: running on the in-process FnApiRunner, which DirectRunner picks for this "
+            "pipeline, without trying to download Prism first (pass --runner PrismRunner for Prism)",
+            runner,
+        )
+        runner = None
+    if runner is None:
+        return beam.Pipeline(runner=_fn_api_runner(options), options=options)
+    if runner in DASK_RUNNERS:
+        return beam.Pipeline(runner=make_dask_runner(), options=options)
+    return beam.Pipeline(options=options)
+
+
+def _fn_api_runner(options: PipelineOptions) -> FnApiRunner:
+    """The FnApiRunner with the options in its provision info (as Beam's DirectRunner builds it), so
+    that `multi_processing` workers get them too (filesystem options, log level); their log level
+    follows the driver's "apache_beam" logger unless `--default_sdk_harness_log_level` is given."""
+    harness = options.view_as(WorkerOptions)
+    if harness.default_sdk_harness_log_level is None:
+        harness.default_sdk_harness_log_level = logging.getLevelName(
+            logging.getLogger("apache_beam").getEffectiveLevel()
+        )
+    encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
+    provision = beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)
+    return FnApiRunner(provision_info=ExtendedProvisionInfo(provision))
+
+
+def counters(result, namespace: str) -> dict | None:
+    """The `namespace` counters of a pipeline result (committed where the runner has them), or
+    None when the runner offers no metrics at all (Beam's DaskRunner)."""
+    try:
+        query = result.metrics().query(beam.metrics.MetricsFilter().with_namespace(namespace))
+    except NotImplementedError:
+        return None
+    out = {}
+    for c in query["counters"]:
+        try:
+            value = c.committed
+        except Exception:  # some runners only report attempted values
+            value = None
+        out[c.key.metric.name] = out.get(c.key.metric.name, 0) + int(
+            value if value is not None else c.attempted
+        )
+    return dict(sorted(out.items()))
+
+
+def make_dask_runner():
+    """Beam's DaskRunner with this pipeline's three fixes (an instance; see `pipeline.dask_runner`)."""
+    try:
+        from pipeline import dask_runner
+    except ImportError as e:
+        raise OptionError(_no_dask(e)) from None
+    return dask_runner.DaskRunner()

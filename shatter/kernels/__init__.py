@@ -1,0 +1,1 @@
+"""Triton GPU kernels (imported lazily: triton is an optional, Linux x86-64 dependency)."""

@@ -1,0 +1,66 @@
+"""A launched command whose output lines are time-stamped as they come: the exit-path tests
+measure from a line (a failure, the last line) to the exit of every process of the job."""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Job:
+    """A launched command whose output lines are time-stamped as they come."""
+
+    def __init__(self, cmd: list[str], env: dict | None = None):
+        self.lines: list[tuple[float, str]] = []
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+            start_new_session=True,
+        )
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_for(self, text: str, timeout: float) -> float:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            hit = next((t for t, line in self.lines if text in line), None)
+            if hit is not None:
+                return hit
+            if self.proc.poll() is not None and not self.reader.is_alive():
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"no line with {text!r}:\n" + self.text[-4000:])
+
+    def finish(self, timeout: float) -> tuple[int, float]:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher, its ranks, their workers
+            raise AssertionError("the job did not end:\n" + self.text[-4000:]) from None
+        self.reader.join(5)
+        return code, time.monotonic()
+
+    @property
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def finish_soon(job: Job, timeout: float, after_last_line_s: float = 30) -> str:
+    """The job's output after it ends with exit 0 within `after_last_line_s` of its last line."""
+    code, ended = job.finish(timeout)
+    assert code == 0, job.text[-4000:]
+    last = job.lines[-1][0] if job.lines else ended
+    assert ended - last < after_last_line_s, f"exit {ended - last:.0f} s after the last line"
+    return job.text

@@ -1,0 +1,119 @@
+"""Runners and their options through the real CLI: Dask on a LocalCluster of worker processes,
+Beam options checked (a typo is an error), runner-only flags after `--`."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline import format as shards
+from pipeline.cli import main
+from pipeline.runners import OptionError, check_options
+
+from .test_build import _files
+
+
+def _error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("shatter-data: error:")]
+
+
+def _args(built_out, corpus, out, *extra):
+    return [
+        "build",
+        "--input",
+        str(corpus),
+        "--output",
+        str(out),
+        "--tokenizer",
+        str(built_out / "tokenizer.model"),
+        "--seq-len",
+        "64",
+        "--num-shards",
+        "2",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def dask_cluster():
+    distributed = pytest.importorskip("distributed")
+    cluster = distributed.LocalCluster(
+        n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None
+    )
+    yield cluster
+    cluster.close()
+
+
+@pytest.mark.slow  # two worker processes start and import Beam: ~20 s on the loaded 2-core box
+def test_dask_runner_writes_the_bytes_of_the_fn_api_runner(corpus_dir, tmp_path, dask_cluster):
+    """The whole build (tokenizer sample, training, build) on 2 Dask worker processes."""
+    args = [
+        "build",
+        "--input",
+        str(corpus_dir / "a.txt"),
+        "--output",
+        str(tmp_path / "dask"),
+        *("--vocab-size", "300", "--seq-len", "64", "--dupe-factor", "2", "--num-shards", "3"),
+        *("--validation-fraction", "0.1", "--tokenizer-sample", "5000"),
+        "--runner",
+        "DaskRunner",
+        "--dask_client_address",
+        dask_cluster.scheduler_address,
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "DaskRunner reports no counters" in result.output
+    fn_api = tmp_path / "fn_api"  # the same CLI command on the default runner
+    fn_result = CliRunner().invoke(
+        main, [a if a != str(tmp_path / "dask") else str(fn_api) for a in args[:-4]]
+    )
+    assert fn_result.exit_code == 0, fn_result.output
+    assert _files(tmp_path / "dask") == _files(fn_api)
+    dask_index = json.loads((tmp_path / "dask" / "index.json").read_text())
+    fn_index = json.loads((fn_api / "index.json").read_text())
+    assert dask_index["splits"] == fn_index["splits"]
+    # counters: what the shards tell, and index.json says which are missing
+    assert dask_index["counters"] == {
+        "rows": fn_index["counters"]["rows"],
+        "shards_written": fn_index["counters"]["shards_written"],
+    }
+    assert "documents_read" in dask_index["counters_unavailable"]
+    assert "counters_unavailable" not in fn_index
+    assert not [p for p in (tmp_path / "dask").iterdir() if p.name.startswith(".")]
+
+
+def test_dask_options_are_beam_options():
+    check_options(["--runner", "DaskRunner", "--dask_client_address", "tcp://host:8786"])
+    check_options(["--runner", "apache_beam.runners.dask.dask_runner.DaskRunner"])
+    with pytest.raises(OptionError, match="did you mean --dask_client_address"):
+        check_options(["--runner", "DaskRunner", "--dask_client_adress", "tcp://host:8786"])
+
+
+def test_a_misspelled_beam_option_is_an_error_with_a_suggestion(built, corpus_dir, tmp_path):
+    out, _ = built
+    result = CliRunner().invoke(
+        main, _args(out, corpus_dir / "a.txt", tmp_path / "o", "--direct_num_workrs", "2")
+    )
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = _error_lines(result.output)
+    assert "--direct_num_workrs" in line and "did you mean --direct_num_workers?" in line
+    assert "after `--`" in line  # the escape hatch is named
+    assert not (tmp_path / "o").exists()  # refused before any work
+    stray = CliRunner().invoke(main, _args(out, corpus_dir / "a.txt", tmp_path / "o", "extra"))
+    assert stray.exit_code == 1 and "unexpected argument 'extra'" in stray.output
+    bad = ("--direct_running_mode", "multi_procesing")  # a bad value: argparse would exit 2
+    choice = CliRunner().invoke(main, _args(out, corpus_dir / "a.txt", tmp_path / "o", *bad))
+    assert choice.exit_code == 1 and "usage:" not in choice.output
+    (line,) = _error_lines(choice.output)
+    assert "invalid choice: 'multi_procesing'" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_runner_flags_after_double_dash_pass_unchecked(built, corpus_dir, tmp_path):
+    out, _ = built
+    result = CliRunner().invoke(
+        main,
+        _args(out, corpus_dir / "a.txt", tmp_path / "o", "--", "--flag_only_my_runner_knows", "1"),
+    )
+    assert result.exit_code == 0, result.output
+    assert shards.read_index(str(tmp_path / "o")).raw["splits"]["train"]["rows"] > 0

@@ -1,0 +1,79 @@
+"""No import circles among the project's modules, lazy (function-level) imports included: a
+cycle hidden behind a lazy import still couples two modules both ways."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("shatter", "pipeline", "train", "tools")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph() -> dict[str, set[str]]:
+    files = [p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")]
+    modules = {_module_name(p): p for p in files}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from pkg import mod` imports pkg.mod when it is a module, else pkg
+                targets = [
+                    f"{node.module}.{a.name}"
+                    if f"{node.module}.{a.name}" in modules
+                    else node.module
+                    for a in node.names
+                ]
+            else:
+                continue
+            deps |= {t for t in targets if t in modules and t != name}
+        # a package's __init__ runs before its modules: importing pkg.mod imports pkg too, but
+        # that edge only matters when __init__ imports back, which its own edges show
+        graph[name] = deps
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep) :] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_graph_sees_real_imports():
+    graph = _graph()
+    assert "shatter.config" in graph["shatter.model"]
+    assert "train.finetuning.loop" in graph["train.finetune"]
+
+
+def test_no_import_cycles():
+    cycle = _cycle(_graph())
+    if cycle:
+        pytest.fail("import cycle: " + " -> ".join(cycle))
+
+
+def test_a_cycle_is_found():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]

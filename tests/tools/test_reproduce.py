@@ -1,0 +1,167 @@
+"""tools/reproduce.py at micro scale: both studies through the real CLIs, their outputs, a resume
+that skips every finished step, and a failing sub-command reported in one line."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.reproduce import PAPER_NAMES, verdict
+
+REPO = Path(__file__).resolve().parents[2]
+# 2 archs, 20 steps at l = 32 on a 1-layer width-32 model, one process: each run takes seconds.
+MICRO = """
+model:
+  overrides: {hidden: 32, layers: 1, heads: 4, ffn: 64}
+data:
+  num_workers: 0
+  eval_samples: 64
+run:
+  micro_batch: 8
+  save_every: 10
+  log_every: 5
+  tensorboard: false
+"""
+ARCHS = ["shatter", "bert"]
+
+
+def reproduce(study: str, out: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+    config = out.parent / "micro.yaml"
+    config.write_text(MICRO)
+    cmd = [
+        sys.executable,
+        "tools/reproduce.py",
+        study,
+        "--output",
+        str(out),
+        "--data",
+        str(data),
+        "--seq-len",
+        "32",
+        "--steps",
+        "20",
+        "--eval-every",
+        "10",
+        "--ranks",
+        "1",
+        "--archs",
+        ",".join(ARCHS),
+        "--config",
+        str(config),
+        *extra,
+    ]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def table_rows(markdown: str, first_cell: str) -> list[list[str]]:
+    rows = [line.strip("|").split("|") for line in markdown.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in row] for row in rows if row[0].strip() == first_cell]
+
+
+def assert_png(path: Path) -> None:
+    import matplotlib.image
+
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+@pytest.fixture(scope="module")
+def studies(books_data, tmp_path_factory):
+    """Both studies in one directory (the extension reuses the ablation's runs), then both again."""
+    out = tmp_path_factory.mktemp("study") / "out"
+    first = [reproduce(s, out, books_data) for s in ("ablation", "extension")]
+    for done in first:
+        assert done.returncode == 0, done.stderr[-3000:]
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*.json*") if "tensorboard" not in str(p)}
+    second = [reproduce(s, out, books_data) for s in ("ablation", "extension")]
+    for done in second:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return out, first, second, stamps
+
+
+@pytest.mark.slow
+def test_ablation_outputs(studies):
+    out, first, _, _ = studies
+    table = (out / "ablation.md").read_text()
+    for arch in ARCHS:
+        (row,) = table_rows(table, arch)
+        assert row[1] == PAPER_NAMES[arch]
+        loss, accuracy = float(row[2]), float(row[3])
+        assert 0 < loss < math.log(2000) + 2 and 0 <= accuracy <= 1
+        assert int(row[4].replace(",", "")) > 0  # parameters
+    assert "Shatter matches BERT_Base" in table  # the one Figure 3 step both archs take part in
+    assert_png(out / "ablation.png")
+    lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    ablation = [x for x in lines if x["study"] == "ablation"]
+    assert sorted(x["arch"] for x in ablation) == sorted(ARCHS)
+    for x in ablation:
+        assert x["curve"][-1] == [20, x["loss"]] and [s for s, _ in x["curve"]] == [10, 20]
+        run = Path(x["run"])
+        assert (run / "export" / "model.safetensors").is_file()
+        assert "$ " in (run / "reproduce.log").read_text()  # the command, then its output
+    assert first[0].stderr.count("pretrain ") == 2  # one progress line per run
+    assert "left" in first[0].stderr
+
+
+@pytest.mark.slow
+def test_extension_outputs(studies, books_data):
+    out, first, _, _ = studies
+    table = (out / "extension.md").read_text()
+    assert "| model | l = 32 | l = 64 | l = 128 |" in table
+    (shatter,) = table_rows(table, "shatter ext 128")
+    (pretrained,) = table_rows(table, "shatter")
+    # shatter-extend adds no weights to shatter: at l_train the stretched model scores the same
+    assert shatter[1] == pretrained[1]
+    assert all(float(c) > 0 for c in shatter[1:])
+    for init in ("random", "copy"):
+        (row,) = table_rows(table, f"bert ext 128 ({init})")
+        assert all(float(c) > 0 for c in row[1:])
+    assert_png(out / "extension.png")
+    lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert {x["study"] for x in lines} == {"ablation", "extension"}
+    ext = [x for x in lines if x["study"] == "extension"]
+    # shatter: export at 32, ext 64 at 32/64, ext 128 at 32/64/128; bert: twice that per init + 1
+    assert len(ext) == 6 + 11
+    # the length-64 data is the training data itself (same length); 32 and 128 were built
+    assert not (out / "data" / "l64").exists()
+    train_index = json.loads((books_data / "index.json").read_text())
+    for length in (32, 128):
+        index = json.loads((out / "data" / f"l{length}" / "index.json").read_text())
+        assert index["seq_len"] == length
+        assert index["tokenizer"]["sha256"] == train_index["tokenizer"]["sha256"]
+    assert "pretrain shatter-s0: already done" in first[1].stderr  # reused from the ablation
+
+
+@pytest.mark.slow
+def test_second_invocation_skips_everything(studies):
+    out, _, second, stamps = studies
+    for done in second:
+        progress = [x for x in done.stderr.splitlines() if x.startswith("[")]
+        assert progress and all("already done, skipped" in x for x in progress), done.stderr
+    changed = [p for p, t in stamps.items() if p.stat().st_mtime_ns != t]
+    # only the study's own summaries are rewritten; no run, export or evaluation is touched
+    assert {p.name for p in changed} <= {"results.jsonl"}, changed
+
+
+@pytest.mark.slow
+def test_failing_run_is_one_line(books_data, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run:\n  no_such_key: 1\n")
+    out = tmp_path / "out"
+    done = reproduce("ablation", out, books_data, "--config", str(bad))
+    assert done.returncode != 0
+    (line,) = done.stderr.strip().splitlines()
+    log = out / "runs" / "shatter-s0" / "reproduce.log"
+    assert "run shatter-s0 failed" in line and "train/pretrain.py" in line and str(log) in line
+    assert "no_such_key" in log.read_text()
+
+
+def test_verdict_weighs_the_seed_spread():
+    assert "reproduces" in verdict([2.0, 2.2], [3.0, 3.2], -1)
+    assert "does NOT reproduce" in verdict([3.0, 3.2], [2.0, 2.2], -1)
+    assert "within the seed spread" in verdict([2.0, 2.4], [2.1, 2.5], -1)
+    assert "spread not measured" in verdict([2.0], [3.0], -1)
+    assert "consistent with the paper" in verdict([2.0, 2.4], [2.1, 2.5], 0)

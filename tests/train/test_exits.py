@@ -1,0 +1,231 @@
+"""Every exit path ends every rank: real failures under the real deepspeed launcher (two CPU
+ranks, gloo, two loader workers each) end the job with a non-zero exit soon after the failure,
+with one line naming the cause; a second signal exits at once; two "nodes" of one rank each
+through DeepSpeed's own multi-node path read disjoint data, checkpoint and resume."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_pretrain import command, free_port
+
+from tests.jobs import Job
+from train.lifecycle import one_line
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+EXIT_WITHIN_S = 60  # from the failure's line to the launcher's exit
+
+
+def _corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 2000):
+        data[i] ^= 0x5A
+    path.write_bytes(data)
+
+
+def _copy(data: Path, tmp: Path) -> Path:
+    out = tmp / "data"
+    shutil.copytree(data, out)
+    return out
+
+
+def launch(data: Path, run: Path, *extra: str, launcher: list[str] | None = None) -> list[str]:
+    flags = ("--micro-batch", "4", "--num-workers", "2", "--no-progress")
+    return command(data, run, *flags, *extra, launcher=launcher)
+
+
+def _fails_soon(job: Job, marker: str) -> float:
+    failed_at = job.wait_for(marker, timeout=300)
+    code, ended = job.finish(timeout=300)
+    took = ended - failed_at
+    print(f"exit {code} {took:.1f} s after the failure line")  # the report's figures (-s)
+    assert code != 0, job.text[-3000:]
+    assert took < EXIT_WITHIN_S, f"{took:.0f} s from the failure to the exit\n" + job.text[-3000:]
+    assert "Traceback" not in job.text, job.text[-4000:]
+    return took
+
+
+# ---- fast: the pieces --------------------------------------------------------------------------
+
+
+def test_a_loader_worker_failure_is_said_in_one_line_with_the_worker_s_place():
+    class DatasetError(Exception):
+        pass
+
+    text = (
+        "Caught DatasetError in DataLoader worker process 1.\nOriginal Traceback (most recent "
+        'call last):\n  File "/src/data.py", line 12, in batch\n    load()\n'
+        "pipeline.format.schema.DatasetError: shard /d/train-0.arrow is corrupted: rebuild it"
+    )
+    try:
+        raise DatasetError(text)
+    except DatasetError as err:
+        assert one_line(err) == (
+            "DatasetError: shard /d/train-0.arrow is corrupted: rebuild it (/src/data.py:12)"
+        )
+        assert one_line(err, known=True) == "shard /d/train-0.arrow is corrupted: rebuild it"
+
+
+SIGNALS_TWICE = """
+import os, signal, sys, time
+sys.path.insert(0, {repo!r})
+from train.lifecycle import StopFlag
+flag = StopFlag().install()
+os.kill(os.getpid(), signal.{sig})
+os.kill(os.getpid(), signal.SIGTERM)  # at once: the same request (the launcher's echo)
+time.sleep(0.2)
+print("requested", flag.requested, flag.exit_code, flush=True)
+time.sleep({gap})
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(30)
+print("still alive", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig,first_code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_second_signal_exits_at_once_and_an_echo_does_not(sig, first_code):
+    code = SIGNALS_TWICE.format(repo=str(REPO), sig=sig, gap=1.5)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert f"requested True {first_code}" in done.stdout, done.stdout + done.stderr
+    assert "still alive" not in done.stdout
+    assert done.returncode == 143 and "second SIGTERM: exiting at once" in done.stderr
+    assert time.monotonic() - start < 20
+
+
+def test_the_exit_watchdog_ends_a_process_whose_exit_hangs():
+    """A non-daemon loader-like child that ignores SIGTERM would be joined for ever at exit."""
+    code = f"""
+import multiprocessing as mp, os, signal, sys, time
+sys.path.insert(0, {str(REPO)!r})
+import train.lifecycle as lc
+def child(parent):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a loader worker: ends when its parent does
+    while os.getppid() == parent:
+        time.sleep(0.2)
+if __name__ == "__main__":
+    p = mp.get_context("fork").Process(target=child, args=(os.getpid(),), daemon=True)
+    p.start()
+    lc.arm_watchdog(3, after_s=2)
+    sys.exit(3)
+"""
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and "still exiting after 2 s" in done.stderr, done.stderr
+    assert time.monotonic() - start < 20
+
+
+# ---- slow: real failures under the launcher ----------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_every_train_shard_corrupted(books_data, tmp_path):
+    data = _copy(books_data, tmp_path)
+    for shard in data.glob("train-*.arrow"):
+        _corrupt(shard)
+    job = Job(launch(data, tmp_path / "run", "--max-steps", "5"))
+    _fails_soon(job, "is corrupted")
+    assert "train-0000" in job.text
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_a_corrupted_validation_shard(books_data, tmp_path):
+    data = _copy(books_data, tmp_path)
+    for shard in data.glob("validation-*.arrow"):
+        _corrupt(shard)
+    job = Job(launch(data, tmp_path / "run", "--max-steps", "6", "--eval-every", "2"))
+    _fails_soon(job, "is corrupted")
+    assert "validation-0000" in job.text
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_a_checkpoint_that_cannot_be_written(books_data, tmp_path):
+    """Root ignores permissions: a file where the first checkpoint's folder goes."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step00000002").write_text("in the way\n")
+    job = Job(launch(books_data, run, "--max-steps", "6", "--save-every", "2"))
+    _fails_soon(job, "step00000002")
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_sigterm_during_checkpoints_saves_and_exits(books_data, tmp_path):
+    run = tmp_path / "run"
+    job = Job(
+        launch(
+            books_data,
+            run,
+            "--max-steps",
+            "400",
+            "--save-every",
+            "1",
+            "--eval-every",
+            "0",
+        )
+    )
+    job.wait_for("checkpoint step00000002", timeout=300)
+    sent = time.monotonic()
+    # as a scheduler or a terminal does: the whole process group (the `deepspeed` runner does not
+    # forward a SIGTERM to its launcher on one node; the launcher's own forward is an echo)
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    job.reader.join(EXIT_WITHIN_S)  # end of output: every process of the job has exited
+    ended = time.monotonic()
+    print(f"all processes gone {ended - sent:.1f} s after SIGTERM")
+    assert not job.reader.is_alive(), "the ranks outlived the SIGTERM by a minute"
+    code = job.proc.wait(timeout=5)
+    assert code != 0, job.text[-3000:]
+    assert "SIGTERM: checkpoint saved at step" in job.text, job.text[-3000:]
+    assert "Traceback" not in job.text
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert int(latest.removeprefix("step")) >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_two_nodes_of_one_rank_read_disjoint_data_and_resume(books_data, tmp_path):
+    """DeepSpeed's multi-node path without ssh: one launcher per "node" (--no_ssh --node_rank),
+    a shared hostfile, the master on 127.0.0.1."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    run, port, log = tmp_path / "run", free_port(), tmp_path / "samples"
+
+    def nodes(max_steps: int) -> list[Job]:
+        jobs = []
+        for node in (0, 1):
+            launcher = [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh"]
+            launcher += ["--node_rank", str(node), "--master_addr", "127.0.0.1"]
+            launcher += ["--master_port", str(port)]
+            extra = ("--num-workers", "1", "--max-steps", str(max_steps))
+            cmd = launch(books_data, run, *extra, "--save-every", "3", "--eval-every", "0",
+                         launcher=launcher)  # fmt: skip
+            jobs.append(Job(cmd, env={"SHATTER_SAMPLE_LOG": str(log)}))
+        return jobs
+
+    for max_steps in (3, 6):  # the second run resumes from the first's checkpoint
+        jobs = nodes(max_steps)
+        for job in jobs:
+            code, _ = job.finish(timeout=400)
+            assert code == 0, job.text[-4000:]
+    config = json.loads((run / "config.json").read_text())
+    assert config["world_size"] == 2
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step00000006"
+    reads = {}
+    for rank in (0, 1):
+        lines = [json.loads(x) for x in Path(f"{log}.rank{rank}.jsonl").read_text().splitlines()]
+        reads[rank] = [(pos, tuple(ids)) for pos, ids in lines]
+    # 6 micro-batches per rank in all (3, then 3 after the resume): no batch read twice
+    assert [len(reads[r]) for r in (0, 1)] == [6, 6]
+    ids = {r: {i for _, batch in reads[r] for i in batch} for r in (0, 1)}
+    assert not ids[0] & ids[1], "two ranks read the same rows"
+    assert len(ids[0]) + len(ids[1]) == 6 * 2 * 4  # every global sample once

@@ -1,0 +1,103 @@
+"""The GPU lane (`make test-gpu`): the real CLIs on one CUDA device. Skipped without CUDA.
+
+Pretraining tiny models in fp16 and bf16 under ZeRO 0-3 (a validation pass, checkpoints, the
+export, the GPU memory figures), an exact resume after SIGKILL in bf16, shatter-extend to 1024
+and tools/evaluate.py at 1024. Each asserts the exit code, finite losses, and an exit within
+30 s of the job's last line. SHATTER_SYNC_DEBUG=warn makes torch warn at every host sync of
+the training steps: the lane prints what remains."""
+
+import json
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from shardutil import build_books
+from test_pretrain import command
+
+from tests.jobs import Job, finish_soon
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.shared_data,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make test-gpu)"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def pretrain(data: Path, run: Path, *extra: str) -> list[str]:
+    return command(data, run, "--micro-batch", "16", "--no-progress", *extra, ranks=1)
+
+
+def train_lines(run: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if "split" not in x]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_pretrain_validates_checkpoints_exports_and_reports_memory(
+    books_data, tmp_path, precision, zero
+):
+    run = tmp_path / "run"
+    cmd = pretrain(
+        books_data,
+        run,
+        "--precision",
+        precision,
+        "--zero-stage",
+        str(zero),
+        "--max-steps",
+        "8",
+        "--eval-every",
+        "4",
+        "--save-every",
+        "4",
+        "--log-every",
+        "2",
+    )
+    text = finish_soon(Job(cmd, env={"SHATTER_SYNC_DEBUG": "warn"}), timeout=300)
+    lines = train_lines(run)
+    assert [x["step"] for x in lines] == [2, 4, 6, 8]
+    assert all(x["loss"] is not None and math.isfinite(x["loss"]) for x in lines), lines
+    assert all(x["gpu_mem_peak_gb"] > 0 and x["gpu_mem_reserved_gb"] > 0 for x in lines)
+    assert "GPU memory peak" in text and (run / "export" / "STEP").is_file()
+    syncs = [line for line in text.splitlines() if "synchroniz" in line.lower()]
+    print(f"{precision} ZeRO-{zero}: {len(syncs)} sync warnings", *syncs[:20], sep="\n")
+
+
+def test_exact_resume_after_sigkill_in_bf16(books_data, tmp_path):
+    extra = ("--precision", "bf16", "--max-steps", "8", "--save-every", "4", "--log-every", "1")
+    whole = tmp_path / "whole"
+    finish_soon(Job(pretrain(books_data, whole, *extra, "--eval-every", "0")), timeout=300)
+    cut = tmp_path / "cut"
+    job = Job(pretrain(books_data, cut, *extra, "--eval-every", "0"))
+    job.wait_for("checkpoint step00000004", timeout=300)
+    os.killpg(job.proc.pid, signal.SIGKILL)
+    job.proc.wait(30)
+    finish_soon(Job(pretrain(books_data, cut, *extra, "--eval-every", "0")), timeout=300)
+    a = {x["step"]: x["loss"] for x in train_lines(whole)}
+    b = {x["step"]: x["loss"] for x in train_lines(cut)}
+    assert a == b
+
+
+def test_extend_to_1024_and_evaluate_at_1024(shared_data, books_data, tmp_path):
+    run = tmp_path / "run"
+    finish_soon(Job(pretrain(books_data, run, "--precision", "bf16", "--max-steps", "4")), 300)
+    long_data = tmp_path / "l1024"
+    build_books(shared_data, long_data, "--seq-len", "1024", "--num-shards", "1",
+                "--tokenizer", str(books_data / "tokenizer.model"))  # fmt: skip
+    extended = tmp_path / "extended"
+    extend = [str(BIN / "shatter-extend"), str(run / "export"), "--max-len", "1024"]
+    finish_soon(Job(extend + ["--output", str(extended)]), timeout=300)
+    out = tmp_path / "eval.json"
+    evaluate = [sys.executable, str(REPO / "tools" / "evaluate.py"), "--checkpoint", str(extended)]
+    evaluate += ["--data", str(long_data), "--max-samples", "64", "--output", str(out)]
+    finish_soon(Job(evaluate), timeout=300)
+    result = json.loads(out.read_text())
+    assert result["seq_len"] == 1024 and math.isfinite(result["loss"])

@@ -1,0 +1,201 @@
+"""How a training process ends: on every path, every rank exits, soon, with one line saying why.
+
+Used by the three entry points (train/pretrain.py, train/finetune.py, tools/evaluate.py):
+
+- `StopFlag`: SIGTERM and SIGINT (Ctrl-C) ask for a checkpoint at the next step boundary and an
+  exit; a second signal exits at once. A signal arriving within `SAME_REQUEST_S` of the first is
+  the same request (Ctrl-C reaches every process of the terminal's group and the deepspeed
+  launcher then forwards a SIGTERM to each rank: that is one request, not two).
+- `process_exit()`: wraps a CLI's body. Any exception becomes one line (the cause, and the file
+  and line it came from; the full traceback with SHATTER_TRACEBACK=1); the process group is
+  destroyed; and a watchdog thread hard-exits the process if the interpreter's exit hangs
+  (joining a DataLoader worker, a collective with a dead peer).
+- `run_cli(main)`: a script's `__main__`; its process ends with the command's exit code right
+  after the atexit handlers, without the interpreter's C-level finalisation.
+- The deepspeed launcher ends the other ranks when one exits non-zero (SIGTERM to each rank's
+  process tree, SIGKILL 30 s later), so a failure on any rank ends the job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import timedelta
+
+GRACE_S = 15.0  # seconds the interpreter's exit may take before the watchdog ends the process
+FAILED_GRACE_S = 2.0  # the same after a failure (its line is out; nothing is left to flush)
+SAME_REQUEST_S = 1.0  # a second signal sooner than this after the first is the same request
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a collective waiting longer on a peer fails
+
+
+def hard_exit(code: int, line: str | None = None) -> None:
+    """Flush, say `line` on stderr, and end the process now (no atexit handlers, no joins)."""
+    try:
+        if line:
+            sys.stderr.write(line + "\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def _rank() -> str:
+    return os.environ.get("RANK", "0")
+
+
+class StopFlag:
+    """Set by SIGTERM or SIGINT; the loop saves a checkpoint at the next step boundary and exits.
+    A second signal (more than SAME_REQUEST_S later) exits at once, without a checkpoint."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested = False
+        self.name: str | None = None
+        self.exit_code = 143  # 128 + the signal: SIGTERM's, or SIGINT's (130) after a Ctrl-C
+        self._at = 0.0
+
+    def install(self) -> StopFlag:
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested:
+            if time.monotonic() - self._at < SAME_REQUEST_S:
+                return
+            hard_exit(
+                128 + signum, f"rank {_rank()}: second {name}: exiting at once, no checkpoint"
+            )
+        self.requested, self.name, self._at = True, name, time.monotonic()
+        self.exit_code = 128 + signum
+        if _rank() == "0":
+            sys.stderr.write(
+                f"{name}: a checkpoint is saved at the next step boundary, then the run exits "
+                f"({name} again exits at once)\n"
+            )
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: loader workers outlive SIGTERM/SIGINT (the launcher and the
+    terminal signal every process) so that the main process can finish its step and save; they
+    exit when the main process shuts the loader down, or within seconds of its death."""
+    for sig in StopFlag.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def one_line(err: BaseException, known: bool = False) -> str:
+    """The cause of `err` in one line: its message and where it was raised. A DataLoader
+    worker's exception, re-raised in the main process, carries the worker's traceback: its last
+    line is the message and its last frame the place. A `known` error's message already names
+    the file and the fix: it is said alone."""
+    text = str(err).strip()
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    if "Original Traceback" in text:
+        places = re.findall(r'File "([^"]+)", line (\d+)', text)
+        where = ":".join(places[-1]) if places else where
+        text = re.sub(r"^[\w.]*" + type(err).__name__ + r": ", "", text.splitlines()[-1])
+    text = " ".join(text.split()) or "(no message)"
+    if known:
+        return text
+    return f"{type(err).__name__}: {text}" + (f" ({where})" if where else "")
+
+
+def close_process_group() -> None:
+    """Destroy the default process group if there is one (every exit path calls this)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # a broken group on a failure path: the process is ending anyway
+        pass
+
+
+_exiting = threading.Event()
+_owner = {"cli": False, "code": None}  # set by run_cli and process_exit
+
+
+def run_cli(command) -> None:
+    """Run a click `command` as the process's program (a script's `__main__`). When the
+    interpreter then begins to exit, the atexit handlers run at once under the exit watchdog and
+    the process ends with the command's code, skipping the interpreter's own finalisation (where
+    gloo's and NCCL's destructors, or a loader worker's join, can wait for ever)."""
+    _owner["cli"] = True
+    command()
+
+
+def _interpreter_exits() -> None:
+    _exiting.set()
+    code = _owner["code"]
+    if _owner["cli"] and code is not None:
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            hard_exit(code)
+
+
+# Runs when the interpreter starts to exit, before it joins threads and loader workers.
+getattr(threading, "_register_atexit", atexit.register)(_interpreter_exits)
+
+
+def arm_watchdog(code: int, after_s: float | None = None) -> threading.Thread:
+    """A daemon thread that ends the process with `code` when the interpreter's exit has not
+    finished `after_s` seconds after it began (in-process callers, e.g. tests, are unaffected).
+    The exit of a failed process is cut short quietly; a successful one that hangs is said."""
+    wait = after_s if after_s is not None else (GRACE_S if code == 0 else FAILED_GRACE_S)
+
+    def fire():
+        _exiting.wait()
+        time.sleep(wait)
+        line = f"rank {_rank()}: still exiting after {wait:.0f} s: ended (exit {code})"
+        hard_exit(code, line if code == 0 or after_s is not None else None)
+
+    thread = threading.Thread(target=fire, name="shatter-exit-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def _exit_code(err: BaseException) -> int:
+    if isinstance(err, SystemExit):
+        return err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+    return int(getattr(err, "exit_code", 1))
+
+
+@contextmanager
+def process_exit(known: tuple[type[BaseException], ...] = ()):
+    """The body of a CLI. `known` errors (bad config, data) and any other exception become one
+    line and exit 1 (a `click.ClickException`); every path arms the exit watchdog and, in a
+    process of its own (`run_cli`), destroys the process group."""
+    import click
+
+    code = 0
+    try:
+        yield
+    except (SystemExit, click.exceptions.Exit, click.ClickException, click.Abort) as err:
+        code = _exit_code(err) if not isinstance(err, click.Abort) else 130
+        raise
+    except KeyboardInterrupt:
+        code = 130
+        raise SystemExit(130) from None
+    except BaseException as err:  # the CLI's last word on any failure
+        code = 1
+        if os.environ.get("SHATTER_TRACEBACK"):
+            traceback.print_exc()
+        line = one_line(err, known=isinstance(err, known))
+        prefix = f"rank {_rank()}: " if os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        raise click.ClickException(prefix + line) from None
+    finally:
+        _owner["code"] = code
+        arm_watchdog(code)
+        if _owner["cli"]:  # in-process callers (tests, notebooks) keep DeepSpeed's cached group
+            close_process_group()
