@@ -23,6 +23,7 @@ ARCHS = (
     "1h-sigmoid",
     "part-bias",
     "shatter",
+    "xlnet",
 )
 
 # How the single-head partition archs compute attention (shatter/attention/impls.py): every impl

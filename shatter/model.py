@@ -21,6 +21,7 @@ from torch import nn
 
 from shatter.attention import ATTENTIONS
 from shatter.config import ModelConfig, preset_config
+from shatter.xlnet import two_stream_encode
 
 IGNORE_INDEX = -100
 
@@ -38,6 +39,10 @@ class Embeddings(nn.Module):
             self.position_embeddings = nn.Embedding(config.max_len, config.hidden)  # P (eq. 4)
         else:
             self.position_embeddings = None
+        if hasattr(ATTENTIONS[config.arch], "two_stream"):
+            # w, the query stream's start at every position (XLNet's mask_emb, shatter/xlnet.py)
+            std = config.initializer_range
+            self.query_stream = nn.Parameter(torch.randn(config.hidden) * std)
         self.layer_norm = nn.LayerNorm(config.hidden, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -179,10 +184,16 @@ class ShatterForMaskedLM(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        perm_rank: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor | None]:
         """With labels ([B, L], -100 where not predicted): logits [M, V] at the M predicted
-        positions and loss = their mean cross-entropy. Without: logits [B, L, V], loss None."""
-        h = self.encoder(input_ids, attention_mask)
+        positions and loss = their mean cross-entropy. Without: logits [B, L, V], loss None.
+        With perm_rank ([B, L], the factorisation order; xlnet): the permutation LM, decoded
+        from the query stream (shatter/xlnet.py)."""
+        if perm_rank is None:
+            h = self.encoder(input_ids, attention_mask)
+        else:
+            h = two_stream_encode(self.encoder, input_ids, attention_mask, perm_rank)[1]
         if labels is None:
             return {"loss": None, "logits": self.mlm_head(h)}
         if labels.shape != input_ids.shape:

@@ -5,7 +5,7 @@ the other single-head partition archs) once per `attention_impl` (`--impls`, def
 that runs on the device), BERT three ways (SDPA with its default attention dropout, the
 reference; SDPA without dropout, which may use a fused flash kernel; SDPA restricted to the
 memory-efficient backend with `torch.nn.attention.sdpa_kernel`, which is what V100s run; CUDA
-only), and every other arch as is. For each sequence length every contender is built at base
+only), and every other arch as is (xlnet: its permutation-LM step, two streams). For each sequence length every contender is built at base
 width (hidden 768, 12 heads or parts, FFN 3072) with a few layers, and in one run
 
 - timed on full MLM train steps (forward, backward, fused AdamW step) on the same batch,
@@ -116,6 +116,17 @@ def make_batch(cfg: BenchConfig, length: int, seed: int = 0) -> dict[str, torch.
     return {k: v.to(cfg.device) for k, v in out.items()}
 
 
+def arch_batch(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """xlnet trains with the permutation LM: its step is the two-stream one, the predicted
+    positions last in a random factorisation order (shatter/xlnet.py, train/plm.py)."""
+    if not hasattr(model.encoder.layers[0].attention, "two_stream"):
+        return batch
+    labels = batch["labels"]
+    g = torch.Generator().manual_seed(2)
+    rank = torch.rand(labels.shape, generator=g).argsort(-1).argsort(-1)
+    return {**batch, "perm_rank": torch.where(labels != -100, rank, -1)}
+
+
 def build(cfg: BenchConfig, contender: Contender, length: int):
     torch.manual_seed(0)
     fields = dict(
@@ -181,8 +192,22 @@ def saved_bytes(model, batch) -> tuple[int, int]:
                 totals["attention"] += nbytes
         return t
 
+    def counted(method):  # the two-stream attention is a method, not the module's forward
+        def run(*args):
+            inside[0] = 1
+            try:
+                return method(*args)
+            finally:
+                inside[0] = 0
+
+        return run
+
     hooks = []
     for block in model.encoder.layers:
+        if hasattr(block.attention, "two_stream"):
+            block.attention.two_stream = counted(
+                type(block.attention).two_stream.__get__(block.attention)
+            )
         hooks.append(block.attention.register_forward_pre_hook(lambda *a: inside.__setitem__(0, 1)))
         hooks.append(block.attention.register_forward_hook(lambda *a: inside.__setitem__(0, 0)))
     try:
@@ -192,6 +217,8 @@ def saved_bytes(model, batch) -> tuple[int, int]:
     finally:
         for h in hooks:
             h.remove()
+        for block in model.encoder.layers:
+            block.attention.__dict__.pop("two_stream", None)
     return totals["all"], totals["attention"]
 
 
@@ -219,17 +246,18 @@ def run(cfg: BenchConfig) -> list[dict]:
             "attention_mask": batch["attention_mask"],
         }
         models = {c: build(cfg, c, length) for c in cfg.contenders}
+        batches = {c: arch_batch(model, batch) for c, (model, _) in models.items()}
         memory, peak = {}, {}
         for c, (model, optimizer) in models.items():
             with c.context(), _autocast(cfg.device):
-                memory[c] = saved_bytes(model, batch)
+                memory[c] = saved_bytes(model, batches[c])
             with c.context():
-                peak[c] = _peak_mb(cfg, model, optimizer, batch)
+                peak[c] = _peak_mb(cfg, model, optimizer, batches[c])
         times = {c: ([], []) for c in cfg.contenders}
         for round_ in range(cfg.warmup + cfg.repeats):
             for c, (model, optimizer) in models.items():  # interleaved: each round times all
                 with c.context():
-                    t_step = _timed(cfg.device, train_step, model, optimizer, batch)
+                    t_step = _timed(cfg.device, train_step, model, optimizer, batches[c])
                     t_attn = _timed(cfg.device, attention_step, model, attention_batch)
                 if round_ >= cfg.warmup:
                     times[c][0].append(t_step)

@@ -1,4 +1,5 @@
-"""MLM evaluation of an export on a split of a shard dataset: loss and accuracy at the masked positions.
+"""MLM evaluation of an export on a split of a shard dataset: loss and accuracy at the masked positions
+(for xlnet its own objective, the permutation LM: the query stream at the targets, train/plm.py).
 
 `python tools/evaluate.py --checkpoint EXPORT --data OUT [--split validation] [--output F.json]`
 
@@ -22,6 +23,7 @@ from shatter.sources import describe_non_export
 from train.config import DataArgs, check_output
 from train.data import validation_stream
 from train.evaluate import evaluate
+from train.plm import default_objective
 
 
 def evaluate_export(
@@ -60,9 +62,10 @@ def evaluate_export(
             f"{data} has rows of length {index.seq_len}, longer than the model's max_len {model.config.max_len}: "
             f"extend it first (shatter-extend {checkpoint} --max-len {index.seq_len} --output DIR)"
         )
+    objective = default_objective(model.config.arch)
     stream = validation_stream(
         index,
-        DataArgs(eval_samples=max_samples),
+        DataArgs(eval_samples=max_samples, objective=objective),
         batch_size=batch_size,
         seq_len=index.seq_len,
         rank=0,
@@ -77,6 +80,7 @@ def evaluate_export(
     return {
         **result,
         "split": split,
+        "objective": objective,
         "seq_len": index.seq_len,
         "checkpoint": str(checkpoint),
         "data": str(data),
@@ -112,7 +116,7 @@ def main(
             check_output(output, directory=False)
         result = evaluate_export(checkpoint, data, split, batch_size, max_samples)
     click.echo(
-        f"{split} (l={result['seq_len']}): loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f} "
+        f"{split} (l={result['seq_len']}, {result['objective']}): loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f} "
         f"over {result['predictions']} masked tokens"
     )
     if output:

@@ -36,6 +36,18 @@ def read_metrics(run: Path) -> tuple[list[tuple[int, float]], list[tuple[int, fl
     return sorted(train), sorted(val)
 
 
+def objective_of(run: Path) -> str:
+    """The objective a run's loss lines are over: "mlm" (also runs older than the field) or "plm"."""
+    path = run / "metrics.jsonl" if run.is_dir() else run
+    seen = set()
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            seen.add(json.loads(line).get("objective") or "mlm")
+        except json.JSONDecodeError:
+            continue
+    return "plm" if seen == {"plm"} else "mlm"
+
+
 def plot(
     runs: list[Path], labels: list[str], output: Path, show_train: bool, title: str | None
 ) -> Path:
@@ -44,6 +56,12 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    objectives = {objective_of(run) for run in runs}
+    if len(objectives) > 1:
+        raise click.ClickException(
+            "these runs mix objectives (mlm and plm): a PLM loss is over other predictions than "
+            "an MLM loss; plot the xlnet runs separately"
+        )
     fig, ax = plt.subplots(
         figsize=(6.3, 2.8), dpi=150
     )  # the paper's figure viewport, 6.3in x 2.8in
@@ -64,7 +82,7 @@ def plot(
         else:
             ax.plot(*zip(*train), color=color, linewidth=1.2, label=f"{label} (train)")
     ax.set_xlabel("steps")
-    ax.set_ylabel("MLM loss")
+    ax.set_ylabel(f"{objectives.pop().upper()} loss")
     ax.grid(True, alpha=0.3)
     ax.legend(frameon=False, fontsize=8)
     if title:

@@ -59,6 +59,10 @@ class DataArgs:
         True  # sha256 of each shard checked against index.json before its first use
     )
     eval_samples: int | None = None  # validation rows evaluated each time; None = the whole split
+    objective: str | None = None  # "mlm" or "plm" (xlnet's permutation LM); None = the arch's own
+    plm_targets: str = "spans"  # plm: "spans" (XLNet's span sampling) or "static" (stored masks)
+    plm_ratio: int = 6  # plm spans: K, one token in about K predicted (XLNet)
+    plm_max_span: int = 5  # plm spans: longest span, lengths drawn with p(n) ∝ 1/n (XLNet)
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,7 @@ FLAGS = {
     "log_every": "run.log_every",
     "seed": "run.seed",
     "masking": "data.masking",
+    "objective": "data.objective",
     "seq_len": "data.seq_len",
     "whole_word": "data.whole_word",
     "num_workers": "data.num_workers",

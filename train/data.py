@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.format import DatasetError, Index, Shard, load_shard
 from train.masking import IGNORE, PAD, SEP, dynamic_mask, ragged_gather, static_mask
+from train.plm import plm_batch, static_plm_batch
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,10 @@ class MaskingSpec:
     fixed_copy: int | None = None  # static: always this stored masking (validation uses 0)
     mask_prob: float = 0.15
     whole_word: bool = False
+    objective: str = "mlm"  # "plm": targets and a factorisation order instead (train/plm.py)
+    plm_targets: str = "spans"
+    plm_ratio: int = 6
+    plm_max_span: int = 5
 
 
 class EpochOrder:
@@ -212,18 +217,23 @@ class ShardStream(IterableDataset):
                 rows = row_of[hit]
                 ids, ws, length = self._gather(shard, rows)
                 uid = self.order.base[s] + rows
-                inputs, labels = self._mask(ids, ws, length, uid, shard, rows, int(epoch))
-                parts.append((in_epoch[hit], inputs, labels, length, uid, int(epoch)))
+                inputs, labels, *rank = self._mask(ids, ws, length, uid, shard, rows, int(epoch))
+                parts.append((in_epoch[hit], inputs, labels, length, uid, int(epoch), rank))
         L = max(p[1].shape[1] for p in parts)
         input_ids = np.full((B, L), PAD, np.int64)
         labels = np.full((B, L), IGNORE, np.int64)
         lengths, uids, epochs = np.zeros(B, np.int64), np.zeros(B, np.int64), np.zeros(B, np.int64)
-        for where, inp, lab, length, uid, epoch in parts:
+        rank = np.full((B, L), -1, np.int64) if parts[0][6] else None  # plm: perm_rank
+        for where, inp, lab, length, uid, epoch, part_rank in parts:
             input_ids[where, : inp.shape[1]] = inp
             labels[where, : lab.shape[1]] = lab
             lengths[where], uids[where], epochs[where] = length, uid, epoch
+            if rank is not None:
+                rank[where, : inp.shape[1]] = part_rank[0]
         attention_mask = (np.arange(L)[None, :] < lengths[:, None]).astype(np.int64)
+        extra = {"perm_rank": torch.from_numpy(rank)} if rank is not None else {}
         return {
+            **extra,
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(attention_mask),
             "labels": torch.from_numpy(labels),
@@ -233,6 +243,8 @@ class ShardStream(IterableDataset):
 
     def _mask(self, ids, ws, length, uid, shard, rows, epoch):
         m = self.masking
+        if m.objective == "plm":
+            return self._plm(ids, length, uid, shard, rows, epoch)
         if m.mode == "static":
             copy = m.fixed_copy if m.fixed_copy is not None else epoch % self.index.dupe_factor
             return static_mask(ids, length, shard, rows, copy)
@@ -248,10 +260,37 @@ class ShardStream(IterableDataset):
             whole_word=m.whole_word,
         )
 
+    def _plm(self, ids, length, uid, shard, rows, epoch):
+        """(ids, labels, perm_rank) of the permutation LM (train/plm.py)."""
+        m = self.masking
+        if m.plm_targets == "static":
+            copy = m.fixed_copy if m.fixed_copy is not None else epoch % self.index.dupe_factor
+            return static_plm_batch(
+                ids, length, shard, rows, copy, uid, epoch=epoch, seed=self.seed
+            )
+        return plm_batch(
+            ids,
+            length,
+            uid,
+            epoch=epoch,
+            seed=self.seed,
+            ratio=m.plm_ratio,
+            max_span=m.plm_max_span,
+        )
+
+
+def _plm_fields(d) -> dict:
+    return dict(
+        objective=d.objective or "mlm",
+        plm_targets=d.plm_targets,
+        plm_ratio=d.plm_ratio,
+        plm_max_span=d.plm_max_span,
+    )
+
 
 def masking_spec(data_args) -> MaskingSpec:
     d = data_args
-    return MaskingSpec(d.masking, None, d.mask_prob, d.whole_word)
+    return MaskingSpec(d.masking, None, d.mask_prob, d.whole_word, **_plm_fields(d))
 
 
 def train_loader(
@@ -295,13 +334,14 @@ def train_loader(
 def validation_stream(
     index: Index, data_args, *, batch_size: int, seq_len: int, rank: int, world_size: int
 ) -> ShardStream:
-    """The validation split in file order with the fixed static masks (copy 0): comparable across runs."""
+    """The validation split in file order with the fixed static masks (copy 0): comparable across
+    runs. With the permutation LM, its targets and orders drawn at seed 0, epoch 0 (or masks copy 0)."""
     return ShardStream(
         index,
         "validation",
         batch_size=batch_size,
         seq_len=seq_len,
-        masking=MaskingSpec("static", fixed_copy=0),
+        masking=MaskingSpec("static", fixed_copy=0, **_plm_fields(data_args)),
         seed=0,
         rank=rank,
         world_size=world_size,

@@ -1,4 +1,5 @@
-"""Validation: masked-LM loss and accuracy at the masked positions of the validation split.
+"""Validation: masked-LM loss and accuracy at the masked positions of the validation split (for
+the permutation LM: the query stream's loss and accuracy at the targets, train/plm.py).
 
 The validation split is read in file order with the fixed static masks (masking copy 0), so the
 figures of two runs or two archs are over the very same predictions. Every rank evaluates its own
@@ -16,7 +17,10 @@ from train.masking import IGNORE
 def masked_lm_sums(model, batch: dict) -> torch.Tensor:
     """[sum of token losses, correct predictions, predicted tokens] of one batch (float64)."""
     labels = batch["labels"]
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels)
+    order = {"perm_rank": batch["perm_rank"]} if "perm_rank" in batch else {}  # plm
+    out = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels, **order
+    )
     logits = out["logits"]
     target = labels[labels != IGNORE]
     if logits.dim() == 3:  # a model that decodes every position

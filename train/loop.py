@@ -31,7 +31,7 @@ from train.evaluate import evaluate
 from train.lifecycle import StopFlag, ignore_stop_signals
 from train.metrics import MetricsWriter, Progress, gpu_memory
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "labels")
+MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "perm_rank")  # perm_rank: plm only
 
 
 class TrainingError(RuntimeError):
@@ -62,11 +62,12 @@ def _due(step: int, every: int, last: int) -> bool:
 def run_validation(ctx: RunContext, step: int, stream: ShardStream) -> dict:
     """One pass over `stream` (the run's validation stream, built once: its shards are hashed and
     decoded on the first pass, not at every evaluation)."""
-    batches = ({k: b[k] for k in MODEL_INPUTS} for b in stream)
+    batches = ({k: b[k] for k in MODEL_INPUTS if k in b} for b in stream)
     result = evaluate(ctx.engine, batches, ctx.engine.device, distributed=ctx.world > 1)
     record = {
         "step": step,
         "split": "validation",
+        "objective": ctx.cfg.data.objective,  # mlm or plm: never plotted against each other
         "loss": result["loss"],
         "accuracy": result["accuracy"],
         "predictions": result["predictions"],
@@ -87,6 +88,7 @@ def _log_line(
     loss = window[0] / window[1] if window[1] > 0 else float("nan")
     record = {
         "step": state.step,
+        "objective": ctx.cfg.data.objective,
         "loss": loss,
         "lr": lr,
         "tokens_per_s": tokens_per_s,
@@ -239,7 +241,9 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
         state.samples += per_micro
         if sync_debug:  # SHATTER_SYNC_DEBUG=warn|error: torch flags each host sync of the step
             torch.cuda.set_sync_debug_mode(sync_debug)
-        inputs = {k: batch[k].to(engine.device, non_blocking=True) for k in MODEL_INPUTS}
+        inputs = {
+            k: batch[k].to(engine.device, non_blocking=True) for k in MODEL_INPUTS if k in batch
+        }
         lr = engine.optimizer.param_groups[0]["lr"]
         loss = engine(**inputs)["loss"]
         if host_reads:

@@ -61,6 +61,7 @@ def measure_activations(
     vocab: int,
     mask_prob: float = 0.15,
     seed: int = 0,
+    objective: str | None = "mlm",
 ) -> float:
     """Bytes autograd saves for backward in one training forward of [batch, length] (CPU run)."""
     gen = torch.Generator().manual_seed(seed)
@@ -69,6 +70,10 @@ def measure_activations(
         torch.rand(batch, length, generator=gen) < mask_prob, ids, torch.full_like(ids, -100)
     )
     mask = torch.ones_like(ids)
+    order = {}
+    if objective == "plm":  # two streams: the targets last in a random order (train/plm.py)
+        rank = torch.rand(batch, length, generator=gen).argsort(-1).argsort(-1)
+        order["perm_rank"] = torch.where(labels != -100, rank, -1)
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, tuple[int, bool]] = {}
     kept = []
@@ -83,7 +88,7 @@ def measure_activations(
 
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, **order)
     del out
     kept.clear()
     scale = 1.0 if precision == "fp32" else 0.5
@@ -95,7 +100,14 @@ def estimate(cfg: TrainConfig, model: torch.nn.Module, seq_len: int, vocab: int)
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     stages = {s: model_states(params, r.precision, s, r.num_gpus) for s in range(4)}
     activations = measure_activations(
-        model, r.micro_batch, seq_len, r.precision, vocab, cfg.data.mask_prob, r.seed
+        model,
+        r.micro_batch,
+        seq_len,
+        r.precision,
+        vocab,
+        cfg.data.mask_prob,
+        r.seed,
+        cfg.data.objective,
     )
     chosen = stages[r.zero_stage].total + activations + CONTEXT_GIB * GIB
     return {

@@ -208,6 +208,11 @@ def _run(cfg: TrainConfig) -> int:
     type=click.Choice(["static", "dynamic"]),
     help="Stored masks by epoch, or fresh ones.",
 )
+@click.option(
+    "--objective",
+    type=click.Choice(["mlm", "plm"]),
+    help="Masked LM, or XLNet's permutation LM (xlnet's default).",
+)
 @click.option("--whole-word/--no-whole-word", default=None, help="Dynamic masking of whole words.")
 @click.option("--seq-len", type=int, help="Truncate rows to this length (at most the data's).")
 @click.option("--num-workers", type=int, help="DataLoader workers per rank.")
@@ -242,10 +247,11 @@ def main(config_file, dry_run, local_rank, **flags):
     """Pretrain a masked-LM encoder on a shard dataset with DeepSpeed."""
     from train.lifecycle import process_exit
     from train.loop import TrainingError
+    from train.plm import with_objective
 
     with process_exit(known=(ConfigError, DatasetError, TrainingError)):
         try:
-            cfg = resolve(config_file, flags)
+            cfg = with_objective(resolve(config_file, flags))
             if dry_run:
                 from train.memory import dry_run_report
 

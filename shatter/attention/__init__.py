@@ -3,7 +3,8 @@
 Contract of every variant (cramming's): `forward(x_BLD, mask_BL) -> context_BLD` before the
 output projection W^O, which the encoder block owns; `pool(y_BD, x_BLD, mask_BL) -> context_BD`
 for the §3.4 classification head; a class attribute `absolute_positions` telling the embeddings
-whether to add learnt absolute position embeddings (eq. 4). Each variant owns its position
+whether to add learnt absolute position embeddings (eq. 4). A variant may also have (xlnet) `two_stream(h, g, mask_BL, rank_BL) -> (content, query)` for the permutation
+LM (shatter/xlnet.py runs the two streams through the same blocks). Each variant owns its position
 parameters (R, W^B) and its constant partition table.
 """
 
@@ -21,6 +22,7 @@ from shatter.attention.single_head import (
     ShatterAttention,
     SingleHeadPartitionAttention,
 )
+from shatter.attention.xlnet import XLNetAttention
 
 ATTENTIONS = {
     "bert": BertAttention,
@@ -32,6 +34,7 @@ ATTENTIONS = {
     "1h-sigmoid": OneHeadSigmoidAttention,
     "part-bias": PartBiasAttention,
     "shatter": ShatterAttention,
+    "xlnet": XLNetAttention,
 }
 
 __all__ = ["ATTENTIONS", "SingleHeadPartitionAttention"]

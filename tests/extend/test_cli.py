@@ -54,7 +54,7 @@ def run(*args):
 
 
 @pytest.mark.parametrize(
-    "arch, added", [("bert", (64 - OLD) * 32), ("shatter", 0), ("bert-rpe", 0)]
+    "arch, added", [("bert", (64 - OLD) * 32), ("shatter", 0), ("bert-rpe", 0), ("xlnet", 0)]
 )
 def test_extends_an_export(export, tmp_path, arch, added):
     out = tmp_path / "extended"

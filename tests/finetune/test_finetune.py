@@ -37,6 +37,42 @@ def write_csv(path, rows):
     return path
 
 
+def multirc_rows(rows, passages: int, questions: int, answers: int) -> list[dict]:
+    """MultiRC (SuperGLUE JSONL): answer a of passage p is right when p + a is odd."""
+    return [
+        {
+            "idx": p,
+            "passage": {
+                "text": rows[p]["review"],
+                "questions": [
+                    {
+                        "idx": q,
+                        "question": "is it good?",
+                        "answers": [
+                            {"idx": a, "text": rows[p + q + a]["review"], "label": (p + a) % 2}
+                            for a in range(answers)
+                        ],
+                    }
+                    for q in range(questions)
+                ],
+            },
+        }
+        for p in range(passages)
+    ]
+
+
+def sts_tsv(path, rows):
+    """An STS-B file (GLUE's columns) pairing each review with the one before it, scores 0..5."""
+    path.write_text(
+        "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+        + "".join(
+            f"{i}\tg\tf\ty\to\ts\ts\t{r['review']}\t{rows[i - 1]['review']}\t{i % 6}.000\n"
+            for i, r in enumerate(rows)
+        )
+    )
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["modified", "cls"])
 def test_classify_learns_the_synthetic_sentiment(tmp_path, export, strategy):
@@ -173,14 +209,7 @@ def test_names_the_file_with_a_missing_column(tmp_path, export):
 
 def test_regression_and_multirc_grouping(tmp_path, export, write_jsonl):
     rows = sentiment_rows(48)
-    sts = tmp_path / "sts.tsv"
-    sts.write_text(
-        "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
-        + "".join(
-            f"{i}\tg\tf\ty\to\ts\ts\t{r['review']}\t{rows[i - 1]['review']}\t{i % 6}.000\n"
-            for i, r in enumerate(rows)
-        )
-    )
+    sts = sts_tsv(tmp_path / "sts.tsv", rows)
     result = run(
         "--task",
         "stsb",
@@ -205,26 +234,7 @@ def test_regression_and_multirc_grouping(tmp_path, export, write_jsonl):
 
     mrc = write_jsonl(
         tmp_path / "mrc.jsonl",
-        [
-            {
-                "idx": p,
-                "passage": {
-                    "text": rows[p]["review"],
-                    "questions": [
-                        {
-                            "idx": q,
-                            "question": "is it good?",
-                            "answers": [
-                                {"idx": a, "text": rows[p + q + a]["review"], "label": (p + a) % 2}
-                                for a in range(3)
-                            ],
-                        }
-                        for q in range(2)
-                    ],
-                },
-            }
-            for p in range(8)
-        ],
+        multirc_rows(rows, passages=8, questions=2, answers=3),
     )
     result = run(
         "--task",

@@ -13,6 +13,7 @@ RELATIVE = [
     "1h-sigmoid",
     "part-bias",
     "shatter",
+    "xlnet",
 ]
 ABSOLUTE = ["bert", "bert-rab"]
 

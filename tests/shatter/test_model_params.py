@@ -16,7 +16,13 @@ def _encoder_params(preset: str) -> int:
 
 
 @pytest.mark.parametrize(
-    "preset,table2", [("shatter-base", 78.0e6), ("bert-base", 84.9e6), ("bert-rpe-base", 87.3e6)]
+    "preset,table2",
+    [
+        ("shatter-base", 78.0e6),
+        ("bert-base", 84.9e6),
+        ("bert-rpe-base", 87.3e6),
+        ("xlnet-base", 92.0e6),
+    ],
 )
 def test_base_parameter_counts_match_table2(preset, table2):
     assert abs(_encoder_params(preset) / table2 - 1) < 0.01
@@ -36,6 +42,7 @@ def _layer_matrices(preset: str, **overrides) -> int:
         ("bert-base", {}, 84.9),
         ("shatter-base", {}, 78.0),
         ("bert-rpe-base", {}, 87.3),
+        ("xlnet-base", {}, 92.0),  # BERT's matrices plus one W_R (d x d) per layer
         # Large: 151.0M and 138.6M hold for 12 layers of width 1024, not the 24 the table states
         ("bert-large", {"layers": 12}, 151.0),
         ("shatter-large", {"layers": 12}, 138.6),

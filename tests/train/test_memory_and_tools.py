@@ -85,3 +85,8 @@ def test_plot_metrics_draws_runs_and_names_a_bad_one(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     result = CliRunner().invoke(main, [str(tmp_path / "nope"), "-o", str(png)])
     assert result.exit_code == 1 and "nope" in result.output
+    plm = tmp_path / "xlnet"
+    plm.mkdir()
+    (plm / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 7.0, "objective": "plm"}))
+    result = CliRunner().invoke(main, [runs[0], str(plm), "-o", str(png)])
+    assert result.exit_code == 1 and "mix objectives" in result.output

@@ -68,6 +68,29 @@ def metrics(run: Path) -> tuple[dict[int, float], dict[int, dict]]:
     return train, val
 
 
+def kill_9_after_a_checkpoint(cmd: list[str], run: Path) -> str:
+    """Start `cmd`, kill -9 the launcher and both ranks once a checkpoint exists and 12 steps are
+    logged; return the tag of the newest checkpoint."""
+    job = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and job.poll() is None:
+            log = run / "metrics.jsonl"
+            logged = log.read_text().count('"lr"') if log.exists() else 0
+            if (run / "checkpoints" / "latest").exists() and logged >= 12:
+                break
+            time.sleep(0.05)
+        assert job.poll() is None, "the run ended before it could be killed"
+        os.killpg(job.pid, signal.SIGKILL)  # kill -9 of the launcher and both ranks
+        job.wait(30)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    return (run / "checkpoints" / "latest").read_text().strip()
+
+
 def export_validation(export: Path, data: Path, eval_samples: int) -> dict:
     model = shatter.from_pretrained(export)
     stream = validation_stream(
@@ -143,27 +166,7 @@ def test_kill_9_after_a_checkpoint_then_restart_gives_the_same_losses(
 ):
     run = tmp_path / "run"
     cmd = command(books_data, run, *FP32_ARGS)
-    job = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline and job.poll() is None:
-            logged = (
-                (run / "metrics.jsonl").read_text().count('"lr"')
-                if (run / "metrics.jsonl").exists()
-                else 0
-            )
-            if (run / "checkpoints" / "latest").exists() and logged >= 12:
-                break
-            time.sleep(0.05)
-        assert job.poll() is None, "the run ended before it could be killed"
-        os.killpg(job.pid, signal.SIGKILL)  # kill -9 of the launcher and both ranks
-        job.wait(30)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    killed_at = (run / "checkpoints" / "latest").read_text().strip()
+    killed_at = kill_9_after_a_checkpoint(cmd, run)
     assert killed_at != "step00000060"
     done = run_to_end(cmd)
     assert f"resuming from step {int(killed_at[4:])}" in done.stderr

@@ -1,0 +1,113 @@
+"""Permutation-LM batches: XLNet's span targets, seeded per (seed, epoch, sample), static option,
+inputs never masked; the objective defaults and refusals."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from shardutil import write_dataset
+
+from pipeline.format import read_index
+from pipeline.masking import SPECIAL_IDS
+from train.config import ConfigError, DataArgs, ModelArgs, TrainConfig
+from train.data import MaskingSpec, ShardStream, validation_stream
+from train.masking import IGNORE
+from train.plm import plm_batch, with_objective
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return write_dataset(
+        tmp_path_factory.mktemp("plm") / "data", shards=(9, 7), seq_len=64, dupe_factor=2
+    )
+
+
+def _stream(index, **kw):
+    spec = MaskingSpec("static", objective="plm", **kw)
+    return ShardStream(index, "train", batch_size=16, seq_len=64, masking=spec, seed=3)
+
+
+def _spans(labels_L: np.ndarray) -> list[int]:
+    runs, n = [], 0
+    for t in (labels_L != IGNORE).tolist() + [False]:
+        if t:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
+
+
+def test_span_targets_follow_xlnet_and_inputs_are_the_rows_own(dataset):
+    index = read_index(dataset)
+    batch = next(iter(_stream(index)))
+    ids, labels, rank = (batch[k].numpy() for k in ("input_ids", "labels", "perm_rank"))
+    plain = next(
+        iter(
+            ShardStream(
+                index, "train", batch_size=16, seq_len=64, masking=MaskingSpec("static"), seed=3
+            )
+        )
+    )
+    original = torch.where(plain["labels"] != IGNORE, plain["labels"], plain["input_ids"])
+    assert np.array_equal(ids, original.numpy())  # the row's own ids: never [MASK]-ed
+    target = labels != IGNORE
+    assert np.array_equal(labels[target], ids[target])
+    assert not np.isin(ids[target], SPECIAL_IDS).any()
+    share = target.sum() / batch["attention_mask"].numpy().sum()
+    assert 0.08 < share < 0.25, share  # about 1/K = 1/6
+    assert max(n for row in labels for n in _spans(row)) <= 5
+    for b in range(len(ids)):  # targets last, in an order: ranks 0..M-1; context -1
+        assert sorted(rank[b][target[b]].tolist()) == list(range(target[b].sum()))
+        assert (rank[b][~target[b]] == -1).all()
+
+
+def test_targets_and_orders_depend_on_seed_epoch_and_sample_only():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, 100, (6, 40))
+    lengths = np.full(6, 40)
+    uid = np.arange(10, 16)
+    a = plm_batch(ids, lengths, uid, epoch=2, seed=7)
+    b = plm_batch(ids[::-1], lengths, uid[::-1], epoch=2, seed=7)  # other batch composition
+    for x, y in zip(a[1:], b[1:]):
+        assert np.array_equal(x, y[::-1])
+    c = plm_batch(ids, lengths, uid, epoch=3, seed=7)
+    assert not np.array_equal(a[1], c[1])
+    d = plm_batch(ids, lengths, uid, epoch=2, seed=8)
+    assert not np.array_equal(a[2], d[2])
+
+
+def test_static_targets_are_the_stored_mask_positions(dataset):
+    index = read_index(dataset)
+    plm = next(iter(_stream(index, plm_targets="static")))
+    mlm = next(
+        iter(
+            ShardStream(
+                index, "train", batch_size=16, seq_len=64, masking=MaskingSpec("static"), seed=3
+            )
+        )
+    )
+    assert torch.equal(plm["labels"], mlm["labels"])
+    assert not torch.equal(plm["input_ids"], mlm["input_ids"])  # the MLM's are [MASK]-ed
+
+
+def test_validation_is_fixed_and_carries_the_order(dataset):
+    index = read_index(dataset)
+    args = DataArgs(objective="plm")
+    one, two = (
+        next(iter(validation_stream(index, args, batch_size=4, seq_len=64, rank=0, world_size=1)))
+        for _ in range(2)
+    )
+    assert "perm_rank" in one and torch.equal(one["perm_rank"], two["perm_rank"])
+
+
+def test_objective_defaults_to_the_arch_and_plm_is_refused_for_mlm_archs():
+    cfg = lambda preset, **d: TrainConfig(model=ModelArgs(preset=preset), data=DataArgs(**d))  # noqa: E731
+    assert with_objective(cfg("xlnet-tiny")).data.objective == "plm"
+    assert with_objective(cfg("xlnet-tiny", objective="mlm")).data.objective == "mlm"
+    assert with_objective(cfg("bert-tiny")).data.objective == "mlm"
+    with pytest.raises(ConfigError, match="objective plm needs a two-stream arch"):
+        with_objective(cfg("shatter-tiny", objective="plm"))
+    with pytest.raises(ConfigError, match="plm_targets"):
+        with_objective(cfg("xlnet-tiny", plm_targets="words"))
