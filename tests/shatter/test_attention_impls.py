@@ -228,3 +228,33 @@ def test_chunked_in_low_precision_tracks_the_fp64_reference(form, dtype, device)
     for got, want in zip(run(low, "chunked"), run(exact, "naive"), strict=True):
         assert got.dtype == dtype
         assert (got.double() - want).norm() <= tol * want.norm()
+
+
+def _interpreted_triton():
+    """Skip unless the Triton kernel can run here on CPU tensors (TRITON_INTERPRET=1)."""
+    import os
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("arch", SINGLE_HEAD)
+def test_whole_model_with_triton_equals_naive_on_cpu(arch):
+    """build_model(..., attention_impl="triton") runs forward and backward on CPU tensors (the
+    kernel under Triton's interpreter) and gives the naive reference's logits and gradients."""
+    _interpreted_triton()
+    x, mask, labels = _batch()
+    models = {impl: tiny(arch, attention_impl=impl) for impl in ("triton", "naive")}
+    outs = {}
+    for impl, model in models.items():
+        outs[impl] = model(x, mask, labels)
+        outs[impl]["loss"].backward()
+    torch.testing.assert_close(
+        outs["triton"]["logits"], outs["naive"]["logits"], rtol=1e-4, atol=1e-4
+    )
+    for (name, p), q in zip(
+        models["triton"].named_parameters(), models["naive"].parameters(), strict=True
+    ):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
+

@@ -189,3 +189,11 @@ def test_bert_rab_bias_is_w_b_at_the_bucket_of_each_pair():
     torch.testing.assert_close(bias[0], direct, rtol=0, atol=0)
     torch.testing.assert_close(bias[1, :, :, :250], direct[:, :, :250], rtol=0, atol=0)
     assert (bias[1, :, :, 250:] < -1e30).all()  # padded keys
+
+
+def test_the_config_knows_exactly_the_registered_archs():
+    """ARCHS (which the config validates against) and the registry name the same archs, in order."""
+    from shatter.attention import ATTENTIONS
+    from shatter.config import ARCHS
+
+    assert tuple(ATTENTIONS) == ARCHS
