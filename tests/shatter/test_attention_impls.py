@@ -257,4 +257,3 @@ def test_whole_model_with_triton_equals_naive_on_cpu(arch):
         models["triton"].named_parameters(), models["naive"].parameters(), strict=True
     ):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
-
