@@ -1,6 +1,6 @@
 """Masked-LM pretraining of the Shatter encoder and its baselines with DeepSpeed.
 
-    deepspeed --num_gpus 8 train/pretrain.py --data OUT --output RUN --config configs/v100x8-shatter-base-256.yaml
+    deepspeed --num_gpus 8 train/pretrain.py --data OUT --output RUN --config configs/v100x8-base-256.yaml [--preset bert-base]
     python train/pretrain.py --data OUT --output RUN --preset shatter-tiny --config configs/cpu-tiny.yaml
 
 Parse, build, train, close (torchtitan's train.py shape). Running the same command again with the

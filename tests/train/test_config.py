@@ -53,8 +53,7 @@ def test_flags_override_the_file(tmp_path):
 def test_shipped_configs_load(path):
     cfg = load_yaml(path).validate()
     if path.name.startswith("v100x8"):
-        arch = path.name[len("v100x8-") : -len("-base-256.yaml")]
-        assert cfg.model.preset == f"{arch}-base"
+        assert cfg.model.preset == "shatter-base"
         r = cfg.run
         assert (
             r.micro_batch * r.grad_accum * r.num_gpus,
@@ -64,18 +63,25 @@ def test_shipped_configs_load(path):
         ) == (128, 256, 1_600_000, "fp16")
 
 
-def test_every_arch_has_a_v100_config():
-    import shatter
+@pytest.mark.parametrize("arch", ["bert", "xlnet", "no-position"])
+def test_one_gpu_config_serves_every_arch(arch):
+    """One config plus --preset gives every row of the paper's GPU table; the objective follows
+    the arch (plm for xlnet) unless the config or a flag sets it."""
+    from train.plm import with_objective
 
-    names = {p.name for p in CONFIGS}
-    assert {f"v100x8-{arch}-base-256.yaml" for arch in shatter.ARCHS} <= names
+    cfg = with_objective(
+        resolve(str(REPO / "configs" / "v100x8-base-256.yaml"), {"preset": f"{arch}-base"})
+    )
+    assert cfg.model.preset == f"{arch}-base"
+    assert cfg.data.objective == ("plm" if arch == "xlnet" else "mlm")
+    assert (cfg.data.seq_len, cfg.run.precision) == (256, "fp16")
 
 
 def test_fp16_config_validated_by_deepspeed():
     """fp16 cannot run on this CPU: its DeepSpeed config is checked by DeepSpeed's own parser."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    cfg = load_yaml(REPO / "configs" / "v100x8-shatter-base-256.yaml")
+    cfg = load_yaml(REPO / "configs" / "v100x8-base-256.yaml")
     assert deepspeed_config(cfg, 8, cpu=False)["train_batch_size"] == 128
     parsed = DeepSpeedConfig(
         deepspeed_config(cfg, 1, cpu=False)
