@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import socket
 import statistics
 import subprocess
 import sys
@@ -151,6 +152,14 @@ def merge(base: dict, over: dict) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for the DeepSpeed launcher's rendezvous (its default,
+    29500, is shared by every job on the host: two at once would join each other's collectives)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -350,7 +359,10 @@ class Study:
         record = record or {**wanted, "wall_s": 0.0}
         run.mkdir(parents=True, exist_ok=True)
         record_path.write_text(json.dumps(record, indent=1) + "\n")
-        seconds = self.execute(run.name, cmd, run / "reproduce.log")
+        launch = cmd
+        if self.ranks > 1:  # a port of its own: two studies on one host must not share a master
+            launch = [*cmd[:3], "--master_port", str(free_port()), *cmd[3:]]
+        seconds = self.execute(run.name, launch, run / "reproduce.log")
         if not self.finished(run):
             raise StudyError(
                 f"run {run.name} ended without an export at step {self.steps}: {' '.join(cmd)}; "
