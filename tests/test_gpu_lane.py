@@ -1,0 +1,144 @@
+""".ci/gpu: the wheel set's selection and checks (.ci/gpu/wheelset.py) and run.sh's steps in a
+dry run, whose commands name options the tools have."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("wheelset", REPO / ".ci" / "gpu" / "wheelset.py")
+wheelset = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(wheelset)
+
+
+def meta(name, version, *needs):
+    return {"name": name, "version": version, "requires_dist": list(needs)}
+
+
+def test_select_stops_at_image_packages_and_follows_markers_and_extras():
+    report = {
+        "apache-beam": meta(
+            "apache-beam",
+            "2.77.0",
+            "numpy<2.5",
+            "fasteners>=0.3",
+            "pytz; python_version >= '3.12'",
+            "oldthing; python_version < '3.10'",
+            "google-cloud; extra == 'gcp'",
+        ),
+        "numpy": meta("numpy", "2.4.6"),
+        "fasteners": meta("fasteners", "0.20"),
+        "pytz": meta("pytz", "2026.6"),
+        # an image package at a newer release than the image's: its needs are not carried
+        "huggingface-hub": meta("huggingface_hub", "2.4.0", "httpx2"),
+        "httpx2": meta("httpx2", "2.16.2"),
+        "datasets": meta("datasets", "5.2.0", "huggingface-hub>=1.31", "dill<0.4.2"),
+        "dill": meta("dill", "0.4.1"),
+        "pydantic": meta("pydantic", "2.14.3", "email-validator; extra == 'email'"),
+        "email-validator": meta("email_validator", "2.0"),
+    }
+    image = {"numpy", "huggingface-hub"}
+    top = ["apache-beam>=2.60", "datasets>=3.0", "numpy>=1.24", "pydantic[email]"]
+    assert wheelset.select(report, image, top) == {
+        "apache-beam": "2.77.0",
+        "fasteners": "0.20",
+        "pytz": "2026.6",
+        "datasets": "5.2.0",
+        "dill": "0.4.1",
+        "pydantic": "2.14.3",
+        "email-validator": "2.0",
+    }
+
+
+def test_select_fails_on_a_requirement_the_report_lacks():
+    with pytest.raises(SystemExit, match="fasteners>=0.3 is not in the resolver's report"):
+        wheelset.select({"a": meta("a", "1", "fasteners>=0.3")}, set(), ["a"])
+
+
+def test_check_reports_duplicates_shadowing_and_known_version_conflicts(tmp_path, capsys):
+    for name, version, needs in [
+        ("beam", "1.0", ["numpy<2.5"]),
+        ("dill", "0.4.0", []),
+        ("dill", "0.4.1", []),
+        ("numpy", "2.4.6", []),
+    ]:
+        dist = f"{name}-{version}"
+        with zipfile.ZipFile(tmp_path / f"{dist}-py3-none-any.whl", "w") as z:
+            lines = [f"Name: {name}", f"Version: {version}"] + [
+                f"Requires-Dist: {x}" for x in needs
+            ]
+            z.writestr(f"{dist}.dist-info/METADATA", "\n".join(lines) + "\n\nbody\n")
+    assert wheelset.check(tmp_path, {"numpy"}, {"numpy": "2.5.2"}) == 1
+    out = capsys.readouterr().out
+    assert "error: dill comes 2 times" in out
+    assert "error: numpy-2.4.6-py3-none-any.whl shadows the image's numpy" in out
+    assert "note: beam 1.0 asks numpy<2.5; the image has 2.5.2" in out
+
+
+def test_stub_wheel_installs_with_pip(tmp_path):
+    stub = wheelset.write_stub(tmp_path, "Typing_Extensions", "4.16.0")
+    assert stub.name == "typing_extensions-4.16.0-py3-none-any.whl"
+    assert wheelset.wheel_metadata(stub) == ("Typing_Extensions", "4.16.0", [])
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--target",
+            str(tmp_path / "t"),
+            stub,
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PIP_CONFIG_FILE": os.devnull},
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "t" / "typing_extensions-4.16.0.dist-info" / "METADATA").is_file()
+
+
+def test_project_requirements_are_setup_cfgs():
+    reqs = wheelset.project_requirements()
+    assert "apache-beam>=2.60" in reqs and any(r.startswith("deepspeed") for r in reqs)
+    assert not any(r.startswith("#") or r.startswith("pytest") for r in reqs)
+
+
+def test_run_sh_dry_run_names_every_step_and_options_the_tools_have(tmp_path):
+    env = {**os.environ, "GPU_DRY": "1", "OUT": str(tmp_path)}
+    done = subprocess.run(
+        ["bash", ".ci/gpu/run.sh", "all", "-k", "kernel"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    commands = [x for x in done.stdout.splitlines() if x.startswith("+ timeout ")]
+    assert len(commands) == 5, done.stdout
+    assert "-m pytest -q -m gpu -s -x --timeout 120 -k kernel" in commands[1]
+    for command in commands[2:]:
+        tool = re.search(r"tools/(\w+)\.py", command).group(1)
+        source = (REPO / "tools" / f"{tool}.py").read_text()
+        for option in re.findall(r" (--[a-z-]+)", command):
+            assert f'"{option}"' in source, (tool, option)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.count("dry run") == 5
+    bad = subprocess.run(
+        ["bash", ".ci/gpu/run.sh", "benchmarks"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "unknown step 'benchmarks'" in bad.stderr
