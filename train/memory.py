@@ -138,6 +138,8 @@ def dry_run_report(cfg: TrainConfig) -> str:
     overrides = dict(cfg.model.overrides)
     if index is not None:
         overrides.setdefault("vocab_size", index.vocab_size)
+        for field, value in shatter.special_id_overrides(index.special_ids).items():
+            overrides.setdefault(field, value)
     seq_len = cfg.data.seq_len or (index.seq_len if index else 256)
     overrides.setdefault("max_len", seq_len)  # as pretrain.py builds it
     torch.manual_seed(cfg.run.seed)

@@ -121,7 +121,12 @@ def _run(cfg: TrainConfig) -> int:
     torch.manual_seed(cfg.run.seed)
     # The model is built for the length it is trained at (the paper pretrains BERT_GPU and
     # Shatter_GPU at 256); `shatter-extend` stretches it to 512 or 1024 for finetuning.
-    overrides = {"vocab_size": index.vocab_size, "max_len": seq_len, **cfg.model.overrides}
+    overrides = {
+        "vocab_size": index.vocab_size,
+        "max_len": seq_len,
+        **shatter.special_id_overrides(index.special_ids),  # [SEP] for xlnet's segments
+        **cfg.model.overrides,
+    }
     model = shatter.build_model(cfg.model.preset, **overrides)
     if seq_len > model.config.max_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_len {model.config.max_len}")
