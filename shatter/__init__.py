@@ -11,7 +11,14 @@ See docs/model.md and the paper (Shatter, §2-3 and the appendix).
 
 from shatter import heads, partition
 from shatter.checkpoint import CheckpointError, from_pretrained, load_config, save_pretrained
-from shatter.config import ARCHS, PARTITION_ARCHS, SIZES, ModelConfig, preset_config
+from shatter.config import (
+    ARCHS,
+    PARTITION_ARCHS,
+    SIZES,
+    ModelConfig,
+    preset_config,
+    special_id_overrides,
+)
 from shatter.model import (
     Encoder,
     EncoderOutput,
@@ -37,4 +44,5 @@ __all__ = [
     "partition",
     "preset_config",
     "save_pretrained",
+    "special_id_overrides",
 ]

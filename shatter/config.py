@@ -48,6 +48,7 @@ class ModelConfig:
     initializer_range: float = 0.02  # std of the normal init of weights (BERT's value)
     layer_norm_eps: float = 1e-12  # LayerNorm epsilon (BERT's value)
     pad_id: int = 0  # [PAD] id (DESIGN.md special ids)
+    sep_id: int = 3  # [SEP] id: xlnet's segments are counted from it (index.json special_ids)
     rpe_max_distance: int = 128  # bert-rpe: R has 2*128-1 rows, distances clipped to +-127 (§4)
     rab_buckets: int = 32  # bert-rab: T5 relative attention bias buckets (T5 default)
     rab_max_distance: int = 128  # bert-rab: T5 max distance for the log-spaced buckets
@@ -59,6 +60,12 @@ class ModelConfig:
         for name in ("vocab_size", "hidden", "layers", "heads", "ffn", "max_len"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"config.{name} must be positive, got {getattr(self, name)!r}")
+        for name in ("pad_id", "sep_id"):
+            if not 0 <= int(getattr(self, name)) < self.vocab_size:
+                raise ValueError(
+                    f"config.{name} must be an id below vocab_size={self.vocab_size}, "
+                    f"got {getattr(self, name)!r}"
+                )
         if self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.arch in PARTITION_ARCHS and (self.heads < 4 or self.heads % 2):
@@ -104,6 +111,20 @@ class ModelConfig:
         if "arch" not in data:
             raise ValueError("ModelConfig needs an 'arch'")
         return cls(**data)
+
+
+# The ModelConfig fields that hold a special token's id, by the token's piece.
+SPECIAL_ID_FIELDS = {"[PAD]": "pad_id", "[SEP]": "sep_id"}
+
+
+def special_id_overrides(special_ids: Mapping[str, int]) -> dict[str, int]:
+    """The config fields for a tokenizer's special ids (index.json `tokenizer.special_ids`,
+    `{"[PAD]": 0, "[SEP]": 3, ...}`); pieces it does not list keep the config's defaults."""
+    return {
+        field: int(special_ids[piece])
+        for piece, field in SPECIAL_ID_FIELDS.items()
+        if piece in special_ids
+    }
 
 
 # Sizes: tiny and small are for CPU runs and tests; base and large follow Table 2.

@@ -74,13 +74,14 @@ class SequenceClassificationModel(nn.Module):
         if self.strategy == "cls":
             return self.encoder(input_ids, attention_mask)[:, 0]
         mask_BL = self.encoder.key_mask(input_ids, attention_mask)
+        inputs = self.encoder.attention_inputs(input_ids)  # e.g. xlnet's segments, for X^k
         x = self.encoder.embeddings(input_ids)  # X^0
         y = self.query.expand(input_ids.shape[0], -1)  # y^0
         last = len(self.encoder.layers) - 1
         for k, block in enumerate(self.encoder.layers):
             y = block.pool(y, x, mask_BL)  # y^{k+1} from y^k and X^k
             if k < last:  # X^L itself is never read
-                x = block(x, mask_BL)
+                x = block(x, mask_BL, **inputs)
         return y
 
     def forward(

@@ -4,7 +4,9 @@
   them (eq. 4: x^0_i = LayerNorm(E(w_i) + P[i])), then dropout.
 - Block: post-LN BERT block. The attention variant (from the registry, shatter/attention/) gives
   the context; the block applies W^O, dropout, residual, LayerNorm, a GELU FFN, residual,
-  LayerNorm. It never branches on the variant.
+  LayerNorm. It never branches on the variant: the per-forward inputs a variant declares
+  (`segments = True`: segment_BL from the [SEP]s, xlnet) are computed once by the encoder
+  (`Encoder.attention_inputs`) and passed through the blocks as keyword arguments, unread.
 - ShatterForMaskedLM: the MLM head (dense, GELU, LayerNorm, decoder tied to the word embeddings)
   decodes only the predicted positions (cramming).
 
@@ -13,6 +15,7 @@ References: Devlin et al. 2019 (BERT, HF `modeling_bert.py`), nanoGPT `model.py`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -24,6 +27,13 @@ from shatter.config import ModelConfig, preset_config
 from shatter.xlnet import two_stream_encode
 
 IGNORE_INDEX = -100
+
+
+def segment_ids(input_ids_BL: torch.Tensor, sep_id: int) -> torch.Tensor:
+    """[B, L] segment index: the number of [SEP] strictly before each position, so
+    `[CLS] a [SEP]` is segment 0 and `b [SEP]` segment 1 (on the ids' device, no host sync)."""
+    sep = (input_ids_BL == sep_id).long()
+    return sep.cumsum(-1) - sep
 
 
 class EncoderOutput(NamedTuple):
@@ -67,8 +77,9 @@ class Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
-        return self.finish(self.attention(x_BLD, mask_BL), x_BLD)
+    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor, **inputs) -> torch.Tensor:
+        """`inputs`: the variant's own per-forward inputs (Encoder.attention_inputs), passed on."""
+        return self.finish(self.attention(x_BLD, mask_BL, **inputs), x_BLD)
 
     def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         """y^{k+1} from y^k attending over this layer's input X^k with its own weights (§3.4)."""
@@ -86,6 +97,7 @@ class Encoder(nn.Module):
         self.config = config
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Block(config, k) for k in range(config.layers))
+        self.segments = getattr(ATTENTIONS[config.arch], "segments", False)
 
     def forward(
         self,
@@ -95,15 +107,24 @@ class Encoder(nn.Module):
     ):
         """[B, L] ids (and 1/0 mask) -> X^L [B, L, d]; with output_hidden_states an EncoderOutput."""
         mask_BL = self.key_mask(input_ids, attention_mask)
+        inputs = self.attention_inputs(input_ids)
         x = self.embeddings(input_ids)
         hidden = (
             [x] if output_hidden_states else None
         )  # else each X^k is freed once used (inference)
         for block in self.layers:
-            x = block(x, mask_BL)
+            x = block(x, mask_BL, **inputs)
             if hidden is not None:
                 hidden.append(x)
         return EncoderOutput(x, tuple(hidden)) if hidden is not None else x
+
+    def attention_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-forward inputs the attention variant declares, as keyword arguments of its
+        forward and two_stream: `segment_BL` (segment_ids from config.sep_id) when it sets
+        `segments = True` (xlnet), else none."""
+        if not self.segments:
+            return {}
+        return {"segment_BL": segment_ids(input_ids, self.config.sep_id)}
 
     def key_mask(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
@@ -205,6 +226,23 @@ class ShatterForMaskedLM(nn.Module):
         target = labels[predicted]
         loss = F.cross_entropy(logits, target) if target.numel() else logits.sum() * 0.0
         return {"loss": loss, "logits": logits}
+
+
+def zero_missing(model: nn.Module, missing: Iterable[str]) -> tuple[list[str], list[str]]:
+    """For weights loaded with `missing` keys: zero the parameters that their module declares in
+    `zero_if_missing` (weights added after exports were written, whose zero reproduces the
+    model saved without them). Returns (zeroed keys, keys still missing)."""
+    missing = set(missing)
+    zeroed = []
+    for prefix, module in model.named_modules():
+        for name in getattr(module, "zero_if_missing", ()):
+            key = f"{prefix}.{name}" if prefix else name
+            if key in missing:
+                with torch.no_grad():
+                    getattr(module, name).zero_()
+                missing.discard(key)
+                zeroed.append(key)
+    return zeroed, sorted(missing)
 
 
 def build_model(preset: str, **overrides) -> ShatterForMaskedLM:

@@ -3,7 +3,8 @@
 The content stream starts from the word embeddings, h^0 = X^0; the query stream from one
 trainable vector, g^0_i = w at every position (XLNet's mask_emb; `Embeddings.query_stream`).
 In every block both streams go through the variant's `two_stream` attention (the factorisation
-order masks, shatter/attention/xlnet.py) and then the block's own `finish` (W^O, residual,
+order masks and the relative segment encoding, shatter/attention/xlnet.py; both streams get
+the same `Encoder.attention_inputs`) and then the block's own `finish` (W^O, residual,
 LayerNorm, FFN), so the blocks stay free of per-arch branches. Predictions come from g^L; only
 the content stream (`Encoder.forward`) exists at finetuning and evaluation.
 
@@ -36,9 +37,10 @@ def two_stream_encode(
             f"perm_rank shape {tuple(rank_BL.shape)} != input_ids shape {tuple(input_ids.shape)}"
         )
     mask_BL = encoder.key_mask(input_ids, attention_mask)
+    inputs = encoder.attention_inputs(input_ids)  # segment_BL, shared by both streams
     h = encoder.embeddings(input_ids)
     g = encoder.embeddings.dropout(encoder.embeddings.query_stream.expand_as(h))
     for block in encoder.layers:
-        content, query = block.attention.two_stream(h, g, mask_BL, rank_BL)
+        content, query = block.attention.two_stream(h, g, mask_BL, rank_BL, **inputs)
         h, g = block.finish(content, h), block.finish(query, g)
     return h, g

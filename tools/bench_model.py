@@ -169,8 +169,9 @@ def train_step(model, optimizer, batch, device: str = "cpu") -> None:
 def attention_step(model, batch, device: str = "cpu") -> None:
     """Forward and backward of block 0's attention module alone on random hidden states."""
     attention = model.encoder.layers[0].attention
+    inputs = model.encoder.attention_inputs(batch["input_ids"])
     with _autocast(device):
-        out = attention(batch["hidden"], batch["attention_mask"].bool())
+        out = attention(batch["hidden"], batch["attention_mask"].bool(), **inputs)
     out.float().sum().backward()
     batch["hidden"].grad = None
 
@@ -193,10 +194,10 @@ def saved_bytes(model, batch) -> tuple[int, int]:
         return t
 
     def counted(method):  # the two-stream attention is a method, not the module's forward
-        def run(*args):
+        def run(*args, **kwargs):
             inside[0] = 1
             try:
-                return method(*args)
+                return method(*args, **kwargs)
             finally:
                 inside[0] = 0
 
@@ -244,6 +245,7 @@ def run(cfg: BenchConfig) -> list[dict]:
             .to(cfg.device)
             .requires_grad_(),
             "attention_mask": batch["attention_mask"],
+            "input_ids": batch["input_ids"],  # for per-forward inputs such as xlnet's segments
         }
         models = {c: build(cfg, c, length) for c in cfg.contenders}
         batches = {c: arch_batch(model, batch) for c, (model, _) in models.items()}

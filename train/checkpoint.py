@@ -86,9 +86,26 @@ def resume(engine, run_dir: Path) -> tuple[TrainState, dict | None, dict | None]
     except (RuntimeError, KeyError, ValueError) as err:  # e.g. weights of another shape
         from train.config import ConfigError
 
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        where = run_dir / CHECKPOINTS / name
+        lines = [line.strip() for line in str(err).strip().splitlines()] or [type(err).__name__]
+        added = sorted(
+            {
+                n
+                for m in engine.module.modules()
+                for n in getattr(m, "zero_if_missing", ())
+                if f'.{n}"' in str(err)
+            }
+        )
+        if added and "Missing key" in str(err):  # weights the arch gained after this run began
+            raise ConfigError(
+                f"{where} was written before this {engine.module.config.arch} model had "
+                f"{', '.join(added)}: a run cannot resume across that change (its optimizer "
+                "state has no slot for them); start another --output, or finetune or "
+                "shatter-extend its export or checkpoint, which load them at zero"
+            ) from None
+        first = next((line for line in lines if "key(s)" in line or "size mismatch" in line), None)
         raise ConfigError(
-            f"{run_dir / CHECKPOINTS / name} cannot be resumed by this model ({first}); use the "
+            f"{where} cannot be resumed by this model ({(first or lines[0])[:300]}); use the "
             "run's own --preset, --seq-len and data, or another --output for a new run"
         ) from None
     if path is None:

@@ -185,6 +185,19 @@ def lr_at(optim: OptimArgs, max_steps: int, step: int) -> float:
     return optim.lr * max(0.0, (max_steps - step) / max(1.0, max_steps - warmup))
 
 
+def model_overrides(cfg: TrainConfig, index: Any, seq_len: int) -> dict[str, Any]:
+    """The ModelConfig fields a run builds its model with: the training length and, from the
+    dataset's index (when read), its vocabulary and special ids ([SEP] counts xlnet's segments);
+    the config's own model.overrides win."""
+    from shatter.config import special_id_overrides
+
+    fields: dict[str, Any] = {"max_len": seq_len}
+    if index is not None:
+        fields["vocab_size"] = index.vocab_size
+        fields.update(special_id_overrides(index.special_ids))
+    return {**fields, **cfg.model.overrides}
+
+
 def schedule_problem(cfg: TrainConfig) -> str | None:
     """A sentence when the schedule keeps the lr near 0 for most of the run, else None."""
     o, steps = cfg.optim, cfg.run.max_steps

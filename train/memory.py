@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.config import TrainConfig
+from train.config import TrainConfig, model_overrides
 
 GIB = 1024**3
 CONTEXT_GIB = (
@@ -135,13 +135,10 @@ def dry_run_report(cfg: TrainConfig) -> str:
             note = f"(data: {cfg.data.path}, seq_len {index.seq_len}, vocab {index.vocab_size})"
     else:
         note = "(no --data: vocabulary and length from the config and the preset)"
-    overrides = dict(cfg.model.overrides)
-    if index is not None:
-        overrides.setdefault("vocab_size", index.vocab_size)
     seq_len = cfg.data.seq_len or (index.seq_len if index else 256)
-    overrides.setdefault("max_len", seq_len)  # as pretrain.py builds it
     torch.manual_seed(cfg.run.seed)
-    model = shatter.build_model(cfg.model.preset, **overrides)
+    # as pretrain.py builds it
+    model = shatter.build_model(cfg.model.preset, **model_overrides(cfg, index, seq_len))
     vocab = model.config.vocab_size
     ds = resolved_deepspeed_config(
         cfg, cfg.run.num_gpus, cpu=False if cfg.run.precision == "fp16" else None

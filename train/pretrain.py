@@ -31,6 +31,7 @@ from train.config import (  # noqa: E402
     PresetError,
     TrainConfig,
     check_output,
+    model_overrides,
     resolve,
     schedule_problem,
 )
@@ -121,8 +122,7 @@ def _run(cfg: TrainConfig) -> int:
     torch.manual_seed(cfg.run.seed)
     # The model is built for the length it is trained at (the paper pretrains BERT_GPU and
     # Shatter_GPU at 256); `shatter-extend` stretches it to 512 or 1024 for finetuning.
-    overrides = {"vocab_size": index.vocab_size, "max_len": seq_len, **cfg.model.overrides}
-    model = shatter.build_model(cfg.model.preset, **overrides)
+    model = shatter.build_model(cfg.model.preset, **model_overrides(cfg, index, seq_len))
     if seq_len > model.config.max_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_len {model.config.max_len}")
     engine = build_engine(model, cfg, ds_config)

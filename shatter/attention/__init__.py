@@ -3,9 +3,15 @@
 Contract of every variant (cramming's): `forward(x_BLD, mask_BL) -> context_BLD` before the
 output projection W^O, which the encoder block owns; `pool(y_BD, x_BLD, mask_BL) -> context_BD`
 for the §3.4 classification head; a class attribute `absolute_positions` telling the embeddings
-whether to add learnt absolute position embeddings (eq. 4). A variant may also have (xlnet) `two_stream(h, g, mask_BL, rank_BL) -> (content, query)` for the permutation
-LM (shatter/xlnet.py runs the two streams through the same blocks). Each variant owns its position
-parameters (R, W^B) and its constant partition table.
+whether to add learnt absolute position embeddings (eq. 4). A variant may also have (xlnet):
+- `two_stream(h, g, mask_BL, rank_BL, **inputs) -> (content, query)` for the permutation LM
+  (shatter/xlnet.py runs the two streams through the same blocks);
+- `segments = True`: forward and two_stream also take `segment_BL` ([B, L], the number of [SEP]
+  before each position), which the encoder computes once per forward
+  (`Encoder.attention_inputs`) and the blocks pass through unread;
+- `zero_if_missing`: names of its parameters that an older export may lack and that load at
+  zero (the model as saved, shatter/checkpoint.py).
+Each variant owns its position parameters (R, W^B) and its constant partition table.
 """
 
 from shatter.attention.multihead import (

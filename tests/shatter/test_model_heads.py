@@ -16,6 +16,8 @@ POSITION_ONLY = (
     "relative_attention_bias",
     "attention.relative.weight",  # xlnet's W_R
     "position_bias",  # xlnet's v
+    "segment_embeddings",  # xlnet's s+, s-: the learnt query has no segment either
+    "segment_bias",  # xlnet's b
 )
 
 

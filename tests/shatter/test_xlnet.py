@@ -1,9 +1,18 @@
-"""XLNet's two streams: what each stream at z_t may see, and the single-stream encoder."""
+"""XLNet: what each stream at z_t may see, the single-stream encoder, the relative segments."""
+
+import hashlib
+import json
 
 import pytest
+import safetensors.torch
 import torch
 from shatter_tiny import ids, tiny
 
+import shatter
+from shatter.attention.xlnet import XLNetAttention
+from shatter.config import preset_config
+from shatter.model import segment_ids
+from shatter.sources import MODEL_STATES, load_deepspeed
 from shatter.xlnet import two_stream_encode
 
 
@@ -43,9 +52,11 @@ def test_query_stream_at_z_t_sees_exactly_the_content_of_z_before_t(t):
             assert content_gap < 1e-6, (s, content_gap)
 
 
-def test_with_every_position_visible_the_content_stream_is_the_encoder():
+@pytest.mark.parametrize("seps", [(), (3, 6)])
+def test_with_every_position_visible_the_content_stream_is_the_encoder(seps):
     model = tiny("xlnet")
     x = ids(2, 10)
+    x[:, list(seps)] = 3  # [SEP]: pairs, segments 0, 1, 2
     mask = torch.ones_like(x)
     mask[1, 7:] = 0
     h, _ = two_stream_encode(model.encoder, x, mask, torch.zeros_like(x))
@@ -85,3 +96,135 @@ def test_mlm_archs_refuse_a_factorisation_order():
     x = ids(1, 6)
     with pytest.raises(ValueError, match="needs arch xlnet"):
         model(x, torch.ones_like(x), x, perm_rank=torch.zeros_like(x))
+
+
+# Relative segment encoding (XLNet §2.5): segments from the [SEP]s (id 3) of input_ids.
+SEP = 3
+
+
+def _pairs(batch: int, length: int, seps=(4, 9), seed: int = 1) -> torch.Tensor:
+    """ids with [SEP] at `seps` (segment 0 up to the first [SEP], 1 up to the next, ...)."""
+    x = ids(batch, length, seed)
+    x[:, list(seps)] = SEP
+    return x
+
+
+def _segment_params(model):
+    return [b.attention for b in model.encoder.layers]
+
+
+def test_segments_are_the_seps_strictly_before_each_position():
+    x = torch.tensor([[2, 10, 11, SEP, 12, 13, SEP, 0, 0], [2, 10, 11, 12, 13, 14, 15, 16, 17]])
+    want = [[0, 0, 0, 0, 1, 1, 1, 2, 2], [0] * 9]
+    assert segment_ids(x, SEP).tolist() == want
+    assert tiny("xlnet").encoder.attention_inputs(x)["segment_BL"].tolist() == want
+    # the id comes from the config (index.json special_ids at pretraining), not a constant
+    other = tiny("xlnet", sep_id=11).encoder.attention_inputs(x)["segment_BL"]
+    assert other.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1, 1]]
+    assert tiny("bert").encoder.attention_inputs(x) == {}  # only variants that declare segments
+
+
+def test_segment_term_depends_only_on_same_or_different_segment():
+    torch.manual_seed(0)
+    attention = XLNetAttention(preset_config("xlnet-tiny", attention_dropout=0.0), 0).eval()
+    x, mask = torch.randn(1, 8, 64), torch.ones(1, 8, dtype=torch.bool)
+
+    def out(*segments):
+        return attention(x, mask, torch.tensor([segments]))[0]
+
+    three = out(0, 0, 1, 1, 2, 2, 2, 2)
+    torch.testing.assert_close(out(4, 4, 7, 7, 9, 9, 9, 9), three)  # relabelled: same output
+    # the second [SEP] moved to the end: segments 1 and 2 merge; positions 0-1 keep every
+    # relation (different from all of 2..7), positions 2..7 gain same-segment pairs
+    merged = out(0, 0, 1, 1, 1, 1, 1, 1)
+    torch.testing.assert_close(merged[:2], three[:2])
+    assert ((merged[2:] - three[2:]).abs().amax(-1) > 1e-4).all()
+    with torch.no_grad():  # s+ == s-: the segment relation no longer matters
+        attention.segment_embeddings[1] = attention.segment_embeddings[0]
+    torch.testing.assert_close(out(0, 0, 1, 1, 1, 1, 1, 1), out(0, 0, 1, 1, 2, 2, 2, 2))
+
+
+def test_moving_a_sep_changes_the_encoder_and_a_row_without_sep_is_one_segment():
+    model = tiny("xlnet")
+    x = ids(1, 12)
+    # the same ids with a different [SEP] id: only the segments differ, not the content
+    one = tiny("xlnet", sep_id=int(x[0, 4])).encoder(x)
+    assert (one - model.encoder(x)).abs().max() > 1e-4
+    # a row without [SEP] is one segment: (q_i + b) . s+ is the same for every key j and cancels
+    # in the softmax, so it is the model without any segment encoding; a pair is not
+    pair = _pairs(1, 12)
+    ref_row, ref_pair = model.encoder(x), model.encoder(pair)
+    with torch.no_grad():
+        for attention in _segment_params(model):
+            attention.segment_embeddings.normal_()
+            attention.segment_bias.normal_()
+    torch.testing.assert_close(model.encoder(x), ref_row, rtol=1e-5, atol=1e-5)
+    assert (model.encoder(pair) - ref_pair).abs().max() > 1e-4
+
+
+def test_both_streams_use_the_segments():
+    model = tiny("xlnet")
+    x, rank = _pairs(1, 12), _order(12)
+    h, g = _streams(model, x, rank)
+    with torch.no_grad():
+        for attention in _segment_params(model):
+            attention.segment_embeddings[1] += 0.5  # s-: only pairs across a [SEP] use it
+    h2, g2 = _streams(model, x, rank)
+    assert (h2 - h).abs().max() > 1e-4 and (g2 - g).abs().max() > 1e-4
+
+
+def test_pairs_are_shift_invariant():
+    """[pair, pad*5] and [pad*5, pair] give the same states: the segments shift with the ids."""
+    model = tiny("xlnet")
+    x = _pairs(2, 10)
+    pad = torch.zeros(2, 5, dtype=torch.long)
+    ones, zeros = torch.ones_like(x), torch.zeros_like(pad)
+    right = model.encoder(torch.cat([x, pad], 1), torch.cat([ones, zeros], 1))[:, :10]
+    left = model.encoder(torch.cat([pad, x], 1), torch.cat([zeros, ones], 1))[:, 5:]
+    torch.testing.assert_close(left, right, rtol=1e-5, atol=1e-5)
+
+
+def _without_segments(state: dict) -> dict:
+    return {k: v for k, v in state.items() if "segment_" not in k}
+
+
+def test_exports_from_before_the_segment_encoding_load_it_at_zero(tmp_path, caplog):
+    """An xlnet export without s+, s-, b (and without sep_id in config.json) loads with them at
+    zero and a warning naming the file: exactly the model that was saved."""
+    old = tiny("xlnet")
+    with torch.no_grad():  # what a model without the segment term computes
+        for attention in _segment_params(old):
+            attention.segment_embeddings.zero_()
+            attention.segment_bias.zero_()
+    out = shatter.save_pretrained(tiny("xlnet"), tmp_path / "export")
+    weights = out / "model.safetensors"
+    state = _without_segments(old.state_dict())
+    state.pop("mlm_head.word_embeddings.weight")  # tied: stored once
+    safetensors.torch.save_file(state, str(weights), metadata={"format": "pt"})
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    (out / "checksums.json").write_text(json.dumps({"model.safetensors": digest}))
+    config = json.loads((out / "config.json").read_text())
+    del config["sep_id"]
+    (out / "config.json").write_text(json.dumps(config))
+    x, mask = _pairs(2, 12), torch.ones(2, 12, dtype=torch.long)
+    with caplog.at_level("WARNING", logger="shatter.checkpoint"):
+        loaded = shatter.from_pretrained(out)
+    assert f"{weights} has no segment_bias, segment_embeddings" in caplog.text
+    assert all(a.segment_embeddings.abs().sum() == 0 for a in _segment_params(loaded))
+    torch.testing.assert_close(loaded.encoder(x, mask), old.encoder(x, mask), rtol=0, atol=0)
+    # a DeepSpeed checkpoint of such a model (shatter-extend's input) too
+    tag = tmp_path / "checkpoints" / "step1"
+    tag.mkdir(parents=True)
+    client = {"module": _without_segments(old.state_dict()), "model_config": config}
+    torch.save(client, tag / MODEL_STATES)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shatter.checkpoint"):
+        consolidated, _ = load_deepspeed(tag)
+    assert f"{tag / MODEL_STATES} has no segment_bias" in caplog.text
+    torch.testing.assert_close(consolidated.encoder(x, mask), old.encoder(x, mask))
+    # any other missing weight is still refused, naming the file
+    del state["encoder.layers.0.attention.position_bias"]
+    safetensors.torch.save_file(state, str(weights), metadata={"format": "pt"})
+    (out / "checksums.json").unlink()
+    with pytest.raises(shatter.CheckpointError, match="model.safetensors does not match"):
+        shatter.from_pretrained(out)

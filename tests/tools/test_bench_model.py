@@ -10,10 +10,18 @@ from tools.bench_model import main
 def test_bench_model_runs_every_cpu_impl_and_prints_markdown():
     args = "--size tiny --layers 1 --lengths 16 --batch-tokens 32 --vocab-size 50 --repeats 1 --warmup 0"
     result = CliRunner().invoke(
-        main, [*args.split(), "--archs", "bert,shatter,bert-rab", "--markdown"]
+        main, [*args.split(), "--archs", "bert,shatter,bert-rab,xlnet", "--markdown"]
     )
     assert result.exit_code == 0, result.output
-    for label in ("bert-nodrop", "shatter[chunked]", "shatter[lean]", "shatter[naive]", "bert-rab"):
+    labels = (
+        "bert-nodrop",
+        "shatter[chunked]",
+        "shatter[lean]",
+        "shatter[naive]",
+        "bert-rab",
+        "xlnet",
+    )
+    for label in labels:
         assert f"| {label} |" in result.output
     assert "attention fwd+bwd s (ratio to bert)" in result.output
     assert "| bert | " in result.output and "(1.00)" in result.output

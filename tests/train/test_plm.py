@@ -1,6 +1,7 @@
 """Permutation-LM batches: XLNet's span targets, seeded per (seed, epoch, sample), static option,
-inputs never masked; the objective defaults and refusals."""
+inputs never masked; the objective defaults and refusals; the [SEP] id the model is built with."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -8,9 +9,10 @@ import pytest
 import torch
 from shardutil import write_dataset
 
+import shatter
 from pipeline.format import read_index
 from pipeline.masking import SPECIAL_IDS
-from train.config import ConfigError, DataArgs, ModelArgs, TrainConfig
+from train.config import ConfigError, DataArgs, ModelArgs, TrainConfig, model_overrides
 from train.data import MaskingSpec, ShardStream, validation_stream
 from train.masking import IGNORE
 from train.plm import plm_batch, with_objective
@@ -111,3 +113,22 @@ def test_objective_defaults_to_the_arch_and_plm_is_refused_for_mlm_archs():
         with_objective(cfg("shatter-tiny", objective="plm"))
     with pytest.raises(ConfigError, match="plm_targets"):
         with_objective(cfg("xlnet-tiny", plm_targets="words"))
+
+
+def test_the_model_counts_segments_from_the_datasets_sep_id(tmp_path):
+    """The run's model takes [SEP] (and [PAD]) from index.json special_ids, not a constant;
+    the config's model.overrides still win."""
+    root = write_dataset(tmp_path / "data", shards=(2,), val_rows=())
+    raw = json.loads((root / "index.json").read_text())
+    raw["tokenizer"]["special_ids"]["[SEP]"] = 7
+    (root / "index.json").write_text(json.dumps(raw))
+    index = read_index(root, verify_tokenizer=False)
+    cfg = TrainConfig(model=ModelArgs(preset="xlnet-tiny"))
+    fields = model_overrides(cfg, index, 32)
+    assert fields == {"max_len": 32, "vocab_size": 100, "pad_id": 0, "sep_id": 7}
+    model = shatter.build_model("xlnet-tiny", **fields)
+    x = torch.tensor([[2, 10, 7, 11, 3, 12]])
+    assert model.encoder.attention_inputs(x)["segment_BL"].tolist() == [[0, 0, 0, 1, 1, 1]]
+    cfg = TrainConfig(model=ModelArgs(preset="xlnet-tiny", overrides={"sep_id": 9}))
+    assert model_overrides(cfg, index, 32)["sep_id"] == 9
+    assert model_overrides(cfg, None, 32) == {"max_len": 32, "sep_id": 9}

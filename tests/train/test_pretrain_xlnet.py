@@ -1,10 +1,22 @@
 """xlnet-tiny through `deepspeed --num_gpus 2 train/pretrain.py` on CPU ranks with its default
 objective, the permutation LM: the PLM loss falls, validation is labelled plm, kill -9 then
-restart reproduces the uninterrupted losses exactly, and the export loads single-stream."""
+restart reproduces the uninterrupted losses exactly, and the export loads single-stream; a
+checkpoint from before the segment encoding is refused in one line."""
+
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from test_pretrain import FP32_ARGS, command, kill_9_after_a_checkpoint, metrics, run_to_end
+from test_pretrain import (
+    FP32_ARGS,
+    REPO,
+    command,
+    kill_9_after_a_checkpoint,
+    metrics,
+    run_to_end,
+)
 
 import shatter
 from pipeline.format import read_index
@@ -59,3 +71,28 @@ def test_kill_9_then_restart_gives_the_same_plm_losses(books_data, plm_run, tmp_
     train, val = metrics(run)
     assert train == ref_train
     assert {s: v["loss"] for s, v in val.items()} == {s: v["loss"] for s, v in ref_val.items()}
+
+
+def test_a_run_from_before_the_segment_encoding_is_refused_in_one_line(
+    books_data, plm_run, tmp_path
+):
+    """A checkpoint without xlnet's segment weights (a run begun before them) cannot resume:
+    one line naming the checkpoint, the weights and the way out; nothing written."""
+    run = tmp_path / "run"
+    shutil.copytree(plm_run, run)
+    tag = run / "checkpoints" / "step00000040"
+    states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
+    states["module"] = {k: v for k, v in states["module"].items() if "segment_" not in k}
+    torch.save(states, tag / "mp_rank_00_model_states.pt")
+    before = sorted(p.name for p in run.rglob("*"))
+    cmd = command(books_data, run, *ARGS, "--max-steps", "42", launcher=[sys.executable])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert done.returncode == 1, done.stderr[-3000:]
+    error = [line for line in done.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(error) == 1, done.stderr[-3000:]
+    assert (
+        f"{tag} was written before this xlnet model had segment_bias, segment_embeddings"
+        in (error[0])
+    )
+    assert "start another --output" in error[0]
+    assert sorted(p.name for p in run.rglob("*")) == before
