@@ -66,12 +66,16 @@ def cleaned_documents(data: Path) -> list[str]:
 
 
 def write_corpus(docs: list[str], path: Path, megabytes: float) -> int:
-    size, lines = 0, []
-    while size < megabytes * 1e6:
-        for doc in docs:
-            lines.append(json.dumps({"text": doc}) + "\n")
-            size += len(doc.encode())
-    path.write_text("".join(lines))
+    """Whole passes over `docs` as JSON lines until at least `megabytes` of text; the text bytes.
+    Written pass by pass: this process never holds more than one pass (its memory would count
+    in the peak RSS of the builds it starts, `tools.bench_pipeline_memory.measure`)."""
+    lines = [json.dumps({"text": doc}) + "\n" for doc in docs]
+    sizes = [len(doc.encode()) for doc in docs]
+    size = 0
+    with open(path, "w") as f:
+        while size < megabytes * 1e6:
+            f.write("".join(lines))
+            size += sum(sizes)
     return size
 
 

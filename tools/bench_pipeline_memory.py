@@ -5,7 +5,8 @@ The same cleaned text (`--data`: a folder with a wiki sample and book texts, as 
 in-process FnApiRunner, or the runner options given after `--`), training the tokenizer
 (--vocab-size) unless --tokenizer-given, with --num-shards scaled with the corpus so that shards
 keep one size (--mb-per-shard). Each build runs in its own process; its peak RSS is that
-process's (and its children's) maximum resident set size (`os.wait4`). Printed side by side with
+process's (and its children's) maximum resident set size (`os.wait4` in a small launcher:
+Linux would count this process's own memory in a child's peak). Printed side by side with
 the ratios to the smallest corpus: memory should stay flat, time should grow like the text.
 
     .venv/bin/python tools/bench_pipeline_memory.py --data DATA --mb 50 150 200
@@ -34,6 +35,8 @@ def build_command(corpus: Path, out: Path, args, shards: int, tokenizer: Path | 
     cmd += ["--input", str(corpus), "--output", str(out), "--text-mode", "line"]
     cmd += ["--seq-len", str(args.seq_len), "--num-shards", str(shards)]
     cmd += ["--progress-seconds", "0"]
+    if getattr(args, "spill_rows", None):
+        cmd += ["--spill-rows", str(args.spill_rows)]
     if tokenizer:
         cmd += ["--tokenizer", str(tokenizer)]
     else:
@@ -41,22 +44,39 @@ def build_command(corpus: Path, out: Path, args, shards: int, tokenizer: Path | 
     return cmd + args.beam_args
 
 
+# Runs the command as its child and writes the child's rusage peak to argv[1]. A process started
+# straight from this one would not do: Linux keeps the peak RSS across fork and exec (`ru_maxrss`
+# of a child of a 1 GB process is at least 1 GB), so it is started from this small launcher, whose
+# own peak is a few MB. ru_maxrss of the waited children is the largest peak among the build's
+# process and its descendants (e.g. multi_processing workers), never a sum.
+LAUNCHER = """
+import os, subprocess, sys
+proc = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(proc.pid, 0)
+open(sys.argv[1], "w").write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def measure(cmd: list[str]) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS in GB of the process and its children, stderr tail)."""
+    """(wall seconds, peak RSS in GB of the build's process and its children, stderr tail)."""
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
-    with tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as err, tempfile.TemporaryDirectory() as tmp:
+        peak_file = Path(tmp) / "maxrss"
+        launcher = [sys.executable, "-S", "-c", LAUNCHER, str(peak_file)]
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=REPO)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.run(
+            launcher + cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=REPO
+        )
         elapsed = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
         err.seek(0)
         tail = err.read().decode(errors="replace")[-3000:]
-    if proc.returncode:
-        raise SystemExit(f"build failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
-    return elapsed, usage.ru_maxrss * 1024 / 1e9, tail
+        if proc.returncode:
+            raise SystemExit(f"build failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+        peak = int(peak_file.read_text()) * 1024 / 1e9
+    return elapsed, peak, tail
 
 
 def main():
@@ -68,6 +88,7 @@ def main():
     parser.add_argument("--mb-per-shard", type=float, default=37.5, help="text per train shard")
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--spill-rows", type=int, default=None, help="the build's --spill-rows")
     parser.add_argument(
         "--tokenizer-given",
         action="store_true",
