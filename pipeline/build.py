@@ -1,9 +1,14 @@
 """`shatter-data build`: the driver that runs the Beam pipelines and writes index.json last.
 
-Two pipelines when a tokenizer must be trained (it necessarily sits between them), one otherwise:
-  1. read → clean → sample lines (the n smallest line hashes) → the driver trains sentencepiece;
-  2. read → clean → tokenize → pack → shard → mask → write, then index.json from the shard
-     manifest and Beam's counters.
+Two pipelines when a tokenizer must be trained (it necessarily sits between them) or a hold-out
+document must be found (--validation-fraction above 0), one otherwise:
+  1. read → clean → cache the clean text, find the hold-out document's key (the smallest) and,
+     to train a tokenizer, sample lines (the n smallest line hashes) → the driver trains
+     sentencepiece;
+  2. read the cache (or read → clean) → tokenize → pack → shard → mask → write, then index.json
+     from the shard manifest and Beam's counters.
+No side input is computed over the documents (a runner buffers every element that waits on one),
+so a worker's memory does not grow with the corpus.
 Any Beam runner works (`pipeline.runners`: the options beyond ours become `PipelineOptions`;
 without `--runner` the in-process FnApiRunner). A runner without metrics (Dask) gets the counts
 that the written shards give. `--overwrite` builds beside the old dataset and swaps on success.
@@ -206,33 +211,42 @@ def _read_text(path: str) -> str:
         return f.read().decode()
 
 
-def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=print):
-    """Pipeline 1 and the training; returns the counters. Writes OUT/tokenizer.model."""
-    sample_path = fs.join(out, SAMPLE_FILE)
+def cache_clean_text(
+    config: BuildConfig, out: str, beam_args: list[str], report=print, sample: int = 0
+) -> dict | None:
+    """The first pipeline: read → clean → cached clean text (`CacheFn`) and the hold-out document's
+    key (`SmallestKey`), plus the tokenizer's sample of `sample` lines if asked; returns its
+    counters. The build pipeline then reads the cache: the hold-out key is known before it starts,
+    so it needs no side input over the corpus (which would make the runner buffer every document
+    until the key is known), and the text is cleaned once."""
     p = runners.make_pipeline(beam_args)
     cache_list = fs.join(out, CACHE_LIST)
     docs = _read_clean(p, config)
-    lines = docs | "sample" >> SampleLines(config.tokenizer_sample)
-    # the hold-out document's key is found here, where every document passes anyway: as a side
-    # input of the build pipeline it would make the runner buffer the whole corpus until it is known
     smallest = docs | "smallest key" >> SmallestKey()
+    extra = {}
+    if sample:
+        extra["sample"] = beam.pvalue.AsSingleton(docs | "sample" >> SampleLines(sample))
 
-    def write_outputs(paths, sample, smallest_key):
-        _write_text(sample_path, json.dumps(sample))
+    def write_outputs(paths, smallest_key, sample=None):
+        if sample is not None:
+            _write_text(fs.join(out, SAMPLE_FILE), json.dumps(sample))
         _write_text(cache_list, json.dumps({"files": paths, "smallest_key": smallest_key}))
 
     _ = (  # one sink (runners that compute only what a sink needs run every branch)
         docs
         | "cache clean text" >> beam.ParDo(CacheFn(fs.join(out, WORK_DIR)))
         | "cache files" >> beam.combiners.ToList()
-        | "write sample and cache list"
-        >> beam.Map(
-            write_outputs,
-            sample=beam.pvalue.AsSingleton(lines),
-            smallest_key=beam.pvalue.AsSingleton(smallest),
-        )
+        | "write cache list"
+        >> beam.Map(write_outputs, smallest_key=beam.pvalue.AsSingleton(smallest), **extra)
     )
-    values = run_and_report(p, "tokenizer sample", report)
+    return run_and_report(p, "tokenizer sample" if sample else "clean text", report)
+
+
+def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=print):
+    """The first pipeline with the tokenizer's sample, and the training; returns the counters.
+    Writes OUT/tokenizer.model."""
+    sample_path = fs.join(out, SAMPLE_FILE)
+    values = cache_clean_text(config, out, beam_args, report, sample=config.tokenizer_sample)
     sample = json.loads(_read_text(sample_path))
     if not sample:
         inputs = ", ".join(spec.path for spec in config.inputs)
@@ -273,12 +287,16 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
 def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=print) -> dict:
     """The build itself, writing into `out` (OUT, or the new directory beside it)."""
     model_path = fs.join(out, TOKENIZER_FILE)
+    fraction = 0.0 if config.validation_inputs else config.validation_fraction
     sample_counters, cached = {}, None
     if config.tokenizer:
         with FileSystems.open(config.tokenizer) as f:
             model = f.read()
         with FileSystems.create(model_path) as f:
             f.write(model)
+        if fraction > 0:  # the hold-out key first, from a pass that caches the clean text
+            sample_counters = cache_clean_text(config, out, beam_args, report)
+            cached = json.loads(_read_text(fs.join(out, CACHE_LIST)))
     else:
         sample_counters = train_tokenizer(config, out, beam_args, report)
         cached = json.loads(_read_text(fs.join(out, CACHE_LIST)))
@@ -309,13 +327,9 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
     mask = MaskSpec(
         model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word
     )
-    fraction = 0.0 if config.validation_inputs else config.validation_fraction
     if fraction > 0:  # by hash (Tokenize), and the smallest-key document: never an empty split
-        if cached is not None:  # found by the tokenizer's pipeline: no side input over the corpus
-            docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), cached["smallest_key"])
-        else:  # a given tokenizer: the runner may buffer the documents until the key is known
-            smallest = beam.pvalue.AsSingleton(docs | "smallest key" >> SmallestKey())
-            docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), held_out=smallest)
+        # its key was found by the first pipeline: no side input over the corpus here
+        docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), cached["smallest_key"])
     infos = (
         docs
         | "tokenize" >> Tokenize(model_path, fraction)

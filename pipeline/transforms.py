@@ -160,9 +160,10 @@ class ReadDocuments(beam.PTransform):
 class CacheFn(beam.DoFn):
     """DocBatch → Arrow files of cleaned text under `work_dir` (one record batch per DocBatch).
 
-    When a tokenizer is trained, the text is cleaned once: the sampling pipeline caches it and the
-    build pipeline reads the cache. DocBatches are kept whole, so the build's output is the same
-    bytes as when cleaning runs in the build pipeline itself (a given --tokenizer).
+    The build's first pipeline (the tokenizer's sample, the hold-out key) caches the cleaned text
+    and the build pipeline reads the cache. DocBatches are kept whole, so the build's output is
+    the same bytes as when cleaning runs in the build pipeline itself (a given --tokenizer and
+    --validation-fraction 0).
     """
 
     SCHEMA = pa.schema(
@@ -396,7 +397,7 @@ class SmallestKey(beam.PTransform):
 
 class HoldOutFn(beam.DoFn):
     """DocBatch → the same, except that the "auto" document with the corpus's smallest content key
-    (`SmallestKey`, a side input) moves to a "validation" batch of its own when the hash threshold
+    (`SmallestKey`, found by the build's first pipeline) moves to a "validation" batch of its own when the hash threshold
     of `Tokenize` would not hold it out: a small corpus (a few books) still gets a validation
     split. Where the threshold holds it out anyway (any large corpus), batches pass unchanged."""
 
