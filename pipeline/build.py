@@ -1,14 +1,14 @@
 """`shatter-data build`: the driver that runs the Beam pipelines and writes index.json last.
 
-Two pipelines when a tokenizer must be trained (it necessarily sits between them) or a hold-out
-document must be found (--validation-fraction above 0), one otherwise:
-  1. read → clean → cache the clean text, find the hold-out document's key (the smallest) and,
-     to train a tokenizer, sample lines (the n smallest line hashes) → the driver trains
-     sentencepiece;
-  2. read the cache (or read → clean) → tokenize → pack → shard → mask → write, then index.json
-     from the shard manifest and Beam's counters.
+Two pipelines when a tokenizer must be trained (it necessarily sits between them), one otherwise:
+  1. read → clean → sample lines (the n smallest line hashes), find the hold-out document's key
+     (the smallest) and cache the clean text → the driver trains sentencepiece;
+  2. read the cache (or, with a given tokenizer, read → clean) → tokenize → pack → shard → mask →
+     write, then index.json from the shard manifest and Beam's counters.
 No side input is computed over the documents (a runner buffers every element that waits on one),
-so a worker's memory does not grow with the corpus.
+so a worker's memory does not grow with the corpus. With a given tokenizer the hold-out key is
+found by pipeline 2 itself, which runs again only if that document had to be held out (when the
+hash threshold held out none: a corpus of a few documents).
 Any Beam runner works (`pipeline.runners`: the options beyond ours become `PipelineOptions`;
 without `--runner` the in-process FnApiRunner). A runner without metrics (Dask) gets the counts
 that the written shards give. `--overwrite` builds beside the old dataset and swaps on success.
@@ -49,6 +49,7 @@ from pipeline.transforms import (
 
 log = logging.getLogger(__name__)
 SAMPLE_FILE, MANIFEST_FILE, WORK_DIR = ".tokenizer-sample.txt", ".shards-manifest.json", ".work"
+KEY_FILE = ".smallest-key.json"
 CACHE_LIST = ".work/clean-files.json"
 # every name a build writes in OUT: what --overwrite replaces (never other files kept there)
 BUILD_FILES = (
@@ -59,6 +60,7 @@ BUILD_FILES = (
     ".tmp-*",
     SAMPLE_FILE,
     MANIFEST_FILE,
+    KEY_FILE,
     WORK_DIR,
 )
 # the counters a runner without metrics cannot give (index.json says so); rows and shards_written
@@ -294,9 +296,6 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
             model = f.read()
         with FileSystems.create(model_path) as f:
             f.write(model)
-        if fraction > 0:  # the hold-out key first, from a pass that caches the clean text
-            sample_counters = cache_clean_text(config, out, beam_args, report)
-            cached = json.loads(_read_text(fs.join(out, CACHE_LIST)))
     else:
         sample_counters = train_tokenizer(config, out, beam_args, report)
         cached = json.loads(_read_text(fs.join(out, CACHE_LIST)))
@@ -318,27 +317,51 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
     work_dir = fs.join(out, WORK_DIR)
     manifest_path = fs.join(out, MANIFEST_FILE)
 
-    p = runners.make_pipeline(beam_args)
-    docs = (
-        _read_clean(p, config)
-        if cached is None
-        else p | "read cleaned" >> ReadCache(cached["files"])
-    )
+    def run_build(held_out: int | None, find_key: bool) -> dict | None:
+        p = runners.make_pipeline(beam_args)
+        docs = (
+            _read_clean(p, config)
+            if cached is None
+            else p | "read cleaned" >> ReadCache(cached["files"])
+        )
+        if find_key:  # a sink beside the build (as a side input it would hold the documents back)
+            _ = (
+                docs
+                | "smallest key" >> SmallestKey()
+                | "write smallest key" >> beam.Map(lambda k: _write_text(key_path, json.dumps(k)))
+            )
+        elif fraction > 0:  # by hash (Tokenize), and the smallest-key document if need be
+            docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), held_out)
+        infos = (
+            docs
+            | "tokenize" >> Tokenize(model_path, fraction)
+            | "pack" >> Pack(config.seq_len, config.cross_document)
+            | "shard, mask and write"
+            >> ShardAndWrite(out, work_dir, counts, mask, config.spill_rows)
+            | "collect" >> beam.combiners.ToList()
+        )
+        _ = infos | "manifest" >> beam.Map(
+            lambda rows: _write_text(manifest_path, json.dumps(rows))
+        )
+        return run_and_report(p, "build", report)
+
     mask = MaskSpec(
         model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word
     )
-    if fraction > 0:  # by hash (Tokenize), and the smallest-key document: never an empty split
-        # its key was found by the first pipeline: no side input over the corpus here
-        docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), cached["smallest_key"])
-    infos = (
-        docs
-        | "tokenize" >> Tokenize(model_path, fraction)
-        | "pack" >> Pack(config.seq_len, config.cross_document)
-        | "shard, mask and write" >> ShardAndWrite(out, work_dir, counts, mask, config.spill_rows)
-        | "collect" >> beam.combiners.ToList()
-    )
-    _ = infos | "manifest" >> beam.Map(lambda rows: _write_text(manifest_path, json.dumps(rows)))
-    build_counters = run_and_report(p, "build", report)
+    key_path = fs.join(out, KEY_FILE)
+    if cached is not None or fraction == 0:  # the hold-out key known (or not needed)
+        build_counters = run_build(cached and cached["smallest_key"], find_key=False)
+    else:
+        # A given tokenizer: the smallest key is found while building, and the build runs again
+        # with that document held out only where the hash threshold held out no document at all
+        # (a corpus of a few documents); anywhere else HoldOutFn changes nothing.
+        build_counters = run_build(None, find_key=True)
+        held_out = json.loads(_read_text(key_path))
+        FileSystems.delete([key_path])
+        if HoldOutFn(fraction).moves(held_out):
+            report("no document held out by hash: building again with one held out")
+            _delete_tree(work_dir)
+            build_counters = run_build(held_out, find_key=False)
 
     infos = sorted(json.loads(_read_text(manifest_path)), key=lambda r: (r["split"], r["shard"]))
     FileSystems.delete([manifest_path])

@@ -404,8 +404,12 @@ class HoldOutFn(beam.DoFn):
     def __init__(self, validation_fraction: float):
         self.threshold = validation_fraction * 2.0**64
 
+    def moves(self, held_out: int | None) -> bool:
+        """Whether the document of key `held_out` moves (else every batch passes unchanged)."""
+        return held_out is not None and held_out >= self.threshold
+
     def process(self, batch: DocBatch, held_out: int | None):
-        if batch.split != "auto" or held_out is None or held_out < self.threshold:
+        if batch.split != "auto" or not self.moves(held_out):
             yield batch
             return
         keep = [d for d in batch.docs if content_key(d.encode()) != held_out]

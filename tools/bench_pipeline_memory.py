@@ -10,12 +10,16 @@ Linux would count this process's own memory in a child's peak). Printed side by 
 the ratios to the smallest corpus: memory should stay flat, time should grow like the text.
 
     .venv/bin/python tools/bench_pipeline_memory.py --data DATA --mb 50 150 200
+
+With --dask-workers N, every build runs on `--runner DaskRunner` against a LocalCluster of N
+worker processes (1 thread each) that this tool starts before the clock and restarts before each
+build; each worker's peak RSS is its VmHWM (`/proc/self/status`, read on the worker after the
+build), printed beside the driver's.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -79,6 +83,13 @@ def measure(cmd: list[str]) -> tuple[float, float, str]:
     return elapsed, peak, tail
 
 
+def worker_peak_gb() -> float:
+    """This process's peak RSS (VmHWM: since its exec, never inherited), in GB; run on a worker."""
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kb * 1024 / 1e9
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -94,6 +105,12 @@ def main():
         action="store_true",
         help="pass a tokenizer (trained once, outside the timing) instead of training one",
     )
+    parser.add_argument(
+        "--dask-workers",
+        type=int,
+        default=0,
+        help="build on a LocalCluster of this many worker processes (DaskRunner); 0: one worker",
+    )
     parser.add_argument("--work", type=Path, default=None, help="scratch (default: a temp dir)")
     parser.add_argument("beam_args", nargs="*", help="after --: runner options for every build")
     args = parser.parse_args()
@@ -108,8 +125,24 @@ def main():
         lines = [line for d in docs for line in cleaning.sample_lines(d)]
         tokenizer = work / "tokenizer.model"
         tokenizer.write_bytes(tok.train([x for _, x in tok.smallest_lines(lines, 200_000)], 8000))
+    client = None
+    if args.dask_workers:
+        from distributed import Client, LocalCluster
+
+        cluster = LocalCluster(
+            n_workers=args.dask_workers,
+            processes=True,
+            threads_per_worker=1,
+            dashboard_address=None,
+        )
+        client = Client(cluster)
+        args.beam_args = [
+            *("--runner", "DaskRunner", "--dask_client_address", cluster.scheduler_address),
+            *args.beam_args,
+        ]
     print(
-        f"one worker, seq_len {args.seq_len}, "
+        (f"Dask, {args.dask_workers} worker processes" if client else "one worker")
+        + f", seq_len {args.seq_len}, "
         + ("tokenizer given" if tokenizer else f"tokenizer trained (vocab {args.vocab_size})")
         + f", {args.mb_per_shard:g} MB of text per shard, runner options {args.beam_args or 'none'}; "
         f"load {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores",
@@ -122,22 +155,31 @@ def main():
         shards = max(1, round(mb / args.mb_per_shard))
         out = work / "out"
         shutil.rmtree(out, ignore_errors=True)
+        if client:
+            client.restart()  # fresh worker processes: their VmHWM starts again
+        load = os.getloadavg()[0]
         seconds, peak, _ = measure(build_command(corpus, out, args, shards, tokenizer))
-        tokens = json.loads((out / "index.json").read_text())["counters"].get("document_tokens", 0)
-        rows.append((mb, size, shards, seconds, peak, tokens))
+        workers = sorted(client.run(worker_peak_gb).values()) if client else []
+        if workers:  # the largest process: the driver or a worker
+            peak = max(peak, workers[-1])
+        rows.append((mb, size, shards, seconds, peak))
         print(
-            f"  {size / 1e6:7.1f} MB, {shards:3d} shards: {seconds:7.1f} s, peak RSS {peak:6.2f} GB "
-            f"(load {os.getloadavg()[0]:.2f})",
+            f"  {size / 1e6:7.1f} MB, {shards:3d} shards: {seconds:7.1f} s, peak RSS {peak:6.2f} GB"
+            + (f" (workers {', '.join(f'{w:.2f}' for w in workers)} GB)" if workers else "")
+            + f" (load {load:.2f} before, {os.getloadavg()[0]:.2f} after)",
             flush=True,
         )
         corpus.unlink()
     shutil.rmtree(work / "out", ignore_errors=True)
-    _, size0, _, seconds0, peak0, _ = rows[0]
+    if client:
+        client.close()
+        cluster.close()
+    _, size0, _, seconds0, peak0 = rows[0]
     print(
         f"\n{'text MB':>8} {'shards':>6} {'seconds':>8} {'peak GB':>8} {'x text':>7} "
         f"{'x time':>7} {'x peak':>7} {'B RSS/B text':>13}"
     )
-    for _, size, shards, seconds, peak, _ in rows:
+    for _, size, shards, seconds, peak in rows:
         print(
             f"{size / 1e6:8.1f} {shards:6d} {seconds:8.1f} {peak:8.2f} {size / size0:7.2f} "
             f"{seconds / seconds0:7.2f} {peak / peak0:7.2f} {peak * 1e9 / size:13.1f}"
