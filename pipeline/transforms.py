@@ -345,7 +345,7 @@ class TokenizeFn(beam.DoFn):
             split = batch.split
             if split == "auto":
                 split = "validation" if content_key(text.encode()) < threshold else "train"
-            by_split[split].append(np.asarray(ids, dtype=np.int32))
+            by_split[split].append(tokenizer.ids_array(ids))
             self.tokens.inc(len(ids))
         self.docs.inc(sum(len(v) for v in by_split.values()))
         for split, docs in by_split.items():
