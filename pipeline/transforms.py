@@ -397,7 +397,8 @@ class SmallestKey(beam.PTransform):
 
 class HoldOutFn(beam.DoFn):
     """DocBatch → the same, except that the "auto" document with the corpus's smallest content key
-    (`SmallestKey`, found by the build's first pipeline) moves to a "validation" batch of its own when the hash threshold
+    (`SmallestKey`: found before the build pipeline, or beside it with a given tokenizer, which
+    then runs again if need be) moves to a "validation" batch of its own when the hash threshold
     of `Tokenize` would not hold it out: a small corpus (a few books) still gets a validation
     split. Where the threshold holds it out anyway (any large corpus), batches pass unchanged."""
 
