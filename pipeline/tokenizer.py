@@ -89,7 +89,7 @@ def load(model: bytes) -> spm.SentencePieceProcessor:
 
 
 def ids_array(ids: list[int]) -> np.ndarray:
-    """sentencepiece's id list as int32 (np.fromiter: about 6x faster than np.asarray on a list)."""
+    """sentencepiece's id list as int32 (np.fromiter: about 1.25x faster than np.asarray on a list)."""
     return np.fromiter(ids, dtype=np.int32, count=len(ids))
 
 
