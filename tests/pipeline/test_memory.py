@@ -1,9 +1,10 @@
 """A build's memory does not grow with the corpus: from 6 to 24 MB of text (the wiki sample and
-books of ../shared/data, cleaned and repeated), a one-worker build's peak RSS grows by less than
-the added text and stays within 1.3x, with the tokenizer trained and with one given. Before the
-tokenizer sample was bounded, the sample stage held the whole corpus (a ratio of about 1.5 at
-these sizes); before the hold-out key came from a first pipeline, a given tokenizer's build held
-every document until the key was known (0.296 -> 0.339 GB: 43 MB more for 18 MB more text)."""
+books of the `shared_data` fixture, cleaned and repeated), a one-worker build's peak RSS grows by
+less than the added text and stays within 1.3x, with the tokenizer trained and with one given.
+Before the tokenizer sample was bounded, the sample stage held the whole corpus (a ratio of about
+1.5 at these sizes); while the hold-out key was a side input of the build, a given tokenizer's
+build held every document until the key was known (0.297 -> 0.339 GB: 42 MB more for 17 MB more
+text)."""
 
 import argparse
 import json
