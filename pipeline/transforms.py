@@ -160,9 +160,10 @@ class ReadDocuments(beam.PTransform):
 class CacheFn(beam.DoFn):
     """DocBatch → Arrow files of cleaned text under `work_dir` (one record batch per DocBatch).
 
-    When a tokenizer is trained, the text is cleaned once: the sampling pipeline caches it and the
-    build pipeline reads the cache. DocBatches are kept whole, so the build's output is the same
-    bytes as when cleaning runs in the build pipeline itself (a given --tokenizer).
+    The build's first pipeline (the tokenizer's sample, the hold-out key) caches the cleaned text
+    and the build pipeline reads the cache. DocBatches are kept whole, so the build's output is
+    the same bytes as when cleaning runs in the build pipeline itself (a given --tokenizer and
+    --validation-fraction 0).
     """
 
     SCHEMA = pa.schema(
@@ -344,7 +345,7 @@ class TokenizeFn(beam.DoFn):
             split = batch.split
             if split == "auto":
                 split = "validation" if content_key(text.encode()) < threshold else "train"
-            by_split[split].append(np.asarray(ids, dtype=np.int32))
+            by_split[split].append(tokenizer.ids_array(ids))
             self.tokens.inc(len(ids))
         self.docs.inc(sum(len(v) for v in by_split.values()))
         for split, docs in by_split.items():
@@ -396,15 +397,20 @@ class SmallestKey(beam.PTransform):
 
 class HoldOutFn(beam.DoFn):
     """DocBatch → the same, except that the "auto" document with the corpus's smallest content key
-    (`SmallestKey`, a side input) moves to a "validation" batch of its own when the hash threshold
+    (`SmallestKey`: found before the build pipeline, or beside it with a given tokenizer, which
+    then runs again if need be) moves to a "validation" batch of its own when the hash threshold
     of `Tokenize` would not hold it out: a small corpus (a few books) still gets a validation
     split. Where the threshold holds it out anyway (any large corpus), batches pass unchanged."""
 
     def __init__(self, validation_fraction: float):
         self.threshold = validation_fraction * 2.0**64
 
+    def moves(self, held_out: int | None) -> bool:
+        """Whether the document of key `held_out` moves (else every batch passes unchanged)."""
+        return held_out is not None and held_out >= self.threshold
+
     def process(self, batch: DocBatch, held_out: int | None):
-        if batch.split != "auto" or held_out is None or held_out < self.threshold:
+        if batch.split != "auto" or not self.moves(held_out):
             yield batch
             return
         keep = [d for d in batch.docs if content_key(d.encode()) != held_out]

@@ -66,12 +66,16 @@ def cleaned_documents(data: Path) -> list[str]:
 
 
 def write_corpus(docs: list[str], path: Path, megabytes: float) -> int:
-    size, lines = 0, []
-    while size < megabytes * 1e6:
-        for doc in docs:
-            lines.append(json.dumps({"text": doc}) + "\n")
-            size += len(doc.encode())
-    path.write_text("".join(lines))
+    """Whole passes over `docs` as JSON lines until at least `megabytes` of text; the text bytes.
+    Written pass by pass: this process never holds more than one pass (its memory would count
+    in the peak RSS of the builds it starts, `tools.bench_pipeline_memory.measure`)."""
+    lines = [json.dumps({"text": doc}) + "\n" for doc in docs]
+    sizes = [len(doc.encode()) for doc in docs]
+    size = 0
+    with open(path, "w") as f:
+        while size < megabytes * 1e6:
+            f.write("".join(lines))
+            size += sum(sizes)
     return size
 
 
@@ -125,7 +129,6 @@ def bench_build(
 
 def bench_datasets(corpus: Path, model: Path, seq_len: int, cache: Path) -> float:
     import datasets
-    import numpy as np
 
     shutil.rmtree(cache, ignore_errors=True)
     start = time.perf_counter()
@@ -133,7 +136,7 @@ def bench_datasets(corpus: Path, model: Path, seq_len: int, cache: Path) -> floa
 
     def tokenize_and_pack(batch):
         sp = tokenizer.load(model.read_bytes())
-        docs = [np.asarray(ids, dtype=np.int32) for ids in sp.encode(batch["text"], num_threads=1)]
+        docs = [tokenizer.ids_array(ids) for ids in sp.encode(batch["text"], num_threads=1)]
         return {"input_ids": packing.pack_documents(docs, seq_len)}
 
     ds.map(tokenize_and_pack, batched=True, batch_size=256, num_proc=2, remove_columns=["text"])
@@ -172,9 +175,7 @@ def stage_breakdown(
         if batch and (doc is None or chars >= 1 << 20):
             text = timed("clean", lambda b: [cleaning.clean_plain(d) for d in b], batch)
             encoded = timed("encode", lambda t: sp.encode(t, num_threads=1), text)
-            arrays = timed(
-                "to arrays", lambda e: [np.asarray(x, dtype=np.int32) for x in e], encoded
-            )
+            arrays = timed("to arrays", lambda e: [tokenizer.ids_array(x) for x in e], encoded)
             ids, lengths = timed("pack", packing.pack_documents_padded, arrays, seq_len)
             packed.append((timed("row keys", row_keys, ids, lengths), ids, lengths))
             batch, chars = [], 0

@@ -5,16 +5,21 @@ The same cleaned text (`--data`: a folder with a wiki sample and book texts, as 
 in-process FnApiRunner, or the runner options given after `--`), training the tokenizer
 (--vocab-size) unless --tokenizer-given, with --num-shards scaled with the corpus so that shards
 keep one size (--mb-per-shard). Each build runs in its own process; its peak RSS is that
-process's (and its children's) maximum resident set size (`os.wait4`). Printed side by side with
+process's (and its children's) maximum resident set size (`os.wait4` in a small launcher:
+Linux would count this process's own memory in a child's peak). Printed side by side with
 the ratios to the smallest corpus: memory should stay flat, time should grow like the text.
 
     .venv/bin/python tools/bench_pipeline_memory.py --data DATA --mb 50 150 200
+
+With --dask-workers N, every build runs on `--runner DaskRunner` against a LocalCluster of N
+worker processes (1 thread each) that this tool starts before the clock and restarts before each
+build; each worker's peak RSS is its VmHWM (`/proc/self/status`, read on the worker after the
+build), printed beside the driver's.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -34,6 +39,8 @@ def build_command(corpus: Path, out: Path, args, shards: int, tokenizer: Path | 
     cmd += ["--input", str(corpus), "--output", str(out), "--text-mode", "line"]
     cmd += ["--seq-len", str(args.seq_len), "--num-shards", str(shards)]
     cmd += ["--progress-seconds", "0"]
+    if getattr(args, "spill_rows", None):
+        cmd += ["--spill-rows", str(args.spill_rows)]
     if tokenizer:
         cmd += ["--tokenizer", str(tokenizer)]
     else:
@@ -41,22 +48,46 @@ def build_command(corpus: Path, out: Path, args, shards: int, tokenizer: Path | 
     return cmd + args.beam_args
 
 
+# Runs the command as its child and writes the child's rusage peak to argv[1]. A process started
+# straight from this one would not do: Linux keeps the peak RSS across fork and exec (`ru_maxrss`
+# of a child of a 1 GB process is at least 1 GB), so it is started from this small launcher, whose
+# own peak is a few MB. ru_maxrss of the waited children is the largest peak among the build's
+# process and its descendants (e.g. multi_processing workers), never a sum.
+LAUNCHER = """
+import os, subprocess, sys
+proc = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(proc.pid, 0)
+open(sys.argv[1], "w").write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def measure(cmd: list[str]) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS in GB of the process and its children, stderr tail)."""
+    """(wall seconds, peak RSS in GB of the build's process and its children, stderr tail)."""
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
-    with tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as err, tempfile.TemporaryDirectory() as tmp:
+        peak_file = Path(tmp) / "maxrss"
+        launcher = [sys.executable, "-S", "-c", LAUNCHER, str(peak_file)]
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=REPO)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.run(
+            launcher + cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=REPO
+        )
         elapsed = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
         err.seek(0)
         tail = err.read().decode(errors="replace")[-3000:]
-    if proc.returncode:
-        raise SystemExit(f"build failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
-    return elapsed, usage.ru_maxrss * 1024 / 1e9, tail
+        if proc.returncode:
+            raise SystemExit(f"build failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+        peak = int(peak_file.read_text()) * 1024 / 1e9
+    return elapsed, peak, tail
+
+
+def worker_peak_gb() -> float:
+    """This process's peak RSS (VmHWM: since its exec, never inherited), in GB; run on a worker."""
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kb * 1024 / 1e9
 
 
 def main():
@@ -68,10 +99,17 @@ def main():
     parser.add_argument("--mb-per-shard", type=float, default=37.5, help="text per train shard")
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--spill-rows", type=int, default=None, help="the build's --spill-rows")
     parser.add_argument(
         "--tokenizer-given",
         action="store_true",
         help="pass a tokenizer (trained once, outside the timing) instead of training one",
+    )
+    parser.add_argument(
+        "--dask-workers",
+        type=int,
+        default=0,
+        help="build on a LocalCluster of this many worker processes (DaskRunner); 0: one worker",
     )
     parser.add_argument("--work", type=Path, default=None, help="scratch (default: a temp dir)")
     parser.add_argument("beam_args", nargs="*", help="after --: runner options for every build")
@@ -87,8 +125,24 @@ def main():
         lines = [line for d in docs for line in cleaning.sample_lines(d)]
         tokenizer = work / "tokenizer.model"
         tokenizer.write_bytes(tok.train([x for _, x in tok.smallest_lines(lines, 200_000)], 8000))
+    client = None
+    if args.dask_workers:
+        from distributed import Client, LocalCluster
+
+        cluster = LocalCluster(
+            n_workers=args.dask_workers,
+            processes=True,
+            threads_per_worker=1,
+            dashboard_address=None,
+        )
+        client = Client(cluster)
+        args.beam_args = [
+            *("--runner", "DaskRunner", "--dask_client_address", cluster.scheduler_address),
+            *args.beam_args,
+        ]
     print(
-        f"one worker, seq_len {args.seq_len}, "
+        (f"Dask, {args.dask_workers} worker processes" if client else "one worker")
+        + f", seq_len {args.seq_len}, "
         + ("tokenizer given" if tokenizer else f"tokenizer trained (vocab {args.vocab_size})")
         + f", {args.mb_per_shard:g} MB of text per shard, runner options {args.beam_args or 'none'}; "
         f"load {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores",
@@ -101,22 +155,31 @@ def main():
         shards = max(1, round(mb / args.mb_per_shard))
         out = work / "out"
         shutil.rmtree(out, ignore_errors=True)
+        if client:
+            client.restart()  # fresh worker processes: their VmHWM starts again
+        load = os.getloadavg()[0]
         seconds, peak, _ = measure(build_command(corpus, out, args, shards, tokenizer))
-        tokens = json.loads((out / "index.json").read_text())["counters"].get("document_tokens", 0)
-        rows.append((mb, size, shards, seconds, peak, tokens))
+        workers = sorted(client.run(worker_peak_gb).values()) if client else []
+        if workers:  # the largest process: the driver or a worker
+            peak = max(peak, workers[-1])
+        rows.append((mb, size, shards, seconds, peak))
         print(
-            f"  {size / 1e6:7.1f} MB, {shards:3d} shards: {seconds:7.1f} s, peak RSS {peak:6.2f} GB "
-            f"(load {os.getloadavg()[0]:.2f})",
+            f"  {size / 1e6:7.1f} MB, {shards:3d} shards: {seconds:7.1f} s, peak RSS {peak:6.2f} GB"
+            + (f" (workers {', '.join(f'{w:.2f}' for w in workers)} GB)" if workers else "")
+            + f" (load {load:.2f} before, {os.getloadavg()[0]:.2f} after)",
             flush=True,
         )
         corpus.unlink()
     shutil.rmtree(work / "out", ignore_errors=True)
-    _, size0, _, seconds0, peak0, _ = rows[0]
+    if client:
+        client.close()
+        cluster.close()
+    _, size0, _, seconds0, peak0 = rows[0]
     print(
         f"\n{'text MB':>8} {'shards':>6} {'seconds':>8} {'peak GB':>8} {'x text':>7} "
         f"{'x time':>7} {'x peak':>7} {'B RSS/B text':>13}"
     )
-    for _, size, shards, seconds, peak, _ in rows:
+    for _, size, shards, seconds, peak in rows:
         print(
             f"{size / 1e6:8.1f} {shards:6d} {seconds:8.1f} {peak:8.2f} {size / size0:7.2f} "
             f"{seconds / seconds0:7.2f} {peak / peak0:7.2f} {peak * 1e9 / size:13.1f}"

@@ -46,7 +46,8 @@ def dask_cluster():
 
 @pytest.mark.slow  # two worker processes start and import Beam: ~20 s on the loaded 2-core box
 def test_dask_runner_writes_the_bytes_of_the_fn_api_runner(corpus_dir, tmp_path, dask_cluster):
-    """The whole build (tokenizer sample, training, build) on 2 Dask worker processes."""
+    """The whole build (tokenizer sample, training, build) on 2 Dask worker processes, and the
+    build with that tokenizer given."""
     args = [
         "build",
         "--input",
@@ -80,6 +81,12 @@ def test_dask_runner_writes_the_bytes_of_the_fn_api_runner(corpus_dir, tmp_path,
     assert "documents_read" in dask_index["counters_unavailable"]
     assert "counters_unavailable" not in fn_index
     assert not [p for p in (tmp_path / "dask").iterdir() if p.name.startswith(".")]
+    # a given tokenizer: one pipeline, the hold-out key found by a second sink beside the build
+    given = [a if a != str(tmp_path / "dask") else str(tmp_path / "given") for a in args]
+    given += ["--tokenizer", str(fn_api / "tokenizer.model")]
+    result = CliRunner().invoke(main, given)
+    assert result.exit_code == 0, result.output
+    assert _files(tmp_path / "given") == _files(fn_api)
 
 
 def test_dask_options_are_beam_options():
