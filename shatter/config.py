@@ -13,25 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-ARCHS = (
-    "bert",
-    "bert-rpe",
-    "bert-rab",
-    "no-position",
-    "part-mask",
-    "1h-softmax",
-    "1h-sigmoid",
-    "part-bias",
-    "shatter",
-    "xlnet",
-)
+from shatter.attention import ATTENTIONS  # the registry is the one list of archs
+
+ARCHS = tuple(ATTENTIONS)
 
 # How the single-head partition archs compute attention (shatter/attention/impls.py): every impl
 # gives the same values and gradients from the same weights; `auto` picks one by device.
 ATTENTION_IMPLS = ("auto", "triton", "chunked", "lean", "naive")
 
 # Archs whose attention multiplies by the partition mask N (§3.1): heads are the n parts.
-PARTITION_ARCHS = ("part-mask", "1h-softmax", "1h-sigmoid", "part-bias", "shatter")
+PARTITION_ARCHS = tuple(name for name, cls in ATTENTIONS.items() if cls.parts)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Contract of every variant (cramming's): `forward(x_BLD, mask_BL) -> context_BLD` before the
 output projection W^O, which the encoder block owns; `pool(y_BD, x_BLD, mask_BL) -> context_BD`
 for the §3.4 classification head; a class attribute `absolute_positions` telling the embeddings
-whether to add learnt absolute position embeddings (eq. 4). A variant may also have (xlnet):
+whether to add learnt absolute position embeddings (eq. 4); a class attribute `parts` (its heads
+are the n parts of the partition N, §3.1: the config requires n even and >= 4). This dict is the
+one list of archs: shatter.config's ARCHS and PARTITION_ARCHS are read from it. A variant may also have (xlnet):
 - `two_stream(h, g, mask_BL, rank_BL, **inputs) -> (content, query)` for the permutation LM
   (shatter/xlnet.py runs the two streams through the same blocks);
 - `segments = True`: forward and two_stream also take `segment_BL` ([B, L], the number of [SEP]

@@ -13,13 +13,16 @@ _relative_position_bucket`); Part_Mask is eq. 4, §3.1.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shatter.config import ModelConfig
 from shatter.partition import partition_mask, partition_table
+
+if TYPE_CHECKING:  # annotations only: shatter.config reads this registry
+    from shatter.config import ModelConfig
 
 
 def _heads(t_BLD: torch.Tensor, n: int) -> torch.Tensor:
@@ -44,6 +47,7 @@ class BertAttention(nn.Module):
     """Multi-head softmax attention (eq. 1-3); the embeddings add absolute positions (eq. 4)."""
 
     absolute_positions = True
+    parts = False  # heads are the n parts of the partition N (§3.1): n even, >= 4
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -175,6 +179,7 @@ class PartMaskAttention(BertAttention):
     """eq. 4, §3.1: A = softmax(Q K^T / sqrt(d/n)) ⊙ N, head h restricted by N[h] = f_h(j - i)."""
 
     absolute_positions = False
+    parts = True
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__(config, layer)

@@ -23,6 +23,7 @@ triton, chunked, lean or naive, `auto` by device); all give the same values and 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +31,17 @@ from torch import nn
 
 from shatter.attention.impls import resolve
 from shatter.attention.lean import activate
-from shatter.config import ModelConfig
 from shatter.partition import partition_table
+
+if TYPE_CHECKING:  # annotations only: shatter.config reads this registry
+    from shatter.config import ModelConfig
 
 
 class SingleHeadPartitionAttention(nn.Module):
     """The shared form; subclasses only choose the activation and which uses of R they have."""
 
     absolute_positions = False
+    parts = True  # heads are the n parts of the partition N (§3.1)
     sigmoid = True  # eq. 5's L2-normalised sigmoid; False: softmax
     partition_bias = False  # B inside the activation (§3.3)
     partition_value = False  # A_part V_part added to the context (§3.3)

@@ -37,13 +37,16 @@ evaluation.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shatter.attention.multihead import _heads, _merge
-from shatter.config import ModelConfig
+
+if TYPE_CHECKING:  # annotations only: shatter.config reads this registry
+    from shatter.config import ModelConfig
 
 
 def sinusoid(distances: torch.Tensor, d: int) -> torch.Tensor:
@@ -56,6 +59,7 @@ def sinusoid(distances: torch.Tensor, d: int) -> torch.Tensor:
 class XLNetAttention(nn.Module):
     """XLNet's relative attention; `two_stream` is the permutation-LM form of the same weights."""
 
+    parts = False
     absolute_positions = False  # having `two_stream`, the embeddings also hold w (model.py)
     segments = True  # forward and two_stream take segment_BL (Encoder.attention_inputs)
     # added after the first exports: at zero the segment term is exactly 0 (old models unchanged)

@@ -192,7 +192,7 @@ def test_bert_rab_bias_is_w_b_at_the_bucket_of_each_pair():
 
 
 def test_the_config_knows_exactly_the_registered_archs():
-    """ARCHS (which the config validates against) and the registry name the same archs, in order."""
+    """ARCHS (which the config validates against) is read from the registry, in order."""
     from shatter.attention import ATTENTIONS
     from shatter.config import ARCHS
 
