@@ -37,6 +37,7 @@ import yaml  # noqa: E402
 
 from shatter.attention import ATTENTIONS  # noqa: E402
 from tools.plot_metrics import read_metrics  # noqa: E402
+from train.plm import default_objective  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -712,7 +713,9 @@ def write_extension(study: Study, archs: list[str], lengths: list[int], rows: li
     type=click.Path(path_type=Path, file_okay=False),
     help="An existing shard dataset to train on instead of building one from --input.",
 )
-@click.option("--archs", help="Comma-separated archs (default: all, or the extension five).")
+@click.option(
+    "--archs", help="Comma-separated archs (default: the masked-LM archs, or the extension five)."
+)
 @click.option("--steps", type=int, help="Pretraining steps per run (default: the scale's).")
 @click.option("--seeds", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--seq-len", type=int, help="l_train (default: the scale's, 128 cpu / 256 gpu).")
@@ -726,12 +729,20 @@ def write_extension(study: Study, archs: list[str], lengths: list[int], rows: li
 )
 def main(which: str, scale: str, archs: str | None, **opts) -> None:
     """Run the paper's ablation or length-extension study with the project's own commands."""
-    default = list(ATTENTIONS) if which == "ablation" else list(EXTENSION_ARCHS)
+    mlm = [a for a in ATTENTIONS if default_objective(a) == "mlm"]  # Figure 3 compares MLM losses
+    default = mlm if which == "ablation" else list(EXTENSION_ARCHS)
     chosen = archs.split(",") if archs else default
     unknown = [a for a in chosen if a not in ATTENTIONS]
     if unknown:
         raise click.BadParameter(
             f"unknown arch(s) {', '.join(unknown)}; known: {', '.join(ATTENTIONS)}",
+            param_hint="--archs",
+        )
+    other = [a for a in chosen if a not in mlm]
+    if other:
+        raise click.BadParameter(
+            f"{', '.join(other)} train(s) a permutation LM, whose loss is not comparable with the "
+            f"masked-LM losses of these studies; choose from {', '.join(mlm)}",
             param_hint="--archs",
         )
     study = Study(opts.pop("output"), SCALES[scale], opts)

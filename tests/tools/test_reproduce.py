@@ -165,3 +165,14 @@ def test_verdict_weighs_the_seed_spread():
     assert "within the seed spread" in verdict([2.0, 2.4], [2.1, 2.5], -1)
     assert "spread not measured" in verdict([2.0], [3.0], -1)
     assert "consistent with the paper" in verdict([2.0, 2.4], [2.1, 2.5], 0)
+
+
+def test_ablation_defaults_to_the_masked_lm_archs_and_refuses_plm(tmp_path):
+    """Figure 3 compares MLM losses: xlnet (a permutation LM) is neither a default nor accepted."""
+    from click.testing import CliRunner
+
+    from tools.reproduce import main
+
+    result = CliRunner().invoke(main, ["ablation", "--archs", "xlnet", "--output", str(tmp_path)])
+    assert result.exit_code == 2 and "permutation LM" in result.output
+    assert not any(tmp_path.iterdir())  # refused before anything was written
