@@ -745,8 +745,14 @@ def main(which: str, scale: str, archs: str | None, **opts) -> None:
             f"masked-LM losses of these studies; choose from {', '.join(mlm)}",
             param_hint="--archs",
         )
-    study = Study(opts.pop("output"), SCALES[scale], opts)
-    (run_ablation if which == "ablation" else run_extension)(study, chosen)
+    output = opts.pop("output")
+    try:
+        study = Study(output, SCALES[scale], opts)
+        (run_ablation if which == "ablation" else run_extension)(study, chosen)
+    except click.ClickException:
+        raise
+    except Exception as e:  # one line naming the cause, never a bare traceback
+        raise StudyError(f"the {which} study in {output} failed: {type(e).__name__}: {e}") from None
 
 
 if __name__ == "__main__":
