@@ -1,6 +1,6 @@
 """A build's memory does not grow with the corpus: from 6 to 24 MB of text (the wiki sample and
 books of the `shared_data` fixture, cleaned and repeated), a one-worker build's peak RSS grows by
-less than the added text and stays within 1.3x, with the tokenizer trained and with one given.
+less than 1.5x the added text and stays within 1.3x, with the tokenizer trained and with one given.
 Before the tokenizer sample was bounded, the sample stage held the whole corpus (a ratio of about
 1.5 at these sizes); while the hold-out key was a side input of the build, a given tokenizer's
 build held every document until the key was known (0.297 -> 0.339 GB: 42 MB more for 17 MB more
@@ -28,7 +28,10 @@ def assert_flat(docs, tmp_path, tokenizer=None):
         tokens[mb] = json.loads((out / "index.json").read_text())["counters"]["document_tokens"]
         corpus.unlink()
     assert tokens[24] > 2.5 * tokens[6], tokens  # the bigger build did read several times the text
-    assert peaks[24] - peaks[6] < text[24] - text[6], (peaks, text)  # GB
+    # holding the documents costs more than 2 bytes of RAM per byte of text (the given-tokenizer
+    # side input: 42 MB for 17 MB); allocator and spill noise at these sizes is about 1 (18 MB for
+    # 17 MB seen with the tokenizer trained), so the bound sits between the two
+    assert peaks[24] - peaks[6] < 1.5 * (text[24] - text[6]), (peaks, text)  # GB
     assert peaks[24] <= 1.3 * peaks[6], peaks
 
 
