@@ -56,6 +56,11 @@ def sinusoid(distances: torch.Tensor, d: int) -> torch.Tensor:
     return torch.cat([angle.sin(), angle.cos()], dim=-1)
 
 
+def same_segment(segment_BL: torch.Tensor) -> torch.Tensor:
+    """[B, L, L]: positions i and j are in the same segment."""
+    return segment_BL[:, :, None] == segment_BL[:, None, :]
+
+
 class XLNetAttention(nn.Module):
     """XLNet's relative attention; `two_stream` is the permutation-LM form of the same weights."""
 
@@ -111,8 +116,9 @@ class XLNetAttention(nn.Module):
         B, L, _ = x_BLD.shape
         q, k, v = (_heads(f(x_BLD), self.n) for f in (self.query, self.key, self.value))
         kr, idx = self._position_keys(L, x_BLD.device)
-        same = segment_BL[:, :, None] == segment_BL[:, None, :]
-        return self._attend(q, k, v, kr, idx, same, mask_BL[:, None, :].expand(B, L, L))
+        return self._attend(
+            q, k, v, kr, idx, same_segment(segment_BL), mask_BL[:, None, :].expand(B, L, L)
+        )
 
     def two_stream(
         self,
@@ -127,14 +133,16 @@ class XLNetAttention(nn.Module):
         L = h_BLD.shape[1]
         k, v = _heads(self.key(h_BLD), self.n), _heads(self.value(h_BLD), self.n)
         kr, idx = self._position_keys(L, h_BLD.device)
-        seg = segment_BL[:, :, None] == segment_BL[:, None, :]  # [b, i, j]: same segment
+        segment = same_segment(segment_BL)
         earlier = rank_BL[:, None, :] < rank_BL[:, :, None]  # [b, i, j]: rank_j < rank_i
-        same = rank_BL[:, None, :] == rank_BL[:, :, None]
+        same_rank = rank_BL[:, None, :] == rank_BL[:, :, None]
         key = mask_BL[:, None, :]
         content = self._attend(
-            _heads(self.query(h_BLD), self.n), k, v, kr, idx, seg, (earlier | same) & key
+            _heads(self.query(h_BLD), self.n), k, v, kr, idx, segment, (earlier | same_rank) & key
         )
-        query = self._attend(_heads(self.query(g_BLD), self.n), k, v, kr, idx, seg, earlier & key)
+        query = self._attend(
+            _heads(self.query(g_BLD), self.n), k, v, kr, idx, segment, earlier & key
+        )
         return content, query
 
     def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
