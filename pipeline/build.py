@@ -45,6 +45,7 @@ from pipeline.transforms import (
     SampleLines,
     SmallestKey,
     Tokenize,
+    batch_smallest_key,
 )
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ def cache_clean_text(
     p = runners.make_pipeline(beam_args)
     cache_list = fs.join(out, CACHE_LIST)
     docs = _read_clean(p, config)
-    smallest = docs | "smallest key" >> SmallestKey()
+    smallest = docs | "batch keys" >> beam.Map(batch_smallest_key) | "smallest key" >> SmallestKey()
     extra = {}
     if sample:
         extra["sample"] = beam.pvalue.AsSingleton(docs | "sample" >> SampleLines(sample))
@@ -324,17 +325,17 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
             if cached is None
             else p | "read cleaned" >> ReadCache(cached["files"])
         )
+        if not find_key and fraction > 0:  # by hash (Tokenize), and the smallest-key document
+            docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), held_out)
+        tokenized = docs | "tokenize" >> Tokenize(model_path, fraction)
         if find_key:  # a sink beside the build (as a side input it would hold the documents back)
             _ = (
-                docs
+                tokenized.keys
                 | "smallest key" >> SmallestKey()
                 | "write smallest key" >> beam.Map(lambda k: _write_text(key_path, json.dumps(k)))
             )
-        elif fraction > 0:  # by hash (Tokenize), and the smallest-key document if need be
-            docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), held_out)
         infos = (
-            docs
-            | "tokenize" >> Tokenize(model_path, fraction)
+            tokenized.tokenized
             | "pack" >> Pack(config.seq_len, config.cross_document)
             | "shard, mask and write"
             >> ShardAndWrite(out, work_dir, counts, mask, config.spill_rows)

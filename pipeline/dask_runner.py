@@ -12,6 +12,8 @@ and GroupByKey and its options (`--dask_client_address`, `--dask_npartitions`, .
    one dask Item, computed once in the graph and broadcast to the tasks that read it.
 3. Sinks: Beam computes the last transform's bag only, so a pipeline with two sinks silently skips
    the other. Here every transform whose output nobody reads is computed.
+4. Multiple outputs: Beam gives every reader of a multi-output ParDo all of its outputs (the tags
+   are lost). Here each output is read apart (the other outputs travel as `TaggedOutput`s).
 
 Also: a Create is split into one element per partition unless `--dask_npartitions` or
 `--dask_partition_size` says otherwise (Beam's default of 128 elements per partition puts a
@@ -55,7 +57,19 @@ def _run_bundle(items, packed: bytes, *side_values):
         invoker.invoke_process(item)
     invoker.invoke_finish_bundle()
     invoker.invoke_teardown()
-    return [v.value for v in receivers.values]
+    return [  # the main output's elements, and the other outputs' as TaggedOutput(tag, element)
+        pvalue.TaggedOutput(v.tag, v.value.value) if isinstance(v, pvalue.TaggedOutput) else v.value
+        for v in receivers.values
+    ]
+
+
+def _output(bag, tag):
+    """The elements of one output (`tag`; None: the main one) of a multi-output ParDo's bag."""
+    if tag is None:
+        return bag.filter(lambda x: not isinstance(x, pvalue.TaggedOutput))
+    return bag.filter(lambda x: isinstance(x, pvalue.TaggedOutput) and x.tag == tag).map(
+        lambda x: x.value
+    )
 
 
 def _windowed(item, window_fn):
@@ -122,8 +136,7 @@ class _Visitor(PipelineVisitor):
                 if isinstance(value, pvalue.PBegin):
                     bags.append(None)
                 if value.producer in self.bags:
-                    bags.append(self.bags[value.producer])
-                    self.read.add(value.producer)
+                    bags.append(self._bag(value))
             single = len(bags) == 1 and not isinstance(op, te.Flatten)
             kws["input_bag"] = bags[0] if single else bags
         if node.side_inputs:
@@ -131,9 +144,14 @@ class _Visitor(PipelineVisitor):
                 raise NotImplementedError(f"{node.full_label}: side inputs of a non-ParDo")
             kws["side_inputs"] = []
             for si in node.side_inputs:
-                kws["side_inputs"].append((si, self.bags[si.pvalue.producer]))
-                self.read.add(si.pvalue.producer)
+                kws["side_inputs"].append((si, self._bag(si.pvalue)))
         self.bags[node] = op.apply(**kws)
+
+    def _bag(self, value: pvalue.PCollection):
+        """The bag of a PCollection: its producer's, filtered to its output if it has several."""
+        self.read.add(value.producer)
+        bag = self.bags[value.producer]
+        return _output(bag, value.tag) if len(value.producer.outputs) > 1 else bag
 
     def sinks(self) -> list:
         return [bag for node, bag in self.bags.items() if node not in self.read and bag is not None]

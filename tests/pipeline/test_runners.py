@@ -3,12 +3,13 @@ Beam options checked (a typo is an error), runner-only flags after `--`."""
 
 import json
 
+import apache_beam as beam
 import pytest
 from click.testing import CliRunner
 
 from pipeline import format as shards
 from pipeline.cli import main
-from pipeline.runners import OptionError, check_options
+from pipeline.runners import OptionError, check_options, make_pipeline
 
 from .test_build import _files
 
@@ -124,3 +125,26 @@ def test_runner_flags_after_double_dash_pass_unchecked(built, corpus_dir, tmp_pa
     )
     assert result.exit_code == 0, result.output
     assert shards.read_index(str(tmp_path / "o")).raw["splits"]["train"]["rows"] > 0
+
+
+def _even_or_odd(n):
+    yield n if n % 2 == 0 else beam.pvalue.TaggedOutput("odd", n)
+
+
+@pytest.mark.slow  # the module's 2 Dask worker processes
+def test_dask_runner_keeps_the_outputs_of_a_pardo_apart(tmp_path, dask_cluster):
+    """Beam's Dask translation gives every reader of a multi-output ParDo all of its outputs."""
+    p = make_pipeline(
+        ["--runner", "DaskRunner", "--dask_client_address", dask_cluster.scheduler_address]
+    )
+    outputs = p | beam.Create(range(7)) | beam.ParDo(_even_or_odd).with_outputs("odd", main="even")
+    for name in ("even", "odd"):
+        _ = (
+            outputs[name]
+            | f"{name} list" >> beam.combiners.ToList()
+            | f"write {name}"
+            >> beam.Map(lambda xs, n=name: (tmp_path / n).write_text(json.dumps(sorted(xs))))
+        )
+    p.run().wait_until_finish()
+    assert json.loads((tmp_path / "even").read_text()) == [0, 2, 4, 6]
+    assert json.loads((tmp_path / "odd").read_text()) == [1, 3, 5]
