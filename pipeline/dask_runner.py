@@ -9,7 +9,9 @@ and GroupByKey and its options (`--dask_client_address`, `--dask_npartitions`, .
    collected after `finish_bundle`, and each bundle gets its own copy of the DoFn and receivers.
 2. Side inputs: Beam computes a side input's bag inside every task that reads it (`list(bag)` on a
    worker), which recomputes its whole upstream (every spill written twice). Here a side input is
-   one dask Item, computed once in the graph and broadcast to the tasks that read it.
+   one dask Delayed, computed once in the graph and broadcast to the tasks that read it (not an
+   Item: dask gives a collection passed as an argument a private copy of its graph, so its
+   upstream would be computed once more for each side input).
 3. Sinks: Beam computes the last transform's bag only, so a pipeline with two sinks silently skips
    the other. Here every transform whose output nobody reads is computed.
 4. Multiple outputs: Beam gives every reader of a multi-output ParDo all of its outputs (the tags
@@ -110,7 +112,9 @@ class ParDo(te.DaskBagOp):
         views, items = [], []
         for si, bag in side_inputs or ():
             views.append((type(si), si._view_options(), si._window_mapping_fn))
-            items.append(bag.reduction(list, lambda parts: [x for p in parts for x in p]))
+            item = bag.reduction(list, lambda parts: [x for p in parts for x in p])
+            # a Delayed of the Item's own key (fix 2: an Item argument gets a private graph)
+            items.append(item.to_delayed(optimize_graph=False))
         packed = cloudpickle.dumps((invoker_args, invoker_kwargs, receivers, views))
         return input_bag.map(_windowed, window_fn).map_partitions(_run_bundle, packed, *items)
 

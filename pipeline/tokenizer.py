@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import io
-import itertools
 
 import numpy as np
 import sentencepiece as spm
@@ -89,12 +88,11 @@ def load(model: bytes) -> spm.SentencePieceProcessor:
     return sp
 
 
-def ids_arrays(encoded: list[list[int]]) -> list[np.ndarray]:
-    """sentencepiece's id lists as int32 arrays: views of one buffer filled by one np.fromiter
-    over all of them (1.5x faster than an array per list, 2x faster than np.asarray)."""
-    sizes = [len(ids) for ids in encoded]
-    flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int32, count=sum(sizes))
-    return np.split(flat, np.cumsum(sizes[:-1])) if sizes else []
+def encode(sp: spm.SentencePieceProcessor, texts: list[str]) -> list[np.ndarray]:
+    """The ids of each text as an int32 array, one thread: sentencepiece's numpy return type
+    (0.2.2+) fills the arrays in C++, 15% faster than its lists of ints, and about 25% faster
+    than lists converted to arrays."""
+    return sp.encode(texts, num_threads=1, return_type="numpy")
 
 
 def word_start_table(sp: spm.SentencePieceProcessor) -> np.ndarray:

@@ -341,7 +341,7 @@ class TokenizeFn(beam.DoFn):
         self.empty = counter("skipped_empty_after_tokenizing")
 
     def process(self, batch: DocBatch):
-        encoded = self.sp.encode(list(batch.docs), num_threads=1)
+        encoded = tokenizer.encode(self.sp, list(batch.docs))
         splits = [batch.split] * len(batch.docs)
         if batch.split == "auto" and self.validation_fraction == 0:
             splits = ["train"] * len(batch.docs)
@@ -351,7 +351,7 @@ class TokenizeFn(beam.DoFn):
             threshold = self.validation_fraction * 2.0**64
             splits = ["validation" if key < threshold else "train" for key in keys]
         by_split = {"train": [], "validation": []}
-        for split, array in zip(splits, tokenizer.ids_arrays(encoded)):
+        for split, array in zip(splits, encoded):
             if len(array):
                 by_split[split].append(array)
             else:

@@ -3,7 +3,8 @@
 On the same cleaned text (`--data`: a folder with a wiki sample and book texts, cleaned once and repeated to
 about --mb MB, written as JSON lines), in one run, interleaving the contenders over --rounds
 rounds and keeping each one's best:
-  (a) raw sentencepiece batch encoding in a tight loop, one thread;
+  (a) raw sentencepiece batch encoding in a tight loop, one thread (its default lists of ints;
+      (a') the same to the int32 arrays that the build asks sentencepiece for);
   (b) `shatter-data build` end to end (tokenize, pack, mask, shard, write; --tokenizer given), with
       one worker (in-process) and two workers (multi_processing, and in_memory threads);
   (c) the same tokenize-and-pack with `datasets.map(batched=True, num_proc=2)`.
@@ -79,17 +80,24 @@ def write_corpus(docs: list[str], path: Path, megabytes: float) -> int:
     return size
 
 
-def bench_sentencepiece(model: bytes, docs: list[str], batch_chars: int) -> tuple[float, int]:
+def bench_sentencepiece(
+    model: bytes, docs: list[str], batch_chars: int, arrays: bool = False
+) -> tuple[float, int]:
+    """Batches of `batch_chars` encoded to lists of ints (or, with `arrays`, to the int32 arrays
+    that the build asks for: `tokenizer.encode`)."""
     sp = tokenizer.load(model)
+    encode = (
+        (lambda b: tokenizer.encode(sp, b)) if arrays else (lambda b: sp.encode(b, num_threads=1))
+    )
     start, tokens, batch, chars = time.perf_counter(), 0, [], 0
     for doc in docs:
         batch.append(doc)
         chars += len(doc)
         if chars >= batch_chars:
-            tokens += sum(map(len, sp.encode(batch, num_threads=1)))
+            tokens += sum(map(len, encode(batch)))
             batch, chars = [], 0
     if batch:
-        tokens += sum(map(len, sp.encode(batch, num_threads=1)))
+        tokens += sum(map(len, encode(batch)))
     return time.perf_counter() - start, tokens
 
 
@@ -136,7 +144,7 @@ def bench_datasets(corpus: Path, model: Path, seq_len: int, cache: Path) -> floa
 
     def tokenize_and_pack(batch):
         sp = tokenizer.load(model.read_bytes())
-        docs = tokenizer.ids_arrays(sp.encode(batch["text"], num_threads=1))
+        docs = tokenizer.encode(sp, batch["text"])
         return {"input_ids": packing.pack_documents(docs, seq_len)}
 
     ds.map(tokenize_and_pack, batched=True, batch_size=256, num_proc=2, remove_columns=["text"])
@@ -157,7 +165,15 @@ def stage_breakdown(
     word_start, vocab = tokenizer.word_start_table(sp), sp.get_piece_size()
     spec = MaskSpec("", 0, dupe_factor, 0.15, False)
     times = dict.fromkeys(
-        ["clean", "encode", "to arrays", "pack", "row keys", "sort", "mask", "Arrow + zstd write"],
+        [
+            "clean",
+            "encode (int32 arrays)",
+            "pack",
+            "row keys",
+            "sort",
+            "mask",
+            "Arrow + zstd write",
+        ],
         0.0,
     )
 
@@ -174,8 +190,7 @@ def stage_breakdown(
             chars += len(doc)
         if batch and (doc is None or chars >= 1 << 20):
             text = timed("clean", lambda b: [cleaning.clean_plain(d) for d in b], batch)
-            encoded = timed("encode", lambda t: sp.encode(t, num_threads=1), text)
-            arrays = timed("to arrays", tokenizer.ids_arrays, encoded)
+            arrays = timed("encode (int32 arrays)", tokenizer.encode, sp, text)
             ids, lengths = timed("pack", packing.pack_documents_padded, arrays, seq_len)
             packed.append((timed("row keys", row_keys, ids, lengths), ids, lengths))
             batch, chars = [], 0
@@ -266,6 +281,7 @@ def main():
         out = work / "out"
         return {
             A: lambda: bench_sentencepiece(model_bytes, all_docs, 1 << 20)[0],
+            A2: lambda: bench_sentencepiece(model_bytes, all_docs, 1 << 20, arrays=True)[0],
             B1: lambda: bench_build(corpus, model, out, args.seq_len, [])[0],
             B2P: lambda: bench_build(
                 corpus,
@@ -381,9 +397,10 @@ def compare_runners(corpus_info, model: Path, work: Path, args) -> None:
 
 
 A, B1 = "(a) sentencepiece encode, 1 thread", "(b) build, 1 worker (in-process)"
+A2 = "(a') the same to int32 arrays (as the build)"
 B2P, B2T = "(b) build, 2 workers (multi_processing)", "(b) build, 2 workers (in_memory threads)"
 C = "(c) datasets.map(batched, num_proc=2)"
-NAMES = (A, B1, B2P, B2T, C)
+NAMES = (A, A2, B1, B2P, B2T, C)
 
 
 def print_ratios(seconds: dict, label: str) -> None:
@@ -391,6 +408,7 @@ def print_ratios(seconds: dict, label: str) -> None:
     b2 = min(seconds[B2P], seconds[B2T])
     print(f"ratios, {label}:")
     print(f"  (b, 1 worker) / (a)        = {a / b1:.2f}   (target >= 0.5)")
+    print(f"  (b, 1 worker) / (a')       = {seconds[A2] / b1:.2f}")
     print(f"  (b, 2 workers) / (b, 1)    = {b1 / b2:.2f}   (target >= 1.6)")
     print(f"  (b, 2 workers) / (c)       = {c / b2:.2f}   (target > 1)")
 

@@ -148,3 +148,30 @@ def test_dask_runner_keeps_the_outputs_of_a_pardo_apart(tmp_path, dask_cluster):
     p.run().wait_until_finish()
     assert json.loads((tmp_path / "even").read_text()) == [0, 2, 4, 6]
     assert json.loads((tmp_path / "odd").read_text()) == [1, 3, 5]
+
+
+def _logged(x, path):
+    with open(path, "a") as f:  # each of the 2 worker processes appends whole lines
+        f.write(f"{x}\n")
+    return x
+
+
+@pytest.mark.slow  # the module's 2 Dask worker processes
+def test_dask_runner_computes_a_side_inputs_upstream_once(tmp_path, dask_cluster):
+    """dask gives a collection passed as an argument a private copy of its graph: a side input
+    would compute its whole upstream again (every build step before the shard boundaries)."""
+    log = tmp_path / "calls"
+    p = make_pipeline(
+        ["--runner", "DaskRunner", "--dask_client_address", dask_cluster.scheduler_address]
+    )
+    xs = p | beam.Create(range(4)) | "logged" >> beam.Map(_logged, str(log))
+    total = xs | "sum" >> beam.CombineGlobally(sum)
+    _ = (
+        xs
+        | "with total" >> beam.Map(lambda x, t: (x, t), t=beam.pvalue.AsSingleton(total))
+        | beam.combiners.ToList()
+        | beam.Map(lambda pairs: (tmp_path / "out").write_text(json.dumps(sorted(pairs))))
+    )
+    p.run().wait_until_finish()
+    assert json.loads((tmp_path / "out").read_text()) == [[x, 6] for x in range(4)]
+    assert sorted(log.read_text().split()) == ["0", "1", "2", "3"]
