@@ -94,6 +94,8 @@ def init_distributed() -> tuple[int, int]:
         timeout=COLLECTIVE_TIMEOUT,  # a rank whose peer died fails instead of waiting 30 min
         **rendezvous,
     )
+    if on_cpu():
+        release_shm_names()
     if on_cpu() and "OMP_NUM_THREADS" not in os.environ:
         # ranks on one host share its cores; oversubscribed BLAS threads make every rank slower
         local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -101,6 +103,23 @@ def init_distributed() -> tuple[int, int]:
     if not on_cpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def shm_name(rank: int) -> Path:
+    """The /dev/shm file of DeepSpeed's CPU allreduce for `rank` of this job (MASTER_ADDR and
+    MASTER_PORT): a 64 MiB segment per rank, when all ranks share a host."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_shm_names() -> None:
+    """DeepSpeed's CPU allreduce creates a 64 MiB /dev/shm segment per rank and never unlinks it:
+    each job on a new port left 64 MiB per rank of RAM (tmpfs) taken until the machine rebooted.
+    Every rank maps every peer's segment while the process group starts, so once all ranks are
+    past that (a barrier) each one unlinks its own name; the mappings stay valid, and no name is
+    left behind even if the job is killed."""
+    torch.distributed.barrier()
+    shm_name(torch.distributed.get_rank()).unlink(missing_ok=True)
 
 
 def deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | None = None) -> dict:

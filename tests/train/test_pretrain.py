@@ -58,7 +58,16 @@ def command(
 def run_to_end(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert not shm_left(cmd)
     return done
+
+
+def shm_left(cmd: list[str]) -> list[Path]:
+    """The /dev/shm segments of DeepSpeed's CPU allreduce that the job of `cmd` left behind."""
+    if "--master_port" not in cmd:
+        return []
+    port = cmd[cmd.index("--master_port") + 1]
+    return list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
 
 
 def metrics(run: Path) -> tuple[dict[int, float], dict[int, dict]]:
@@ -168,6 +177,7 @@ def test_kill_9_after_a_checkpoint_then_restart_gives_the_same_losses(
     cmd = command(books_data, run, *FP32_ARGS)
     killed_at = kill_9_after_a_checkpoint(cmd, run)
     assert killed_at != "step00000060"
+    assert not shm_left(cmd)  # 64 MiB of RAM per rank, unlinked while the job ran
     done = run_to_end(cmd)
     assert f"resuming from step {int(killed_at[4:])}" in done.stderr
     ref_train, ref_val = metrics(reference[0])
