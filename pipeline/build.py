@@ -6,9 +6,10 @@ Two pipelines when a tokenizer must be trained (it necessarily sits between them
   2. read the cache (or, with a given tokenizer, read → clean) → tokenize → pack → shard → mask →
      write, then index.json from the shard manifest and Beam's counters.
 No side input is computed over the documents (a runner buffers every element that waits on one),
-so a worker's memory does not grow with the corpus. With a given tokenizer the hold-out key is
-found by pipeline 2 itself, which runs again only if that document had to be held out (when the
-hash threshold held out none: a corpus of a few documents).
+and no branch beside the build reads them (Dask keeps a task's output until all its readers have
+run), so a worker's memory does not grow with the corpus. With a given tokenizer, a build that
+held out no document by hash (a corpus of a few documents) is followed by a pass for the hold-out
+key and, if that document has to move, a build with it held out.
 Any Beam runner works (`pipeline.runners`: the options beyond ours become `PipelineOptions`;
 without `--runner` the in-process FnApiRunner). A runner without metrics (Dask) gets the counts
 that the written shards give. `--overwrite` builds beside the old dataset and swaps on success.
@@ -318,24 +319,18 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
     work_dir = fs.join(out, WORK_DIR)
     manifest_path = fs.join(out, MANIFEST_FILE)
 
-    def run_build(held_out: int | None, find_key: bool) -> dict | None:
+    def run_build(held_out: int | None) -> dict | None:
         p = runners.make_pipeline(beam_args)
         docs = (
             _read_clean(p, config)
             if cached is None
             else p | "read cleaned" >> ReadCache(cached["files"])
         )
-        if not find_key and fraction > 0:  # by hash (Tokenize), and the smallest-key document
+        if held_out is not None:  # the smallest-key document, where the hash threshold held none
             docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), held_out)
-        tokenized = docs | "tokenize" >> Tokenize(model_path, fraction)
-        if find_key:  # a sink beside the build (as a side input it would hold the documents back)
-            _ = (
-                tokenized.keys
-                | "smallest key" >> SmallestKey()
-                | "write smallest key" >> beam.Map(lambda k: _write_text(key_path, json.dumps(k)))
-            )
         infos = (
-            tokenized.tokenized
+            docs
+            | "tokenize" >> Tokenize(model_path, fraction)
             | "pack" >> Pack(config.seq_len, config.cross_document)
             | "shard, mask and write"
             >> ShardAndWrite(out, work_dir, counts, mask, config.spill_rows)
@@ -346,23 +341,39 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
         )
         return run_and_report(p, "build", report)
 
+    def find_smallest_key() -> int | None:
+        """A pass over the cleaned documents for the hold-out key alone: read, clean, hash."""
+        p = runners.make_pipeline(beam_args)
+        _ = (
+            _read_clean(p, config)
+            | "batch keys" >> beam.Map(batch_smallest_key)
+            | "smallest key" >> SmallestKey()
+            | "write smallest key" >> beam.Map(lambda k: _write_text(key_path, json.dumps(k)))
+        )
+        run_and_report(p, "hold-out key", report)
+        key = json.loads(_read_text(key_path))
+        FileSystems.delete([key_path])
+        return key
+
     mask = MaskSpec(
         model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word
     )
     key_path = fs.join(out, KEY_FILE)
     if cached is not None or fraction == 0:  # the hold-out key known (or not needed)
-        build_counters = run_build(cached and cached["smallest_key"], find_key=False)
+        build_counters = run_build(cached["smallest_key"] if cached and fraction > 0 else None)
     else:
-        # A given tokenizer: the smallest key is found while building, and the build runs again
-        # with that document held out only where the hash threshold held out no document at all
-        # (a corpus of a few documents); anywhere else HoldOutFn changes nothing.
-        build_counters = run_build(None, find_key=True)
-        held_out = json.loads(_read_text(key_path))
-        FileSystems.delete([key_path])
-        if HoldOutFn(fraction).moves(held_out):
-            report("no document held out by hash: building again with one held out")
-            _delete_tree(work_dir)
-            build_counters = run_build(held_out, find_key=False)
+        # A given tokenizer: one pipeline, and only where it held out no document (a corpus of a
+        # few documents, below the hash threshold) a pass for the smallest key and a build with
+        # that document held out. No second branch beside the build: a runner that keeps an
+        # output until all its readers are done (Dask) would hold the documents meanwhile.
+        build_counters = run_build(None)
+        written = json.loads(_read_text(manifest_path))
+        if not any(r["rows"] for r in written if r["split"] == "validation"):
+            held_out = find_smallest_key()
+            if HoldOutFn(fraction).moves(held_out):
+                report("no document held out by hash: building again with one held out")
+                _delete_tree(work_dir)
+                build_counters = run_build(held_out)
 
     infos = sorted(json.loads(_read_text(manifest_path)), key=lambda r: (r["split"], r["shard"]))
     FileSystems.delete([manifest_path])

@@ -323,13 +323,7 @@ def SampleLines(n: int):
 
 
 class TokenizeFn(beam.DoFn):
-    """DocBatch → Tokenized per split, with sentencepiece's batch API; held-out docs by hash.
-
-    Each "auto" batch's content keys are computed once, for the split and for a second output,
-    "keys": the batch's (smallest key, documents), from which `SmallestKey` finds the hold-out
-    document beside the build."""
-
-    KEYS = "keys"
+    """DocBatch → Tokenized per split, with sentencepiece's batch API; held-out docs by hash."""
 
     def __init__(self, model_path: str, validation_fraction: float):
         self.model_path, self.validation_fraction = model_path, validation_fraction
@@ -347,7 +341,6 @@ class TokenizeFn(beam.DoFn):
             splits = ["train"] * len(batch.docs)
         elif batch.split == "auto":
             keys = [content_key(text.encode()) for text in batch.docs]
-            yield beam.pvalue.TaggedOutput(self.KEYS, (min(keys), len(keys)))
             threshold = self.validation_fraction * 2.0**64
             splits = ["validation" if key < threshold else "train" for key in keys]
         by_split = {"train": [], "validation": []}
@@ -363,16 +356,8 @@ class TokenizeFn(beam.DoFn):
                 yield Tokenized(split, tuple(docs))
 
 
-class Tokenize(beam.PTransform):
-    """DocBatch → Tokenized (the main output) and, from "auto" batches, their smallest content
-    keys (`.keys`: the input of `SmallestKey`)."""
-
-    def __init__(self, model_path: str, validation_fraction: float):
-        super().__init__()
-        self.fn = TokenizeFn(model_path, validation_fraction)
-
-    def expand(self, docs):
-        return docs | beam.ParDo(self.fn).with_outputs(TokenizeFn.KEYS, main="tokenized")
+def Tokenize(model_path: str, validation_fraction: float):
+    return beam.ParDo(TokenizeFn(model_path, validation_fraction))
 
 
 def batch_smallest_key(batch: DocBatch) -> tuple[int | None, int]:
@@ -401,8 +386,7 @@ class _SmallestKey(beam.CombineFn):
 
 
 class SmallestKey(beam.PTransform):
-    """(smallest key, documents) per batch (`batch_smallest_key`, or Tokenize's `.keys`) → the
-    corpus's smallest "auto" document key (a singleton). Batches are reduced to pairs first, so
+    """(smallest key, documents) per batch (`batch_smallest_key`) → the corpus's smallest "auto" document key (a singleton). Batches are reduced to pairs first, so
     that no text goes through the combine's shuffle on a runner without combiner lifting (Dask)."""
 
     def expand(self, pairs):
@@ -411,8 +395,8 @@ class SmallestKey(beam.PTransform):
 
 class HoldOutFn(beam.DoFn):
     """DocBatch → the same, except that the "auto" document with the corpus's smallest content key
-    (`SmallestKey`: found before the build pipeline, or beside it with a given tokenizer, which
-    then runs again if need be) moves to a "validation" batch of its own when the hash threshold
+    (`SmallestKey`: found before the build pipeline, or with a given tokenizer after a build that
+    held out no document, which then runs again) moves to a "validation" batch of its own when the hash threshold
     of `Tokenize` would not hold it out: a small corpus (a few books) still gets a validation
     split. Where the threshold holds it out anyway (any large corpus), batches pass unchanged."""
 
