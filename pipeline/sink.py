@@ -141,13 +141,16 @@ def spill_pieces(spill: Spill, edges: dict):
             yield (spill.split, shard), (spill.path, int(cuts[shard]), int(cuts[shard + 1]))
 
 
-def read_piece(path: str, start: int, stop: int) -> pa.Table:
-    """Rows [start, stop) of a spill file, reading only the record batches that hold them."""
+def read_piece(path: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows [start, stop) of a spill file as (keys, ids, lengths), reading only the record batches
+    that hold them, copied out: a slice would keep its whole batches alive, and a shard reads a
+    piece of every spill (memory that grew with the number of spills, i.e. with the corpus)."""
     with FileSystems.open(path, compression_type="uncompressed") as f:
         reader = pa.ipc.open_file(f)
         first, last = start // SPILL_BATCH_ROWS, (stop - 1) // SPILL_BATCH_ROWS
         table = pa.Table.from_batches([reader.get_batch(i) for i in range(first, last + 1)])
-    return table.slice(start - first * SPILL_BATCH_ROWS, stop - start)
+    rows = table.slice(start - first * SPILL_BATCH_ROWS, stop - start)
+    return tuple(np.array(a, copy=True) for a in spill_arrays(rows))
 
 
 class WriteShardFn(beam.DoFn):
@@ -167,12 +170,10 @@ class WriteShardFn(beam.DoFn):
 
     def process(self, element):
         (split, shard), pieces = element
-        tables = [read_piece(*p) for p in sorted(p for p in pieces if p is not None)]
+        arrays = [read_piece(*p) for p in sorted(p for p in pieces if p is not None)]
         name = shard_name(split, shard, self.counts[split])
         with ShardWriter(self.out, name, schema(self.vocab_size)) as writer:
-            if tables:
-                arrays = [spill_arrays(t) for t in tables]  # spills may differ in width
-                del tables  # the pieces as read: only the merged arrays stay while masking
+            if arrays:  # spills may differ in width
                 keys, lengths = (np.concatenate([a[i] for a in arrays]) for i in (0, 2))
                 ids = stack_padded([a[1] for a in arrays])
                 del arrays

@@ -1,9 +1,13 @@
 """Balanced key-range sharding: balance, coverage, independence from how rows are split."""
 
+import tracemalloc
+
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from pipeline import sharding
+from pipeline.sink import SPILL_BATCH_ROWS, read_piece, spill_table
 
 
 def _sizes(sorted_keys, edges):
@@ -57,3 +61,29 @@ def test_id_type_follows_design_md():
     from pipeline.format import id_type
 
     assert id_type(32000) == id_type(65535) == pa.uint16() and id_type(65536) == pa.int32()
+
+
+def test_a_piece_of_a_spill_keeps_only_its_own_rows(tmp_path):
+    """A shard reads a piece of every spill: a zero-copy slice would keep the spill's whole record
+    batches alive, so a shard writer's memory grew with the number of spills (with the corpus)."""
+    rows, width = 3 * SPILL_BATCH_ROWS, 128
+    keys = np.sort(np.random.default_rng(0).integers(0, 2**63, rows).astype(np.uint64))
+    ids = np.arange(rows * width, dtype=np.int32).reshape(rows, width)
+    lengths = np.full(rows, width, dtype=np.int32)
+    path = str(tmp_path / "spill.arrow")
+    table = spill_table(keys, ids, lengths)
+    with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=SPILL_BATCH_ROWS):
+            writer.write_batch(batch)
+    tracemalloc.start()  # the batches are read into Python bytes that Arrow wraps
+    try:
+        for start, stop in ((10, 20), (SPILL_BATCH_ROWS - 5, SPILL_BATCH_ROWS + 5)):
+            before = tracemalloc.get_traced_memory()[0]
+            got = read_piece(path, start, stop)
+            kept = tracemalloc.get_traced_memory()[0] - before
+            assert kept < 100_000, kept  # a batch of the spill is 2.1 MB
+            for a, want in zip(got, (keys, ids, lengths)):
+                assert np.array_equal(a, want[start:stop])
+            del got
+    finally:
+        tracemalloc.stop()
