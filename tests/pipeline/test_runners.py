@@ -175,3 +175,42 @@ def test_dask_runner_computes_a_side_inputs_upstream_once(tmp_path, dask_cluster
     p.run().wait_until_finish()
     assert json.loads((tmp_path / "out").read_text()) == [[x, 6] for x in range(4)]
     assert sorted(log.read_text().split()) == ["0", "1", "2", "3"]
+
+
+@pytest.mark.slow  # the module's 2 Dask worker processes
+def test_dask_runner_combines_in_every_task_before_grouping(tmp_path, dask_cluster):
+    """A combine is folded task by task, then merged (Beam's combiner lifting): grouping first
+    gathered every value on one worker (the tokenizer's sample held the whole corpus there)."""
+    log = tmp_path / "calls"
+    p = make_pipeline(
+        ["--runner", "DaskRunner", "--dask_client_address", dask_cluster.scheduler_address]
+    )
+    xs = p | beam.Create(range(40)) | "logged" >> beam.Map(_logged, str(log))
+    _ = (
+        xs
+        | beam.CombineGlobally(_CountAdds())
+        | beam.Map(lambda r: (tmp_path / "out").write_text(json.dumps(r)))
+    )
+    _ = xs | "other reader" >> beam.Map(lambda x: None)
+    p.run().wait_until_finish()
+    total, largest_fold = json.loads((tmp_path / "out").read_text())
+    assert total == sum(range(40))
+    assert largest_fold == 1  # one element per task here: folded there, never all in one place
+    assert sorted(map(int, log.read_text().split())) == list(range(40))  # each element once
+
+
+class _CountAdds(beam.CombineFn):
+    """(sum, the most elements any one accumulator was folded from before merging)."""
+
+    def create_accumulator(self):
+        return (0, 0)
+
+    def add_input(self, acc, x):
+        return (acc[0] + x, acc[1] + 1)
+
+    def merge_accumulators(self, accs):
+        accs = list(accs)
+        return (sum(a for a, _ in accs), max((n for _, n in accs), default=0))
+
+    def extract_output(self, acc):
+        return list(acc)
