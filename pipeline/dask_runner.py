@@ -20,6 +20,8 @@ and GroupByKey and its options (`--dask_client_address`, `--dask_npartitions`, .
    of a key is gathered on one worker first (a CombineGlobally over the documents, such as the
    tokenizer's sample, held the whole corpus there). Here it is `Bag.foldby`: a partial combine
    in every task, then a tree of merges (Beam's combiner lifting).
+6. The graph is computed unoptimised: dask's bag optimisation copied tasks that several readers
+   share into each reader's chain, so their work ran more than once.
 
 Also: a Create is split into one element per partition unless `--dask_npartitions` or
 `--dask_partition_size` says otherwise (Beam's default of 128 elements per partition puts a

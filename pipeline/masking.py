@@ -188,7 +188,7 @@ def _choose(seed32, hashes, cand, n_cand, k, whole_word: bool):
     else:  # 32-bit keys: the hash's top 16 bits rank single tokens; a tie (p = 2**-16) goes to the earlier one
         key &= _U32(0xFFFF0000)
         key |= np.where(cand, np.arange(width, dtype=_U32), _U32(0xFFFFFFFF))[:, None, :]
-    key.sort(axis=2)  # non-candidates (all ones below the hash) sort last
+    key.sort(axis=2)  # non-candidates (keys of all ones) sort last
 
     if whole_word:
         # candidates sort first, a word's tokens together: words end where the word hash changes
