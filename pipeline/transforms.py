@@ -336,12 +336,11 @@ class TokenizeFn(beam.DoFn):
 
     def process(self, batch: DocBatch):
         encoded = tokenizer.encode(self.sp, list(batch.docs))
-        splits = [batch.split] * len(batch.docs)
-        if batch.split == "auto" and self.validation_fraction == 0:
-            splits = ["train"] * len(batch.docs)
-        elif batch.split == "auto":
-            keys = [content_key(text.encode()) for text in batch.docs]
+        if batch.split != "auto" or self.validation_fraction == 0:
+            splits = [batch.split if batch.split != "auto" else "train"] * len(batch.docs)
+        else:  # each document's content key, hashed once
             threshold = self.validation_fraction * 2.0**64
+            keys = (content_key(text.encode()) for text in batch.docs)
             splits = ["validation" if key < threshold else "train" for key in keys]
         by_split = {"train": [], "validation": []}
         for split, array in zip(splits, encoded):
@@ -386,8 +385,9 @@ class _SmallestKey(beam.CombineFn):
 
 
 class SmallestKey(beam.PTransform):
-    """(smallest key, documents) per batch (`batch_smallest_key`) → the corpus's smallest "auto" document key (a singleton). Batches are reduced to pairs first, so
-    that no text goes through the combine's shuffle on a runner without combiner lifting (Dask)."""
+    """(smallest key, documents) per batch (`batch_smallest_key`) → the corpus's smallest "auto"
+    document key (a singleton). Batches are reduced to pairs first, so that no text goes through
+    the combine's shuffle on a runner without combiner lifting."""
 
     def expand(self, pairs):
         return pairs | "smallest" >> beam.CombineGlobally(_SmallestKey())
@@ -396,9 +396,9 @@ class SmallestKey(beam.PTransform):
 class HoldOutFn(beam.DoFn):
     """DocBatch → the same, except that the "auto" document with the corpus's smallest content key
     (`SmallestKey`: found before the build pipeline, or with a given tokenizer after a build that
-    held out no document, which then runs again) moves to a "validation" batch of its own when the hash threshold
-    of `Tokenize` would not hold it out: a small corpus (a few books) still gets a validation
-    split. Where the threshold holds it out anyway (any large corpus), batches pass unchanged."""
+    held out no document, which then runs again) moves to a "validation" batch of its own when
+    the hash threshold of `Tokenize` would not hold it out: a small corpus (a few books) still
+    gets a validation split. Where the threshold holds it out anyway (any large corpus), batches pass unchanged."""
 
     def __init__(self, validation_fraction: float):
         self.threshold = validation_fraction * 2.0**64
