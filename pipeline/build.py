@@ -4,7 +4,8 @@ Two pipelines when a tokenizer must be trained (it necessarily sits between them
   1. read → clean → sample lines (the n smallest line hashes), find the hold-out document's key
      (the smallest) and cache the clean text → the driver trains sentencepiece;
   2. read the cache (or, with a given tokenizer, read → clean) → tokenize → pack → shard → mask →
-     write, then index.json from the shard manifest and Beam's counters.
+     write, then index.json from the shards' manifest (each writer leaves its shard's entry in the
+     work directory) and Beam's counters.
 No side input is computed over the documents (a runner buffers every element that waits on one),
 and no branch beside the build reads them (Dask keeps a task's output until all its readers have
 run), so a worker's memory does not grow with the corpus. With a given tokenizer, a build that
@@ -33,7 +34,7 @@ from pipeline import progress, readers, runners, tokenizer
 from pipeline.config import BuildConfig
 from pipeline.format import FORMAT, INDEX_FILE, TOKENIZER_FILE, VERSION, fs, write_index
 from pipeline.inspect import validation_warnings
-from pipeline.sink import ShardAndWrite
+from pipeline.sink import ShardAndWrite, read_manifest
 from pipeline.transforms import (
     NAMESPACE,
     CacheFn,
@@ -50,7 +51,7 @@ from pipeline.transforms import (
 )
 
 log = logging.getLogger(__name__)
-SAMPLE_FILE, MANIFEST_FILE, WORK_DIR = ".tokenizer-sample.txt", ".shards-manifest.json", ".work"
+SAMPLE_FILE, WORK_DIR = ".tokenizer-sample.txt", ".work"
 KEY_FILE = ".smallest-key.json"
 CACHE_LIST = ".work/clean-files.json"
 # every name a build writes in OUT: what --overwrite replaces (never other files kept there)
@@ -61,7 +62,6 @@ BUILD_FILES = (
     "validation-*-of-*.arrow",
     ".tmp-*",
     SAMPLE_FILE,
-    MANIFEST_FILE,
     KEY_FILE,
     WORK_DIR,
 )
@@ -317,7 +317,6 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
         )
     counts = {"train": config.num_shards, "validation": config.num_validation_shards}
     work_dir = fs.join(out, WORK_DIR)
-    manifest_path = fs.join(out, MANIFEST_FILE)
 
     def run_build(held_out: int | None) -> dict | None:
         p = runners.make_pipeline(beam_args)
@@ -328,16 +327,12 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
         )
         if held_out is not None:  # the smallest-key document, where the hash threshold held none
             docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), held_out)
-        infos = (
+        _ = (
             docs
             | "tokenize" >> Tokenize(model_path, fraction)
             | "pack" >> Pack(config.seq_len, config.cross_document)
             | "shard, mask and write"
             >> ShardAndWrite(out, work_dir, counts, mask, config.spill_rows)
-            | "collect" >> beam.combiners.ToList()
-        )
-        _ = infos | "manifest" >> beam.Map(
-            lambda rows: _write_text(manifest_path, json.dumps(rows))
         )
         return run_and_report(p, "build", report)
 
@@ -367,7 +362,7 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
         # that document held out. No second branch beside the build: a runner that keeps an
         # output until all its readers are done (Dask) would hold the documents meanwhile.
         build_counters = run_build(None)
-        written = json.loads(_read_text(manifest_path))
+        written = read_manifest(work_dir)
         if not any(r["rows"] for r in written if r["split"] == "validation"):
             held_out = find_smallest_key()
             if HoldOutFn(fraction).moves(held_out):
@@ -375,8 +370,16 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
                 _delete_tree(work_dir)
                 build_counters = run_build(held_out)
 
-    infos = sorted(json.loads(_read_text(manifest_path)), key=lambda r: (r["split"], r["shard"]))
-    FileSystems.delete([manifest_path])
+    infos = sorted(read_manifest(work_dir), key=lambda r: (r["split"], r["shard"]))
+    missing = sorted(
+        {(split, i) for split, n in counts.items() for i in range(n)}
+        - {(r["split"], r["shard"]) for r in infos}
+    )
+    if missing:  # a runner that lost a shard's write must not give an index.json without it
+        raise BuildError(
+            f"the build wrote {len(infos)} of {sum(counts.values())} shards in {out} (missing: "
+            f"{', '.join(f'{s} {i}' for s, i in missing[:5])}): the runner dropped work; build again"
+        )
     _delete_tree(work_dir)
     recorded = config.to_dict()
     if not config.tokenizer:

@@ -16,7 +16,7 @@ _END = re.compile(
     re.I | re.M,
 )
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")
-_CONTROL = set(range(0, 9)) | {11, 12} | set(range(14, 32))
+_CONTROL = bytes([*range(0, 9), 11, 12, *range(14, 32)])
 # every character str.split() splits on (Unicode White_Space and a few separators, all <= U+3000)
 _OTHER_SPACES = tuple(c for c in map(chr, range(0x3001)) if c.isspace() and c != " ")
 
@@ -36,7 +36,8 @@ def is_binary(head: bytes) -> bool:
         return False
     if b"\x00" in head:
         return True
-    return sum(b in _CONTROL for b in head) > 0.1 * len(head)
+    controls = len(head) - len(head.translate(None, _CONTROL))  # in C: no loop over the bytes
+    return controls > 0.1 * len(head)
 
 
 def strip_gutenberg(text: str) -> str:

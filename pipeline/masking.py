@@ -74,9 +74,9 @@ class MaskedBatch:
     """Flat masking of B rows x D copies: copy (b, d) owns values[offsets[b*D+d]:offsets[b*D+d+1]]."""
 
     offsets: np.ndarray  # int64 [B*D + 1], into the three flat arrays below
-    positions: np.ndarray  # int64, ascending within each copy: indices into the row's input_ids
-    labels: np.ndarray  # int64, the original ids at those positions
-    inputs: np.ndarray  # int64, what the model sees there: [MASK], a random id, or the original
+    positions: np.ndarray  # int32, ascending within each copy: indices into the row's input_ids
+    labels: np.ndarray  # int32, the original ids at those positions
+    inputs: np.ndarray  # int32, what the model sees there: [MASK], a random id, or the original
 
 
 def fmix32(x) -> np.ndarray:
@@ -121,7 +121,9 @@ def mask_batch(
     the positions along, so no argsort, gather or scatter over [B, D, L] is needed. Keys do
     not depend on the padded width: a row masks the same alone or in any batch.
     """
-    ids = np.asarray(ids, dtype=np.int64)
+    ids = np.asarray(ids)
+    if ids.dtype != np.int32:  # ids are vocabulary ids: int32 halves the traffic of int64
+        ids = ids.astype(np.int32)
     n_rows, width = ids.shape
     if width > _POS_MASK:  # the all-ones key marks non-candidates
         raise ValueError(
@@ -155,9 +157,10 @@ def mask_batch(
             whole_word,
         )
         positions.append(chosen)
-    positions = np.concatenate(positions) if positions else np.zeros(0, np.int64)
+    positions = np.concatenate(positions) if positions else np.zeros(0, np.int32)
     per_copy = counts.reshape(-1)
-    b_idx = np.repeat(np.arange(n_rows), counts.sum(axis=1))
+    flat = np.repeat(np.arange(n_rows, dtype=np.intp) * width, counts.sum(axis=1))
+    flat += positions
 
     draw_seed = np.repeat(seed32.reshape(-1), per_copy)
     pos = np.arange(width)
@@ -165,12 +168,14 @@ def mask_batch(
     n_special = len(special_ids)
     rand = _finalise(draw_seed ^ _unit_hash(pos, _SALT_RANDOM)[positions], _FMIX32)
     rand %= _U32(vocab_size - n_special)
-    labels = ids.reshape(-1)[b_idx * width + positions]  # a flat take: 2x faster than ids[b, p]
-    inputs = np.where(
-        action < _P80, mask_id, np.where(action < _P90, rand.astype(np.int64) + n_special, labels)
-    )
-    offsets = np.concatenate([[0], np.cumsum(per_copy)]).astype(np.int64)
-    return MaskedBatch(offsets, positions, labels, inputs.astype(np.int64))
+    labels = ids.reshape(-1)[flat]  # a flat take: 2x faster than ids[b, p]
+    inputs = rand.view(np.int32)
+    inputs += n_special
+    np.copyto(inputs, labels, where=action >= _P90)
+    inputs[action < _P80] = mask_id
+    offsets = np.zeros(len(per_copy) + 1, dtype=np.int64)
+    np.cumsum(per_copy, out=offsets[1:])
+    return MaskedBatch(offsets, positions, labels, inputs)
 
 
 def _choose(seed32, hashes, cand, n_cand, k, whole_word: bool):
@@ -212,7 +217,8 @@ def _choose(seed32, hashes, cand, n_cand, k, whole_word: bool):
     # the chosen keys are the first counts[b, d] of each copy; their positions, ascending
     top = int(counts.max(initial=0))
     valid = np.arange(top)[None, None, :] < counts[:, :, None]
-    chosen = np.where(valid, (key[:, :, :top] & key.dtype.type(_POS_MASK)).astype(np.int64), width)
+    chosen = (key[:, :, :top] & key.dtype.type(_POS_MASK)).astype(np.int32)
+    chosen[~valid] = width
     chosen.sort(axis=2)
     return counts, chosen[valid]
 
@@ -227,7 +233,7 @@ def mask_row(
     special_ids=SPECIAL_IDS,
     mask_id: int = MASK_ID,
 ):
-    """One masking of one row: (positions, labels, inputs) int64 arrays, as `mask_batch` masks it in any batch."""
+    """One masking of one row: (positions, labels, inputs) int32 arrays, as `mask_batch` masks it in any batch."""
     ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
     out = mask_batch(
         ids,

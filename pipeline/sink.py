@@ -8,13 +8,16 @@ rename). Masking last keeps the sorts and spills cheap: until it is written, a r
 length and a fixed-width id array (sorted with numpy, spilled and read back without copies),
 and a chunk's masks exist only while it is written.
 Only file names and histograms go through a GroupByKey, never rows: Beam's local runners hold a
-GroupByKey's whole input in memory. Pattern: Beam's `fileio.WriteToFiles` (temp files, then
+GroupByKey's whole input in memory. Each writer also leaves its shard's ShardInfo in the work
+directory (`read_manifest`), from which the driver writes index.json: no step of the pipeline
+gathers them. Pattern: Beam's `fileio.WriteToFiles` (temp files, then
 finalise), with MosaicML streaming's shard writer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from dataclasses import dataclass
 
@@ -44,6 +47,23 @@ SPILL_BATCH_ROWS = 4096  # record batch size of spill files, so a key range is r
 MAX_SHARD_IDS = (
     2**31 - 1
 )  # Arrow list offsets are int32: a reader combining a shard's batches overflows past this
+
+
+MANIFEST_DIR = "shards"  # in the work directory: one JSON ShardInfo per shard written
+
+
+def manifest_path(work_dir: str, name: str) -> str:
+    return FileSystems.join(work_dir, MANIFEST_DIR, f"{name}.json")
+
+
+def read_manifest(work_dir: str) -> list[dict]:
+    """The ShardInfo (with split and shard) of every shard that `WriteShardFn` wrote."""
+    pattern = FileSystems.join(work_dir, MANIFEST_DIR, "*.json")
+    entries = []
+    for found in FileSystems.match([pattern])[0].metadata_list:
+        with FileSystems.open(found.path, compression_type="uncompressed") as f:
+            entries.append(json.loads(f.read()))
+    return entries
 
 
 def spill_table(keys: np.ndarray, ids: np.ndarray, lengths: np.ndarray) -> pa.Table:
@@ -154,12 +174,13 @@ def read_piece(path: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray
 
 
 class WriteShardFn(beam.DoFn):
-    """The pieces of one shard → merged in key order → masked → one Arrow IPC stream file (temp + rename)."""
+    """The pieces of one shard → merged in key order → masked → one Arrow IPC stream file (temp +
+    rename); then its ShardInfo in the work directory's manifest (`read_manifest`), also output."""
 
     CHUNK = ROWS_PER_RECORD_BATCH  # rows masked at a time: one record batch, so bytes never depend on it
 
-    def __init__(self, out: str, counts: dict, mask: MaskSpec):
-        self.out, self.counts, self.mask = out, counts, mask
+    def __init__(self, out: str, work_dir: str, counts: dict, mask: MaskSpec):
+        self.out, self.work_dir, self.counts, self.mask = out, work_dir, counts, mask
 
     def setup(self):
         with FileSystems.open(self.mask.model_path) as f:
@@ -206,12 +227,16 @@ class WriteShardFn(beam.DoFn):
                             )
                         )
                     )
+        info = {"split": split, "shard": shard, **dataclasses.asdict(writer.info)}
+        with FileSystems.create(manifest_path(self.work_dir, name)) as f:  # a retry rewrites it
+            f.write(json.dumps(info).encode())
         self.written.inc()
-        yield {"split": split, "shard": shard, **dataclasses.asdict(writer.info)}
+        yield info
 
 
 class ShardAndWrite(beam.PTransform):
-    """Packed rows → balanced, key-sorted, masked shards on disk → one dict per shard written."""
+    """Packed rows → balanced, key-sorted, masked shards on disk → one dict per shard written
+    (also left in `work_dir`'s manifest, `read_manifest`)."""
 
     def __init__(self, out: str, work_dir: str, counts: dict, mask: MaskSpec, spill_rows: int):
         super().__init__()
@@ -233,11 +258,13 @@ class ShardAndWrite(beam.PTransform):
         )
         pieces = spills | "pieces" >> beam.FlatMap(spill_pieces, edges=beam.pvalue.AsDict(edges))
         every_shard = tables.pipeline | "every shard" >> beam.Create(
-            [((split, i), None) for split, n in counts.items() for i in range(n)]
+            [((split, i), None) for split, n in counts.items() for i in range(n)],
+            reshuffle=False,  # a few keys: not worth a shuffle of their own (the next step groups)
         )
         return (
             (pieces, every_shard)
             | "with empty shards" >> beam.Flatten()
             | "group pieces" >> beam.GroupByKey()
-            | "mask and write" >> beam.ParDo(WriteShardFn(self.out, counts, self.mask))
+            | "mask and write"
+            >> beam.ParDo(WriteShardFn(self.out, self.work_dir, counts, self.mask))
         )

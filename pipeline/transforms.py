@@ -140,7 +140,8 @@ class ReadFn(beam.DoFn):
 
 
 class ReadDocuments(beam.PTransform):
-    """Read specs → DocBatch; the specs are reshuffled first so that workers share the files."""
+    """Read specs → DocBatch; the specs are spread over the workers first (a Create of more than
+    one element reshuffles them itself: a Reshuffle of our own would be a second one)."""
 
     def __init__(self, specs, split: str, config):
         super().__init__()
@@ -151,7 +152,6 @@ class ReadDocuments(beam.PTransform):
         return (
             pbegin
             | "specs" >> beam.Create(self.specs)
-            | "spread" >> beam.Reshuffle()
             | "read"
             >> beam.ParDo(ReadFn(self.split, c.on_error, c.text_field, c.text_mode, c.batch_chars))
         )
@@ -221,7 +221,7 @@ class ReadCacheFn(beam.DoFn):
 
 
 class ReadCache(beam.PTransform):
-    """Cached cleaned-text files → DocBatch (spread over workers first)."""
+    """Cached cleaned-text files → DocBatch (spread over workers first, by Create's reshuffle)."""
 
     def __init__(self, paths: list[str]):
         super().__init__()
@@ -231,7 +231,6 @@ class ReadCache(beam.PTransform):
         return (
             pbegin
             | "cache files" >> beam.Create(self.paths)
-            | "spread" >> beam.Reshuffle()
             | "read cache" >> beam.ParDo(ReadCacheFn())
         )
 
