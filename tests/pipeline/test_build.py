@@ -425,3 +425,33 @@ def test_commands_print_no_import_noise(built):
     )
     assert proc.returncode == 0 and proc.stdout.startswith("OK ")
     assert "apitools" not in proc.stderr and "WARNING" not in proc.stderr
+
+
+def test_the_program_keeps_exit_statuses_and_output_when_it_skips_teardown(built, tmp_path):
+    """`shatter-data` ends without the interpreter's teardown (`pipeline.cli.entry`): the exit
+    status is still the command's, every line it wrote arrives, and the exit handlers run."""
+    import subprocess
+    import sys
+
+    out, _ = built
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True
+        )
+
+    shown = run("inspect", str(out), "--rows", "40")
+    assert shown.returncode == 0
+    assert shown.stdout == CliRunner().invoke(main, ["inspect", str(out), "--rows", "40"]).output
+    missing = run("verify", str(tmp_path / "nothing"))
+    assert missing.returncode == 1 and missing.stderr.startswith("shatter-data: error:")
+    assert run("build").returncode == 2  # click's usage error
+    # an exit handler registered during the command runs before the process ends
+    marker = tmp_path / "handler-ran"
+    code = (
+        "import atexit, pathlib, sys; from pipeline import cli; "
+        f"atexit.register(pathlib.Path({str(marker)!r}).touch); "
+        f"sys.argv = ['shatter-data', 'verify', {str(out)!r}]; cli.entry()"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("OK ") and marker.exists()

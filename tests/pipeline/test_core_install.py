@@ -79,10 +79,10 @@ RUN = textwrap.dedent(
         pass
     else:
         sys.exit("the blocker let pandas through")
-    from pipeline.cli import main
+    from pipeline.cli import entry
 
     sys.argv = ["shatter-data", *sys.argv[2:]]
-    main()
+    entry()
     """
 )
 
