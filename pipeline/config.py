@@ -6,6 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 
 CORPORA = ("wiki", "books", "text")
+# `--runner` names with a meaning of ours (`pipeline.runners`; here, Beam-free, for the CLI too):
+# names that make Beam's SwitchingDirectRunner try Prism first, which it downloads (and which
+# cannot be downloaded offline; for this batch pipeline it would then pick the FnApiRunner anyway),
+# and Beam's Dask runner, which we run fixed (`pipeline.dask_runner`)
+SWITCHING_RUNNERS = ("DirectRunner", "SwitchingDirectRunner")
+DASK_RUNNERS = ("DaskRunner", "apache_beam.runners.dask.dask_runner.DaskRunner")
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,10 @@ from apache_beam.runners.portability.fn_api_runner.fn_runner import ExtendedProv
 from apache_beam.runners.portability.portable_runner import JobServiceHandle
 
 from pipeline import progress  # noqa: F401  (registers --progress_seconds with Beam's options)
+from pipeline.config import DASK_RUNNERS, SWITCHING_RUNNERS
 
 log = logging.getLogger(__name__)
 
-# Names that make Beam's SwitchingDirectRunner try Prism first, which it downloads (and which cannot
-# be downloaded offline); for this batch pipeline it would then pick the FnApiRunner anyway.
-SWITCHING_RUNNERS = ("DirectRunner", "SwitchingDirectRunner")
-DASK_RUNNERS = ("DaskRunner", "apache_beam.runners.dask.dask_runner.DaskRunner")
 DASK_MODULE = "apache_beam.runners.dask.dask_runner"
 
 
