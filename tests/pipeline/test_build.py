@@ -483,3 +483,20 @@ def test_a_build_process_runs_without_pandas_as_the_core_install_does(corpus_dir
     assert _runner_named(["--", "--runner", "x"]) is None  # after `--`: the runner's own flags
     assert None in _RUNNERS_WITHOUT_PANDAS and "DaskRunner" in _RUNNERS_WITHOUT_PANDAS
     assert "DataflowRunner" not in _RUNNERS_WITHOUT_PANDAS
+
+
+def test_a_shard_the_runner_did_not_report_fails_the_build(corpus_dir, tmp_path, monkeypatch):
+    """Each writer leaves its shard's entry in the work directory (`sink.read_manifest`); one
+    missing (a runner that dropped a write) fails the build before any index.json is written."""
+    import pipeline.build as build_module
+    from pipeline.build import BuildError
+    from pipeline.sink import read_manifest
+
+    def lose_one(work_dir):
+        return [e for e in read_manifest(work_dir) if (e["split"], e["shard"]) != ("train", 1)]
+
+    monkeypatch.setattr(build_module, "read_manifest", lose_one)
+    out = tmp_path / "out"
+    with pytest.raises(BuildError, match=r"wrote 3 of 4 shards .*missing: train 1"):
+        build(small_config([InputSpec("text", str(corpus_dir / "a.txt"))], out), [], report=quiet)
+    assert not (out / "index.json").exists()
