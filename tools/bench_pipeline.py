@@ -10,7 +10,8 @@ rounds and keeping each one's best:
   (c) the same tokenize-and-pack with `datasets.map(batched=True, num_proc=2)`.
 Targets: (b, 1 worker) >= 0.5 x (a); (b, 2 workers) >= 1.6 x (b, 1 worker); (b, 2 workers) > (c). With --marginal-mb, the same on a larger corpus, and the ratios of the
 marginal times (the larger run minus the smaller), from which fixed start-up costs cancel. Last, a
-breakdown of where the time goes: the build's pure functions timed stage by stage on one core.
+breakdown of where the time goes: the build's pure functions timed stage by stage on one core, and
+the fixed cost (the same 1-worker build of one document).
 
     .venv/bin/python tools/bench_pipeline.py --mb 50 --marginal-mb 150
 
@@ -310,6 +311,12 @@ def main():
                     f"  round {r + 1}, {mb:g} MB: {name:<44} {elapsed:7.1f} s  (load {os.getloadavg()[0]:.2f})",
                     flush=True,
                 )
+    # what does not grow with the corpus: the same build of one document
+    one_doc = work / "corpus-one-document.jsonl"
+    one_doc.write_text(json.dumps({"text": corpora[sizes[0]][2][0]}) + "\n")
+    fixed = min(
+        bench_build(one_doc, model, work / "out", args.seq_len, [])[0] for _ in range(args.rounds)
+    )
     for mb in sizes:
         _, size, _, tokens = corpora[mb]
         print(f"\n{mb:g} MB, end to end      {'seconds':>8} {'Mtok/s':>8} {'MB/s':>7}")
@@ -334,6 +341,12 @@ def main():
     for name, seconds in times.items():
         print(f"  {name:<22} {seconds:6.2f} s  {100 * seconds / total:5.1f} %")
     print(f"  {'total':<22} {total:6.2f} s")
+    print(
+        f"fixed cost: the 1-worker build of one document takes {fixed:.2f} s (Python, Beam's "
+        "import, building and translating the pipeline, starting the runner); the "
+        f"{sizes[0]:g} MB build less it: {best[sizes[0], B1] - fixed:.2f} s, of which the pure "
+        f"functions above are {total:.2f} s (the rest: Beam's element handling, reading, spills)"
+    )
     articles = wiki_articles(args.data)
     start = time.perf_counter()
     for text in articles:
