@@ -6,11 +6,12 @@
 Every step is a user-facing command run as a subprocess, so the study exercises exactly the code
 users run: `shatter-data build` (the training data at l_train, and validation data at 2x and 4x
 l_train with the same tokenizer), `train/pretrain.py` (under `deepspeed` when --ranks > 1),
-`shatter-extend` and `tools/evaluate.py`. Each run is an ordinary run directory under
-OUTPUT/runs/ with its own log (reproduce.log); running the same command again skips what is
-finished (an export at the last step and the final validation line) and resumes the rest from
-their checkpoints. The two studies share OUTPUT/runs/, so an extension study in the directory of
-an ablation study reuses its shatter, bert, bert-rpe, bert-rab and no-position runs.
+`shatter-extend` and `tools/evaluate.py` (one process per model, at all its lengths). Each run
+is an ordinary run directory under OUTPUT/runs/ with its own log (reproduce.log); running the
+same command again skips what is finished (an export at the last step and the final validation
+line) and resumes the rest from their checkpoints. The two studies share OUTPUT/runs/, so an
+extension study in the directory of an ablation study reuses its shatter, bert, bert-rpe,
+bert-rab and no-position runs.
 
 Outputs: OUTPUT/ablation.md, ablation.png, extension.md, extension.png and results.jsonl (one
 line per run or evaluation). See docs/results.md for the presets and the figures they gave.
@@ -541,19 +542,47 @@ def append_results(output: Path, study: str, rows: list[dict]) -> None:
 # -- the extension study ---------------------------------------------------------------------
 
 
+def evaluate_model(
+    study: Study,
+    name: str,
+    model: Path,
+    data: dict[int, Path],
+    results: dict[int, Path],
+    max_samples: int | None,
+) -> None:
+    """Score `model` at each length of `results` (length -> its result JSON) that has no result
+    yet, in one tools/evaluate.py process (`--data` per length): importing torch, most of a small
+    evaluation's time, once per model rather than once per length. The process gives each length
+    the figures a process of its own gives; it writes each result as it is done, so a rerun after
+    a failure evaluates only the lengths still without one."""
+    todo = [length for length, result in results.items() if read_json(result) is None]
+    finished = ", ".join(str(length) for length in results if length not in todo)
+    if not todo:
+        study.progress("evaluate", f"{name} at {finished}", None)
+        return
+    cmd = [sys.executable, "tools/evaluate.py", "--checkpoint", model]
+    for length in todo:
+        cmd += ["--data", data[length], "--output", results[length]]
+    cmd += ["--max-samples", max_samples] if max_samples else []
+    seconds = study.execute(f"evaluate {name}", cmd, study.output / "eval" / f"{name}.log")
+    label = f"{name} at {', '.join(map(str, todo))}"
+    study.progress("evaluate", label + (f" ({finished} already done)" if finished else ""), seconds)
+
+
 def run_extension(study: Study, archs: list[str]) -> None:
     data = study.train_data()
     lengths = [study.seq_len, 2 * study.seq_len, 4 * study.seq_len]
     variants = {
         a: list(INITS) if ATTENTIONS[a].absolute_positions else ["none"] for a in archs
     }  # shatter-extend --init matters only where new position rows are added
-    # per seed and arch: 1 pretraining; 2 extensions per variant; evaluations: the export at
-    # l_train, each model extended to 2l at l and 2l, each extended to 4l at l, 2l and 4l
+    # per seed and arch: 1 pretraining; 2 extensions per variant; 1 evaluation per model (one
+    # process at all its lengths): the export at l_train, each model extended to 2l at l and
+    # 2l, each extended to 4l at l, 2l and 4l
     k = len(study.seeds)
     study.planned = {
         "pretrain": k * len(archs),
         "extend": k * sum(2 * len(v) for v in variants.values()),
-        "evaluate": k * sum(1 + 5 * len(v) for v in variants.values()),
+        "evaluate": k * sum(1 + 2 * len(v) for v in variants.values()),
     }
     eval_data = {length: study.data_at(data, length) for length in lengths}
     for seed in study.seeds:
@@ -579,17 +608,14 @@ def run_extension(study: Study, archs: list[str]) -> None:
                     seconds = study.execute(f"extend {name}", cmd, out.with_suffix(".log"))
                     study.progress("extend", name, seconds)
             for model, variant, max_len in models:
-                for length in [x for x in lengths if x <= max_len]:
-                    tag = f"{arch}-s{seed}-{variant}-{max_len}-at-{length}"
-                    result = study.output / "eval" / f"{tag}.json"
-                    if read_json(result) is not None:
-                        study.progress("evaluate", tag, None)
-                    else:
-                        cmd = [sys.executable, "tools/evaluate.py", "--checkpoint", model]
-                        cmd += ["--data", eval_data[length], "--output", result]
-                        cmd += ["--max-samples", max_samples] if max_samples else []
-                        seconds = study.execute(f"evaluate {tag}", cmd, result.with_suffix(".log"))
-                        study.progress("evaluate", tag, seconds)
+                name = f"{arch}-s{seed}-{variant}-{max_len}"
+                results = {
+                    length: study.output / "eval" / f"{name}-at-{length}.json"
+                    for length in lengths
+                    if length <= max_len
+                }
+                evaluate_model(study, name, model, eval_data, results, max_samples)
+                for length, result in results.items():
                     got = read_json(result)
                     rows.append(
                         {

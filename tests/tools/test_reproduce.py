@@ -1,5 +1,6 @@
 """tools/reproduce.py at micro scale: both studies through the real CLIs, their outputs, a resume
-that skips every finished step, and a failing sub-command reported in one line."""
+that skips every finished step, a failing sub-command reported in one line, and the extension
+study's one tools/evaluate.py process per model scoring as one process per length."""
 
 import json
 import math
@@ -26,6 +27,9 @@ run:
   tensorboard: false
 """
 ARCHS = ["shatter", "bert"]
+# The result the fixture deletes between the two calls, as a study killed while its evaluation
+# process was at the model's second length leaves it: the rerun evaluates that length alone.
+LOST = "bert-s0-copy-128-at-64.json"
 
 
 def reproduce(study: str, out: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -70,21 +74,24 @@ def assert_png(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def studies(books_data, tmp_path_factory):
-    """Both studies in one directory (the extension reuses the ablation's runs), then both again."""
+    """Both studies in one directory (the extension reuses the ablation's runs), then both again,
+    with one evaluation result (LOST) deleted in between."""
     out = tmp_path_factory.mktemp("study") / "out"
     first = [reproduce(s, out, books_data) for s in ("ablation", "extension")]
     for done in first:
         assert done.returncode == 0, done.stderr[-3000:]
+    lost = (out / "eval" / LOST).read_text()
+    (out / "eval" / LOST).unlink()
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*.json*") if "tensorboard" not in str(p)}
     second = [reproduce(s, out, books_data) for s in ("ablation", "extension")]
     for done in second:
         assert done.returncode == 0, done.stderr[-3000:]
-    return out, first, second, stamps
+    return out, first, second, stamps, lost
 
 
 @pytest.mark.slow
 def test_ablation_outputs(studies):
-    out, first, _, _ = studies
+    out, first, _, _, _ = studies
     table = (out / "ablation.md").read_text()
     for arch in ARCHS:
         (row,) = table_rows(table, arch)
@@ -108,7 +115,7 @@ def test_ablation_outputs(studies):
 
 @pytest.mark.slow
 def test_extension_outputs(studies, books_data):
-    out, first, _, _ = studies
+    out, first, _, _, _ = studies
     table = (out / "extension.md").read_text()
     assert "| model | l = 32 | l = 64 | l = 128 |" in table
     (shatter,) = table_rows(table, "shatter ext 128")
@@ -136,14 +143,72 @@ def test_extension_outputs(studies, books_data):
 
 
 @pytest.mark.slow
-def test_second_invocation_skips_everything(studies):
-    out, _, second, stamps = studies
+def test_second_invocation_skips_every_finished_step(studies):
+    out, _, second, stamps, lost = studies
+    redo = "evaluate bert-s0-copy-128 at 64 (32, 128 already done): done in "
     for done in second:
         progress = [x for x in done.stderr.splitlines() if x.startswith("[")]
-        assert progress and all("already done, skipped" in x for x in progress), done.stderr
+        assert progress and all("already done, skipped" in x or redo in x for x in progress)
+    assert second[1].stderr.count(redo) == 1  # the one lost result, its model's other lengths kept
+    assert (out / "eval" / LOST).read_text() == lost  # the same figures again
     changed = [p for p, t in stamps.items() if p.stat().st_mtime_ns != t]
     # only the study's own summaries are rewritten; no run, export or evaluation is touched
     assert {p.name for p in changed} <= {"results.jsonl"}, changed
+
+
+@pytest.mark.slow
+def test_each_model_is_evaluated_at_all_its_lengths_in_one_process(studies, books_data):
+    """One tools/evaluate.py process per model, one progress step each (16 steps planned and
+    made), giving each length exactly the figures of an evaluation at that length alone."""
+    from tools.evaluate import evaluate_export
+
+    out, first, _, _, _ = studies
+    progress = [x for x in first[1].stderr.splitlines() if x.startswith("[")]
+    assert progress[-1].startswith("[16/16] ")  # 2 pretrain + 6 extend + 8 evaluate
+    evaluated = [x.split("] evaluate ")[1].split(":")[0] for x in progress if "] evaluate " in x]
+    assert evaluated == [
+        "shatter-s0-pretrained-32 at 32",
+        "shatter-s0-none-64 at 32, 64",
+        "shatter-s0-none-128 at 32, 64, 128",
+        "bert-s0-pretrained-32 at 32",
+        "bert-s0-random-64 at 32, 64",
+        "bert-s0-copy-64 at 32, 64",
+        "bert-s0-random-128 at 32, 64, 128",
+        "bert-s0-copy-128 at 32, 64, 128",
+    ]
+    log = (out / "eval" / "bert-s0-copy-128.log").read_text().splitlines()
+    command = next(x for x in log if x.startswith("$ "))  # the first call's; the rerun appends
+    assert command.count(" --data ") == 3 and command.count(" --output ") == 3
+    data = {32: out / "data" / "l32", 64: books_data, 128: out / "data" / "l128"}
+    for model, name in (
+        ("shatter-s0-128-none", "shatter-s0-none-128"),
+        ("bert-s0-128-copy", "bert-s0-copy-128"),
+    ):
+        for length, dataset in data.items():
+            alone = evaluate_export(out / "extended" / model, dataset, max_samples=64)
+            stored = json.loads((out / "eval" / f"{name}-at-{length}.json").read_text())
+            assert stored == json.loads(json.dumps(alone)) and stored["seq_len"] == length
+
+
+@pytest.mark.slow
+def test_evaluate_checks_every_dataset_before_writing_a_result(studies, tmp_path):
+    """A dataset the model cannot take refuses the whole call, naming it and the fix, before the
+    datasets before it are scored or written."""
+    from click.testing import CliRunner
+
+    from tools.evaluate import main
+
+    out, _, _, _, _ = studies
+    results = [tmp_path / "at-32.json", tmp_path / "at-128.json"]
+    args = ["--checkpoint", out / "runs" / "bert-s0" / "export", "--data", out / "data" / "l32"]
+    args += ["--data", out / "data" / "l128", "--output", results[0], "--output", results[1]]
+    done = CliRunner().invoke(main, [str(a) for a in args])
+    assert done.exit_code == 1, done.output
+    (line,) = done.output.strip().splitlines()
+    assert (
+        str(out / "data" / "l128") in line and "shatter-extend" in line and "--max-len 128" in line
+    )
+    assert not any(r.exists() for r in results)
 
 
 @pytest.mark.slow
