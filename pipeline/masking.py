@@ -234,7 +234,7 @@ def mask_row(
     mask_id: int = MASK_ID,
 ):
     """One masking of one row: (positions, labels, inputs) int32 arrays, as `mask_batch` masks it in any batch."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+    ids = np.asarray(ids).reshape(1, -1)
     out = mask_batch(
         ids,
         np.array([ids.shape[1]]),

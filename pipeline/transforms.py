@@ -397,7 +397,8 @@ class HoldOutFn(beam.DoFn):
     (`SmallestKey`: found before the build pipeline, or with a given tokenizer after a build that
     held out no document, which then runs again) moves to a "validation" batch of its own when
     the hash threshold of `Tokenize` would not hold it out: a small corpus (a few books) still
-    gets a validation split. Where the threshold holds it out anyway (any large corpus), batches pass unchanged."""
+    gets a validation split. Where the threshold holds it out anyway (any large corpus), batches
+    pass unchanged."""
 
     def __init__(self, validation_fraction: float):
         self.threshold = validation_fraction * 2.0**64

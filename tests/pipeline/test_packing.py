@@ -79,3 +79,15 @@ def test_vectorised_packing_matches_the_loop(seed):
     ids, lengths = pack_documents_padded(docs, seq_len)
     assert ids.shape == (len(got), seq_len) and ids.dtype == np.int32
     assert (ids[np.arange(seq_len)[None, :] >= lengths[:, None]] == 0).all()  # padding is [PAD]
+
+
+def test_content_tokens_counts_within_rows_whatever_the_padding():
+    """Padding that is not special is counted by elimination (the fast path); padding with a
+    special id (here [SEP]) needs the row lengths: both give the document tokens."""
+    docs = _docs(2)
+    rows = pack_documents(docs, 16)
+    want = sum(len(d) for d in docs)
+    assert content_tokens(*padded(rows, 24)) == want
+    sep_padded = padded(rows, 24, pad_id=SEP_ID)
+    assert (sep_padded[0] == SEP_ID).sum() > (padded(rows, 24)[0] == SEP_ID).sum()
+    assert content_tokens(*sep_padded, pad_id=SEP_ID) == want
