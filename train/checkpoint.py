@@ -7,9 +7,10 @@ state (`TrainState`: step, stream position, counters) and the resolved config. D
 
 The export (RUN/export/) is the DESIGN.md format written by `shatter.save_pretrained`:
 consolidated fp32 weights. Under ZeRO (and bf16/fp16) the fp32 master weights live in the
-optimizer partitions, so they are gathered from the checkpoint files with DeepSpeed's
-zero_to_fp32 (which handles ZeRO-1/2/3); in plain fp32 without ZeRO the module's own weights
-are the masters.
+optimizer, so every rank gathers them from the live engine (`fp32_masters`: DeepSpeed's
+ZeRO-1/2/3 and bf16 partitions, the fp32 copies of its fp16/bf16 ZeRO-0 wrappers); in plain fp32
+without ZeRO the module's own weights are the masters. Nothing is read back from the checkpoint
+files, so the export needs no other node's shards.
 """
 
 from __future__ import annotations
@@ -127,23 +128,49 @@ def config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
     return changes
 
 
-def fp32_state_dict(engine, run_dir: Path, name: str) -> dict:
-    """The consolidated fp32 weights of checkpoint `name` (rank 0 only)."""
-    module = engine.module
-    if engine.zero_optimization_stage() == 0 and not (
-        engine.fp16_enabled() or engine.bfloat16_enabled()
-    ):
-        return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+def _wrapper_masters(optimizer) -> dict[int, torch.Tensor]:
+    """id(low-precision parameter) -> its fp32 master, for DeepSpeed's fp16/bf16 wrappers without
+    ZeRO: FP16_UnfusedOptimizer keeps one fp32 copy per parameter, FP16_Optimizer one flat fp32
+    buffer per group."""
+    low = getattr(optimizer, "fp16_groups", None) or []
+    if hasattr(optimizer, "fp32_groups"):  # FP16_UnfusedOptimizer
+        pairs = zip(low, optimizer.fp32_groups)
+        return {id(p): m for lows, highs in pairs for p, m in zip(lows, highs)}
+    flats = getattr(optimizer, "fp32_groups_flat", None)  # FP16_Optimizer
+    masters = {}
+    for lows, flat in zip(low, flats or []):
+        for p, m in zip(lows, flat.split([p.numel() for p in lows])):
+            masters[id(p)] = m.view_as(p)
+    return masters
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(run_dir / CHECKPOINTS), tag=name)
+
+def fp32_masters(engine) -> dict[str, torch.Tensor]:
+    """Collective (every rank calls it, in the same order): the module's state dict on the CPU
+    with every parameter its fp32 master weight, wherever the optimizer keeps it."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module, wrapped = engine.module, None
+    params = dict(module.named_parameters(remove_duplicate=False))
+    out = {}
+    for key, value in module.state_dict().items():
+        p = params.get(key)
+        if p is None:  # a buffer: never partitioned
+            out[key] = value.detach().float().cpu().clone()
+            continue
+        master = safe_get_full_fp32_param(p)  # ZeRO-1/2/3, bf16 optimizer: a collective
+        if master is None:
+            wrapped = _wrapper_masters(engine.optimizer) if wrapped is None else wrapped
+            master = wrapped.get(id(p), p)  # fp32 without ZeRO: the parameter is the master
+        out[key] = master.detach().float().cpu().clone()
+    return out
 
 
 def export(engine, run_dir: Path, name: str, tokenizer: Path) -> Path | None:
     """Collective (call on every rank after `save` of `name`); rank 0 writes RUN/export atomically."""
+    # the engine holds checkpoint `name`'s weights: they are gathered from it, not from the files
     out = run_dir / EXPORT
+    state = fp32_masters(engine)
     if torch.distributed.get_rank() == 0:
-        state = fp32_state_dict(engine, run_dir, name)
         model = type(engine.module)(engine.module.config)
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = {"mlm_head.word_embeddings.weight"}  # the decoder is the embedding table itself

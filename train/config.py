@@ -92,7 +92,7 @@ class RunArgs:
     micro_batch: int = 8  # sequences per rank per forward/backward
     grad_accum: int = 1  # micro-batches accumulated per optimizer step
     precision: str = "fp32"  # fp32, bf16 or fp16 (fp16: dynamic loss scaling, for V100s)
-    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3; unset: `default_zero_stage(precision)`
     seed: int = 0  # seeds the weights, the shuffle, dynamic masks and dropout
     save_every: int = 1000  # steps between checkpoints (0 = only at the end and on SIGTERM)
     eval_every: int = 1000  # steps between validation passes (0 = only at the end)
@@ -172,6 +172,13 @@ def default_warmup(max_steps: int) -> int:
     """The paper's 10k warm-up steps (§A.2), or 10% of a shorter run: a 20-step run that kept 10k
     would end at lr 1.8e-7, having learnt nothing."""
     return max(1, min(OptimArgs.warmup_steps, max_steps // 10))
+
+
+def default_zero_stage(precision: str) -> int:
+    """ZeRO-1 under bf16/fp16, ZeRO-0 in fp32, when neither the file nor a flag sets it: the
+    mixed-precision step then runs DeepSpeed's ZeRO optimizer (fp32 masters and Adam states
+    partitioned over the ranks, its most used path) rather than its ZeRO-0 fp16/bf16 wrappers."""
+    return 1 if precision in ("bf16", "fp16") else 0
 
 
 def lr_at(optim: OptimArgs, max_steps: int, step: int) -> float:
@@ -344,10 +351,12 @@ def with_overrides(config: TrainConfig, flags: Mapping[str, Any]) -> TrainConfig
 
 def resolve(config_file: str | None, flags: Mapping[str, Any]) -> TrainConfig:
     """Defaults, then the YAML file, then the flags; validated. A warm-up set by neither the file
-    nor a flag is `default_warmup(run.max_steps)`."""
+    nor a flag is `default_warmup(run.max_steps)`, a ZeRO stage `default_zero_stage(precision)`."""
     sections = read_yaml(config_file, SECTIONS) if config_file else {}
     base = from_dict(sections, where=str(config_file)) if config_file else TrainConfig()
     cfg = with_overrides(base, flags)
     if "warmup_steps" not in sections.get("optim", {}) and flags.get("warmup_steps") is None:
         cfg = replace(cfg, optim=replace(cfg.optim, warmup_steps=default_warmup(cfg.run.max_steps)))
+    if "zero_stage" not in sections.get("run", {}) and flags.get("zero_stage") is None:
+        cfg = replace(cfg, run=replace(cfg.run, zero_stage=default_zero_stage(cfg.run.precision)))
     return cfg.validate()

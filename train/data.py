@@ -166,26 +166,38 @@ class ShardStream(IterableDataset):
         return self._cache[i]
 
     def local_batches(self):
-        """Global positions of this rank's local batch j, for j = worker, worker + workers, ..."""
+        """Global positions of this rank's local batch j, for j = worker, worker + workers, ...
+
+        A finite stream gives every rank as many batches as rank 0, which has the most: a rank
+        whose rows ran out gets an empty array instead (a padding batch, see `__iter__`), so a
+        loop of collectives over it (a ZeRO-3 forward gathers the weights) ends on every rank
+        at the same batch."""
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        per = self.world * self.batch_size
+        batches = None if self.end is None else -(-(self.end - self.start) // per)
         j = worker
-        while True:
+        while batches is None or j < batches:
             q = (
                 self.start
                 + self.rank
                 + self.world * (j * self.batch_size + np.arange(self.batch_size))
             )
-            if self.end is not None:
-                q = q[q < self.end]
-                if len(q) == 0:
-                    return
-            yield q
+            yield q if self.end is None else q[q < self.end]
             j += workers
 
     def __iter__(self):
         for q in self.local_batches():
-            yield self.batch(q)
+            yield self.batch(q) if len(q) else self.padding_batch()
+
+    def padding_batch(self) -> dict[str, torch.Tensor]:
+        """One row of zero weight: the stream's first row with nothing to predict (labels all
+        IGNORE) and sample_id -1. It runs the same forward as a real batch and adds nothing to
+        a metric's sums."""
+        batch = self.batch(np.array([self.start]))
+        batch["labels"].fill_(IGNORE)
+        batch["sample_id"].fill_(-1)
+        return batch
 
     def _gather(self, shard: Shard, rows: np.ndarray):
         idx, valid = ragged_gather(shard.ids_off, rows)

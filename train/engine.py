@@ -280,15 +280,72 @@ def build_engine(model: nn.Module, cfg: TrainConfig, ds_config: dict):
         optimizer=optimizer,
         config=ds_config,
     )
+    guard_nonfinite_steps(engine)
     return engine
 
 
 def loss_scale(engine) -> float | None:
-    """The current fp16 dynamic loss scale, or None when there is none."""
+    """The current fp16 dynamic loss scale, or None when there is none. Every DeepSpeed wrapper
+    (FP16_Optimizer, FP16_UnfusedOptimizer, ZeRO-1/2/3) has a `loss_scale` property; some also
+    `cur_scale`, or a `loss_scaler`."""
     if not engine.fp16_enabled():
         return None
     optimizer = engine.optimizer
-    scale = getattr(optimizer, "cur_scale", None) or getattr(
-        getattr(optimizer, "loss_scaler", None), "cur_scale", None
-    )
+    for owner, name in ((optimizer, "loss_scale"), (optimizer, "cur_scale")):
+        scale = getattr(owner, name, None)
+        if isinstance(scale, int | float) or torch.is_tensor(scale):
+            return float(scale)
+    scale = getattr(getattr(optimizer, "loss_scaler", None), "cur_scale", None)
     return float(scale) if scale is not None else None
+
+
+class FiniteStepGuard:
+    """Skips an optimizer step whose gradients are not all finite, for the one optimizer DeepSpeed
+    does not wrap (fp32 at ZeRO-0: its fp16/bf16 wrappers and ZeRO optimizers skip such a step
+    themselves and count it in `engine.skipped_steps`). Installed over the optimizer's `step`.
+    torch's fused AdamW (a GPU) takes the verdict as `found_inf`, a device tensor: the step is
+    skipped on the device, with no host sync, and the count stays on the device too; any other
+    optimizer (a CPU, where a read costs nothing) is skipped on the host, and DeepSpeed counts
+    it through the optimizer's `overflow` (and holds its lr schedule, as for an fp16 overflow)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer, self.step = optimizer, optimizer.step
+        self.on_device = all(g.get("fused") for g in optimizer.param_groups)
+        self.skipped = None  # device-side count of skipped steps (fused path)
+        optimizer.overflow = False
+        optimizer.step = self
+
+    def __call__(self, closure=None):
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]]
+        grads = [g for g in grads if g is not None]
+        if not grads:
+            return self.step(closure)
+        total = torch.stack(torch._foreach_norm(grads)).sum()  # NaN/inf if any element is
+        bad = (~torch.isfinite(total)).to(torch.float32)
+        if self.on_device:
+            self.skipped = bad if self.skipped is None else self.skipped + bad
+            self.optimizer.found_inf = (
+                bad  # torch's fused kernels skip the update (and the step count)
+            )
+            try:
+                return self.step(closure)
+            finally:
+                self.optimizer.found_inf = None
+        self.optimizer.overflow = bool(bad)
+        if not self.optimizer.overflow:
+            return self.step(closure)
+        return None
+
+
+def guard_nonfinite_steps(engine) -> None:
+    """Install `FiniteStepGuard` where DeepSpeed has no wrapper of its own (fp32, ZeRO-0)."""
+    if engine.zero_optimization_stage() == 0 and engine.optimizer is engine.basic_optimizer:
+        FiniteStepGuard(engine.optimizer)
+
+
+def skipped_steps(engine) -> int:
+    """Optimizer steps skipped so far for non-finite gradients or an fp16 overflow, by
+    DeepSpeed's wrappers or by `FiniteStepGuard` (one host read: call it at log steps)."""
+    guard = getattr(engine.optimizer, "step", None)
+    device = getattr(guard, "skipped", None) if isinstance(guard, FiniteStepGuard) else None
+    return int(engine.skipped_steps) + (int(device.item()) if device is not None else 0)

@@ -26,7 +26,7 @@ from pipeline.masking import mix64
 from train import checkpoint
 from train.config import TrainConfig
 from train.data import ShardStream, StreamPosition, train_loader, validation_stream
-from train.engine import loss_scale
+from train.engine import loss_scale, skipped_steps
 from train.evaluate import evaluate
 from train.lifecycle import StopFlag, ignore_stop_signals
 from train.metrics import MetricsWriter, Progress, gpu_memory
@@ -97,6 +97,7 @@ def _log_line(
         "tokens": state.tokens,
         "skipped_nonfinite": state.skipped_nonfinite,
         "grad_norm": _grad_norm(ctx.engine),
+        "skipped_steps": skipped_steps(ctx.engine),  # non-finite gradients or an fp16 overflow
         **gpu_memory(ctx.engine.device),
     }
     scale = loss_scale(ctx.engine)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from train.config import ConfigError, OptimArgs, _section, read_yaml
+from train.config import ConfigError, OptimArgs, _section, default_zero_stage, read_yaml
 from train.finetuning.data import DataConfig
 from train.finetuning.tasks import TASKS
 
@@ -39,7 +39,7 @@ class FinetuneArgs:
         0.1  # share of the steps with linear warm-up, unless optim.warmup_steps is set
     )
     precision: str = "fp32"  # fp32 or bf16 (fp16 on GPUs)
-    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-2 (3 would need a gather to save the best model)
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-2 (unset: 1 under bf16/fp16, as pretraining)
     seed: int = 0  # seeds the head's init, the batch order, dropout and the hold-out split
     log_every: int = 10  # steps between metrics.jsonl training lines
     progress: bool = True  # tqdm bar on rank 0
@@ -109,6 +109,8 @@ def resolve(config_file: str | None, flags: Mapping[str, Any]) -> FinetuneConfig
             value = sections["data"][key]
             sections["data"][key] = tuple(value.split(",") if isinstance(value, str) else value)
     sections["data"].setdefault("max_len", 0)
+    precision = sections["run"].get("precision", FinetuneArgs.precision)
+    sections["run"].setdefault("zero_stage", default_zero_stage(precision))
     sections["optim"] = {
         "lr": TASK_LR.get(task, DEFAULT_LR),
         "warmup_steps": -1,
