@@ -1,0 +1,230 @@
+"""One job under the deepspeed launcher (two CPU ranks, gloo) that checks, engine by engine,
+what a multi-rank run must not get wrong; tests/train/test_ranks.py runs it and reads its JSON.
+
+- The export at bf16 × ZeRO-0..3 (and fp32 × ZeRO-0..3): the engine is trained a few steps,
+  checkpointed and exported; rank 0 reloads the export with `shatter.from_pretrained` and
+  compares its logits with the engine's, its weights with the engine's fp32 masters rounded to
+  the module's dtype, and (ZeRO-1..3) with DeepSpeed's zero_to_fp32 of the checkpoint files.
+- A non-finite step: at one step a forward hook makes one layer's output NaN on rank 1 only;
+  the step must be skipped on both ranks (the fp32 masters unchanged and finite) and counted.
+- Uneven validation under fp32 ZeRO-3: several validation sizes, one per remainder of rows mod
+  (ranks × micro-batch), each evaluated on both ranks and, as the reference, by one process with
+  the gathered weights over the same rows.
+
+    deepspeed --num_gpus 2 tests/train/ranks_job.py DATA RUN OUT.json
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import shatter  # noqa: E402
+from pipeline.format import read_index  # noqa: E402
+from train import checkpoint  # noqa: E402
+from train.config import model_overrides, resolve  # noqa: E402
+from train.data import ShardStream, masking_spec, validation_stream  # noqa: E402
+from train.engine import (  # noqa: E402
+    build_engine,
+    init_distributed,
+    resolved_deepspeed_config,
+    skipped_steps,
+)
+from train.evaluate import evaluate  # noqa: E402
+from train.loop import MODEL_INPUTS  # noqa: E402
+
+MICRO = 2
+STEPS, NAN_STEP = 4, 2
+
+
+def inputs(batch: dict) -> dict:
+    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
+
+
+def make_engine(index, precision: str, stage: int, run: Path):
+    flags = {"precision": precision, "zero_stage": stage, "micro_batch": MICRO}
+    if stage == 3:  # every weight partitioned, as a base-size model's: each forward gathers
+        expert = run / "zero3.json"
+        expert.parent.mkdir(parents=True, exist_ok=True)
+        zero = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+        expert.write_text(json.dumps({"zero_optimization": zero}))
+        flags["deepspeed_config"] = str(expert)
+    cfg = resolve(None, {**flags, "max_steps": 100, "warmup_steps": 1, "lr": 1e-3})
+    torch.manual_seed(0)
+    model = shatter.build_model("shatter-tiny", **model_overrides(cfg, index, index.seq_len))
+    _, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return cfg, build_engine(model, cfg, resolved_deepspeed_config(cfg, world))
+
+
+def train_with_a_nan(engine, index, cfg, rank: int, world: int) -> dict:
+    """STEPS optimizer steps; at NAN_STEP rank 1's first encoder layer outputs NaN."""
+    stream = iter(
+        ShardStream(
+            index,
+            "train",
+            batch_size=MICRO,
+            seq_len=index.seq_len,
+            masking=masking_spec(cfg.data),
+            seed=0,
+            rank=rank,
+            world_size=world,
+        )
+    )
+    layer = next(m for n, m in engine.module.named_modules() if n.endswith("layers.0"))
+    engine.train()
+    before = after = None
+    for step in range(STEPS):
+        hook = None
+        if step == NAN_STEP:
+            before = checkpoint.fp32_masters(engine)
+            if rank == 1:
+                hook = layer.register_forward_hook(lambda m, i, o: o * float("nan"))
+        loss = engine(**inputs(next(stream)))["loss"]
+        engine.backward(loss)
+        engine.step()
+        if hook is not None:
+            hook.remove()
+        if step == NAN_STEP:
+            after = checkpoint.fp32_masters(engine)
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    finite = all(torch.isfinite(v).all() for v in after.values())
+    module_finite = all(torch.isfinite(p).all() for p in engine.module.parameters())
+    return {
+        "skipped_steps": skipped_steps(engine),
+        "nan_step_unchanged": unchanged,
+        "masters_finite": bool(finite),
+        "module_finite": bool(module_finite),
+        "final": after,
+    }
+
+
+def check_export(engine, index, run: Path, rank: int, stage: int, batch: dict) -> dict:
+    name = checkpoint.save(engine, run, checkpoint.TrainState(step=STEPS), {}, {}, keep=1)
+    checkpoint.export(engine, run, name, index.tokenizer)
+    masters = checkpoint.fp32_masters(engine)
+    engine.eval()
+    with torch.no_grad():
+        engine_logits = engine(**inputs(batch))["logits"].float()
+    result = {}
+    if rank == 0:
+        reloaded = shatter.from_pretrained(run / "export").eval()
+        exported = reloaded.state_dict()
+        with torch.no_grad():
+            logits = reloaded(**inputs(batch))["logits"]
+        result["max_logit_diff"] = float((logits - engine_logits).abs().max())
+        result["masters_equal"] = all(torch.equal(exported[k], v) for k, v in masters.items())
+        dtype = next(engine.module.parameters()).dtype
+        below = sum(
+            not torch.equal(v, v.to(dtype).float())
+            for v in exported.values()
+            if v.is_floating_point()
+        )
+        result["tensors_finer_than_module_dtype"] = below
+        if stage > 0:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            files = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag=name)
+            result["zero_to_fp32_equal"] = all(
+                torch.equal(files[k].float(), masters[k]) for k in files
+            )
+    torch.distributed.barrier()
+    return result
+
+
+def uneven_validation(engine, index, cfg, rank: int, world: int) -> list[dict]:
+    """Validation sizes with every remainder of rows mod (world × MICRO): 2 ranks vs 1 process."""
+    single = shatter.build_model("shatter-tiny", **model_overrides(cfg, index, index.seq_len))
+    single.load_state_dict(checkpoint.fp32_masters(engine), strict=False)
+    per = world * MICRO
+    results = []
+    forwards = [0]
+    engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    for rows in [4 * per + r for r in range(per)]:
+        data = cfg.data.__class__(eval_samples=rows)
+        forwards[0] = 0
+        started = time.perf_counter()
+        both = evaluate(
+            engine,
+            (
+                inputs(b)
+                for b in validation_stream(
+                    index,
+                    data,
+                    batch_size=MICRO,
+                    seq_len=index.seq_len,
+                    rank=rank,
+                    world_size=world,
+                )
+            ),
+            engine.device,
+            distributed=True,
+        )
+        seconds = time.perf_counter() - started
+        every = [None] * world  # each rank's forwards and result: all the same
+        torch.distributed.all_gather_object(every, (forwards[0], both))
+        alone = evaluate(
+            single,
+            (
+                inputs(b)
+                for b in validation_stream(
+                    index, data, batch_size=MICRO, seq_len=index.seq_len, rank=0, world_size=1
+                )
+            ),
+            torch.device("cpu"),
+            distributed=False,
+        )
+        results.append(
+            {
+                "rows": rows,
+                "remainder": rows % per,
+                "ranks": both,
+                "one": alone,
+                "forwards_per_rank": [n for n, _ in every],
+                "results_agree": all(r == both for _, r in every),
+                "s": seconds,
+            }
+        )
+    return results
+
+
+def main() -> None:
+    data, run, out = (Path(a) for a in sys.argv[1:] if not a.startswith("--local_rank"))
+    rank, world = init_distributed()
+    index = read_index(data)
+    batch = next(
+        iter(
+            validation_stream(
+                index,
+                resolve(None, {}).data,
+                batch_size=4,
+                seq_len=index.seq_len,
+                rank=0,
+                world_size=1,
+            )
+        )
+    )
+    report = {"export": {}, "nan": {}}
+    for precision in ("bf16", "fp32"):
+        for stage in (0, 1, 2, 3):
+            key = f"{precision}-{stage}"
+            started = time.perf_counter()
+            cfg, engine = make_engine(index, precision, stage, run / key)
+            nan = train_with_a_nan(engine, index, cfg, rank, world)
+            nan.pop("final")
+            report["nan"][key] = nan
+            report["export"][key] = check_export(engine, index, run / key, rank, stage, batch)
+            if precision == "fp32" and stage == 3:
+                report["validation"] = uneven_validation(engine, index, cfg, rank, world)
+            report["export"][key]["s"] = round(time.perf_counter() - started, 1)
+            del engine
+    if rank == 0:
+        out.write_text(json.dumps(report, indent=1))
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Two CPU ranks (gloo) under the deepspeed launcher, one job (tests/train/ranks_job.py) for
+three things a multi-rank run must get right at every ZeRO stage: the export is the fp32 masters
+(bf16 at ZeRO-0 crashed), a NaN step is skipped (fp32 at ZeRO-0 kept the NaN), and a validation
+whose rows do not split evenly ends on every rank after the same forwards (ZeRO-3 forwards are
+collectives) with the single-process metric. The job is bounded in time: a hang fails the test."""
+
+import json
+import math
+import subprocess
+
+import pytest
+from test_pretrain import BIN, REPO, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
+
+STAGES = [f"{p}-{z}" for p in ("bf16", "fp32") for z in range(4)]
+
+
+@pytest.fixture(scope="module")
+def report(books_data, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("ranks")
+    out = tmp / "report.json"
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+    cmd += [str(REPO / "tests" / "train" / "ranks_job.py"), str(books_data), str(tmp), str(out)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    except subprocess.TimeoutExpired as err:
+        tail = (err.stderr or b"")[-3000:]
+        pytest.fail(f"the 2-rank job did not end in 240 s (a hang): {tail!r}")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    print(json.dumps(result, indent=1))
+    return result
+
+
+def test_export_is_the_fp32_masters_at_every_stage(report):
+    for key in STAGES:
+        case = report["export"][key]
+        assert case["masters_equal"], key  # the export is what the optimizer holds
+        assert case.get("zero_to_fp32_equal", True), key  # and what DeepSpeed's files hold
+        if key.startswith("bf16"):
+            # fp32 values, not the bf16 module weights; logits as the engine's up to bf16
+            assert case["tensors_finer_than_module_dtype"] > 30, (key, case)
+            assert case["max_logit_diff"] < 0.05, (key, case)
+        else:
+            assert case["max_logit_diff"] < 1e-5, (key, case)
+
+
+def test_a_nan_activation_skips_the_step_at_every_stage(report):
+    for key in STAGES:
+        case = report["nan"][key]
+        assert case["skipped_steps"] == 1, (key, case)
+        assert case["nan_step_unchanged"] and case["masters_finite"], (key, case)
+        assert case["module_finite"], (key, case)
+
+
+def test_uneven_validation_under_zero3_matches_one_process(report):
+    remainders = []
+    for case in report["validation"]:
+        remainders.append(case["remainder"])
+        forwards = case["forwards_per_rank"]
+        assert len(set(forwards)) == 1, case  # the same collectives on every rank
+        assert case["results_agree"], case
+        ranks, one = case["ranks"], case["one"]
+        assert ranks["predictions"] == one["predictions"], case
+        assert ranks["accuracy"] == one["accuracy"], case
+        assert math.isclose(ranks["loss"], one["loss"], rel_tol=1e-6), case
+    assert remainders == [0, 1, 2, 3]
