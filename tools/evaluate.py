@@ -28,7 +28,7 @@ from shatter.checkpoint import TOKENIZER, CheckpointError
 from shatter.sources import describe_non_export
 from train.config import DataArgs, check_output
 from train.data import validation_stream
-from train.evaluate import evaluate
+from train.evaluate import default_device, evaluate
 from train.plm import default_objective
 
 
@@ -62,7 +62,7 @@ def evaluate_exports(
     if problem:
         raise CheckpointError(problem)
     indexes = [checked_index(checkpoint, data, split) for data in datas]
-    model = shatter.from_pretrained(checkpoint)
+    model = shatter.from_pretrained(checkpoint).to(default_device())
     for data, index in zip(datas, indexes):
         check_length(model, checkpoint, data, index)
     for data, index in zip(datas, indexes):
@@ -102,8 +102,8 @@ def check_length(model, checkpoint: Path, data: Path, index: Index) -> None:
 
 
 def score(model, index: Index, split: str, batch_size: int, max_samples: int | None) -> dict:
-    """The model on a fresh validation stream of `index`: nothing carries over from another
-    dataset scored by the same process."""
+    """The model on a fresh validation stream of `index`, on the model's device (a GPU when
+    there is one): nothing carries over from another dataset scored by the same process."""
     objective = default_objective(model.config.arch)
     stream = validation_stream(
         index,
@@ -113,13 +113,20 @@ def score(model, index: Index, split: str, batch_size: int, max_samples: int | N
         rank=0,
         world_size=1,
     )
-    result = evaluate(model, stream, torch.device("cpu"), distributed=False)
+    device = next(model.parameters()).device
+    result = evaluate(model, stream, device, distributed=False)
     if result["predictions"] == 0:
         raise DatasetError(
             f"{index.path}: the {split} split has {index.rows(split)} rows but no masked tokens; "
             "nothing to evaluate (rebuild the shards)"
         )
-    return {**result, "split": split, "objective": objective, "seq_len": index.seq_len}
+    return {
+        **result,
+        "split": split,
+        "objective": objective,
+        "seq_len": index.seq_len,
+        "device": device.type,
+    }
 
 
 @click.command()

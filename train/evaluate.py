@@ -14,6 +14,11 @@ import torch.nn.functional as F
 from train.masking import IGNORE
 
 
+def default_device() -> torch.device:
+    """The device a standalone evaluation runs on: the (current) GPU when there is one."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def masked_lm_sums(model, batch: dict) -> torch.Tensor:
     """[sum of token losses, correct predictions, predicted tokens] of one batch (float64)."""
     labels = batch["labels"]

@@ -4,6 +4,7 @@ import csv
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import shatter
@@ -225,10 +226,18 @@ def test_regression_and_multirc_grouping(tmp_path, export, write_jsonl):
         4,
         "--lr",
         1e-3,
+        "--precision",
+        "bf16",
     )
     assert result.exit_code == 0, result.output
     metrics = json.loads((tmp_path / "sts" / "metrics.json").read_text())
     assert metrics["main_metric"] == "spearman" and {"pearson", "spearman"} <= set(metrics["best"])
+    config = json.loads((tmp_path / "sts" / "config.json").read_text())
+    assert config["deepspeed"]["zero_optimization"]["stage"] == 1  # bf16's default stage
+    weights = shatter.from_pretrained(tmp_path / "sts" / "best").state_dict().values()
+    # the best model holds the fp32 masters, not the bf16 module weights widened to fp32
+    finer = [not torch.equal(w, w.bfloat16().float()) for w in weights if w.is_floating_point()]
+    assert sum(finer) > len(finer) // 2, finer
     predictions = json.loads((tmp_path / "sts" / "predictions.json").read_text())
     assert len(predictions) == 48 and all(isinstance(v, float) for v in predictions.values())
 

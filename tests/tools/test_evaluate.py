@@ -1,8 +1,10 @@
 """tools/evaluate.py's command line: several --data in one call pair with their --output in order."""
 
+import torch
 from click.testing import CliRunner
 
 from tools.evaluate import main
+from train.evaluate import default_device
 
 
 def test_outputs_must_pair_with_the_datasets(tmp_path):
@@ -12,3 +14,12 @@ def test_outputs_must_pair_with_the_datasets(tmp_path):
     assert done.exit_code == 2, done.output
     assert "1 --output for 2 --data: give one --output per --data" in done.output
     assert not any(tmp_path.iterdir())
+
+
+def test_the_evaluation_runs_on_a_gpu_when_there_is_one(monkeypatch):
+    """tools/evaluate.py moves the export to `default_device()` and evaluates where it lies (its
+    JSON names the device; the GPU lane checks it is cuda there)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_device() == torch.device("cuda")

@@ -5,7 +5,7 @@ what a multi-rank run must not get wrong; tests/train/test_ranks.py runs it and 
   checkpointed and exported; rank 0 reloads the export with `shatter.from_pretrained` and
   compares its logits with the engine's, its weights with the engine's fp32 masters rounded to
   the module's dtype, and (ZeRO-1..3) with DeepSpeed's zero_to_fp32 of the checkpoint files.
-- A non-finite step: at one step a forward hook makes one layer's output NaN on rank 1 only;
+- A non-finite step: at one step a forward hook makes one layer's output NaN on the last rank only;
   the step must be skipped on both ranks (the fp32 masters unchanged and finite) and counted.
 - Uneven validation under fp32 ZeRO-3: several validation sizes, one per remainder of rows mod
   (ranks × micro-batch), each evaluated on both ranks and, as the reference, by one process with
@@ -31,6 +31,7 @@ from train.data import ShardStream, masking_spec, validation_stream  # noqa: E40
 from train.engine import (  # noqa: E402
     build_engine,
     init_distributed,
+    loss_scale,
     resolved_deepspeed_config,
     skipped_steps,
 )
@@ -41,8 +42,8 @@ MICRO = 2
 STEPS, NAN_STEP = 4, 2
 
 
-def inputs(batch: dict) -> dict:
-    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
+def inputs(batch: dict, device: torch.device | str = "cpu") -> dict:
+    return {k: batch[k].to(device) for k in MODEL_INPUTS if k in batch}
 
 
 def make_engine(index, precision: str, stage: int, run: Path):
@@ -61,7 +62,7 @@ def make_engine(index, precision: str, stage: int, run: Path):
 
 
 def train_with_a_nan(engine, index, cfg, rank: int, world: int) -> dict:
-    """STEPS optimizer steps; at NAN_STEP rank 1's first encoder layer outputs NaN."""
+    """STEPS optimizer steps; at NAN_STEP the last rank's first encoder layer outputs NaN."""
     stream = iter(
         ShardStream(
             index,
@@ -80,21 +81,23 @@ def train_with_a_nan(engine, index, cfg, rank: int, world: int) -> dict:
     for step in range(STEPS):
         hook = None
         if step == NAN_STEP:
-            before = checkpoint.fp32_masters(engine)
-            if rank == 1:
+            before, skipped = checkpoint.fp32_masters(engine), skipped_steps(engine)
+            if rank == world - 1:
                 hook = layer.register_forward_hook(lambda m, i, o: o * float("nan"))
-        loss = engine(**inputs(next(stream)))["loss"]
+        loss = engine(**inputs(next(stream), engine.device))["loss"]
         engine.backward(loss)
         engine.step()
         if hook is not None:
             hook.remove()
         if step == NAN_STEP:
-            after = checkpoint.fp32_masters(engine)
+            after, skipped = checkpoint.fp32_masters(engine), skipped_steps(engine) - skipped
     unchanged = all(torch.equal(before[k], after[k]) for k in before)
     finite = all(torch.isfinite(v).all() for v in after.values())
     module_finite = all(torch.isfinite(p).all() for p in engine.module.parameters())
     return {
+        "skipped_at_the_nan_step": skipped,  # fp16 may skip others too (loss-scale overflows)
         "skipped_steps": skipped_steps(engine),
+        "loss_scale": loss_scale(engine),
         "nan_step_unchanged": unchanged,
         "masters_finite": bool(finite),
         "module_finite": bool(module_finite),
@@ -108,7 +111,7 @@ def check_export(engine, index, run: Path, rank: int, stage: int, batch: dict) -
     masters = checkpoint.fp32_masters(engine)
     engine.eval()
     with torch.no_grad():
-        engine_logits = engine(**inputs(batch))["logits"].float()
+        engine_logits = engine(**inputs(batch, engine.device))["logits"].float().cpu()
     result = {}
     if rank == 0:
         reloaded = shatter.from_pretrained(run / "export").eval()
@@ -150,7 +153,7 @@ def uneven_validation(engine, index, cfg, rank: int, world: int) -> list[dict]:
         both = evaluate(
             engine,
             (
-                inputs(b)
+                inputs(b, engine.device)
                 for b in validation_stream(
                     index,
                     data,
@@ -169,7 +172,7 @@ def uneven_validation(engine, index, cfg, rank: int, world: int) -> list[dict]:
         alone = evaluate(
             single,
             (
-                inputs(b)
+                inputs(b, engine.device)
                 for b in validation_stream(
                     index, data, batch_size=MICRO, seq_len=index.seq_len, rank=0, world_size=1
                 )
@@ -192,7 +195,11 @@ def uneven_validation(engine, index, cfg, rank: int, world: int) -> list[dict]:
 
 
 def main() -> None:
-    data, run, out = (Path(a) for a in sys.argv[1:] if not a.startswith("--local_rank"))
+    """DATA RUN OUT [PRECISIONS [STAGES]]: comma-separated, default bf16,fp32 and 0,1,2,3."""
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    data, run, out = (Path(a) for a in args[:3])
+    precisions = (args[3] if len(args) > 3 else "bf16,fp32").split(",")
+    stages = [int(z) for z in (args[4] if len(args) > 4 else "0,1,2,3").split(",")]
     rank, world = init_distributed()
     index = read_index(data)
     batch = next(
@@ -208,8 +215,8 @@ def main() -> None:
         )
     )
     report = {"export": {}, "nan": {}}
-    for precision in ("bf16", "fp32"):
-        for stage in (0, 1, 2, 3):
+    for precision in precisions:
+        for stage in stages:
             key = f"{precision}-{stage}"
             started = time.perf_counter()
             cfg, engine = make_engine(index, precision, stage, run / key)

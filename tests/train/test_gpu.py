@@ -1,9 +1,10 @@
 """The GPU lane (`make test-gpu`): the real CLIs on one CUDA device. Skipped without CUDA.
 
 Pretraining tiny models in fp16 and bf16 under ZeRO 0-3 (a validation pass, checkpoints, the
-export, the GPU memory figures), an exact resume after SIGKILL in bf16, shatter-extend to 1024
-and tools/evaluate.py at 1024. Each asserts the exit code, finite losses, and an exit within
-30 s of the job's last line. SHATTER_SYNC_DEBUG=warn makes torch warn at every host sync of
+export, the GPU memory figures), the export's fp32 masters and the NaN-step skip in fp16, bf16
+and fp32 at ZeRO-0/1/3 (tests/train/ranks_job.py), an exact resume after SIGKILL in bf16,
+shatter-extend to 1024 and tools/evaluate.py at 1024 (on the GPU). Each asserts the exit code,
+finite losses, and an exit within 30 s of the job's last line. SHATTER_SYNC_DEBUG=warn makes torch warn at every host sync of
 the training steps: the lane prints what remains."""
 
 import json
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from shardutil import build_books
-from test_pretrain import command
+from test_pretrain import command, free_port
+from test_ranks import check_exports, check_nan_skips
 
 from tests.jobs import Job, finish_soon
 
@@ -71,6 +73,22 @@ def test_pretrain_validates_checkpoints_exports_and_reports_memory(
     print(f"{precision} ZeRO-{zero}: {len(syncs)} sync warnings", *syncs[:20], sep="\n")
 
 
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_export_and_nan_skip_in_16_bit_at_zero_0_1_3(books_data, tmp_path, stage):
+    """tests/train/ranks_job.py on one GPU: the export is the fp32 masters (fp16 and bf16), a NaN
+    activation's step is skipped (fp32 at ZeRO-0: by torch's fused AdamW on the device), and fp16
+    logs its loss scale, at ZeRO-0, 1 and 3."""
+    out = tmp_path / "report.json"
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(free_port())]
+    cmd += [str(REPO / "tests" / "train" / "ranks_job.py"), str(books_data), str(tmp_path)]
+    cmd += [str(out), "fp16,bf16,fp32", str(stage)]
+    finish_soon(Job(cmd), timeout=300)
+    report = json.loads(out.read_text())
+    keys = [f"{p}-{stage}" for p in ("fp16", "bf16", "fp32")]
+    check_exports(report, keys)
+    check_nan_skips(report, keys)
+
+
 def test_exact_resume_after_sigkill_in_bf16(books_data, tmp_path):
     extra = ("--precision", "bf16", "--max-steps", "8", "--save-every", "4", "--log-every", "1")
     whole = tmp_path / "whole"
@@ -101,3 +119,4 @@ def test_extend_to_1024_and_evaluate_at_1024(shared_data, books_data, tmp_path):
     finish_soon(Job(evaluate), timeout=300)
     result = json.loads(out.read_text())
     assert result["seq_len"] == 1024 and math.isfinite(result["loss"])
+    assert result["device"] == "cuda"  # a GPU node evaluates on its GPU

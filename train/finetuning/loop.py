@@ -4,7 +4,8 @@ Functions plus the engine (no trainer class): `finetune(cfg)` loads the export a
 builds the task data (train/finetuning/data.py) and the head (shatter.heads), a DeepSpeed engine
 with the trainer's config builder (train/engine.py), and runs. Every rank draws the same global
 batch order (seeded per epoch) and takes its slice, so the global batch is `batch_size` on any
-world size. Evaluation runs on rank 0 while the others wait.
+world size. Evaluation runs on rank 0 while the others wait; the best model is saved from the
+optimizer's fp32 master weights (gathered by every rank).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from train.checkpoint import fp32_masters
 from train.config import ConfigError, RunArgs, TrainConfig, check_output
 from train.finetuning.config import FinetuneConfig, default_steps
 from train.finetuning.data import SpanData, build_task_data
@@ -81,17 +83,25 @@ def _head(backbone, data, strategy: str):
     return SequenceClassificationModel(backbone, data.num_labels, strategy=strategy)
 
 
-def _save_best(module: torch.nn.Module, tokenizer: Path, out: Path) -> None:
-    """A standalone copy (ZeRO keeps parameters as views into flat buffers), written atomically."""
+def _save_best(module: torch.nn.Module, masters: dict, tokenizer: Path, out: Path) -> None:
+    """A standalone fp32 copy with the optimizer's fp32 `masters` (under bf16/fp16 the module's
+    own weights are rounded), written atomically."""
     from shatter.heads import build_head
     from shatter.model import ShatterForMaskedLM
     from shatter.sources import write_export
 
     copy = build_head(ShatterForMaskedLM(module.config), module.head_config())
-    copy.load_state_dict(
-        {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
-    )
+    copy.load_state_dict(masters)
     write_export(copy, tokenizer, out, overwrite=True)
+
+
+def _agreed(flag: bool, device: torch.device, world: int) -> bool:
+    """Rank 0's `flag` on every rank (one broadcast)."""
+    if world == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    torch.distributed.broadcast(value, src=0)
+    return bool(value.item())
 
 
 def _write_json(path: Path, value) -> None:
@@ -217,7 +227,8 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
                 window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, now
             if step % r.eval_every and step != steps:
                 continue
-            if rank == 0:
+            improved = False
+            if rank == 0:  # ZeRO-0..2: a forward is no collective, the other ranks wait
                 scores, predictions = data.score(predict(engine.module, data, r.eval_batch_size))
                 record = {"step": step, **scores}
                 summary["evaluations"].append(record)
@@ -227,10 +238,13 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
                     + ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if isinstance(v, float))
                 )
                 if best is None or scores[data.main_metric] > best[data.main_metric]:
-                    best = record
+                    best, improved = record, True
                     _write_json(run_dir / "predictions.json", predictions)
-                    if r.save_best:
-                        _save_best(engine.module, tokenizer_file, run_dir / "best")
+            if r.save_best and _agreed(improved, device, world):
+                masters = fp32_masters(engine)  # a collective under ZeRO: every rank gathers
+                if rank == 0:
+                    _save_best(engine.module, masters, tokenizer_file, run_dir / "best")
+                del masters
             if world > 1:
                 torch.distributed.barrier()
     finally:
