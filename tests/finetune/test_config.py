@@ -18,6 +18,9 @@ def test_paper_defaults():
         and cfg.run.cls_strategy == "modified"
     )
     assert resolve(None, {**BASE, "lr": 3e-5}).optim.lr == 3e-5
+    assert cfg.run.zero_stage == 0  # fp32; bf16/fp16 default to ZeRO-1, as pretraining
+    assert resolve(None, {**BASE, "precision": "bf16"}).run.zero_stage == 1
+    assert resolve(None, {**BASE, "precision": "bf16", "zero_stage": 0}).run.zero_stage == 0
 
 
 def test_yaml_then_flags(tmp_path):

@@ -189,3 +189,20 @@ def test_outputs_under_a_file_or_of_the_wrong_kind_are_refused(tmp_path):
     check_output(tmp_path / "new" / "run", directory=True)
     check_output(tmp_path / "result.json", directory=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # checks create nothing
+
+
+def test_zero_1_is_the_default_in_16_bit_and_a_set_stage_is_kept(tmp_path):
+    """bf16/fp16 without a stage run ZeRO-1 (DeepSpeed's ZeRO optimizer holds the fp32 masters);
+    fp32 stays at ZeRO-0; a stage set in the file or by a flag wins. The built DeepSpeed config
+    (and so --dry-run's) follows the resolved stage."""
+    assert resolve(None, {}).run.zero_stage == 0
+    for precision in ("bf16", "fp16"):
+        cfg = resolve(None, {"precision": precision})
+        assert cfg.run.zero_stage == 1
+        assert deepspeed_config(cfg, 8, cpu=False)["zero_optimization"]["stage"] == 1
+    assert resolve(None, {"precision": "bf16", "zero_stage": 0}).run.zero_stage == 0
+    f = tmp_path / "c.yaml"
+    f.write_text("run: {precision: bf16, zero_stage: 0}\n")
+    assert resolve(str(f), {}).run.zero_stage == 0
+    f.write_text("run: {precision: bf16}\n")
+    assert resolve(str(f), {}).run.zero_stage == 1
