@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 import shatter
+from train.engine import skipped_steps
 
 CHECKPOINTS = "checkpoints"
 EXPORT = "export"
@@ -64,6 +65,7 @@ def save(
         "config": config,
         "model_config": engine.module.config.to_dict(),  # shatter-extend reads the length here
     }
+    skipped_steps(engine)  # its device-side count into engine.skipped_steps, which is saved
     engine.save_checkpoint(str(run_dir / CHECKPOINTS), tag=name, client_state=client)
     if torch.distributed.get_rank() == 0 and keep > 0:
         prune(run_dir / CHECKPOINTS, keep)

@@ -345,7 +345,11 @@ def guard_nonfinite_steps(engine) -> None:
 
 def skipped_steps(engine) -> int:
     """Optimizer steps skipped so far for non-finite gradients or an fp16 overflow, by
-    DeepSpeed's wrappers or by `FiniteStepGuard` (one host read: call it at log steps)."""
+    DeepSpeed's wrappers or by `FiniteStepGuard`, whose device-side count it folds into
+    `engine.skipped_steps` (which DeepSpeed's checkpoints keep). One host read: call it at log
+    steps and checkpoints."""
     guard = getattr(engine.optimizer, "step", None)
-    device = getattr(guard, "skipped", None) if isinstance(guard, FiniteStepGuard) else None
-    return int(engine.skipped_steps) + (int(device.item()) if device is not None else 0)
+    if isinstance(guard, FiniteStepGuard) and guard.skipped is not None:
+        engine.skipped_steps += int(guard.skipped.item())
+        guard.skipped = None
+    return int(engine.skipped_steps)
