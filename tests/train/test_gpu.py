@@ -68,6 +68,7 @@ def test_pretrain_validates_checkpoints_exports_and_reports_memory(
     assert [x["step"] for x in lines] == [2, 4, 6, 8]
     assert all(x["loss"] is not None and math.isfinite(x["loss"]) for x in lines), lines
     assert all(x["gpu_mem_peak_gb"] > 0 and x["gpu_mem_reserved_gb"] > 0 for x in lines)
+    assert all(("loss_scale" in x) == (precision == "fp16") for x in lines), lines  # every wrapper
     assert "GPU memory peak" in text and (run / "export" / "STEP").is_file()
     syncs = [line for line in text.splitlines() if "synchroniz" in line.lower()]
     print(f"{precision} ZeRO-{zero}: {len(syncs)} sync warnings", *syncs[:20], sep="\n")
