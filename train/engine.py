@@ -324,9 +324,8 @@ class FiniteStepGuard:
         bad = (~torch.isfinite(total)).to(torch.float32)
         if self.on_device:
             self.skipped = bad if self.skipped is None else self.skipped + bad
-            self.optimizer.found_inf = (
-                bad  # torch's fused kernels skip the update (and the step count)
-            )
+            # torch's fused kernels skip the update (and undo the step count) where it is 1
+            self.optimizer.found_inf = bad
             try:
                 return self.step(closure)
             finally:
