@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -216,6 +217,16 @@ def write_export(
     model: nn.Module, tokenizer: Path, output: str | Path, overwrite: bool = False
 ) -> Path:
     """Write an export to `output` through a temporary sibling directory and a rename."""
+    return replace_directory(
+        output, lambda tmp: save_pretrained(model, tmp, tokenizer=tokenizer), overwrite
+    )
+
+
+def replace_directory(
+    output: str | Path, write: Callable[[Path], object], overwrite: bool = False
+) -> Path:
+    """Fill a temporary sibling directory with `write(tmp)` and rename it to `output`: a failed
+    or interrupted write leaves nothing under the output name (and an old one untouched)."""
     output = Path(output)
     if output.exists() and not overwrite and (not output.is_dir() or any(output.iterdir())):
         raise CheckpointError(
@@ -224,7 +235,7 @@ def write_export(
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     try:
-        save_pretrained(model, tmp, tokenizer=tokenizer)
+        write(tmp)
         if output.exists():
             old = output.with_name(f".{output.name}.old-{os.getpid()}")
             os.replace(output, old)

@@ -1,0 +1,142 @@
+"""The model card (README.md with Hub metadata) of a transformers export.
+
+It states what the export is (arch, parameter count, max length and how to extend it), where it
+came from when SRC was a run (the training data's index.json sha256, the steps, the final
+training and validation loss from metrics.jsonl), how to load it, and how to cite the paper.
+The license is left for the user to fill in: the toolkit cannot know the data's terms.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from torch import nn
+
+from shatter.model import count_parameters
+
+CITATION = """@inproceedings{tian2021shatter,
+  title     = {Shatter: An Efficient Transformer Encoder with Single-Headed Self-Attention
+               and Relative Sequence Partitioning},
+  author    = {Tian, Ran and Maynez, Joshua and Parikh, Ankur P.},
+  booktitle = {Findings of EMNLP},
+  year      = {2021}
+}"""
+PIPELINE_TAGS = {
+    None: "fill-mask",
+    "sequence-classification": "text-classification",
+    "span-extraction": "question-answering",
+}
+
+
+def run_facts(run: Path | None) -> dict:
+    """From a pretraining run: the data's index.json sha256, the last step, the last training
+    and validation losses. Missing pieces are left out."""
+    facts: dict = {}
+    if run is None:
+        return facts
+    try:
+        data = json.loads((run / "config.json").read_text())["config"]["data"]["path"]
+        index = Path(data) / "index.json"
+        facts["data_index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
+        facts["data"] = str(data)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return facts
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict) or "loss" not in rec:
+            continue
+        key = "validation_loss" if rec.get("split") == "validation" else "train_loss"
+        facts[key] = rec["loss"]
+        facts["steps"] = max(facts.get("steps", 0), int(rec.get("step", 0)))
+    return facts
+
+
+def model_card(model: nn.Module, source, report) -> str:
+    config = model.config
+    facts = run_facts(source.run)
+    remote = "" if report.native else ", trust_remote_code=True"
+    meta = [
+        "---",
+        "library_name: transformers",
+        f"pipeline_tag: {PIPELINE_TAGS[report.head]}",
+        "tags:",
+        *[f"- {tag}" for tag in dict.fromkeys(("shatter", config.arch))],
+        "license: # fill in: the terms of the training data and of your release",
+        "---",
+    ]
+    rows = [
+        ("arch", f"`{config.arch}`"),
+        ("class", f"`{report.hf_class}`" + ("" if report.native else " (remote code)")),
+        ("parameters", f"{count_parameters(model, exclude_word_embeddings=False):,}"),
+        ("hidden / layers / heads or parts", f"{config.hidden} / {config.layers} / {config.heads}"),
+        ("vocabulary", f"{config.vocab_size} (sentencepiece unigram, lower-cased)"),
+        ("max length", f"{config.max_len} tokens"),
+        ("max logit difference to the toolkit's model", f"{report.max_abs_diff:.1e} (fp32)"),
+    ]
+    names = {
+        "data_index_sha256": "training data (index.json sha256)",
+        "steps": "training steps",
+        "train_loss": "final training loss",
+        "validation_loss": "final validation loss",
+    }
+    rows += [(names[k], _fmt(k, facts[k])) for k in names if k in facts]
+    auto = {
+        None: "AutoModelForMaskedLM",
+        "sequence-classification": "AutoModelForSequenceClassification",
+        "span-extraction": "AutoModelForQuestionAnswering",
+    }[report.head]
+    body = [
+        f"# {config.arch} encoder ({report.head or 'masked LM'})",
+        "",
+        "Trained with the `shatter` toolkit and exported with `shatter-export --format hf`; the "
+        "export was checked to give the toolkit's logits.",
+        "",
+        "| | |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in rows],
+        "",
+        "## Use",
+        "",
+        "```python",
+        f"from transformers import AutoTokenizer, {auto}",
+        "",
+        "tokenizer = AutoTokenizer.from_pretrained(PATH)",
+        f"model = {auto}.from_pretrained(PATH{remote})",
+        "```",
+        "",
+        f"Inputs longer than {config.max_len} tokens are refused or truncated. "
+        + (
+            "Position is relative in this arch, so the model extends with no new weights: "
+            if config.arch not in ("bert", "bert-rab")
+            else "Extending adds rows to the absolute position table: "
+        )
+        + "`shatter-extend EXPORT --max-len 1024 --output EXT` on the toolkit export, then "
+        "export EXT again.",
+        "",
+        "## License",
+        "",
+        "Not set by the toolkit: fill in the `license` field above.",
+        "",
+        "## Citation",
+        "",
+        "```bibtex",
+        CITATION,
+        "```",
+        "",
+    ]
+    return "\n".join(meta + [""] + body)
+
+
+def _fmt(key: str, value) -> str:
+    if key == "data_index_sha256":
+        return f"`{value}`"
+    return f"{value:.4f}" if isinstance(value, float) else str(value)

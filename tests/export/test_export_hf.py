@@ -1,0 +1,310 @@
+"""`shatter-export --format hf`: every arch and head loads in transformers and computes our logits.
+
+Models are tiny presets with perturbed weights (away from the init's symmetries: zero biases,
+unit LayerNorms), exported through the real command (click, in-process) and loaded back with
+transformers' Auto classes from the written directory, offline.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import transformers  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+
+import shatter  # noqa: E402
+from shatter.extend import extend_model  # noqa: E402
+from shatter.heads import SequenceClassificationModel, SpanExtractionModel  # noqa: E402
+from shatter.hf import convert  # noqa: E402
+from shatter.hf.export import outputs  # noqa: E402
+from shatter.hf.remote import modeling_shatter  # noqa: E402
+from tools.export import main  # noqa: E402
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory, request) -> Path:
+    """A sentencepiece model trained by the pipeline's own trainer: on the real books when
+    ../shared/data is there, else on generated sentences."""
+    from pipeline.tokenizer import train
+    from tests.conftest import SHARED_DATA
+
+    books = sorted((SHARED_DATA / "books").glob("*.txt"))
+    if books:
+        lines = [x for f in books for x in f.read_text().splitlines() if x.strip()][::8]
+    else:
+        rng = random.Random(0)
+        words = [f"w{i}x{'ab'[i % 2] * (i % 5)}" for i in range(400)]
+        lines = [" ".join(rng.choices(words, k=12)) for _ in range(3000)]
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.model"
+    path.write_bytes(train(lines, 1000))
+    return path
+
+
+def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def tiny(arch: str, tokenizer: Path, **overrides) -> shatter.ShatterForMaskedLM:
+    import sentencepiece as spm
+
+    vocab = spm.SentencePieceProcessor(model_file=str(tokenizer)).get_piece_size()
+    return perturbed(shatter.build_model(f"{arch}-tiny", vocab_size=vocab, **overrides))
+
+
+def export(model, tokenizer: Path, src: Path, out: Path, *extra: str):
+    shatter.save_pretrained(model, src, tokenizer=tokenizer)
+    result = CliRunner().invoke(main, [str(src), "--format", "hf", "--output", str(out), *extra])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def batch(vocab: int, lengths: tuple[int, int], seed: int = 1) -> dict[str, torch.Tensor]:
+    """Two rows `[CLS] ... [SEP]` of the given lengths, the shorter one padded."""
+    g = torch.Generator().manual_seed(seed)
+    L = max(lengths)
+    ids = torch.randint(5, vocab, (2, L), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, 0], ids[row, n - 1], ids[row, n:] = 2, 3, 0
+        ids[row, n // 2] = 3  # two segments (xlnet's segment encoding)
+        mask[row, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def max_diff(ours, theirs, inputs) -> float:
+    return (outputs(ours, inputs) - outputs(theirs, inputs)).abs().max().item()
+
+
+@pytest.mark.parametrize("arch", shatter.ARCHS)
+def test_every_arch_matches_in_transformers(arch, tokenizer_file, tmp_path):
+    model = tiny(arch, tokenizer_file, max_len=64)
+    out = tmp_path / "hf"
+    result = export(model, tokenizer_file, tmp_path / "export", out)
+    native = arch == "bert"
+    assert ("native" in result.output) == native
+    assert (out / "modeling_shatter.py").exists() != native
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=not native)
+    if native:
+        assert type(hf).__name__ == "BertForMaskedLM"
+    inputs = batch(model.config.vocab_size, (24, 11))
+    assert max_diff(model, hf.eval(), inputs) <= TOL
+    # fill-mask: the pipeline's top token is our model's argmax at [MASK]
+    fill = transformers.pipeline("fill-mask", model=str(out), trust_remote_code=not native)
+    text = "to be or not to [MASK] , that is the question"
+    top = fill(text)[0]["token"]
+    enc = fill.tokenizer(text, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(enc["input_ids"], enc["attention_mask"])["logits"][0]
+    at = (enc["input_ids"][0] == 4).nonzero().item()
+    assert top == int(logits[at].argmax())
+
+
+def test_remote_code_is_our_model(tokenizer_file):
+    """The carried modelling code cannot drift from ours: the same arch lists and the same
+    partition of unity (the logits are compared per arch above)."""
+    from shatter.attention import ATTENTIONS
+    from shatter.partition import partition_table
+
+    assert set(convert.REMOTE_ARCHS) == set(shatter.ARCHS)
+    absolute = {a for a, cls in ATTENTIONS.items() if cls.absolute_positions}
+    assert set(modeling_shatter.ABSOLUTE_POSITIONS) == absolute
+    for n, layer, layers in ((4, 0, 2), (12, 11, 12), (16, 3, 24)):
+        ours = partition_table(n, layer, layers, 300)
+        assert torch.equal(modeling_shatter.partition_table(n, layer, layers, 300), ours)
+
+
+def finetune_run(run: Path, model, tokenizer: Path, labels) -> Path:
+    """A finetuning run's layout: RUN/config.json (with the labels) and RUN/best/."""
+    shatter.save_pretrained(model, run / "best", tokenizer=tokenizer)
+    (run / "config.json").write_text(json.dumps({"config": {}, "labels": labels}))
+    return run
+
+
+@pytest.mark.parametrize(
+    "arch, head, native",
+    [
+        ("shatter", "modified", False),
+        ("bert", "modified", False),
+        ("bert", "cls", True),
+        ("shatter", "span", False),
+        ("bert", "span", True),
+    ],
+)
+def test_finetuned_heads_match(arch, head, native, tokenizer_file, tmp_path):
+    backbone = tiny(arch, tokenizer_file, max_len=64)
+    if head == "span":
+        model, labels, auto = SpanExtractionModel(backbone), None, "AutoModelForQuestionAnswering"
+    else:
+        model = SequenceClassificationModel(backbone, 3, strategy=head)
+        labels, auto = (
+            ["entailment", "neutral", "contradiction"],
+            "AutoModelForSequenceClassification",
+        )
+    model = perturbed(model, seed=2)
+    run = finetune_run(tmp_path / "run", model, tokenizer_file, labels)
+    result = CliRunner().invoke(main, [str(run), "--output", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    hf = getattr(transformers, auto).from_pretrained(tmp_path / "hf", trust_remote_code=not native)
+    assert type(hf).__name__.startswith("Bert") == native
+    if labels:
+        assert hf.config.id2label == dict(enumerate(labels))
+        assert hf.config.label2id["neutral"] == 1
+    assert max_diff(model, hf.eval(), batch(backbone.config.vocab_size, (30, 13))) <= TOL
+
+
+@pytest.mark.parametrize("arch", ["shatter", "bert"])
+def test_an_extended_export_matches_at_1024(arch, tokenizer_file, tmp_path):
+    model, _ = extend_model(tiny(arch, tokenizer_file, max_len=64), 1024)
+    out = tmp_path / "hf"
+    export(model.eval(), tokenizer_file, tmp_path / "export", out)
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=arch != "bert")
+    assert hf.config.max_position_embeddings == 1024
+    assert max_diff(model, hf.eval(), batch(model.config.vocab_size, (1024, 700))) <= TOL
+
+
+def test_tokenizer_ids_equal_ours_on_real_text(shared_data, tokenizer_file, tmp_path):
+    """AutoTokenizer gives a fast tokenizer whose ids are our sentencepiece encoding with our
+    [CLS]/[SEP] conventions: single texts as the pipeline encodes them, pairs as the
+    finetuning features build them. Unigram segmentations of equal score may be tied
+    differently (a run of dashes in the wiki sample); any other difference fails."""
+    import bz2
+
+    from pipeline.tokenizer import load
+    from train.finetuning.features import Tokenizer
+
+    export(tiny("bert", tokenizer_file), tokenizer_file, tmp_path / "e", tmp_path / "hf")
+    fast = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert fast.is_fast and fast.mask_token_id == 4 and fast.pad_token_id == 0
+    sp, features = load(tokenizer_file.read_bytes()), Tokenizer(tokenizer_file)
+    wiki = bz2.open(shared_data / "wiki" / "enwiki-sample-pages-articles.xml.bz2", "rt")
+    books = (shared_data / "books" / "hamlet_gut.txt").read_text().splitlines()
+    lines = [x for x in wiki.read().splitlines()[:3000] + books[:3000] if x.strip()]
+    ours = sp.encode(lines)
+    theirs = fast(lines, add_special_tokens=False)["input_ids"]
+    differ = [(a, b) for a, b in zip(ours, theirs) if a != b]
+    for a, b in differ:  # only ties: the same total log-probability
+        assert sum(map(sp.get_score, a)) == pytest.approx(sum(map(sp.get_score, b)), abs=1e-4)
+    assert len(differ) <= len(lines) // 1000
+    a, b = lines[10], lines[11]
+    pair = fast(a, b)["input_ids"]
+    ids_a, ids_b = features.encode([a, b])
+    assert pair == [2, *ids_a, 3, *ids_b, 3]
+    assert fast(a)["input_ids"] == [2, *sp.encode(a), 3]
+
+
+def test_trainer_round_trip(tokenizer_file, tmp_path):
+    """Load the export, finetune it one step with transformers' Trainer on CPU, save, reload."""
+    from datasets import Dataset
+
+    export(
+        tiny("shatter", tokenizer_file, max_len=64), tokenizer_file, tmp_path / "e", tmp_path / "hf"
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", trust_remote_code=True)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "hf", num_labels=2, trust_remote_code=True
+    )
+    texts = ["a fine play", "a dull play", "the king is dead", "long live the king"]
+    data = Dataset.from_dict({"text": texts, "label": [1, 0, 0, 1]}).map(
+        lambda r: tok(r["text"], truncation=True), batched=True
+    )
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "trainer"),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        learning_rate=1e-3,
+    )
+    before = model.classifier.weight.detach().clone()
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=transformers.DataCollatorWithPadding(tok),
+    )
+    trainer.train()
+    assert not torch.equal(model.classifier.weight, before)
+    trainer.save_model(str(tmp_path / "tuned"))
+    reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "tuned", trust_remote_code=True
+    )
+    inputs = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        a, b = model.eval()(**inputs).logits, reloaded.eval()(**inputs).logits
+    assert torch.equal(a, b)
+
+
+def refused(result, out: Path, *words: str) -> None:
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    assert all(w in lines[0] for w in words), lines[0]
+    assert not out.exists() or out.name == "taken"
+
+
+def test_bad_input_gets_one_line(tokenizer_file, tmp_path, monkeypatch):
+    src = tmp_path / "export"
+    shatter.save_pretrained(tiny("bert", tokenizer_file), src, tokenizer=tokenizer_file)
+    run = lambda *a: CliRunner().invoke(main, [*map(str, a)])  # noqa: E731
+    out = tmp_path / "hf"
+    # an output directory that exists: refused, untouched; --overwrite replaces it
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("x")
+    refused(run(src, "--output", taken), taken, "already exists", "--overwrite")
+    assert (taken / "keep.txt").read_text() == "x"
+    assert run(src, "--output", taken, "--overwrite").exit_code == 0
+    assert not (taken / "keep.txt").exists() and (taken / "tokenizer.json").exists()
+    # an arch without a converter
+    monkeypatch.setattr(convert, "REMOTE_ARCHS", ("shatter",))
+    refused(run(src, "--output", out), out, "'bert' has no transformers converter")
+    monkeypatch.undo()
+    # a transformers too old for the classes used
+    # (the module object in sys.modules: transformers' lazy import may have replaced it)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.46.0")
+    refused(run(src, "--output", out), out, "too old", "pip install -U")
+    monkeypatch.undo()
+    # a tokenizer that is not sentencepiece
+    (src / "tokenizer.model").write_text("not a model")
+    refused(run(src, "--output", out), out, "is not a sentencepiece model", "shatter-data build")
+    # not an export at all
+    refused(run(tmp_path / "nothing", "--output", out), out, "no such directory")
+
+
+def test_a_run_gets_a_model_card_with_its_data_and_losses(tokenizer_file, tmp_path):
+    data, run = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    (data / "index.json").write_text('{"format": "shatter-shards"}')
+    shatter.save_pretrained(tiny("bert", tokenizer_file), run / "export", tokenizer=tokenizer_file)
+    (run / "config.json").write_text(json.dumps({"config": {"data": {"path": str(data)}}}))
+    metrics = [
+        {"step": 10, "loss": 7.5, "lr": 1e-4},
+        {"step": 20, "loss": 6.25, "lr": 1e-4},
+        {"step": 20, "split": "validation", "loss": 6.5, "accuracy": 0.1},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    result = CliRunner().invoke(main, [str(run), "--output", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    card = (tmp_path / "hf" / "README.md").read_text()
+    import hashlib
+
+    digest = hashlib.sha256((data / "index.json").read_bytes()).hexdigest()
+    for fact in (digest, "| training steps | 20 |", "6.2500", "6.5000", "pipeline_tag: fill-mask"):
+        assert fact in card
+    assert "license:" in card and "@inproceedings{tian2021shatter" in card
+    assert "shatter-extend" in card

@@ -1,0 +1,56 @@
+"""`shatter-export SRC --format hf --output DIR`: a model as a Hugging Face transformers directory.
+
+Thin click wrapper over `shatter.hf.export.export_hf` (what SRC may be, what DIR holds and how
+its logits are checked: see there and docs/export.md). Every refusal (an arch without a
+converter, a tokenizer that is not sentencepiece, an occupied output, a transformers too old)
+prints one line naming the problem and the fix, exits with status 1 and writes nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError:  # a core install (what Beam workers get) has the pipeline only
+    raise SystemExit(
+        "shatter-export needs the training stack and transformers: pip install 'shatter[train,hf]'"
+    ) from None
+
+from shatter.checkpoint import CheckpointError
+
+FORMATS = ("hf",)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("src", type=click.Path(path_type=Path))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default="hf",
+    show_default=True,
+    help="hf: a Hugging Face transformers directory (from_pretrained).",
+)
+@click.option(
+    "--output", type=click.Path(path_type=Path), required=True, help="Directory to write."
+)
+@click.option("--overwrite", is_flag=True, help="Replace an existing non-empty --output.")
+def main(src: Path, fmt: str, output: Path, overwrite: bool) -> None:
+    """Export SRC (an export, a training run or a finetuning run) for transformers."""
+    from shatter.hf.export import ConvertError, ExportError, TokenizerError, export_hf
+
+    try:
+        report = export_hf(src, output, overwrite=overwrite)
+    except (ExportError, ConvertError, TokenizerError, CheckpointError) as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"cannot write {output}: {e}; {output} is unchanged") from None
+    click.echo(report.describe())
+    click.echo(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()
