@@ -41,6 +41,7 @@ def test_beam_without_dill_extra():
 def test_console_scripts_declared():
     scripts = _cfg()["options.entry_points"]["console_scripts"]
     assert "shatter-data" in scripts and "shatter-extend" in scripts
+    assert "shatter-export" in scripts
 
 
 def test_ci_runs_the_readme_test_command():

@@ -153,7 +153,7 @@ def hf_model(model: nn.Module, labels: list[str] | None = None) -> nn.Module:
             f"{model.config.arch}: weights do not map onto {type(target).__name__}: "
             f"missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
-    if is_native(model.config, head) and kind is None:
+    if kind is None:  # the decoder is the word embeddings: stored once
         target.tie_weights()
     return target.eval()
 

@@ -68,4 +68,5 @@ class ShatterConfig(PretrainedConfig):
         self.rab_buckets = rab_buckets
         self.rab_max_distance = rab_max_distance
         self.classifier_strategy = classifier_strategy
+        kwargs.setdefault("tie_word_embeddings", True)  # the MLM decoder is the word embeddings
         super().__init__(pad_token_id=pad_token_id, **kwargs)
