@@ -29,7 +29,7 @@ HEADS = ("mlm", "classify-modified", "classify-cls", "span")
 FILL_TEXT = "to be or not to [MASK] , that is the question"
 
 
-def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -55,7 +55,8 @@ def batch(vocab: int, lengths: tuple[int, int]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def fill_mask_agrees(model, directory: Path, native: bool) -> bool:
+def fill_mask(model, directory: Path, native: bool):
+    """(whether pipeline("fill-mask")'s top token is our argmax at [MASK], the pipeline)."""
     from transformers import pipeline
 
     fill = pipeline("fill-mask", model=str(directory), trust_remote_code=not native)
@@ -63,7 +64,7 @@ def fill_mask_agrees(model, directory: Path, native: bool) -> bool:
     with torch.no_grad():
         logits = model(enc["input_ids"], enc["attention_mask"])["logits"][0]
     at = (enc["input_ids"][0] == fill.tokenizer.mask_token_id).nonzero().item()
-    return fill(FILL_TEXT)[0]["token"] == int(logits[at].argmax())
+    return fill(FILL_TEXT)[0]["token"] == int(logits[at].argmax()), fill
 
 
 def row(model, tokenizer: Path, work: Path, lengths, head: str) -> str:
@@ -80,7 +81,7 @@ def row(model, tokenizer: Path, work: Path, lengths, head: str) -> str:
         .max()
         .item()
     )
-    fill = fill_mask_agrees(model, out, report.native) if head == "mlm" else None
+    fill = fill_mask(model, out, report.native)[0] if head == "mlm" else None
     return (
         f"| {model.config.arch} | {head} | {max(lengths)} | {diff:.1e} | "
         f"{'native ' + report.hf_class if report.native else 'remote code'} | "

@@ -28,6 +28,7 @@ from shatter.hf import convert  # noqa: E402
 from shatter.hf.export import outputs  # noqa: E402
 from shatter.hf.remote import configuration_shatter, modeling_shatter  # noqa: E402
 from tools.export import main  # noqa: E402
+from tools.hf_parity import batch, fill_mask, perturbed  # noqa: E402
 
 TOL = 1e-5
 
@@ -51,14 +52,6 @@ def tokenizer_file(tmp_path_factory, request) -> Path:
     return path
 
 
-def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.eval()
-
-
 def tiny(arch: str, tokenizer: Path, **overrides) -> shatter.ShatterForMaskedLM:
     import sentencepiece as spm
 
@@ -73,19 +66,6 @@ def export(model, tokenizer: Path, src: Path, out: Path, *extra: str):
     return result
 
 
-def batch(vocab: int, lengths: tuple[int, int], seed: int = 1) -> dict[str, torch.Tensor]:
-    """Two rows `[CLS] ... [SEP]` of the given lengths, the shorter one padded."""
-    g = torch.Generator().manual_seed(seed)
-    L = max(lengths)
-    ids = torch.randint(5, vocab, (2, L), generator=g)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, 0], ids[row, n - 1], ids[row, n:] = 2, 3, 0
-        ids[row, n // 2] = 3  # two segments (xlnet's segment encoding)
-        mask[row, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask}
-
-
 def max_diff(ours, theirs, inputs) -> float:
     return (outputs(ours, inputs) - outputs(theirs, inputs)).abs().max().item()
 
@@ -98,21 +78,13 @@ def test_every_arch_matches_in_transformers(arch, tokenizer_file, tmp_path):
     native = arch == "bert"
     assert ("native" in result.output) == native
     assert (out / "modeling_shatter.py").exists() != native
-    # the pipeline loads the directory with AutoModelForMaskedLM and AutoTokenizer
-    fill = transformers.pipeline("fill-mask", model=str(out), trust_remote_code=not native)
+    # the fill-mask pipeline (AutoModelForMaskedLM + AutoTokenizer) agrees with our argmax
+    agrees, fill = fill_mask(model, out, native)
+    assert agrees
     assert (type(fill.model).__name__ == "BertForMaskedLM") == native
     embeddings = fill.model.get_input_embeddings().weight  # tied, stored once
     assert fill.model.get_output_embeddings().weight is embeddings
-    inputs = batch(model.config.vocab_size, (24, 11))
-    assert max_diff(model, fill.model.eval(), inputs) <= TOL
-    # fill-mask: the pipeline's top token is our model's argmax at [MASK]
-    text = "to be or not to [MASK] , that is the question"
-    top = fill(text)[0]["token"]
-    enc = fill.tokenizer(text, return_tensors="pt")
-    with torch.no_grad():
-        logits = model(enc["input_ids"], enc["attention_mask"])["logits"][0]
-    at = (enc["input_ids"][0] == 4).nonzero().item()
-    assert top == int(logits[at].argmax())
+    assert max_diff(model, fill.model.eval(), batch(model.config.vocab_size, (24, 11))) <= TOL
 
 
 def test_remote_code_is_our_model(tokenizer_file):
@@ -151,10 +123,50 @@ def finetune_run(run: Path, model, tokenizer: Path, labels) -> Path:
     return run
 
 
+def test_a_finetuning_run_exports_with_its_labels(tokenizer_file, tmp_path, monkeypatch):
+    """A real (two-step) train/finetune.py run: its best/ model, labels from the task's data."""
+    # the one-process run sets RANK, WORLD_SIZE, ... (train/engine.py): gone after this test,
+    # or accelerate (the Trainer test) would take the process for a multi-CPU job
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")  # recorded, so that teardown restores the key's absence
+        monkeypatch.delenv(key)
+    import csv
+
+    from tests.finetune.conftest import sentiment_rows
+    from train.finetune import main as finetune
+
+    export = tmp_path / "export"
+    shatter.save_pretrained(
+        tiny("shatter", tokenizer_file, max_len=64), export, tokenizer=tokenizer_file
+    )
+    files = {}
+    for split, (n, seed) in {"train": (16, 0), "dev": (8, 1)}.items():
+        files[split] = tmp_path / f"{split}.csv"
+        with open(files[split], "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["id", "review", "sentiment"])
+            w.writeheader()
+            w.writerows(sentiment_rows(n, seed))
+    args = ["--task", "classify", "--checkpoint", export, "--train-file", files["train"]]
+    args += ["--validation-file", files["dev"], "--text-columns", "review"]
+    args += ["--label-column", "sentiment", "--output", tmp_path / "run", "--max-steps", 2]
+    args += ["--eval-every", 2, "--batch-size", 8]
+    done = CliRunner().invoke(finetune, [str(a) for a in args])
+    assert done.exit_code == 0, done.output
+    result = CliRunner().invoke(main, [str(tmp_path / "run"), "--output", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "hf", trust_remote_code=True
+    )
+    assert (
+        hf.config.id2label == {0: "neg", 1: "pos"} and hf.config.classifier_strategy == "modified"
+    )
+    ours = shatter.from_pretrained(tmp_path / "run" / "best")
+    assert max_diff(ours, hf.eval(), batch(ours.config.vocab_size, (30, 13))) <= TOL
+
+
 @pytest.mark.parametrize(
     "arch, head, native",
     [
-        ("shatter", "modified", False),
         ("bert", "modified", False),
         ("bert", "cls", True),
         ("shatter", "span", False),
