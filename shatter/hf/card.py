@@ -109,7 +109,7 @@ def model_card(model: nn.Module, source, report) -> str:
         "```python",
         f"from transformers import AutoTokenizer, {auto}",
         "",
-        "tokenizer = AutoTokenizer.from_pretrained(PATH)",
+        f"tokenizer = AutoTokenizer.from_pretrained(PATH{remote})",
         f"model = {auto}.from_pretrained(PATH{remote})",
         "```",
         "",

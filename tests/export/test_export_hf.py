@@ -34,7 +34,7 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory, request) -> Path:
+def tokenizer_file(tmp_path_factory) -> Path:
     """A sentencepiece model trained by the pipeline's own trainer: on the real books when
     ../shared/data is there, else on generated sentences."""
     from pipeline.tokenizer import train
