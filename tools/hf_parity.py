@@ -23,7 +23,7 @@ import torch
 import shatter
 from shatter.extend import extend_model
 from shatter.heads import SequenceClassificationModel, SpanExtractionModel
-from shatter.hf.export import export_hf, load_hf, outputs
+from shatter.hf.export import export_hf, load_hf, outputs, sample_batch as batch
 
 HEADS = ("mlm", "classify-modified", "classify-cls", "span")
 FILL_TEXT = "to be or not to [MASK] , that is the question"
@@ -43,16 +43,6 @@ def with_head(backbone, head: str):
     if head == "span":
         return SpanExtractionModel(backbone)
     return SequenceClassificationModel(backbone, 3, strategy=head.removeprefix("classify-"))
-
-
-def batch(vocab: int, lengths: tuple[int, int]) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(5, vocab, (2, max(lengths)), generator=g)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, 0], ids[row, n - 1], ids[row, n // 2], ids[row, n:] = 2, 3, 3, 0
-        mask[row, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 def fill_mask(model, directory: Path, native: bool):

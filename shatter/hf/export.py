@@ -113,15 +113,16 @@ def _labels(run: Path | None) -> list[str] | None:
     return [str(x) for x in labels] if isinstance(labels, list) else None
 
 
-def sample_batch(vocab_size: int, max_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Two rows `[CLS] ... [SEP]`, the second padded: lengths min(max_len, 24) and about 2/3."""
-    L = min(max_len, 24)
+def sample_batch(
+    vocab_size: int, lengths: tuple[int, int], seed: int = 1
+) -> dict[str, torch.Tensor]:
+    """Two rows `[CLS] a [SEP] b [SEP]` of the given lengths, the shorter one padded."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, vocab_size, (2, L), generator=g)
-    short = max(2, 2 * L // 3)
-    ids[:, 0], ids[0, L - 1], ids[1, short - 1] = 2, 3, 3
-    mask = torch.ones_like(ids)
-    mask[1, short:], ids[1, short:] = 0, 0
+    ids = torch.randint(5, vocab_size, (2, max(lengths)), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, 0], ids[row, n // 2], ids[row, n - 1], ids[row, n:] = 2, 3, 3, 0
+        mask[row, :n] = 1
     return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -174,7 +175,8 @@ def export_hf(src: Path, output: Path, overwrite: bool = False) -> ExportReport:
                 shutil.copyfile(REMOTE / name, tmp / name)
         converted.save_pretrained(str(tmp))
         save_tokenizer(tokenizer, tmp, model.config.max_len)
-        batch = sample_batch(model.config.vocab_size, model.config.max_len)
+        L = min(model.config.max_len, 24)
+        batch = sample_batch(model.config.vocab_size, (L, max(2, 2 * L // 3)))
         diff = (outputs(load_hf(tmp, model), batch) - outputs(model, batch)).abs().max().item()
         if not diff <= TOLERANCE:
             raise ExportError(
