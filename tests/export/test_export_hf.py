@@ -56,6 +56,7 @@ def tiny(arch: str, tokenizer: Path, **overrides) -> shatter.ShatterForMaskedLM:
     import sentencepiece as spm
 
     vocab = spm.SentencePieceProcessor(model_file=str(tokenizer)).get_piece_size()
+    torch.manual_seed(0)
     return perturbed(shatter.build_model(f"{arch}-tiny", vocab_size=vocab, **overrides))
 
 
