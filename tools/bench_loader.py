@@ -1,6 +1,8 @@
-"""Loader throughput: sequences per second of the training stream at length 256, on one core.
+"""Loader throughput (sequences per second at length 256, on one core), and loader memory and
+stalls at large shards.
 
     python tools/bench_loader.py [--data OUT] [--rows 20000] [--batch 128] [--rounds 3]
+    python tools/bench_loader.py --memory [--shard-mb 1024] [--baseline CHECKOUT] [--data OUT]
 
 Contenders, interleaved round by round so that a busy machine slows them alike: static masks
 (from the shards), dynamic masking, dynamic whole-word masking. The stream runs in this process
@@ -9,6 +11,14 @@ shard decode (sha256 on first use), shuffle, gather, masking, padding, tensors. 
 a dataset of random rows is written by the pipeline's own shard writer (full-length rows, as
 packing produces; vocabulary 32000, dupe factor 5). The target is >= 20,000 seq/s; the
 paper's 8 V100s consume about 339 seq/s (128 x 1.6M steps in 161 h).
+
+`--memory`: one loader worker (a subprocess running the stream, as a DataLoader worker does) per
+code checkout, this one and `--baseline` (e.g. a checkout of an older commit), on the same
+dataset of two train shards of `--shard-mb` MB each. It starts `--before` batches ahead of the
+boundary between the epoch's first and second shard and reports the worker's peak RSS (VmHWM,
+less its RSS after imports), its first batch's latency, and the median and worst gap between two
+consecutive batches, and where it fell (batch 0 is the first one to read the second shard): where
+a shard is decoded whole, the worst gap is that boundary.
 """
 
 from __future__ import annotations
@@ -32,33 +42,37 @@ from train.data import MaskingSpec, ShardStream  # noqa: E402
 
 
 def synthetic_dataset(
-    root: Path, rows: int, seq_len: int, vocab: int, dupe: int, seed: int = 0
+    root: Path,
+    rows: int,
+    seq_len: int,
+    vocab: int,
+    dupe: int,
+    seed: int = 0,
+    train_shards: int = 2,
 ) -> Path:
-    """Random full-length rows in the DESIGN.md layout, written with pipeline.format."""
+    """Random full-length rows in the DESIGN.md layout, written chunk by chunk (bounded memory)
+    with pipeline.format's writer."""
     rng = np.random.default_rng(seed)
     word_start_table = rng.random(vocab) < 0.7
+    root.mkdir(parents=True, exist_ok=True)
     (root / pshards.TOKENIZER_FILE).write_bytes(b"benchmark: random ids, no tokenizer")
     splits = {}
-    for split, n, shards in (("train", rows, 2), ("validation", 256, 1)):
+    chunk = pshards.writer.record_batch_rows(seq_len)
+    for split, n, shards in (("train", rows, train_shards), ("validation", 256, 1)):
         entries = []
         per = -(-n // shards)
         for i in range(shards):
-            count = min(per, n - i * per)
-            ids = rng.integers(5, vocab, (count, seq_len), dtype=np.int32)
-            ids[:, 0], ids[:, -1] = SPECIAL_PIECES["[CLS]"], SPECIAL_PIECES["[SEP]"]
-            keys = np.sort(rng.integers(0, 2**63, count, dtype=np.uint64))
-            table = mask_table(
-                keys,
-                ids,
-                np.full(count, seq_len, np.int32),
-                word_start_table,
-                vocab,
-                MaskSpec("", seed, dupe, 0.15, False),
-            )
-            info = pshards.write_shard(
-                str(root), pshards.shard_name(split, i, shards), table, vocab
-            )
-            entries.append(info.__dict__)
+            name = pshards.shard_name(split, i, shards)
+            with pshards.ShardWriter(str(root), name, pshards.schema(vocab), chunk) as writer:
+                for lo in range(0, min(per, n - i * per), chunk):
+                    count = min(chunk, per - lo, n - i * per - lo)
+                    ids = rng.integers(5, vocab, (count, seq_len), dtype=np.int32)
+                    ids[:, 0], ids[:, -1] = SPECIAL_PIECES["[CLS]"], SPECIAL_PIECES["[SEP]"]
+                    keys = np.sort(rng.integers(0, 2**63, count, dtype=np.uint64))
+                    spec = MaskSpec("", seed, dupe, 0.15, False)
+                    lengths = np.full(count, seq_len, np.int32)
+                    writer.write(mask_table(keys, ids, lengths, word_start_table, vocab, spec))
+            entries.append(writer.info.__dict__)
         splits[split] = {"shards": entries}
     tok = {
         "file": pshards.TOKENIZER_FILE,
@@ -78,6 +92,113 @@ def synthetic_dataset(
     }
     pshards.write_index(str(root), index)
     return root
+
+
+# One loader worker's stream in a fresh process that imports `train` from the checkout on its
+# PYTHONPATH (this one or --baseline); it prints one JSON line.
+WORKER = """
+import json, sys, time
+import numpy as np, torch
+from pipeline.format import read_index
+from train.data import MaskingSpec, ShardStream
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+root, batch, before, after, seed = sys.argv[1], *map(int, sys.argv[2:6])
+torch.set_num_threads(1)
+index = read_index(root)
+rows = [s.rows for s in index.shards("train")]
+first = int(np.random.default_rng([seed, 0]).permutation(len(rows))[0])  # epoch 0's first shard
+warm = ShardStream(index, "validation", batch_size=batch, seq_len=index.seq_len,
+                   masking=MaskingSpec("static"), seed=seed, finite=True, shuffle=False)
+next(iter(warm))  # the reading code's own pages (Arrow's IPC and zstd code) are not the loader's
+del warm
+rss0 = status("VmRSS")
+stream = ShardStream(index, "train", batch_size=batch, seq_len=index.seq_len,
+                     masking=MaskingSpec("static"), seed=seed, start=rows[first] - before * batch)
+t0 = time.perf_counter()
+it = iter(stream)
+next(it)
+t1 = time.perf_counter()
+first_batch, gaps, last = t1 - t0, [], t1
+for _ in range(before + after):
+    next(it)
+    now = time.perf_counter()
+    gaps.append(now - last)
+    last = now
+print(json.dumps({"rss0": rss0, "hwm": status("VmHWM"), "first": first_batch,
+                  "median_gap": float(np.median(gaps)), "worst_gap": max(gaps),
+                  "worst_at": int(np.argmax(gaps)) + 1 - before}))
+"""
+
+
+def worker_run(root: Path, checkout: str, batch: int, before: int, after: int) -> dict:
+    """One loader worker's figures (`WORKER`) in a fresh process importing from `checkout`:
+    {rss0, hwm (bytes), first (s), median_gap, worst_gap (s), worst_at (batch from the boundary)}."""
+    import json
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": checkout}
+    argv = [str(root), batch, before, after, 1]
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER, *map(str, argv)],
+        env=env,
+        cwd=checkout,  # `python -c` puts the working directory first on sys.path
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        sys.exit(f"bench_loader: the loader worker of {checkout} failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def memory(args) -> None:
+    """Per-worker peak RSS and worst gap between batches, this checkout vs --baseline."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.data or Path(tmp) / "data")
+        if not (root / pshards.INDEX_FILE).exists():  # written here (and kept, with --data)
+            # rows of a shard of --shard-mb MB: measured bytes per row of a small sample shard
+            sample = synthetic_dataset(Path(tmp) / "sample", 2048, args.seq_len, 32000, 5, 1, 1)
+            per_row = read_index(sample).shards("train")[0].bytes / 2048
+            rows = 2 * int(args.shard_mb * 2**20 / per_row)
+            root.mkdir(parents=True, exist_ok=True)
+            t = time.perf_counter()
+            synthetic_dataset(root, rows, args.seq_len, 32000, 5)
+            print(f"wrote {rows} rows in 2 train shards in {time.perf_counter() - t:.0f} s")
+        index = read_index(root)
+        mb = [s.bytes / 2**20 for s in index.shards("train")]
+        checkouts = {"this checkout": str(Path(__file__).resolve().parents[1])}
+        if args.baseline:
+            checkouts = {"baseline": str(Path(args.baseline).resolve()), **checkouts}
+        results = {
+            name: worker_run(root, checkout, args.batch, args.before, args.after)
+            for name, checkout in checkouts.items()
+        }
+        print(
+            f"2 train shards of {mb[0]:.0f} and {mb[1]:.0f} MB, {index.shards('train')[0].rows} "
+            f"rows each, length {index.seq_len}, batch {args.batch}, static masks, shuffled; "
+            f"{args.before} batches before the shard boundary, {args.after} after "
+            f"(load average {os.getloadavg()[0]:.2f})"
+        )
+        print(
+            f"{'checkout':14s} {'peak RSS MB':>12s} {'after imports':>14s} {'first batch s':>14s}"
+            f" {'median gap ms':>14s} {'worst gap ms':>13s} {'at batch':>9s}"
+        )
+        for name, r in results.items():
+            print(
+                f"{name:14s} {(r['hwm'] - r['rss0']) / 2**20:12.0f} {r['rss0'] / 2**20:14.0f} "
+                f"{r['first']:14.2f} {r['median_gap'] * 1e3:14.1f} {r['worst_gap'] * 1e3:13.0f} "
+                f"{r['worst_at']:+9d}"
+            )
+        if len(results) == 2:
+            old, new = results.values()
+            print(
+                f"ratio baseline / this: peak RSS {(old['hwm'] - old['rss0']) / (new['hwm'] - new['rss0']):.1f}x, "
+                f"worst gap {old['worst_gap'] / new['worst_gap']:.1f}x"
+            )
 
 
 def run(index, spec: MaskingSpec, batch: int, samples: int, seq_len: int, start: int) -> float:
@@ -101,7 +222,15 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--memory", action="store_true", help="peak RSS and worst batch gap")
+    parser.add_argument("--shard-mb", type=float, default=1024, help="--memory: shard size")
+    parser.add_argument("--baseline", help="--memory: another checkout to compare with")
+    parser.add_argument("--before", type=int, default=400, help="--memory: batches before")
+    parser.add_argument("--after", type=int, default=50, help="--memory: batches after")
     args = parser.parse_args()
+    if args.memory:
+        memory(args)
+        return
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
     import torch
 

@@ -15,6 +15,7 @@ academic-budget-bert (static masks with a dupe factor, dynamic masking option).
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -22,7 +23,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.format import DatasetError, Index, Shard, load_shard
+from pipeline.format import DatasetError, Index, Shard
+from pipeline.format.blocks import BlockReader
+from pipeline.format.writer import record_batch_rows
 from train.masking import IGNORE, PAD, SEP, dynamic_mask, ragged_gather, static_mask
 from train.plm import plm_batch, static_plm_batch
 
@@ -72,19 +75,31 @@ class MaskingSpec:
     plm_max_span: int = 5
 
 
-class EpochOrder:
-    """The permutation of (shard, row) pairs for each epoch, derived from the seed alone."""
+SHUFFLE_WINDOW = 4  # record batches whose rows are shuffled together (blocks.CACHE_BLOCKS is twice)
 
-    def __init__(self, rows_per_shard: list[int], seed: int, shuffle: bool):
+
+class EpochOrder:
+    """The permutation of (shard, row) pairs for each epoch, derived from the seed alone.
+
+    Epoch e visits the shards in the order permutation(seed, e). Within shard s, its blocks of
+    `block_rows` rows (its record batches) are visited in the order permutation(seed, e, s), and
+    the rows of each window of `SHUFFLE_WINDOW` consecutive blocks in that order are shuffled
+    among themselves: a reader then needs a window's record batches at a time, never the whole
+    shard. Rows are sorted by a hash of their content in a shard, so a block is already a random
+    sample of the shard's rows.
+    """
+
+    def __init__(self, rows_per_shard: list[int], seed: int, shuffle: bool, block_rows: int):
         self.rows = np.asarray(rows_per_shard, dtype=np.int64)
         self.base = np.concatenate(
             [[0], np.cumsum(self.rows)]
         )  # canonical sample id = base[s] + row
         self.size = int(self.base[-1])
-        self.seed, self.shuffle = seed, shuffle
-        self._epoch, self._row_perms = None, {}
+        self.seed, self.shuffle, self.block_rows = seed, shuffle, block_rows
+        self._epoch, self._row_perms = None, OrderedDict()
 
-    def _shards(self, epoch: int):
+    def shards(self, epoch: int):
+        """(order, start): the epoch's shard order and each slot's first in-epoch offset."""
         if self._epoch != epoch:
             n = len(self.rows)
             order = (
@@ -92,22 +107,43 @@ class EpochOrder:
                 if self.shuffle
                 else np.arange(n)
             )
-            self._epoch, self._order, self._row_perms = epoch, order, {}
+            self._epoch, self._order = epoch, order
             self._start = np.concatenate([[0], np.cumsum(self.rows[order])])
         return self._order, self._start
 
     def _row_perm(self, epoch: int, shard: int) -> np.ndarray | None:
         if not self.shuffle:
             return None
-        if shard not in self._row_perms:
-            self._row_perms[shard] = np.random.default_rng([self.seed, epoch, shard]).permutation(
-                self.rows[shard]
-            )
-        return self._row_perms[shard]
+        key = (epoch, shard)
+        if key not in self._row_perms:
+            rng = np.random.default_rng([self.seed, epoch, shard])
+            n, b = int(self.rows[shard]), self.block_rows
+            blocks = rng.permutation(-(-n // b))
+            perm = np.empty(n, np.int64)
+            at = 0
+            for w in range(0, len(blocks), SHUFFLE_WINDOW):  # O(window) temporaries
+                rows = np.concatenate(
+                    [np.arange(k * b, min(n, (k + 1) * b)) for k in blocks[w : w + SHUFFLE_WINDOW]]
+                )
+                perm[at : at + len(rows)] = rows[rng.permutation(len(rows))]
+                at += len(rows)
+            self._row_perms[key] = perm
+            while len(self._row_perms) > 4:  # a few shards' worth: not the whole split's rows
+                self._row_perms.popitem(last=False)
+        self._row_perms.move_to_end(key)
+        return self._row_perms[key]
+
+    def next_shard(self, epoch: int, shard: int) -> int:
+        """The shard read after `shard` (the next epoch's first after the last)."""
+        order, _ = self.shards(epoch)
+        slot = int(np.flatnonzero(order == shard)[0])
+        if slot + 1 < len(order):
+            return int(order[slot + 1])
+        return int(self.shards(epoch + 1)[0][0])
 
     def locate(self, epoch: int, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(shard, row) arrays for in-epoch offsets of one epoch."""
-        order, start = self._shards(epoch)
+        order, start = self.shards(epoch)
         slot = np.searchsorted(start, offsets, side="right") - 1
         shard = order[slot]
         row = offsets - start[slot]
@@ -147,23 +183,22 @@ class ShardStream(IterableDataset):
         self.batch_size, self.seq_len, self.masking = batch_size, seq_len, masking
         self.seed, self.rank, self.world, self.start = seed, rank, world_size, start
         self.finite, self.verify = finite, verify
-        self.order = EpochOrder([s.rows for s in self.shards], seed, shuffle)
+        block_rows = index.raw.get("record_batch_rows") or record_batch_rows(index.seq_len)
+        self.order = EpochOrder([s.rows for s in self.shards], seed, shuffle, int(block_rows))
         total = self.order.size if max_samples is None else min(max_samples, self.order.size)
         self.end = start + total if finite else None  # finite streams stop after one pass
-        self._cache: OrderedDict[int, Shard] = OrderedDict()
-        self._verified: set[int] = set()
+        self._reader, self._pid = None, None
 
-    def _shard(self, i: int) -> Shard:
-        if i not in self._cache:
-            info = self.shards[i]
-            self._cache[i] = load_shard(
-                self.index.shard_path(info), info, verify=self.verify and i not in self._verified
-            )
-            self._verified.add(i)
-            while len(self._cache) > 2:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(i)
-        return self._cache[i]
+    def __getstate__(self):  # a spawned DataLoader worker makes its own reader and threads
+        return {**self.__dict__, "_reader": None, "_pid": None}
+
+    @property
+    def reader(self) -> BlockReader:
+        """This process's reader: a forked DataLoader worker starts its own (and its threads)."""
+        if self._pid != os.getpid():
+            paths = [self.index.shard_path(info) for info in self.shards]
+            self._reader, self._pid = BlockReader(paths, self.shards, self.verify), os.getpid()
+        return self._reader
 
     def local_batches(self):
         """Global positions of this rank's local batch j, for j = worker, worker + workers, ...
@@ -187,8 +222,30 @@ class ShardStream(IterableDataset):
             j += workers
 
     def __iter__(self):
-        for q in self.local_batches():
+        batches = self.local_batches()
+        q = next(batches, None)
+        while q is not None:
+            ahead = next(batches, None)
+            if ahead is not None and len(ahead):
+                self.prefetch(ahead)
             yield self.batch(q) if len(q) else self.padding_batch()
+            q = ahead
+
+    def _locate(self, q: np.ndarray):
+        """(epoch, positions in q, shard, rows) for each (epoch, shard) that positions q touch."""
+        epoch_of, offset = q // self.order.size, q % self.order.size
+        for epoch in np.unique(epoch_of):
+            in_epoch = np.flatnonzero(epoch_of == epoch)
+            shard_of, row_of = self.order.locate(int(epoch), offset[in_epoch])
+            for s in np.unique(shard_of):
+                hit = shard_of == s
+                yield int(epoch), in_epoch[hit], int(s), row_of[hit]
+
+    def prefetch(self, q: np.ndarray) -> None:
+        """Start decoding what the batch of positions q needs, and opening the shard after it."""
+        for epoch, _, s, rows in self._locate(q):
+            self.reader.prefetch(s, rows)
+            self.reader.open_ahead(self.order.next_shard(epoch, s))
 
     def padding_batch(self) -> dict[str, torch.Tensor]:
         """One row of zero weight: the stream's first row with nothing to predict (labels all
@@ -217,20 +274,14 @@ class ShardStream(IterableDataset):
 
     def batch(self, q: np.ndarray) -> dict[str, torch.Tensor]:
         """The batch of global stream positions q: padded to its longest row."""
-        epoch_of, offset = q // self.order.size, q % self.order.size
         B = len(q)
         parts = []
-        for epoch in np.unique(epoch_of):
-            in_epoch = np.flatnonzero(epoch_of == epoch)
-            shard_of, row_of = self.order.locate(int(epoch), offset[in_epoch])
-            for s in np.unique(shard_of):
-                hit = shard_of == s
-                shard = self._shard(int(s))
-                rows = row_of[hit]
-                ids, ws, length = self._gather(shard, rows)
-                uid = self.order.base[s] + rows
-                inputs, labels, *rank = self._mask(ids, ws, length, uid, shard, rows, int(epoch))
-                parts.append((in_epoch[hit], inputs, labels, length, uid, int(epoch), rank))
+        for epoch, where, s, shard_rows in self._locate(q):
+            for block, rows, hit in self.reader.rows(s, shard_rows):
+                ids, ws, length = self._gather(block, rows)
+                uid = self.order.base[s] + shard_rows[hit]
+                inputs, labels, *rank = self._mask(ids, ws, length, uid, block, rows, epoch)
+                parts.append((where[hit], inputs, labels, length, uid, epoch, rank))
         L = max(p[1].shape[1] for p in parts)
         input_ids = np.full((B, L), PAD, np.int64)
         labels = np.full((B, L), IGNORE, np.int64)

@@ -1,13 +1,23 @@
-"""Reading shards: whole tables (`read_shard`), and the trainer's decoded form (`load_shard`).
+"""Reading shards: whole tables (`read_shard`), and the trainer's form, one record batch at a
+time (`open_shard` -> `ShardFile.block`) or a whole shard (`load_shard`).
 
-A shard is decoded once into flat numpy arrays plus Arrow offsets (`Shard`), so that a batch is
-gathered with a few vectorised numpy calls instead of per-row Python. Like MosaicML streaming's
-reader, each shard's sha256 is checked against index.json before its first use.
+The trainer never decodes a shard whole. `open_shard` locates the shard's record batches by
+reading only the IPC stream's message headers (each message's flatbuffer metadata gives its body
+length and row count), so opening costs a few KB of reads whatever the shard's size; then
+`ShardFile.block(i)` reads record batch i's bytes with one positioned read and decodes them (zstd
+forces a copy, so a memory map would only add the pages it touched to the process's RSS) into
+flat numpy arrays plus Arrow offsets (`Shard`), so that a batch is gathered with a few vectorised
+numpy calls instead of per-row Python. A record batch is at most about 2**18 ids
+(`writer.record_batch_rows`), so a reader's memory does not grow with the shard. Like MosaicML
+streaming's reader, a shard's sha256 is checked against index.json before its first use, here
+streamed in 4 MB chunks.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,24 +75,37 @@ class Shard:
         return len(self.ids_off) - 1
 
 
-def load_shard(path: str, info: ShardInfo, verify: bool = True) -> Shard:
-    """Check (optionally) the sha256, read the Arrow stream and decode its columns in bulk."""
-    path = str(path)
+def _check(path: str, info: ShardInfo, verify: bool) -> None:
     if not fs.exists(path):
         raise DatasetError(f"shard {path} listed in index.json is missing; rebuild or restore it")
     if verify and sha256_file(path) != info.sha256:
         raise DatasetError(
             f"shard {path} is corrupted: its sha256 differs from index.json; rebuild or restore it"
         )
+
+
+def _columns(table: pa.Table | pa.RecordBatch, path: str) -> None:
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.schema.names]
+    if missing:
+        raise DatasetError(f"shard {path}: missing column(s) {missing}")
+
+
+def load_shard(path: str, info: ShardInfo, verify: bool = True) -> Shard:
+    """A whole shard decoded at once (tools and tests; the trainer reads `open_shard`'s blocks)."""
+    path = str(path)
+    _check(path, info, verify)
     try:
         table = read_shard(path)
     except (pa.ArrowInvalid, OSError) as err:
         raise DatasetError(f"shard {path}: not a readable Arrow IPC stream ({err})") from None
-    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
-    if missing:
-        raise DatasetError(f"shard {path}: missing column(s) {missing}")
+    _columns(table, path)
     if table.num_rows != info.rows:
         raise DatasetError(f"shard {path}: {table.num_rows} rows, index.json says {info.rows}")
+    return _decode(table, path, info)
+
+
+def _decode(table: pa.Table | pa.RecordBatch, path: str, info: ShardInfo) -> Shard:
+    """Columns of a table or one record batch as flat numpy arrays and rebased offsets."""
     ids_off, ids = _lists(table["input_ids"])
     _, ws = _lists(table["word_start"])
     outer, pos_lists = _lists(table["mask_positions"])
@@ -100,4 +123,127 @@ def load_shard(path: str, info: ShardInfo, verify: bool = True) -> Shard:
         mask_pos=pos.to_numpy(),
         mask_lab=lab_lists.values.to_numpy(),
         mask_inp=inp_lists.values.to_numpy(),
+    )
+
+
+# Arrow IPC stream framing: each message is 0xFFFFFFFF, an int32 metadata length, a flatbuffer
+# `Message` (fields: version, header_type, header, bodyLength), then bodyLength bytes of body;
+# 0xFFFFFFFF 0 ends the stream. A `RecordBatch` header's field 0 is its row count.
+_CONTINUATION, _RECORD_BATCH, _SCHEMA = 0xFFFFFFFF, 3, 1
+
+
+def _field(buf: bytes, table: int, i: int) -> int | None:
+    """Position of field i of the flatbuffer table at `table`, None if absent (default)."""
+    vtable = table - struct.unpack_from("<i", buf, table)[0]
+    size = struct.unpack_from("<H", buf, vtable)[0]
+    if 4 + 2 * i >= size:
+        return None
+    offset = struct.unpack_from("<H", buf, vtable + 4 + 2 * i)[0]
+    return table + offset if offset else None
+
+
+def _header(meta: bytes) -> tuple[int, int, int]:
+    """(header type, body length, rows) of a flatbuffer `Message`; rows only for record batches."""
+    root = struct.unpack_from("<I", meta, 0)[0]
+    at = _field(meta, root, 1)
+    kind = meta[at] if at is not None else 0
+    at = _field(meta, root, 3)
+    body = struct.unpack_from("<q", meta, at)[0] if at is not None else 0
+    rows = 0
+    at = _field(meta, root, 2)
+    if kind == _RECORD_BATCH and at is not None:
+        batch = at + struct.unpack_from("<I", meta, at)[0]
+        at = _field(meta, batch, 0)
+        rows = struct.unpack_from("<q", meta, at)[0] if at is not None else 0
+    return kind, body, rows
+
+
+class ShardFile:
+    """One shard's record batches, located by their message headers and decoded one at a time.
+
+    `offsets[i]`, `sizes[i]`: where record batch i's whole message lies in the file;
+    `row_start[i]`: its first row (int64 [batches + 1], the last entry is the shard's rows).
+    """
+
+    def __init__(self, path: str, info: ShardInfo, schema_, offsets, sizes, row_start):
+        self.path, self.info, self.schema = path, info, schema_
+        self.offsets, self.sizes, self.row_start = offsets, sizes, row_start
+
+    @property
+    def batches(self) -> int:
+        return len(self.offsets)
+
+    def locate(self, rows: np.ndarray) -> np.ndarray:
+        """Record batch of each row."""
+        return np.searchsorted(self.row_start, rows, side="right") - 1
+
+    def _read(self, offset: int, size: int) -> bytes:
+        if fs.is_remote(self.path):
+            with fs.open_read(self.path) as f:
+                f.seek(offset)
+                return f.read(size)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            return os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
+
+    def block(self, i: int) -> Shard:
+        """Record batch i, decoded (rows numbered from 0 within it)."""
+        try:
+            message = pa.ipc.read_message(pa.py_buffer(self._read(self.offsets[i], self.sizes[i])))
+            batch = pa.ipc.read_record_batch(message, self.schema)
+        except (pa.ArrowInvalid, OSError) as err:
+            raise DatasetError(
+                f"shard {self.path}: record batch {i} is not readable ({err}); rebuild or restore it"
+            ) from None
+        if batch.num_rows != self.row_start[i + 1] - self.row_start[i]:
+            raise DatasetError(f"shard {self.path}: record batch {i} disagrees with its header")
+        return _decode(batch, self.path, self.info)
+
+
+def open_shard(path: str, info: ShardInfo, verify: bool = True) -> ShardFile:
+    """The one way the trainer opens a shard file (a local path, or a URL read through Beam):
+    checks it exists and (optionally) its sha256, and locates its record batches from their
+    headers without reading or decoding their bodies."""
+    path = str(path)
+    _check(path, info, verify)
+    offsets, sizes, rows, schema_ = [], [], [], None
+    try:
+        with fs.open_read(path) as f:
+            pos = 0
+            while True:
+                prefix = f.read(8)
+                if len(prefix) < 8:
+                    break  # a stream without its end marker still ends at the file's end
+                word, length = struct.unpack("<Ii", prefix)
+                head = 8
+                if word != _CONTINUATION:  # the pre-1.0 framing: the length alone
+                    length, head = word, 4
+                    f.seek(pos + 4)
+                if length == 0:
+                    break
+                meta = f.read(length)
+                kind, body, n = _header(meta)
+                size = head + length + body
+                if kind == _SCHEMA:
+                    schema_ = pa.ipc.read_schema(pa.py_buffer(prefix[:head] + meta))
+                elif kind == _RECORD_BATCH:
+                    offsets.append(pos)
+                    sizes.append(size)
+                    rows.append(n)
+                else:
+                    raise DatasetError(f"shard {path}: unexpected IPC message type {kind}")
+                pos += size
+                f.seek(pos)
+    except (struct.error, IndexError, pa.ArrowInvalid, OSError) as err:
+        raise DatasetError(f"shard {path}: not a readable Arrow IPC stream ({err})") from None
+    if schema_ is None:
+        raise DatasetError(f"shard {path}: not an Arrow IPC stream (no schema message)")
+    _columns(schema_.empty_table(), path)
+    row_start = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
+    if row_start[-1] != info.rows:
+        raise DatasetError(f"shard {path}: {row_start[-1]} rows, index.json says {info.rows}")
+    return ShardFile(
+        path, info, schema_, np.asarray(offsets, np.int64), np.asarray(sizes, np.int64), row_start
     )

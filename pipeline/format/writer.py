@@ -18,8 +18,17 @@ from pipeline.format.schema import ShardInfo, id_type, schema
 if TYPE_CHECKING:
     from pipeline.masking import MaskedBatch
 
-ROWS_PER_RECORD_BATCH = 1024  # fixed, so bytes never depend on how rows arrived
+ROWS_PER_RECORD_BATCH = (
+    1024  # at most; fixed per seq_len, so bytes never depend on how rows arrived
+)
+RECORD_BATCH_IDS = 1 << 18  # ids per record batch at most: about 2 MB once decoded (reader.py)
 IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd", use_threads=False)
+
+
+def record_batch_rows(seq_len: int) -> int:
+    """Rows per record batch at rows of up to `seq_len` ids: a reader decodes one record batch at
+    a time, so its size bounds the reader's memory whatever the shard's size (1024 at 256)."""
+    return max(1, min(ROWS_PER_RECORD_BATCH, RECORD_BATCH_IDS // seq_len))
 
 
 def _numpy_type(typ: pa.DataType) -> type:
@@ -96,8 +105,10 @@ class ShardWriter:
     After the block, `w.info` is the shard's ShardInfo.
     """
 
-    def __init__(self, out: str, name: str, schema_: pa.Schema):
-        self.out, self.name, self.schema = out, name, schema_
+    def __init__(
+        self, out: str, name: str, schema_: pa.Schema, batch_rows: int = ROWS_PER_RECORD_BATCH
+    ):
+        self.out, self.name, self.schema, self.batch_rows = out, name, schema_, batch_rows
         self.final = fs.join(out, name)
         self.temp = fs.join(out, f".tmp-{uuid.uuid4().hex}-{name}")
         self.rows = self.tokens = 0
@@ -110,7 +121,7 @@ class ShardWriter:
 
     def write(self, table: pa.Table) -> None:
         table = table.select(self.schema.names).cast(self.schema)
-        for batch in table.to_batches(max_chunksize=ROWS_PER_RECORD_BATCH):
+        for batch in table.to_batches(max_chunksize=self.batch_rows):
             self._writer.write_batch(batch)
         self.rows += table.num_rows
         self.tokens += int(pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0)

@@ -1,0 +1,123 @@
+"""A loader worker's view of a split: its shards' record batches ("blocks"), decoded on demand
+into a small bounded cache, with the next ones decoded ahead on background threads.
+
+Memory does not grow with the shard size: a shard is opened by its headers alone
+(`reader.open_shard`) and a block is decoded from one positioned read. At most `capacity`
+decoded blocks are kept (least recently used evicted), plus one being decoded in the foreground
+and one in the background, so a worker's loader memory is about (capacity + 2) x a decoded
+record batch (about 2 MB at 2**18 ids), whatever the shards' size.
+
+Two daemon threads work ahead: one opens shards (the sha256 of a whole file, streamed, is the
+slow part), so the next shard is verified while the current one is read; one decodes the blocks
+that the next batch will need. Like MosaicML streaming's per-worker shard prefetch, but per
+record batch. The threads start in the process that reads (a DataLoader worker forks after the
+stream is built), and die with it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+
+import numpy as np
+
+from pipeline.format.reader import ShardFile, open_shard
+from pipeline.format.schema import ShardInfo
+
+CACHE_BLOCKS = 8  # decoded record batches kept per worker: twice the loader's shuffle window
+
+
+class _Worker:
+    """One daemon thread running submitted calls in order (a ThreadPoolExecutor's threads would
+    hold up the process's exit until a queued sha256 finished)."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while True:
+            fn, args, future = self.jobs.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as err:  # handed to whoever waits on the future
+                future.set_exception(err)
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self.jobs.put((fn, args, future))
+        return future
+
+
+class BlockReader:
+    """Blocks of the shards at `paths` (with their index.json records `infos`), keyed by
+    (shard, record batch); `verify` checks each shard's sha256 once, when it is opened."""
+
+    def __init__(
+        self,
+        paths: list[str],
+        infos: tuple[ShardInfo, ...],
+        verify: bool,
+        capacity: int = CACHE_BLOCKS,
+    ):
+        self.paths, self.infos, self.verify, self.capacity = paths, infos, verify, capacity
+        self._lock = threading.Lock()
+        self._files: dict[int, Future] = {}  # opened (and verified) shards: small, all kept
+        self._blocks: OrderedDict[tuple[int, int], Future] = OrderedDict()
+        self._opener = self._decoder = None
+
+    def _threads(self):
+        if self._opener is None:
+            self._opener, self._decoder = _Worker(), _Worker()
+        return self._opener, self._decoder
+
+    def open_ahead(self, shard: int) -> Future:
+        """Start opening (and verifying) `shard` in the background; idempotent."""
+        with self._lock:
+            if shard not in self._files:
+                opener, _ = self._threads()
+                info = self.infos[shard]
+                self._files[shard] = opener.submit(open_shard, self.paths[shard], info, self.verify)
+            return self._files[shard]
+
+    def file(self, shard: int) -> ShardFile:
+        return self.open_ahead(shard).result()
+
+    def _block(self, shard: int, block: int) -> Future:
+        """The block's future; decoded here, in the calling thread, if nobody has started it."""
+        key = (shard, block)
+        with self._lock:
+            future = self._blocks.get(key)
+            owner = future is None
+            if owner:
+                future = self._blocks[key] = Future()
+                while len(self._blocks) > self.capacity:
+                    self._blocks.popitem(last=False)
+            else:
+                self._blocks.move_to_end(key)
+        if owner:
+            try:
+                future.set_result(self.file(shard).block(block))
+            except BaseException as err:
+                future.set_exception(err)
+        return future
+
+    def rows(self, shard: int, rows: np.ndarray):
+        """(block, local rows, positions in `rows`) for each record batch that `rows` touch."""
+        file = self.file(shard)
+        which = file.locate(rows)
+        for k in np.unique(which):
+            hit = np.flatnonzero(which == k)
+            yield self._block(shard, int(k)).result(), rows[hit] - file.row_start[k], hit
+
+    def _fill(self, shard: int, rows: np.ndarray) -> None:
+        file = self.file(shard)
+        for k in np.unique(file.locate(rows))[: self.capacity // 2]:
+            self._block(shard, int(k))
+
+    def prefetch(self, shard: int, rows: np.ndarray) -> None:
+        """Decode in the background the blocks holding `rows` of `shard` (up to half the cache)."""
+        self.open_ahead(shard)
+        self._threads()[1].submit(self._fill, shard, rows)
