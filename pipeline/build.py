@@ -33,7 +33,9 @@ from apache_beam.io.filesystems import FileSystems
 from pipeline import progress, readers, runners, tokenizer
 from pipeline.config import BuildConfig
 from pipeline.format import FORMAT, INDEX_FILE, TOKENIZER_FILE, VERSION, fs, write_index
+from pipeline.format.writer import record_batch_rows
 from pipeline.inspect import validation_warnings
+from pipeline.sharding import ShardSize
 from pipeline.sink import ShardAndWrite, read_manifest
 from pipeline.transforms import (
     NAMESPACE,
@@ -315,7 +317,14 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
             vocab_size,
             vocab_size,
         )
-    counts = {"train": config.num_shards, "validation": config.num_validation_shards}
+    given = {"train": config.num_shards, "validation": config.num_validation_shards}
+    size = ShardSize(
+        int(config.shard_size_mb * 2**20),
+        2 if vocab_size <= 65535 else 4,
+        config.dupe_factor,
+        config.mask_rate,
+    )
+    batch_rows = record_batch_rows(config.seq_len)
     work_dir = fs.join(out, WORK_DIR)
 
     def run_build(held_out: int | None) -> dict | None:
@@ -332,7 +341,7 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
             | "tokenize" >> Tokenize(model_path, fraction)
             | "pack" >> Pack(config.seq_len, config.cross_document)
             | "shard, mask and write"
-            >> ShardAndWrite(out, work_dir, counts, mask, config.spill_rows)
+            >> ShardAndWrite(out, work_dir, given, mask, config.spill_rows, size, batch_rows)
         )
         return run_and_report(p, "build", report)
 
@@ -371,6 +380,8 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
                 build_counters = run_build(held_out)
 
     infos = sorted(read_manifest(work_dir), key=lambda r: (r["split"], r["shard"]))
+    # each shard's manifest records its split's shard count (given, or from the split's size)
+    counts = {s: max((r["count"] for r in infos if r["split"] == s), default=1) for s in given}
     missing = sorted(
         {(split, i) for split, n in counts.items() for i in range(n)}
         - {(r["split"], r["shard"]) for r in infos}
@@ -389,6 +400,7 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
         "version": VERSION,
         "seq_len": config.seq_len,
         "dupe_factor": config.dupe_factor,
+        "record_batch_rows": batch_rows,  # at most; the loader shuffles rows by such blocks
         "tokenizer": {
             "file": TOKENIZER_FILE,
             "sha256": hashlib.sha256(model).hexdigest(),

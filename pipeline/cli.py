@@ -147,8 +147,15 @@ def main():
     show_default=True,
     help="whether rows may span documents",
 )
-@click.option("--num-shards", type=int, default=8, show_default=True)
-@click.option("--num-validation-shards", type=int, default=1, show_default=True)
+@click.option(
+    "--shard-size-mb",
+    type=float,
+    default=128,
+    show_default=True,
+    help="shard size target (Arrow data before zstd): the shard count follows from the data",
+)
+@click.option("--num-shards", type=int, help="train shards (overrides --shard-size-mb)")
+@click.option("--num-validation-shards", type=int, help="validation shards (likewise)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--text-field",
@@ -205,6 +212,7 @@ def build(
     mask_rate,
     whole_word,
     cross_document,
+    shard_size_mb,
     num_shards,
     num_validation_shards,
     seed,
@@ -247,6 +255,7 @@ def build(
             cross_document=cross_document,
             num_shards=num_shards,
             num_validation_shards=num_validation_shards,
+            shard_size_mb=shard_size_mb,
             seed=seed,
             text_field=text_field,
             text_mode=text_mode,

@@ -44,8 +44,9 @@ class BuildConfig:
     mask_rate: float = 0.15  # share of non-special tokens masked (BERT §3.1)
     whole_word: bool = False  # mask whole words (word_start) instead of single tokens
     cross_document: bool = True  # rows may span documents ([SEP] between them)
-    num_shards: int = 8  # train shards
-    num_validation_shards: int = 1  # validation shards
+    num_shards: int | None = None  # train shards; None: as many as --shard-size-mb makes
+    num_validation_shards: int | None = None  # validation shards; None: likewise
+    shard_size_mb: float = 128  # shard size target (its Arrow data before zstd, pipeline.sharding)
     seed: int = 0  # global seed of the maskings
     text_field: str = "text"  # JSON field / Parquet column of the `text` reader
     text_mode: str = "paragraph"  # .txt documents: "paragraph" (blank-line separated) or "line"
@@ -82,8 +83,13 @@ class BuildConfig:
             raise ValueError("--on-error must be 'skip' or 'stop'")
         if self.text_mode not in ("paragraph", "line"):
             raise ValueError("--text-mode must be 'paragraph' or 'line'")
-        if self.dupe_factor < 1 or self.num_shards < 1 or self.num_validation_shards < 1:
-            raise ValueError("--dupe-factor and shard counts must be >= 1")
+        counts = (self.num_shards, self.num_validation_shards)
+        if (
+            self.dupe_factor < 1
+            or self.shard_size_mb <= 0
+            or any(n is not None and n < 1 for n in counts)
+        ):
+            raise ValueError("--dupe-factor and shard counts must be >= 1, --shard-size-mb > 0")
         if self.vocab_size < 16:
             raise ValueError("--vocab-size must be >= 16")
 

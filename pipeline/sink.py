@@ -41,6 +41,7 @@ class Spill:
     rows: int
     buckets: np.ndarray  # distinct key buckets (ascending) ...
     counts: np.ndarray  # ... and their row counts
+    tokens: int = 0  # ids of its rows (the split's size decides its shard count)
 
 
 SPILL_BATCH_ROWS = 4096  # record batch size of spill files, so a key range is read batch by batch
@@ -143,7 +144,7 @@ class SpillFn(beam.DoFn):
             for batch in table.to_batches(max_chunksize=SPILL_BATCH_ROWS):
                 writer.write_batch(batch)
         self.spilled.inc()
-        return Spill(split, path, table.num_rows, uniq, counts)
+        return Spill(split, path, table.num_rows, uniq, counts, int(lengths.sum()))
 
 
 def spill_histogram(spill: Spill):
@@ -177,10 +178,11 @@ class WriteShardFn(beam.DoFn):
     """The pieces of one shard → merged in key order → masked → one Arrow IPC stream file (temp +
     rename); then its ShardInfo in the work directory's manifest (`read_manifest`), also output."""
 
-    CHUNK = ROWS_PER_RECORD_BATCH  # rows masked at a time: one record batch, so bytes never depend on it
-
-    def __init__(self, out: str, work_dir: str, counts: dict, mask: MaskSpec):
-        self.out, self.work_dir, self.counts, self.mask = out, work_dir, counts, mask
+    def __init__(self, out: str, work_dir: str, mask: MaskSpec, batch_rows: int):
+        self.out, self.work_dir, self.mask = out, work_dir, mask
+        self.batch_rows = (
+            batch_rows  # rows masked at a time: one record batch, so bytes never depend on it
+        )
 
     def setup(self):
         with FileSystems.open(self.mask.model_path) as f:
@@ -189,17 +191,17 @@ class WriteShardFn(beam.DoFn):
         self.word_start = tokenizer.word_start_table(sp)
         self.masked, self.written = counter("masked_positions"), counter("shards_written")
 
-    def process(self, element):
+    def process(self, element, counts):
         (split, shard), pieces = element
         arrays = [read_piece(*p) for p in sorted(p for p in pieces if p is not None)]
-        name = shard_name(split, shard, self.counts[split])
-        with ShardWriter(self.out, name, schema(self.vocab_size)) as writer:
+        name = shard_name(split, shard, counts[split])
+        with ShardWriter(self.out, name, schema(self.vocab_size), self.batch_rows) as writer:
             if arrays:  # spills may differ in width
                 keys, lengths = (np.concatenate([a[i] for a in arrays]) for i in (0, 2))
                 ids = stack_padded([a[1] for a in arrays])
                 del arrays
                 if int(lengths.sum()) > MAX_SHARD_IDS:
-                    more = self.counts[split] * -(-int(lengths.sum()) // MAX_SHARD_IDS) * 2
+                    more = counts[split] * -(-int(lengths.sum()) // MAX_SHARD_IDS) * 2
                     raise ValueError(
                         f"shatter-data input error: {name} would hold {int(lengths.sum())} ids, more "
                         f"than an Arrow list column can index ({MAX_SHARD_IDS}); rebuild with more "
@@ -209,8 +211,8 @@ class WriteShardFn(beam.DoFn):
                 order = sharding.sort_order(keys)
                 keys, ids, lengths = keys[order], ids[order], lengths[order]
                 pa.default_memory_pool().release_unused()  # the merged copy, freed above: back to the OS
-                for lo in range(0, len(keys), self.CHUNK):
-                    part = slice(lo, lo + self.CHUNK)
+                for lo in range(0, len(keys), self.batch_rows):
+                    part = slice(lo, lo + self.batch_rows)
                     chunk = mask_table(
                         keys[part],
                         ids[part],
@@ -227,7 +229,8 @@ class WriteShardFn(beam.DoFn):
                             )
                         )
                     )
-        info = {"split": split, "shard": shard, **dataclasses.asdict(writer.info)}
+        info = {"split": split, "shard": shard, "count": counts[split]}
+        info.update(dataclasses.asdict(writer.info))
         with FileSystems.create(manifest_path(self.work_dir, name)) as f:  # a retry rewrites it
             f.write(json.dumps(info).encode())
         self.written.inc()
@@ -236,35 +239,57 @@ class WriteShardFn(beam.DoFn):
 
 class ShardAndWrite(beam.PTransform):
     """Packed rows → balanced, key-sorted, masked shards on disk → one dict per shard written
-    (also left in `work_dir`'s manifest, `read_manifest`)."""
+    (also left in `work_dir`'s manifest, `read_manifest`). `counts`: shards per split, where
+    None (or 0) means sized by `size` from the split's rows and tokens."""
 
-    def __init__(self, out: str, work_dir: str, counts: dict, mask: MaskSpec, spill_rows: int):
+    def __init__(
+        self,
+        out: str,
+        work_dir: str,
+        counts: dict,
+        mask: MaskSpec,
+        spill_rows: int,
+        size: sharding.ShardSize | None = None,
+        batch_rows: int = ROWS_PER_RECORD_BATCH,
+    ):
         super().__init__()
-        self.out, self.work_dir, self.counts = out, work_dir, counts
-        self.mask, self.spill_rows = mask, spill_rows
+        self.out, self.work_dir, self.counts, self.size = out, work_dir, counts, size
+        self.mask, self.spill_rows, self.batch_rows = mask, spill_rows, batch_rows
 
     def expand(self, tables):
-        counts = self.counts
         spills = tables | "spill" >> beam.ParDo(SpillFn(self.work_dir, self.spill_rows))
+        counts = (
+            spills
+            | "sizes" >> beam.Map(lambda spill: (spill.split, (spill.rows, spill.tokens)))
+            | "sum sizes" >> beam.CombinePerKey(sharding.sum_sizes)
+            | "sizes by split" >> beam.combiners.ToDict()
+            | "shard counts" >> beam.Map(sharding.shard_counts, self.counts, self.size)
+        )
         edges = (
             spills
             | "histogram" >> beam.Map(spill_histogram)
             | "sum histograms"
             >> beam.CombinePerKey(lambda hists: sum(hists, np.zeros(sharding.N_BUCKETS, np.int64)))
             | "boundaries"
-            >> beam.MapTuple(
-                lambda split, hist: (split, sharding.balanced_boundaries(hist, counts[split]))
+            >> beam.Map(
+                lambda split_hist, n: (
+                    split_hist[0],
+                    sharding.balanced_boundaries(split_hist[1], n[split_hist[0]]),
+                ),
+                n=beam.pvalue.AsSingleton(counts),
             )
         )
         pieces = spills | "pieces" >> beam.FlatMap(spill_pieces, edges=beam.pvalue.AsDict(edges))
-        every_shard = tables.pipeline | "every shard" >> beam.Create(
-            [((split, i), None) for split, n in counts.items() for i in range(n)],
-            reshuffle=False,  # a few keys: not worth a shuffle of their own (the next step groups)
+        every_shard = counts | "every shard" >> beam.FlatMap(
+            lambda n: [((split, i), None) for split, k in n.items() for i in range(k)]
         )
         return (
             (pieces, every_shard)
             | "with empty shards" >> beam.Flatten()
             | "group pieces" >> beam.GroupByKey()
             | "mask and write"
-            >> beam.ParDo(WriteShardFn(self.out, self.work_dir, counts, self.mask))
+            >> beam.ParDo(
+                WriteShardFn(self.out, self.work_dir, self.mask, self.batch_rows),
+                counts=beam.pvalue.AsSingleton(counts),
+            )
         )

@@ -46,7 +46,7 @@ def small_config(inputs, output, **overrides) -> BuildConfig:
         vocab_size=300,
         seq_len=64,
         dupe_factor=2,
-        num_shards=3,
+        shard_size_mb=0.035,  # 3 train shards, 1 validation shard, sized from the data
         validation_fraction=0.1,
         tokenizer_sample=5000,
         split_bytes=20_000,

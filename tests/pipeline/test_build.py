@@ -14,6 +14,7 @@ from pipeline.build import build
 from pipeline.cli import main
 from pipeline.config import InputSpec
 from pipeline.inspect import verify_dataset
+from pipeline.sharding import ShardSize
 
 from .conftest import generated_documents, quiet, small_config
 
@@ -37,6 +38,12 @@ def test_layout_and_index(built):
     assert [s["file"] for s in index["splits"]["train"]["shards"]] == [
         f"train-{i:05d}-of-00003.arrow" for i in range(3)
     ]
+    # the count follows from the size target (conftest.small_config): the split's rows and tokens
+    size = ShardSize(int(0.035 * 2**20), 2, 2, 0.15)
+    for split, n in (("train", 3), ("validation", 1)):
+        entry = index["splits"][split]
+        assert size.count(entry["rows"], entry["tokens"]) == n == len(entry["shards"])
+    assert index["config"]["shard_size_mb"] == 0.035 and index["record_batch_rows"] == 1024
     assert index["splits"]["validation"]["rows"] > 0 and index["splits"]["train"]["rows"] > 0
     assert index["tokenizer"]["special_ids"] == {
         "[PAD]": 0,
@@ -498,5 +505,6 @@ def test_a_shard_the_runner_did_not_report_fails_the_build(corpus_dir, tmp_path,
     monkeypatch.setattr(build_module, "read_manifest", lose_one)
     out = tmp_path / "out"
     with pytest.raises(BuildError, match=r"wrote 3 of 4 shards .*missing: train 1"):
-        build(small_config([InputSpec("text", str(corpus_dir / "a.txt"))], out), [], report=quiet)
+        config = small_config([InputSpec("text", str(corpus_dir / "a.txt"))], out, num_shards=3)
+        build(config, [], report=quiet)
     assert not (out / "index.json").exists()

@@ -87,3 +87,21 @@ def test_a_piece_of_a_spill_keeps_only_its_own_rows(tmp_path):
             del got
     finally:
         tracemalloc.stop()
+
+
+def test_shard_count_follows_the_size_unless_given():
+    size = sharding.ShardSize(64 << 20, 2, 5, 0.15)
+    # 2 + 1/8 + 5 * 0.15 * 6 = 6.625 bytes a token, 8 + 8 + 12 * 6 = 88 a row
+    assert size.estimate(1000, 256_000) == 256_000 * 6.625 + 1000 * 88
+    rows = 3_300_000_000 // 256  # English Wikipedia at length 256
+    n = size.count(rows, rows * 256)
+    assert n == -(-int(size.estimate(rows, rows * 256)) // (64 << 20)) == 343
+    assert (
+        size.count(0, 0) == 1
+        and sharding.ShardSize(64 << 20, 4, 5, 0.15).count(rows, rows * 256) > n
+    )
+    given = {"train": None, "validation": 2}
+    sizes = {"train": (rows, rows * 256)}  # no validation rows at all: still its given count
+    assert sharding.shard_counts(sizes, given, size) == {"train": n, "validation": 2}
+    assert sharding.shard_counts({}, {"train": None}, size) == {"train": 1}
+    assert sharding.sum_sizes([(1, 10), (2, 20), (3, 30)]) == (6, 60)
