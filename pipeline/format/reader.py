@@ -240,6 +240,8 @@ def open_shard(path: str, info: ShardInfo, verify: bool = True) -> ShardFile:
         raise DatasetError(f"shard {path}: not a readable Arrow IPC stream ({err})") from None
     if schema_ is None:
         raise DatasetError(f"shard {path}: not an Arrow IPC stream (no schema message)")
+    if pos > fs.size(path):
+        raise DatasetError(f"shard {path}: truncated (a record batch ends past the file's end)")
     _columns(schema_.empty_table(), path)
     row_start = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
     if row_start[-1] != info.rows:

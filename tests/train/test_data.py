@@ -249,3 +249,65 @@ def test_validation_stream_can_be_iterated_again_without_rehashing(dataset, monk
         for key in a:
             assert torch.equal(a[key], b[key]), key
     assert len(hashed) == 1, hashed  # one validation shard, hashed on the first pass only
+
+
+def test_rows_are_shuffled_within_windows_of_record_batches():
+    """A reader needs one window's record batches at a time, never a whole shard (EpochOrder)."""
+    from train.data import SHUFFLE_WINDOW, EpochOrder
+
+    rows, b = [5120, 2900], 256  # 20 whole blocks; 11 whole ones and a short one
+    order = EpochOrder(rows, seed=7, shuffle=True, block_rows=b)
+    again = EpochOrder(rows, seed=7, shuffle=True, block_rows=b)
+    for epoch in range(2):
+        shard_of, row_of = order.locate(epoch, np.arange(sum(rows)))
+        np.testing.assert_array_equal(row_of, again.locate(epoch, np.arange(sum(rows)))[1])
+        for s, n in enumerate(rows):
+            seq = row_of[shard_of == s]
+            assert sorted(seq) == list(range(n)) and list(seq) != sorted(seq)
+            window = SHUFFLE_WINDOW * b
+            for lo in range(0, n if s == 0 else 0, window):  # whole blocks: windows align
+                assert len(np.unique(seq[lo : lo + window] // b)) <= SHUFFLE_WINDOW
+    first = order.locate(0, np.arange(5000))[1]
+    assert not np.array_equal(first, order.locate(1, np.arange(5000))[1])
+    plain = EpochOrder(rows, seed=7, shuffle=False, block_rows=b)
+    np.testing.assert_array_equal(plain.locate(0, np.arange(5000))[1], np.arange(5000))
+
+
+def test_record_batches_are_located_by_their_headers_and_decoded_one_at_a_time(tmp_path):
+    """open_shard reads message headers only; a block is one record batch; damage is named."""
+    import pyarrow as pa
+
+    from pipeline.format.reader import open_shard
+
+    root = write_dataset(tmp_path / "data", shards=(11, 6))  # record batches of n // 2 rows
+    index = read_index(root)
+    for info in index.shards("train"):
+        path = index.shard_path(info)
+        file = open_shard(path, info)
+        with pa.memory_map(path) as source:
+            batches = list(pa.ipc.open_stream(source))
+        assert list(np.diff(file.row_start)) == [b.num_rows for b in batches]
+        for i, batch in enumerate(batches):
+            block = file.block(i)
+            np.testing.assert_array_equal(block.ids, batch["input_ids"].values.to_numpy())
+            assert block.rows == batch.num_rows
+    info = index.shards("train")[0]
+    path = Path(index.shard_path(info))
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(DatasetError, match=r"train-00000-of-00002\.arrow: truncated"):
+        open_shard(str(path), info, verify=False)
+
+
+def test_a_worker_keeps_a_bounded_cache_and_opens_the_next_shard_ahead(dataset):
+    from pipeline.format.blocks import BlockReader
+
+    s = stream(read_index(dataset), batch_size=3)
+    it = iter(s)
+    next(it)
+    order, _ = s.order.shards(0)
+    s.reader.file(int(order[1]))  # opened ahead: already under way (or done)
+    assert int(order[1]) in s.reader._files
+    tiny = BlockReader([s.index.shard_path(i) for i in s.shards], s.shards, True, capacity=2)
+    for shard, info in enumerate(s.shards):
+        for _block, _rows, _hit in tiny.rows(shard, np.arange(info.rows)):
+            assert len(tiny._blocks) <= 2
