@@ -16,7 +16,7 @@ paper's 8 V100s consume about 339 seq/s (128 x 1.6M steps in 161 h).
 code checkout, this one and `--baseline` (e.g. a checkout of an older commit), on the same
 dataset of two train shards of `--shard-mb` MB each. It starts `--before` batches ahead of the
 boundary between the epoch's first and second shard and reports the worker's peak RSS (VmHWM,
-less its RSS after imports), its first batch's latency, and the median and worst gap between two
+less its RSS after imports and a warm-up batch of the validation split), its first batch's latency, and the median and worst gap between two
 consecutive batches, and where it fell (batch 0 is the first one to read the second shard): where
 a shard is decoded whole, the worst gap is that boundary.
 """
@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="peak RSS and worst batch gap")
     parser.add_argument("--shard-mb", type=float, default=1024, help="--memory: shard size")
     parser.add_argument("--baseline", help="--memory: another checkout to compare with")
-    parser.add_argument("--before", type=int, default=400, help="--memory: batches before")
+    parser.add_argument("--before", type=int, default=3000, help="--memory: batches before")
     parser.add_argument("--after", type=int, default=50, help="--memory: batches after")
     args = parser.parse_args()
     if args.memory:
