@@ -57,7 +57,7 @@ def synthetic_dataset(
     root.mkdir(parents=True, exist_ok=True)
     (root / pshards.TOKENIZER_FILE).write_bytes(b"benchmark: random ids, no tokenizer")
     splits = {}
-    chunk = pshards.writer.record_batch_rows(seq_len)
+    chunk = pshards.record_batch_rows(seq_len)
     for split, n, shards in (("train", rows, train_shards), ("validation", 256, 1)):
         entries = []
         per = -(-n // shards)

@@ -1,8 +1,9 @@
 """Streaming the shard dataset into masked-LM batches: an IterableDataset with an exact position.
 
 The training stream is one endless sequence of samples, epoch after epoch. Epoch e visits every
-row once: the shards in an order drawn from (seed, e), the rows of each shard in an order drawn
-from (seed, e, shard). Global stream position q (samples consumed since the run began) is sample
+row once: the shards in an order drawn from (seed, e), the rows of each shard by windows of its
+record batches (`EpochOrder`), read one record batch at a time (`pipeline.format.blocks`: a
+worker's memory does not grow with the shard size). Global stream position q (samples consumed since the run began) is sample
 q mod N of epoch q div N. Rank r of a world of W takes positions start + r, start + r + W, ...;
 its DataLoader worker w of K builds local batches w, w + K, ..., which the DataLoader interleaves
 back into order. So ranks and workers never overlap, no sample is skipped (batches may straddle

@@ -5,14 +5,25 @@
     schema.py   names, version, columns, `ShardInfo`, the one error type `DatasetError`
     fs.py       local paths with the standard library; `gs://` and other schemes through Beam
     index.py    `read_index` -> `Index` (checked: format, version, fields), `write_index`
-    reader.py   `load_shard` (decoded, checksummed columns for the trainer), `read_shard`
-    writer.py   `ShardWriter` (temp file + rename), `write_shard`, `rows_table`
+    reader.py   `open_shard` -> `ShardFile` (record batches located by their headers, decoded
+                one at a time), `load_shard` (a whole shard decoded), `read_shard`
+    blocks.py   `BlockReader`: a loader worker's bounded cache of decoded record batches, with
+                the next ones decoded and the next shard verified in the background
+    writer.py   `ShardWriter` (temp file + rename), `write_shard`, `rows_table`,
+                `record_batch_rows`
 
 Beam-free for local paths: the trainer imports it without importing Apache Beam.
 """
 
 from pipeline.format.index import Index, read_index, write_index
-from pipeline.format.reader import Shard, load_shard, read_shard, sha256_file
+from pipeline.format.reader import (
+    Shard,
+    ShardFile,
+    load_shard,
+    open_shard,
+    read_shard,
+    sha256_file,
+)
 from pipeline.format.schema import (
     FORMAT,
     INDEX_FILE,
@@ -24,7 +35,7 @@ from pipeline.format.schema import (
     schema,
     shard_name,
 )
-from pipeline.format.writer import ShardWriter, write_shard
+from pipeline.format.writer import ShardWriter, record_batch_rows, write_shard
 
 __all__ = [
     "FORMAT",
@@ -34,12 +45,15 @@ __all__ = [
     "DatasetError",
     "Index",
     "Shard",
+    "ShardFile",
     "ShardWriter",
     "ShardInfo",
     "id_type",
     "load_shard",
+    "open_shard",
     "read_index",
     "read_shard",
+    "record_batch_rows",
     "schema",
     "sha256_file",
     "shard_name",
