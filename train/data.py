@@ -97,20 +97,21 @@ class EpochOrder:
         )  # canonical sample id = base[s] + row
         self.size = int(self.base[-1])
         self.seed, self.shuffle, self.block_rows = seed, shuffle, block_rows
-        self._epoch, self._row_perms = None, OrderedDict()
+        self._orders, self._row_perms = OrderedDict(), OrderedDict()
 
     def shards(self, epoch: int):
         """(order, start): the epoch's shard order and each slot's first in-epoch offset."""
-        if self._epoch != epoch:
+        if epoch not in self._orders:
             n = len(self.rows)
             order = (
                 np.random.default_rng([self.seed, epoch]).permutation(n)
                 if self.shuffle
                 else np.arange(n)
             )
-            self._epoch, self._order = epoch, order
-            self._start = np.concatenate([[0], np.cumsum(self.rows[order])])
-        return self._order, self._start
+            self._orders[epoch] = order, np.concatenate([[0], np.cumsum(self.rows[order])])
+            while len(self._orders) > 2:  # this epoch and the next (`next_shard`)
+                self._orders.popitem(last=False)
+        return self._orders[epoch]
 
     def _row_perm(self, epoch: int, shard: int) -> np.ndarray | None:
         if not self.shuffle:
@@ -276,13 +277,22 @@ class ShardStream(IterableDataset):
     def batch(self, q: np.ndarray) -> dict[str, torch.Tensor]:
         """The batch of global stream positions q: padded to its longest row."""
         B = len(q)
-        parts = []
+        m = self.masking
+        stored = m.plm_targets == "static" if m.objective == "plm" else m.mode == "static"
+        parts, gathered = [], {}
         for epoch, where, s, shard_rows in self._locate(q):
             for block, rows, hit in self.reader.rows(s, shard_rows):
                 ids, ws, length = self._gather(block, rows)
                 uid = self.order.base[s] + shard_rows[hit]
-                inputs, labels, *rank = self._mask(ids, ws, length, uid, block, rows, epoch)
-                parts.append((where[hit], inputs, labels, length, uid, epoch, rank))
+                if stored:  # the record batch's stored masks
+                    inputs, labels, *rank = self._mask(ids, ws, length, uid, block, rows, epoch)
+                    parts.append((where[hit], inputs, labels, length, uid, epoch, rank))
+                else:  # masks from (seed, epoch, uid) alone: one call per epoch, not per block
+                    gathered.setdefault(epoch, []).append((where[hit], ids, ws, length, uid))
+        for epoch, pieces in gathered.items():
+            where, ids, ws, length, uid = _stack(pieces)
+            inputs, labels, *rank = self._mask(ids, ws, length, uid, None, None, epoch)
+            parts.append((where, inputs, labels, length, uid, epoch, rank))
         L = max(p[1].shape[1] for p in parts)
         input_ids = np.full((B, L), PAD, np.int64)
         labels = np.full((B, L), IGNORE, np.int64)
@@ -341,6 +351,21 @@ class ShardStream(IterableDataset):
             ratio=m.plm_ratio,
             max_span=m.plm_max_span,
         )
+
+
+def _stack(pieces):
+    """(where, ids, word_start, length, uid) of several gathers, padded to the widest."""
+    if len(pieces) == 1:
+        return pieces[0]
+    n, L = sum(len(p[0]) for p in pieces), max(p[1].shape[1] for p in pieces)
+    ids, ws = np.full((n, L), PAD, np.int64), np.zeros((n, L), bool)
+    at = 0
+    for _, part_ids, part_ws, *_ in pieces:
+        k, w = part_ids.shape
+        ids[at : at + k, :w], ws[at : at + k, :w] = part_ids, part_ws
+        at += k
+    where, length, uid = (np.concatenate([p[i] for p in pieces]) for i in (0, 3, 4))
+    return where, ids, ws, length, uid
 
 
 def _plm_fields(d) -> dict:

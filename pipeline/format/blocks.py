@@ -118,6 +118,12 @@ class BlockReader:
             self._block(shard, int(k))
 
     def prefetch(self, shard: int, rows: np.ndarray) -> None:
-        """Decode in the background the blocks holding `rows` of `shard` (up to half the cache)."""
-        self.open_ahead(shard)
+        """Decode in the background the blocks holding `rows` of `shard` (up to half the cache);
+        nothing to hand over (a thread switch) when they are all cached or under way."""
+        opened = self.open_ahead(shard)
+        if opened.done() and not opened.exception():
+            blocks = np.unique(opened.result().locate(rows))
+            with self._lock:
+                if all((shard, int(k)) in self._blocks for k in blocks):
+                    return
         self._threads()[1].submit(self._fill, shard, rows)
