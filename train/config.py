@@ -104,6 +104,8 @@ class RunArgs:
     keep_checkpoints: int = 2  # newest checkpoints kept under RUN/checkpoints (0 = keep all)
     num_gpus: int = 1  # world size the config is written for; --dry-run estimates for it
     gpu_memory_gb: float = 16.0  # --dry-run: memory of one GPU the estimate is compared with
+    peak_tflops: float | None = None  # dense TFLOP/s of one device for MFU; None: by GPU name
+    # (train/cost.py's table), and no MFU on a CPU
     deepspeed_config: str | None = (
         None  # expert override: a DeepSpeed JSON merged over the built one
     )

@@ -25,6 +25,7 @@ from pipeline.format import Index
 from pipeline.masking import mix64
 from train import checkpoint
 from train.config import TrainConfig
+from train.cost import cost_model
 from train.data import ShardStream, StreamPosition, train_loader, validation_stream
 from train.engine import loss_scale, skipped_steps
 from train.evaluate import evaluate
@@ -78,7 +79,7 @@ def run_validation(ctx: RunContext, step: int, stream: ShardStream) -> dict:
 
 
 def _log_line(
-    ctx: RunContext, state: checkpoint.TrainState, lr: float, tokens_per_s: float
+    ctx: RunContext, state: checkpoint.TrainState, lr: float, tokens_per_s: float, cost: dict
 ) -> dict:
     window = torch.tensor([state.window_loss, float(state.window_micro)], dtype=torch.float64)
     if ctx.world > 1:
@@ -92,6 +93,7 @@ def _log_line(
         "loss": loss,
         "lr": lr,
         "tokens_per_s": tokens_per_s,
+        **cost,  # tokens_per_s_per_gpu, mfu, hours_to_max_steps, gpu_hours (train/cost.py)
         "samples": state.samples,
         "epoch": state.samples / ctx.index.rows("train"),
         "tokens": state.tokens,
@@ -227,6 +229,8 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
     per_micro = run.micro_batch * ctx.world
     clock, tokens_at, steps_shown = time.perf_counter(), state.tokens, state.step
     stop_seen, status, in_a_row, local_tokens = False, "complete", 0, 0
+    cost = cost_model(ctx.cfg, engine.module.config, ctx.seq_len, ctx.world, engine.device)
+    started, gpu_hours_before = clock, ctx.writer.gpu_hours_before(state.step)
     # on a CPU a value costs nothing to read: skip decisions are taken before the backward
     host_reads = engine.device.type == "cpu"
     window = DeviceWindow(engine.device)
@@ -314,8 +318,11 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
         if log_now:
             now = time.perf_counter()
             tokens_per_s = (state.tokens - tokens_at) / max(now - clock, 1e-9)
-            record = _log_line(ctx, state, lr, tokens_per_s)
-            progress.update(state.step - steps_shown, record["loss"], lr, tokens_per_s)
+            gpu_hours = gpu_hours_before + (now - started) * ctx.world / 3600
+            s_per_step = (now - clock) / max(state.step - steps_shown, 1)
+            costs = cost.fields(tokens_per_s, s_per_step, state.step, gpu_hours)
+            record = _log_line(ctx, state, lr, tokens_per_s, costs)
+            progress.update(state.step - steps_shown, record["loss"], lr, tokens_per_s, costs)
             clock, tokens_at, steps_shown = now, state.tokens, state.step
         if _due(state.step, run.eval_every, run.max_steps):
             record = run_validation(ctx, state.step, validation)
@@ -336,6 +343,8 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
             )
             break
     progress.close()
+    gpu_hours = gpu_hours_before + (time.perf_counter() - started) * ctx.world / 3600
+    progress.write(f"{gpu_hours:.3f} GPU-hours used to step {state.step} ({ctx.world} ranks)")
     return status
 
 

@@ -10,7 +10,20 @@ and fp32 has w = g = 4, K = 8.
 Activations are measured, not modelled: one micro-batch of the real model at the real length runs
 forward on CPU while a saved-tensors hook records every tensor autograd keeps for the backward
 pass (parameters excluded, shared storages counted once). That is the activation memory of a
-training step; floating tensors are scaled from fp32 to the run's precision.
+training step; floating tensors are scaled from fp32 to the run's precision. A micro-batch above
+PROBE_BATCH is measured at PROBE_BATCH and scaled linearly (activations are linear in the batch),
+so a CPU box can estimate a GPU's micro-batch of 64 without holding its activations.
+
+DeepSpeed's own buffers at ZeRO-1/2: the gradient reduction bucket, `reduce_bucket_size`
+elements of the gradient dtype (the model's, unless `data_types.grad_accum_dtype` says fp32),
+twice with `overlap_comm` (its double buffer; DeepSpeed's stage_1_and_2.setup_buckets): with the
+default 5e8 and bf16 on a GPU, 2 x 5e8 x 2 B = 1.86 GiB. ZeRO-3 adds its reduce bucket and its
+`stage3_prefetch_bucket_size` (DeepSpeed's default 5e7) of weights.
+
+`--target gpu` estimates for a GPU from any box: the DeepSpeed config a GPU run gets (overlap_comm
+on, torch's fused AdamW), its bucket buffers and the CUDA context. Activations are still measured
+on the CPU with the CPU's attention impl: BERT's math-path SDPA saves the l x l probabilities that
+a GPU's flash attention does not, so for softmax archs the estimate errs high.
 """
 
 from __future__ import annotations
@@ -23,6 +36,8 @@ import torch
 from train.config import TrainConfig, model_overrides
 
 GIB = 1024**3
+PROBE_BATCH = 4  # larger micro-batches are measured at this size and scaled linearly
+STAGE3_PREFETCH = int(5e7)  # DeepSpeed's default stage3_prefetch_bucket_size (elements)
 CONTEXT_GIB = (
     1.0  # CUDA context, cuBLAS workspace and allocator slack: a rule of thumb, not measured
 )
@@ -95,32 +110,48 @@ def measure_activations(
     return sum(n * (scale if floating else 1.0) for n, floating in storages.values())
 
 
-def estimate(cfg: TrainConfig, model: torch.nn.Module, seq_len: int, vocab: int) -> dict:
+def bucket_bytes(ds_config: dict, precision: str) -> float:
+    """DeepSpeed's gradient reduction (and ZeRO-3 prefetch) buffers of one rank."""
+    zero = ds_config.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage == 0:
+        return 0.0
+    accum = ds_config.get("data_types", {}).get("grad_accum_dtype")
+    element = 4 if precision == "fp32" or accum in ("fp32", "float32") else 2
+    reduce = int(zero.get("reduce_bucket_size", 5e8)) * element
+    buffers = reduce * (2 if zero.get("overlap_comm") else 1)
+    if stage == 3:
+        buffers += int(zero.get("stage3_prefetch_bucket_size", STAGE3_PREFETCH)) * element
+    return float(buffers)
+
+
+def estimate(
+    cfg: TrainConfig, model: torch.nn.Module, seq_len: int, vocab: int, buckets: float = 0.0
+) -> dict:
     r = cfg.run
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     stages = {s: model_states(params, r.precision, s, r.num_gpus) for s in range(4)}
-    activations = measure_activations(
-        model,
-        r.micro_batch,
-        seq_len,
-        r.precision,
-        vocab,
-        cfg.data.mask_prob,
-        r.seed,
-        cfg.data.objective,
+    probe = min(r.micro_batch, PROBE_BATCH)
+    measured = measure_activations(
+        model, probe, seq_len, r.precision, vocab, cfg.data.mask_prob, r.seed, cfg.data.objective
     )
-    chosen = stages[r.zero_stage].total + activations + CONTEXT_GIB * GIB
+    per_sample = measured / probe
+    fixed = stages[r.zero_stage].total + buckets + CONTEXT_GIB * GIB
+    chosen = fixed + per_sample * r.micro_batch
     return {
         "params": params,
         "stages": {s: st.total for s, st in stages.items()},
         "stage_parts": {s: (st.weights, st.grads, st.optimizer) for s, st in stages.items()},
-        "activations": activations,
+        "activations": per_sample * r.micro_batch,
+        "buckets": buckets,
         "total": chosen,
         "fits": chosen <= r.gpu_memory_gb * GIB,
+        "largest_micro_batch": max(int((r.gpu_memory_gb * GIB - fixed) // per_sample), 0),
     }
 
 
-def dry_run_report(cfg: TrainConfig) -> str:
+def dry_run_report(cfg: TrainConfig, target: str = "auto") -> str:
+    """`target`: "gpu" estimates for a GPU from any box, "auto" for this machine's kind."""
     import shatter
     from pipeline.format import DatasetError, read_index
     from train.engine import resolved_deepspeed_config
@@ -140,10 +171,9 @@ def dry_run_report(cfg: TrainConfig) -> str:
     # as pretrain.py builds it
     model = shatter.build_model(cfg.model.preset, **model_overrides(cfg, index, seq_len))
     vocab = model.config.vocab_size
-    ds = resolved_deepspeed_config(
-        cfg, cfg.run.num_gpus, cpu=False if cfg.run.precision == "fp16" else None
-    )
-    est = estimate(cfg, model, seq_len, vocab)
+    gpu = target == "gpu" or cfg.run.precision == "fp16"
+    ds = resolved_deepspeed_config(cfg, cfg.run.num_gpus, cpu=False if gpu else None)
+    est = estimate(cfg, model, seq_len, vocab, bucket_bytes(ds, cfg.run.precision))
     r = cfg.run
     lines = [
         "# resolved config",
@@ -166,7 +196,9 @@ def dry_run_report(cfg: TrainConfig) -> str:
     verdict = "fits" if est["fits"] else "DOES NOT FIT"
     lines += [
         f"activations per micro-batch (measured on CPU, scaled to {r.precision}): {est['activations'] / GIB:.2f} GiB",
+        f"DeepSpeed reduction buckets (reduce_bucket_size, x2 with overlap_comm): {est['buckets'] / GIB:.2f} GiB",
         f"CUDA context and workspace (rule of thumb): {CONTEXT_GIB:.2f} GiB",
         f"estimated peak per GPU at ZeRO-{r.zero_stage}: {est['total'] / GIB:.2f} GiB of {r.gpu_memory_gb:g} GiB: {verdict}",
+        f"largest micro-batch that fits {r.gpu_memory_gb:g} GiB at ZeRO-{r.zero_stage}: {est['largest_micro_batch']}",
     ]
     return "\n".join(lines)

@@ -63,6 +63,21 @@ class MetricsWriter:
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 
+    def gpu_hours_before(self, step: int) -> float:
+        """GPU-hours of the earlier sessions of a resumed run: its last training line at or
+        before `step` (metrics.jsonl is truncated to the checkpoint's step on resume)."""
+        hours = 0.0
+        if not self.path.is_file():
+            return hours
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("gpu_hours") is not None and record.get("step", 0) <= step:
+                hours = record["gpu_hours"]
+        return hours
+
     def write(self, record: dict) -> None:
         if not self.active:
             return
@@ -87,6 +102,20 @@ class MetricsWriter:
             self.tb.close()
 
 
+def postfix(record: dict, lr: float) -> str:
+    """The progress line's numbers: loss, lr, tokens/s (total and per GPU), MFU, hours left."""
+    loss = record.get("loss")
+    parts = [f"loss={loss:.4f}" if loss is not None and math.isfinite(loss) else "loss=-"]
+    parts += [f"lr={lr:.2e}", f"tok/s={record['tokens_per_s']:,.0f}"]
+    if "tokens_per_s_per_gpu" in record:
+        parts.append(f"tok/s/gpu={record['tokens_per_s_per_gpu']:,.0f}")
+    if record.get("mfu") is not None:
+        parts.append(f"mfu={record['mfu']:.1%}")
+    if "hours_to_max_steps" in record:
+        parts.append(f"left={record['hours_to_max_steps']:.1f}h")
+    return " ".join(parts)
+
+
 class Progress:
     """tqdm bar on rank 0 (loss, lr, tokens/s; tqdm's own ETA); silent elsewhere."""
 
@@ -102,11 +131,17 @@ class Progress:
             smoothing=0.05,
         )
 
-    def update(self, steps: int, loss: float | None, lr: float, tokens_per_s: float) -> None:
-        loss_text = f"{loss:.4f}" if loss is not None else "-"
-        self.bar.set_postfix_str(
-            f"loss={loss_text} lr={lr:.2e} tok/s={tokens_per_s:,.0f}", refresh=False
-        )
+    def update(
+        self,
+        steps: int,
+        loss: float | None,
+        lr: float,
+        tokens_per_s: float,
+        cost: dict | None = None,
+    ) -> None:
+        """`cost`: tokens/s per GPU, MFU and the hours to max_steps (train/cost.py), if any."""
+        record = {"loss": loss, "tokens_per_s": tokens_per_s, **(cost or {})}
+        self.bar.set_postfix_str(postfix(record, lr), refresh=False)
         self.bar.update(steps)
 
     def write(self, text: str) -> None:

@@ -236,6 +236,12 @@ def _run(cfg: TrainConfig) -> int:
     help="Print configs, parameter counts and a memory estimate; do not train.",
 )
 @click.option(
+    "--target",
+    type=click.Choice(("auto", "gpu")),
+    default="auto",
+    help="--dry-run for a GPU from any box (its DeepSpeed config and buffers); auto: this one.",
+)
+@click.option(
     "--local_rank",
     "--local-rank",
     "local_rank",
@@ -243,7 +249,7 @@ def _run(cfg: TrainConfig) -> int:
     hidden=True,
     help="Set by the deepspeed launcher.",
 )
-def main(config_file, dry_run, local_rank, **flags):
+def main(config_file, dry_run, target, local_rank, **flags):
     """Pretrain a masked-LM encoder on a shard dataset with DeepSpeed."""
     from train.lifecycle import process_exit
     from train.loop import TrainingError
@@ -255,7 +261,7 @@ def main(config_file, dry_run, local_rank, **flags):
             if dry_run:
                 from train.memory import dry_run_report
 
-                click.echo(dry_run_report(cfg))
+                click.echo(dry_run_report(cfg, target))
                 return
             code = _run(cfg)
         except PresetError as err:

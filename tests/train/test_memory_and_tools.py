@@ -61,6 +61,18 @@ def test_dry_run_prints_configs_counts_and_verdict():
         "bert-tiny", max_len=64
     )  # built at the training length, as pretrain.py does
     assert f"{shatter.count_parameters(model):,}" in out
+    # fp32 ZeRO-1 on this box: one 5e8-element fp32 reduction bucket (overlap_comm is off on CPU)
+    assert "DeepSpeed reduction buckets (reduce_bucket_size, x2 with overlap_comm): 1.86 GiB" in out
+    largest = int(out.split("largest micro-batch that fits 24 GiB at ZeRO-1: ")[1].split()[0])
+    assert largest > 16
+    gpu = CliRunner().invoke(
+        main, ["--config", str(REPO / "configs" / "cpu-tiny.yaml"), "--preset", "bert-tiny",
+               "--seq-len", "64", "--precision", "bf16", "--dry-run", "--target", "gpu"],
+    )  # fmt: skip
+    assert gpu.exit_code == 0, gpu.output
+    # a GPU's config: overlap_comm doubles the bf16 bucket, 2 x 5e8 x 2 B (about 1.9 GiB)
+    assert '"overlap_comm": true' in gpu.output
+    assert "x2 with overlap_comm): 1.86 GiB" in gpu.output
 
 
 def test_plot_metrics_draws_runs_and_names_a_bad_one(tmp_path):

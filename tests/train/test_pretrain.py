@@ -151,6 +151,16 @@ def test_fp32_zero1_two_ranks_loss_falls_and_exports_the_engines_model(books_dat
     assert last < first - 0.5, (first, last)
     assert val[60]["loss"] < val[30]["loss"]
     assert "pretrain:" in done.stderr and "tok/s=" in done.stderr  # the rank-0 progress bar
+    # the cost report: per-GPU rate of 2 ranks, no MFU without a known peak on a CPU, the hours
+    # left reaching 0 at max_steps, GPU-hours growing and said at the end
+    lines = [r for r in map(json.loads, (run / "metrics.jsonl").open()) if "split" not in r]
+    for r in lines:
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2)
+        assert r["mfu"] is None and r["hours_to_max_steps"] >= 0
+    assert lines[-1]["hours_to_max_steps"] == 0 and lines[0]["hours_to_max_steps"] > 0
+    hours = [r["gpu_hours"] for r in lines]
+    assert hours == sorted(hours) and hours[-1] > 0
+    assert "GPU-hours used to step 60 (2 ranks)" in done.stderr
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["world_size"] == 2 and cfg["deepspeed"]["train_batch_size"] == 16
     assert (run / "export" / "STEP").read_text().strip() == "step00000060"
@@ -186,6 +196,9 @@ def test_kill_9_after_a_checkpoint_then_restart_gives_the_same_losses(
         train == ref_train
     )  # bit for bit, every step, the steps redone after the checkpoint included
     assert {s: v["loss"] for s, v in val.items()} == {s: v["loss"] for s, v in ref_val.items()}
+    lines = [r for r in map(json.loads, (run / "metrics.jsonl").open()) if "split" not in r]
+    hours = [r["gpu_hours"] for r in lines]  # the resumed session adds to the killed one's
+    assert hours == sorted(hours), hours
 
 
 def test_bf16_zero2_dynamic_whole_word_masking(books_data, tmp_path):

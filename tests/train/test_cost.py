@@ -1,0 +1,66 @@
+"""The model FLOP count (train/cost.py) against a hand count and against torch's FLOP counter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import shatter
+from shatter.config import ARCHS, preset_config
+from train.cost import CostModel, device_peak_tflops, training_flops_per_token
+
+
+def test_bert_base_and_shatter_base_match_the_hand_count():
+    d, f, layers, n, vocab, p = 768, 3072, 12, 12, 32000, 0.15  # Table 2 base; BERT's 15%
+    for length in (256, 1024):
+        # BERT (§2): W^Q, W^K, W^V and W^O (eq. 1, 3), the FFN, then Q K^T and A V over l keys
+        # per head, l d multiply-adds per token each, summed over the n heads (eq. 1-2)
+        bert_layer = 4 * d * d + 2 * d * f + 2 * length * d
+        # Shatter (§3): no W^K (K = X, §3.2); Q X^T and A V (eq. 5, V in n parts), Q R^T for the
+        # partition bias B and A_part V_part (§3.3), n d each
+        shatter_layer = 3 * d * d + 2 * d * f + 2 * length * d + 2 * n * d
+        head = p * (d * d + d * vocab)  # MLM head on the predicted 15%: dense + tied decoder
+        for arch, layer in (("bert", bert_layer), ("shatter", shatter_layer)):
+            hand = 6 * (layers * layer + head)  # 2 FLOPs per multiply-add, 3x for training
+            config = preset_config(f"{arch}-base", max_len=length)
+            assert training_flops_per_token(config, length, p) == pytest.approx(hand, rel=1e-12)
+    assert hand == pytest.approx(
+        6
+        * (
+            12 * (3 * 768**2 + 2 * 768 * 3072 + 2 * 1024 * 768 + 24 * 768)
+            + 0.15 * (768**2 + 768 * 32000)
+        )
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_count_is_what_the_model_multiplies(arch):
+    """Forward and backward of a small model under torch's FLOP counter: matmul FLOPs per token
+    equal the formula (within the per-forward weight-only products it leaves out)."""
+    B, L = 8, 16
+    torch.manual_seed(0)
+    model = shatter.build_model(f"{arch}-tiny", vocab_size=300, attention_impl="naive")
+    ids = torch.randint(5, 300, (B, L))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    plm = arch == "xlnet"
+    if plm:
+        inputs["perm_rank"] = torch.rand(B, L).argsort(-1).argsort(-1)
+    with FlopCounterMode(display=False) as counter:
+        model(**inputs)["loss"].backward()
+    measured = counter.get_total_flops() / (B * L)
+    expected = training_flops_per_token(model.config, L, predicted=1.0, two_stream=plm)
+    assert measured == pytest.approx(expected, rel=0.02)
+
+
+def test_mfu_needs_a_peak():
+    assert device_peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert device_peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
+    assert device_peak_tflops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 on a V100
+    assert device_peak_tflops(None, "bf16") is None
+    cost = CostModel(flops_per_token=1e9, peak_flops=1e12, world=8, max_steps=100)
+    fields = cost.fields(tokens_per_s=8000, s_per_step=36.0, step=50, gpu_hours=2.0)
+    assert fields["tokens_per_s_per_gpu"] == 1000
+    assert fields["mfu"] == pytest.approx(1.0)  # 1000 tok/s x 1 GFLOP = the 1 TFLOP/s peak
+    assert fields["hours_to_max_steps"] == pytest.approx(0.5)
+    assert CostModel(1e9, None, 1, 100).fields(1.0, 1.0, 0, 0.0)["mfu"] is None

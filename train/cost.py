@@ -1,0 +1,158 @@
+"""What a run costs: model FLOPs per token per arch, the device's dense peak, MFU, GPU-hours.
+
+Model FLOPs follow the convention of PaLM (Chowdhery et al. 2022, App. B) and Megatron-LM
+(Narayanan et al. 2021, §5.1): matrix multiplications only, 2 FLOPs per multiply-add, a training
+token costs 3x its forward (the backward computes two products per forward one), no
+recomputation counted. Per token and per layer, with d = hidden, f = FFN width, n = heads or
+parts, l = the run's length:
+
+- projections: one d x d product per projection the arch has (W^Q, W^K, W^V; §2 eq. 1; the
+  single-head partition archs have no W^K, K = X, §3.2) plus W^O (eq. 3), and the FFN's 2 d f;
+- attention (the l x l terms): Q K^T and A V, each l d multiply-adds per token summed over the
+  heads (eq. 1-2); the single-head archs score Q X^T, l d, and their A V over the n parts of V
+  is l d as well (eq. 5 and the rank-3 V of §3.1);
+- per arch extras: Part_Bias and Shatter add Q R^T (n d, §3.3), Shatter also A_part V_part (n d,
+  §3.3); BERT-RPE adds Q K_rel^T and A_rel V_rel (r d each, r = min(2 l - 1, 2 m - 1)
+  relative rows, §2); XLNet adds the position term (q + v) . W_R r over 2 l - 1 distances and the
+  two segment scores (Dai et al. 2019 §3.3, Yang et al. 2019 §2.5), and its permutation LM runs
+  a second (query) stream with its own W^Q, attention, W^O and FFN (§2.3), while the last
+  layer's content stream is computed but gets no gradient;
+- the MLM head on the predicted share p of the tokens only (cramming): dense d^2 plus the decoder
+  d V (BERT's tied output layer).
+
+Products computed once per forward from weights alone (Shatter's R W^V, RPE's R W^K and R W^V,
+XLNet's W_R r) are left out: at micro-batch B they add at most 2 d^2 / B per token per layer.
+Elementwise work (softmax, sigmoid, L2 normalisation, N, LayerNorm, GELU) is not counted, as in
+the convention. tests/train/test_cost.py checks the count against a hand count (bert-base,
+shatter-base) and against torch's FLOP counter on small models of every arch.
+
+MFU = achieved model FLOPs per second per device / the device's dense peak at the run's
+precision, from DEVICE_PEAK_TFLOPS by CUDA device name, or `run.peak_tflops` when set. A CPU
+has no such table entry: MFU is left out (null) unless `run.peak_tflops` gives a peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shatter.config import ModelConfig
+
+# Dense (no sparsity) peak TFLOP/s per device and precision: vendors' datasheets. fp32 is the
+# non-tensor-core rate (torch's default has TF32 matmuls off). Matched by substring of
+# torch.cuda.get_device_name(), first match wins (so "H100 PCIe" before "H100").
+DEVICE_PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2}),
+    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}),
+    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),  # SXM
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    ("L40S", {"bf16": 362.1, "fp16": 362.1, "fp32": 91.6}),
+    ("L4", {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3}),
+    ("A10", {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2}),
+    ("V100", {"fp16": 125.0, "fp32": 15.7}),  # SXM2; no bf16
+)
+
+
+def projections(config: ModelConfig) -> int:
+    """d x d input projections per layer: W^Q, W^K, W^V (eq. 1); no W^K where K = X (§3.2)."""
+    from shatter.attention import ATTENTIONS, SingleHeadPartitionAttention
+
+    return 2 if issubclass(ATTENTIONS[config.arch], SingleHeadPartitionAttention) else 3
+
+
+def attention_macs(config: ModelConfig, length: int) -> int:
+    """Multiply-adds per token per layer of the attention itself (the l x l terms and the arch's
+    extras), one stream."""
+    d, n, arch = config.hidden, config.heads, config.arch
+    macs = 2 * length * d  # Q K^T (or Q X^T) and A V, eq. 1-2 / eq. 5
+    if arch in ("part-bias", "shatter"):
+        macs += n * d  # c = Q R^T, the partition bias B (§3.3)
+    if arch == "shatter":
+        macs += n * d  # A_part V_part (§3.3)
+    if arch == "bert-rpe":
+        r = min(2 * length - 1, 2 * config.rpe_max_distance - 1)
+        macs += 2 * r * d  # Q K_rel^T and A_rel V_rel (§2)
+    if arch == "xlnet":
+        macs += (2 * length - 1) * d + 2 * d  # (q + v) . W_R r_{i-j}, (q + b) . s+/-
+    return macs
+
+
+def _stream_macs(config: ModelConfig, length: int) -> tuple[int, int]:
+    """(projections and attention, finish) multiply-adds per token per layer of one stream;
+    finish is W^O (eq. 3) and the FFN."""
+    d = config.hidden
+    return (
+        projections(config) * d * d + attention_macs(config, length),
+        d * d + 2 * d * config.ffn,
+    )
+
+
+def forward_macs_per_token(
+    config: ModelConfig, length: int, predicted: float, two_stream: bool = False
+) -> float:
+    """Multiply-adds of one forward per input token at length `length`, with a share
+    `predicted` of the tokens decoded by the MLM head."""
+    d = config.hidden
+    attend, finish = _stream_macs(config, length)
+    layer = attend + finish
+    if two_stream:  # XLNet's query stream: its own W^Q, attention over the content, finish
+        layer += d * d + attention_macs(config, length) + finish
+    head = predicted * (d * d + d * config.vocab_size)  # dense + tied decoder
+    return config.layers * layer + head
+
+
+def training_flops_per_token(
+    config: ModelConfig, length: int, predicted: float, two_stream: bool = False
+) -> float:
+    """Model FLOPs of one training token: 3 x 2 x the forward multiply-adds (PaLM App. B).
+    Two streams: the last layer's content stream (its W^Q, attention, W^O and FFN) feeds
+    nothing the loss reads (predictions come from the query stream), so it has no backward."""
+    flops = 6.0 * forward_macs_per_token(config, length, predicted, two_stream)
+    if two_stream:
+        d = config.hidden
+        _, finish = _stream_macs(config, length)
+        flops -= 4.0 * (d * d + attention_macs(config, length) + finish)
+    return flops
+
+
+def device_peak_tflops(device_name: str | None, precision: str) -> float | None:
+    """The dense peak of a CUDA device by name at `precision`; None when not in the table."""
+    if not device_name:
+        return None
+    for key, peaks in DEVICE_PEAK_TFLOPS:
+        if key.lower() in device_name.lower():
+            return peaks.get(precision)
+    return None
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What the loop needs to turn tokens and seconds into the cost fields of a log line."""
+
+    flops_per_token: float  # training model FLOPs per token
+    peak_flops: float | None  # dense FLOP/s of one device; None: MFU not reported
+    world: int  # devices (ranks)
+    max_steps: int
+
+    def fields(self, tokens_per_s: float, s_per_step: float, step: int, gpu_hours: float) -> dict:
+        per_gpu = tokens_per_s / self.world
+        mfu = per_gpu * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        return {
+            "tokens_per_s_per_gpu": per_gpu,
+            "mfu": mfu,
+            "hours_to_max_steps": max(self.max_steps - step, 0) * s_per_step / 3600,
+            "gpu_hours": gpu_hours,
+        }
+
+
+def cost_model(cfg, model_config: ModelConfig, seq_len: int, world: int, device) -> CostModel:
+    """From a run's TrainConfig, its model config, length, world size and torch device."""
+    plm = (cfg.data.objective or ("plm" if model_config.arch == "xlnet" else "mlm")) == "plm"
+    predicted = 1.0 / cfg.data.plm_ratio if plm else cfg.data.mask_prob
+    flops = training_flops_per_token(model_config, seq_len, predicted, two_stream=plm)
+    peak = cfg.run.peak_tflops
+    if peak is None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        peak = device_peak_tflops(torch.cuda.get_device_name(device), cfg.run.precision)
+    return CostModel(flops, peak * 1e12 if peak else None, world, cfg.run.max_steps)
