@@ -8,17 +8,21 @@ stepping forward, backward and optimizer. Contenders are interleaved round by ro
 machine slows them alike; the table gives the median tokens/s and the ratio to `bert` of the same
 size. Random full-length rows from tools/bench_loader.synthetic_dataset (vocabulary 32000).
 
-    python tools/bench_train.py --device cuda [--precision bf16] [--sizes base] [--archs shatter,bert]
+    python tools/bench_train.py --device cuda [--sizes base] [--archs shatter,bert]
 
-`--vs-bare` (the default with `--device cuda`): per contender, the trainer's own loop
-(train/loop.py over the real loader, tokens/s of its metrics.jsonl line after a warm-up window)
-beside the bare model step (forward, backward, torch's AdamW, fused on a GPU, the same precision,
-batches already on the device) and their ratio: what the trainer's host work and syncs cost.
+With `--device cuda` the defaults are what users run (configs/h100x8-base-256.yaml): bf16,
+ZeRO-1, length 256, micro-batches 16 and 64 (`--micro-batch 16,64`). `--vs-bare` (the default
+with `--device cuda`): per contender, the trainer's own loop (train/loop.py over the real loader,
+tokens/s and MFU of its metrics.jsonl line after a warm-up window) beside the bare model step
+(forward, backward, torch's fused AdamW, the same precision, batches already on the device) and
+their ratio: what the trainer's host work, DeepSpeed's wrapper and syncs cost. Each contender
+starts from freed memory with the peak counter reset, so its peak GiB is its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -45,8 +49,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="tiny,small")
     parser.add_argument("--archs", default=",".join(shatter.ARCHS))
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, help="default: 256 on cuda, 128 on cpu")
+    parser.add_argument(
+        "--micro-batch", help="comma-separated; default: 16,64 on cuda (--vs-bare), 16 on cpu"
+    )
     parser.add_argument("--steps", type=int, default=4, help="timed steps per contender per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
@@ -56,7 +62,10 @@ def main() -> None:
         help="torch threads (1: on a shared box OpenMP spin-waiting swamps 2 threads)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument(
+        "--precision", choices=("fp32", "bf16", "fp16"), help="cuda: bf16; cpu: fp32"
+    )
+    parser.add_argument("--zero-stage", type=int, help="the trainer's ZeRO stage (cuda: 1)")
     parser.add_argument(
         "--vs-bare",
         action=argparse.BooleanOptionalAction,
@@ -66,8 +75,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_train.py: --device cuda but torch sees no CUDA device; use --device cpu")
-    if args.vs_bare if args.vs_bare is not None else args.device == "cuda":
-        return trainer_vs_bare(args)
+    cuda = args.device == "cuda"
+    args.seq_len = args.seq_len or (256 if cuda else 128)
+    args.precision = args.precision or ("bf16" if cuda else "fp32")
+    args.zero_stage = args.zero_stage if args.zero_stage is not None else int(cuda)
+    if args.vs_bare if args.vs_bare is not None else cuda:
+        for micro_batch in (args.micro_batch or ("16,64" if cuda else "16")).split(","):
+            trainer_vs_bare(argparse.Namespace(**{**vars(args), "micro_batch": int(micro_batch)}))
+        return
+    args.micro_batch = int(args.micro_batch or 16)
     init_distributed()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,6 +191,7 @@ def trainer_tokens_per_s(model, index, data_dir: Path, run_dir: Path, args) -> d
         "save_every": 10**9,
         "export_every": 10**9,
         "precision": args.precision,
+        "zero_stage": args.zero_stage,
         "progress": False,
         "num_workers": 2,
     }
@@ -190,13 +207,28 @@ def trainer_tokens_per_s(model, index, data_dir: Path, run_dir: Path, args) -> d
     writer = MetricsWriter(run_dir, 0, False)
     ctx = RunContext(cfg, index, engine, 0, 1, run_dir, args.seq_len, writer, StopFlag())
     train(ctx, checkpoint.TrainState())
+    engine.destroy()
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_lines = [x for x in lines if "split" not in x]
     return train_lines[1]
 
 
+def fresh_peak(device: torch.device) -> None:
+    """Free what earlier contenders left and restart the peak counter, so that a contender's
+    peak GiB is its own (torch's counter is otherwise the process's maximum so far)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
 def trainer_vs_bare(args) -> None:
-    init_distributed()
+    if not torch.distributed.is_initialized():
+        init_distributed()
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -208,28 +240,37 @@ def trainer_vs_bare(args) -> None:
         for size in args.sizes.split(","):
             for arch in args.archs.split(","):
                 name = f"{arch}-{size}"
+                fresh_peak(device)
                 torch.manual_seed(0)
                 model = shatter.build_model(name, vocab_size=32000, max_len=max(512, args.seq_len))
                 record = trainer_tokens_per_s(
-                    model, index, data_dir, Path(tmp) / f"run-{name}", args
+                    model, index, data_dir, Path(tmp) / f"run-{name}-{args.micro_batch}", args
                 )
+                trainer_peak = peak_gib(device)
+                del model
+                fresh_peak(device)
                 torch.manual_seed(0)
                 bare_model = shatter.build_model(
                     name, vocab_size=32000, max_len=max(512, args.seq_len)
                 ).to(device)
                 bare = bare_tokens_per_s(bare_model, batches, args.precision, device, args.steps)
-                rows.append((name, record, bare))
+                rows.append((name, record, trainer_peak, bare, peak_gib(device)))
                 del bare_model
     print(
-        f"{args.device}, {args.precision}, micro-batch {args.micro_batch} x length {args.seq_len}, "
-        f"{args.steps} timed steps (load average {os.getloadavg()[0]:.2f})"
+        f"{args.device}, {args.precision}, ZeRO-{args.zero_stage}, micro-batch {args.micro_batch} "
+        f"x length {args.seq_len}, {args.steps} timed steps (load average {os.getloadavg()[0]:.2f})"
     )
-    print(f"{'model':16s}{'trainer tok/s':>15s}{'bare tok/s':>13s}{'ratio':>8s}{'peak GiB':>10s}")
-    for name, record, bare in rows:
-        peak = record.get("gpu_mem_peak_gb")
+    print(
+        f"{'model':16s}{'trainer tok/s':>15s}{'MFU':>7s}{'bare tok/s':>13s}{'ratio':>8s}"
+        f"{'trainer GiB':>13s}{'bare GiB':>10s}"
+    )
+    gib = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
+    for name, record, trainer_peak, bare, bare_peak in rows:
+        mfu = record.get("mfu")
         print(
-            f"{name:16s}{record['tokens_per_s']:15,.0f}{bare:13,.0f}"
-            f"{record['tokens_per_s'] / bare:8.2f}" + (f"{peak:10.2f}" if peak else f"{'-':>10s}")
+            f"{name:16s}{record['tokens_per_s']:15,.0f}{(f'{mfu:.1%}' if mfu else '-'):>7s}"
+            f"{bare:13,.0f}{record['tokens_per_s'] / bare:8.2f}"
+            f"{gib(trainer_peak):>13s}{gib(bare_peak):>10s}"
         )
 
 

@@ -2,9 +2,11 @@
 against steps, one line per run; validation solid, training faint).
 
     python tools/plot_metrics.py RUN [RUN ...] --output curves.png [--labels a,b] [--train/--no-train]
+                                 [--cost cost.png]
 
 Reads each RUN/metrics.jsonl (the DESIGN.md run layout). A run without a metrics file, or with no
-line to plot, is an error naming it.
+line to plot, is an error naming it. `--cost` also draws what each run cost: tokens/s per GPU
+and MFU against steps (MFU only where the run knew its device's peak, train/cost.py).
 """
 
 from __future__ import annotations
@@ -94,6 +96,55 @@ def plot(
     return output
 
 
+def read_cost(run: Path) -> list[dict]:
+    """Training lines of one run that carry a throughput, in step order."""
+    path = run / "metrics.jsonl" if run.is_dir() else run
+    lines = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "split" not in record and record.get("tokens_per_s") is not None:
+            lines.append(record)
+    if not lines:
+        raise click.ClickException(f"{path}: no tokens_per_s lines to plot")
+    return sorted(lines, key=lambda r: r["step"])
+
+
+def plot_cost(runs: list[Path], labels: list[str], output: Path) -> Path:
+    """Tokens/s per GPU (left) and MFU (right) against steps, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (rate, mfu) = plt.subplots(1, 2, figsize=(6.3, 2.8), dpi=150)
+    for i, (run, label) in enumerate(zip(runs, labels)):
+        lines = read_cost(run)
+        steps = [r["step"] for r in lines]
+        per_gpu = [r.get("tokens_per_s_per_gpu", r["tokens_per_s"]) for r in lines]
+        rate.plot(steps, per_gpu, color=f"C{i}", linewidth=1.2, label=label)
+        known = [(r["step"], 100 * r["mfu"]) for r in lines if r.get("mfu") is not None]
+        if known:
+            mfu.plot(*zip(*known), color=f"C{i}", linewidth=1.2, label=label)
+    rate.set_ylabel("tokens/s per GPU")
+    mfu.set_ylabel("MFU (%)")
+    if not mfu.lines:
+        mfu.text(
+            0.5, 0.5, "no device peak known", ha="center", va="center", transform=mfu.transAxes
+        )
+    for ax in (rate, mfu):
+        ax.set_xlabel("steps")
+        ax.grid(True, alpha=0.3)
+    rate.legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output)
+    plt.close(fig)
+    return output
+
+
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
@@ -104,12 +155,17 @@ def plot(
     "--train/--no-train", "show_train", default=True, help="Also draw the training loss, faint."
 )
 @click.option("--title", help="Figure title.")
-def main(runs, output, labels, show_train, title):
+@click.option(
+    "--cost", type=click.Path(path_type=Path), help="Also draw tokens/s per GPU and MFU here."
+)
+def main(runs, output, labels, show_train, title, cost):
     """Draw the MLM loss curves of RUNS into a PNG."""
     names = labels.split(",") if labels else [Path(r).name for r in runs]
     if len(names) != len(runs):
         raise click.ClickException(f"{len(names)} labels for {len(runs)} runs")
     click.echo(plot(list(runs), names, output, show_train, title))
+    if cost:
+        click.echo(plot_cost(list(runs), names, cost))
 
 
 if __name__ == "__main__":

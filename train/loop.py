@@ -344,7 +344,7 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
             break
     progress.close()
     gpu_hours = gpu_hours_before + (time.perf_counter() - started) * ctx.world / 3600
-    progress.write(f"{gpu_hours:.3f} GPU-hours used to step {state.step} ({ctx.world} ranks)")
+    progress.write(f"{gpu_hours:.3f} GPU-hours used to step {state.step} (world size {ctx.world})")
     return status
 
 

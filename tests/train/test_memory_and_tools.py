@@ -102,3 +102,26 @@ def test_plot_metrics_draws_runs_and_names_a_bad_one(tmp_path):
     (plm / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 7.0, "objective": "plm"}))
     result = CliRunner().invoke(main, [runs[0], str(plm), "-o", str(png)])
     assert result.exit_code == 1 and "mix objectives" in result.output
+
+
+def test_plot_metrics_draws_tokens_per_s_and_mfu(tmp_path):
+    from tools.plot_metrics import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [
+        {"step": s, "loss": 5.0, "tokens_per_s": 8e5, "tokens_per_s_per_gpu": 1e5, "mfu": 0.4}
+        for s in range(10, 60, 10)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cost = tmp_path / "cost.png"
+    result = CliRunner().invoke(
+        main, [str(run), "-o", str(tmp_path / "a.png"), "--cost", str(cost)]
+    )
+    assert result.exit_code == 0, result.output
+    assert cost.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and cost.stat().st_size > 10_000
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    result = CliRunner().invoke(
+        main, [str(run), "-o", str(tmp_path / "a.png"), "--cost", str(cost)]
+    )
+    assert result.exit_code == 1 and "no tokens_per_s lines" in result.output

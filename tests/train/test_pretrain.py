@@ -160,7 +160,7 @@ def test_fp32_zero1_two_ranks_loss_falls_and_exports_the_engines_model(books_dat
     assert lines[-1]["hours_to_max_steps"] == 0 and lines[0]["hours_to_max_steps"] > 0
     hours = [r["gpu_hours"] for r in lines]
     assert hours == sorted(hours) and hours[-1] > 0
-    assert "GPU-hours used to step 60 (2 ranks)" in done.stderr
+    assert "GPU-hours used to step 60 (world size 2)" in done.stderr
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["world_size"] == 2 and cfg["deepspeed"]["train_batch_size"] == 16
     assert (run / "export" / "STEP").read_text().strip() == "step00000060"
