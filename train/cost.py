@@ -11,8 +11,9 @@ parts, l = the run's length:
 - attention (the l x l terms): Q K^T and A V, each l d multiply-adds per token summed over the
   heads (eq. 1-2); the single-head archs score Q X^T, l d, and their A V over the n parts of V
   is l d as well (eq. 5 and the rank-3 V of §3.1);
-- per arch extras: Part_Bias and Shatter add Q R^T (n d, §3.3), Shatter also A_part V_part (n d,
-  §3.3); BERT-RPE adds Q K_rel^T and A_rel V_rel (r d each, r = min(2 l - 1, 2 m - 1)
+- per arch extras: Part_Bias and Shatter add Q R^T (n d) and the bias B = sum_h (Q R^T)[:, h]
+  N[h] (n l; N is a constant, so its backward has one product, not two), Shatter also
+  A_part V_part (n d), all §3.3; BERT-RPE adds Q K_rel^T and A_rel V_rel (r d each, r = min(2 l - 1, 2 m - 1)
   relative rows, §2); XLNet adds the position term (q + v) . W_R r over 2 l - 1 distances and the
   two segment scores (Dai et al. 2019 §3.3, Yang et al. 2019 §2.5), and its permutation LM runs
   a second (query) stream with its own W^Q, attention, W^O and FFN (§2.3), while the last
@@ -21,7 +22,8 @@ parts, l = the run's length:
   d V (BERT's tied output layer).
 
 Products computed once per forward from weights alone (Shatter's R W^V, RPE's R W^K and R W^V,
-XLNet's W_R r) are left out: at micro-batch B they add at most 2 d^2 / B per token per layer.
+XLNet's W_R r) are shared out over the micro-batch's tokens when it is given (a run gives it):
+at micro-batch 16 and l = 256 they add under 0.1% for Shatter.
 Elementwise work (softmax, sigmoid, L2 normalisation, N, LayerNorm, GELU) is not counted, as in
 the convention. tests/train/test_cost.py checks the count against a hand count (bert-base,
 shatter-base) and against torch's FLOP counter on small models of every arch.
@@ -66,7 +68,8 @@ def attention_macs(config: ModelConfig, length: int) -> int:
     d, n, arch = config.hidden, config.heads, config.arch
     macs = 2 * length * d  # Q K^T (or Q X^T) and A V, eq. 1-2 / eq. 5
     if arch in ("part-bias", "shatter"):
-        macs += n * d  # c = Q R^T, the partition bias B (§3.3)
+        macs += n * d  # c = Q R^T (§3.3)
+        macs += n * length  # B[i, :] = sum_h c[i, h] N[h, i, :] (§3.3): N is constant
     if arch == "shatter":
         macs += n * d  # A_part V_part (§3.3)
     if arch == "bert-rpe":
@@ -101,17 +104,42 @@ def forward_macs_per_token(
     return config.layers * layer + head
 
 
+def weight_flops_per_forward(config: ModelConfig, length: int) -> float:
+    """Training FLOPs of the products made once per forward from weights alone, all layers:
+    Shatter's V_part = R W^V (n d^2, §3.3) and RPE's K_rel = R W^K, V_rel = R W^V (r d^2 each,
+    §2), forward and both gradients (3 x 2); XLNet's W_R r over 2 l - 1 distances (r is fixed:
+    forward and the weight gradient, 2 x 2)."""
+    d, arch = config.hidden, config.arch
+    if arch == "shatter":
+        return config.layers * 6.0 * config.heads * d * d
+    if arch == "bert-rpe":
+        r = min(2 * length - 1, 2 * config.rpe_max_distance - 1)
+        return config.layers * 6.0 * 2 * r * d * d
+    if arch == "xlnet":
+        return config.layers * 4.0 * (2 * length - 1) * d * d
+    return 0.0
+
+
 def training_flops_per_token(
-    config: ModelConfig, length: int, predicted: float, two_stream: bool = False
+    config: ModelConfig,
+    length: int,
+    predicted: float,
+    two_stream: bool = False,
+    micro_batch: int | None = None,
 ) -> float:
     """Model FLOPs of one training token: 3 x 2 x the forward multiply-adds (PaLM App. B).
     Two streams: the last layer's content stream (its W^Q, attention, W^O and FFN) feeds
-    nothing the loss reads (predictions come from the query stream), so it has no backward."""
+    nothing the loss reads (predictions come from the query stream), so it has no backward.
+    With `micro_batch`, the once-per-forward weight products are shared out over its tokens."""
     flops = 6.0 * forward_macs_per_token(config, length, predicted, two_stream)
     if two_stream:
         d = config.hidden
         _, finish = _stream_macs(config, length)
         flops -= 4.0 * (d * d + attention_macs(config, length) + finish)
+    if config.arch in ("part-bias", "shatter"):
+        flops -= 2.0 * config.layers * config.heads * length  # B's backward: no gradient of N
+    if micro_batch:
+        flops += weight_flops_per_forward(config, length) / (micro_batch * length)
     return flops
 
 
@@ -149,7 +177,9 @@ def cost_model(cfg, model_config: ModelConfig, seq_len: int, world: int, device)
     """From a run's TrainConfig, its model config, length, world size and torch device."""
     plm = (cfg.data.objective or ("plm" if model_config.arch == "xlnet" else "mlm")) == "plm"
     predicted = 1.0 / cfg.data.plm_ratio if plm else cfg.data.mask_prob
-    flops = training_flops_per_token(model_config, seq_len, predicted, two_stream=plm)
+    flops = training_flops_per_token(
+        model_config, seq_len, predicted, two_stream=plm, micro_batch=cfg.run.micro_batch
+    )
     peak = cfg.run.peak_tflops
     if peak is None and getattr(device, "type", None) == "cuda":
         import torch

@@ -17,27 +17,30 @@ def test_bert_base_and_shatter_base_match_the_hand_count():
         # BERT (§2): W^Q, W^K, W^V and W^O (eq. 1, 3), the FFN, then Q K^T and A V over l keys
         # per head, l d multiply-adds per token each, summed over the n heads (eq. 1-2)
         bert_layer = 4 * d * d + 2 * d * f + 2 * length * d
-        # Shatter (§3): no W^K (K = X, §3.2); Q X^T and A V (eq. 5, V in n parts), Q R^T for the
-        # partition bias B and A_part V_part (§3.3), n d each
+        # Shatter (§3): no W^K (K = X, §3.2); Q X^T and A V (eq. 5, V in n parts), Q R^T and
+        # A_part V_part (§3.3), n d each; and B = sum_h (Q R^T)[:, h] N[h] (§3.3), n l, whose
+        # backward is one product (N is constant): 4 FLOPs per multiply-add instead of 6
         shatter_layer = 3 * d * d + 2 * d * f + 2 * length * d + 2 * n * d
         head = p * (d * d + d * vocab)  # MLM head on the predicted 15%: dense + tied decoder
-        for arch, layer in (("bert", bert_layer), ("shatter", shatter_layer)):
-            hand = 6 * (layers * layer + head)  # 2 FLOPs per multiply-add, 3x for training
+        cases = (("bert", bert_layer, 0), ("shatter", shatter_layer, 4 * n * length))
+        for arch, layer, bias in cases:
+            # 2 FLOPs per multiply-add, 3x for training
+            hand = 6 * (layers * layer + head) + layers * bias
             config = preset_config(f"{arch}-base", max_len=length)
             assert training_flops_per_token(config, length, p) == pytest.approx(hand, rel=1e-12)
+    # shatter-base at l = 1024, in numbers
     assert hand == pytest.approx(
-        6
-        * (
-            12 * (3 * 768**2 + 2 * 768 * 3072 + 2 * 1024 * 768 + 24 * 768)
-            + 0.15 * (768**2 + 768 * 32000)
-        )
+        6 * 12 * (3 * 768**2 + 2 * 768 * 3072 + 2 * 1024 * 768 + 24 * 768)
+        + 12 * 4 * 12 * 1024
+        + 6 * 0.15 * (768**2 + 768 * 32000),
+        rel=1e-12,
     )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_count_is_what_the_model_multiplies(arch):
-    """Forward and backward of a small model under torch's FLOP counter: matmul FLOPs per token
-    equal the formula (within the per-forward weight-only products it leaves out)."""
+    """Forward and backward of a small model under torch's FLOP counter: its matmul FLOPs per
+    token are the formula's, exactly."""
     B, L = 8, 16
     torch.manual_seed(0)
     model = shatter.build_model(f"{arch}-tiny", vocab_size=300, attention_impl="naive")
@@ -49,8 +52,8 @@ def test_the_count_is_what_the_model_multiplies(arch):
     with FlopCounterMode(display=False) as counter:
         model(**inputs)["loss"].backward()
     measured = counter.get_total_flops() / (B * L)
-    expected = training_flops_per_token(model.config, L, predicted=1.0, two_stream=plm)
-    assert measured == pytest.approx(expected, rel=0.02)
+    expected = training_flops_per_token(model.config, L, 1.0, two_stream=plm, micro_batch=B)
+    assert measured == pytest.approx(expected, rel=1e-9)
 
 
 def test_mfu_needs_a_peak():
