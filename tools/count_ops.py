@@ -138,7 +138,8 @@ def count_engine(preset: str, precision: str, stage: int, options: dict, args) -
     batches = [
         mlm_batch(args.micro_batch, args.seq_len, args.vocab, i) for i in range(args.grad_accum)
     ]
-    engine_step(engine, batches, None)  # warm-up: optimizer states, lazy buffers
+    for _ in range(args.warmup):  # optimizer states, lazy buffers, ZeRO-3's parameter trace
+        engine_step(engine, batches, None)
     counter = OpCounter()
     with counter:
         engine_step(engine, batches, counter)
@@ -184,8 +185,14 @@ ZERO_OPTIONS = [
     (1, "reduce_bucket_size 2e9", {"zero_optimization": {"reduce_bucket_size": int(2e9)}}),
     (1, "overlap_comm on", {"zero_optimization": {"overlap_comm": True}}),
     (1, "reduce_scatter off", {"zero_optimization": {"reduce_scatter": False}}),
-    (0, "bf16 immediate_grad_update", {"bf16": {"immediate_grad_update": True}}),
-    (0, "bf16 immediate_grad_update off", {"bf16": {"immediate_grad_update": False}}),
+    # fp32 gradient accumulation at ZeRO-1 takes DeepSpeed's BF16_Optimizer, where
+    # immediate_grad_update applies
+    (1, "grad_accum_dtype fp32", {"data_types": {"grad_accum_dtype": "fp32"}}),
+    (
+        1,
+        "grad_accum_dtype fp32 + immediate_grad_update",
+        {"data_types": {"grad_accum_dtype": "fp32"}, "bf16": {"immediate_grad_update": True}},
+    ),
     (2, "contiguous_gradients off", {"zero_optimization": {"contiguous_gradients": False}}),
 ]
 
@@ -232,7 +239,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1, help="optimizer steps before counting")
     parser.add_argument("--zero-options", action="store_true")
+    parser.add_argument("--only", help="count only the rows whose name contains this")
     parser.add_argument("--top", type=int, default=0, help="list the N most frequent ops per row")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row, JSON, in a child
     args = parser.parse_args()
@@ -244,6 +253,8 @@ def main() -> None:
         return
     results = []
     for name, spec in rows_of(args):
+        if args.only and args.only not in name:
+            continue
         # each row in a fresh process: DeepSpeed engines are not freed by destroy(), and a
         # fresh process group per engine keeps rows independent
         child = subprocess.run(
@@ -260,7 +271,8 @@ def main() -> None:
         results.append((name, Tally(**{k: Counter(v) for k, v in data.items()}), ""))
     print(
         f"{args.preset}, micro-batch {args.micro_batch} x length {args.seq_len}, "
-        f"grad_accum {args.grad_accum}, one optimizer step after a warm-up one (CPU, 1 process)"
+        f"grad_accum {args.grad_accum}, one optimizer step after {args.warmup} warm-up step(s) "
+        "(CPU, 1 process)"
     )
     print(
         "| path | forward ops / micro | backward ops / micro | step ops / optimizer step "

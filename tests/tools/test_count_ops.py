@@ -18,7 +18,7 @@ def test_a_step_that_does_not_log_reads_nothing_on_the_host():
     own: none at fp32 ZeRO-0; at bf16 ZeRO-1 only its clipping's validity check of the norm, one
     per parameter group (stage_1_and_2.unscale_and_clip_grads)."""
     init_distributed()
-    args = argparse.Namespace(micro_batch=2, seq_len=32, vocab=300, grad_accum=2)
+    args = argparse.Namespace(micro_batch=2, seq_len=32, vocab=300, grad_accum=2, warmup=1)
     for precision, stage, deepspeed_reads in (("fp32", 0, 0), ("bf16", 1, 2)):
         tally = count_engine("bert-tiny", precision, stage, {}, args)
         sites = dict(tally.read_sites)
