@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 import shatter  # noqa: E402
 from train.config import resolve  # noqa: E402
@@ -82,12 +83,21 @@ class OpCounter(TorchDispatchMode):
             self.phase = "other"
 
 
-def caller() -> str:
-    """The innermost frame outside torch: who asked for the value."""
-    outside = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename]
-    return " < ".join(
-        f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno}" for f in outside[-3:][::-1]
+def _where(filename: str) -> str:
+    """A frame's file: relative to this repository, or to site-packages (`deepspeed/...`)."""
+    path = Path(filename)
+    if path.is_relative_to(REPO):
+        return str(path.relative_to(REPO))
+    parts = path.parts
+    return "/".join(
+        parts[parts.index("site-packages") + 1 :] if "site-packages" in parts else parts[-2:]
     )
+
+
+def caller() -> str:
+    """The innermost frames outside torch: who asked for the value."""
+    outside = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename]
+    return " < ".join(f"{_where(f.filename)}:{f.lineno}" for f in outside[-3:][::-1])
 
 
 def mlm_batch(batch: int, length: int, vocab: int, seed: int) -> dict:
