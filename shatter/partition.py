@@ -109,6 +109,26 @@ def relative_index(length: int, max_len: int, device: torch.device) -> torch.Ten
     return idx
 
 
+class PartitionBuffer:
+    """Mixin for the attention modules that hold their layer's table as the non-persistent buffer
+    `partition`. A module-wide `.bfloat16()`/`.half()`, or a DeepSpeed engine with
+    `data_types.buffer_dtype` set, rounds buffers; a rounded table no longer sums to 1 (a bf16
+    f_h has 8 bits). `exact_partition()` is what the forward reads: the fp32 table, rebuilt from the
+    float64 values (and the buffer restored) if anything cast it."""
+
+    def register_partition(self, n_parts: int, layer: int, n_layers: int, max_len: int) -> None:
+        self._partition_args = (n_parts, layer, n_layers, max_len)
+        table = partition_table(n_parts, layer, n_layers, max_len)
+        self.register_buffer("partition", table, persistent=False)  # (n, 2 max_len - 1)
+
+    def exact_partition(self) -> torch.Tensor:
+        table = self.partition
+        if table.dtype != torch.float32:  # metadata only: no host sync
+            table = partition_table(*self._partition_args, device=table.device)
+            self.partition = table
+        return table
+
+
 def partition_mask(table: torch.Tensor, length: int) -> torch.Tensor:
     """N: Tensor[n, l, l] with N[h, i, j] = f_h(j - i), indexed from an (n, 2m-1) table.
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shatter.partition import partition_mask, partition_table
+from shatter.partition import PartitionBuffer, partition_mask
 
 if TYPE_CHECKING:  # annotations only: shatter.config reads this registry
     from shatter.config import ModelConfig
@@ -175,7 +175,7 @@ class RpeAttention(BertAttention):
         return _merge(a @ v + a_rel @ v_rel)
 
 
-class PartMaskAttention(BertAttention):
+class PartMaskAttention(BertAttention, PartitionBuffer):
     """eq. 4, §3.1: A = softmax(Q K^T / sqrt(d/n)) ⊙ N, head h restricted by N[h] = f_h(j - i)."""
 
     absolute_positions = False
@@ -183,11 +183,10 @@ class PartMaskAttention(BertAttention):
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__(config, layer)
-        table = partition_table(config.heads, layer, config.layers, config.max_len)
-        self.register_buffer("partition", table, persistent=False)  # (n, 2 max_len - 1)
+        self.register_partition(config.heads, layer, config.layers, config.max_len)
 
     def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         q, k, v = (_heads(f(x_BLD), self.n) for f in (self.query, self.key, self.value))
-        N = partition_mask(self.partition, x_BLD.shape[1]).to(q.dtype)  # [n, L, L]
+        N = partition_mask(self.exact_partition(), x_BLD.shape[1]).to(q.dtype)  # [n, L, L]
         a = masked_softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), mask_BL) * N
         return _merge(F.dropout(a, self._p(), self.training) @ v)

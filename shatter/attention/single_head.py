@@ -31,13 +31,13 @@ from torch import nn
 
 from shatter.attention.impls import resolve
 from shatter.attention.lean import activate
-from shatter.partition import partition_table
+from shatter.partition import PartitionBuffer
 
 if TYPE_CHECKING:  # annotations only: shatter.config reads this registry
     from shatter.config import ModelConfig
 
 
-class SingleHeadPartitionAttention(nn.Module):
+class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
     """The shared form; subclasses only choose the activation and which uses of R they have."""
 
     absolute_positions = False
@@ -53,8 +53,7 @@ class SingleHeadPartitionAttention(nn.Module):
         self.value = nn.Linear(d, d)  # W^V
         if self.partition_bias or self.partition_value:
             self.partition_embeddings = nn.Parameter(torch.empty(self.n, d))  # R, n x d
-        table = partition_table(config.heads, layer, config.layers, config.max_len)
-        self.register_buffer("partition", table, persistent=False)  # (n, 2 max_len - 1)
+        self.register_partition(config.heads, layer, config.layers, config.max_len)
         self.impl = config.attention_impl
 
     def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
@@ -64,7 +63,7 @@ class SingleHeadPartitionAttention(nn.Module):
         V = self.value(x_BLD).view(B, L, self.n, d // self.n).transpose(1, 2)  # [B, n, L, d/n]
         X = x_BLD.to(Q.dtype)  # the keys (K = X) in the matmul dtype: bf16 under autocast
         mix = resolve(self.impl, x_BLD.device, self.sigmoid)  # scores Q X^T / sqrt(d) inside
-        x_bar, a_part = mix(Q, X, V, c, mask_BL, self.partition, self.sigmoid)
+        x_bar, a_part = mix(Q, X, V, c, mask_BL, self.exact_partition(), self.sigmoid)
         context = x_bar.transpose(1, 2).reshape(B, L, d)
         if self.partition_value:
             v_part = F.linear(self.partition_embeddings, self.value.weight)  # R W^V: [n, d]

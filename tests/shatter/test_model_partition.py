@@ -2,12 +2,18 @@
 evaluation of the appendix formula at chosen points."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import shatter
 from shatter.partition import partition_mask, partition_of_unity, partition_params, partition_table
 
+REPO = Path(__file__).resolve().parents[2]
 CASES = [(4, 0, 2), (4, 1, 2), (12, 0, 12), (12, 5, 12), (12, 11, 12), (16, 23, 24)]
 
 
@@ -98,3 +104,30 @@ def test_plot_partition(tmp_path):
     assert ax.lines[-1].get_ydata() == pytest.approx([1.0] * 21)
     ax.figure.savefig(tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_table_stays_fp32_under_a_bf16_deepspeed_engine():
+    """A bf16 engine that casts buffers (data_types.buffer_dtype) rounds the non-persistent table
+    (a bf16 partition misses 1 by ~2e-3); every impl must still be handed the exact fp32 table."""
+    script = Path(__file__).with_name("deepspeed_partition.py")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = dict(line.split(" ", 1) for line in res.stdout.splitlines() if " " in line)
+    assert lines["buffer"] == "torch.bfloat16"  # the engine did cast it: the check can fail
+    for impl in ("chunked", "lean", "naive"):
+        calls, dtype, err = lines[impl].split()
+        assert int(calls) == 2 and dtype == "torch.float32", lines[impl]
+        assert float(err) < 1e-6, lines[impl]
+
+
+@pytest.mark.parametrize("arch", ["part-mask", "shatter"])
+def test_table_is_rebuilt_after_a_module_wide_half(arch):
+    model = shatter.build_model(f"{arch}-tiny", vocab_size=50, max_len=16).half()
+    attention = model.encoder.layers[0].attention
+    assert attention.partition.dtype == torch.float16
+    table = attention.exact_partition()
+    assert table.dtype == torch.float32 and attention.partition is table
+    assert (table.double().sum(0) - 1).abs().max() < 1e-6
