@@ -11,10 +11,15 @@ matrix, and no n x l x l tensor A ⊙ N, is ever stored. For a block of rows i:
     X_bar[h]_i  = (A ⊙ N[h])_i V[h]         one matmul batched over the n parts    eq. 2-3
     A_part[i, h] = sum_j (A ⊙ N[h])_ij                                    §3.3, A_part^T
 
-N[h, i, j] = f_h(j - i) for the block's rows is gathered from the layer's (n, 2m - 1) table.
+N[h, i, j] = f_h(j - i) for the block's rows is gathered from the layer's (n, 2m - 1) table for
+X_bar only; B and A_part (and their gradients) are small matmuls against the table window T in
+relative coordinates, B = skew(c T) and A_part = unskew(A) T^T, as `lean` takes them, so that no
+[B, r, n, L] broadcast is ever copied.
 The forward keeps only Q, X, V, c, the mask and one statistic per row: |P_i| (sigmoid) or the
 logsumexp of the masked scores (softmax). The backward recomputes each block's A from them and
-takes the row term <dL/dA_i, A_i> inside the block, where the rows are whole.
+takes the row term <dL/dA_i, A_i> inside the block, where the rows are whole. Each block's
+dL/dZ goes, in the input dtype, into one [B, L, L] buffer, and dQ = dZ X, dX = dZ^T Q are two
+GEMMs at the end (cuBLAS accumulates in fp32), instead of d-wide fp32 sums updated per block.
 
 Block size: the largest transient per block is the [B, n, r, l] tensor A ⊙ N (and, in the
 backward, dL/d(A ⊙ N)); r is chosen so that it holds at most `BLOCK_ELEMENTS` (16M) elements,
@@ -28,9 +33,9 @@ import math
 
 import torch
 
-from shatter.attention.lean import NORM_EPS
+from shatter.attention.lean import NORM_EPS, skew, table_window, unskew
 
-BLOCK_ELEMENTS = 1 << 24  # transient [B, n, r, l] per row block: at most 16M elements
+BLOCK_ELEMENTS = 1 << 24  # transient [B, n, r, L] per row block: at most 16M elements
 
 
 def block_rows(B: int, n: int, L: int) -> int:
@@ -47,17 +52,12 @@ def _parts(table: torch.Tensor, i0: int, i1: int, L: int, dtype: torch.dtype) ->
     return table[:, j[None, :] - i[:, None] + m - 1].to(dtype)
 
 
-def _scores(Q, X, c, N, i0, i1, scale):
-    """Z + B for rows i0:i1 in float32 or wider: [B, r, L]."""
-    Z = ((Q[:, i0:i1] * scale) @ X.transpose(-1, -2)).to(N.dtype)  # scaled first: no fp16 overflow
-    if c is not None:  # B_ij = sum_h c_ih N[h, i, j]: [B, r, 1, n] @ [r, n, L]
-        Z = Z + (c[:, i0:i1, None, :].to(N.dtype) @ N.transpose(0, 1)).squeeze(-2)
+def _scores(Q, X, c, T, i0, i1, scale):
+    """Z + B for rows i0:i1 in T's dtype (float32 or wider): [B, r, L]."""
+    Z = ((Q[:, i0:i1] * scale) @ X.transpose(-1, -2)).to(T.dtype)  # scaled first: no fp16 overflow
+    if c is not None:  # B_ij = sum_h c_ih f_h(j - i) = skew(c T), §3.3
+        Z += skew(c[:, i0:i1].to(T.dtype) @ T, i0)
     return Z
-
-
-def _per_part(M, N):
-    """sum_j M[b, i, j] N[h, i, j] -> [B, r, n] without a [B, n, r, L] temporary."""
-    return (M[:, :, None, :] @ N.permute(1, 2, 0)).squeeze(-2)
 
 
 def _weights(S, keep, stat, sigmoid: bool):
@@ -79,24 +79,27 @@ class ChunkedPartitionAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(d)
         keep = mask_BL[:, None, :].to(acc)
         Xq = X.to(Q.dtype)  # the matmul dtype (a no-op unless the caller mixes precisions)
+        Vc = V.contiguous()  # once: a strided V would be copied by every block's matmul
+        T = table_window(table, L, acc)
         out = V.new_empty(V.shape)
         part = torch.empty(B, L, n, dtype=V.dtype, device=V.device)
         stat = torch.empty(B, L, dtype=acc, device=Q.device)
         with torch.autocast(Q.device.type, enabled=False):
             for i0 in range(0, L, r := block_rows(B, n, L)):
                 i1 = min(L, i0 + r)
-                N = _parts(table, i0, i1, L, acc)
-                S = _scores(Q, Xq, c, N, i0, i1, scale)
+                S = _scores(Q, Xq, c, T, i0, i1, scale)
                 if sigmoid:  # eq. 5: padded keys zeroed before the L2 normalisation
                     s = stat[:, i0:i1] = (torch.sigmoid(S) * keep).norm(dim=-1).clamp_min(NORM_EPS)
                 else:  # a row with no real key (a sequence of padding only) gets A = 0
                     s = S.masked_fill(keep == 0, -math.inf).logsumexp(-1)
                     s = stat[:, i0:i1] = s.masked_fill(s == -math.inf, 0.0)
                 A = _weights(S, keep, s, sigmoid)
-                AN = A[:, None].to(V.dtype) * N[None].to(V.dtype)  # A ⊙ N[h]: [B, n, r, L]
-                out[:, :, i0:i1] = AN @ V
+                del S
+                N = _parts(table, i0, i1, L, V.dtype)
+                AN = A.to(V.dtype)[:, None] * N[None]  # A ⊙ N[h]: [B, n, r, L]
+                out[:, :, i0:i1] = AN @ Vc
                 del AN
-                part[:, i0:i1] = _per_part(A, N).to(V.dtype)
+                part[:, i0:i1] = unskew(A, i0) @ T.t()  # A_part = unskew(A) T^T
         ctx.save_for_backward(Q, X, V, c, mask_BL, table, stat)
         ctx.sigmoid = sigmoid
         ctx.set_materialize_grads(False)
@@ -111,49 +114,49 @@ class ChunkedPartitionAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(d)
         keep = mask_BL[:, None, :].to(acc)
         Xq = X.to(Q.dtype)
+        Vc = V.contiguous()
+        T = table_window(table, L, acc)
         need_q, need_x, need_v, need_c = ctx.needs_input_grad[:4]
-        gQ = torch.zeros(Q.shape, dtype=acc, device=Q.device) if need_q else None
-        gX = torch.zeros(X.shape, dtype=acc, device=X.device) if need_x else None
         gV = (
             torch.zeros(V.shape, dtype=acc, device=V.device)
             if need_v and g_out is not None
             else None
         )
-        gc = torch.zeros(B, L, n, dtype=acc, device=Q.device) if c is not None and need_c else None
+        gc = torch.empty(B, L, n, dtype=acc, device=Q.device) if c is not None and need_c else None
+        gZ = torch.empty(B, L, L, dtype=Q.dtype, device=Q.device) if need_q or need_x else None
         if g_out is not None:
             g_out = g_out.contiguous()  # autograd may hand in an expanded or transposed view
         with torch.autocast(Q.device.type, enabled=False):
             for i0 in range(0, L, r := block_rows(B, n, L)):
                 i1 = min(L, i0 + r)
-                N = _parts(table, i0, i1, L, acc)
-                S = _scores(Q, Xq, c, N, i0, i1, scale)
+                S = _scores(Q, Xq, c, T, i0, i1, scale)
                 A = _weights(S, keep, stat[:, i0:i1], ctx.sigmoid)
-                # dL/d(A ⊙ N[h]) = g_out[h] V[h]^T + g_part[:, h] (A_part's term), then times N[h]
+                # dL/dA = sum_h N[h] ⊙ (g_out[h] V[h]^T) + skew(g_part T) (A_part's term)
                 if g_out is not None:
-                    G = (g_out[:, :, i0:i1] @ V.transpose(-1, -2)).to(acc)
+                    N = _parts(table, i0, i1, L, acc)
                     if gV is not None:
-                        AN = A[:, None].to(V.dtype) * N[None].to(V.dtype)
-                        gV += (AN.transpose(-1, -2) @ g_out[:, :, i0:i1]).to(acc)
+                        AN = A.to(V.dtype)[:, None] * N[None].to(V.dtype)
+                        gV += AN.transpose(-1, -2) @ g_out[:, :, i0:i1]
                         del AN
+                    G = (g_out[:, :, i0:i1] @ Vc.transpose(-1, -2)).to(acc)
+                    gA = G.mul_(N).sum(1)
+                    del G, N
                 else:
-                    G = torch.zeros(B, n, i1 - i0, L, dtype=acc, device=Q.device)
+                    gA = torch.zeros_like(A)
                 if g_part is not None:
-                    G += g_part[:, i0:i1].transpose(1, 2)[..., None].to(acc)
-                gA = G.mul_(N).sum(1)
-                del G
+                    gA += skew(g_part[:, i0:i1].to(acc) @ T, i0)
                 dot = (gA * A).sum(-1, keepdim=True)  # the row term; rows are whole in a block
                 if ctx.sigmoid:  # A = P/|P|: dP = (dA - A <dA, A>)/|P|, dS = dP ⊙ m ⊙ s(1 - s)
                     s = torch.sigmoid(S)
                     gS = (gA - A * dot).div_(stat[:, i0:i1, None]).mul_(keep).mul_(s * (1 - s))
                 else:
                     gS = A * (gA - dot)
-                if gc is not None:  # dL/dc_ih = sum_j dS_ij N[h, i, j]
-                    gc[:, i0:i1] = _per_part(gS, N)
-                gZ = (gS * scale).to(Q.dtype)
-                if gQ is not None:
-                    gQ[:, i0:i1] = (gZ @ Xq).to(acc)
-                if gX is not None:
-                    gX += (gZ.transpose(-1, -2) @ Q[:, i0:i1]).to(acc)
+                if gc is not None:  # dL/dc_ih = sum_j dS_ij f_h(j - i) = unskew(dS) T^T
+                    gc[:, i0:i1] = unskew(gS, i0) @ T.t()
+                if gZ is not None:
+                    gZ[:, i0:i1] = gS.mul_(scale)
+        gQ = gZ @ Xq if need_q else None  # dQ = dZ X / sqrt(d)
+        gX = gZ.transpose(-1, -2) @ Q if need_x else None  # dX = dZ^T Q / sqrt(d) (keys)
 
         def cast(g, like):
             return None if g is None else g.to(like.dtype)

@@ -36,18 +36,20 @@ def table_window(table: torch.Tensor, L: int, dtype: torch.dtype) -> torch.Tenso
     return table[:, m - L : m + L - 1].to(dtype)
 
 
-def skew(G: torch.Tensor) -> torch.Tensor:
-    """[B, L, 2L-1] relative -> [B, L, L] absolute view: out[b, i, j] = G[b, i, j - i + L - 1]."""
+def skew(G: torch.Tensor, i0: int = 0) -> torch.Tensor:
+    """[B, r, 2L-1] relative -> [B, r, L] absolute view of rows i0..i0+r-1 (all of them when
+    r = L, i0 = 0): out[b, t, j] = G[b, t, j - (i0 + t) + L - 1]."""
     G = G.contiguous()
-    B, L, W = G.shape
-    return G.as_strided((B, L, L), (L * W, W - 1, 1), G.storage_offset() + L - 1)
+    B, r, W = G.shape
+    L = (W + 1) // 2
+    return G.as_strided((B, r, L), (r * W, W - 1, 1), G.storage_offset() + L - 1 - i0)
 
 
-def unskew(X: torch.Tensor) -> torch.Tensor:
-    """[B, L, L] absolute -> [B, L, 2L-1] relative (zeros where j - i falls outside 0..L-1)."""
-    B, L, _ = X.shape
-    G = X.new_zeros(B, L, 2 * L - 1)
-    skew(G).copy_(X)
+def unskew(X: torch.Tensor, i0: int = 0) -> torch.Tensor:
+    """[B, r, L] absolute rows i0.. -> [B, r, 2L-1] relative (zeros where j - i is outside)."""
+    B, r, L = X.shape
+    G = X.new_zeros(B, r, 2 * L - 1)
+    skew(G, i0).copy_(X)
     return G
 
 
