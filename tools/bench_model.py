@@ -85,7 +85,7 @@ class BenchConfig:
 def impls_for(device: torch.device) -> tuple[str, ...]:
     """The impls that run on `device` (auto is one of them, so it is not listed)."""
     names = [name for name in ATTENTION_IMPLS if name not in ("auto", "triton")]
-    if device.type == "cuda" and impls.auto_impl(device, sigmoid=True) == "triton":
+    if device.type == "cuda" and impls.auto_impl(device, torch.bfloat16) == "triton":
         names.insert(0, "triton")
     return tuple(names)
 

@@ -9,14 +9,16 @@ the partition bias), `table` the layer's (n, 2m - 1) partition table, `sigmoid` 
 L2-normalised sigmoid (False: softmax). The impls take Q and X: no caller ever materialises the
 l x l score matrix.
 
-    triton   fused kernel (shatter/attention/triton_kernel.py), sm_80+ GPUs, sigmoid archs only
+    triton   hybrid: cuBLAS GEMMs for Q X^T, dQ, dX around Triton mixing kernels
+             (shatter/attention/triton_kernel.py), sm_80+ GPUs; refused below sm_80
     chunked  row blocks through cuBLAS matmuls, recomputing backward (shatter/attention/chunked.py)
     lean     saves the l x l pre-activation Z0 and recomputes the rest (shatter/attention/lean.py)
     naive    the reference: autograd through A ⊙ N as [B, n, l, l]
 
-`auto` decides per call from the input's device, without a host sync: `triton` on CUDA devices of
-compute capability >= 8.0 when triton imports and the arch is sigmoid, `chunked` on other CUDA
-devices (V100: Triton has no tensor-core code below sm_80), `lean` on the CPU.
+`auto` decides per call from the input's device and dtype, without a host sync: `triton` on CUDA
+devices of compute capability >= 8.0 for bf16/fp16 when triton imports; `chunked` on CUDA for fp32
+(the kernels' IEEE fp32 dots are slow) and below sm_80 (V100, T4: Triton has no tensor-core code
+there); `lean` on the CPU.
 """
 
 from __future__ import annotations
@@ -47,8 +49,23 @@ def naive(Q, X, V, c, mask_BL, table, sigmoid: bool):
 
 
 def triton(Q, X, V, c, mask_BL, table, sigmoid: bool):
-    """The fused Triton kernel, imported on first use only (CPU installs need no triton)."""
+    """The hybrid Triton impl, imported on first use only (CPU installs need no triton)."""
+    require_triton_capability(Q.device)
     return _triton_kernel()(Q, X, V, c, mask_BL, table, sigmoid)
+
+
+def require_triton_capability(device: torch.device) -> None:
+    """Refuse `triton` forced on a GPU below sm_80 (Triton emits no tensor-core code there)."""
+    if device.type != "cuda":
+        return
+    major, minor = _capability(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+    if (major, minor) < (8, 0):
+        raise ValueError(
+            f"attention_impl: triton needs a GPU of compute capability >= 8.0, this one is "
+            f"sm_{major}{minor}; fix: set attention_impl to auto or chunked in the model config"
+        )
 
 
 @lru_cache(maxsize=1)
@@ -83,16 +100,17 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)  # a driver query, cached: no sync per call
 
 
-def auto_impl(device: torch.device, sigmoid: bool) -> str:
-    """`auto`'s choice for an input on `device` (see the module docstring)."""
+def auto_impl(device: torch.device, dtype: torch.dtype) -> str:
+    """`auto`'s choice for `dtype` inputs on `device` (see the module docstring)."""
     if device.type != "cuda":
         return "lean"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if sigmoid and _capability(index) >= (8, 0) and _triton_available():
+    low = dtype in (torch.bfloat16, torch.float16)
+    if low and _capability(index) >= (8, 0) and _triton_available():
         return "triton"
     return "chunked"
 
 
-def resolve(name: str, device: torch.device, sigmoid: bool) -> Impl:
-    """The impl function for config.attention_impl `name` on inputs living on `device`."""
-    return IMPLS[auto_impl(device, sigmoid) if name == "auto" else name]
+def resolve(name: str, device: torch.device, dtype: torch.dtype) -> Impl:
+    """The impl function for config.attention_impl `name` on `dtype` inputs on `device`."""
+    return IMPLS[auto_impl(device, dtype) if name == "auto" else name]

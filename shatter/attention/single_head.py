@@ -62,7 +62,7 @@ class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
         c = Q @ self.partition_embeddings.t() if self.partition_bias else None  # Q R^T: [B, L, n]
         V = self.value(x_BLD).view(B, L, self.n, d // self.n).transpose(1, 2)  # [B, n, L, d/n]
         X = x_BLD.to(Q.dtype)  # the keys (K = X) in the matmul dtype: bf16 under autocast
-        mix = resolve(self.impl, x_BLD.device, self.sigmoid)  # scores Q X^T / sqrt(d) inside
+        mix = resolve(self.impl, x_BLD.device, Q.dtype)  # scores Q X^T / sqrt(d) inside
         x_bar, a_part = mix(Q, X, V, c, mask_BL, self.exact_partition(), self.sigmoid)
         context = x_bar.transpose(1, 2).reshape(B, L, d)
         if self.partition_value:

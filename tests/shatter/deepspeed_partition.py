@@ -30,8 +30,8 @@ seen = []
 resolve = single_head.resolve
 
 
-def recording(name, device, sigmoid):
-    impl = resolve(name, device, sigmoid)
+def recording(name, device, dtype):
+    impl = resolve(name, device, dtype)
 
     def call(Q, X, V, c, mask, table, sigmoid):
         seen.append(table)

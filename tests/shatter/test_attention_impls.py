@@ -132,22 +132,33 @@ def test_unknown_impl_is_rejected():
 
 
 def test_auto_picks_lean_on_cpu_and_triton_is_imported_lazily(monkeypatch):
-    assert impls.auto_impl(torch.device("cpu"), sigmoid=True) == "lean"
-    assert impls.resolve("auto", torch.device("cpu"), True) is impls.lean
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert impls.auto_impl(torch.device("cpu"), bf16) == "lean"
+    assert impls.resolve("auto", torch.device("cpu"), fp32) is impls.lean
     monkeypatch.delitem(sys.modules, "shatter.attention.triton_kernel", raising=False)
     impls._triton_kernel.cache_clear()
     tiny("shatter", attention_impl="triton")  # building a model never imports the kernel
     assert "shatter.attention.triton_kernel" not in sys.modules
     impls._triton_kernel.cache_clear()
-    # a CUDA device: by capability, with or without triton, sigmoid or not (no device needed)
+    # a CUDA device: by capability and dtype, with or without triton (no device needed)
+    cuda = torch.device("cuda", 0)
     monkeypatch.setattr(impls, "_capability", lambda index: (7, 0))
-    assert impls.auto_impl(torch.device("cuda", 0), sigmoid=True) == "chunked"
-    monkeypatch.setattr(impls, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(impls, "_triton_available", lambda: True)
-    assert impls.auto_impl(torch.device("cuda", 0), sigmoid=True) == "triton"
-    assert impls.auto_impl(torch.device("cuda", 0), sigmoid=False) == "chunked"
+    assert [impls.auto_impl(cuda, t) for t in (bf16, fp16, fp32)] == ["chunked"] * 3
+    for cap in ((8, 0), (9, 0)):
+        monkeypatch.setattr(impls, "_capability", lambda index, cap=cap: cap)
+        assert [impls.auto_impl(cuda, t) for t in (bf16, fp16, fp32)] == ["triton"] * 2 + [
+            "chunked"
+        ]
     monkeypatch.setattr(impls, "_triton_available", lambda: False)
-    assert impls.auto_impl(torch.device("cuda", 0), sigmoid=True) == "chunked"
+    assert impls.auto_impl(cuda, bf16) == "chunked"
+    # forced below sm_80: refused in one line naming the fix
+    impls.require_triton_capability(cuda)  # sm_90 passes
+    monkeypatch.setattr(impls, "_capability", lambda index: (7, 5))
+    with pytest.raises(
+        ValueError, match=r"^attention_impl: triton .* sm_75; fix: set attention_impl"
+    ):
+        impls.require_triton_capability(cuda)
 
 
 def test_missing_triton_kernel_names_the_setting(monkeypatch):

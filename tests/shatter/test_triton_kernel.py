@@ -1,11 +1,15 @@
-"""The fused Triton partition attention equals the naive reference (lean.partition_mix_naive with
-Z0 = Q Xᵀ/√d, and autograd through it): values and the gradients of Q, X, V and c, for 1h-sigmoid
-(c = None), part-bias/shatter (c) and 1h-softmax, with padding (a sequence with no real key
-included) and lengths that are not a multiple of the block.
+"""The hybrid Triton partition attention (cuBLAS GEMMs around the Triton mixing kernels) equals
+the naive reference (lean.partition_mix_naive with Z0 = Q Xᵀ/√d, and autograd through it): values
+and the gradients of Q, X, V and c, for 1h-sigmoid (c = None), part-bias/shatter (c) and
+1h-softmax, with padding (a sequence with no real key included) and lengths that are not a
+multiple of 16, in fp32 and fp16.
 
 Without a GPU the kernels run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set by
-tests/conftest.py; one 16 x 16 configuration); with one, the same cases run compiled, and the
-`gpu` test adds the paper's base shape in fp32, fp16 and bf16 (`make test-gpu`)."""
+tests/conftest.py; one 16 x 16 configuration). bf16 is not checked there: Triton 3.9's interpreter
+computes bf16 dots on the raw uint16 bits (triton/runtime/interpreter.py), so bf16 is left to the
+`gpu` test, which runs the compiled kernels at the paper's base shape in fp32, fp16 and bf16
+(`make test-gpu`, .ci/gpu/run.sh); with a GPU, the small cases run compiled too.
+"""
 
 import math
 import os
@@ -61,6 +65,7 @@ def _rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # relative L2 error
 CASES = {  # B, L, d, n, bias, key lengths, sigmoid: L not a multiple of the 16-wide block
     "1h-sigmoid, one sequence all padding": (3, 20, 32, 4, False, [20, 13, 0], True),
     "part-bias n=12, d=48": (1, 20, 48, 12, True, [14], True),
@@ -71,15 +76,27 @@ CASES = {  # B, L, d, n, bias, key lengths, sigmoid: L not a multiple of the 16-
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_equals_naive(kernel, case):
+def test_kernel_equals_naive(kernel, case, dtype):
+    """fp32 against naive within 1e-5; fp16 against naive in fp32 on the same rounded inputs
+    within a relative L2 error of 5e-3 per output and gradient."""
     B, L, d, n, bias, lengths, sigmoid = CASES[case]
-    inputs = _inputs(B, L, d, n, bias, lengths, device=DEVICE)
+    inputs = _inputs(B, L, d, n, bias, lengths, dtype=dtype, device=DEVICE)
     got = _values_and_grads(lambda *a: kernel(*a, sigmoid=sigmoid), *inputs)
+    if dtype != torch.float32:
+        leaves = [
+            t.detach().float().requires_grad_() if t is not None else None for t in inputs[:4]
+        ]
+        inputs = (*leaves, *inputs[4:])
     want = _values_and_grads(lambda *a: _reference(*a, sigmoid=sigmoid), *inputs)
     names = ["X_bar", "A_part", "dQ", "dX", "dV", "dc"]
     for name, a, b in zip(names, got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{case}: {name} differs")
+        assert a.dtype == dtype, f"{case}: {name} is {a.dtype}"
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{case}: {name} differs")
+        else:
+            assert _rel_err(a, b) < TOLERANCE[dtype], f"{case} {name}: {_rel_err(a, b):.2e}"
 
 
 def test_kernel_padding_keys_change_nothing(kernel):
@@ -100,9 +117,6 @@ def test_bad_shapes_are_refused(kernel):
         kernel(Q, X, V, c, mask, table[:, 60:-60], sigmoid=True)
     with pytest.raises(ValueError, match="V has shape"):
         kernel(Q, X, V[:, :, :-1], c, mask, table, sigmoid=True)
-
-
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # relative L2 error
 
 
 @pytest.mark.gpu

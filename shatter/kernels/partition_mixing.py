@@ -1,0 +1,425 @@
+"""Triton mixing kernels of the hybrid partition attention (eq. 2, 3, 5 and §3.3).
+
+The single head makes the score matrix one l x l matrix per sequence, so the d-wide products are
+plain cuBLAS GEMMs outside these kernels (shatter/attention/triton_kernel.py): Z = Q Xᵀ/√d before
+them, dQ = dZ X and dX = dZᵀ Q after them. What is left here is memory-bound and 64 wide: with
+the part bias b_ij = Σ_h c_ih f_h(j−i) (c = Q Rᵀ, §3.3) and the key mask m,
+
+    p_ij      = sigmoid(z_ij + b_ij) m_j,   ρ_i = 1 / ‖p_i‖,   A_ij = ρ_i p_ij       (eq. 5)
+    softmax:  A_ij = exp(z_ij + b_ij − M_i − log Σ_j exp(z_ij + b_ij − M_i))      (1h-softmax)
+    X̄[h]_i    = Σ_j A_ij f_h(j−i) V[h]_j,   A_part_ih = Σ_j A_ij f_h(j−i)      (eq. 2-3, §3.3)
+
+f_h(j−i) is gathered from the layer's constant table (shatter/partition.py). Parts 0..n/2−1 vanish
+left of the diagonal and parts n/2..n−1 right of it (the appendix's mirror halves).
+
+Forward: `row_stats_kernel` (one program per row block) sweeps Z once for ρ (or the row maximum
+and log-sum), then `mix_fwd_kernel` (one program per row block and side) sweeps that side's keys
+with n/2 accumulators of [BLOCK_M, d/n] (64-wide dots) and writes X̄ and A_part normalised, in the
+input dtype.
+
+Backward, with δ_i = Σ_j dA_ij A_ij = Σ_h ⟨dX̄[h]_i, X̄[h]_i⟩ + ⟨dA_part_i, A_part_i⟩ from the
+saved outputs (`delta_kernel`, FlashAttention-2's preprocess) and
+dA_ij = Σ_h f_h(j−i) (⟨dX̄[h]_i, V[h]_j⟩ + dA_part_ih):
+
+    sigmoid: dS_ij = ρ_i m_j s_ij (1 − s_ij) (dA_ij − A_ij δ_i)          (as lean.PartitionMix)
+    softmax: dS_ij = A_ij (dA_ij − δ_i) at real keys
+    dc_ih = Σ_j dS_ij f_h(j−i),   dV[h]_j = Σ_i A_ij f_h(j−i) dX̄[h]_i
+
+`mix_bwd_dv_kernel` (key block and side, n/2 accumulators) gives dV; `mix_bwd_dz_kernel` (row
+block) gives dc and writes dZ = dS/√d in the input dtype: the 1/√d of Z's GEMM applied before the
+rounding keeps fp16 values no larger than the dQ and dX that the GEMMs make from them.
+
+n ∈ {4, 6, ..., 16} (n/2 ≤ 8 unrolled accumulators). `tools/kernel_report.py` compiles every
+autotune configuration ahead of time for sm_80/sm_90 and checks shared memory, spills and tensor
+cores. Under TRITON_INTERPRET=1 (CPU tests) one small configuration is tuned over.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_PARTS = 16  # n/2 <= 8 unrolled per-part accumulators
+FP32_MIN = -3.4028234663852886e38  # padded keys' logit, as multihead.masked_softmax fills them
+
+
+def _cfg(block_m, block_n, warps, stages, archs=(80, 90)):
+    """An autotune configuration and the arch families it is for (80: sm_80..89, 90: sm_90+)."""
+    config = triton.Config(
+        {"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages
+    )
+    config.archs = archs
+    return config
+
+
+INTERPRET_CONFIGS = [_cfg(16, 16, 1, 1)]
+# Row tiles of at least 64 in the forward (the n/2 accumulators share one score tile). Each list
+# compiles for the arch families it names, every variant (HAS_C, sigmoid/softmax, ragged l,
+# d = 768/n = 12 and d = 1024/n = 16, bf16 and fp16) within shared memory, without spills and with
+# tensor-core instructions: checked by tools/kernel_report.py (docs/benchmarks.md).
+STATS_CONFIGS = [_cfg(64, 128, 4, 2), _cfg(128, 64, 8, 2)]
+FWD_CONFIGS = [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)]
+DV_CONFIGS = [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2)]
+DZ_CONFIGS = [_cfg(64, 64, 4, 2), _cfg(64, 128, 8, 2)]
+DELTA_CONFIGS = [_cfg(64, 16, 4, 1)]
+AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID"]
+
+
+def arch_family(capability: tuple[int, int]) -> int:
+    return 90 if capability[0] >= 9 else 80
+
+
+def _for_this_call(configs, named_args, **kwargs):
+    family = arch_family(torch.cuda.get_device_capability())
+    return [c for c in configs if family in c.archs]
+
+
+def _autotune(configs):
+    if INTERPRET:
+        return triton.autotune(configs=INTERPRET_CONFIGS, key=AUTOTUNE_KEY)
+    prune = {"early_config_prune": _for_this_call}
+    return triton.autotune(configs=configs, key=AUTOTUNE_KEY, prune_configs_by=prune)
+
+
+# ------------------------------------------------------------------------------------ tiles
+
+
+@triton.jit
+def _part_range(i0, j0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_PARTS: tl.constexpr):
+    """The parts that can be non-zero on the tile rows i0.., keys j0..: only the right half
+    (0..n/2-1) at or right of the diagonal, only the left half at or left of it."""
+    lo = tl.where(j0 + BLOCK_N - 1 < i0, N_PARTS // 2, 0)
+    hi = tl.where(j0 > i0 + BLOCK_M - 1, N_PARTS // 2, N_PARTS)
+    return lo, hi
+
+
+@triton.jit
+def _score_tile(
+    Z, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sc_b, sc_l, st_h,
+    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """z + b on the tile in fp32 (eq. 5's argument, Z already / √d), the table column of j − i,
+    the in-sequence mask and the key mask m."""
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_n = j0 + tl.arange(0, BLOCK_N)
+    row_ok = offs_m < L
+    col_ok = offs_n < L
+    ok = row_ok[:, None] & col_ok[None, :]
+    z_ptrs = Z + b * sz_b + offs_m[:, None] * sz_l + offs_n[None, :]
+    z = tl.load(z_ptrs, mask=ok, other=0.0).to(tl.float32)
+    col = offs_n[None, :] - offs_m[:, None] + T_CENTRE  # f_h(j - i) is table column j-i+m-1
+    if HAS_C:  # b_ij = sum_h c_ih f_h(j - i), §3.3
+        lo, hi = _part_range(i0, j0, BLOCK_M, BLOCK_N, N_PARTS)
+        for h in range(lo, hi):
+            f = tl.load(T + h * st_h + col, mask=ok, other=0.0)
+            c_h = tl.load(C + b * sc_b + offs_m * sc_l + h, mask=row_ok, other=0.0)
+            z += c_h.to(tl.float32)[:, None] * f
+    m = tl.load(Mk + b * L + offs_n, mask=col_ok, other=0.0)
+    return z, col, ok, m
+
+
+@triton.jit
+def _weights(z, m, ok, stat, stat2, SIGMOID: tl.constexpr):
+    """A on the tile from the row statistics (sigmoid: stat = ρ; softmax: stat = the row maximum,
+    stat2 = log Σ_j exp(z_ij − max), apart so that a row with no real key keeps its uniform
+    weights), and g with dS = g ⊙ (dA − A δ) (sigmoid: g = ρ m s (1 − s)) or dS = g ⊙ (dA − δ)
+    (softmax: g = A at real keys)."""
+    if SIGMOID:
+        s = tl.sigmoid(z)
+        a = tl.where(ok, s * m[None, :], 0.0) * stat[:, None]
+        g = (stat[:, None] * m[None, :]) * (s * (1.0 - s))
+    else:
+        logit = tl.where(m[None, :] > 0, z, FP32_MIN)
+        a = tl.where(ok, tl.exp((logit - stat[:, None]) - stat2[:, None]), 0.0)
+        g = tl.where(m[None, :] > 0, a, 0.0)
+    return a, g
+
+
+@triton.jit
+def _load_stats(STAT, STAT2, b, i0, L, BLOCK_M: tl.constexpr):
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    stat = tl.load(STAT + b * L + offs_m, mask=offs_m < L, other=0.0)
+    stat2 = tl.load(STAT2 + b * L + offs_m, mask=offs_m < L, other=0.0)
+    return stat, stat2
+
+
+@triton.jit
+def _fwd_part(acc, a_sum, a, f_ptr, col, ok, v_ptrs, v_ok, PREC: tl.constexpr):
+    """One part h: acc += (A ⊙ f_h) V[h], a_sum += rowsum(A ⊙ f_h)."""
+    w = a * tl.load(f_ptr + col, mask=ok, other=0.0)
+    v = tl.load(v_ptrs, mask=v_ok, other=0.0)
+    return tl.dot(w.to(v.dtype), v, acc, input_precision=PREC), a_sum + tl.sum(w, 1)
+
+
+@triton.jit
+def _dv_part(acc, a, f_ptr, col, ok, do_ptrs, do_ok, PREC: tl.constexpr):
+    """One part h: dV[h] += (A ⊙ f_h)ᵀ dX̄[h]."""
+    w = a * tl.load(f_ptr + col, mask=ok, other=0.0)
+    do = tl.load(do_ptrs, mask=do_ok, other=0.0)
+    return tl.dot(tl.trans(w).to(do.dtype), do, acc, input_precision=PREC)
+
+
+@triton.jit
+def _store_part(o_ptrs, acc, o_ok, a_ptrs, ap, row_ok):
+    tl.store(o_ptrs, acc.to(o_ptrs.dtype.element_ty), mask=o_ok)
+    tl.store(a_ptrs, ap.to(a_ptrs.dtype.element_ty), mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------- kernels
+
+
+@_autotune(STATS_CONFIGS)
+@triton.jit
+def row_stats_kernel(
+    Z, C, Mk, T, STAT, STAT2, sz_b, sz_l, sc_b, sc_l, st_h, L, L_KEY, T_CENTRE,
+    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, SIGMOID: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Program (row block, batch): ρ = 1/‖p‖ (sigmoid; STAT2 unused) or the row maximum and
+    log Σ exp(z − max) (softmax, online over the key blocks)."""
+    b = tl.program_id(1).to(tl.int64)
+    i0 = tl.program_id(0) * BLOCK_M
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    mx = tl.full([BLOCK_M], FP32_MIN, dtype=tl.float32)
+    for j0 in range(0, L, BLOCK_N):
+        z, col, ok, m = _score_tile(
+            Z, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sc_b, sc_l, st_h,
+            HAS_C, N_PARTS, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        if SIGMOID:  # eq. 5: padded keys zeroed before the L2 normalisation
+            p = tl.where(ok, tl.sigmoid(z) * m[None, :], 0.0)
+            ss += tl.sum(p * p, 1)
+        else:
+            logit = tl.where(m[None, :] > 0, z, FP32_MIN)
+            logit = tl.where(ok, logit, float("-inf"))
+            mx_new = tl.maximum(mx, tl.max(logit, 1))
+            ss = ss * tl.exp(mx - mx_new) + tl.sum(tl.exp(logit - mx_new[:, None]), 1)
+            mx = mx_new
+    row_ok = offs_m < L
+    if SIGMOID:
+        tl.store(STAT + b * L + offs_m, 1.0 / tl.maximum(tl.sqrt(ss), 1e-12), mask=row_ok)
+    else:
+        tl.store(STAT + b * L + offs_m, mx, mask=row_ok)
+        tl.store(STAT2 + b * L + offs_m, tl.log(tl.where(row_ok, ss, 1.0)), mask=row_ok)
+
+
+@_autotune(FWD_CONFIGS)
+@triton.jit
+def mix_fwd_kernel(
+    Z, C, Mk, T, V, STAT, STAT2, OUT, AP,
+    sz_b, sz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, so_b, so_h, so_l, sa_b, sa_l,
+    L, L_KEY, K_PART, T_CENTRE,
+    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Program (row block, batch × side): X̄[h] and A_part[:, h] of the side's n/2 parts."""
+    HALF: tl.constexpr = N_PARTS // 2
+    b = (tl.program_id(1) // 2).to(tl.int64)
+    side = tl.program_id(1) % 2  # 0: keys j >= i, parts 0..n/2-1; 1: j <= i, parts n/2..n-1
+    i0 = tl.program_id(0) * BLOCK_M
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    h0 = side * HALF
+    stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M)
+    acc0 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
+    ap0 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ap1, ap2, ap3, ap4, ap5, ap6, ap7 = ap0, ap0, ap0, ap0, ap0, ap0, ap0
+    lo = tl.where(side == 0, (i0 // BLOCK_N) * BLOCK_N, 0)
+    hi = tl.where(side == 0, L, tl.minimum(L, i0 + BLOCK_M))
+    f_ptr = T + h0 * st_h
+    for j0 in range(lo, hi, BLOCK_N):
+        z, col, ok, m = _score_tile(
+            Z, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sc_b, sc_l, st_h,
+            HAS_C, N_PARTS, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        a, _ = _weights(z, m, ok, stat, stat2, SIGMOID)
+        offs_n = j0 + tl.arange(0, BLOCK_N)
+        v_ptrs = V + b * sv_b + h0 * sv_h + offs_n[:, None] * sv_l + offs_k[None, :]
+        v_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
+        acc0, ap0 = _fwd_part(acc0, ap0, a, f_ptr, col, ok, v_ptrs, v_ok, PREC)
+        acc1, ap1 = _fwd_part(acc1, ap1, a, f_ptr + st_h, col, ok, v_ptrs + sv_h, v_ok, PREC)
+        if HALF > 2:
+            acc2, ap2 = _fwd_part(acc2, ap2, a, f_ptr + 2 * st_h, col, ok, v_ptrs + 2 * sv_h, v_ok, PREC)  # fmt: skip
+        if HALF > 3:
+            acc3, ap3 = _fwd_part(acc3, ap3, a, f_ptr + 3 * st_h, col, ok, v_ptrs + 3 * sv_h, v_ok, PREC)  # fmt: skip
+        if HALF > 4:
+            acc4, ap4 = _fwd_part(acc4, ap4, a, f_ptr + 4 * st_h, col, ok, v_ptrs + 4 * sv_h, v_ok, PREC)  # fmt: skip
+        if HALF > 5:
+            acc5, ap5 = _fwd_part(acc5, ap5, a, f_ptr + 5 * st_h, col, ok, v_ptrs + 5 * sv_h, v_ok, PREC)  # fmt: skip
+        if HALF > 6:
+            acc6, ap6 = _fwd_part(acc6, ap6, a, f_ptr + 6 * st_h, col, ok, v_ptrs + 6 * sv_h, v_ok, PREC)  # fmt: skip
+        if HALF > 7:
+            acc7, ap7 = _fwd_part(acc7, ap7, a, f_ptr + 7 * st_h, col, ok, v_ptrs + 7 * sv_h, v_ok, PREC)  # fmt: skip
+    row_ok = offs_m < L
+    o = OUT + b * so_b + h0 * so_h + offs_m[:, None] * so_l + offs_k[None, :]
+    o_ok = row_ok[:, None] & (offs_k < K_PART)[None, :]
+    a_ptrs = AP + b * sa_b + offs_m * sa_l + h0
+    _store_part(o, acc0, o_ok, a_ptrs, ap0, row_ok)
+    _store_part(o + so_h, acc1, o_ok, a_ptrs + 1, ap1, row_ok)
+    if HALF > 2:
+        _store_part(o + 2 * so_h, acc2, o_ok, a_ptrs + 2, ap2, row_ok)
+    if HALF > 3:
+        _store_part(o + 3 * so_h, acc3, o_ok, a_ptrs + 3, ap3, row_ok)
+    if HALF > 4:
+        _store_part(o + 4 * so_h, acc4, o_ok, a_ptrs + 4, ap4, row_ok)
+    if HALF > 5:
+        _store_part(o + 5 * so_h, acc5, o_ok, a_ptrs + 5, ap5, row_ok)
+    if HALF > 6:
+        _store_part(o + 6 * so_h, acc6, o_ok, a_ptrs + 6, ap6, row_ok)
+    if HALF > 7:
+        _store_part(o + 7 * so_h, acc7, o_ok, a_ptrs + 7, ap7, row_ok)
+
+
+@_autotune(DELTA_CONFIGS)
+@triton.jit
+def delta_kernel(
+    OUT, DO, AP, DAP, DELTA, so_b, so_h, so_l, sa_b, sa_l, L, L_KEY, K_PART,
+    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr,
+    NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Program (row block, batch): δ_i = Σ_h ⟨dX̄[h]_i, X̄[h]_i⟩ + ⟨dA_part_i, A_part_i⟩ in fp32;
+    OUT and DO share the strides so_*, AP and DAP sa_*."""
+    b = tl.program_id(1).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = offs_m < L
+    ok = row_ok[:, None] & (offs_k < K_PART)[None, :]
+    base = b * so_b + offs_m[:, None] * so_l + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for h in range(N_PARTS):
+        o = tl.load(OUT + base + h * so_h, mask=ok, other=0.0).to(tl.float32)
+        do = tl.load(DO + base + h * so_h, mask=ok, other=0.0).to(tl.float32)
+        acc += o * do
+    parts = tl.arange(0, NP)
+    p_ok = row_ok[:, None] & (parts < N_PARTS)[None, :]
+    p_ptrs = b * sa_b + offs_m[:, None] * sa_l + parts[None, :]
+    ap = tl.load(AP + p_ptrs, mask=p_ok, other=0.0).to(tl.float32)
+    dap = tl.load(DAP + p_ptrs, mask=p_ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + b * L + offs_m, tl.sum(acc, 1) + tl.sum(ap * dap, 1), mask=row_ok)
+
+
+@_autotune(DV_CONFIGS)
+@triton.jit
+def mix_bwd_dv_kernel(
+    Z, C, Mk, T, STAT, STAT2, DO, DV,
+    sz_b, sz_l, sc_b, sc_l, st_h, sd_b, sd_h, sd_l, L, L_KEY, K_PART, T_CENTRE,
+    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Program (key block, batch × side): dV[h] = Σ_i (A ⊙ f_h)ᵀ dX̄[h] for the side's parts;
+    dO and dV share the [B, n, L, d/n] strides sd_*."""
+    HALF: tl.constexpr = N_PARTS // 2
+    b = (tl.program_id(1) // 2).to(tl.int64)
+    side = tl.program_id(1) % 2  # 0: parts 0..n/2-1 (rows i <= j); 1: n/2..n-1 (i >= j)
+    j0 = tl.program_id(0) * BLOCK_N
+    offs_n = j0 + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    h0 = side * HALF
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
+    lo = tl.where(side == 0, 0, (j0 // BLOCK_M) * BLOCK_M)
+    hi = tl.where(side == 0, tl.minimum(L, j0 + BLOCK_N), L)
+    f_ptr = T + h0 * st_h
+    for i0 in range(lo, hi, BLOCK_M):
+        z, col, ok, m = _score_tile(
+            Z, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sc_b, sc_l, st_h,
+            HAS_C, N_PARTS, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M)
+        a, _ = _weights(z, m, ok, stat, stat2, SIGMOID)
+        offs_m = i0 + tl.arange(0, BLOCK_M)
+        do = DO + b * sd_b + h0 * sd_h + offs_m[:, None] * sd_l + offs_k[None, :]
+        do_ok = (offs_m < L)[:, None] & (offs_k < K_PART)[None, :]
+        acc0 = _dv_part(acc0, a, f_ptr, col, ok, do, do_ok, PREC)
+        acc1 = _dv_part(acc1, a, f_ptr + st_h, col, ok, do + sd_h, do_ok, PREC)
+        if HALF > 2:
+            acc2 = _dv_part(acc2, a, f_ptr + 2 * st_h, col, ok, do + 2 * sd_h, do_ok, PREC)
+        if HALF > 3:
+            acc3 = _dv_part(acc3, a, f_ptr + 3 * st_h, col, ok, do + 3 * sd_h, do_ok, PREC)
+        if HALF > 4:
+            acc4 = _dv_part(acc4, a, f_ptr + 4 * st_h, col, ok, do + 4 * sd_h, do_ok, PREC)
+        if HALF > 5:
+            acc5 = _dv_part(acc5, a, f_ptr + 5 * st_h, col, ok, do + 5 * sd_h, do_ok, PREC)
+        if HALF > 6:
+            acc6 = _dv_part(acc6, a, f_ptr + 6 * st_h, col, ok, do + 6 * sd_h, do_ok, PREC)
+        if HALF > 7:
+            acc7 = _dv_part(acc7, a, f_ptr + 7 * st_h, col, ok, do + 7 * sd_h, do_ok, PREC)
+    dv = DV + b * sd_b + h0 * sd_h + offs_n[:, None] * sd_l + offs_k[None, :]
+    dv_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
+    ty = DV.dtype.element_ty
+    tl.store(dv, acc0.to(ty), mask=dv_ok)
+    tl.store(dv + sd_h, acc1.to(ty), mask=dv_ok)
+    if HALF > 2:
+        tl.store(dv + 2 * sd_h, acc2.to(ty), mask=dv_ok)
+    if HALF > 3:
+        tl.store(dv + 3 * sd_h, acc3.to(ty), mask=dv_ok)
+    if HALF > 4:
+        tl.store(dv + 4 * sd_h, acc4.to(ty), mask=dv_ok)
+    if HALF > 5:
+        tl.store(dv + 5 * sd_h, acc5.to(ty), mask=dv_ok)
+    if HALF > 6:
+        tl.store(dv + 6 * sd_h, acc6.to(ty), mask=dv_ok)
+    if HALF > 7:
+        tl.store(dv + 7 * sd_h, acc7.to(ty), mask=dv_ok)
+
+
+@_autotune(DZ_CONFIGS)
+@triton.jit
+def mix_bwd_dz_kernel(
+    Z, C, Mk, T, V, STAT, STAT2, DELTA, DO, DAP, DZ, DC,
+    sz_b, sz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, sd_b, sd_h, sd_l, sa_b, sa_l,
+    L, L_KEY, K_PART, T_CENTRE, scale,
+    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    SIGMOID: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Program (row block, batch) over all key blocks: DZ = dS · scale (Z's strides sz_*, the
+    input dtype) and, with the part bias, DC = dc [B, L, n]. DO is dX̄ [B, n, L, d/n] (sd_*), DAP
+    is dA_part [B, L, n] (sa_*)."""
+    b = tl.program_id(1).to(tl.int64)
+    i0 = tl.program_id(0) * BLOCK_M
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = offs_m < L
+    k_ok = (offs_k < K_PART)[None, :]
+    stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M)
+    delta = tl.load(DELTA + b * L + offs_m, mask=row_ok, other=0.0)
+    dc = tl.zeros([BLOCK_M, NP], dtype=tl.float32)
+    parts = tl.arange(0, NP)[None, :]
+    do_ptrs = DO + b * sd_b + offs_m[:, None] * sd_l + offs_k[None, :]
+    for j0 in range(0, L, BLOCK_N):
+        z, col, ok, m = _score_tile(
+            Z, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sc_b, sc_l, st_h,
+            HAS_C, N_PARTS, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        a, g = _weights(z, m, ok, stat, stat2, SIGMOID)
+        offs_n = j0 + tl.arange(0, BLOCK_N)
+        v_ptrs = V + b * sv_b + offs_n[:, None] * sv_l + offs_k[None, :]
+        col_ok = (offs_n < L)[:, None] & k_ok
+        da = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        lo, hi = _part_range(i0, j0, BLOCK_M, BLOCK_N, N_PARTS)
+        for h in range(lo, hi):  # dA = Σ_h f_h ⊙ (dX̄[h] V[h]ᵀ + dA_part[:, h])
+            f = tl.load(T + h * st_h + col, mask=ok, other=0.0)
+            do = tl.load(do_ptrs + h * sd_h, mask=row_ok[:, None] & k_ok, other=0.0)
+            v = tl.load(v_ptrs + h * sv_h, mask=col_ok, other=0.0)
+            dap = tl.load(DAP + b * sa_b + offs_m * sa_l + h, mask=row_ok, other=0.0)
+            da += f * (tl.dot(do, tl.trans(v), input_precision=PREC) + dap.to(tl.float32)[:, None])
+        if SIGMOID:
+            ds = g * (da - a * delta[:, None])
+        else:
+            ds = g * (da - delta[:, None])
+        ds = tl.where(ok, ds, 0.0)
+        if HAS_C:  # dc_ih += Σ_j dS_ij f_h(j - i)
+            for h in range(lo, hi):
+                f = tl.load(T + h * st_h + col, mask=ok, other=0.0)
+                dc += tl.where(parts == h, tl.sum(ds * f, 1)[:, None], 0.0)
+        dz_ptrs = DZ + b * sz_b + offs_m[:, None] * sz_l + offs_n[None, :]
+        tl.store(dz_ptrs, (ds * scale).to(DZ.dtype.element_ty), mask=ok)
+    if HAS_C:
+        dc_ptrs = DC + b * L * N_PARTS + offs_m[:, None] * N_PARTS + parts
+        tl.store(dc_ptrs, dc.to(DC.dtype.element_ty), mask=row_ok[:, None] & (parts < N_PARTS))
