@@ -1,14 +1,16 @@
-"""Ahead-of-time compile report for the Triton partition-attention kernels (no GPU needed).
+"""Ahead-of-time compile report for the Triton mixing kernels of the hybrid partition attention
+(no GPU needed).
 
-For every kernel (fwd, dv, dq, dx), every autotune configuration, the base (d=768, n=12) and
-large (d=1024, n=16) shapes, and each dtype, it compiles the kernel for each requested arch with
-`triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))`, reads shared memory from the
-compiled kernel's metadata, and runs the wheel's `cuobjdump` on the cubin for registers, spill
-(stack) bytes and HMMA/HGMMA tensor-core instruction counts; each configuration is compiled for the
-arch families and activations it is listed for (`archs`, `acts`). It prints one table row per compile
-and exits non-zero when a configuration exceeds the arch's shared memory per block, spills, or
-has no tensor-core instruction: such configurations must leave the autotune lists of
-shatter/kernels/partition_attention.py.
+For every kernel (stats and fwd of the forward; delta, dv and dz of the backward), every autotune
+configuration and every variant it is compiled for (the partition bias HAS_C on and off, the
+sigmoid and the softmax, the base (d=768, n=12) and large (d=1024, n=16) shapes, bf16 and fp16, a
+length that is a multiple of 16 and one that is not: l = 512 and l = 509), it compiles the kernel
+for each requested arch with `triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))`,
+reads shared memory from the compiled kernel's metadata, and runs the wheel's `cuobjdump` on the
+cubin for registers, spill (stack) bytes and HMMA/HGMMA tensor-core instruction counts. It prints
+one table row per compile and exits non-zero when a configuration exceeds the arch's shared memory
+per block, spills, or (a kernel with dots, in bf16/fp16) has no tensor-core instruction: such
+configurations must leave the autotune lists of shatter/kernels/partition_mixing.py.
 
     python tools/kernel_report.py --arch 80,90
     python tools/kernel_report.py --arch 90 --shape base --dtype bf16 --first-config   # CI subset
@@ -30,7 +32,9 @@ import click
 SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # usable shared memory per block (A100, H100)
 SHAPES = {"base": (768, 12), "large": (1024, 16)}  # (d, n), the paper's sizes
 DTYPES = ("bf16", "fp16", "fp32")  # fp32 runs IEEE dots: no tensor cores expected
-L_EXAMPLE = 512  # a typical pretraining length: sets which int arguments are multiples of 16
+KERNELS = ("stats", "fwd", "delta", "dv", "dz")
+DOT_KERNELS = ("fwd", "dv", "dz")  # stats and delta are elementwise sweeps: no dot to expect
+LENGTHS = (512, 509)  # a multiple of 16 and not: sets which int arguments are multiples of 16
 MAX_LEN = 512
 
 
@@ -47,6 +51,8 @@ class Row:
     spill: int
     hmma: int
     hgmma: int
+    has_c: bool = True
+    length: int = 512
 
     def problems(self) -> list[str]:
         out = []
@@ -54,36 +60,26 @@ class Row:
             out.append(f"smem {self.smem} > {SMEM_LIMIT[self.arch]}")
         if self.spill:
             out.append(f"spills {self.spill} bytes")
-        if not self.hmma + self.hgmma and self.dtype != "fp32":
+        dots = self.kernel in DOT_KERNELS and self.dtype != "fp32"
+        if dots and not self.hmma + self.hgmma:
             out.append("no tensor-core instruction")
         return out
 
 
-def _args(kernel: str, d: int, n: int, dtype: str) -> dict[str, tuple[str, object]]:
-    """(triton type, representative value) per runtime argument, as the wrapper passes them for
-    B = 8, L = L_EXAMPLE; the values only decide the runtime's divisibility-by-16 hints."""
-    L, k, m = L_EXAMPLE, d // n, MAX_LEN
-    ptr = lambda t: (f"*{t}", None)  # noqa: E731
-    common = {
-        "sq_b": L * d, "sq_l": d, "sx_b": L * d, "sx_l": d, "sc_b": L * n, "sc_l": n,
-        "st_h": 2 * m - 1, "L": L, "L_KEY": L, "D_MODEL": d, "K_PART": k, "T_CENTRE": m - 1,
+def _args(d: int, n: int, dtype: str, L: int) -> dict[str, tuple[str, object]]:
+    """(triton type, representative value) of every runtime argument name the kernels take, as
+    the wrapper passes them for B = 8 and length L (Z's rows padded to a multiple of 16); the
+    values only decide the runtime's divisibility-by-16 hints."""
+    k, m, Lp = d // n, MAX_LEN, -(-L // 16) * 16
+    ptrs = {name: dtype for name in ("Z", "C", "V", "OUT", "AP", "DO", "DV", "DAP", "DZ", "DC")}
+    ptrs.update({name: "fp32" for name in ("Mk", "T", "STAT", "STAT2", "DELTA")})
+    ints = {
+        "sz_b": L * Lp, "sz_l": Lp, "sc_b": L * n, "sc_l": n, "st_h": 2 * m - 1,
+        "sv_b": L * d, "sv_h": k, "sv_l": d, "so_b": n * L * k, "so_h": L * k, "so_l": k,
+        "sd_b": n * L * k, "sd_h": L * k, "sd_l": k, "sa_b": L * n, "sa_l": n,
+        "L": L, "L_KEY": 1 << (L - 1).bit_length(), "K_PART": k, "T_CENTRE": m - 1,
     }  # fmt: skip
-    v = {"sv_b": L * d, "sv_h": k, "sv_l": d}
-    if kernel == "fwd":
-        ptrs = dict(Q=dtype, X=dtype, V=dtype, C=dtype, Mk="fp32", T="fp32", OUT="fp32", AP="fp32")
-        ptrs.update(SS="fp32", MX="fp32")
-        ints = {**common, **v, "so_b": L * d, "so_h": L * k, "so_l": k, "sa_b": L * n, "sa_l": n}
-    elif kernel == "dv":
-        ptrs = dict(Q=dtype, X=dtype, C=dtype, Mk="fp32", T="fp32", STAT="fp32", STAT2="fp32")
-        ptrs.update(DO=dtype, DV=dtype)
-        ints = {**common, "sd_b": L * d, "sd_h": L * k, "sd_l": k}
-    else:
-        ptrs = dict(Q=dtype, X=dtype, V=dtype, C=dtype, Mk="fp32", T="fp32", STAT="fp32")
-        ptrs["STAT2"] = "fp32"
-        ptrs.update(DELTA="fp32", DO=dtype, DAP=dtype, G=dtype, DC=dtype)
-        ints = {**common, **v, "sd_b": L * d, "sd_h": L * k, "sd_l": k, "sa_b": L * n, "sa_l": n}
-        ints.update(sg_b=L * d, sg_l=d)
-    out = {name: ptr(t) for name, t in ptrs.items()}
+    out = {name: (f"*{t}", None) for name, t in ptrs.items()}
     out.update({name: ("i32", val) for name, val in ints.items()})
     out["scale"] = ("fp32", None)
     return out
@@ -99,32 +95,35 @@ def _cuobjdump(*args: str) -> str:
     return res.stdout
 
 
-def compile_one(arch: int, kernel: str, activation: str, shape: str, dtype: str, config) -> Row:
+def tuned_kernels() -> dict:
+    from shatter.kernels import partition_mixing as pm
+
+    return {
+        "stats": (pm.row_stats_kernel, pm.STATS_CONFIGS),
+        "fwd": (pm.mix_fwd_kernel, pm.FWD_CONFIGS),
+        "delta": (pm.delta_kernel, pm.DELTA_CONFIGS),
+        "dv": (pm.mix_bwd_dv_kernel, pm.DV_CONFIGS),
+        "dz": (pm.mix_bwd_dz_kernel, pm.DZ_CONFIGS),
+    }
+
+
+def compile_one(
+    arch: int, kernel: str, activation: str, shape: str, dtype: str, config, has_c=True, L=512
+) -> Row:
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from shatter.attention.triton_kernel import kernel_meta
-    from shatter.kernels import partition_attention as pa
 
-    tuned = {
-        "fwd": pa.partition_fwd_kernel,
-        "dv": pa.partition_bwd_dv_kernel,
-        "dq": pa.partition_bwd_dq_kernel,
-        "dx": pa.partition_bwd_dx_kernel,
-    }[kernel]
-    fn = tuned.fn
+    fn = tuned_kernels()[kernel][0].fn
     d, n = SHAPES[shape]
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    meta = kernel_meta(d, n, torch_dtype)
-    args = _args(kernel, d, n, dtype)
-    constexprs = {"HAS_C": True, "N_PARTS": n, "BLOCK_K": meta["BLOCK_K"], "PREC": meta["PREC"]}
-    constexprs["SIGMOID"] = activation == "sigmoid"
-    constexprs.update(config.kwargs)
-    if kernel in ("dq", "dx"):
-        constexprs.update(KEY_MAJOR=kernel == "dx", NP=meta["NP"], DCH=meta["DCH"])
-        constexprs["NUM_DC"] = triton.cdiv(d, meta["DCH"])
+    values = {**kernel_meta(d, n, torch_dtype), **config.kwargs}
+    values.update(HAS_C=has_c, SIGMOID=activation == "sigmoid")
+    constexprs = {name: values[name] for name in fn.arg_names if name in values}
+    args = _args(d, n, dtype, L)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -145,79 +144,119 @@ def compile_one(arch: int, kernel: str, activation: str, shape: str, dtype: str,
         sass = _cuobjdump("-sass", cubin)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    cfg = "M{BLOCK_M} N{BLOCK_N} D{BLOCK_D}".format(**config.kwargs)
+    cfg = "M{BLOCK_M} N{BLOCK_N}".format(**config.kwargs)
     cfg += f" w{config.num_warps} s{config.num_stages}"
     return Row(
         arch, kernel, activation, shape, dtype, cfg, compiled.metadata.shared, regs, stack,
-        len(re.findall(r"\bHMMA\b", sass)), len(re.findall(r"\bHGMMA\b", sass)),
+        len(re.findall(r"\bHMMA\b", sass)), len(re.findall(r"\bHGMMA\b", sass)), has_c, L,
     )  # fmt: skip
+
+
+def variants(kernel: str, activations, has_cs, shapes, dtypes, lengths):
+    """The variants a kernel is compiled for; delta reads neither the bias nor the activation."""
+    if kernel == "delta":
+        activations, has_cs = activations[:1], has_cs[:1]
+    return itertools.product(activations, has_cs, shapes, dtypes, lengths)
 
 
 def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def summary(rows: list[Row]) -> list[str]:
+    """Per arch and kernel, over every variant and configuration: the ranges of the columns."""
+    lines = [f"{'arch':>5} {'kernel':6} {'compiles':>8} {'regs':>9} {'spill':>5} {'smem':>13} "
+             f"{'HMMA':>9} {'HGMMA':>9}"]  # fmt: skip
+    groups: dict[tuple[int, str], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.arch, r.kernel), []).append(r)
+
+    def span(values):
+        lo, hi = min(values), max(values)
+        return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+    for (cap, kernel), rs in groups.items():
+        low = [r for r in rs if r.dtype != "fp32"] or rs
+        lines.append(
+            f"sm_{cap:<2} {kernel:6} {len(rs):>8} {span([r.regs for r in rs]):>9} "
+            f"{max(r.spill for r in rs):>5} {span([r.smem for r in rs]):>13} "
+            f"{span([r.hmma for r in low]):>9} {span([r.hgmma for r in low]):>9}"
+        )
+    return lines
+
+
 @click.command()
 @click.option("--arch", default="80,90", help="compute capabilities, comma-separated (80, 90)")
-@click.option("--kernel", "kernels", default="fwd,dv,dq,dx", help="kernels to compile")
+@click.option("--kernel", "kernels", default=",".join(KERNELS), help="kernels to compile")
 @click.option("--activation", "activations", default="sigmoid,softmax", help="sigmoid, softmax")
+@click.option("--has-c", "has_cs", default="true,false", help="the partition bias: true, false")
 @click.option("--shape", "shapes", default="base,large", help="base (d=768, n=12), large")
 @click.option("--dtype", "dtypes", default="bf16,fp16", help="bf16, fp16, fp32")
+@click.option("--length", "lengths", default="512,509", help="sequence lengths (hints only)")
 @click.option("--first-config", is_flag=True, help="only each kernel's first autotune config")
-def main(arch, kernels, activations, shapes, dtypes, first_config):
+def main(arch, kernels, activations, has_cs, shapes, dtypes, lengths, first_config):
     """Compile the Triton kernels ahead of time and check their resources (see module doc)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("kernel_report: unset TRITON_INTERPRET: the interpreter compiles nothing")
     try:
         archs = [int(a) for a in _split(arch)]
+        ls = [int(v) for v in _split(lengths)]
     except ValueError:
-        raise SystemExit(f"kernel_report: --arch takes numbers like 80,90, got {arch!r}") from None
+        raise SystemExit(
+            f"kernel_report: --arch and --length take numbers like 80,90 and 512,509, got "
+            f"{arch!r} and {lengths!r}"
+        ) from None
     for name, values, known in (
         ("--arch", archs, SMEM_LIMIT),
-        ("--kernel", _split(kernels), ("fwd", "dv", "dq", "dx")),
+        ("--kernel", _split(kernels), KERNELS),
         ("--activation", _split(activations), ("sigmoid", "softmax")),
+        ("--has-c", _split(has_cs), ("true", "false")),
         ("--shape", _split(shapes), SHAPES),
         ("--dtype", _split(dtypes), DTYPES),
     ):
         bad = [v for v in values if v not in known]
         if bad:
             raise SystemExit(f"kernel_report: {name} {bad} unknown; choose from {list(known)}")
-    from shatter.kernels import partition_attention as pa
-
-    lists = {"fwd": pa.FWD_CONFIGS, "dv": pa.DV_CONFIGS, "dq": pa.DQ_CONFIGS, "dx": pa.DX_CONFIGS}
-    header = (
-        f"{'arch':>5} {'kernel':6} {'act':7} {'shape':5} {'dtype':5} {'config':20} {'smem':>7} "
-    )
-    header += f"{'regs':>4} {'spill':>5} {'HMMA':>5} {'HGMMA':>5}  check"
+    bad_len = [v for v in ls if not 16 < v <= MAX_LEN]
+    if bad_len:
+        raise SystemExit(f"kernel_report: --length {bad_len} outside 17..{MAX_LEN}")
+    tuned = tuned_kernels()
+    header = f"{'arch':>5} {'kernel':6} {'act':7} {'c':1} {'shape':5} {'dtype':5} {'l':>4} "
+    header += f"{'config':16} {'smem':>7} {'regs':>4} {'spill':>5} {'HMMA':>5} {'HGMMA':>5}  check"
     print(header)
+    rows: list[Row] = []
     failed = 0
-    combos = itertools.product(
-        archs, _split(kernels), _split(activations), _split(shapes), _split(dtypes)
-    )
-    for cap, kernel, act, shape, dtype in combos:
-        configs = [c for c in lists[kernel] if cap in c.archs and act in c.acts]
-        for config in configs[:1] if first_config else configs:
+    has = [v == "true" for v in _split(has_cs)]
+    for cap, kernel in itertools.product(archs, _split(kernels)):
+        configs = [c for c in tuned[kernel][1] if cap in c.archs]
+        combos = variants(kernel, _split(activations), has, _split(shapes), _split(dtypes), ls)
+        for (act, has_c, shape, dtype, L), config in itertools.product(
+            combos, configs[:1] if first_config else configs
+        ):
             try:
-                r = compile_one(cap, kernel, act, shape, dtype, config)
+                r = compile_one(cap, kernel, act, shape, dtype, config, has_c, L)
             except Exception as e:  # a compile error: one line, then stop
-                what = f"sm_{cap} {kernel} {act} {shape} {dtype} {config}"
+                what = f"sm_{cap} {kernel} {act} HAS_C={has_c} {shape} {dtype} l={L} {config}"
                 msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
                 raise SystemExit(
                     f"kernel_report: {what} does not compile: {msg} "
-                    "(shatter/kernels/partition_attention.py)"
+                    "(shatter/kernels/partition_mixing.py)"
                 ) from None
             bad = r.problems()
             failed += bool(bad)
+            rows.append(r)
             print(
-                f"sm_{r.arch:<2} {r.kernel:6} {r.activation:7} {r.shape:5} {r.dtype:5} "
-                f"{r.config:20} {r.smem:>7} {r.regs:>4} {r.spill:>5} {r.hmma:>5} {r.hgmma:>5}  "
-                + ("; ".join(bad) or "ok"),
+                f"sm_{r.arch:<2} {r.kernel:6} {r.activation:7} {'yn'[not r.has_c]} {r.shape:5} "
+                f"{r.dtype:5} {r.length:>4} {r.config:16} {r.smem:>7} {r.regs:>4} {r.spill:>5} "
+                f"{r.hmma:>5} {r.hgmma:>5}  " + ("; ".join(bad) or "ok"),
                 flush=True,
             )
+    print("\nsummary over the variants above (ranges; HMMA/HGMMA over bf16/fp16)")
+    print("\n".join(summary(rows)))
     if failed:
         raise SystemExit(
             f"kernel_report: {failed} configuration(s) fail the checks above: drop them from the "
-            "autotune lists in shatter/kernels/partition_attention.py"
+            "autotune lists in shatter/kernels/partition_mixing.py"
         )
 
 

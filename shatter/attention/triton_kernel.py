@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from shatter.kernels.partition_mixing import (
@@ -34,6 +35,7 @@ from shatter.kernels.partition_mixing import (
     mix_bwd_dv_kernel,
     mix_bwd_dz_kernel,
     mix_fwd_kernel,
+    part_group,
     row_stats_kernel,
 )
 
@@ -45,6 +47,7 @@ def kernel_meta(d: int, n: int, dtype: torch.dtype) -> dict:
         "BLOCK_K": max(16, triton.next_power_of_2(d // n)),
         "PREC": "ieee" if dtype == torch.float32 else "tf32",
         "NP": max(16, triton.next_power_of_2(n)),
+        "GROUP": part_group(n),
     }
 
 
@@ -82,7 +85,10 @@ class PartitionAttentionTriton(torch.autograd.Function):
         B, L, d = Q.shape
         n = table.shape[0]
         scale = 1.0 / math.sqrt(d)
-        Z = torch.matmul(Q * scale, X.transpose(-1, -2))  # cuBLAS, scaled first: no fp16 overflow
+        # cuBLAS, Q scaled first (no fp16 overflow); the keys padded to a multiple of 16 so that
+        # Z's rows (and dZ's) are aligned for the GEMMs and the kernels' vector loads
+        Xp = F.pad(X, (0, 0, 0, -L % 16))
+        Z = torch.matmul(Q * scale, Xp.transpose(-1, -2))  # [B, L, L rounded up to 16]
         V = V if V.stride(-1) == 1 else V.contiguous()
         cc = c.contiguous() if c is not None else Z  # a placeholder pointer without the bias
         mask32 = mask_BL.to(torch.float32).contiguous()
@@ -98,19 +104,20 @@ class PartitionAttentionTriton(torch.autograd.Function):
         )
         out = torch.empty(B, n, L, d // n, device=Q.device, dtype=Q.dtype)
         part = torch.empty(B, L, n, device=Q.device, dtype=Q.dtype)
-        mix_fwd_kernel[_grid(L, "BLOCK_M", 2 * B)](
+        programs = 2 * B * (n // 2 // meta["GROUP"])  # batch x side x group of parts
+        mix_fwd_kernel[_grid(L, "BLOCK_M", programs)](
             Z, cc, mask32, table, V, stat[0], stat[1], out, part, *zs,
             V.stride(0), V.stride(1), V.stride(2), out.stride(0), out.stride(1), out.stride(2),
             part.stride(0), part.stride(1), K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
-            PREC=meta["PREC"], **shared,
+            GROUP=meta["GROUP"], PREC=meta["PREC"], **shared,
         )  # fmt: skip
-        ctx.save_for_backward(Q, X, V, c, Z, mask32, table, stat, out, part)
+        ctx.save_for_backward(Q, Xp, V, c, Z, mask32, table, stat, out, part)
         ctx.sigmoid = sigmoid
         return out, part
 
     @staticmethod
     def backward(ctx, g_out, g_part):
-        Q, X, V, c, Z, mask32, table, stat, out, part = ctx.saved_tensors
+        Q, Xp, V, c, Z, mask32, table, stat, out, part = ctx.saved_tensors
         B, L, d = Q.shape
         n = table.shape[0]
         g_out = torch.zeros_like(out) if g_out is None else g_out.to(Q.dtype).contiguous()
@@ -128,24 +135,27 @@ class PartitionAttentionTriton(torch.autograd.Function):
         gQ = gX = gV = gc = None
         if need_v:
             gV = torch.empty(B, n, L, d // n, device=Q.device, dtype=Q.dtype)
-            mix_bwd_dv_kernel[_grid(L, "BLOCK_N", 2 * B)](
-                Z, cc, mask32, table, stat[0], stat[1], g_out, gV, *zs, *gs, **shared, **tables
-            )
+            programs = 2 * B * (n // 2 // meta["GROUP"])
+            mix_bwd_dv_kernel[_grid(L, "BLOCK_N", programs)](
+                Z, cc, mask32, table, stat[0], stat[1], g_out, gV, *zs, *gs,
+                GROUP=meta["GROUP"], **shared, **tables,
+            )  # fmt: skip
         if need_q or need_x or (need_c and c is not None):
             delta = torch.empty(B, L, device=Q.device, dtype=torch.float32)
             delta_kernel[_grid(L, "BLOCK_M", B)](
                 out, g_out, part, g_part, delta, *gs, part.stride(0), part.stride(1),
                 NP=meta["NP"], **shared,
             )  # fmt: skip
-            dZ = torch.empty_like(Z)
+            dZ = torch.empty_like(Z) if Z.shape[2] == L else torch.zeros_like(Z)  # padded keys: 0
             dc = torch.empty(B, L, n, device=Q.device, dtype=Q.dtype) if c is not None else Z
             mix_bwd_dz_kernel[_grid(L, "BLOCK_M", B)](
                 Z, cc, mask32, table, V, stat[0], stat[1], delta, g_out, g_part, dZ, dc, *zs,
                 V.stride(0), V.stride(1), V.stride(2), *gs, g_part.stride(0), g_part.stride(1),
                 scale=1.0 / math.sqrt(d), NP=meta["NP"], **shared, **tables,
             )  # fmt: skip
-            gQ = torch.matmul(dZ, X) if need_q else None  # cuBLAS: dQ = dS X / √d
-            gX = torch.matmul(dZ.transpose(-1, -2), Q) if need_x else None  # dX_key = dSᵀ Q / √d
+            gQ = torch.matmul(dZ, Xp) if need_q else None  # cuBLAS: dQ = dS X / √d
+            if need_x:  # dX_key = dSᵀ Q / √d
+                gX = torch.matmul(dZ.transpose(-1, -2), Q)[:, :L]
             gc = dc if c is not None and need_c else None
         return gQ, gX, gV, gc, None, None, None
 

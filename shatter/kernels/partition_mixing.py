@@ -13,9 +13,11 @@ f_h(j−i) is gathered from the layer's constant table (shatter/partition.py). P
 left of the diagonal and parts n/2..n−1 right of it (the appendix's mirror halves).
 
 Forward: `row_stats_kernel` (one program per row block) sweeps Z once for ρ (or the row maximum
-and log-sum), then `mix_fwd_kernel` (one program per row block and side) sweeps that side's keys
-with n/2 accumulators of [BLOCK_M, d/n] (64-wide dots) and writes X̄ and A_part normalised, in the
-input dtype.
+and log-sum), then `mix_fwd_kernel` (one program per row block, side and group of parts) sweeps that
+side's keys with one accumulator of [BLOCK_M, d/n] per part of its group (64-wide dots) and writes
+X̄ and A_part normalised, in the input dtype. A group is 2 parts when n/2 is even (n = 12: 3 groups per side),
+else n/2: the accumulators then fit the registers without spills, at the cost of reading the
+side's Z tiles once per group (Z is B·l² elements: a small part of the traffic).
 
 Backward, with δ_i = Σ_j dA_ij A_ij = Σ_h ⟨dX̄[h]_i, X̄[h]_i⟩ + ⟨dA_part_i, A_part_i⟩ from the
 saved outputs (`delta_kernel`, FlashAttention-2's preprocess) and
@@ -25,11 +27,11 @@ dA_ij = Σ_h f_h(j−i) (⟨dX̄[h]_i, V[h]_j⟩ + dA_part_ih):
     softmax: dS_ij = A_ij (dA_ij − δ_i) at real keys
     dc_ih = Σ_j dS_ij f_h(j−i),   dV[h]_j = Σ_i A_ij f_h(j−i) dX̄[h]_i
 
-`mix_bwd_dv_kernel` (key block and side, n/2 accumulators) gives dV; `mix_bwd_dz_kernel` (row
+`mix_bwd_dv_kernel` (key block, side and group, as the forward) gives dV; `mix_bwd_dz_kernel` (row
 block) gives dc and writes dZ = dS/√d in the input dtype: the 1/√d of Z's GEMM applied before the
 rounding keeps fp16 values no larger than the dQ and dX that the GEMMs make from them.
 
-n ∈ {4, 6, ..., 16} (n/2 ≤ 8 unrolled accumulators). `tools/kernel_report.py` compiles every
+n ∈ {4, 6, ..., 16} (at most 7 unrolled accumulators: `part_group`). `tools/kernel_report.py` compiles every
 autotune configuration ahead of time for sm_80/sm_90 and checks shared memory, spills and tensor
 cores. Under TRITON_INTERPRET=1 (CPU tests) one small configuration is tuned over.
 """
@@ -44,7 +46,7 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_PARTS = 16  # n/2 <= 8 unrolled per-part accumulators
-FP32_MIN = -3.4028234663852886e38  # padded keys' logit, as multihead.masked_softmax fills them
+FP32_MIN = tl.constexpr(-3.4028234663852886e38)  # padded keys, as multihead.masked_softmax
 
 
 def _cfg(block_m, block_n, warps, stages, archs=(80, 90)):
@@ -61,12 +63,30 @@ INTERPRET_CONFIGS = [_cfg(16, 16, 1, 1)]
 # compiles for the arch families it names, every variant (HAS_C, sigmoid/softmax, ragged l,
 # d = 768/n = 12 and d = 1024/n = 16, bf16 and fp16) within shared memory, without spills and with
 # tensor-core instructions: checked by tools/kernel_report.py (docs/benchmarks.md).
-STATS_CONFIGS = [_cfg(64, 128, 4, 2), _cfg(128, 64, 8, 2)]
-FWD_CONFIGS = [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)]
-DV_CONFIGS = [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2)]
-DZ_CONFIGS = [_cfg(64, 64, 4, 2), _cfg(64, 128, 8, 2)]
+STATS_CONFIGS = [_cfg(128, 64, 8, 2), _cfg(64, 128, 4, 2, archs=(90,))]
+FWD_CONFIGS = [
+    _cfg(64, 32, 4, 2),
+    _cfg(128, 32, 8, 2),
+    _cfg(64, 32, 4, 3),
+    _cfg(128, 64, 8, 2, archs=(90,)),
+]
+DV_CONFIGS = [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2), _cfg(64, 128, 8, 2)]
+DZ_CONFIGS = [
+    _cfg(64, 64, 8, 2),
+    _cfg(64, 32, 4, 2, archs=(80,)),
+    _cfg(64, 64, 4, 2, archs=(90,)),
+    _cfg(64, 128, 8, 2, archs=(90,)),
+]
 DELTA_CONFIGS = [_cfg(64, 16, 4, 1)]
 AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID"]
+
+
+def part_group(n: int) -> int:
+    """Parts per forward/dV program: 2 when n/2 is even (an mma accumulator of [64, 64] fp32 takes
+    32 registers per thread whatever the warps: 3 or 4 of them spill beside the score tile), else
+    n/2 (3, 5 or 7)."""
+    half = n // 2
+    return 2 if half % 2 == 0 else half
 
 
 def arch_family(capability: tuple[int, int]) -> int:
@@ -137,6 +157,17 @@ def _weights(z, m, ok, stat, stat2, SIGMOID: tl.constexpr):
         a = tl.where(ok, tl.exp((logit - stat[:, None]) - stat2[:, None]), 0.0)
         g = tl.where(m[None, :] > 0, a, 0.0)
     return a, g
+
+
+@triton.jit
+def _program_parts(N_PARTS: tl.constexpr, GROUP: tl.constexpr):
+    """(batch, side, first part) of a program whose second grid axis is batch × side × group:
+    side 0 holds parts 0..n/2-1 (keys j >= i), side 1 parts n/2..n-1 (j <= i)."""
+    groups: tl.constexpr = N_PARTS // 2 // GROUP
+    pid = tl.program_id(1)
+    b = (pid // (2 * groups)).to(tl.int64)
+    side = (pid // groups) % 2
+    return b, side, side * (N_PARTS // 2) + (pid % groups) * GROUP
 
 
 @triton.jit
@@ -214,17 +245,15 @@ def mix_fwd_kernel(
     Z, C, Mk, T, V, STAT, STAT2, OUT, AP,
     sz_b, sz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, so_b, so_h, so_l, sa_b, sa_l,
     L, L_KEY, K_PART, T_CENTRE,
-    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, batch × side): X̄[h] and A_part[:, h] of the side's n/2 parts."""
-    HALF: tl.constexpr = N_PARTS // 2
-    b = (tl.program_id(1) // 2).to(tl.int64)
-    side = tl.program_id(1) % 2  # 0: keys j >= i, parts 0..n/2-1; 1: j <= i, parts n/2..n-1
+    """Program (row block, batch × side × group): X̄[h] and A_part[:, h] of GROUP of the side's
+    n/2 parts (GROUP accumulators; the groups re-read the side's Z tiles)."""
+    b, side, h0 = _program_parts(N_PARTS, GROUP)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    h0 = side * HALF
     stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M)
     acc0 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
@@ -244,17 +273,17 @@ def mix_fwd_kernel(
         v_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
         acc0, ap0 = _fwd_part(acc0, ap0, a, f_ptr, col, ok, v_ptrs, v_ok, PREC)
         acc1, ap1 = _fwd_part(acc1, ap1, a, f_ptr + st_h, col, ok, v_ptrs + sv_h, v_ok, PREC)
-        if HALF > 2:
+        if GROUP > 2:
             acc2, ap2 = _fwd_part(acc2, ap2, a, f_ptr + 2 * st_h, col, ok, v_ptrs + 2 * sv_h, v_ok, PREC)  # fmt: skip
-        if HALF > 3:
+        if GROUP > 3:
             acc3, ap3 = _fwd_part(acc3, ap3, a, f_ptr + 3 * st_h, col, ok, v_ptrs + 3 * sv_h, v_ok, PREC)  # fmt: skip
-        if HALF > 4:
+        if GROUP > 4:
             acc4, ap4 = _fwd_part(acc4, ap4, a, f_ptr + 4 * st_h, col, ok, v_ptrs + 4 * sv_h, v_ok, PREC)  # fmt: skip
-        if HALF > 5:
+        if GROUP > 5:
             acc5, ap5 = _fwd_part(acc5, ap5, a, f_ptr + 5 * st_h, col, ok, v_ptrs + 5 * sv_h, v_ok, PREC)  # fmt: skip
-        if HALF > 6:
+        if GROUP > 6:
             acc6, ap6 = _fwd_part(acc6, ap6, a, f_ptr + 6 * st_h, col, ok, v_ptrs + 6 * sv_h, v_ok, PREC)  # fmt: skip
-        if HALF > 7:
+        if GROUP > 7:
             acc7, ap7 = _fwd_part(acc7, ap7, a, f_ptr + 7 * st_h, col, ok, v_ptrs + 7 * sv_h, v_ok, PREC)  # fmt: skip
     row_ok = offs_m < L
     o = OUT + b * so_b + h0 * so_h + offs_m[:, None] * so_l + offs_k[None, :]
@@ -262,17 +291,17 @@ def mix_fwd_kernel(
     a_ptrs = AP + b * sa_b + offs_m * sa_l + h0
     _store_part(o, acc0, o_ok, a_ptrs, ap0, row_ok)
     _store_part(o + so_h, acc1, o_ok, a_ptrs + 1, ap1, row_ok)
-    if HALF > 2:
+    if GROUP > 2:
         _store_part(o + 2 * so_h, acc2, o_ok, a_ptrs + 2, ap2, row_ok)
-    if HALF > 3:
+    if GROUP > 3:
         _store_part(o + 3 * so_h, acc3, o_ok, a_ptrs + 3, ap3, row_ok)
-    if HALF > 4:
+    if GROUP > 4:
         _store_part(o + 4 * so_h, acc4, o_ok, a_ptrs + 4, ap4, row_ok)
-    if HALF > 5:
+    if GROUP > 5:
         _store_part(o + 5 * so_h, acc5, o_ok, a_ptrs + 5, ap5, row_ok)
-    if HALF > 6:
+    if GROUP > 6:
         _store_part(o + 6 * so_h, acc6, o_ok, a_ptrs + 6, ap6, row_ok)
-    if HALF > 7:
+    if GROUP > 7:
         _store_part(o + 7 * so_h, acc7, o_ok, a_ptrs + 7, ap7, row_ok)
 
 
@@ -309,18 +338,16 @@ def delta_kernel(
 def mix_bwd_dv_kernel(
     Z, C, Mk, T, STAT, STAT2, DO, DV,
     sz_b, sz_l, sc_b, sc_l, st_h, sd_b, sd_h, sd_l, L, L_KEY, K_PART, T_CENTRE,
-    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Program (key block, batch × side): dV[h] = Σ_i (A ⊙ f_h)ᵀ dX̄[h] for the side's parts;
-    dO and dV share the [B, n, L, d/n] strides sd_*."""
-    HALF: tl.constexpr = N_PARTS // 2
-    b = (tl.program_id(1) // 2).to(tl.int64)
-    side = tl.program_id(1) % 2  # 0: parts 0..n/2-1 (rows i <= j); 1: n/2..n-1 (i >= j)
+    """Program (key block, batch × side × group): dV[h] = Σ_i (A ⊙ f_h)ᵀ dX̄[h] for GROUP of the
+    side's parts (side 0: rows i <= j; side 1: i >= j); dO and dV share the [B, n, L, d/n]
+    strides sd_*."""
+    b, side, h0 = _program_parts(N_PARTS, GROUP)
     j0 = tl.program_id(0) * BLOCK_N
     offs_n = j0 + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    h0 = side * HALF
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
     lo = tl.where(side == 0, 0, (j0 // BLOCK_M) * BLOCK_M)
@@ -338,34 +365,34 @@ def mix_bwd_dv_kernel(
         do_ok = (offs_m < L)[:, None] & (offs_k < K_PART)[None, :]
         acc0 = _dv_part(acc0, a, f_ptr, col, ok, do, do_ok, PREC)
         acc1 = _dv_part(acc1, a, f_ptr + st_h, col, ok, do + sd_h, do_ok, PREC)
-        if HALF > 2:
+        if GROUP > 2:
             acc2 = _dv_part(acc2, a, f_ptr + 2 * st_h, col, ok, do + 2 * sd_h, do_ok, PREC)
-        if HALF > 3:
+        if GROUP > 3:
             acc3 = _dv_part(acc3, a, f_ptr + 3 * st_h, col, ok, do + 3 * sd_h, do_ok, PREC)
-        if HALF > 4:
+        if GROUP > 4:
             acc4 = _dv_part(acc4, a, f_ptr + 4 * st_h, col, ok, do + 4 * sd_h, do_ok, PREC)
-        if HALF > 5:
+        if GROUP > 5:
             acc5 = _dv_part(acc5, a, f_ptr + 5 * st_h, col, ok, do + 5 * sd_h, do_ok, PREC)
-        if HALF > 6:
+        if GROUP > 6:
             acc6 = _dv_part(acc6, a, f_ptr + 6 * st_h, col, ok, do + 6 * sd_h, do_ok, PREC)
-        if HALF > 7:
+        if GROUP > 7:
             acc7 = _dv_part(acc7, a, f_ptr + 7 * st_h, col, ok, do + 7 * sd_h, do_ok, PREC)
     dv = DV + b * sd_b + h0 * sd_h + offs_n[:, None] * sd_l + offs_k[None, :]
     dv_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
     ty = DV.dtype.element_ty
     tl.store(dv, acc0.to(ty), mask=dv_ok)
     tl.store(dv + sd_h, acc1.to(ty), mask=dv_ok)
-    if HALF > 2:
+    if GROUP > 2:
         tl.store(dv + 2 * sd_h, acc2.to(ty), mask=dv_ok)
-    if HALF > 3:
+    if GROUP > 3:
         tl.store(dv + 3 * sd_h, acc3.to(ty), mask=dv_ok)
-    if HALF > 4:
+    if GROUP > 4:
         tl.store(dv + 4 * sd_h, acc4.to(ty), mask=dv_ok)
-    if HALF > 5:
+    if GROUP > 5:
         tl.store(dv + 5 * sd_h, acc5.to(ty), mask=dv_ok)
-    if HALF > 6:
+    if GROUP > 6:
         tl.store(dv + 6 * sd_h, acc6.to(ty), mask=dv_ok)
-    if HALF > 7:
+    if GROUP > 7:
         tl.store(dv + 7 * sd_h, acc7.to(ty), mask=dv_ok)
 
 
