@@ -1,5 +1,5 @@
-"""tools/kernel_report.py compiles the Triton kernels ahead of time (no GPU) and its checks catch
-what would make an autotune configuration unfit."""
+"""tools/kernel_report.py compiles the Triton mixing kernels ahead of time (no GPU) and its checks
+catch what would make an autotune configuration unfit."""
 
 import os
 import subprocess
@@ -22,25 +22,31 @@ def test_checks_flag_spills_shared_memory_and_missing_tensor_cores():
     assert Row(**{**ok.__dict__, "hmma": 0}).problems() == ["no tensor-core instruction"]
     too_big = Row(**{**ok.__dict__, "arch": 80, "smem": 200 * 1024})
     assert too_big.problems() == [f"smem {200 * 1024} > {163 * 1024}"]
+    # the elementwise sweeps (row statistics, delta) have no dot: no tensor core to expect
+    for kernel in ("stats", "delta"):
+        assert Row(**{**ok.__dict__, "kernel": kernel, "hmma": 0}).problems() == []
+    assert Row(**{**ok.__dict__, "kernel": "dz", "hmma": 0}).problems() != []
 
 
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90_without_spills():
-    """The CI subset: each kernel's first sm_90 configuration at the base shape in bf16, for the
-    sigmoid and the softmax."""
+    """The CI subset: each kernel's first sm_90 configuration at the base shape in bf16, with the
+    partition bias and a length that is not a multiple of 16, for the sigmoid and the softmax;
+    every kernel with dots uses wgmma (HGMMA)."""
     pytest.importorskip("triton", reason="triton has no wheel for this platform")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO)
     cmd = [sys.executable, "tools/kernel_report.py", "--arch", "90", "--shape", "base"]
-    res = subprocess.run(
-        [*cmd, "--dtype", "bf16", "--first-config"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    cmd += ["--dtype", "bf16", "--has-c", "true", "--length", "509", "--first-config"]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
-    rows = [line for line in res.stdout.splitlines() if line.startswith("sm_90")]
-    kernels = [tuple(row.split()[1:3]) for row in rows]
-    assert kernels == [(k, a) for k in ("fwd", "dv", "dq", "dx") for a in ("sigmoid", "softmax")]
-    assert all(row.endswith("ok") for row in rows)
+    rows = [line.split() for line in res.stdout.splitlines() if line.startswith("sm_90 ")]
+    rows = [row for row in rows if len(row) > 12]  # the table, not the summary
+    kernels = [tuple(row[1:3]) for row in rows]
+    acts = ("sigmoid", "softmax")
+    want = [(k, a) for k in ("stats", "fwd", "delta", "dv", "dz") for a in acts]
+    assert kernels == [kv for kv in want if kv != ("delta", "softmax")]
+    assert all(row[-1] == "ok" for row in rows)
+    for row in rows:
+        if row[1] in ("fwd", "dv", "dz"):
+            assert int(row[-2]) > 0, row  # HGMMA
