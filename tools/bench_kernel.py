@@ -1,28 +1,41 @@
-"""Side-by-side GPU time of the attention kernels alone: the fused Triton partition attention, the
-lean PyTorch path (Z0 = Q Xᵀ/√d, then lean.partition_mix_lean) and BERT's multi-head SDPA.
+"""Side-by-side GPU time of the attention alone: the hybrid `triton` impl, `chunked`, and BERT's
+multi-head SDPA on the backends a GPU run of BERT actually takes.
 
 For each length l at the paper's base or large width (d = 768, n = 12 or d = 1024, n = 16),
-batch = max(1, batch_tokens // l), random inputs with 10% padded keys in the last sequence,
-it times forward and forward + backward with `triton.testing.do_bench` (median ms) and prints
-each contender's ratio to SDPA from the same run. Needs a CUDA device.
+batch = max(1, batch_tokens // l), random inputs, it times forward and forward + backward with
+`triton.testing.do_bench` (median ms) and prints each contender's ratio to SDPA on
+FlashAttention-2 from the same run:
 
-    python tools/bench_kernel.py --lengths 128,512,1024 --dtype bf16 --arch shatter
+    sdpa-flash      BERT's n heads of d/n, `sdpa_kernel(FLASH_ATTENTION)`, no mask (FA2 takes no
+                    attn_mask: a mask silently sends SDPA to another backend)
+    sdpa-efficient  the same with a [B, 1, 1, l] padding mask, `sdpa_kernel(EFFICIENT_ATTENTION)`
+                    (what BERT with padding and V100s run)
+    triton          the hybrid impl (shatter/attention/triton_kernel.py), with the padding mask
+    chunked         the cuBLAS row-block impl, with the padding mask
+
+The padding mask pads the last 10% of the last sequence. Then, for `triton` at each length, a
+torch.profiler split of one fwd+bwd into cuBLAS GEMMs, the mixing forward kernels, the mixing
+backward kernels and the PyTorch glue between them (CUDA time per group). Needs a CUDA device.
+
+    python tools/bench_kernel.py --lengths 256,512,1024 --dtype bf16 --arch shatter
 """
 
 from __future__ import annotations
 
-import math
-
 import click
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shatter.attention.lean import partition_mix_lean
+from shatter.attention.chunked import partition_attention_chunked
 from shatter.partition import partition_table
 
 SHAPES = {"base": (768, 12), "large": (1024, 16)}
 ARCHS = {"shatter": (True, True), "1h-sigmoid": (False, True), "1h-softmax": (False, False)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MIXING_FWD = ("row_stats_kernel", "mix_fwd_kernel")
+MIXING_BWD = ("delta_kernel", "mix_bwd_dv_kernel", "mix_bwd_dz_kernel")
+GEMM_NAMES = ("gemm", "cutlass", "xmma", "cublas", "nvjet", "ampere_", "sm80_", "sm90_")
 
 
 def contenders(B, L, d, n, dtype, bias: bool, sigmoid: bool, device: str = "cuda"):
@@ -33,42 +46,75 @@ def contenders(B, L, d, n, dtype, bias: bool, sigmoid: bool, device: str = "cuda
     new = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype).requires_grad_()  # noqa: E731
     Q, X, V_BLD = new(B, L, d), new(B, L, d), new(B, L, d)
     c = new(B, L, n) if bias else None
-    mask = torch.ones(B, L, device=device)
-    mask[-1, L - L // 10 :] = 0
+    mask = torch.ones(B, L, device=device, dtype=torch.bool)
+    mask[-1, L - L // 10 :] = False
     table = partition_table(n, 0, 12, max_len=L, device=device)
-
-    def V():
-        return V_BLD.view(B, L, n, d // n).transpose(1, 2)
-
-    def triton_fn():
-        return partition_attention_triton(Q, X, V(), c, mask, table, sigmoid)
-
-    def lean_fn():
-        Z0 = Q @ X.transpose(-1, -2) / math.sqrt(d)
-        return partition_mix_lean(Z0, c, V(), mask.bool(), table, sigmoid)
-
     heads = lambda t: t.view(B, L, n, d // n).transpose(1, 2)  # noqa: E731
-    keep = mask.bool()[:, None, None, :]
-
-    def sdpa_fn():  # BERT: n heads of d/n, the keys a projection of their own (here X)
-        return (F.scaled_dot_product_attention(heads(Q), heads(X), heads(V_BLD), attn_mask=keep),)
-
+    keep = mask[:, None, None, :]
     leaves = [t for t in (Q, X, V_BLD, c) if t is not None]
-    return {"triton": (triton_fn, leaves), "lean": (lean_fn, leaves), "sdpa": (sdpa_fn, leaves[:3])}
+
+    def sdpa(backend, attn_mask):
+        def fn():  # BERT: n heads of d/n, the keys a projection of their own (here X)
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(
+                    heads(Q), heads(X), heads(V_BLD), attn_mask=attn_mask
+                )
+            return (o,)
+
+        return fn
+
+    def partition(impl):
+        return lambda: impl(Q, X, heads(V_BLD), c, mask, table, sigmoid)
+
+    return {
+        "sdpa-flash": (sdpa(SDPBackend.FLASH_ATTENTION, None), leaves[:3]),
+        "sdpa-efficient": (sdpa(SDPBackend.EFFICIENT_ATTENTION, keep), leaves[:3]),
+        "triton": (partition(partition_attention_triton), leaves),
+        "chunked": (partition(partition_attention_chunked), leaves),
+    }
+
+
+def _fwd_bwd(fn, leaves):
+    outs = fn()
+    grads = [torch.randn_like(o) for o in outs]
+    return lambda: torch.autograd.grad(fn(), leaves, grads)
 
 
 def timings(fn, leaves) -> tuple[float, float]:
     from triton.testing import do_bench
 
-    outs = fn()
-    grads = [torch.randn_like(o) for o in outs]
-
-    def fwd_bwd():
-        torch.autograd.grad(fn(), leaves, grads)
-
     with torch.no_grad():
         forward = do_bench(fn)
-    return forward, do_bench(fwd_bwd)
+    return forward, do_bench(_fwd_bwd(fn, leaves))
+
+
+def group(name: str) -> str:
+    if any(k in name for k in MIXING_FWD):
+        return "mixing fwd"
+    if any(k in name for k in MIXING_BWD):
+        return "mixing bwd"
+    if any(k in name.lower() for k in GEMM_NAMES):
+        return "GEMMs"
+    return "glue"
+
+
+def profile_split(fn, leaves, repeats: int = 5) -> dict[str, float]:
+    """CUDA ms per group (GEMMs, mixing fwd, mixing bwd, glue) of one fwd+bwd (mean of repeats)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _fwd_bwd(fn, leaves)
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    split = dict.fromkeys(("GEMMs", "mixing fwd", "mixing bwd", "glue"), 0.0)
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            split[group(event.key)] += us / 1e3 / repeats
+    return split
 
 
 @click.command()
@@ -78,7 +124,7 @@ def timings(fn, leaves) -> tuple[float, float]:
 @click.option("--batch-tokens", default=16384, show_default=True, help="tokens per batch")
 @click.option("--arch", default="shatter", show_default=True, type=click.Choice(list(ARCHS)))
 def main(lengths, shape, dtype, batch_tokens, arch):
-    """Time the attention kernels on the GPU and print ratios to SDPA (see module doc)."""
+    """Time the attention impls on the GPU and print ratios to SDPA-flash (see module doc)."""
     if not torch.cuda.is_available():
         raise SystemExit(
             "bench_kernel: needs a CUDA device (tools/bench_kernel.py times GPU kernels)"
@@ -91,18 +137,29 @@ def main(lengths, shape, dtype, batch_tokens, arch):
         ) from None
     d, n = SHAPES[shape]
     print(f"{torch.cuda.get_device_name()}, {arch}-{shape} (d={d}, n={n}), {dtype}")
-    print("| l | batch | kernel | fwd ms | fwd+bwd ms | fwd / sdpa | fwd+bwd / sdpa |")
+    print("| l | batch | impl | fwd ms | fwd+bwd ms | fwd / sdpa-flash | fwd+bwd / sdpa-flash |")
     print("|---|---|---|---|---|---|---|")
+    splits = {}
     for L in ls:
         B = max(1, batch_tokens // L)
-        times = {
-            name: timings(fn, leaves)
-            for name, (fn, leaves) in contenders(B, L, d, n, DTYPES[dtype], *ARCHS[arch]).items()
-        }
-        ref = times["sdpa"]
+        runs = contenders(B, L, d, n, DTYPES[dtype], *ARCHS[arch])
+        times = {}
+        for name, (fn, leaves) in runs.items():
+            try:
+                times[name] = timings(fn, leaves)
+            except RuntimeError as e:  # e.g. no flash kernel for this dtype/GPU: say so, go on
+                print(f"| {L} | {B} | {name} | failed: {str(e).splitlines()[0][:80]} | | | |")
+        ref = times.get("sdpa-flash", (float("nan"), float("nan")))
         for name, (fwd, both) in times.items():
             print(f"| {L} | {B} | {name} | {fwd:.3f} | {both:.3f} | "
                   f"{fwd / ref[0]:.2f} | {both / ref[1]:.2f} |")  # fmt: skip
+        splits[L] = profile_split(*runs["triton"])
+    print("\ntriton fwd+bwd, torch.profiler CUDA time per group (ms)")
+    print("| l | GEMMs | mixing fwd | mixing bwd | glue | total |")
+    print("|---|---|---|---|---|---|")
+    for L, split in splits.items():
+        cells = " | ".join(f"{v:.3f}" for v in split.values())
+        print(f"| {L} | {cells} | {sum(split.values()):.3f} |")
 
 
 if __name__ == "__main__":
