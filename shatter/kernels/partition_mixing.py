@@ -59,10 +59,11 @@ def _cfg(block_m, block_n, warps, stages, archs=(80, 90)):
 
 
 INTERPRET_CONFIGS = [_cfg(16, 16, 1, 1)]
-# Row tiles of at least 64 in the forward (a group's accumulators share one score tile). Each list
-# compiles for the arch families it names, every variant (HAS_C, sigmoid/softmax, ragged l,
-# d = 768/n = 12 and d = 1024/n = 16, bf16 and fp16) within shared memory, without spills and with
-# tensor-core instructions: checked by tools/kernel_report.py (docs/benchmarks.md).
+# Row tiles of at least 64 in the forward (a group's accumulators share one score tile). Checked
+# by tools/kernel_report.py (docs/benchmarks.md) within shared memory, without spills and with
+# tensor-core instructions: each list's first configuration for an arch family in every variant
+# (HAS_C, sigmoid/softmax, l = 512 and 509, d = 768/n = 12 and d = 1024/n = 16, bf16 and fp16),
+# the others at the hardest (d = 1024, n = 16, l = 509, bf16).
 STATS_CONFIGS = [_cfg(128, 64, 8, 2), _cfg(64, 128, 4, 2, archs=(90,))]
 FWD_CONFIGS = [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2, archs=(90,))]
 DV_CONFIGS = [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2), _cfg(64, 128, 8, 2)]
