@@ -110,6 +110,9 @@ class RunArgs:
         None  # expert override: a DeepSpeed JSON merged over the built one
     )
     progress: bool = True  # tqdm progress bar on rank 0
+    # seconds a collective waits on a peer before it fails (and the run with it): longer than the
+    # slowest rank-0-only pause (an export of a large model); a dead peer is noticed this late
+    collective_timeout_s: float = 600.0
     tensorboard: bool = True  # TensorBoard event files under RUN/tensorboard
 
 
@@ -133,6 +136,7 @@ class TrainConfig:
             (r.zero_stage in (0, 1, 2, 3), f"run.zero_stage must be 0-3, got {r.zero_stage}"),
             (d.masking in MASKINGS, f"data.masking must be one of {MASKINGS}, got {d.masking!r}"),
             (r.max_steps > 0, "run.max_steps must be positive"),
+            (r.collective_timeout_s > 0, "run.collective_timeout_s must be positive"),
             (
                 r.micro_batch > 0 and r.grad_accum > 0,
                 "run.micro_batch and run.grad_accum must be positive",

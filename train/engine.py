@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -80,9 +81,13 @@ def build_extensions() -> None:
         )
 
 
-def init_distributed() -> tuple[int, int]:
-    """(rank, world_size) after joining the process group (gloo on CPU, nccl on GPUs)."""
+def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
+    """(rank, world_size) after joining the process group (gloo on CPU, nccl on GPUs). A
+    collective that waits on a peer for `timeout_s` (`run.collective_timeout_s`) fails: gloo
+    raises, and NCCL's watchdog aborts the communicator and the process."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    # NCCL: a timed-out collective tears the process down instead of leaving it blocked
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     import deepspeed
 
     alone = single_process_env()
@@ -91,7 +96,7 @@ def init_distributed() -> tuple[int, int]:
     rendezvous = {"init_method": _file_store(), "rank": 0, "world_size": 1} if alone else {}
     deepspeed.init_distributed(
         dist_backend="gloo" if on_cpu() else "nccl",
-        timeout=COLLECTIVE_TIMEOUT,  # a rank whose peer died fails instead of waiting 30 min
+        timeout=COLLECTIVE_TIMEOUT if timeout_s is None else timedelta(seconds=timeout_s),
         **rendezvous,
     )
     if on_cpu():

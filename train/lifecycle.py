@@ -7,13 +7,24 @@ Used by the three entry points (train/pretrain.py, train/finetune.py, tools/eval
   the same request (Ctrl-C reaches every process of the terminal's group and the deepspeed
   launcher then forwards a SIGTERM to each rank: that is one request, not two).
 - `process_exit()`: wraps a CLI's body. Any exception becomes one line (the cause, and the file
-  and line it came from; the full traceback with SHATTER_TRACEBACK=1); the process group is
-  destroyed; and a watchdog thread hard-exits the process if the interpreter's exit hangs
-  (joining a DataLoader worker, a collective with a dead peer).
+  and line it came from; the full traceback with SHATTER_TRACEBACK=1). In a process of its own
+  (`run_cli`) a failure then ends the process at once: a deadline is armed first, the line is
+  said, the process group is destroyed in a daemon thread given `FAILED_DESTROY_S` (since torch
+  2.6 `destroy_process_group` flushes pending NCCL work, which a failed rank's peers never
+  complete), and `os._exit`. A successful exit destroys the group the same way, with
+  `DESTROY_S`, and a watchdog hard-exits the process if the interpreter's exit hangs (joining a
+  DataLoader worker, a collective with a dead peer).
+- Collectives wait `run.collective_timeout_s` for a peer, then fail (gloo raises; NCCL's
+  watchdog aborts the communicator, `TORCH_NCCL_ASYNC_ERROR_HANDLING`): a rank whose peer died
+  or hangs fails in its turn, with its own line.
 - `run_cli(main)`: a script's `__main__`; its process ends with the command's exit code right
   after the atexit handlers, without the interpreter's C-level finalisation.
+- `ProgressWatchdog`: gloo does not always apply its timeout (an all-reduce whose peer is alive
+  but stuck waits for ever), so a rank that has not begun a forward for
+  `run.collective_timeout_s` plus a margin says so in one line and ends.
 - The deepspeed launcher ends the other ranks when one exits non-zero (SIGTERM to each rank's
-  process tree, SIGKILL 30 s later), so a failure on any rank ends the job.
+  process tree, SIGKILL 30 s later), so a failure on any rank ends the job. With the above, every
+  rank is gone well within a minute of the first failure (tests/train/test_exits.py measures it).
 """
 
 from __future__ import annotations
@@ -32,7 +43,10 @@ from datetime import timedelta
 GRACE_S = 15.0  # seconds the interpreter's exit may take before the watchdog ends the process
 FAILED_GRACE_S = 2.0  # the same after a failure (its line is out; nothing is left to flush)
 SAME_REQUEST_S = 1.0  # a second signal sooner than this after the first is the same request
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a collective waiting longer on a peer fails
+DESTROY_S = 30.0  # a successful exit waits this long for destroy_process_group, then goes on
+FAILED_DESTROY_S = 5.0  # the same after a failure (peers may never complete pending work)
+FAILED_DEADLINE_S = 15.0  # a failed process is ended this long after its failure, whatever blocks
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # default of run.collective_timeout_s
 
 
 def hard_exit(code: int, line: str | None = None) -> None:
@@ -110,15 +124,50 @@ def one_line(err: BaseException, known: bool = False) -> str:
     return f"{type(err).__name__}: {text}" + (f" ({where})" if where else "")
 
 
-def close_process_group() -> None:
-    """Destroy the default process group if there is one (every exit path calls this)."""
-    try:
-        import torch.distributed as dist
+def close_process_group(timeout_s: float = DESTROY_S) -> bool:
+    """Destroy the default process group if there is one (every exit path calls this), in a
+    daemon thread given `timeout_s`: False when it did not finish (the process is ending anyway,
+    and a destroy that waits on a dead or failed peer must not keep it)."""
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # a broken group on a failure path: the process is ending anyway
+    def destroy():
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # a broken group on a failure path: the process is ending anyway
+            pass
+
+    thread = threading.Thread(target=destroy, name="shatter-destroy-group", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive()
+
+
+def arm_deadline(code: int, after_s: float) -> threading.Thread:
+    """A daemon thread that ends the process with `code` in `after_s` seconds, whatever the main
+    thread is blocked in (armed first on a failure, before anything that can block)."""
+
+    def fire():
+        time.sleep(after_s)
+        hard_exit(code, f"rank {_rank()}: still exiting {after_s:.0f} s after the failure: ended")
+
+    thread = threading.Thread(target=fire, name="shatter-exit-deadline", daemon=True)
+    thread.start()
+    return thread
+
+
+def fail_now(code: int, line: str) -> None:
+    """End a failed process of its own (its deadline already armed): the line (click's `Error:`
+    form, as a `ClickException` says it), the bounded destroy of the process group, `os._exit`.
+    atexit handlers do not run: nothing left after a failure is worth a hang."""
+    try:
+        sys.stderr.write(f"Error: {line}\n")
+        sys.stderr.flush()
+    except Exception:  # a closed stderr must not keep the process
         pass
+    close_process_group(FAILED_DESTROY_S)
+    hard_exit(code)
 
 
 _exiting = threading.Event()
@@ -165,6 +214,43 @@ def arm_watchdog(code: int, after_s: float | None = None) -> threading.Thread:
     return thread
 
 
+class ProgressWatchdog:
+    """Ends the process (exit 1, one line) when `pet()` has not been called for `limit_s`: the
+    trainer pets it at every forward, so a rank blocked in a collective on a peer that hangs is
+    ended even where the backend's own timeout does not fire. Starts with the first pet."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s = limit_s
+        self._last: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def pet(self, *_args) -> None:
+        self._last = time.monotonic()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._watch, name="shatter-progress-watchdog", daemon=True
+            )
+            self._thread.start()
+
+    def _watch(self) -> None:
+        while not _exiting.is_set():
+            idle = time.monotonic() - self._last
+            if idle > self.limit_s:
+                arm_deadline(1, FAILED_DEADLINE_S)
+                hard_exit(
+                    1,
+                    f"Error: rank {_rank()}: no progress for {idle:.0f} s: a collective waits on "
+                    "a peer that failed or hangs (see the other ranks' lines; the limit is "
+                    "run.collective_timeout_s plus a margin)",
+                )
+            time.sleep(min(5.0, self.limit_s / 4))
+
+    @staticmethod
+    def limit_for(collective_timeout_s: float) -> float:
+        """The backend's own timeout gets the first chance to fail, with its own message."""
+        return collective_timeout_s + min(30.0, collective_timeout_s)
+
+
 def _exit_code(err: BaseException) -> int:
     if isinstance(err, SystemExit):
         return err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
@@ -189,13 +275,17 @@ def process_exit(known: tuple[type[BaseException], ...] = ()):
         raise SystemExit(130) from None
     except BaseException as err:  # the CLI's last word on any failure
         code = 1
+        if _owner["cli"]:
+            arm_deadline(code, FAILED_DEADLINE_S)  # before anything that can block
         if os.environ.get("SHATTER_TRACEBACK"):
             traceback.print_exc()
         line = one_line(err, known=isinstance(err, known))
         prefix = f"rank {_rank()}: " if os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        if _owner["cli"]:
+            fail_now(code, prefix + line)
         raise click.ClickException(prefix + line) from None
     finally:
         _owner["code"] = code
         arm_watchdog(code)
         if _owner["cli"]:  # in-process callers (tests, notebooks) keep DeepSpeed's cached group
-            close_process_group()
+            close_process_group(DESTROY_S if code == 0 else FAILED_DESTROY_S)

@@ -109,13 +109,13 @@ def _run(cfg: TrainConfig) -> int:
     from train import checkpoint
     from train.data import StreamPosition
     from train.engine import build_engine, init_distributed, resolved_deepspeed_config
-    from train.lifecycle import StopFlag
+    from train.lifecycle import ProgressWatchdog, StopFlag
     from train.loop import RunContext, train
     from train.metrics import MetricsWriter, gpu_memory, truncate_after
 
     index, seq_len = start_up_checks(cfg)
     stop = StopFlag().install()
-    rank, world = init_distributed()
+    rank, world = init_distributed(cfg.run.collective_timeout_s)
     run_dir = Path(cfg.run.output)
     run_dir.mkdir(parents=True, exist_ok=True)
     ds_config = resolved_deepspeed_config(cfg, world)
@@ -126,6 +126,8 @@ def _run(cfg: TrainConfig) -> int:
     if seq_len > model.config.max_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_len {model.config.max_len}")
     engine = build_engine(model, cfg, ds_config)
+    progress = ProgressWatchdog(ProgressWatchdog.limit_for(cfg.run.collective_timeout_s))
+    engine.module.register_forward_pre_hook(progress.pet)  # a rank stuck between forwards ends
     state, position, saved_config = checkpoint.resume(engine, run_dir)
     if position is not None:
         StreamPosition.from_dict(

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_pretrain import command, free_port
+from test_pretrain import SCRIPT, command, free_port
 
 from tests.jobs import Job
 from train.lifecycle import one_line
@@ -233,3 +233,46 @@ def test_two_nodes_of_one_rank_read_disjoint_data_and_resume(books_data, tmp_pat
     ids = {r: {i for _, batch in reads[r] for i in batch} for r in (0, 1)}
     assert not ids[0] & ids[1], "two ranks read the same rows"
     assert len(ids[0]) + len(ids[1]) == 6 * 2 * 4  # every global sample once
+
+
+FAULTY = str(REPO / "tests" / "train" / "faulty_pretrain.py")
+TIMEOUT_S = 8  # run.collective_timeout_s of the fault runs: a blocked peer is noticed this soon
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+@pytest.mark.parametrize("kind", ["raise", "block", "kill"])
+def test_a_fault_on_one_rank_ends_every_rank_within_a_minute(books_data, tmp_path, kind):
+    """Rank 1 fails in step 3's backward: raises (its process-group destroy blocking for ever),
+    blocks in a collective (rank 0's collective times out), or is SIGKILLed. Every process of the
+    job (launcher, ranks, loader workers) is gone within EXIT_WITHIN_S of the fault, each failed
+    rank says one line, and the exit is non-zero."""
+    config = tmp_path / "fault.yaml"
+    config.write_text(
+        (REPO / "configs" / "cpu-tiny.yaml")
+        .read_text()
+        .replace("run:\n", f"run:\n  collective_timeout_s: {TIMEOUT_S}\n")
+    )
+    cmd = launch(books_data, tmp_path / "run", "--max-steps", "20", "--config", str(config))
+    cmd[cmd.index(SCRIPT)] = FAULTY
+    job = Job(cmd, env={"SHATTER_TEST_FAULT": f"{kind}:1:3"})
+    try:
+        fault = job.wait_for(f"fault: {kind} on rank 1", timeout=300)
+        job.reader.join(EXIT_WITHIN_S + 30)  # end of output: every process of the job has exited
+        gone = time.monotonic() - fault
+        code = job.proc.wait(timeout=30)
+    finally:
+        if job.proc.poll() is None or job.reader.is_alive():
+            os.killpg(job.proc.pid, signal.SIGKILL)
+    print(f"{kind}: exit {code}, every process gone {gone:.1f} s after the fault")  # report (-s)
+    assert not job.reader.is_alive() and gone < EXIT_WITHIN_S, job.text[-3000:]
+    assert code != 0, job.text[-3000:]
+    assert "Traceback" not in job.text, job.text[-4000:]
+    errors = [line for _, line in job.lines if line.startswith("Error: rank")]
+    for rank in (0, 1) if kind != "kill" else (0,):  # a SIGKILLed rank says nothing
+        said = [line for line in errors if line.startswith(f"Error: rank {rank}:")]
+        assert len(said) == 1, job.text[-3000:]
+    if kind == "raise":
+        assert "injected failure in the backward" in job.text
+    if kind == "block":
+        assert "Error: rank 0: no progress for" in job.text, job.text[-3000:]
