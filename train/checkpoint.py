@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import shutil
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +46,45 @@ class TrainState:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_shared(run_dir: Path) -> None:
+    """Collective, at start-up: every rank must see the run directory rank 0 writes in. Only rank
+    0 writes `latest`, config.json and the export (reading every rank's ZeRO shards), so on
+    node-local disks the other nodes would start afresh while node 0 resumes. Rank 0 writes a
+    nonce there; after a broadcast (a barrier) every rank reads it back; all stop on any miss."""
+    from train.config import ConfigError
+
+    dist = torch.distributed
+    if dist.get_world_size() == 1:
+        return
+    rank = dist.get_rank()
+    nonce = [secrets.token_hex(8) if rank == 0 else None]
+    if rank == 0:
+        (run_dir / f".shared-check-{nonce[0]}").write_text(nonce[0])
+    dist.broadcast_object_list(nonce, src=0)
+    probe = run_dir / f".shared-check-{nonce[0]}"
+    seen = False
+    for _ in range(5):  # a network file system may show a new file a moment late
+        try:
+            seen = probe.read_text() == nonce[0]
+        except OSError:
+            seen = False
+        if seen:
+            break
+        time.sleep(0.5)
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (rank, socket.gethostname(), seen))
+    if rank == 0:
+        probe.unlink(missing_ok=True)
+    blind = [f"{r} ({host})" for r, host, ok in views if not ok]
+    if blind:
+        raise ConfigError(
+            f"the run directory {run_dir} is not shared: rank(s) {', '.join(blind)} cannot "
+            f"read what rank 0 ({views[0][1]}) wrote there; --output must be one directory "
+            "shared by every node at the same path (NFS, Lustre, a FUSE mount), not a "
+            "node-local disk"
+        )
 
 
 def tag(step: int) -> str:

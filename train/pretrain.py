@@ -118,6 +118,7 @@ def _run(cfg: TrainConfig) -> int:
     rank, world = init_distributed(cfg.run.collective_timeout_s)
     run_dir = Path(cfg.run.output)
     run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint.check_shared(run_dir)  # every node must see the same run directory
     ds_config = resolved_deepspeed_config(cfg, world)
     torch.manual_seed(cfg.run.seed)
     # The model is built for the length it is trained at (the paper pretrains BERT_GPU and

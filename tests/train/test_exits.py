@@ -195,26 +195,31 @@ def test_sigterm_during_checkpoints_saves_and_exits(books_data, tmp_path):
     assert int(latest.removeprefix("step")) >= 2
 
 
+def two_nodes(data: Path, tmp: Path, runs: tuple, *extra: str, env: dict) -> list[Job]:
+    """One launcher per "node" of one rank (--no_ssh --node_rank), a shared hostfile, the master
+    on 127.0.0.1; node n writes to runs[n]."""
+    hostfile = tmp / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    port, jobs = free_port(), []
+    for node in (0, 1):
+        launcher = [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh"]
+        launcher += ["--node_rank", str(node), "--master_addr", "127.0.0.1"]
+        launcher += ["--master_port", str(port)]
+        jobs.append(Job(launch(data, runs[node], *extra, launcher=launcher), env=env))
+    return jobs
+
+
 @pytest.mark.slow
 @pytest.mark.shared_data
 def test_two_nodes_of_one_rank_read_disjoint_data_and_resume(books_data, tmp_path):
     """DeepSpeed's multi-node path without ssh: one launcher per "node" (--no_ssh --node_rank),
     a shared hostfile, the master on 127.0.0.1."""
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
-    run, port, log = tmp_path / "run", free_port(), tmp_path / "samples"
+    run, log = tmp_path / "run", tmp_path / "samples"
 
     def nodes(max_steps: int) -> list[Job]:
-        jobs = []
-        for node in (0, 1):
-            launcher = [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh"]
-            launcher += ["--node_rank", str(node), "--master_addr", "127.0.0.1"]
-            launcher += ["--master_port", str(port)]
-            extra = ("--num-workers", "1", "--max-steps", str(max_steps))
-            cmd = launch(books_data, run, *extra, "--save-every", "3", "--eval-every", "0",
-                         launcher=launcher)  # fmt: skip
-            jobs.append(Job(cmd, env={"SHATTER_SAMPLE_LOG": str(log)}))
-        return jobs
+        extra = ("--num-workers", "1", "--max-steps", str(max_steps), "--save-every", "3")
+        return two_nodes(books_data, tmp_path, (run, run), *extra, "--eval-every", "0",
+                         env={"SHATTER_SAMPLE_LOG": str(log)})  # fmt: skip
 
     for max_steps in (3, 6):  # the second run resumes from the first's checkpoint
         jobs = nodes(max_steps)
@@ -276,3 +281,21 @@ def test_a_fault_on_one_rank_ends_every_rank_within_a_minute(books_data, tmp_pat
         assert "injected failure in the backward" in job.text
     if kind == "block":
         assert "Error: rank 0: no progress for" in job.text, job.text[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_a_run_directory_local_to_each_node_stops_the_run_on_every_rank(books_data, tmp_path):
+    """Two "nodes" whose --output is each one's own disk (two directories): both stop at start-up
+    with one line saying the run directory must be shared, and nothing is trained."""
+    runs = (tmp_path / "node0" / "run", tmp_path / "node1" / "run")
+    jobs = two_nodes(books_data, tmp_path, runs, "--num-workers", "0", "--max-steps", "3", env={})
+    for rank, job in enumerate(jobs):
+        code, _ = job.finish(timeout=300)
+        assert code != 0, job.text[-3000:]
+        said = [line for _, line in job.lines if line.startswith(f"Error: rank {rank}:")]
+        assert len(said) == 1 and "is not shared: rank(s) 1 (" in said[0], job.text[-3000:]
+        assert "(NFS, Lustre, a FUSE mount)" in said[0] and "Traceback" not in job.text
+        print(said[0])  # the report's message (-s)
+    for run in runs:
+        assert not (run / "checkpoints").exists() and not list(run.glob(".shared-check-*"))
