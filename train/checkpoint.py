@@ -5,6 +5,13 @@ optimizer, scheduler, loss scaler and ZeRO partitions) whose client state carrie
 state (`TrainState`: step, stream position, counters) and the resolved config. DeepSpeed's
 `latest` file names the newest; a run started again with the same --output loads it.
 
+A run resumed on another world size (fewer nodes after a preemption, more later) cannot load
+ZeRO's optimizer partitions as they are: rank 0 first converts the checkpoint to DeepSpeed's
+universal format (`ds_to_universal`: one fp32 file per parameter and optimizer moment, into
+RUN/checkpoints/stepN/universal/), and every rank loads that with `load_universal`, which
+re-partitions for the new world. The trainer state and the stream position are global (samples
+consumed by all ranks together), so the data continues at the next global sample.
+
 The export (RUN/export/) is the DESIGN.md format written by `shatter.save_pretrained`:
 consolidated fp32 weights. Under ZeRO (and bf16/fp16) the fp32 master weights live in the
 optimizer, so every rank gathers them from the live engine (`fp32_masters`: DeepSpeed's
@@ -121,13 +128,63 @@ def prune(directory: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def resume(engine, run_dir: Path) -> tuple[TrainState, dict | None, dict | None]:
-    """(state, data position, saved config) from the newest checkpoint, or a fresh state."""
+UNIVERSAL = "universal"  # RUN/checkpoints/stepN/universal: stepN re-partitionable
+
+
+def saved_world_size(run_dir: Path) -> int | None:
+    """The data-parallel world size the newest checkpoint's ZeRO partitions were written for
+    (one optimizer file per rank); None without a checkpoint or partitions (ZeRO-0)."""
+    name = latest_tag(run_dir)
+    if name is None:
+        return None
+    return len(list((run_dir / CHECKPOINTS / name).glob("*zero_pp_rank_*_optim_states.pt"))) or None
+
+
+def to_universal(run_dir: Path) -> Path:
+    """Collective: rank 0 converts the newest checkpoint to DeepSpeed's universal format (once:
+    an earlier attempt's complete conversion is reused); returns its folder."""
+    step_dir = run_dir / CHECKPOINTS / latest_tag(run_dir)
+    out = step_dir / UNIVERSAL
+    if torch.distributed.get_rank() == 0 and not (out / "DONE").is_file():
+        import argparse
+        import contextlib
+        import io
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        shutil.rmtree(out, ignore_errors=True)
+        args = argparse.Namespace(
+            input_folder=str(step_dir),
+            output_folder=str(out),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,  # the engine's checkpoints carry no universal metadata
+        )
+        with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
+            ds_to_universal(args)
+        for extra in (step_dir / "latest_universal",):  # written beside `out`, unused here
+            extra.unlink(missing_ok=True)
+        (out / "DONE").write_text("")
+    torch.distributed.barrier()
+    return out
+
+
+def resume(
+    engine, run_dir: Path, universal: bool = False
+) -> tuple[TrainState, dict | None, dict | None]:
+    """(state, data position, saved config) from the newest checkpoint, or a fresh state; from
+    its universal conversion (`to_universal`) when `universal` (an engine built with
+    `checkpoint.load_universal`)."""
     name = latest_tag(run_dir)
     if name is None:
         return TrainState(), None, None
+    load_dir, load_tag = run_dir / CHECKPOINTS, name
+    if universal:
+        load_dir, load_tag = run_dir / CHECKPOINTS / name, UNIVERSAL
     try:
-        path, client = engine.load_checkpoint(str(run_dir / CHECKPOINTS), tag=name)
+        path, client = engine.load_checkpoint(str(load_dir), tag=load_tag)
     except (RuntimeError, KeyError, ValueError) as err:  # e.g. weights of another shape
         from train.config import ConfigError
 
@@ -157,6 +214,9 @@ def resume(engine, run_dir: Path) -> tuple[TrainState, dict | None, dict | None]
         raise RuntimeError(
             f"{run_dir / CHECKPOINTS / name}: DeepSpeed could not load this checkpoint"
         )
+    scheduler = engine.lr_scheduler
+    if scheduler is not None:  # the optimizer's saved lr is the saved schedule's: recompute it
+        scheduler.step(scheduler.last_batch_iteration)  # for this run's --max-steps, in place
     return TrainState(**client["train_state"]), client["data_position"], client.get("config")
 
 

@@ -3,10 +3,14 @@
 The training stream is one endless sequence of samples, epoch after epoch. Epoch e visits every
 row once: the shards in an order drawn from (seed, e), the rows of each shard by windows of its
 record batches (`EpochOrder`), read one record batch at a time (`pipeline.format.blocks`: a
-worker's memory does not grow with the shard size). Global stream position q (samples consumed since the run began) is sample
-q mod N of epoch q div N. Rank r of a world of W takes positions start + r, start + r + W, ...;
-its DataLoader worker w of K builds local batches w, w + K, ..., which the DataLoader interleaves
-back into order. So ranks and workers never overlap, no sample is skipped (batches may straddle
+worker's memory does not grow with the shard size). Global stream position q (samples consumed
+since the run began) is sample q mod N of epoch q div N. An optimizer step of A micro-batches of
+B rows on each of W ranks consumes the next W·A·B positions: micro-batch a of rank r takes slot
+v = a·W + r, i.e. the positions start + v, start + v + W·A, ... (with A = 1: rank r takes
+start + r, start + r + W, ...). So a step's micro-batches are the same rows on 2 ranks × 1
+micro-batch as on 1 rank × 2, and a run resumed on another world size with the same global batch
+trains on the same batches. Its DataLoader worker w of K builds local batches w, w + K, ...,
+which the DataLoader interleaves back into order. So ranks and workers never overlap, no sample is skipped (batches may straddle
 epochs), and a resume from position q starts exactly at the next sample: the state is one integer,
 saved in every checkpoint (`StreamPosition`), and resuming reads only the rows it needs.
 
@@ -172,6 +176,7 @@ class ShardStream(IterableDataset):
         rank: int = 0,
         world_size: int = 1,
         start: int = 0,
+        grad_accum: int = 1,
         shuffle: bool = True,
         finite: bool = False,
         max_samples: int | None = None,
@@ -184,6 +189,7 @@ class ShardStream(IterableDataset):
         self.index, self.shards = index, index.shards(split)
         self.batch_size, self.seq_len, self.masking = batch_size, seq_len, masking
         self.seed, self.rank, self.world, self.start = seed, rank, world_size, start
+        self.grad_accum = grad_accum
         self.finite, self.verify = finite, verify
         block_rows = index.raw.get("record_batch_rows") or record_batch_rows(index.seq_len)
         self.order = EpochOrder([s.rows for s in self.shards], seed, shuffle, int(block_rows))
@@ -214,12 +220,10 @@ class ShardStream(IterableDataset):
         per = self.world * self.batch_size
         batches = None if self.end is None else -(-(self.end - self.start) // per)
         j = worker
+        W, A, B = self.world, self.grad_accum, self.batch_size
         while batches is None or j < batches:
-            q = (
-                self.start
-                + self.rank
-                + self.world * (j * self.batch_size + np.arange(self.batch_size))
-            )
+            step, micro = divmod(j, A)
+            q = self.start + step * W * A * B + micro * W + self.rank + W * A * np.arange(B)
             yield q if self.end is None else q[q < self.end]
             j += workers
 
@@ -392,10 +396,12 @@ def train_loader(
     rank: int,
     world_size: int,
     start: int,
+    grad_accum: int = 1,
     pin_memory: bool = False,
 ) -> DataLoader:
-    """The endless training DataLoader of one rank, starting at global stream position `start`
-    (`pin_memory` on a GPU: page-locked batches, copied with `non_blocking=True`)."""
+    """The endless training DataLoader of one rank, starting at global stream position `start`,
+    `grad_accum` micro-batches a step (`pin_memory` on a GPU: page-locked batches, copied with
+    `non_blocking=True`)."""
     stream = ShardStream(
         index,
         "train",
@@ -406,6 +412,7 @@ def train_loader(
         rank=rank,
         world_size=world_size,
         start=start,
+        grad_accum=grad_accum,
         shuffle=data_args.shuffle,
         verify=data_args.verify_shards,
     )

@@ -201,6 +201,7 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
         rank=ctx.rank,
         world_size=ctx.world,
         start=state.samples,
+        grad_accum=run.grad_accum,
         pin_memory=engine.device.type == "cuda",
     )
     loader.worker_init_fn = ignore_stop_signals
@@ -242,7 +243,10 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
         batch = next(batches)
         if sample_log is not None:
             sample_log.write(json.dumps([state.samples, batch["sample_id"].tolist()]) + "\n")
-        torch.manual_seed(dropout_seed(run.seed, state.samples, ctx.rank))
+        # seeded by the micro-batch's step and slot (train/data.py): the same on any world size
+        micro = engine.micro_steps % run.grad_accum
+        slot = micro * ctx.world + ctx.rank
+        torch.manual_seed(dropout_seed(run.seed, state.samples - micro * per_micro, slot))
         state.samples += per_micro
         if sync_debug:  # SHATTER_SYNC_DEBUG=warn|error: torch flags each host sync of the step
             torch.cuda.set_sync_debug_mode(sync_debug)

@@ -120,6 +120,17 @@ def _run(cfg: TrainConfig) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint.check_shared(run_dir)  # every node must see the same run directory
     ds_config = resolved_deepspeed_config(cfg, world)
+    saved_world = checkpoint.saved_world_size(run_dir)
+    universal = saved_world is not None and saved_world != world
+    if universal:  # ZeRO's partitions re-cut for this world (train/checkpoint.py)
+        if rank == 0:
+            click.echo(
+                f"the checkpoint was written by {saved_world} ranks, this run has {world}: "
+                "converting it to a universal checkpoint to re-partition it",
+                err=True,
+            )
+        checkpoint.to_universal(run_dir)
+        ds_config["checkpoint"] = {"load_universal": True}
     torch.manual_seed(cfg.run.seed)
     # The model is built for the length it is trained at (the paper pretrains BERT_GPU and
     # Shatter_GPU at 256); `shatter-extend` stretches it to 512 or 1024 for finetuning.
@@ -129,7 +140,7 @@ def _run(cfg: TrainConfig) -> int:
     engine = build_engine(model, cfg, ds_config)
     progress = ProgressWatchdog(ProgressWatchdog.limit_for(cfg.run.collective_timeout_s))
     engine.module.register_forward_pre_hook(progress.pet)  # a rank stuck between forwards ends
-    state, position, saved_config = checkpoint.resume(engine, run_dir)
+    state, position, saved_config = checkpoint.resume(engine, run_dir, universal)
     if position is not None:
         StreamPosition.from_dict(
             position, index.rows("train")
@@ -143,6 +154,14 @@ def _run(cfg: TrainConfig) -> int:
                 err=True,
             )
             truncate_after(run_dir / "metrics.jsonl", state.step)
+            planned = saved_config["run"]["max_steps"]
+            if planned != cfg.run.max_steps and state.step < cfg.run.max_steps:
+                click.echo(
+                    f"--max-steps {planned} -> {cfg.run.max_steps}: from step {state.step} the lr "
+                    f"follows the schedule of a {cfg.run.max_steps}-step run "
+                    f"({cfg.optim.decay} after warm-up)",
+                    err=True,
+                )
         (run_dir / "config.json").write_text(
             json.dumps(
                 {

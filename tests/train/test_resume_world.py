@@ -1,0 +1,102 @@
+"""Resume on another world size: a ZeRO-1 or ZeRO-2 checkpoint of 2 ranks resumed on 1, and of 1
+resumed on 2, through DeepSpeed's universal checkpoint, trains on at the next global sample: with
+the same global batch (2 ranks × 1 micro-batch = 1 rank × 2) the losses are those of a run that
+never stopped, to the reduction order. And a resume with another --max-steps follows the new
+run's schedule."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from test_pretrain import command, metrics, run_to_end
+
+from train.config import OptimArgs, lr_at
+
+pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
+
+REPO = Path(__file__).resolve().parents[2]
+SEGMENT = 2  # steps between two world sizes
+TOLERANCE = 1e-4  # relative: fp32, a sum over ranks against a sum over micro-batches
+
+
+def _config(tmp: Path, decay: str) -> Path:
+    config = tmp / f"{decay}.yaml"
+    config.write_text(
+        (REPO / "configs" / "cpu-tiny.yaml")
+        .read_text()
+        .replace("  warmup_steps: 20\n", f"  warmup_steps: 2\n  decay: {decay}\n")
+        .replace("run:\n", "run:\n  keep_checkpoints: 0\n")
+    )
+    return config
+
+
+def _segment(data: Path, run: Path, config: Path, ranks: int, zero: int, max_steps: int):
+    """Train `run` to `max_steps` on `ranks` ranks: 4 rows a micro-batch, 8 a step."""
+    args = ("--config", str(config), "--zero-stage", str(zero), "--micro-batch", "4")
+    args += ("--grad-accum", str(2 // ranks), "--max-steps", str(max_steps), "--lr", "2e-3")
+    args += ("--save-every", str(SEGMENT), "--eval-every", "0", "--log-every", "1")
+    args += ("--num-workers", "0", "--no-progress")
+    if ranks == 1:
+        return run_to_end(command(data, run, *args, launcher=[sys.executable]), timeout=300)
+    return run_to_end(command(data, run, *args, ranks=ranks), timeout=300)
+
+
+def _at_step(run: Path, step: int, to: Path) -> Path:
+    """A copy of `run` as it was when checkpoint `step` was its newest."""
+    shutil.copytree(run, to)
+    for later in (to / "checkpoints").glob("step*"):
+        if int(later.name[4:]) > step:
+            shutil.rmtree(later)
+    (to / "checkpoints" / "latest").write_text(f"step{step:08d}")
+    shutil.rmtree(to / "export")
+    return to
+
+
+def _check(chain: dict[int, float], reference: dict[int, float], label: str) -> float:
+    assert sorted(chain) == sorted(reference), (label, sorted(chain))
+    worst = max(abs(chain[s] - reference[s]) / reference[s] for s in reference)
+    print(f"{label}: " + " ".join(f"{s}:{chain[s]:.6f}/{reference[s]:.6f}" for s in sorted(chain)))
+    print(f"{label}: largest relative difference {worst:.2e}")  # the report's figures (-s)
+    assert worst < TOLERANCE, (label, chain, reference)
+    return worst
+
+
+def test_zero1_and_zero2_resume_on_another_world_size_as_if_never_stopped(books_data, tmp_path):
+    config = _config(tmp_path, "constant")  # each segment's --max-steps leaves the lr alone
+    reference = tmp_path / "reference"
+    _segment(books_data, reference, config, ranks=1, zero=1, max_steps=3 * SEGMENT)
+    ref_losses, _ = metrics(reference)
+
+    # ZeRO-1, 1 -> 2 -> 1: the reference's own step-2 checkpoint, resumed on 2 ranks, then on 1
+    chain = _at_step(reference, SEGMENT, tmp_path / "zero1")
+    done = _segment(books_data, chain, config, ranks=2, zero=1, max_steps=2 * SEGMENT)
+    assert "written by 1 ranks, this run has 2: converting" in done.stderr, done.stderr[-3000:]
+    done = _segment(books_data, chain, config, ranks=1, zero=1, max_steps=3 * SEGMENT)
+    assert "written by 2 ranks, this run has 1: converting" in done.stderr, done.stderr[-3000:]
+    _check(metrics(chain)[0], ref_losses, "zero-1 1->2->1")
+
+    # ZeRO-2, 2 -> 1 -> 2, against the same (ZeRO-1) reference: fp32, the same arithmetic
+    chain = tmp_path / "zero2"
+    for step, ranks in enumerate((2, 1, 2), start=1):
+        _segment(books_data, chain, config, ranks=ranks, zero=2, max_steps=step * SEGMENT)
+    samples = [json.loads(x)["samples"] for x in (chain / "metrics.jsonl").read_text().splitlines()]
+    assert samples == [8 * s for s in range(1, 3 * SEGMENT + 1)]  # no sample repeated or skipped
+    assert len(list((chain / "checkpoints" / "step00000006").glob("*optim_states.pt"))) == 2
+    _check(metrics(chain)[0], ref_losses, "zero-2 2->1->2")
+
+
+def test_a_resume_with_another_max_steps_follows_the_new_schedule(books_data, tmp_path):
+    """Linear decay: a finished 4-step run (lr 0 at step 4) extended to 8 steps trains steps 5-8
+    at the lr of an 8-step run, reaching 0 again at step 8, and says so."""
+    config, run = _config(tmp_path, "linear"), tmp_path / "run"
+    _segment(books_data, run, config, ranks=1, zero=1, max_steps=4)
+    done = _segment(books_data, run, config, ranks=1, zero=1, max_steps=8)
+    assert "--max-steps 4 -> 8: from step 4 the lr follows the schedule of a 8-step" in done.stderr
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lrs = {x["step"]: x["lr"] for x in logged if "lr" in x}
+    optim = OptimArgs(lr=2e-3, warmup_steps=2)
+    # the lr logged at step s (DeepSpeed's scheduler, 2 micro-batches a step) is lr_at(s - 2)
+    expected = {s: lr_at(optim, 4 if s <= 4 else 8, max(s - 2, 0)) for s in range(1, 9)}
+    assert lrs == pytest.approx(expected, abs=1e-12), lrs
