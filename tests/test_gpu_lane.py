@@ -125,7 +125,8 @@ def test_run_sh_dry_run_names_every_step_and_options_the_tools_have(tmp_path):
     assert done.returncode == 0, done.stderr
     commands = [x for x in done.stdout.splitlines() if x.startswith("+ timeout ")]
     assert len(commands) == 5, done.stdout
-    assert "-m pytest -q -m gpu -s -x --timeout 120 -k kernel" in commands[1]
+    assert "-m pytest -q -s -m gpu --timeout 300 --junitxml" in commands[1], commands[1]
+    assert " -x " not in commands[1] and commands[1].endswith("-k kernel")
     for command in commands[2:]:
         tool = re.search(r"tools/(\w+)\.py", command).group(1)
         source = (REPO / "tools" / f"{tool}.py").read_text()
@@ -142,3 +143,37 @@ def test_run_sh_dry_run_names_every_step_and_options_the_tools_have(tmp_path):
         timeout=60,
     )
     assert bad.returncode == 2 and "unknown step 'benchmarks'" in bad.stderr
+
+
+def test_the_lane_s_table_lists_every_test_with_its_result_and_seconds(tmp_path):
+    """A real pytest run (a pass, a failure, a skip, a hang cut by its --timeout) through the
+    lane's options, its junit XML through .ci/gpu/junit_table.py."""
+    (tmp_path / "test_lane.py").write_text(
+        "import time, pytest\n"
+        "def test_ok():\n    pass\n"
+        "def test_bad():\n    assert 1 == 2, 'one is not two'\n"
+        "def test_hangs():\n    time.sleep(60)\n"
+        "@pytest.mark.skip(reason='no GPU')\ndef test_skipped():\n    pass\n"
+    )
+    xml = tmp_path / "junit.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "3"]
+    cmd += ["--junitxml", str(xml), "-o", "junit_family=xunit1", "test_lane.py"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout  # every test ran: no -x
+    table = subprocess.run(
+        [sys.executable, str(REPO / ".ci" / "gpu" / "junit_table.py"), str(xml)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[2:6]}
+    assert {name.split("::")[-1]: row[0] for name, row in rows.items()} == {
+        "test_ok": "pass",
+        "test_bad": "FAIL",
+        "test_hangs": "FAIL",
+        "test_skipped": "skip",
+    }, table
+    assert 2.5 < float(rows["test_lane::test_hangs"][1]) < 30, table
+    assert "1 pass, 2 FAIL, 1 skip" in table
+    assert "test_lane::test_bad: AssertionError: one is not two" in table, table
+    assert "test_lane::test_hangs: Failed: Timeout" in table, table

@@ -12,9 +12,16 @@ and MFU against steps (MFU only where the run knew its device's peak, train/cost
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-import click
+if __package__ in (None, ""):
+    # Run as a script: the repository root, not tools/, goes first on sys.path (as pretrain.py).
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import click  # noqa: E402
+
+from tools.extras import require  # noqa: E402
 
 
 def read_metrics(run: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
@@ -160,6 +167,7 @@ def plot_cost(runs: list[Path], labels: list[str], output: Path) -> Path:
 )
 def main(runs, output, labels, show_train, title, cost):
     """Draw the MLM loss curves of RUNS into a PNG."""
+    require("matplotlib", extra="demo", purpose="plot_metrics")
     names = labels.split(",") if labels else [Path(r).name for r in runs]
     if len(names) != len(runs):
         raise click.ClickException(f"{len(names)} labels for {len(runs)} runs")

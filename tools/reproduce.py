@@ -37,6 +37,7 @@ import click  # noqa: E402
 import yaml  # noqa: E402
 
 from shatter.attention import ATTENTIONS  # noqa: E402
+from tools.extras import require  # noqa: E402
 from tools.plot_metrics import read_metrics  # noqa: E402
 from train.plm import default_objective  # noqa: E402
 
@@ -771,6 +772,7 @@ def main(which: str, scale: str, archs: str | None, **opts) -> None:
             f"masked-LM losses of these studies; choose from {', '.join(mlm)}",
             param_hint="--archs",
         )
+    require("matplotlib", extra="demo", purpose=f"the {which} study's figure")  # before training
     output = opts.pop("output")
     try:
         study = Study(output, SCALES[scale], opts)

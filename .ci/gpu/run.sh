@@ -7,13 +7,17 @@
 #
 #   env    always first: installs .whl/*.whl into /tmp/site, puts the console scripts the tests
 #          call next to the interpreter, prints the GPU, torch/triton and the carried packages
-#   tests  python3 -m pytest -q -m gpu -s -x --timeout 120 [pytest arguments...]
+#   tests  python3 -m pytest -q -s -m gpu --timeout $GPU_TEST_TIMEOUT [pytest arguments...]: every
+#          test runs (no -x), each in its own time box (GPU_TEST_TIMEOUT, 300 s: a cold Triton
+#          cache compiles and autotunes every kernel config in the first test that uses it);
+#          $OUT/junit.xml gives each test's result and seconds
 #   bench  tools/bench_kernel.py, tools/bench_model.py and tools/bench_train.py on the GPU
 #   all    (the default) tests, then bench, each in a shorter time box
 #
 # Each step runs under `timeout` so that the whole ends within GPU_BUDGET seconds (570); a failed
 # step does not stop the next. Each step's output goes to $OUT/<step>.log (OUT defaults to
-# runs/gpu/), and $OUT/summary.txt, written last, gives each step's exit status and seconds.
+# runs/gpu/), and $OUT/summary.txt, written last, gives each step's exit status and seconds, then
+# one table of the tests (test, pass/fail, seconds) and each failure's first line.
 # GPU_DRY=1 prints the steps without running them. PYTHON (python3) is the interpreter.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -24,6 +28,9 @@ OUT=${OUT:-$PWD/runs/gpu}
 BUDGET=${GPU_BUDGET:-570}
 DRY=${GPU_DRY:-0}
 SITE=${GPU_SITE:-/tmp/site}
+PER_TEST=${GPU_TEST_TIMEOUT:-300}
+# The tests the lane runs (pytest selection arguments): one line to change.
+TEST_SELECTION=(-m gpu)
 case $MODE in
   tests) T_TESTS=520 ;;
   bench) T_KERNEL=150 T_MODEL=180 T_TRAIN=180 ;;
@@ -40,6 +47,7 @@ SUMMARY=()
 FAILED=0
 
 # step NAME SECONDS COMMAND...: run COMMAND under timeout, output to $OUT/NAME.log, in the budget.
+# SIG=INT step ...: the time box interrupts as Ctrl-C does (pytest then still writes its XML).
 step() {
   local name=$1 limit=$2 left log=$OUT/$1.log t0 rc
   shift 2
@@ -55,7 +63,7 @@ step() {
     return
   fi
   t0=$SECONDS
-  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log"
+  timeout -s "${SIG:-TERM}" -k 20 "$limit" "$@" 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
   ((rc == 124 || rc == 137)) && rc="$rc (timed out after $limit s)"
   [ "$rc" = 0 ] || FAILED=1
@@ -141,7 +149,9 @@ if [ "$MODE" = --env-step ]; then # the env step itself, in its own process unde
 fi
 step env 150 bash "$0" --env-step
 case $MODE in tests | all)
-  step tests "$T_TESTS" "$PY" -m pytest -q -m gpu -s -x --timeout 120 "$@" ;;
+  rm -f "$OUT/junit.xml"
+  SIG=INT step tests "$T_TESTS" "$PY" -m pytest -q -s "${TEST_SELECTION[@]}" --timeout "$PER_TEST" \
+    --junitxml "$OUT/junit.xml" -o junit_family=xunit1 "$@" ;;
 esac
 case $MODE in bench | all)
   step bench_kernel "$T_KERNEL" "$PY" tools/bench_kernel.py --lengths 128,256,512,1024 --dtype bf16
@@ -156,6 +166,10 @@ esac
   echo "run.sh $MODE: $SECONDS s of GPU_BUDGET=$BUDGET"
   grep -hE '^(NVIDIA|GPU 0|torch )' "$OUT/env.log" 2>/dev/null
   printf '%s\n' "${SUMMARY[@]}"
-  [ -f "$OUT/tests.log" ] && grep -E '(passed|failed|skipped|error|no tests ran)' "$OUT/tests.log" | tail -1
+  if [ -f "$OUT/junit.xml" ]; then
+    "$PY" .ci/gpu/junit_table.py "$OUT/junit.xml"
+  elif [ -f "$OUT/tests.log" ]; then # killed before pytest wrote its XML: its last count
+    grep -E '(passed|failed|skipped|error|no tests ran)' "$OUT/tests.log" | tail -1
+  fi
 } | tee "$OUT/summary.txt"
 exit "$FAILED"

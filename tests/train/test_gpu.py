@@ -90,6 +90,9 @@ def test_export_and_nan_skip_in_16_bit_at_zero_0_1_3(books_data, tmp_path, stage
     check_nan_skips(report, keys)
 
 
+RESUME_RTOL = 5e-3  # bf16 losses of two processes whose autotuning may pick other configs
+
+
 def test_exact_resume_after_sigkill_in_bf16(books_data, tmp_path):
     extra = ("--precision", "bf16", "--max-steps", "8", "--save-every", "4", "--log-every", "1")
     whole = tmp_path / "whole"
@@ -102,7 +105,11 @@ def test_exact_resume_after_sigkill_in_bf16(books_data, tmp_path):
     finish_soon(Job(pretrain(books_data, cut, *extra, "--eval-every", "0")), timeout=300)
     a = {x["step"]: x["loss"] for x in train_lines(whole)}
     b = {x["step"]: x["loss"] for x in train_lines(cut)}
-    assert a == b
+    # Triton autotunes the attention kernels in each process and may time another config the
+    # best: a config's bf16 rounding differs in the last bits, so "exact" is to a tolerance
+    # (a resume at the wrong sample or with a lost optimizer state differs by far more)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    assert b == pytest.approx(a, rel=RESUME_RTOL), (a, b)
 
 
 def test_extend_to_1024_and_evaluate_at_1024(shared_data, books_data, tmp_path):
