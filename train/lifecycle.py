@@ -223,17 +223,22 @@ class ProgressWatchdog:
         self.limit_s = limit_s
         self._last: float | None = None
         self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        """No more forwards are due (the run ends, or an in-process caller goes on)."""
+        self._stopped.set()
 
     def pet(self, *_args) -> None:
         self._last = time.monotonic()
-        if self._thread is None:
+        if self._thread is None and not self._stopped.is_set():
             self._thread = threading.Thread(
                 target=self._watch, name="shatter-progress-watchdog", daemon=True
             )
             self._thread.start()
 
     def _watch(self) -> None:
-        while not _exiting.is_set():
+        while not (_exiting.is_set() or self._stopped.is_set()):
             idle = time.monotonic() - self._last
             if idle > self.limit_s:
                 arm_deadline(1, FAILED_DEADLINE_S)
@@ -243,7 +248,7 @@ class ProgressWatchdog:
                     "a peer that failed or hangs (see the other ranks' lines; the limit is "
                     "run.collective_timeout_s plus a margin)",
                 )
-            time.sleep(min(5.0, self.limit_s / 4))
+            self._stopped.wait(min(5.0, self.limit_s / 4))
 
     @staticmethod
     def limit_for(collective_timeout_s: float) -> float:

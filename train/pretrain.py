@@ -181,6 +181,7 @@ def _run(cfg: TrainConfig) -> int:
             checkpoint.export(engine, run_dir, checkpoint.latest_tag(run_dir), index.tokenizer)
         status = train(ctx, state) if state.step < cfg.run.max_steps else "complete"
     finally:
+        progress.stop()
         writer.close()
     if rank == 0:
         where = (

@@ -126,6 +126,29 @@ if __name__ == "__main__":
     assert time.monotonic() - start < 20
 
 
+def test_the_progress_watchdog_ends_a_process_without_progress_and_spares_a_stopped_one():
+    code = f"""
+import sys, time
+sys.path.insert(0, {str(REPO)!r})
+from train.lifecycle import ProgressWatchdog
+done = ProgressWatchdog(1.0)
+done.pet()
+done.stop()  # the run ended: an in-process caller goes on
+stuck = ProgressWatchdog(1.0)
+for _ in range(3):  # progress: no exit
+    stuck.pet()
+    time.sleep(0.5)
+print("progressing", flush=True)
+time.sleep(30)  # blocked, as in a collective whose peer hangs
+print("still alive", flush=True)
+"""
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == "progressing\n", done.stdout + done.stderr
+    assert done.stderr.startswith("Error: rank 0: no progress for 1 s"), done.stderr
+    assert time.monotonic() - start < 20
+
+
 # ---- slow: real failures under the launcher ----------------------------------------------------
 
 
