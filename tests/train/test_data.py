@@ -80,6 +80,29 @@ def test_a_different_world_size_resumes_at_the_same_global_position(dataset):
     assert torch.equal(interleaved.reshape(-1), one[start : start + 14])
 
 
+@pytest.mark.parametrize("start", [0, 16])
+def test_a_step_s_micro_batches_are_the_same_rows_for_any_ranks_times_accumulation(dataset, start):
+    """W ranks x A micro-batches a step, W*A = 4: micro-batch a of rank r holds the same rows as
+    slot a*W + r of any other split (2 loader workers on one of them); from position 0, 3 steps
+    cover one epoch (24 rows) once."""
+    index = read_index(dataset)
+    steps, layouts = 3, {}
+    for world, accum in [(4, 1), (2, 2), (1, 4)]:
+        slots = {}
+        for rank in range(world):
+            s = stream(
+                index, batch_size=2, rank=rank, world_size=world, grad_accum=accum, start=start
+            )
+            loader = DataLoader(s, batch_size=None, num_workers=2 if world == 1 else 0)
+            for j, b in enumerate(take(loader, steps * accum)):
+                step, micro = divmod(j, accum)
+                slots[step, micro * world + rank] = b["sample_id"].tolist()
+        layouts[world, accum] = slots
+    assert layouts[4, 1] == layouts[2, 2] == layouts[1, 4]
+    rows = [u for batch in layouts[1, 4].values() for u in batch]
+    assert len(rows) == 24 and (start or sorted(rows) == list(range(24)))
+
+
 def test_position_round_trip_and_refusal_on_other_data():
     p = StreamPosition(samples=53, epoch_size=24)
     assert (p.epoch, p.in_epoch) == (2, 5)
