@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e '.[train,test,demo,pipeline-dask]'
+	$(PY) -m pip install -q -e '.[train,test,demo,pipeline-dask,s3]'
 	$(PY) -c "from train.engine import build_extensions; build_extensions()"
 	touch $(STAMP)
 

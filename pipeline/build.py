@@ -30,7 +30,7 @@ import uuid
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline import progress, readers, runners, tokenizer
+from pipeline import progress, readers, runners, store, tokenizer
 from pipeline.config import BuildConfig
 from pipeline.format import FORMAT, INDEX_FILE, TOKENIZER_FILE, VERSION, fs, write_index
 from pipeline.format.writer import record_batch_rows
@@ -271,10 +271,23 @@ def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=
     return values
 
 
+def check_store(config: BuildConfig, beam_args: list[str]) -> None:
+    """Remote inputs and output: the filesystems get the command line's options (`store`), and
+    each path is checked before any work starts (credentials, bucket, input prefix)."""
+    inputs = [spec.path for spec in (*config.inputs, *config.validation_inputs)]
+    if not any(fs.is_remote(p) for p in (*inputs, config.output, config.tokenizer or "")):
+        return
+    options = store.configure(beam_args)
+    for path in (*inputs, *([config.tokenizer] if config.tokenizer else [])):
+        store.check(path, options)
+    store.check(config.output, options, must_exist=False)
+
+
 def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, report=print) -> dict:
     """Build the dataset of `config` and return its index (also written to OUT/index.json).
     With `overwrite`, an existing dataset is replaced only once the new one is complete."""
     out = config.output.rstrip("/")
+    check_store(config, beam_args)
     work = _prepare_output(config, overwrite)
     if work == out:
         return _build_into(config, work, beam_args, report)

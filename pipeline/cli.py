@@ -26,7 +26,9 @@ class _DropBeamImportNoise(logging.Filter):
     """Importing Beam warns "apitools not found ..." (its optional BigQuery client) on every command."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("apitools not found")
+        message = record.getMessage()
+        # ... and Beam's S3 reader logs a failed read on the root logger; the CLI reports it
+        return not message.startswith(("apitools not found", "HTTP error while requesting file"))
 
 
 def configure_logging(verbose: bool) -> None:
@@ -228,6 +230,7 @@ def build(
     options that only the runner knows go after `--` (passed on unchecked)."""
     configure_logging(verbose)
     from pipeline.build import BuildError, build as run_build
+    from pipeline.format import DatasetError
     from pipeline.runners import OptionError, check_options
     from pipeline.wiki import InputError
 
@@ -270,7 +273,7 @@ def build(
         index = run_build(
             config, beam_args, overwrite=overwrite, report=lambda m: click.echo(m, err=True)
         )
-    except (ValueError, BuildError, InputError) as e:
+    except (ValueError, BuildError, InputError, DatasetError) as e:
         _fail(_clean_message(e))
     except Exception as e:  # a runner wraps worker errors; show ours without the remote traceback
         if "shatter-data input error" in str(e):
@@ -278,8 +281,12 @@ def build(
         if verbose:
             raise
         # anything else (a runner that cannot start, a worker crash): one line; -v shows the traceback
+        from pipeline.store import failure
+
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         kept = " (the dataset already there is unchanged)" if overwrite else ""
+        if store_failed := failure(e):
+            _fail(f"{store_failed}; no index.json was written{kept}. Build again once it answers")
         _fail(
             f"the build failed ({type(e).__name__}: {last}); no index.json was written{kept}. "
             "Run again with -v for the full traceback"
@@ -288,29 +295,53 @@ def build(
     click.echo(f"wrote {output}: rows {rows}, vocab {index['tokenizer']['vocab_size']}")
 
 
-@main.command()
+def _open_store(ctx, out: str) -> None:
+    """A remote OUT: Beam's filesystems get the extra options (`--s3_endpoint_url`, ...; else the
+    environment's), and OUT is checked (credentials, bucket, prefix) before it is read."""
+    from pipeline.format import fs
+
+    if fs.is_remote(out):
+        from pipeline import store
+        from pipeline.runners import OptionError, check_options
+
+        try:
+            check_options(list(ctx.args))
+        except OptionError as e:
+            _fail(str(e))
+        store.check(out, store.configure(ctx.args))
+
+
+# inspect and verify take Beam's filesystem options (`--s3_*`) for a remote OUT
+_STORE_ARGS = dict(ignore_unknown_options=True, allow_extra_args=True)
+
+
+@main.command(context_settings=_STORE_ARGS)
 @click.argument("out")
 @click.option("--rows", type=int, default=3, show_default=True, help="sample rows to decode")
 @click.option("--split", default="train", show_default=True)
-def inspect(out, rows, split):
+@click.pass_context
+def inspect(ctx, out, rows, split):
     """Stats, a length histogram and decoded sample rows with their masks."""
     from pipeline.format import DatasetError
     from pipeline.inspect import inspect_dataset
 
     try:
+        _open_store(ctx, out)
         click.echo(inspect_dataset(out, rows, split))
     except DatasetError as e:
         _fail(str(e))
 
 
-@main.command()
+@main.command(context_settings=_STORE_ARGS)
 @click.argument("out")
-def verify(out):
+@click.pass_context
+def verify(ctx, out):
     """Check checksums, schema and counts; exit non-zero naming the first bad file."""
     from pipeline.format import DatasetError
     from pipeline.inspect import verify_dataset
 
     try:
+        _open_store(ctx, out)
         problems = verify_dataset(out)
     except DatasetError as e:
         _fail(str(e))

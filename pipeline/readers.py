@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import os
+import posixpath
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,6 +57,10 @@ def _list_files(path: str) -> list[tuple[str, int]]:
     pattern = path.rstrip("/") + "/*" if path.endswith("/") else path
     try:
         results = FileSystems.match([pattern])[0].metadata_list
+        if not results and "://" in path and not any(c in path for c in "*?["):
+            # an object store's "directory": every object under the prefix, as os.walk would
+            results = FileSystems.match([path.rstrip("/") + "/**"])[0].metadata_list
+            results = [m for m in results if not posixpath.basename(m.path).startswith(".")]
     except Exception as e:  # Beam raises BeamIOError for a pattern that matches nothing
         raise InputError(f"input {path}: {e}") from None
     return [(m.path, m.size_in_bytes) for m in results]

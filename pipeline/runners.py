@@ -28,6 +28,7 @@ from apache_beam.runners.portability.portable_runner import JobServiceHandle
 
 from pipeline import progress  # noqa: F401  (registers --progress_seconds with Beam's options)
 from pipeline.config import DASK_RUNNERS, SWITCHING_RUNNERS
+from pipeline.format import fs
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def check_options(args: list[str], ours: set[str] = frozenset()) -> None:
 
 def make_pipeline(beam_args: list[str]) -> beam.Pipeline:
     """A pipeline on the runner `beam_args` name (the command line's options beyond ours)."""
-    options = PipelineOptions(beam_args)
+    options = fs.pipeline_options(beam_args)  # the S3 endpoint and region: also the environment's
     runner = options.view_as(StandardOptions).runner
     if runner in SWITCHING_RUNNERS:
         log.warning(

@@ -15,7 +15,41 @@ def is_remote(path: str) -> bool:
 def _beam():
     from apache_beam.io.filesystems import FileSystems
 
+    if FileSystems._pipeline_options is None:  # none set: the environment's (`pipeline.store`)
+        from pipeline import store
+
+        store.configure()
     return FileSystems
+
+
+# S3 options that the standard AWS environment gives where the command line does not (boto3 reads
+# the credentials, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, from
+# the environment of each machine itself: they never travel in the pipeline's options)
+S3_ENVIRONMENT = {
+    "s3_endpoint_url": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+    "s3_region_name": ("AWS_REGION", "AWS_DEFAULT_REGION"),
+}
+
+
+def pipeline_options(args=()):
+    """Beam `PipelineOptions` of `args` (the command line's options beyond ours: `--s3_*`, GCS's
+    `--project`, ...), with the S3 endpoint and region of the AWS environment where not given."""
+    from apache_beam.options.pipeline_options import PipelineOptions, S3Options
+
+    options = PipelineOptions(list(args))
+    s3 = options.view_as(S3Options)
+    for name, variables in S3_ENVIRONMENT.items():
+        if getattr(s3, name) is None:
+            setattr(s3, name, next((os.environ[v] for v in variables if os.environ.get(v)), None))
+    return options
+
+
+def configure(args=()):
+    """Give Beam's filesystems in this process the options of `args` (`pipeline_options`): every
+    remote call of this module, and of the driver, then uses them. Returns the options."""
+    options = pipeline_options(args)
+    _beam().set_options(options)
+    return options
 
 
 def join(root: str, name: str) -> str:

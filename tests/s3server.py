@@ -1,0 +1,90 @@
+"""A real S3 server on loopback for the object-store tests (moto's, which speaks the S3 HTTP API):
+`s3_server` starts it on a free port of 127.0.0.1 with a bucket `shards`, sets the standard AWS
+environment to it, and stops it at the end of the session."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import pytest
+
+BUCKET = "shards"
+
+
+@dataclass
+class S3Server:
+    port: int
+    server: object
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def args(self) -> list[str]:
+        """The build's Beam options for this server."""
+        return [
+            f"--s3_endpoint_url={self.endpoint}",
+            "--s3_access_key_id=test",
+            "--s3_secret_access_key=test",
+            "--s3_region_name=us-east-1",
+        ]
+
+    def client(self):
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+            region_name="us-east-1",
+        )
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def start(self) -> None:
+        """(Re)start on the same port; the stored objects survive (moto keeps them in-process)."""
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+    def require_auth(self, on: bool) -> None:
+        """With `on`, every request needs credentials that the server issued (none are): the
+        wrong-credentials case."""
+        import urllib.request
+
+        body = b"0" if on else b"inf"
+        request = urllib.request.Request(
+            f"{self.endpoint}/moto-api/reset-auth", body, {"Content-Type": "text/plain"}
+        )
+        urllib.request.urlopen(request).read()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    mp = pytest.MonkeyPatch()
+    server = S3Server(free_port(), None)
+    server.start()
+    for name, value in {
+        "AWS_ENDPOINT_URL": server.endpoint,
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_REGION": "us-east-1",
+    }.items():
+        mp.setenv(name, value)
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    server.client().create_bucket(Bucket=BUCKET)
+    yield server
+    server.stop()
+    mp.undo()
