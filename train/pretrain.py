@@ -11,6 +11,7 @@ See docs/training.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -23,7 +24,7 @@ if __package__ in (None, ""):
 
 import click  # noqa: E402
 
-from pipeline.format import DatasetError, read_index  # noqa: E402
+from pipeline.format import DatasetError, cache, read_index  # noqa: E402
 from train.config import (  # noqa: E402
     OPTIMIZER_IMPLS,
     PRECISIONS,
@@ -72,8 +73,13 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
             "--data and --output are required (or data.path and run.output in --config)"
         )
     check_output(cfg.run.output, directory=True)
+    d = cfg.data
+    cache.open_store(d.path, d.cache_dir, d.cache_limit_gb, d.store_retry_seconds)
     index = read_index(cfg.data.path)
     index.check_files()
+    if cache.is_remote(index.tokenizer):  # exports copy it: its node-local copy
+        local = cache.local_path(index.tokenizer, index.tokenizer_sha256)
+        index = dataclasses.replace(index, tokenizer=local)
     seq_len = cfg.data.seq_len or index.seq_len
     if seq_len > index.seq_len:
         raise ConfigError(

@@ -47,8 +47,10 @@ def pipeline_options(args=()):
 def configure(args=()):
     """Give Beam's filesystems in this process the options of `args` (`pipeline_options`): every
     remote call of this module, and of the driver, then uses them. Returns the options."""
+    from apache_beam.io.filesystems import FileSystems
+
     options = pipeline_options(args)
-    _beam().set_options(options)
+    FileSystems.set_options(options)
     return options
 
 

@@ -16,6 +16,7 @@ import torch
 
 import shatter
 from pipeline.format import read_index
+from tests.s3server import BUCKET
 from train.config import DataArgs
 from train.data import validation_stream
 from train.evaluate import evaluate
@@ -136,6 +137,32 @@ FP32_ARGS = (
 )
 
 
+def upload_dataset(server, data: Path, prefix: str) -> str:
+    client = server.client()
+    for path in sorted(data.iterdir()):
+        if path.is_file():
+            client.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def count_requests(start: str) -> list[str]:
+    """The requests to the loopback S3 server (its werkzeug log) that begin with `start`, from now."""
+    import logging
+
+    seen: list[str] = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            line = record.getMessage()
+            if start in line:
+                seen.append(line.split(start, 1)[1].split("?")[0].split(" ")[0])
+
+    logger = logging.getLogger("werkzeug")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Count())
+    return seen
+
+
 @pytest.fixture(scope="module")
 def reference(books_data, tmp_path_factory):
     run = tmp_path_factory.mktemp("reference") / "run"
@@ -181,14 +208,25 @@ def test_fp32_zero1_two_ranks_loss_falls_and_exports_the_engines_model(books_dat
 
 
 def test_kill_9_after_a_checkpoint_then_restart_gives_the_same_losses(
-    books_data, reference, tmp_path
+    books_data, reference, tmp_path, s3_server, monkeypatch
 ):
+    """... with the data on object storage (s3://, a loopback server): both ranks read it through
+    one node-local cache, each shard fetched once for both runs."""
+    remote = upload_dataset(s3_server, books_data, "books-train")
+    gets = count_requests("GET /shards/books-train/train-")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the cache: $TMPDIR/shatter-cache
     run = tmp_path / "run"
-    cmd = command(books_data, run, *FP32_ARGS)
+    cmd = command(remote, run, *FP32_ARGS)
     killed_at = kill_9_after_a_checkpoint(cmd, run)
     assert killed_at != "step00000060"
     assert not shm_left(cmd)  # 64 MiB of RAM per rank, unlinked while the job ran
     done = run_to_end(cmd)
+    cached = sorted(p.name for p in (tmp_path / "shatter-cache").glob("*.arrow"))
+    index = read_index(books_data)
+    assert cached == sorted(
+        f"{s.sha256}.arrow" for s in index.shards("train") + index.shards("validation")
+    )
+    assert sorted(gets) == sorted(set(gets)) and len(gets) == len(index.shards("train")), gets
     assert f"resuming from step {int(killed_at[4:])}" in done.stderr
     ref_train, ref_val = metrics(reference[0])
     train, val = metrics(run)
