@@ -133,6 +133,13 @@ def main():
     help="lines of cleaned text the tokenizer is trained on",
 )
 @click.option(
+    "--tokenizer-sample-mb",
+    type=click.FloatRange(min=0, min_open=True),
+    default=BuildConfig.tokenizer_sample_mb,
+    show_default=True,
+    help="and at most this many MB of them (the trainer peaks at about 14 x this)",
+)
+@click.option(
     "--tokenizer-model-type",
     type=click.Choice(["unigram", "bpe"]),
     default="unigram",
@@ -209,6 +216,7 @@ def build(
     vocab_size,
     tokenizer,
     tokenizer_sample,
+    tokenizer_sample_mb,
     tokenizer_model_type,
     dupe_factor,
     mask_rate,
@@ -251,6 +259,7 @@ def build(
             vocab_size=vocab_size,
             tokenizer=tokenizer,
             tokenizer_sample=tokenizer_sample,
+            tokenizer_sample_mb=tokenizer_sample_mb,
             tokenizer_model_type=tokenizer_model_type,
             dupe_factor=dupe_factor,
             mask_rate=mask_rate,

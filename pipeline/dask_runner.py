@@ -22,6 +22,9 @@ and GroupByKey and its options (`--dask_client_address`, `--dask_npartitions`, .
    in every task, then a tree of merges (Beam's combiner lifting).
 6. The graph is computed unoptimised: dask's bag optimisation copied tasks that several readers
    share into each reader's chain, so their work ran more than once.
+7. Filesystem options: Beam's Dask runner never gives its worker processes the pipeline's
+   options, so their `FileSystems` have none (`s3://` fails: "Must provide one of client or
+   options"). Here every bundle carries them and sets them first (`pipeline.store.use`).
 
 Also: a Create is split into one element per partition unless `--dask_npartitions` or
 `--dask_partition_size` says otherwise (Beam's default of 128 elements per partition puts a
@@ -49,12 +52,17 @@ from apache_beam.transforms.sideinputs import SideInputMap
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
+from pipeline import store
+
 
 def _run_bundle(items, packed: bytes, *side_values):
     """One dask partition = one bundle: setup, start, process each item, finish, teardown; then the
     outputs (those of `finish_bundle` included). `packed` is the pickled (invoker args, kwargs,
-    receivers, side input views), unpickled here so that no two bundles share a DoFn instance."""
-    args, kwargs, receivers, views = cloudpickle.loads(packed)
+    receivers, side input views, pipeline options), unpickled here so that no two bundles share a
+    DoFn instance. The worker's filesystems get the pipeline's options (`--s3_*`, ...): a worker
+    process has no other way to know them."""
+    args, kwargs, receivers, views, options = cloudpickle.loads(packed)
+    store.use(options)
     kwargs["side_inputs"] = [
         SideInputMap(view, options, [te.get_windowed_value(v, window_fn) for v in values])
         for (view, options, window_fn), values in zip(views, side_values)
@@ -89,7 +97,9 @@ def _windowed(item, window_fn):
 
 class ParDo(te.DaskBagOp):
     """Beam's ParDo translation with outputs collected after finish_bundle (fix 1) and side inputs
-    as broadcast Items (fix 2)."""
+    as broadcast Items (fix 2); the pipeline's options go with each bundle (fix 7)."""
+
+    options = None  # the pipeline's options (`_Visitor`)
 
     def apply(self, input_bag, side_inputs=None):
         transform = self.transform
@@ -122,7 +132,7 @@ class ParDo(te.DaskBagOp):
             item = bag.reduction(list, lambda parts: [x for p in parts for x in p])
             # a Delayed of the Item's own key (fix 2: an Item argument gets a private graph)
             items.append(item.to_delayed(optimize_graph=False))
-        packed = cloudpickle.dumps((invoker_args, invoker_kwargs, receivers, views))
+        packed = cloudpickle.dumps((invoker_args, invoker_kwargs, receivers, views, self.options))
         return input_bag.map(_windowed, window_fn).map_partitions(_run_bundle, packed, *items)
 
 
@@ -181,11 +191,14 @@ class _Visitor(PipelineVisitor):
     """Beam's pipeline → dask.bag translation, remembering which outputs are read (fix 3)."""
 
     bag_kwargs: dict
+    options: object = None
     bags: dict = dataclasses.field(default_factory=collections.OrderedDict)
     read: set = dataclasses.field(default_factory=set)
 
     def visit_transform(self, node) -> None:
         op = TRANSLATIONS.get(node.transform.__class__, te.NoOp)(node, bag_kwargs=self.bag_kwargs)
+        if isinstance(op, ParDo):
+            op.options = self.options
         kws = {"input_bag": None, "side_inputs": None}
         inputs = list(node.inputs)
         if inputs:
@@ -239,7 +252,7 @@ class DaskRunner(beam_dask.DaskRunner):
             bag_kwargs = {"partition_size": 1}  # one read range, cache file or shard per task
         client = ddist.Client(**dask_options)
         pipeline.replace_all([_LiftCombines(), *dask_overrides()])
-        visitor = _Visitor(bag_kwargs)
+        visitor = _Visitor(bag_kwargs, options)
         pipeline.visit(visitor)
         # unoptimised: dask's bag optimisation (fusing, list inlining) copied tasks that several
         # readers share into each reader's chain, so their work ran more than once

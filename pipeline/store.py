@@ -81,12 +81,22 @@ def share_s3_clients() -> None:
     cls._shatter_shared = True
 
 
+def use(options: PipelineOptions) -> None:
+    """Beam's filesystems in this process get `options`, and their retries the bound of
+    `--store_retry_seconds` (a worker process: the pipeline's options, which it is given)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    if FileSystems._pipeline_options is not options:
+        FileSystems.set_options(options)
+        bound_retries(options.view_as(StoreOptions).store_retry_seconds)
+        share_s3_clients()
+
+
 def configure(args=()) -> PipelineOptions:
-    """Beam's filesystems in this process get the options of `args` (`fs.pipeline_options`), and
-    their retries the bound of `--store_retry_seconds`. Returns the options."""
-    options = fs.configure(args)
-    bound_retries(options.view_as(StoreOptions).store_retry_seconds)
-    share_s3_clients()
+    """`use` the options of `args` (`fs.pipeline_options`: the AWS environment's endpoint and
+    region where not given). Returns the options."""
+    options = fs.pipeline_options(args)
+    use(options)
     return options
 
 

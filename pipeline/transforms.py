@@ -260,42 +260,57 @@ def Clean():
 
 
 class _Sample:
-    """A _SmallestLines accumulator: (hash, line) candidates and, once pruned to n, the n-th
-    smallest hash (`bound`), above which no line can enter the sample any more."""
+    """A _SmallestLines accumulator: (hash, line) candidates, their UTF-8 bytes, and, once pruned,
+    the largest hash kept (`bound`), above which no line can enter the sample any more."""
 
-    __slots__ = ("items", "bound")
+    __slots__ = ("items", "bound", "size")
 
     def __init__(self, items=(), bound=None):
         self.items, self.bound = list(items), bound
+        self.size = sum(len(line.encode()) for _, line in self.items)
 
     def __getstate__(self):
         return self.items, self.bound
 
     def __setstate__(self, state):
         self.items, self.bound = state
+        self.size = sum(len(line.encode()) for _, line in self.items)
+
+
+def sample_prefix(items: list, n: int, max_bytes: int) -> list:
+    """The (hash, line) pairs of smallest hash, at most `n` of them and `max_bytes` of text."""
+    kept, total = heapq.nsmallest(n, items), 0
+    for i, (_, line) in enumerate(kept):
+        total += len(line.encode())
+        if total > max_bytes:
+            return kept[:i]
+    return kept
 
 
 class _SmallestLines(beam.CombineFn):
-    """The n lines with the smallest hashes over all batches: a deterministic tokenizer sample.
+    """The lines with the smallest hashes over all batches, at most n lines and `max_bytes` of
+    text: a deterministic tokenizer sample (the longest prefix, in hash order, within both caps).
 
-    Memory is bounded by the sample, never the corpus: a line whose hash is above the n-th
-    smallest seen so far is dropped at once, the candidates are pruned back to n when they reach
-    1.5 n (so time is linear in the text), and a line that sentencepiece's trainer would skip
-    (`tokenizer.trainable`) keeps its place by its hash alone, its text replaced by "" (so the
-    corpus itself never piles up here when its lines are whole documents). The trainer gets the
-    same lines in the same order as from `tokenizer.smallest_lines`.
+    Memory is bounded by the sample, never the corpus: a line whose hash is above the largest kept
+    so far is dropped at once, the candidates are pruned back to the caps when they reach 1.5
+    times either (so time is linear in the text), and a line that sentencepiece's trainer would
+    skip (`tokenizer.trainable`) keeps its place by its hash alone, its text replaced by "" (so
+    the corpus itself never piles up here when its lines are whole documents). Pruning a part keeps
+    every line of the whole's prefix that it holds, so the merge is exact. The trainer gets the
+    same lines in the same order as from `tokenizer.smallest_lines` when the byte cap is not hit.
     """
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, max_bytes: int):
+        self.n, self.max_bytes = n, max_bytes
 
     def create_accumulator(self):
         return _Sample()
 
     def _prune(self, acc: _Sample) -> _Sample:
-        if len(acc.items) >= self.n:
-            acc.items = heapq.nsmallest(self.n, acc.items)
-            acc.bound = acc.items[-1][0]
+        if len(acc.items) >= self.n or acc.size > self.max_bytes:
+            acc.items = sample_prefix(acc.items, self.n, self.max_bytes)
+            acc.size = sum(len(line.encode()) for _, line in acc.items)
+            acc.bound = acc.items[-1][0] if acc.items else -1
         return acc
 
     def add_input(self, acc: _Sample, batch: DocBatch):
@@ -304,8 +319,10 @@ class _SmallestLines(beam.CombineFn):
             for line in cleaning.sample_lines(doc):
                 h = tokenizer.line_hash(line)
                 if bound is None or h <= bound:  # ties kept: a tie is the same line
-                    items.append((h, line if tokenizer.trainable(line) else ""))
-        if len(items) >= self.n + max(self.n // 2, 1):
+                    text = line if tokenizer.trainable(line) else ""
+                    items.append((h, text))
+                    acc.size += len(text.encode())
+        if len(items) >= self.n + max(self.n // 2, 1) or acc.size >= 1.5 * self.max_bytes:
             self._prune(acc)
         return acc
 
@@ -314,11 +331,11 @@ class _SmallestLines(beam.CombineFn):
         return self._prune(_Sample(items))
 
     def extract_output(self, acc: _Sample):
-        return [line for _, line in sorted(acc.items)[: self.n] if line]
+        return [line for _, line in sample_prefix(acc.items, self.n, self.max_bytes) if line]
 
 
-def SampleLines(n: int):
-    return beam.CombineGlobally(_SmallestLines(n))
+def SampleLines(n: int, max_bytes: int | None = None):
+    return beam.CombineGlobally(_SmallestLines(n, 2**62 if max_bytes is None else max_bytes))
 
 
 class TokenizeFn(beam.DoFn):

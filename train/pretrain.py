@@ -189,6 +189,12 @@ def _run(cfg: TrainConfig) -> int:
     finally:
         progress.stop()
         writer.close()
+    store_failed = cache.take_failure(os.getpid())  # a prefetch's: it stopped the run
+    if store_failed and status == "stopped":
+        raise DatasetError(
+            f"{store_failed}; checkpoint saved at step {state.step} in {run_dir / 'checkpoints'}: "
+            "run the same command again to resume once the store answers"
+        )
     if rank == 0:
         where = (
             f"export in {run_dir / checkpoint.EXPORT}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -142,13 +143,36 @@ def local_path(remote: str, sha256: str) -> str:
     return final
 
 
+def _failure_file(pid: int) -> str:
+    return os.path.join(_settings().directory, f".store-failure-{pid}")
+
+
+def report_failure(message: str, trainer_pid: int) -> None:
+    """A prefetch that failed after its retries: the trainer (`trainer_pid`) is asked to stop
+    as on SIGTERM (a checkpoint at the next step boundary, agreed between ranks), and then
+    finds why in `take_failure`. The shard being read meanwhile is still in memory."""
+    with open(_failure_file(trainer_pid), "w") as f:
+        f.write(message)
+    os.kill(trainer_pid, signal.SIGTERM)
+
+
+def take_failure(pid: int) -> str | None:
+    """The store failure that stopped the trainer `pid`, if one did."""
+    if _config is None or not os.path.exists(_failure_file(pid)):
+        return None
+    with open(_failure_file(pid)) as f:
+        message = f.read()
+    os.remove(_failure_file(pid))
+    return message
+
+
 class Prefetcher:
     """Downloads the shards of `upcoming` (remote path, info) in order, at most `ahead` beyond the
-    last one that `consumed` was told about, on a daemon thread. A failure is kept and raised by
-    the reader's own `local_path` call for that shard (which retries it)."""
+    last one that `consumed` was told about, on a daemon thread. A failure goes to `on_failure`
+    (its one-line message); the reader's own `local_path` call for that shard retries it."""
 
-    def __init__(self, upcoming: Iterator[tuple[str, ShardInfo]], ahead: int = 2):
-        self.upcoming, self.ahead = upcoming, ahead
+    def __init__(self, upcoming: Iterator[tuple[str, ShardInfo]], ahead: int = 2, on_failure=None):
+        self.upcoming, self.ahead, self.on_failure = upcoming, ahead, on_failure
         self.fetched = 0  # shards fetched (or failed) so far
         self.used = 0  # shards the reader has asked for
         self.wake = threading.Condition()
@@ -167,6 +191,8 @@ class Prefetcher:
                     self.wake.wait()
             try:
                 local_path(remote, info.sha256)
-            except DatasetError:
-                return  # the reader meets the same error itself, on its own call
+            except DatasetError as e:
+                if self.on_failure is not None:
+                    self.on_failure(str(e))
+                return
             self.fetched += 1

@@ -44,16 +44,6 @@ def pipeline_options(args=()):
     return options
 
 
-def configure(args=()):
-    """Give Beam's filesystems in this process the options of `args` (`pipeline_options`): every
-    remote call of this module, and of the driver, then uses them. Returns the options."""
-    from apache_beam.io.filesystems import FileSystems
-
-    options = pipeline_options(args)
-    FileSystems.set_options(options)
-    return options
-
-
 def join(root: str, name: str) -> str:
     return _beam().join(str(root), name) if is_remote(root) else os.path.join(str(root), name)
 

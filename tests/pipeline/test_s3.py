@@ -3,9 +3,14 @@ byte-identical to a local build, inspect and verify on s3://, --overwrite keepin
 readable, and each fault (wrong credentials, missing bucket or prefix, the server stopping during
 a build) as one line before any work or naming the object."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from pipeline.build import build
@@ -16,6 +21,7 @@ from tests.pipeline.conftest import quiet, small_config
 from tests.s3server import BUCKET
 
 RETRY = ["--store_retry_seconds=1"]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def shard_hashes(index) -> dict:
@@ -119,3 +125,104 @@ def test_s3_faults_are_one_line(built, corpus_dir, s3_server):
     print(text)
     index = build(config, s3_server.args(), report=quiet)
     assert shard_hashes(index) == shard_hashes(local)
+
+
+def dask_fleet(root: Path, env: dict):
+    """`dask scheduler` and 2 `dask worker` processes, each worker in its own working directory
+    with its own TMPDIR, and without the driver's AWS environment: they share no disk with the
+    driver or each other, and know the store only from the pipeline's options."""
+    scheduler_file = root / "scheduler.json"
+    dask = str(Path(sys.executable).parent / "dask")
+    procs = [
+        subprocess.Popen(
+            [
+                dask,
+                "scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--no-dashboard",
+                "--scheduler-file",
+                str(scheduler_file),
+            ],
+            cwd=root,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
+    for w in range(2):
+        home = root / f"worker{w}"
+        (home / "tmp").mkdir(parents=True)
+        procs.append(
+            subprocess.Popen(
+                [
+                    dask,
+                    "worker",
+                    "--scheduler-file",
+                    str(scheduler_file),
+                    "--nthreads",
+                    "1",
+                    "--local-directory",
+                    str(home),
+                    "--no-dashboard",
+                    "--host",
+                    "127.0.0.1",
+                ],
+                cwd=home,
+                env={**env, "TMPDIR": str(home / "tmp")},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    return scheduler_file, procs
+
+
+@pytest.mark.slow  # a scheduler and two workers start and import Beam
+def test_dask_workers_sharing_no_disk_write_the_bytes_of_a_local_build(
+    corpus_dir, s3_server, tmp_path
+):
+    corpus = upload(s3_server, corpus_dir, "corpus-dask")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env["PYTHONPATH"] = str(REPO)
+    scheduler_file, procs = dask_fleet(tmp_path / "fleet", env)
+    args = ["build", "--input", corpus, "--vocab-size", "300", "--seq-len", "64"]
+    args += ["--dupe-factor", "2", "--num-shards", "3", "--validation-fraction", "0.1"]
+    try:
+        from distributed import Client
+
+        with Client(scheduler_file=str(scheduler_file), timeout=60) as client:
+            client.wait_for_workers(2, timeout=60)
+            address = client.scheduler.address
+        remote = f"s3://{BUCKET}/dask"
+        program = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline.cli",
+                *args,
+                "--output",
+                remote,
+                "--runner",
+                "DaskRunner",
+                "--dask_client_address",
+                address,
+                *s3_server.args(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env=env,
+        )
+        assert program.returncode == 0, program.stderr[-3000:]
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+    local = tmp_path / "local"  # the same command on the in-process FnApiRunner, to local disk
+    code, text = cli(*args, "--output", str(local))
+    assert code == 0, text
+    assert shard_hashes(read_index(remote).raw) == shard_hashes(read_index(local).raw)

@@ -326,3 +326,29 @@ def test_rows_padded_to_different_widths_write_the_same_shards(model_path, tmp_p
     with _pipeline() as p:
         packed = p | beam.Create([Tokenized("train", tuple(docs))]) | Pack(32, False)
         assert_that(packed | beam.Map(lambda x: x.ids.shape[1]), equal_to([int(lengths.max())]))
+
+
+def test_sample_is_capped_by_bytes_as_well_as_lines():
+    """--tokenizer-sample-mb: the longest prefix in hash order within both caps, also when the
+    parts are pruned by bytes on the way and merged."""
+    lines = _lines_with_long_ones(600, seed=5)
+    trainable = [
+        x for _, x in tokenizer.smallest_lines(lines, len(lines)) if tokenizer.trainable(x)
+    ]
+    max_bytes = sum(len(x.encode()) for x in trainable) // 5
+    fn = SampleLines(10_000, max_bytes).fn
+    parts = []
+    for i in range(3):
+        acc = fn.create_accumulator()
+        for j in range(10 * i, len(lines), 30):
+            acc = fn.add_input(acc, DocBatch("text", "auto", ("\n".join(lines[j : j + 10]),)))
+            assert acc.size < 1.5 * max_bytes + 10 * tokenizer.MAX_SENTENCE_BYTES
+        parts.append(acc)
+    sample = fn.extract_output(fn.merge_accumulators(parts))
+    expected, total = [], 0
+    for line in trainable:  # the naive reference
+        total += len(line.encode())
+        if total > max_bytes:
+            break
+        expected.append(line)
+    assert sample == expected and 0 < len(sample) < len(trainable)
