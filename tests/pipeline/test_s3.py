@@ -131,6 +131,7 @@ def dask_fleet(root: Path, env: dict):
     """`dask scheduler` and 2 `dask worker` processes, each worker in its own working directory
     with its own TMPDIR, and without the driver's AWS environment: they share no disk with the
     driver or each other, and know the store only from the pipeline's options."""
+    root.mkdir(parents=True)
     scheduler_file = root / "scheduler.json"
     dask = str(Path(sys.executable).parent / "dask")
     procs = [
