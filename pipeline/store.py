@@ -11,6 +11,7 @@ environment of each machine (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRE
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
@@ -47,6 +48,17 @@ def bound_retries(seconds: float) -> None:
     clock = retry.with_exponential_backoff.__defaults__[4]
     scale = max(seconds, 0.0) / BEAM_BACKOFF_SECONDS
     clock.sleep = lambda value: time.sleep(value * scale)
+    # its log line per retry (a traceback, and its unscaled wait) and its S3 reader's error on
+    # the root logger: the failure is reported once, as one line, by whoever called
+    logging.getLogger("apache_beam.utils.retry").setLevel(logging.ERROR)
+    root = logging.getLogger()
+    if not any(isinstance(f, _DropS3ReadErrors) for f in root.filters):
+        root.addFilter(_DropS3ReadErrors())
+
+
+class _DropS3ReadErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("HTTP error while requesting file")
 
 
 _SHARED_CLIENTS: dict = {}

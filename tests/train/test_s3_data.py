@@ -1,0 +1,73 @@
+"""Training data on object storage (a loopback S3 server, `tests.s3server`): the store stops
+answering during a run, and the trainer checkpoints and exits with one line naming the object;
+an object replaced by different bytes is refused by its sha256. (The 2-rank run from s3:// with
+an exact resume: tests/train/test_pretrain.py, the kill -9 test.)"""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.format import DatasetError, cache, read_index
+from tests.jobs import Job
+from tests.s3server import BUCKET
+
+pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def upload(server, data: Path, prefix: str) -> str:
+    client = server.client()
+    for path in sorted(data.iterdir()):
+        if path.is_file():
+            client.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def test_store_stopping_during_training_checkpoints_and_exits_naming_the_object(
+    books_data, s3_server, tmp_path, monkeypatch
+):
+    small = tmp_path / "small"  # many small shards: the prefetcher needs the store mid-run
+    build = [str(BIN / "shatter-data"), "build", "--corpus", "books"]
+    build += ["--input", str(REPO.parent / "shared" / "data" / "books"), "--output", str(small)]
+    build += ["--tokenizer", str(books_data / "tokenizer.model"), "--seq-len", "64"]
+    build += ["--dupe-factor", "1", "--num-shards", "48", "--validation-fraction", "0.05"]
+    done = subprocess.run(build, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    remote = upload(s3_server, small, "small")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the cache: $TMPDIR/shatter-cache
+    config = tmp_path / "retry.yaml"
+    tiny = (REPO / "configs" / "cpu-tiny.yaml").read_text()
+    config.write_text(tiny.replace("data:\n", "data:\n  store_retry_seconds: 1\n", 1))
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "train" / "pretrain.py"), "--data", remote]
+    cmd += ["--output", str(run), "--preset", "shatter-tiny"]
+    cmd += ["--config", str(config), "--log-every", "1", "--eval-every", "1000"]
+    cmd += ["--save-every", "1000", "--seq-len", "32", "--max-steps", "60"]
+    job = Job(cmd)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run / "metrics.jsonl").exists():
+            time.sleep(0.1)
+        s3_server.stop()  # the first shards are cached (or being fetched): the rest cannot be
+        code, _ = job.finish(120)
+    finally:
+        s3_server.start()
+    last = job.text.strip().splitlines()[-1]
+    assert code == 1, job.text[-3000:]
+    assert last.startswith("Error: the object store failed on s3://shards/small/train-"), last
+    assert "Retry with exponential backoff" not in job.text  # Beam's retries: not on stderr
+    assert "checkpoint saved at step" in last and "run the same command again" in last, last
+    assert (run / "checkpoints" / "latest").exists()
+
+    # an object replaced by different bytes: refused by its sha256 in index.json, named
+    index = read_index(remote)
+    info = index.shards("train")[0]
+    s3_server.client().put_object(Bucket=BUCKET, Key=f"small/{info.file}", Body=b"other bytes")
+    cache.configure(str(tmp_path / "fresh-cache"), 1.0, 1.0)
+    with pytest.raises(DatasetError, match=f"{index.shard_path(info)} is not the file"):
+        cache.local_path(index.shard_path(info), info.sha256)
