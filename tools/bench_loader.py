@@ -3,6 +3,7 @@ stalls at large shards.
 
     python tools/bench_loader.py [--data OUT] [--rows 20000] [--batch 128] [--rounds 3]
     python tools/bench_loader.py --memory [--shard-mb 1024] [--baseline CHECKOUT] [--data OUT]
+    python tools/bench_loader.py --data s3://BUCKET/OUT   # the store: cold and warm cache vs local
 
 Contenders, interleaved round by round so that a busy machine slows them alike: static masks
 (from the shards), dynamic masking, dynamic whole-word masking. The stream runs in this process
@@ -213,6 +214,65 @@ def run(index, spec: MaskingSpec, batch: int, samples: int, seq_len: int, start:
     return seen / (time.perf_counter() - t0)
 
 
+class _NoPrefetch:
+    """Stands in for a stream's prefetcher: every shard is fetched when first read."""
+
+    def consumed(self) -> None:
+        pass
+
+
+def epoch_tokens_per_s(index, batch: int, seq_len: int, prefetch: bool = True) -> float:
+    """Tokens/s of one epoch of the static-mask stream (shard fetches and decode included)."""
+    stream = ShardStream(
+        index, "train", batch_size=batch, seq_len=seq_len, masking=MaskingSpec("static"), seed=1
+    )
+    if not prefetch:
+        stream._prefetcher = _NoPrefetch()
+    n, tokens, t0 = stream.order.size, 0, time.perf_counter()
+    for seen, b in enumerate(stream, 1):
+        tokens += int(b["attention_mask"].sum())
+        if seen * batch >= n:
+            break
+    return tokens / (time.perf_counter() - t0)
+
+
+def store_main(remote: str, batch: int, seq_len: int, rounds: int) -> None:
+    """`--data s3://...`: the stream from the store through the node's shard cache, cold (an
+    empty cache, with and without the prefetcher) and warm (every shard cached), against the same
+    shards on local disk; one epoch each, interleaved round by round."""
+    from pipeline.format import cache, fs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(tmp) / "local"
+        local.mkdir()
+        remote_index = read_index(remote)
+        for name in [pshards.INDEX_FILE, pshards.TOKENIZER_FILE] + [
+            s.file for split in remote_index.splits for s in remote_index.shards(split)
+        ]:
+            with fs.open_read(fs.join(remote, name)) as f:
+                (local / name).write_bytes(f.read())
+        local_index = read_index(local)
+        results = {"local disk": [], "cold, no prefetch": [], "cold, prefetch": [], "warm": []}
+        for r in range(rounds):
+            results["local disk"].append(epoch_tokens_per_s(local_index, batch, seq_len))
+            for prefetch in (False, True):
+                cache.configure(str(Path(tmp) / f"cache{r}-{prefetch}"), 100.0)
+                name = "cold, prefetch" if prefetch else "cold, no prefetch"
+                results[name].append(
+                    epoch_tokens_per_s(remote_index, batch, seq_len, prefetch=prefetch)
+                )
+            results["warm"].append(epoch_tokens_per_s(remote_index, batch, seq_len))
+        rows = remote_index.rows("train")
+        print(
+            f"{remote}: {rows} rows, {len(remote_index.shards('train'))} shards, batch {batch}, "
+            f"1 core, {rounds} rounds (load average {os.getloadavg()[0]:.2f})"
+        )
+        base = np.median(results["local disk"])
+        print(f"{'source':20s} {'tokens/s (median)':>18s} {'vs local':>9s}")
+        for name, values in results.items():
+            print(f"{name:20s} {np.median(values):18,.0f} {np.median(values) / base:8.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -235,6 +295,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    if args.data and "://" in args.data:  # an object store: its own table (`store_main`)
+        store_main(args.data, args.batch, args.seq_len, args.rounds)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = (
             Path(args.data)

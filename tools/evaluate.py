@@ -23,7 +23,7 @@ import click
 import torch
 
 import shatter
-from pipeline.format import DatasetError, Index, read_index, sha256_file
+from pipeline.format import DatasetError, Index, cache, read_index, sha256_file
 from shatter.checkpoint import TOKENIZER, CheckpointError
 from shatter.sources import describe_non_export
 from train.config import DataArgs, check_output
@@ -73,7 +73,9 @@ def evaluate_exports(
 
 
 def checked_index(checkpoint: Path, data: Path, split: str) -> Index:
-    """`data`'s index once its files, its `split` rows and its tokenizer (the model's) check out."""
+    """`data`'s index once its files, its `split` rows and its tokenizer (the model's) check out.
+    A remote `data` is checked first (credentials, bucket, prefix: `pipeline.store`)."""
+    cache.open_store(str(data), None, DataArgs.cache_limit_gb, DataArgs.store_retry_seconds)
     index = read_index(data)
     index.check_files()
     rows = index.rows(split) if index.splits.get(split) else 0
@@ -138,8 +140,9 @@ def score(model, index: Index, split: str, batch_size: int, max_samples: int | N
     "datas",
     required=True,
     multiple=True,
-    type=click.Path(path_type=Path),
-    help="A shard dataset (OUT); repeat it to score the model on several in one process.",
+    callback=lambda ctx, param, values: tuple(v if "://" in v else Path(v) for v in values),
+    help="A shard dataset (OUT, or s3://, gs://: read through the node's shard cache); repeat "
+    "it to score the model on several in one process.",
 )
 @click.option("--split", default="validation", show_default=True)
 @click.option("--batch-size", default=8, show_default=True)

@@ -17,6 +17,7 @@ import torch
 import shatter
 from pipeline.format import read_index
 from tests.s3server import BUCKET
+from tools.evaluate import evaluate_export
 from train.config import DataArgs
 from train.data import validation_stream
 from train.evaluate import evaluate
@@ -226,6 +227,11 @@ def test_kill_9_after_a_checkpoint_then_restart_gives_the_same_losses(
     shards = {f"{s.sha256}.arrow" for s in index.shards("train") + index.shards("validation")}
     assert cached and cached <= shards and not list((tmp_path / "shatter-cache").glob("*.tmp-*"))
     assert gets and len(gets) == len(set(gets)), gets  # once per node, both runs, both ranks
+    # tools/evaluate.py on the remote dataset: the scores of the local one
+    scores = [
+        evaluate_export(run / "export", data, max_samples=64) for data in (remote, books_data)
+    ]
+    assert scores[0]["loss"] == scores[1]["loss"] and scores[0]["predictions"] > 0
     assert f"resuming from step {int(killed_at[4:])}" in done.stderr
     ref_train, ref_val = metrics(reference[0])
     train, val = metrics(run)
