@@ -137,7 +137,7 @@ def main():
     type=click.FloatRange(min=0, min_open=True),
     default=BuildConfig.tokenizer_sample_mb,
     show_default=True,
-    help="and at most this many MB of them (the trainer peaks at about 14 x this)",
+    help="and at most this many MB of them: the tokenizer trainer's memory grows with its sample",
 )
 @click.option(
     "--tokenizer-model-type",

@@ -39,8 +39,8 @@ class BuildConfig:
     vocab_size: int = 32000  # sentencepiece vocabulary, special ids included
     tokenizer: str | None = None  # an existing sentencepiece model; else one is trained
     tokenizer_sample: int = 2_000_000  # lines of cleaned text the tokenizer is trained on
-    # ... and at most this many MB (UTF-8) of them: sentencepiece's trainer peaks at about 14
-    # times its input (docs/pipeline.md "Memory"), so 200 MB stays near 3 GB
+    # ... and at most this many MB (UTF-8) of them: sentencepiece's trainer needs several times
+    # its input in memory (the build logs the sample's size and the driver's peak)
     tokenizer_sample_mb: float = 200.0
     tokenizer_model_type: str = "unigram"  # sentencepiece model type: unigram or bpe
     dupe_factor: int = 5  # static maskings stored per row
