@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.format import DatasetError, Index, Shard
+from pipeline.format import DatasetError, Index, Shard, cache
 from pipeline.format.blocks import BlockReader
 from pipeline.format.writer import record_batch_rows
 from train.masking import IGNORE, PAD, SEP, dynamic_mask, ragged_gather, static_mask
@@ -248,10 +248,19 @@ class ShardStream(IterableDataset):
                 yield int(epoch), in_epoch[hit], int(s), row_of[hit]
 
     def prefetch(self, q: np.ndarray) -> None:
-        """Start decoding what the batch of positions q needs, and opening the shard after it."""
+        """Start decoding what the batch of positions q needs, and opening the shard after it
+        (from a store: the two after it, and a download that fails stops the run, `cache`)."""
         for epoch, _, s, rows in self._locate(q):
             self.reader.prefetch(s, rows)
-            self.reader.open_ahead(self.order.next_shard(epoch, s))
+            ahead = self.order.next_shard(epoch, s)
+            opening = self.reader.open_ahead(ahead)
+            if cache.is_remote(self.index.root):
+                trainer = os.getppid() if get_worker_info() else os.getpid()
+                for future in (
+                    opening,
+                    self.reader.open_ahead(self.order.next_shard(epoch, ahead)),
+                ):
+                    cache.stop_on_failure(future, trainer)
 
     def padding_batch(self) -> dict[str, torch.Tensor]:
         """One row of zero weight: the stream's first row with nothing to predict (labels all

@@ -10,7 +10,9 @@ resolves to a local file (`local_path`), which the reader then opens as any loca
   an object replaced by different bytes is refused, named.
 - A size bound (`data.cache_limit_gb`): after a download, the least recently used shards go until
   the cache fits (a reader that still has one open keeps its data: POSIX unlink).
-- A background prefetcher (`Prefetcher`) downloads the shards a stream will read next.
+- The loader's look-ahead (`train.data`: the thread that opens the next shards) downloads the
+  shards a stream will read next; a failure there stops the run at a step boundary
+  (`stop_on_failure`).
 - A store that stops answering: each read retries with backoff for `retry_seconds`
   (`pipeline.store`), then a DatasetError names the object.
 """
@@ -21,13 +23,11 @@ import fcntl
 import hashlib
 import os
 import signal
-import threading
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pipeline.format import fs
-from pipeline.format.schema import DatasetError, ShardInfo
+from pipeline.format.schema import DatasetError
 
 CHUNK = 1 << 22
 is_remote = fs.is_remote
@@ -166,33 +166,21 @@ def take_failure(pid: int) -> str | None:
     return message
 
 
-class Prefetcher:
-    """Downloads the shards of `upcoming` (remote path, info) in order, at most `ahead` beyond the
-    last one that `consumed` was told about, on a daemon thread. A failure goes to `on_failure`
-    (its one-line message); the reader's own `local_path` call for that shard retries it."""
+_reported = False
 
-    def __init__(self, upcoming: Iterator[tuple[str, ShardInfo]], ahead: int = 2, on_failure=None):
-        self.upcoming, self.ahead, self.on_failure = upcoming, ahead, on_failure
-        self.fetched = 0  # shards fetched (or failed) so far
-        self.used = 0  # shards the reader has asked for
-        self.wake = threading.Condition()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="shard-prefetch")
-        self.thread.start()
 
-    def consumed(self) -> None:
-        with self.wake:
-            self.used += 1
-            self.wake.notify()
+def stop_on_failure(future, trainer_pid: int) -> None:
+    """A background open of a remote shard (the loader's look-ahead): if it fails for good (the
+    store stopped answering, or the object was replaced), `report_failure` to the trainer, once."""
+    if getattr(future, "_shatter_watched", False):
+        return
+    future._shatter_watched = True
 
-    def _run(self) -> None:
-        for remote, info in self.upcoming:
-            with self.wake:
-                while self.fetched >= self.used + self.ahead:
-                    self.wake.wait()
-            try:
-                local_path(remote, info.sha256)
-            except DatasetError as e:
-                if self.on_failure is not None:
-                    self.on_failure(str(e))
-                return
-            self.fetched += 1
+    def done(f) -> None:
+        global _reported
+        error = f.exception()
+        if isinstance(error, DatasetError) and not _reported:
+            _reported = True
+            report_failure(str(error), trainer_pid)
+
+    future.add_done_callback(done)

@@ -207,6 +207,10 @@ def open_shard(path: str, info: ShardInfo, verify: bool = True) -> ShardFile:
     checks it exists and (optionally) its sha256, and locates its record batches from their
     headers without reading or decoding their bodies."""
     path = str(path)
+    if fs.is_remote(path):  # its node-local copy, whose sha256 was checked on download
+        from pipeline.format import cache
+
+        path, verify = cache.local_path(path, info.sha256), False
     _check(path, info, verify)
     offsets, sizes, rows, schema_ = [], [], [], None
     try:

@@ -35,7 +35,7 @@ def test_store_stopping_during_training_checkpoints_and_exits_naming_the_object(
     build = [str(BIN / "shatter-data"), "build", "--corpus", "books"]
     build += ["--input", str(REPO.parent / "shared" / "data" / "books"), "--output", str(small)]
     build += ["--tokenizer", str(books_data / "tokenizer.model"), "--seq-len", "64"]
-    build += ["--dupe-factor", "1", "--num-shards", "48", "--validation-fraction", "0.05"]
+    build += ["--dupe-factor", "1", "--num-shards", "24", "--validation-fraction", "0.05"]
     done = subprocess.run(build, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     remote = upload(s3_server, small, "small")
