@@ -10,8 +10,8 @@
     blocks.py   `BlockReader`: a loader worker's bounded cache of decoded record batches, with
                 the next ones decoded and the next shard verified in the background
     writer.py   `ShardWriter` (temp file + rename), `write_shard`, `rows_table`,
-    cache.py    a node-local cache of remote shards: `local_path` (the trainer's `s3://`, `gs://`)
                 `record_batch_rows`
+    cache.py    a node-local cache of remote shards: `local_path` (the trainer's `s3://`, `gs://`)
 
 Beam-free for local paths: the trainer imports it without importing Apache Beam.
 """
