@@ -177,6 +177,7 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
         "train_features": len(data.train_features),
         "validation_features": len(data.eval_features),
         "skipped": data.skipped,
+        "corrected": getattr(data, "corrected", {}),
         "evaluations": [],
     }
     if rank == 0:
@@ -194,6 +195,12 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
         for split, counts in data.skipped.items():
             if counts:
                 print(f"{split}: skipped {sum(counts.values())} rows: {counts}", flush=True)
+        for split, counts in getattr(data, "corrected", {}).items():
+            if counts:
+                print(
+                    f"{split}: kept {sum(counts.values())} rows after correcting {counts}",
+                    flush=True,
+                )
     writer = MetricsWriter(run_dir, rank, r.tensorboard)
     progress = Progress(rank, r.progress, 0, steps)
     progress.bar.set_description(f"finetune {cfg.data.task}")
