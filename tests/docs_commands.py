@@ -168,6 +168,8 @@ def parse_module(module_name: str, prog: str, args: list[str]) -> None:
     if isinstance(main, click.Command):
         ctx = _parse_click(main, prog, args)
         VALIDATORS.get(ctx.command_path.removeprefix("python "), lambda ctx: None)(ctx)
+    elif "ArgumentParser(" not in Path(sys.modules[module_name].__file__).read_text():
+        raise DocsCommandError(f"{prog}: its main() is neither click nor argparse; no parser known")
     else:
         _parse_argparse(_argparse_parser(main), prog, args)
 
@@ -321,10 +323,11 @@ def known_options() -> set[str]:
     modules += [f"tools.{p.stem}" for p in (REPO / "tools").glob("*.py") if p.stem != "__init__"]
     modules += ["train.pretrain", "train.finetune"]
     for module_name in modules:
-        main = getattr(importlib.import_module(module_name), "main", None)
+        module = importlib.import_module(module_name)
+        main = getattr(module, "main", None)
         if isinstance(main, click.Command):
             names |= _click_options(main)
-        elif main is not None:
+        elif main is not None and "ArgumentParser(" in Path(module.__file__).read_text():
             parser = _argparse_parser(main)
             names |= {o for a in parser._actions for o in a.option_strings}
     _import_runner_options("DaskRunner")
