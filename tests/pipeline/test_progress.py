@@ -154,8 +154,9 @@ def long_built(built, long_corpus, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_multi_processing_build_sums_the_workers(built, long_corpus, long_built, tmp_path):
+def test_multi_processing_build_sums_the_workers(built, long_corpus, long_built, tmp_path, capfd):
     lines = []
+    capfd.readouterr()
     build(
         _long_config(built, long_corpus, tmp_path / "mp"),
         [
@@ -172,6 +173,9 @@ def test_multi_processing_build_sums_the_workers(built, long_corpus, long_built,
     _assert_sane(live, final)
     assert any(c.get("documents_read", 0) > 0 for c in live)  # counted in the worker processes
     assert _files(long_built) == _files(tmp_path / "mp")
+    # the worker processes log at the driver's level (WARNING, Beam's own logger CRITICAL)
+    worker_output = capfd.readouterr().err
+    assert "apitools" not in worker_output and "Logging handler" not in worker_output, worker_output
 
 
 def test_progress_seconds_zero_prints_no_progress(built, corpus_dir, tmp_path):
