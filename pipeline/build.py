@@ -107,7 +107,8 @@ def run_and_report(pipeline: beam.Pipeline, stage: str, report=print) -> dict | 
 
 
 def format_counters(values: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in values.items()) or "(no counters yet)"
+    """The counters at the end of a stage (a stage that read nothing has none)."""
+    return " ".join(f"{k}={v}" for k, v in values.items()) or "(nothing read: no counters)"
 
 
 def _delete_tree(path: str) -> None:
@@ -255,10 +256,16 @@ def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=
     values = cache_clean_text(config, out, beam_args, report, sample=config.tokenizer_sample)
     sample = json.loads(_read_text(sample_path))
     if not sample:
-        inputs = ", ".join(spec.path for spec in config.inputs)
+        inputs = ", ".join(f"{spec.path} (read as {spec.corpus})" for spec in config.inputs)
+        if values == {}:  # not a single document, page or file was counted
+            raise BuildError(
+                f"no documents found in {inputs}: is --corpus right for these files? (wiki: a "
+                "MediaWiki XML dump; books: a directory of .txt books; text: .txt, .jsonl, .parquet)"
+            )
+        why = f" ({format_counters(values)})" if values else ""
         raise BuildError(
             f"no text to train the tokenizer on in {inputs}: every document was empty, binary or "
-            "skipped (the counters above say why); check --input and --corpus, or pass --tokenizer"
+            f"skipped{why}; check --input and --corpus, or pass --tokenizer"
         )
     report(
         f"training sentencepiece ({config.tokenizer_model_type}, vocab {config.vocab_size}) "
