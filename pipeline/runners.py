@@ -19,10 +19,16 @@ import difflib
 import importlib
 import logging
 import os
+import socket
 import sys
 
 import apache_beam as beam
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, WorkerOptions
+from apache_beam.options.pipeline_options import (
+    PipelineOptions,
+    PortableOptions,
+    StandardOptions,
+    WorkerOptions,
+)
 from apache_beam.portability.api import beam_provision_api_pb2
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.runners.portability.fn_api_runner.fn_runner import ExtendedProvisionInfo
@@ -116,7 +122,23 @@ def make_pipeline(beam_args: list[str]) -> beam.Pipeline:
         return beam.Pipeline(runner=_fn_api_runner(options), options=options)
     if runner in DASK_RUNNERS:
         return beam.Pipeline(runner=make_dask_runner(), options=options)
+    check_job_endpoint(options.view_as(PortableOptions).job_endpoint)
     return beam.Pipeline(options=options)
+
+
+def check_job_endpoint(endpoint: str | None, timeout: float = 5.0) -> None:
+    """An OptionError, within `timeout` seconds, when a portable runner's `--job_endpoint`
+    (HOST:PORT) accepts no connection: Beam would wait on it for minutes, in silence."""
+    if not endpoint or endpoint in ("embed", "docker") or ":" not in endpoint:
+        return
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as e:
+        raise OptionError(
+            f"no job server answers at --job_endpoint {endpoint} ({e}); start the runner's job "
+            "server there (e.g. Flink's or Spark's), or check the address"
+        ) from None
 
 
 def _fn_api_runner(options: PipelineOptions) -> FnApiRunner:
