@@ -267,11 +267,14 @@ def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=
             f"no text to train the tokenizer on in {inputs}: every document was empty, binary or "
             f"skipped{why}; check --input and --corpus, or pass --tokenizer"
         )
+    megabytes = sum(len(line) for line in sample) / 1e6
     report(
         f"training sentencepiece ({config.tokenizer_model_type}, vocab {config.vocab_size}) "
-        f"on {len(sample)} lines"
+        f"on {len(sample)} lines ({megabytes:.1f}M characters)"
     )
-    model = tokenizer.train(sample, config.vocab_size, config.tokenizer_model_type)
+    seconds = progress.PipelineOptions(beam_args).view_as(progress.ProgressOptions).progress_seconds
+    with progress.Heartbeat("training sentencepiece", report, seconds):
+        model = tokenizer.train(sample, config.vocab_size, config.tokenizer_model_type)
     with FileSystems.create(fs.join(out, TOKENIZER_FILE)) as f:
         f.write(model)
     FileSystems.delete([sample_path])

@@ -223,3 +223,15 @@ def test_direct_runner_never_downloads_prism(caplog):
         type(make_pipeline(["--runner", "BundleBasedDirectRunner"]).runner).__name__
         == "BundleBasedDirectRunner"
     )
+
+
+def test_a_step_without_counters_reports_a_heartbeat():
+    lines = []
+    with progress.Heartbeat("training sentencepiece", lines.append, 0.05):
+        time.sleep(0.3)
+    assert lines[0].startswith("[training sentencepiece 0s] still running") and len(lines) >= 3
+    assert re.fullmatch(r"\[training sentencepiece done in 0\.\ds\]", lines[-1])
+    quiet = []
+    with progress.Heartbeat("x", quiet.append, 0):
+        time.sleep(0.1)
+    assert quiet == ["[x done in 0.1s]"]
