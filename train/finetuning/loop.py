@@ -46,14 +46,20 @@ def global_batches(
 
 
 @torch.no_grad()
-def predict(model: torch.nn.Module, data, batch_size: int) -> dict[str, list[np.ndarray]]:
-    """Head outputs for every evaluation feature, each trimmed to its own length."""
+def predict(
+    model: torch.nn.Module, data, batch_size: int, show: bool = False
+) -> dict[str, list[np.ndarray]]:
+    """Head outputs for every evaluation feature, each trimmed to its own length; with `show`, a
+    progress bar of its own below the training bar (gone when done)."""
+    from tqdm import tqdm
+
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     outputs: dict[str, list[np.ndarray]] = {}
     features = data.eval_features
-    for start in range(0, len(features), batch_size):
+    starts = range(0, len(features), batch_size)
+    for start in tqdm(starts, desc="evaluate", unit="batch", leave=False, disable=not show):
         chunk = features[start : start + batch_size]
         batch = data.collate(chunk)
         out = model(
@@ -202,8 +208,7 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
                     flush=True,
                 )
     writer = MetricsWriter(run_dir, rank, r.tensorboard)
-    progress = Progress(rank, r.progress, 0, steps)
-    progress.bar.set_description(f"finetune {cfg.data.task}")
+    progress = Progress(rank, r.progress, 0, steps, desc=f"finetune {cfg.data.task}")
     batches = global_batches(len(data.train_features), r.batch_size, r.seed, rank, world)
     window_loss, window_steps, window_tokens, started = 0.0, 0, 0, time.time()
     window_start = started
@@ -236,7 +241,8 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
                 continue
             improved = False
             if rank == 0:  # ZeRO-0..2: a forward is no collective, the other ranks wait
-                scores, predictions = data.score(predict(engine.module, data, r.eval_batch_size))
+                outputs = predict(engine.module, data, r.eval_batch_size, show=r.progress)
+                scores, predictions = data.score(outputs)
                 record = {"step": step, **scores}
                 summary["evaluations"].append(record)
                 writer.write({"split": "validation", **record})
