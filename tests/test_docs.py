@@ -9,12 +9,14 @@ import pytest
 from tests.docs_commands import (
     REPO,
     SHELL_LANGS,
+    SHELL_UTILITIES,
     DocsCommandError,
     blocks,
     commands,
     inline_flags,
     known_options,
     parse_command,
+    programs,
 )
 
 SHELL_BLOCKS = [b for b in blocks() if b.lang in SHELL_LANGS]
@@ -36,6 +38,23 @@ def test_shell_block_parses(block):
         except DocsCommandError as e:
             failures.append(str(e))
     assert not failures, f"{block.where}: " + "\n".join(failures)
+
+
+def test_command_blocks_are_labelled():
+    """A fence without a language is read as output; one that holds commands must say `bash`."""
+    ours = set(programs()) - SHELL_UTILITIES
+
+    def runs_ours(text: str) -> bool:
+        for line in text.splitlines():
+            try:
+                if any(argv[0] in ours for argv in commands(line)):
+                    return True
+            except ValueError:  # output text that shlex cannot split: not a command
+                pass
+        return False
+
+    unlabelled = [b.where for b in blocks() if not b.lang and runs_ours(b.text)]
+    assert not unlabelled, f"label these command blocks ```bash: {unlabelled}"
 
 
 def test_every_page_command_is_seen():
