@@ -153,8 +153,13 @@ def _parse_click(cmd: click.Command, prog: str, args: list[str]) -> click.Contex
     return ctx
 
 
-def _module_main(module_name: str) -> click.Command | Callable[[], object]:
+def _module_main(target: str) -> click.Command | Callable[[], object]:
+    """`module` or a console script's `module:function`: that function when it is a click
+    command, else the module's `main`."""
+    module_name, _, attr = target.partition(":")
     module = importlib.import_module(module_name)
+    if isinstance(getattr(module, attr or "main", None), click.Command):
+        return getattr(module, attr or "main")
     main = getattr(module, "main", None)
     if main is None:
         raise DocsCommandError(f"{module_name} has no main(): no parser known for it")
@@ -168,21 +173,18 @@ def parse_module(module_name: str, prog: str, args: list[str]) -> None:
     if isinstance(main, click.Command):
         ctx = _parse_click(main, prog, args)
         VALIDATORS.get(ctx.command_path.removeprefix("python "), lambda ctx: None)(ctx)
-    elif "ArgumentParser(" not in Path(sys.modules[module_name].__file__).read_text():
+    elif "ArgumentParser(" not in Path(sys.modules[module_name.split(":")[0]].__file__).read_text():
         raise DocsCommandError(f"{prog}: its main() is neither click nor argparse; no parser known")
     else:
         _parse_argparse(_argparse_parser(main), prog, args)
 
 
 def console_scripts() -> dict[str, str]:
-    """setup.cfg's console scripts: name -> module (whose `main` is the click command)."""
+    """setup.cfg's console scripts: name -> `module:function`."""
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
     lines = cfg["options.entry_points"]["console_scripts"].strip().splitlines()
-    return {
-        name.strip(): target.split(":")[0].strip()
-        for name, target in (line.split("=", 1) for line in lines)
-    }
+    return {name.strip(): target.strip() for name, target in (line.split("=", 1) for line in lines)}
 
 
 def parse_python(args: list[str]) -> None:
@@ -322,9 +324,9 @@ def known_options() -> set[str]:
     modules = [*console_scripts().values()]
     modules += [f"tools.{p.stem}" for p in (REPO / "tools").glob("*.py") if p.stem != "__init__"]
     modules += ["train.pretrain", "train.finetune"]
-    for module_name in modules:
-        module = importlib.import_module(module_name)
-        main = getattr(module, "main", None)
+    for target in modules:
+        module = importlib.import_module(target.split(":")[0])
+        main = _module_main(target) if hasattr(module, "main") or ":" in target else None
         if isinstance(main, click.Command):
             names |= _click_options(main)
         elif main is not None and "ArgumentParser(" in Path(module.__file__).read_text():
