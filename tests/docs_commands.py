@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import configparser
 import importlib
+import inspect
 import re
 import shlex
 import sys
@@ -188,6 +189,12 @@ def console_scripts() -> dict[str, str]:
 
 
 def parse_python(args: list[str]) -> None:
+    if args[:1] == ["-c"] and len(args) >= 2:  # a one-liner: it must at least compile
+        try:
+            compile(args[1], "python -c", "exec")
+        except SyntaxError as e:
+            raise DocsCommandError(f"python -c {args[1]!r}: {e}") from e
+        return
     if args[:1] == ["-m"] and len(args) >= 2:
         return parse_module(args[1], f"python -m {args[1]}", args[2:])
     if not args or not args[0].endswith(".py"):
@@ -220,6 +227,18 @@ def parse_make(args: list[str]) -> None:
             raise DocsCommandError(f"make {target}: the Makefile has no target {target!r}")
 
 
+def parse_pip(args: list[str]) -> None:
+    """`pip install 'shatter[a,b]'` (or `-e '.[a,b]'`): every extra is one that setup.cfg has."""
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    extras = set(cfg["options.extras_require"])
+    for arg in args:
+        m = re.fullmatch(r"(?:shatter|\.)\[([\w,-]+)\]", arg)
+        if m and not set(m.group(1).split(",")) <= extras:
+            unknown = sorted(set(m.group(1).split(",")) - extras)
+            raise DocsCommandError(f"pip install {arg}: setup.cfg has no extra {unknown}")
+
+
 def parse_bash(args: list[str]) -> None:
     if not args or not (REPO / args[0]).is_file():
         raise DocsCommandError(f"bash {shlex.join(args)}: no such script in the repository")
@@ -249,10 +268,10 @@ def _resolve_config(resolve: Callable) -> Callable[[click.Context], None]:
     def check(ctx: click.Context) -> None:
         from train.config import ConfigError
 
-        params = dict(ctx.params)
+        # the flags: what the command's main() takes as **flags (its named arguments are not)
+        named = inspect.signature(ctx.command.callback).parameters
+        params = {k: v for k, v in ctx.params.items() if k not in named or k == "config_file"}
         config_file = params.pop("config_file", None)
-        params.pop("local_rank", None)
-        params.pop("dry_run", None)
         if config_file and not (REPO / config_file).is_file():
             return
         try:
@@ -290,7 +309,7 @@ def programs() -> dict[str, Callable[[list[str]], None]]:
     }
     for python in ("python", "python3", ".venv/bin/python"):
         table[python] = parse_python
-    table.update(deepspeed=parse_deepspeed, make=parse_make, bash=parse_bash)
+    table.update(deepspeed=parse_deepspeed, make=parse_make, bash=parse_bash, pip=parse_pip)
     table.update({name: lambda args: None for name in SHELL_UTILITIES})
     return table
 
