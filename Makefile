@@ -3,20 +3,29 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Where torch comes from when the venv has none in the project's range: a URL, or `default` for
+# pip's own indexes. Unset: PyTorch's CPU index without an NVIDIA GPU, pip's default with one
+# (tools/setup_torch.py). E.g. `make setup TORCH_INDEX=https://download.pytorch.org/whl/cu126`.
+TORCH_INDEX ?=
+export TORCH_INDEX
 
-.PHONY: setup test test-gpu demo bench clean
+.PHONY: setup test test-gpu demo clean
 
 setup: $(STAMP)
 
-# Idempotent: re-runs only when the package metadata changes. torch is pinned to the CPU wheel
-# first, so the project's torch range is already satisfied and pip never pulls a CUDA build.
-# DeepSpeed's CPU comm op is JIT-built once here rather than in the first run or test.
+# Idempotent: re-runs only when the package metadata changes. torch is installed first (or an
+# installed one in the project's range kept), so pip never resolves the range to a multi-GB CUDA
+# build on a CPU machine. DeepSpeed's CPU comm op is JIT-built once here rather than in the first
+# run or test. Every step prints what it does (pip's own progress included).
 $(STAMP): setup.cfg pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e '.[train,test,demo,pipeline-dask,s3]'
+	@test -x $(PY) || { echo "==> creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@$(PY) tools/setup_torch.py
+	@echo "==> installing shatter and its extras: pip install -e '.[train,test,demo,pipeline-dask,s3]'"
+	$(PY) -m pip install -e '.[train,test,demo,pipeline-dask,s3]'
+	@echo "==> building DeepSpeed's CPU communication op (once)"
 	$(PY) -c "from train.engine import build_extensions; build_extensions()"
-	touch $(STAMP)
+	@touch $(STAMP)
+	@echo "==> set-up done: $(VENV) ($$($(PY) -c 'import torch; print("torch", torch.__version__)'))"
 
 test: setup
 	$(PY) -m ruff check .

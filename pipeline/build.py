@@ -108,7 +108,8 @@ def run_and_report(pipeline: beam.Pipeline, stage: str, report=print) -> dict | 
 
 
 def format_counters(values: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in values.items()) or "(no counters yet)"
+    """The counters at the end of a stage (a stage that read nothing has none)."""
+    return " ".join(f"{k}={v}" for k, v in values.items()) or "(nothing read: no counters)"
 
 
 def _delete_tree(path: str) -> None:
@@ -258,10 +259,16 @@ def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=
     values = cache_clean_text(config, out, beam_args, report, sample=config.tokenizer_sample)
     sample = json.loads(_read_text(sample_path))
     if not sample:
-        inputs = ", ".join(spec.path for spec in config.inputs)
+        inputs = ", ".join(f"{spec.path} (read as {spec.corpus})" for spec in config.inputs)
+        if values == {}:  # not a single document, page or file was counted
+            raise BuildError(
+                f"no documents found in {inputs}: is --corpus right for these files? (wiki: a "
+                "MediaWiki XML dump; books: a directory of .txt books; text: .txt, .jsonl, .parquet)"
+            )
+        why = f" ({format_counters(values)})" if values else ""
         raise BuildError(
             f"no text to train the tokenizer on in {inputs}: every document was empty, binary or "
-            "skipped (the counters above say why); check --input and --corpus, or pass --tokenizer"
+            f"skipped{why}; check --input and --corpus, or pass --tokenizer"
         )
     mb = sum(len(line.encode()) for line in sample) / 1e6
     report(
@@ -270,7 +277,9 @@ def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=
         f"--tokenizer-sample-mb {config.tokenizer_sample_mb:g})"
     )
     start = time.time()
-    model = tokenizer.train(sample, config.vocab_size, config.tokenizer_model_type)
+    seconds = progress.PipelineOptions(beam_args).view_as(progress.ProgressOptions).progress_seconds
+    with progress.Heartbeat("training sentencepiece", report, seconds):
+        model = tokenizer.train(sample, config.vocab_size, config.tokenizer_model_type)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     report(
         f"sentencepiece trained in {time.time() - start:.1f}s; the driver's peak RSS {peak:.2f} GB"

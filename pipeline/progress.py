@@ -199,6 +199,31 @@ def format_line(stage: str, elapsed: float, values: dict, per_second: dict) -> s
 # --- the driver's reporter -----------------------------------------------------------------------
 
 
+class Heartbeat:
+    """Context manager around one long step that has no counters (sentencepiece's training, in
+    C++ without the GIL): `[stage Ns] still running` every `seconds` (0: never), then
+    `[stage done in Ns]`."""
+
+    def __init__(self, stage: str, report: Callable[[str], None], seconds: float):
+        self.stage, self.report, self.seconds = stage, report, seconds
+        self._stop = threading.Event()
+
+    def __enter__(self) -> Heartbeat:
+        self.start = time.monotonic()
+        if self.seconds > 0:
+            threading.Thread(target=self._loop, name="shatter-heartbeat", daemon=True).start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.seconds):
+            self.report(f"[{self.stage} {int(time.monotonic() - self.start)}s] still running")
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if exc[0] is None:
+            self.report(f"[{self.stage} done in {time.monotonic() - self.start:.1f}s]")
+
+
 class LiveReport:
     """Context manager around one pipeline run: a daemon thread reports the counters every
     `seconds` (0: never) until the block ends. No line is reported once `__exit__` has begun."""

@@ -18,13 +18,22 @@ from __future__ import annotations
 import difflib
 import importlib
 import logging
+import os
+import socket
+import sys
 
 import apache_beam as beam
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, WorkerOptions
+from apache_beam.options.pipeline_options import (
+    PipelineOptions,
+    PortableOptions,
+    StandardOptions,
+    WorkerOptions,
+)
 from apache_beam.portability.api import beam_provision_api_pb2
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.runners.portability.fn_api_runner.fn_runner import ExtendedProvisionInfo
 from apache_beam.runners.portability.portable_runner import JobServiceHandle
+from apache_beam.transforms.environments import SubprocessSDKEnvironment
 
 from pipeline import progress  # noqa: F401  (registers --progress_seconds with Beam's options)
 from pipeline.config import DASK_RUNNERS, SWITCHING_RUNNERS
@@ -114,7 +123,23 @@ def make_pipeline(beam_args: list[str]) -> beam.Pipeline:
         return beam.Pipeline(runner=_fn_api_runner(options), options=options)
     if runner in DASK_RUNNERS:
         return beam.Pipeline(runner=make_dask_runner(), options=options)
+    check_job_endpoint(options.view_as(PortableOptions).job_endpoint)
     return beam.Pipeline(options=options)
+
+
+def check_job_endpoint(endpoint: str | None, timeout: float = 5.0) -> None:
+    """An OptionError, within `timeout` seconds, when a portable runner's `--job_endpoint`
+    (HOST:PORT) accepts no connection: Beam would wait on it for minutes, in silence."""
+    if not endpoint or endpoint in ("embed", "docker") or ":" not in endpoint:
+        return
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as e:
+        raise OptionError(
+            f"no job server answers at --job_endpoint {endpoint} ({e}); start the runner's job "
+            "server there (e.g. Flink's or Spark's), or check the address"
+        ) from None
 
 
 def _fn_api_runner(options: PipelineOptions) -> FnApiRunner:
@@ -128,7 +153,31 @@ def _fn_api_runner(options: PipelineOptions) -> FnApiRunner:
         )
     encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
     provision = beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)
-    return FnApiRunner(provision_info=ExtendedProvisionInfo(provision))
+    return _FnApiRunner(provision_info=ExtendedProvisionInfo(provision))
+
+
+class _FnApiRunner(FnApiRunner):
+    """Beam's FnApiRunner, whose `multi_processing` workers start as `pipeline.beam_worker` (Beam's
+    harness with the driver's logging level) instead of Beam's bare harness module."""
+
+    BEAM_WORKER = "-m apache_beam.runners.worker.sdk_worker_main"
+
+    @property
+    def _default_environment(self):
+        return self._environment
+
+    @_default_environment.setter
+    def _default_environment(self, environment):
+        command = getattr(environment, "command_string", "")
+        if isinstance(environment, SubprocessSDKEnvironment) and command.endswith(self.BEAM_WORKER):
+            levels = [
+                logging.getLevelName(logging.getLogger(name).getEffectiveLevel())
+                for name in ("", "apache_beam")
+            ]
+            environment = SubprocessSDKEnvironment.from_command_string(
+                f"{sys.executable} -m pipeline.beam_worker {' '.join(levels)}"
+            )
+        self._environment = environment
 
 
 def counters(result, namespace: str) -> dict | None:
@@ -156,4 +205,32 @@ def make_dask_runner():
         from pipeline import dask_runner
     except ImportError as e:
         raise OptionError(_no_dask(e)) from None
+    _dask_logging_follows_the_driver()
     return dask_runner.DaskRunner()
+
+
+def _dask_logging_follows_the_driver() -> None:
+    """`distributed` gives its logger a handler and level of its own (INFO) when imported, and
+    Beam's import in a worker logs "apitools not found" through the root logger: a local cluster
+    (no --dask_client_address) would print its scheduler's and workers' INFO lines and those into
+    the build's output. The driver's level and format hold here and, through dask's environment
+    configuration (a `logging.config.dictConfig` dict), in the worker processes it starts."""
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    logging.getLogger("distributed").setLevel(level)
+    os.environ["DASK_LOGGING"] = repr(
+        {
+            "version": 1,
+            "disable_existing_loggers": False,
+            "filters": {"beam_import": {"()": "pipeline.cli._DropBeamImportNoise"}},
+            "formatters": {"plain": {"format": "%(levelname)s %(name)s: %(message)s"}},
+            "handlers": {
+                "stderr": {
+                    "class": "logging.StreamHandler",
+                    "formatter": "plain",
+                    "filters": ["beam_import"],
+                }
+            },
+            "root": {"level": level, "handlers": ["stderr"]},
+            "loggers": {"distributed": {"level": level}},
+        }
+    )

@@ -176,7 +176,7 @@ def describe_non_export(path: str | Path, option: str = "--checkpoint") -> str |
         return (
             f"{option} {path} is a DeepSpeed checkpoint, not an export: pass the run's export/ "
             f"directory, or convert it with `shatter-extend {path} --max-len N --output DIR` "
-            "(N above its max_len)"
+            "(N = its max_len converts it unchanged; a larger N also extends it)"
         )
     return (
         f"{option} {path} is not a shatter export (it needs {WEIGHTS} and {CONFIG}); pass RUN/export "

@@ -383,7 +383,6 @@ def markdown(rows: list[dict], cfg: BenchConfig) -> str:
     show_default=True,
     help="dropout on softmax attention probabilities (the sigmoid archs have none)",
 )
-@click.option("--attention-only", is_flag=True, hidden=True, help="accepted; both are always timed")
 @click.option(
     "--markdown", "as_markdown", is_flag=True, help="print markdown tables for docs/benchmarks.md"
 )
@@ -400,7 +399,6 @@ def main(
     warmup,
     threads,
     attention_dropout,
-    attention_only,
     as_markdown,
 ):
     """Print per-contender train-step and attention time and memory, with ratios to bert."""

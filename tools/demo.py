@@ -129,8 +129,21 @@ def run_stage(name: str, cmd: list[str], timings: dict[str, float]) -> None:
     show_default=True,
     help="--fresh deletes the previous demo outputs; --resume continues a killed run.",
 )
-def main(workdir: Path, cache: Path, steps: int, preset: str, fresh: bool) -> None:
+@click.option(
+    "--fetch-to",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Only fetch the sample (checked, cached) and copy it to this file (docs/tutorial.md).",
+)
+def main(
+    workdir: Path, cache: Path, steps: int, preset: str, fresh: bool, fetch_to: Path | None
+) -> None:
     """Run the shatter pipeline end to end on a real Wikipedia sample, on CPU."""
+    if fetch_to is not None:
+        fetch_to.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(fetch_sample(WIKI_SAMPLE, cache / "samples"), fetch_to)
+        click.echo(f"sample: {fetch_to} (a {WIKI_SAMPLE.requirement} test file, sha256 ok)")
+        return
     if fresh and workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)

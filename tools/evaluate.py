@@ -115,6 +115,12 @@ def score(model, index: Index, split: str, batch_size: int, max_samples: int | N
         rank=0,
         world_size=1,
     )
+    from tqdm import tqdm
+
+    rows = index.rows(split) if max_samples is None else min(index.rows(split), max_samples)
+    stream = tqdm(  # on stderr, gone when done: the result line stays alone on stdout
+        stream, total=-(-rows // batch_size), desc=f"evaluate {split}", unit="batch", leave=False
+    )
     device = next(model.parameters()).device
     result = evaluate(model, stream, device, distributed=False)
     if result["predictions"] == 0:

@@ -1,8 +1,12 @@
 """`shatter-extend CHECKPOINT --max-len N --output DIR`: length extension as a command.
 
+With N equal to the model's max_len it is a conversion: a DeepSpeed checkpoint (or an export)
+written as an export with its weights unchanged, which is how a run's checkpoint becomes something
+finetuning and tools/evaluate.py read.
+
 Thin click wrapper over `shatter.sources.load_model`, `shatter.extend.extend_model` and
 `shatter.sources.write_export`; see shatter/extend.py for what changes per arch. Every refusal
-(N not larger than max_len, an unknown or corrupt checkpoint, no tokenizer, an occupied output)
+(N shorter than max_len, an unknown or corrupt checkpoint, no tokenizer, an occupied output)
 prints one clear line, exits with status 1 and writes nothing.
 """
 
@@ -26,7 +30,11 @@ from shatter.extend import INITS, ExtendError, extend_model
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option(
-    "--max-len", "max_len", type=int, required=True, help="New maximum input length N (> current)."
+    "--max-len",
+    "max_len",
+    type=int,
+    required=True,
+    help="New maximum input length N (N = the current one: a conversion to an export, unchanged).",
 )
 @click.option(
     "--output", type=click.Path(path_type=Path), required=True, help="Export directory to write."
@@ -67,7 +75,17 @@ def main(
                 + (f" ({tokenizer} does not exist)" if tokenizer else "")
                 + "; pass --tokenizer PATH (the dataset's tokenizer.model)"
             )
-        extended, report = extend_model(model, max_len, init=init, seed=seed)
+        if max_len == model.config.max_len:
+            extended, described = (
+                model,
+                (
+                    f"{model.config.arch}: max_len {max_len} unchanged: converted to an export "
+                    "(weights copied unchanged)"
+                ),
+            )
+        else:
+            extended, report = extend_model(model, max_len, init=init, seed=seed)
+            described = report.describe()
         try:
             write_export(extended, Path(tokenizer), output, overwrite=overwrite)
         except OSError as e:  # written beside and swapped in: a failure changes nothing
@@ -76,7 +94,7 @@ def main(
             ) from None
     except (CheckpointError, ExtendError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(report.describe())
+    click.echo(described)
     click.echo(f"wrote {output}")
 
 

@@ -192,14 +192,19 @@ def default_zero_stage(precision: str) -> int:
 
 
 def lr_at(optim: OptimArgs, max_steps: int, step: int) -> float:
-    """The learning rate at `step` (1-based), as DeepSpeed's WarmupDecayLR / WarmupLR give it
-    (linear warm-up from 0, then linear decay to 0 at max_steps, or constant)."""
-    warmup = max(optim.warmup_steps, 1)
-    if step < warmup:
-        return optim.lr * step / warmup
+    """The learning rate optimizer step `step` (1-based) runs at, as DeepSpeed's WarmupDecayLR /
+    WarmupLR apply it (linear warm-up from 0, then linear decay to 0 at max_steps, or constant),
+    and as metrics.jsonl logs it. DeepSpeed lags two steps behind the formula: step 1 runs at the
+    initial lr (0) and the first scheduler step gives iteration 0, so step s uses iteration s - 2;
+    its warm-up is at least 2 iterations."""
+    iteration, warmup = step - 2, max(optim.warmup_steps, 2)
+    if iteration < 0:
+        return 0.0
+    if iteration < warmup:
+        return optim.lr * iteration / warmup
     if optim.decay == "constant":
         return optim.lr
-    return optim.lr * max(0.0, (max_steps - step) / max(1.0, max_steps - warmup))
+    return optim.lr * max(0.0, (max_steps - iteration) / max(1.0, max_steps - warmup))
 
 
 def model_overrides(cfg: TrainConfig, index: Any, seq_len: int) -> dict[str, Any]:

@@ -182,7 +182,10 @@ def dry_run_report(cfg: TrainConfig, target: str = "auto") -> str:
         json.dumps(ds, indent=2),
         "# parameters",
         f"total (tied weights once): {est['params']:,}",
-        f"without word embeddings (Table 2 convention): {shatter.count_parameters(model):,}",
+        f"encoder without word embeddings (Table 2 convention): "
+        f"{shatter.count_parameters(model.encoder):,}",
+        f"with the MLM head (its decoder tied to the word embeddings): "
+        f"{shatter.count_parameters(model):,}",
         f"# memory per GPU: {cfg.model.preset}, {r.precision}, micro-batch {r.micro_batch} x length {seq_len}, "
         f"{r.num_gpus} GPU(s) {note}",
     ]

@@ -119,12 +119,12 @@ def postfix(record: dict, lr: float) -> str:
 class Progress:
     """tqdm bar on rank 0 (loss, lr, tokens/s; tqdm's own ETA); silent elsewhere."""
 
-    def __init__(self, rank: int, enabled: bool, start: int, total: int):
+    def __init__(self, rank: int, enabled: bool, start: int, total: int, desc: str = "pretrain"):
         self.speaks = rank == 0
         self.bar = tqdm(
             total=total,
             initial=start,
-            desc="pretrain",
+            desc=desc,
             unit="step",
             dynamic_ncols=True,
             disable=not (enabled and rank == 0),

@@ -296,6 +296,11 @@ def main(config_file, dry_run, target, local_rank, **flags):
             if dry_run:
                 from train.memory import dry_run_report
 
+                click.echo(
+                    "dry run: building the model and measuring one micro-batch's activations on "
+                    "CPU (41 s for shatter-base on a loaded 2-vCPU box)...",
+                    err=True,
+                )
                 click.echo(dry_run_report(cfg, target))
                 return
             code = _run(cfg)

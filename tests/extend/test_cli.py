@@ -85,10 +85,10 @@ def refused(result, out, message):
     assert not [p for p in out.parent.iterdir() if ".tmp-" in p.name]
 
 
-def test_refuses_a_length_not_longer(export, tmp_path):
+def test_refuses_a_shorter_length(export, tmp_path):
     out = tmp_path / "o"
     refused(
-        run(export(), "--max-len", OLD, "--output", out),
+        run(export(), "--max-len", OLD - 1, "--output", out),
         out,
         "not larger than the model's max_len 16",
     )
@@ -192,9 +192,23 @@ def test_a_trainer_checkpoint_is_extended_from_the_length_the_run_trained_at(
     assert result.exit_code == 0, result.output
     assert f"shatter: max_len {OLD} -> {2 * OLD}" in result.output
     assert json.loads((out / "config.json").read_text())["max_len"] == 2 * OLD
+    # the same length: a conversion of the checkpoint to an export, weights unchanged
+    same = run(
+        tag.parent, "--max-len", OLD, "--output", tmp_path / "o1", "--tokenizer", tokenizer_file
+    )
+    assert same.exit_code == 0 and f"max_len {OLD} unchanged: converted" in same.output, same.output
+    converted = shatter.from_pretrained(tmp_path / "o1").state_dict()
+    assert converted.keys() == model.state_dict().keys()
+    assert all(torch.equal(converted[k], v) for k, v in model.state_dict().items())
     refused(
         run(
-            tag.parent, "--max-len", OLD, "--output", tmp_path / "o2", "--tokenizer", tokenizer_file
+            tag.parent,
+            "--max-len",
+            OLD - 1,
+            "--output",
+            tmp_path / "o2",
+            "--tokenizer",
+            tokenizer_file,
         ),
         tmp_path / "o2",
         f"not larger than the model's max_len {OLD}",

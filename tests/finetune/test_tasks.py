@@ -112,6 +112,8 @@ def test_squad_reader(tmp_path):
     assert ex.dataset["answer_start"] == [0, context.index("2016")]
     assert json.loads(ex.dataset["label"][0]) == ["Denver"]
     assert ex.skipped["answer text not found in context"] == 1
+    assert sum(ex.skipped.values()) == 1, "a row kept after correcting its offset is not skipped"
+    assert ex.corrected == {"answer_start (the answer text found elsewhere)": 1}
 
 
 def test_boolq_and_multirc(tmp_path, write_jsonl):

@@ -146,3 +146,12 @@ def test_books_get_a_validation_split(shared_data, built, tmp_path):
     assert result.exit_code == 0, result.output
     index = shards.read_index(str(out))
     assert index.rows("validation") > 0 and index.rows("train") > index.rows("validation")
+
+
+def test_a_text_file_read_as_a_wiki_dump_is_named_in_one_line(corpus_dir, tmp_path):
+    result = _build(tmp_path / "w", [corpus_dir / "a.txt"], "--corpus", "wiki")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = _error_lines(result.output)
+    assert "no documents found in" in line and "a.txt (read as wiki)" in line
+    assert "is --corpus right" in line and "counters above" not in result.output
+    assert "(no counters yet)" not in result.output

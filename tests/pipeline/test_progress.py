@@ -154,8 +154,9 @@ def long_built(built, long_corpus, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_multi_processing_build_sums_the_workers(built, long_corpus, long_built, tmp_path):
+def test_multi_processing_build_sums_the_workers(built, long_corpus, long_built, tmp_path, capfd):
     lines = []
+    capfd.readouterr()
     build(
         _long_config(built, long_corpus, tmp_path / "mp"),
         [
@@ -172,6 +173,9 @@ def test_multi_processing_build_sums_the_workers(built, long_corpus, long_built,
     _assert_sane(live, final)
     assert any(c.get("documents_read", 0) > 0 for c in live)  # counted in the worker processes
     assert _files(long_built) == _files(tmp_path / "mp")
+    # the worker processes log at the driver's level (WARNING, Beam's own logger CRITICAL)
+    worker_output = capfd.readouterr().err
+    assert "apitools" not in worker_output and "Logging handler" not in worker_output, worker_output
 
 
 def test_progress_seconds_zero_prints_no_progress(built, corpus_dir, tmp_path):
@@ -219,3 +223,15 @@ def test_direct_runner_never_downloads_prism(caplog):
         type(make_pipeline(["--runner", "BundleBasedDirectRunner"]).runner).__name__
         == "BundleBasedDirectRunner"
     )
+
+
+def test_a_step_without_counters_reports_a_heartbeat():
+    lines = []
+    with progress.Heartbeat("training sentencepiece", lines.append, 0.05):
+        time.sleep(0.3)
+    assert lines[0].startswith("[training sentencepiece 0s] still running") and len(lines) >= 3
+    assert re.fullmatch(r"\[training sentencepiece done in 0\.\ds\]", lines[-1])
+    quiet = []
+    with progress.Heartbeat("x", quiet.append, 0):
+        time.sleep(0.1)
+    assert quiet == ["[x done in 0.1s]"]

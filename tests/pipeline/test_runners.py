@@ -2,8 +2,10 @@
 Beam options checked (a typo is an error), runner-only flags after `--`."""
 
 import json
+import socket
 import subprocess
 import sys
+import time
 
 import apache_beam as beam
 import pytest
@@ -120,6 +122,20 @@ def test_a_misspelled_beam_option_is_an_error_with_a_suggestion(built, corpus_di
     (line,) = _error_lines(choice.output)
     assert "invalid choice: 'multi_procesing'" in line
     assert not (tmp_path / "o").exists()
+
+
+def test_a_portable_runner_without_its_job_server_fails_at_once(built, corpus_dir, tmp_path):
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    endpoint = ("--runner", "PortableRunner", "--job_endpoint", f"localhost:{port}")
+    start = time.perf_counter()
+    result = CliRunner().invoke(
+        main, _args(built[0], corpus_dir / "a.txt", tmp_path / "o", *endpoint)
+    )
+    assert time.perf_counter() - start < 30 and result.exit_code == 1
+    (line,) = _error_lines(result.output)
+    assert f"no job server answers at --job_endpoint localhost:{port}" in line
 
 
 def test_runner_flags_after_double_dash_pass_unchecked(built, corpus_dir, tmp_path):

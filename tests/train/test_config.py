@@ -169,6 +169,8 @@ def test_the_default_warm_up_scales_with_a_short_run_but_a_set_one_is_kept(tmp_p
     problem = schedule_problem(kept)
     assert "warm-up (100 steps) is not shorter than the run (20 steps)" in problem
     assert "lr never reaches its peak" in problem
+    # DeepSpeed's two-step lag: the last of 20 steps runs at 18/100 of the peak, not 20/100
+    assert "it is 1.8e-05 at the last step" in problem
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("optim:\n  warmup_steps: 50\nrun:\n  max_steps: 40\n")
     assert resolve(str(yaml_file), {}).optim.warmup_steps == 50  # the file sets it: kept, warned

@@ -227,6 +227,6 @@ def test_extending_run_checkpoints_takes_the_runs_length(tiny_run, tmp_path):
     assert result.exit_code == 0, result.output
     assert "shatter: max_len 64 -> 128" in result.output
     assert json.loads((out / "config.json").read_text())["max_len"] == 128
-    refused = extend(checkpoints, "--max-len", 64, "--output", tmp_path / "ext2")
+    refused = extend(checkpoints, "--max-len", 32, "--output", tmp_path / "ext2")
     assert refused.exit_code == 1 and "not larger than the model's max_len 64" in refused.output
     assert not (tmp_path / "ext2").exists()

@@ -61,6 +61,9 @@ def test_dry_run_prints_configs_counts_and_verdict():
         "bert-tiny", max_len=64
     )  # built at the training length, as pretrain.py does
     assert f"{shatter.count_parameters(model):,}" in out
+    table2 = shatter.count_parameters(model.encoder)  # docs/model.md's count: no MLM head
+    assert f"encoder without word embeddings (Table 2 convention): {table2:,}" in out
+    assert table2 < shatter.count_parameters(model)
     # fp32 ZeRO-1 on this box: one 5e8-element fp32 reduction bucket (overlap_comm is off on CPU)
     assert "DeepSpeed reduction buckets (reduce_bucket_size, x2 with overlap_comm): 1.86 GiB" in out
     largest = int(out.split("largest micro-batch that fits 24 GiB at ZeRO-1: ")[1].split()[0])

@@ -80,7 +80,7 @@ def _split(examples: Examples, fraction: float, seed: int) -> tuple[Examples, Ex
     n_eval = max(1, int(round(fraction * len(order))))
     evaluation = examples.dataset.select(sorted(order[:n_eval]))
     train = examples.dataset.select(sorted(order[n_eval:]))
-    return Examples(train, examples.skipped), Examples(evaluation, collections.Counter())
+    return Examples(train, examples.skipped, examples.corrected), Examples(evaluation)
 
 
 def _tensors(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -144,6 +144,7 @@ class SpanData:
     eval_windows: list[SpanWindow]
     max_answer_len: int
     skipped: dict[str, dict] = field(default_factory=dict)
+    corrected: dict[str, dict] = field(default_factory=dict)  # rows kept after a repair
     num_labels: int = 2
     main_metric: str = "f1"
 
@@ -247,6 +248,7 @@ def build_task_data(cfg: DataConfig, tokenizer: Tokenizer):
                 f"no usable {name} examples for task {cfg.task!r} (skipped: {dict(ex.skipped)})"
             )
     skipped = {"train": train.skipped, "validation": evaluation.skipped}
+    corrected = {"train": dict(train.corrected), "validation": dict(evaluation.corrected)}
     if spec.kind == "span":
         train_features, _, _ = _span_features(train, tokenizer, cfg, train=True)
         eval_features, windows, records = _span_features(evaluation, tokenizer, cfg, train=False)
@@ -257,6 +259,7 @@ def build_task_data(cfg: DataConfig, tokenizer: Tokenizer):
             windows,
             cfg.max_answer_len,
             {k: dict(v) for k, v in skipped.items()},
+            corrected=corrected,
         )
     labels = _label_set(cfg, spec, train)
     train_features = _classification_features(

@@ -46,14 +46,20 @@ def global_batches(
 
 
 @torch.no_grad()
-def predict(model: torch.nn.Module, data, batch_size: int) -> dict[str, list[np.ndarray]]:
-    """Head outputs for every evaluation feature, each trimmed to its own length."""
+def predict(
+    model: torch.nn.Module, data, batch_size: int, show: bool = False
+) -> dict[str, list[np.ndarray]]:
+    """Head outputs for every evaluation feature, each trimmed to its own length; with `show`, a
+    progress bar of its own below the training bar (gone when done)."""
+    from tqdm import tqdm
+
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     outputs: dict[str, list[np.ndarray]] = {}
     features = data.eval_features
-    for start in range(0, len(features), batch_size):
+    starts = range(0, len(features), batch_size)
+    for start in tqdm(starts, desc="evaluate", unit="batch", leave=False, disable=not show):
         chunk = features[start : start + batch_size]
         batch = data.collate(chunk)
         out = model(
@@ -177,6 +183,7 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
         "train_features": len(data.train_features),
         "validation_features": len(data.eval_features),
         "skipped": data.skipped,
+        "corrected": getattr(data, "corrected", {}),
         "evaluations": [],
     }
     if rank == 0:
@@ -194,9 +201,14 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
         for split, counts in data.skipped.items():
             if counts:
                 print(f"{split}: skipped {sum(counts.values())} rows: {counts}", flush=True)
+        for split, counts in getattr(data, "corrected", {}).items():
+            if counts:
+                print(
+                    f"{split}: kept {sum(counts.values())} rows after correcting {counts}",
+                    flush=True,
+                )
     writer = MetricsWriter(run_dir, rank, r.tensorboard)
-    progress = Progress(rank, r.progress, 0, steps)
-    progress.bar.set_description(f"finetune {cfg.data.task}")
+    progress = Progress(rank, r.progress, 0, steps, desc=f"finetune {cfg.data.task}")
     batches = global_batches(len(data.train_features), r.batch_size, r.seed, rank, world)
     window_loss, window_steps, window_tokens, started = 0.0, 0, 0, time.time()
     window_start = started
@@ -229,7 +241,8 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
                 continue
             improved = False
             if rank == 0:  # ZeRO-0..2: a forward is no collective, the other ranks wait
-                scores, predictions = data.score(predict(engine.module, data, r.eval_batch_size))
+                outputs = predict(engine.module, data, r.eval_batch_size, show=r.progress)
+                scores, predictions = data.score(outputs)
                 record = {"step": step, **scores}
                 summary["evaluations"].append(record)
                 writer.write({"split": "validation", **record})

@@ -99,10 +99,12 @@ TASKS: dict[str, TaskSpec] = {
 
 @dataclass
 class Examples:
-    """The examples of one file, and the rows skipped while reading it, by reason."""
+    """The examples of one file, the rows skipped while reading it, by reason, and the rows kept
+    after a repair, by what was repaired."""
 
     dataset: datasets.Dataset
     skipped: collections.Counter = field(default_factory=collections.Counter)
+    corrected: collections.Counter = field(default_factory=collections.Counter)
 
 
 def _text(value) -> str:
@@ -234,7 +236,7 @@ def read_squad(path: Path) -> Examples:
     """SQuAD v1.1 JSON: one example per question; `label` is the JSON list of gold answers."""
     raw = _load(datasets.Dataset.from_json, path, field="data")
     _need_columns(path, raw.column_names, ["paragraphs"])
-    skipped, rows = collections.Counter(), []
+    skipped, corrected, rows = collections.Counter(), collections.Counter(), []
     for article in raw.to_list():
         for paragraph in article["paragraphs"]:
             context = paragraph["context"]
@@ -250,7 +252,7 @@ def read_squad(path: Path) -> Examples:
                     if start < 0:
                         skipped["answer text not found in context"] += 1
                         continue
-                    skipped["answer_start corrected"] += 1
+                    corrected["answer_start (the answer text found elsewhere)"] += 1
                 rows.append(
                     {
                         "id": qa["id"],
@@ -260,7 +262,9 @@ def read_squad(path: Path) -> Examples:
                         "answer_start": start,
                     }
                 )
-    return _build(rows, skipped)
+    examples = _build(rows, skipped)
+    examples.corrected = corrected
+    return examples
 
 
 def read_boolq(path: Path) -> Examples:

@@ -1,0 +1,85 @@
+"""docs/tutorial.md runs verbatim: each of its shell commands, in order, exactly as written (from a
+directory that looks like the repository root, so `tutorial/` lands in a temporary directory),
+and what each stage leaves behind."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.docs_commands import REPO, SHELL_LANGS, blocks, commands
+
+TUTORIAL = REPO / "docs" / "tutorial.md"
+
+
+def tutorial_commands() -> list[list[str]]:
+    return [argv for b in blocks([TUTORIAL]) if b.lang in SHELL_LANGS for argv in commands(b.text)]
+
+
+@pytest.fixture(scope="module")
+def tutorial(tmp_path_factory):
+    """The tutorial's commands run in a directory whose entries link to the repository's."""
+    root = tmp_path_factory.mktemp("repo")
+    for entry in REPO.iterdir():
+        if entry.name not in {".git", "tutorial"}:
+            (root / entry.name).symlink_to(entry)
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    timings = []
+    for argv in tutorial_commands():
+        start = time.perf_counter()
+        result = subprocess.run(
+            argv, cwd=root, env=env, capture_output=True, text=True, timeout=600
+        )
+        timings.append((" ".join(argv[:3]), time.perf_counter() - start))
+        assert result.returncode == 0, (
+            f"{' '.join(argv)}\n{result.stdout[-2000:]}{result.stderr[-3000:]}"
+        )
+    print("\n".join(f"{secs:6.1f} s  {cmd}" for cmd, secs in timings))
+    return root / "tutorial"
+
+
+def test_the_tutorial_covers_every_stage():
+    typed = [" ".join(argv) for argv in tutorial_commands()]
+    for stage in [
+        "python tools/demo.py --fetch-to",
+        "shatter-data build",
+        "shatter-data inspect",
+        "deepspeed --num_gpus 2 train/pretrain.py",
+        "python tools/plot_metrics.py",
+        "shatter-extend tutorial/run/export",
+        "python tools/evaluate.py",
+        "python train/finetune.py",
+        "shatter-extend tutorial/run/checkpoints",
+    ]:
+        assert any(command.startswith(stage) for command in typed), stage
+
+
+@pytest.mark.slow
+def test_the_tutorial_runs_verbatim(tutorial):
+    from train.config import lr_at, resolve
+
+    index = json.loads((tutorial / "data-64" / "index.json").read_text())
+    assert index["seq_len"] == 64 and index["splits"]["validation"]["shards"]
+    # pretraining: 40 steps on two ranks, validation at 20 and 40, the lr as DeepSpeed applies it
+    lines = [json.loads(x) for x in (tutorial / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if "split" not in x]
+    assert [x["step"] for x in lines if x.get("split") == "validation"] == [20, 40]
+    cfg = resolve(str(REPO / "configs" / "cpu-tiny.yaml"), {"max_steps": 40})
+    for line in train:
+        assert line["lr"] == pytest.approx(lr_at(cfg.optim, 40, line["step"]), rel=1e-6), line
+    assert (tutorial / "curves.png").stat().st_size > 10_000
+    # the extension and its score at the new length
+    assert json.loads((tutorial / "shatter-128" / "config.json").read_text())["max_len"] == 128
+    scored = json.loads((tutorial / "eval-128.json").read_text())
+    assert 0 < scored["loss"] < 10
+    # finetuning and the models handed on
+    metrics = json.loads((tutorial / "reviews" / "metrics.json").read_text())
+    assert metrics["evaluations"] and (tutorial / "reviews" / "best" / "config.json").is_file()
+    converted = tutorial / "export-from-checkpoint"
+    assert json.loads((converted / "config.json").read_text())["max_len"] == 64
+    assert (converted / "model.safetensors").is_file() and (converted / "tokenizer.model").is_file()
