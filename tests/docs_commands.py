@@ -239,6 +239,21 @@ def parse_pip(args: list[str]) -> None:
             raise DocsCommandError(f"pip install {arg}: setup.cfg has no extra {unknown}")
 
 
+def parse_dask(args: list[str]) -> None:
+    """`dask scheduler` / `dask worker ...` (docs/scale-out.md): dask's own click group, with the
+    subcommands that distributed registers through its entry points."""
+    from importlib.metadata import entry_points
+
+    from dask import cli
+
+    for ep in entry_points(group="dask_cli"):
+        if ep.name not in cli.cli.commands:
+            cli._register_command_ep(cli.cli, ep)
+    if not args or args[0] not in cli.cli.commands:
+        raise DocsCommandError(f"dask {shlex.join(args)}: no such dask command")
+    _parse_click(cli.cli.commands[args[0]], f"dask {args[0]}", args[1:])
+
+
 def parse_bash(args: list[str]) -> None:
     if not args or not (REPO / args[0]).is_file():
         raise DocsCommandError(f"bash {shlex.join(args)}: no such script in the repository")
@@ -310,6 +325,7 @@ def programs() -> dict[str, Callable[[list[str]], None]]:
     for python in ("python", "python3", ".venv/bin/python"):
         table[python] = parse_python
     table.update(deepspeed=parse_deepspeed, make=parse_make, bash=parse_bash, pip=parse_pip)
+    table["dask"] = parse_dask
     table.update({name: lambda args: None for name in SHELL_UTILITIES})
     return table
 
@@ -337,6 +353,7 @@ def known_options() -> set[str]:
     from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
     from deepspeed.launcher.runner import parse_args
 
+    import pipeline.store  # noqa: F401  (registers --store_retry_seconds with Beam's options)
     from pipeline.runners import _import_runner_options
 
     names: set[str] = set()

@@ -100,7 +100,12 @@ def test_a_wrong_command_is_refused(argv):
 
 def test_prose_flags_exist():
     known = known_options()
-    unknown = [f"{where}: {flag}" for where, flag in inline_flags() if flag not in known]
+    # `--s3_*` in prose names a family of options: its prefix must begin one of them
+    unknown = [
+        f"{where}: {flag}"
+        for where, flag in inline_flags()
+        if flag not in known and not (flag.endswith("_") and any(k.startswith(flag) for k in known))
+    ]
     assert not unknown, "flags the docs name that no documented program has:\n" + "\n".join(unknown)
 
 
