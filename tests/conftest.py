@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 
+# setuptools first: DeepSpeed's JIT op loader imports it (through torch.utils.cpp_extension) in
+# the test process, and after tests/test_docs.py has imported every documented program's module,
+# setuptools' distutils shim found the standard library's distutils and failed its own assert.
+import setuptools  # noqa: F401, E402
+
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
