@@ -35,9 +35,11 @@ from apache_beam.runners.portability.fn_api_runner.fn_runner import ExtendedProv
 from apache_beam.runners.portability.portable_runner import JobServiceHandle
 from apache_beam.transforms.environments import SubprocessSDKEnvironment
 
-from pipeline import progress  # noqa: F401  (registers --progress_seconds with Beam's options)
+from pipeline import (
+    progress,  # noqa: F401  (registers --progress_seconds with Beam's options)
+    store,
+)
 from pipeline.config import DASK_RUNNERS, SWITCHING_RUNNERS
-from pipeline.format import fs
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +112,9 @@ def check_options(args: list[str], ours: set[str] = frozenset()) -> None:
 
 def make_pipeline(beam_args: list[str]) -> beam.Pipeline:
     """A pipeline on the runner `beam_args` name (the command line's options beyond ours)."""
-    options = fs.pipeline_options(beam_args)  # the S3 endpoint and region: also the environment's
+    options = store.pipeline_options(
+        beam_args
+    )  # the S3 endpoint and region: also the environment's
     runner = options.view_as(StandardOptions).runner
     if runner in SWITCHING_RUNNERS:
         log.warning(

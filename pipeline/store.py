@@ -12,18 +12,39 @@ environment of each machine (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRE
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 
 from apache_beam.options.pipeline_options import PipelineOptions, S3Options
 from apache_beam.utils import retry
 
-from pipeline.format import DatasetError, fs
+from pipeline.format.schema import DatasetError
 
 # Beam retries a failing store call 7 times, waiting 5 s and doubling (with up to half of each
 # wait taken off at random): at most 5 * (2**7 - 1) s in all (apache_beam.utils.retry)
 BEAM_BACKOFF_SECONDS = 5.0 * (2**7 - 1)
 DEFAULT_RETRY_SECONDS = 120.0
+
+
+# S3 options that the standard AWS environment gives where the command line does not (boto3 reads
+# the credentials, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, from
+# the environment of each machine itself: they never travel in the pipeline's options)
+S3_ENVIRONMENT = {
+    "s3_endpoint_url": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+    "s3_region_name": ("AWS_REGION", "AWS_DEFAULT_REGION"),
+}
+
+
+def pipeline_options(args=()):
+    """Beam `PipelineOptions` of `args` (the command line's options beyond ours: `--s3_*`, GCS's
+    `--project`, ...), with the S3 endpoint and region of the AWS environment where not given."""
+    options = PipelineOptions(list(args))
+    s3 = options.view_as(S3Options)
+    for name, variables in S3_ENVIRONMENT.items():
+        if getattr(s3, name) is None:
+            setattr(s3, name, next((os.environ[v] for v in variables if os.environ.get(v)), None))
+    return options
 
 
 class StoreOptions(PipelineOptions):
@@ -105,9 +126,9 @@ def use(options: PipelineOptions) -> None:
 
 
 def configure(args=()) -> PipelineOptions:
-    """`use` the options of `args` (`fs.pipeline_options`: the AWS environment's endpoint and
+    """`use` the options of `args` (`pipeline_options`: the AWS environment's endpoint and
     region where not given). Returns the options."""
-    options = fs.pipeline_options(args)
+    options = pipeline_options(args)
     use(options)
     return options
 
@@ -174,17 +195,18 @@ def check(path: str, options: PipelineOptions | None = None, must_exist: bool = 
     """Raise DatasetError (one line) unless `path` can be reached with `options`' credentials:
     its bucket exists and, with `must_exist`, something is stored under it. A local path passes."""
     path = str(path)
-    if not fs.is_remote(path):
+    if "://" not in path:  # a local path (`fs.is_remote`: fs imports this module)
         return
-    options = options or fs.pipeline_options()
+    options = options or pipeline_options()
     if path.startswith("s3://"):
         _check_s3(path, options, must_exist)
         return
     # gs:// and other schemes: one listing through Beam (its own errors, its own retries)
     from apache_beam.io.filesystems import FileSystems
 
+    use(options)
     try:
-        found = FileSystems.match([fs.join(path, "*")], limits=[1])[0].metadata_list
+        found = FileSystems.match([FileSystems.join(path, "*")], limits=[1])[0].metadata_list
     except Exception as e:
         raise DatasetError(f"{path}: cannot list it ({type(e).__name__}: {e})") from None
     if must_exist and not found:

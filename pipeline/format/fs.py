@@ -22,28 +22,6 @@ def _beam():
     return FileSystems
 
 
-# S3 options that the standard AWS environment gives where the command line does not (boto3 reads
-# the credentials, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, from
-# the environment of each machine itself: they never travel in the pipeline's options)
-S3_ENVIRONMENT = {
-    "s3_endpoint_url": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
-    "s3_region_name": ("AWS_REGION", "AWS_DEFAULT_REGION"),
-}
-
-
-def pipeline_options(args=()):
-    """Beam `PipelineOptions` of `args` (the command line's options beyond ours: `--s3_*`, GCS's
-    `--project`, ...), with the S3 endpoint and region of the AWS environment where not given."""
-    from apache_beam.options.pipeline_options import PipelineOptions, S3Options
-
-    options = PipelineOptions(list(args))
-    s3 = options.view_as(S3Options)
-    for name, variables in S3_ENVIRONMENT.items():
-        if getattr(s3, name) is None:
-            setattr(s3, name, next((os.environ[v] for v in variables if os.environ.get(v)), None))
-    return options
-
-
 def join(root: str, name: str) -> str:
     return _beam().join(str(root), name) if is_remote(root) else os.path.join(str(root), name)
 

@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import sentencepiece as spm
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from click.testing import CliRunner
 
 from pipeline import format as shards
@@ -277,7 +278,7 @@ def test_unknown_options_reach_the_pipeline_and_its_runner():
     p = make_pipeline(
         ["--direct_num_workers", "2", "--project", "proj", "--temp_location", "gs://b/t"]
     )
-    assert type(p.runner).__name__ == "FnApiRunner"  # never Prism by default
+    assert isinstance(p.runner, FnApiRunner)  # never Prism by default (ours: its worker module)
     assert p.options.view_as(DirectOptions).direct_num_workers == 2
     assert p.options.view_as(GoogleCloudOptions).project == "proj"
     # and the runner hands them to its workers (multi_processing harnesses read the provision info)
