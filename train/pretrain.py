@@ -80,6 +80,10 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
     if cache.is_remote(index.tokenizer):  # exports copy it: its node-local copy
         local = cache.local_path(index.tokenizer, index.tokenizer_sha256)
         index = dataclasses.replace(index, tokenizer=local)
+        # the validation shards too, now (they are small): a validation, or the stop that a
+        # store failure asks for, then never waits on a store that stopped answering
+        for info in index.shards("validation"):
+            cache.local_path(index.shard_path(info), info.sha256)
     seq_len = cfg.data.seq_len or index.seq_len
     if seq_len > index.seq_len:
         raise ConfigError(

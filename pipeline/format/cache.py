@@ -150,8 +150,14 @@ def _failure_file(pid: int) -> str:
 def report_failure(message: str, trainer_pid: int) -> None:
     """A prefetch that failed after its retries: the trainer (`trainer_pid`) is asked to stop
     as on SIGTERM (a checkpoint at the next step boundary, agreed between ranks), and then
-    finds why in `take_failure`. The shard being read meanwhile is still in memory."""
-    with open(_failure_file(trainer_pid), "w") as f:
+    finds why in `take_failure`. The shard being read meanwhile is still in memory. Only the
+    first report of a trainer signals it: each DataLoader worker prefetches on its own, and a
+    second SIGTERM would end the trainer at once, without its checkpoint."""
+    try:
+        fd = os.open(_failure_file(trainer_pid), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
         f.write(message)
     os.kill(trainer_pid, signal.SIGTERM)
 

@@ -5,7 +5,6 @@ checkpoint from before the segment encoding is refused in one line."""
 
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -85,14 +84,17 @@ def test_a_run_from_before_the_segment_encoding_is_refused_in_one_line(
     states["module"] = {k: v for k, v in states["module"].items() if "segment_" not in k}
     torch.save(states, tag / "mp_rank_00_model_states.pt")
     before = sorted(p.name for p in run.rglob("*"))
-    cmd = command(books_data, run, *ARGS, "--max-steps", "42", launcher=[sys.executable])
+    # on the run's own 2 ranks (another world size would first convert the checkpoint)
+    cmd = command(books_data, run, *ARGS, "--max-steps", "42")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
-    assert done.returncode == 1, done.stderr[-3000:]
-    error = [line for line in done.stderr.splitlines() if line.startswith("Error: ")]
-    assert len(error) == 1, done.stderr[-3000:]
-    assert (
-        f"{tag} was written before this xlnet model had segment_bias, segment_embeddings"
-        in (error[0])
-    )
-    assert "start another --output" in error[0]
+    assert done.returncode != 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    error = [line for line in output.splitlines() if line.startswith("Error: ")]
+    assert 1 <= len(error) <= 2, output[-3000:]  # one line a rank
+    for line in error:
+        assert (
+            f"{tag} was written before this xlnet model had segment_bias, segment_embeddings"
+            in line
+        )
+        assert "start another --output" in line
     assert sorted(p.name for p in run.rglob("*")) == before
