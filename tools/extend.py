@@ -1,5 +1,8 @@
 """`shatter-extend CHECKPOINT --max-len N --output DIR`: length extension as a command.
 
+A remote export (`s3://bucket/prefix/export`, `gs://...`) is read through the node's cache
+(`shatter.sources.local_export`; credentials and endpoint from the AWS environment).
+
 With N equal to the model's max_len it is a conversion: a DeepSpeed checkpoint (or an export)
 written as an export with its weights unchanged, which is how a run's checkpoint becomes something
 finetuning and tools/evaluate.py read.
@@ -28,7 +31,9 @@ from shatter.extend import INITS, ExtendError, extend_model
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.argument(
+    "checkpoint", callback=lambda ctx, param, value: value if "://" in value else Path(value)
+)
 @click.option(
     "--max-len",
     "max_len",
@@ -55,7 +60,7 @@ from shatter.extend import INITS, ExtendError, extend_model
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing non-empty --output.")
 def main(
-    checkpoint: Path,
+    checkpoint: Path | str,
     max_len: int,
     output: Path,
     init: str,
@@ -63,11 +68,12 @@ def main(
     tokenizer: Path | None,
     overwrite: bool,
 ) -> None:
-    """Extend CHECKPOINT (an export or a DeepSpeed checkpoint directory) to inputs of --max-len tokens."""
-    from shatter.sources import load_model, write_export
+    """Extend CHECKPOINT (an export or a DeepSpeed checkpoint directory; an export may be s3:// or
+    gs://) to inputs of --max-len tokens."""
+    from shatter.sources import load_model, local_export, write_export
 
     try:
-        model, found_tokenizer = load_model(checkpoint)
+        model, found_tokenizer = load_model(local_export(checkpoint))
         tokenizer = tokenizer or found_tokenizer
         if tokenizer is None or not Path(tokenizer).is_file():
             raise CheckpointError(
