@@ -11,14 +11,10 @@
   tokenizer from beside it, the run's export, or the run config's shard dataset.
 - `write_export` writes into a temporary sibling directory and renames it into place, so a
   failed or interrupted write leaves nothing under the output name.
-- `local_export` resolves a remote export (`s3://`, `gs://`) to a copy in the node's cache
-  (`pipeline.format.cache`), which every reader of exports then opens as a local one.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -29,9 +25,7 @@ import torch
 from torch import nn
 
 from shatter.checkpoint import (
-    CHECKSUMS,
     CONFIG,
-    HEAD,
     TOKENIZER,
     WEIGHTS,
     CheckpointError,
@@ -48,103 +42,6 @@ MODEL_STATES = "mp_rank_00_model_states.pt"
 
 def is_export(path: Path) -> bool:
     return (path / CONFIG).is_file() and (path / WEIGHTS).is_file()
-
-
-def _no_object(remote: str, export: str) -> CheckpointError:
-    return CheckpointError(
-        f"{remote}: no such object; {export} is not a shatter export (it needs {WEIGHTS}, "
-        f"{CONFIG} and {CHECKSUMS}: upload RUN/export or shatter-extend's --output whole)"
-    )
-
-
-def _read_object(remote: str, required: bool, export: str) -> bytes | None:
-    """The bytes of the object `remote` (None when absent and not `required`)."""
-    from pipeline import store
-    from pipeline.format import fs
-
-    try:
-        if not fs.exists(remote):
-            if not required:
-                return None
-            raise _no_object(remote, export)
-        with fs.open_read(remote) as f:
-            return f.read()
-    except CheckpointError:
-        raise
-    except Exception as e:  # Beam wraps every store failure in its own types
-        message = (
-            store.failure(e) or f"the object store failed on {remote} ({type(e).__name__}: {e})"
-        )
-        raise CheckpointError(message) from None
-
-
-def local_export(path: str | Path) -> Path:
-    """A local export directory for `path`: `path` itself, or for a remote export a copy in the
-    node's cache (`pipeline.format.cache`: `$TMPDIR/shatter-cache`), `exports/<digest of its small
-    files>/`. Its weights are fetched once per node through the shard cache (a lock, a temporary
-    name, their sha256 in `checksums.json` checked on download); `config.json`, `checksums.json`,
-    `head.json` and `tokenizer.model` are read on every call, so a changed export is a new copy.
-    Credentials and the endpoint are the store's (`pipeline.store`: the AWS environment); a missing
-    bucket, prefix or object, or a store that fails after its retries, is one CheckpointError line.
-    The cached weights (`<sha256>.safetensors`) are not counted in the cache's size bound."""
-    from pipeline.format import fs
-
-    if not fs.is_remote(str(path)):
-        return Path(path)
-    from pipeline import store
-    from pipeline.format import DatasetError, cache
-
-    remote = str(path).rstrip("/")
-    try:
-        store.check(remote)  # credentials, bucket, prefix: one line each, before any download
-        store.bound_retries(cache.settings().retry_seconds)
-        files = {}
-        for name in (CONFIG, CHECKSUMS, HEAD, TOKENIZER):
-            data = _read_object(fs.join(remote, name), name in (CONFIG, CHECKSUMS), remote)
-            if data is not None:
-                files[name] = data
-        try:
-            sha256 = json.loads(files[CHECKSUMS])[WEIGHTS]
-        except (ValueError, KeyError, TypeError):
-            raise CheckpointError(
-                f"{fs.join(remote, CHECKSUMS)} has no sha256 for {WEIGHTS}; re-export the model"
-            ) from None
-        digest = hashlib.sha256()
-        for name in sorted(files):
-            digest.update(f"{name}\0{len(files[name])}\0".encode() + files[name])
-        exports = Path(cache.settings().directory) / "exports"
-        final = exports / digest.hexdigest()[:32]
-        if (final / WEIGHTS).is_file():
-            return final
-        weights = fs.join(remote, WEIGHTS)
-        if not fs.exists(weights):
-            raise _no_object(weights, remote)
-        cached = cache.local_path(
-            weights,
-            sha256,
-            CHECKSUMS,
-            f"upload the export again whole (its {WEIGHTS} and {CHECKSUMS})",
-        )
-    except DatasetError as e:
-        raise CheckpointError(str(e)) from None
-    exports.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=exports))
-    try:
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        try:
-            os.link(cached, tmp / WEIGHTS)  # the cached shard file's inode: no second copy
-        except OSError:
-            shutil.copyfile(cached, tmp / WEIGHTS)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another rank of this node put it in place first
-            if not (final / WEIGHTS).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return final
 
 
 def _deepspeed_tag_dir(path: Path) -> Path | None:

@@ -27,7 +27,8 @@ import torch
 import shatter
 from pipeline.format import DatasetError, Index, cache, read_index, sha256_file
 from shatter.checkpoint import TOKENIZER, CheckpointError
-from shatter.sources import describe_non_export, local_export
+from shatter.remote import local_export
+from shatter.sources import describe_non_export
 from train.config import DataArgs, check_output
 from train.data import validation_stream
 from train.evaluate import default_device, evaluate

@@ -1,7 +1,8 @@
 """`shatter-extend CHECKPOINT --max-len N --output DIR`: length extension as a command.
 
-A remote export (`s3://bucket/prefix/export`, `gs://...`) is read through the node's cache
-(`shatter.sources.local_export`; credentials and endpoint from the AWS environment).
+CHECKPOINT may be a remote export (`s3://bucket/prefix/export`, `gs://...`), read through the
+node's cache, and `--output` a remote prefix, checked before any work and uploaded once the export
+is complete (`shatter.remote`; credentials and endpoint from the AWS environment).
 
 With N equal to the model's max_len it is a conversion: a DeepSpeed checkpoint (or an export)
 written as an export with its weights unchanged, which is how a run's checkpoint becomes something
@@ -15,6 +16,7 @@ prints one clear line, exits with status 1 and writes nothing.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import click
@@ -42,7 +44,10 @@ from shatter.extend import INITS, ExtendError, extend_model
     help="New maximum input length N (N = the current one: a conversion to an export, unchanged).",
 )
 @click.option(
-    "--output", type=click.Path(path_type=Path), required=True, help="Export directory to write."
+    "--output",
+    callback=lambda ctx, param, value: value if "://" in value else Path(value),
+    required=True,
+    help="Export directory to write (or s3://, gs://).",
 )
 @click.option(
     "--init",
@@ -62,7 +67,7 @@ from shatter.extend import INITS, ExtendError, extend_model
 def main(
     checkpoint: Path | str,
     max_len: int,
-    output: Path,
+    output: Path | str,
     init: str,
     seed: int,
     tokenizer: Path | None,
@@ -70,9 +75,12 @@ def main(
 ) -> None:
     """Extend CHECKPOINT (an export or a DeepSpeed checkpoint directory; an export may be s3:// or
     gs://) to inputs of --max-len tokens."""
-    from shatter.sources import load_model, local_export, write_export
+    from shatter.remote import check_output, is_remote, local_export, upload_export
+    from shatter.sources import load_model, write_export
 
     try:
+        if is_remote(output):
+            check_output(output, overwrite)
         model, found_tokenizer = load_model(local_export(checkpoint))
         tokenizer = tokenizer or found_tokenizer
         if tokenizer is None or not Path(tokenizer).is_file():
@@ -93,7 +101,11 @@ def main(
             extended, report = extend_model(model, max_len, init=init, seed=seed)
             described = report.describe()
         try:
-            write_export(extended, Path(tokenizer), output, overwrite=overwrite)
+            if is_remote(output):
+                with tempfile.TemporaryDirectory() as tmp:
+                    upload_export(write_export(extended, Path(tokenizer), Path(tmp) / "x"), output)
+            else:
+                write_export(extended, Path(tokenizer), output, overwrite=overwrite)
         except OSError as e:  # written beside and swapped in: a failure changes nothing
             raise click.ClickException(
                 f"cannot write {output}: {e}; {output} is unchanged"

@@ -1,5 +1,5 @@
 """A remote export (`s3://`, a real S3 server on loopback: `tests.s3server`) read by
-`shatter-extend` and `train/finetune.py`: copied once into the node's cache, its weights checked
+`shatter-extend` (also to a remote --output), `train/finetune.py` and `tools/evaluate.py`: copied once into the node's cache, its weights checked
 by sha256; a missing object, or an object replaced by other bytes, is one line naming it."""
 
 import json
@@ -37,17 +37,28 @@ def test_extend_and_finetune_read_an_export_from_s3(s3_server, tmp_path, export)
     weights = (cached[0] / "model.safetensors").read_bytes()
     assert weights == (local / "model.safetensors").read_bytes()
 
+    # a remote --output: uploaded once complete, checked first (an occupied one is refused)
+    remote64 = f"s3://{BUCKET}/exports/tiny-64"
+    for code in (0, 1):
+        done = CliRunner().invoke(extend, [remote, "--max-len", "64", "--output", remote64])
+        assert done.exit_code == code, done.output
+    assert done.output.strip().splitlines()[-1] == (
+        f"Error: {remote64} already holds an export (pass --overwrite to replace it)"
+    )
+    cached = list((tmp_path / "shatter-cache" / "exports").iterdir())
+
     rows = write_csv(tmp_path / "reviews.csv", sentiment_rows(8))
     ft = tmp_path / "ft"
     done = run(
         "--task", "classify", "--text-columns", "review", "--label-column", "sentiment",
-        "--checkpoint", remote, "--train-file", rows, "--validation-file", rows,
+        "--checkpoint", remote64, "--train-file", rows, "--validation-file", rows,
         "--output", ft, "--max-steps", 1, "--batch-size", 4,
     )  # fmt: skip
     assert done.exit_code == 0, done.output
     assert json.loads((ft / "metrics.json").read_text())["evaluations"]
-    assert shatter.from_pretrained(ft / "best").config.max_len == 32
-    assert list((tmp_path / "shatter-cache" / "exports").iterdir()) == cached  # no second copy
+    assert shatter.from_pretrained(ft / "best").config.max_len == 64
+    exports = sorted((tmp_path / "shatter-cache" / "exports").iterdir())
+    assert len(exports) == 2 and cached[0] in exports  # tiny (once), then tiny-64
 
     # one line naming the object: a missing export, a missing file of one, replaced weights
     missing = CliRunner().invoke(extend, [f"s3://{BUCKET}/exports/none", "--max-len", "64",

@@ -120,7 +120,8 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     """Run one finetuning; return metrics.json's content on rank 0 (None elsewhere)."""
     import shatter
     from shatter.checkpoint import CheckpointError
-    from shatter.sources import describe_non_export, local_export
+    from shatter.remote import local_export
+    from shatter.sources import describe_non_export
     from train.engine import build_engine, init_distributed, resolved_deepspeed_config
     from train.finetuning.features import Tokenizer
     from train.metrics import MetricsWriter, Progress
