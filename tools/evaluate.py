@@ -3,6 +3,8 @@
 
 `python tools/evaluate.py --checkpoint EXPORT --data OUT [--split validation] [--output F.json]`
 
+EXPORT and OUT may be remote (`s3://`, `gs://`): both are read through the node's cache.
+
 It uses the trainer's own validation stream (fixed static masks, copy 0) and evaluation sums, so
 its figures compare with the `split: validation` lines of a run's metrics.jsonl. The demo uses it
 to score a model extended to 512 on length-512 rows.
@@ -25,6 +27,7 @@ import torch
 import shatter
 from pipeline.format import DatasetError, Index, cache, read_index, sha256_file
 from shatter.checkpoint import TOKENIZER, CheckpointError
+from shatter.remote import local_export
 from shatter.sources import describe_non_export
 from train.config import DataArgs, check_output
 from train.data import validation_stream
@@ -58,11 +61,12 @@ def evaluate_exports(
         raise click.BadParameter(
             "only the validation split has fixed masks to compare on", param_hint="--split"
         )
-    problem = describe_non_export(checkpoint)
+    local = local_export(checkpoint)  # a remote export: its copy in the node's cache
+    problem = describe_non_export(local)
     if problem:
         raise CheckpointError(problem)
-    indexes = [checked_index(checkpoint, data, split) for data in datas]
-    model = shatter.from_pretrained(checkpoint).to(default_device())
+    indexes = [checked_index(local, data, split) for data in datas]
+    model = shatter.from_pretrained(local).to(default_device())
     for data, index in zip(datas, indexes):
         check_length(model, checkpoint, data, index)
     for data, index in zip(datas, indexes):
@@ -139,7 +143,10 @@ def score(model, index: Index, split: str, batch_size: int, max_samples: int | N
 
 @click.command()
 @click.option(
-    "--checkpoint", required=True, type=click.Path(path_type=Path), help="An export directory."
+    "--checkpoint",
+    required=True,
+    callback=lambda ctx, param, value: value if "://" in value else Path(value),
+    help="An export directory (or s3://, gs://: copied once into the node's cache).",
 )
 @click.option(
     "--data",

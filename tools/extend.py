@@ -1,5 +1,9 @@
 """`shatter-extend CHECKPOINT --max-len N --output DIR`: length extension as a command.
 
+CHECKPOINT may be a remote export (`s3://bucket/prefix/export`, `gs://...`), read through the
+node's cache, and `--output` a remote prefix, checked before any work and uploaded once the export
+is complete (`shatter.remote`; credentials and endpoint from the AWS environment).
+
 With N equal to the model's max_len it is a conversion: a DeepSpeed checkpoint (or an export)
 written as an export with its weights unchanged, which is how a run's checkpoint becomes something
 finetuning and tools/evaluate.py read.
@@ -12,6 +16,7 @@ prints one clear line, exits with status 1 and writes nothing.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import click
@@ -28,7 +33,9 @@ from shatter.extend import INITS, ExtendError, extend_model
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.argument(
+    "checkpoint", callback=lambda ctx, param, value: value if "://" in value else Path(value)
+)
 @click.option(
     "--max-len",
     "max_len",
@@ -37,7 +44,10 @@ from shatter.extend import INITS, ExtendError, extend_model
     help="New maximum input length N (N = the current one: a conversion to an export, unchanged).",
 )
 @click.option(
-    "--output", type=click.Path(path_type=Path), required=True, help="Export directory to write."
+    "--output",
+    callback=lambda ctx, param, value: value if "://" in value else Path(value),
+    required=True,
+    help="Export directory to write (or s3://, gs://).",
 )
 @click.option(
     "--init",
@@ -55,19 +65,23 @@ from shatter.extend import INITS, ExtendError, extend_model
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing non-empty --output.")
 def main(
-    checkpoint: Path,
+    checkpoint: Path | str,
     max_len: int,
-    output: Path,
+    output: Path | str,
     init: str,
     seed: int,
     tokenizer: Path | None,
     overwrite: bool,
 ) -> None:
-    """Extend CHECKPOINT (an export or a DeepSpeed checkpoint directory) to inputs of --max-len tokens."""
+    """Extend CHECKPOINT (an export or a DeepSpeed checkpoint directory; an export may be s3:// or
+    gs://) to inputs of --max-len tokens."""
+    from shatter.remote import check_output, is_remote, local_export, upload_export
     from shatter.sources import load_model, write_export
 
     try:
-        model, found_tokenizer = load_model(checkpoint)
+        if is_remote(output):
+            check_output(output, overwrite)
+        model, found_tokenizer = load_model(local_export(checkpoint))
         tokenizer = tokenizer or found_tokenizer
         if tokenizer is None or not Path(tokenizer).is_file():
             raise CheckpointError(
@@ -87,7 +101,11 @@ def main(
             extended, report = extend_model(model, max_len, init=init, seed=seed)
             described = report.describe()
         try:
-            write_export(extended, Path(tokenizer), output, overwrite=overwrite)
+            if is_remote(output):
+                with tempfile.TemporaryDirectory() as tmp:
+                    upload_export(write_export(extended, Path(tokenizer), Path(tmp) / "x"), output)
+            else:
+                write_export(extended, Path(tokenizer), output, overwrite=overwrite)
         except OSError as e:  # written beside and swapped in: a failure changes nothing
             raise click.ClickException(
                 f"cannot write {output}: {e}; {output} is unchanged"

@@ -46,7 +46,10 @@ from train.finetuning.tasks import TASKS  # noqa: E402
     type=click.Choice(list(TASKS)),
     help="Task (GLUE name, squad, boolq, multirc, classify).",
 )
-@click.option("--checkpoint", help="Export directory (e.g. shatter-extend's output or RUN/export).")
+@click.option(
+    "--checkpoint",
+    help="Export directory (e.g. shatter-extend's output or RUN/export), or s3://, gs://.",
+)
 @click.option("--train-file", help="Training file in the task's official format.")
 @click.option(
     "--validation-file",

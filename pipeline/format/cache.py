@@ -54,7 +54,8 @@ def default_directory() -> str:
     return os.path.join(os.environ.get("TMPDIR", "/tmp"), "shatter-cache")
 
 
-def _settings() -> CacheConfig:
+def settings() -> CacheConfig:
+    """This process's cache (`configure`d, else the default directory and bound)."""
     if _config is None:
         configure(default_directory(), 50.0)
     return _config
@@ -72,7 +73,12 @@ def open_store(path: str, directory: str | None, limit_gb: float, retry_seconds:
     configure(directory or default_directory(), limit_gb, retry_seconds)
 
 
-def _download(remote: str, sha256: str, final: str) -> None:
+REPLACED_FIX = "rebuild the dataset or restore the object"
+
+
+def _download(
+    remote: str, sha256: str, final: str, listed_in: str = "index.json", fix: str = REPLACED_FIX
+) -> None:
     temp = f"{final}.tmp-{uuid.uuid4().hex}"
     digest = hashlib.sha256()
     try:
@@ -88,8 +94,8 @@ def _download(remote: str, sha256: str, final: str) -> None:
             raise DatasetError(message) from None
         if digest.hexdigest() != sha256:
             raise DatasetError(
-                f"{remote} is not the file that index.json lists (its sha256 differs): the object "
-                "was replaced; rebuild the dataset or restore the object"
+                f"{remote} is not the file that {listed_in} lists (its sha256 differs): the object "
+                f"was replaced; {fix}"
             )
         os.replace(temp, final)
     finally:
@@ -120,12 +126,15 @@ def _evict(config: CacheConfig, keep: str) -> None:
             total -= size
 
 
-def local_path(remote: str, sha256: str) -> str:
-    """The local file of the object `remote` (a shard, the tokenizer) whose index.json sha256 is
-    `sha256` (a local `remote` is itself), fetched once per node and checked there."""
+def local_path(
+    remote: str, sha256: str, listed_in: str = "index.json", fix: str = REPLACED_FIX
+) -> str:
+    """The local file of the object `remote` (a shard, the tokenizer; an export's weights) whose
+    sha256 in `listed_in` is `sha256` (a local `remote` is itself), fetched once per node and
+    checked there (a mismatch: one line naming it and `fix`)."""
     if not fs.is_remote(remote):
         return remote
-    config = _settings()
+    config = settings()
     final = os.path.join(config.directory, sha256 + os.path.splitext(remote)[1])
     if not os.path.exists(final):
         with open(f"{final}.lock", "w") as lock:
@@ -134,17 +143,17 @@ def local_path(remote: str, sha256: str) -> str:
                 from pipeline import store
 
                 store.bound_retries(config.retry_seconds)
-                _download(remote, sha256, final)
+                _download(remote, sha256, final, listed_in, fix)
                 _evict(config, keep=final)
     try:
         os.utime(final)  # recently used
     except FileNotFoundError:  # evicted meanwhile by another process: fetch it again
-        return local_path(remote, sha256)
+        return local_path(remote, sha256, listed_in, fix)
     return final
 
 
 def _failure_file(pid: int) -> str:
-    return os.path.join(_settings().directory, f".store-failure-{pid}")
+    return os.path.join(settings().directory, f".store-failure-{pid}")
 
 
 def report_failure(message: str, trainer_pid: int) -> None:

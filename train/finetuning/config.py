@@ -24,7 +24,7 @@ DEFAULT_LR = 1e-5
 @dataclass(frozen=True)
 class FinetuneArgs:
     checkpoint: str | None = (
-        None  # export directory: config.json, model.safetensors, tokenizer.model
+        None  # export directory (or s3://, gs://): config.json, model.safetensors, tokenizer.model
     )
     output: str | None = (
         None  # run directory for metrics.json, predictions.json, best/, tensorboard/

@@ -120,12 +120,14 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     """Run one finetuning; return metrics.json's content on rank 0 (None elsewhere)."""
     import shatter
     from shatter.checkpoint import CheckpointError
+    from shatter.remote import local_export
     from shatter.sources import describe_non_export
     from train.engine import build_engine, init_distributed, resolved_deepspeed_config
     from train.finetuning.features import Tokenizer
     from train.metrics import MetricsWriter, Progress
 
-    checkpoint, run_dir = Path(cfg.run.checkpoint), Path(cfg.run.output)
+    # a remote export (s3://, gs://): its copy in the node's cache, fetched once per node
+    checkpoint, run_dir = local_export(cfg.run.checkpoint), Path(cfg.run.output)
     problem = describe_non_export(checkpoint)
     if problem:
         raise CheckpointError(problem)
@@ -140,8 +142,8 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     max_len = cfg.data.max_len or backbone.config.max_len
     if max_len > backbone.config.max_len:
         raise ConfigError(
-            f"--max-len {max_len} exceeds {checkpoint}'s max_len {backbone.config.max_len}; "
-            f"extend it first: shatter-extend {checkpoint} --max-len {max_len} --output DIR"
+            f"--max-len {max_len} exceeds {cfg.run.checkpoint}'s max_len {backbone.config.max_len}; "
+            f"extend it first: shatter-extend {cfg.run.checkpoint} --max-len {max_len} --output DIR"
         )
     if tokenizer.vocab_size > backbone.config.vocab_size:
         raise ConfigError(
