@@ -41,6 +41,15 @@ class S3Server:
             region_name="us-east-1",
         )
 
+    def upload(self, directory, prefix: str) -> str:
+        """The files of a local `directory` (a dataset, an export, a corpus) under `prefix` of the
+        bucket; returns its `s3://` URL."""
+        client = self.client()
+        for path in sorted(directory.iterdir()):
+            if path.is_file():
+                client.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
+        return f"s3://{BUCKET}/{prefix}"
+
     def stop(self) -> None:
         self.server.stop()
 

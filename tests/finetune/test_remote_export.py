@@ -16,16 +16,10 @@ from .test_errors import one_line_error
 from .test_finetune import export, run, write_csv  # noqa: F401  (export is a fixture)
 
 
-def upload(server, directory, prefix: str) -> str:
-    for path in sorted(directory.iterdir()):
-        server.client().upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
-    return f"s3://{BUCKET}/{prefix}"
-
-
 def test_extend_and_finetune_read_an_export_from_s3(s3_server, tmp_path, export):  # noqa: F811
     cache.configure(str(tmp_path / "shatter-cache"), 1.0)  # the node's cache
     local = export("shatter", max_len=32)
-    remote = upload(s3_server, local, "exports/tiny")
+    remote = s3_server.upload(local, "exports/tiny")
 
     out = tmp_path / "extended"
     done = CliRunner().invoke(extend, [remote, "--max-len", "64", "--output", str(out)])
@@ -67,7 +61,7 @@ def test_extend_and_finetune_read_an_export_from_s3(s3_server, tmp_path, export)
     s3_server.client().delete_object(Bucket=BUCKET, Key="exports/tiny/checksums.json")
     done = CliRunner().invoke(extend, [remote, "--max-len", "64", "--output", str(tmp_path / "y")])
     one_line_error(done, f"{remote}/checksums.json: no such object")
-    upload(s3_server, local, "exports/tiny")
+    s3_server.upload(local, "exports/tiny")
     s3_server.client().put_object(
         Bucket=BUCKET, Key="exports/tiny/model.safetensors", Body=b"other bytes"
     )
@@ -85,7 +79,7 @@ def test_evaluate_reads_an_export_from_s3(s3_server, tmp_path):
     data = write_dataset(tmp_path / "data", vocab=100, seq_len=32)
     model = shatter.build_model("shatter-tiny", vocab_size=100, max_len=32, hidden=32, ffn=64)
     local = shatter.save_pretrained(model, tmp_path / "export", tokenizer=data / "tokenizer.model")
-    remote = upload(s3_server, local, "exports/scored")
+    remote = s3_server.upload(local, "exports/scored")
     cache.configure(str(tmp_path / "shatter-cache"), 1.0)
     scores = []
     for checkpoint in (remote, local):

@@ -28,13 +28,6 @@ def shard_hashes(index) -> dict:
     return {s["file"]: s["sha256"] for split in index["splits"].values() for s in split["shards"]}
 
 
-def upload(server, local_dir, prefix: str) -> str:
-    client = server.client()
-    for path in sorted(local_dir.iterdir()):
-        client.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
-    return f"s3://{BUCKET}/{prefix}"
-
-
 def cli(*args: str):
     result = CliRunner().invoke(main, list(args))
     return result.exit_code, result.output.strip()
@@ -42,7 +35,7 @@ def cli(*args: str):
 
 def test_s3_build_inspect_verify_and_overwrite(built, corpus_dir, s3_server):
     out, local = built
-    corpus = upload(s3_server, corpus_dir, "corpus")
+    corpus = s3_server.upload(corpus_dir, "corpus")
     remote = f"s3://{BUCKET}/ds"
     config = small_config([InputSpec("text", corpus)], remote)
     index = build(config, s3_server.args() + RETRY, report=quiet)
@@ -82,7 +75,7 @@ def stop_when_stored(server, key: str) -> threading.Thread:
 
 def test_s3_faults_are_one_line(built, corpus_dir, s3_server):
     _, local = built
-    corpus = upload(s3_server, corpus_dir, "corpus-faults")
+    corpus = s3_server.upload(corpus_dir, "corpus-faults")
     args = ("build", "--input", corpus, "--vocab-size", "300", "--seq-len", "64")
     # before any work: a missing bucket, a missing input prefix, wrong credentials
     code, text = cli(*args, "--output", "s3://no-bucket/ds")
@@ -184,7 +177,7 @@ def dask_fleet(root: Path, env: dict):
 def test_dask_workers_sharing_no_disk_write_the_bytes_of_a_local_build(
     corpus_dir, s3_server, tmp_path
 ):
-    corpus = upload(s3_server, corpus_dir, "corpus-dask")
+    corpus = s3_server.upload(corpus_dir, "corpus-dask")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env["PYTHONPATH"] = str(REPO)
     scheduler_file, procs = dask_fleet(tmp_path / "fleet", env)

@@ -16,7 +16,6 @@ import torch
 
 import shatter
 from pipeline.format import read_index
-from tests.s3server import BUCKET
 from tools.evaluate import evaluate_export
 from train.config import DataArgs
 from train.data import validation_stream
@@ -138,14 +137,6 @@ FP32_ARGS = (
 )
 
 
-def upload_dataset(server, data: Path, prefix: str) -> str:
-    client = server.client()
-    for path in sorted(data.iterdir()):
-        if path.is_file():
-            client.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
-    return f"s3://{BUCKET}/{prefix}"
-
-
 def count_requests(start: str) -> list[str]:
     """The requests to the loopback S3 server (its werkzeug log) that begin with `start`, from now."""
     import logging
@@ -213,7 +204,7 @@ def test_kill_9_after_a_checkpoint_then_restart_gives_the_same_losses(
 ):
     """... with the data on object storage (s3://, a loopback server): both ranks read it through
     one node-local cache, each shard fetched once for both runs."""
-    remote = upload_dataset(s3_server, books_data, "books-train")
+    remote = s3_server.upload(books_data, "books-train")
     gets = count_requests("GET /shards/books-train/train-")
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the cache: $TMPDIR/shatter-cache
     run = tmp_path / "run"

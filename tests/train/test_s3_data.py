@@ -20,14 +20,6 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
-def upload(server, data: Path, prefix: str) -> str:
-    client = server.client()
-    for path in sorted(data.iterdir()):
-        if path.is_file():
-            client.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
-    return f"s3://{BUCKET}/{prefix}"
-
-
 def test_store_stopping_during_training_checkpoints_and_exits_naming_the_object(
     books_data, s3_server, tmp_path, monkeypatch
 ):
@@ -38,7 +30,7 @@ def test_store_stopping_during_training_checkpoints_and_exits_naming_the_object(
     build += ["--dupe-factor", "1", "--num-shards", "24", "--validation-fraction", "0.05"]
     done = subprocess.run(build, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    remote = upload(s3_server, small, "small")
+    remote = s3_server.upload(small, "small")
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the cache: $TMPDIR/shatter-cache
     config = tmp_path / "retry.yaml"
     tiny = (REPO / "configs" / "cpu-tiny.yaml").read_text()
