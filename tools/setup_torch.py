@@ -12,12 +12,15 @@
   to a plain `2.13.0`; so a machine with a local CPU wheel and no route to the index installs
   that wheel (after pip's warnings about the index).
 
-Standard library and pip only: it runs in the bare venv, before anything else is installed.
+Standard library only (not pip's private vendored packages): it runs in the bare venv, before
+anything else is installed. The torch line is a plain range (`torch>=A,<B`, clauses of >=, >, <=,
+<, ==, !=), which `Range` reads; pip itself checks the full grammar when it installs.
 """
 
 from __future__ import annotations
 
 import configparser
+import re
 import importlib.metadata
 import os
 import shutil
@@ -25,21 +28,68 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pip._vendor.packaging.requirements import Requirement
+import urllib.request
+from dataclasses import dataclass
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 CPU_VERSION = "2.13.0"  # in the range of setup.cfg (tests/tools/test_setup_torch.py checks it)
 
 
-def torch_requirement(setup_cfg: Path = REPO / "setup.cfg") -> Requirement:
+def release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version: "2.13.0+cpu" and "2.13.0rc1" give (2, 13, 0)."""
+    head = re.match(r"\d+(\.\d+)*", version.strip())
+    if head is None:
+        raise ValueError(f"not a version: {version!r}")
+    parts = [int(p) for p in head.group(0).split(".")]
+    while len(parts) > 1 and parts[-1] == 0:
+        parts.pop()  # 2.13.0 == 2.13
+    return tuple(parts)
+
+
+_COMPARE = {
+    ">=": lambda a, b: a >= b,
+    ">": lambda a, b: a > b,
+    "<=": lambda a, b: a <= b,
+    "<": lambda a, b: a < b,
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
+}
+
+
+@dataclass(frozen=True)
+class Range:
+    """A requirement line such as `torch>=2.2,<2.15`: a name and version clauses."""
+
+    name: str
+    clauses: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def parse(cls, line: str) -> Range:
+        m = re.fullmatch(r"\s*([A-Za-z0-9._-]+)\s*(.*?)\s*", line)
+        clauses = []
+        for part in filter(None, (c.strip() for c in m.group(2).split(","))):
+            op = next((o for o in (">=", "<=", "==", "!=", ">", "<") if part.startswith(o)), None)
+            if op is None:
+                raise ValueError(f"unsupported requirement clause {part!r} in {line!r}")
+            clauses.append((op, part[len(op) :].strip()))
+        return cls(m.group(1).lower(), tuple(sorted(clauses, key=lambda c: c[0])))
+
+    def contains(self, version: str) -> bool:
+        return all(_COMPARE[op](release(version), release(v)) for op, v in self.clauses)
+
+    def __str__(self) -> str:
+        return self.name + ",".join(op + v for op, v in self.clauses)
+
+
+def torch_requirement(setup_cfg: Path = REPO / "setup.cfg") -> Range:
     """The torch line of setup.cfg's `train` extra (its one source of truth)."""
     cfg = configparser.ConfigParser()
     cfg.read(setup_cfg)
     for line in cfg["options.extras_require"]["train"].splitlines():
-        line = line.split("#")[0].strip()
-        if line and Requirement(line).name == "torch":
-            return Requirement(line)
+        line = line.split("#")[0].split(";")[0].strip()
+        if line and Range.parse(line).name == "torch":
+            return Range.parse(line)
     raise SystemExit(f"make setup: {setup_cfg} has no torch requirement in its train extra")
 
 
@@ -51,14 +101,24 @@ def has_nvidia_gpu() -> bool:
     return result.returncode == 0 and "GPU" in result.stdout
 
 
-def plan(installed: str | None, wanted: Requirement, index: str | None, gpu: bool) -> list[str]:
+def plan(installed: str | None, wanted: Range, index: str | None, gpu: bool) -> list[str]:
     """The pip arguments that install torch, or [] to keep the installed one."""
-    if installed is not None and wanted.specifier.contains(installed, prereleases=True):
+    if installed is not None and wanted.contains(installed):
         return []
     if index is None and not gpu:
         return ["install", "--index-url", CPU_INDEX, f"torch=={CPU_VERSION}"]
     where = [] if index in (None, "default") else ["--index-url", index]
     return ["install", *where, str(wanted)]
+
+
+def reachable(url: str, timeout: float = 8.0) -> bool:
+    """Whether an index answers at all: pip retries an unreachable one for every package it
+    resolves (minutes of back-off on a machine with only a local wheelhouse)."""
+    try:
+        urllib.request.urlopen(url, timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def main() -> int:
@@ -69,6 +129,9 @@ def main() -> int:
         installed = None
     index, gpu = os.environ.get("TORCH_INDEX") or None, has_nvidia_gpu()
     args = plan(installed, wanted, index, gpu)
+    if CPU_INDEX in args and not reachable(CPU_INDEX + "/torch/"):
+        print(f"==> {CPU_INDEX} is unreachable: torch=={CPU_VERSION} from pip's own indexes")
+        args = ["install", f"torch=={CPU_VERSION}"]
     if not args:
         print(f"==> torch {installed} is installed and in the project's range {wanted}: kept")
         return 0
