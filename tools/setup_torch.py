@@ -20,16 +20,15 @@ anything else is installed. The torch line is a plain range (`torch>=A,<B`, clau
 from __future__ import annotations
 
 import configparser
-import re
 import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
-
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
