@@ -8,6 +8,7 @@ transformers' Auto classes from the written directory, offline.
 from __future__ import annotations
 
 import ast
+import logging as pylogging
 import json
 import random
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers")
 
@@ -86,6 +88,40 @@ def test_every_arch_matches_in_transformers(arch, tokenizer_file, tmp_path):
     embeddings = fill.model.get_input_embeddings().weight  # tied, stored once
     assert fill.model.get_output_embeddings().weight is embeddings
     assert max_diff(model, fill.model.eval(), batch(model.config.vocab_size, (24, 11))) <= TOL
+
+
+@pytest.mark.parametrize("arch", ["shatter", "bert-rpe"])
+def test_auto_model_loads_the_encoder_of_an_mlm_export_quietly(arch, tokenizer_file, tmp_path):
+    """AutoModel (the encoder alone) on a masked-LM export: no load report of unexpected head
+    keys, and the same hidden states as the MLM model's encoder."""
+    model = tiny(arch, tokenizer_file, max_len=64)
+    out = tmp_path / "hf"
+    export(model, tokenizer_file, tmp_path / "export", out)
+    logging = transformers.utils.logging
+    logging.set_verbosity_warning()
+    records = []
+    handler = _Collect(records)
+    logging.get_logger().addHandler(handler)
+    try:
+        encoder = transformers.AutoModel.from_pretrained(out, trust_remote_code=True).eval()
+    finally:
+        logging.get_logger().removeHandler(handler)
+    text = "\n".join(records)
+    assert "UNEXPECTED" not in text and "MISSING" not in text, text
+    inputs = batch(model.config.vocab_size, (24, 11))
+    with torch.no_grad():
+        ours = model.eval().encoder(inputs["input_ids"], inputs["attention_mask"])
+        theirs = encoder(**inputs).last_hidden_state
+    assert (ours - theirs).abs().max().item() <= TOL
+
+
+class _Collect(pylogging.Handler):
+    def __init__(self, records: list):
+        super().__init__()
+        self.records = records
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
 
 
 def test_remote_code_is_our_model(tokenizer_file):
@@ -202,7 +238,30 @@ def test_an_extended_export_matches_at_1024(tokenizer_file, tmp_path):
     export(model.eval(), tokenizer_file, tmp_path / "export", out)
     hf = transformers.AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True)
     assert hf.config.max_position_embeddings == 1024
-    assert max_diff(model, hf.eval(), batch(model.config.vocab_size, (1024, 700))) <= TOL
+    inputs = batch(model.config.vocab_size, (1024, 700))
+    assert max_diff(model, hf.eval(), inputs) <= TOL
+    with Shapes() as seen:
+        hf(**inputs)
+        hf.train()
+        hf(**inputs, labels=inputs["input_ids"]).loss.backward()  # finetuning's path too
+    assert seen.shapes, "nothing traced"
+    square = [s for s in seen.shapes if len(s) == 4 and s[-2:] == (1024, 1024)]
+    assert not square, f"a [B, n, L, L] tensor: {square[:3]}"
+
+
+class Shapes(TorchDispatchMode):
+    """The shapes of every tensor an op creates."""
+
+    def __enter__(self):
+        self.shapes = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
 
 
 def test_tokenizer_ids_equal_ours_on_real_text(shared_data, tokenizer_file, tmp_path):

@@ -31,6 +31,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, initialization as init
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -185,6 +186,11 @@ class MultiHeadAttention(nn.Module):
         return _merge(self.dropout(a) @ v)[:, 0]
 
 
+def _mix_part(A, V_h, table_h, L):
+    A_h = A * toeplitz(table_h, L)[0]  # A ⊙ N[h]: [B, L, L]
+    return A_h @ V_h, A_h.sum(-1)
+
+
 class SingleHeadAttention(nn.Module):
     """1h-softmax, 1h-sigmoid, part-bias and shatter: one score matrix against K = X (§3.2),
     split over the n parts by N, V kept as n parts."""
@@ -200,20 +206,30 @@ class SingleHeadAttention(nn.Module):
             self.partition_embeddings = nn.Parameter(torch.empty(self.n, d))  # R
 
     def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor, **_) -> torch.Tensor:
+        """Part by part: no [B, n, L, L] tensor A ⊙ N is formed, in the forward or (each part's
+        product is recomputed there) in the backward; N[h] is one [L, L] Toeplitz slice."""
         B, L, d = x_BLD.shape
         Q = self.query(x_BLD)
         V = _heads(self.value(x_BLD), self.n)  # [B, n, L, d/n]
         table = partition_table(self.n, self.layer, self.layers, L).to(Q.device, Q.dtype)
-        N = toeplitz(table, L)  # [n, L, L]
         Z = (Q / math.sqrt(d)) @ x_BLD.transpose(-1, -2)  # Q X^T / sqrt(d)
-        if hasattr(self, "partition_embeddings"):  # + B (§3.3)
-            Z = Z + torch.einsum("bih,hij->bij", Q @ self.partition_embeddings.t(), N)
-        A_BNLL = activate(Z, mask_BL, self.sigmoid)[:, None] * N[None]  # A ⊙ N[h]
-        context = _merge(A_BNLL @ V)  # eq. 2-3
-        if self.partition_value:  # + A_part V_part (§3.3)
-            a_part = A_BNLL.sum(-1).transpose(1, 2)  # [B, L, n]
+        if hasattr(self, "partition_embeddings"):  # + B, B_ij = sum_h (Q R^T)_ih N[h, i, j] (§3.3)
+            c = Q @ self.partition_embeddings.t()  # [B, L, n]
+            for h in range(self.n):
+                Z = Z + c[..., h, None] * toeplitz(table[h : h + 1], L)[0]
+        A = activate(Z, mask_BL, self.sigmoid)
+        mixed = [self._part(A, V[:, h], table[h : h + 1], L) for h in range(self.n)]
+        context = torch.cat([out for out, _ in mixed], dim=-1)  # eq. 2-3, parts side by side
+        if self.partition_value:  # + A_part V_part (§3.3), A_part[i, h] = sum_j (A ⊙ N[h])_ij
+            a_part = torch.stack([part for _, part in mixed], dim=-1)  # [B, L, n]
             context = context + a_part @ F.linear(self.partition_embeddings, self.value.weight)
         return context
+
+    def _part(self, A, V_h, table_h, L):
+        """(A ⊙ N[h]) V[h] and its row sums, recomputed in the backward when training."""
+        if torch.is_grad_enabled():
+            return checkpoint(_mix_part, A, V_h, table_h, L, use_reentrant=False)
+        return _mix_part(A, V_h, table_h, L)
 
     def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         z = (self.query(y_BD)[:, None, :] @ x_BLD.transpose(-1, -2)) / math.sqrt(x_BLD.shape[-1])
@@ -333,6 +349,14 @@ class ShatterPreTrainedModel(PreTrainedModel):
 
 class ShatterModel(ShatterPreTrainedModel):
     """The encoder: [B, L] ids and 1/0 mask -> last hidden states [B, L, d]."""
+
+    # AutoModel on an export with a head loads the encoder alone; the head's weights are expected
+    _keys_to_ignore_on_load_unexpected = [
+        r"^mlm_head\.",
+        r"^pooler\.",
+        r"^classifier\.",
+        r"^qa_outputs\.",
+    ]
 
     def __init__(self, config: ShatterConfig):
         super().__init__(config)
