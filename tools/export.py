@@ -38,18 +38,40 @@ FORMATS = ("hf",)
     "--output", type=click.Path(path_type=Path), required=True, help="Directory to write."
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing non-empty --output.")
-def main(src: Path, fmt: str, output: Path, overwrite: bool) -> None:
+@click.option(
+    "--license",
+    "license_id",
+    help="The model card's license, a Hub license id (e.g. apache-2.0); unset: 'other'.",
+)
+@click.option(
+    "--dataset",
+    "datasets",
+    multiple=True,
+    help="A Hub dataset id the model was trained on, for the card (repeatable).",
+)
+@click.option(
+    "--push-to-hub",
+    "repo",
+    metavar="REPO",
+    help="Then upload DIR to this Hub repository (created if missing; needs a login).",
+)
+def main(src, fmt, output, overwrite, license_id, datasets, repo) -> None:
     """Export SRC (an export, a training run or a finetuning run) for transformers."""
-    from shatter.hf.export import ConvertError, ExportError, TokenizerError, export_hf
+    from shatter.hf.export import ConvertError, ExportError, TokenizerError, export_hf, push_to_hub
 
     try:
-        report = export_hf(src, output, overwrite=overwrite)
+        report = export_hf(src, output, overwrite, license_id, tuple(datasets))
     except (ExportError, ConvertError, TokenizerError, CheckpointError) as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:
         raise click.ClickException(f"cannot write {output}: {e}; {output} is unchanged") from None
     click.echo(report.describe())
     click.echo(f"wrote {output}")
+    if repo:
+        try:
+            click.echo(f"pushed to {push_to_hub(output, repo)}")
+        except ExportError as e:
+            raise click.ClickException(str(e)) from None
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 It states what the export is (arch, parameter count, max length and how to extend it), where it
 came from when SRC was a run (the training data's index.json sha256, the steps, the final
 training and validation loss from metrics.jsonl), how to load it, and how to cite the paper.
-The license is left for the user to fill in: the toolkit cannot know the data's terms.
+The Hub metadata carries the license (`--license`, else `other` / `unspecified`: the toolkit
+cannot know the data's terms), the datasets (`--dataset`), a `model-index` when SRC is a
+finetuning run with scores, and the training compute the run recorded (`gpu_hours`).
 """
 
 from __future__ import annotations
@@ -57,22 +59,69 @@ def run_facts(run: Path | None) -> dict:
         key = "validation_loss" if rec.get("split") == "validation" else "train_loss"
         facts[key] = rec["loss"]
         facts["steps"] = max(facts.get("steps", 0), int(rec.get("step", 0)))
+        if isinstance(rec.get("gpu_hours"), (int, float)):
+            facts["gpu_hours"] = float(rec["gpu_hours"])
     return facts
 
 
-def model_card(model: nn.Module, source, report) -> str:
-    config = model.config
-    facts = run_facts(source.run)
-    remote = "" if report.native else ", trust_remote_code=True"
-    meta = [
+def finetune_scores(run: Path | None) -> dict | None:
+    """A finetuning run's best dev scores (metrics.json): {task, metric, scores} or None."""
+    try:
+        summary = json.loads((run / "metrics.json").read_text())
+        best = summary["best"]
+        scores = {k: float(v) for k, v in best.items() if k != "step" and isinstance(v, float)}
+        return {"task": str(summary["task"]), "metric": summary["main_metric"], "scores": scores}
+    except (TypeError, OSError, ValueError, KeyError, AttributeError):
+        return None
+
+
+def model_index(name: str, result: dict | None, task_type: str) -> list[str]:
+    """The Hub's `model-index` YAML lines for a finetuning run's dev scores."""
+    if not result or not result["scores"]:
+        return []
+    metrics = [
+        line
+        for metric, value in result["scores"].items()
+        for line in (f"    - type: {metric}", f"      value: {value:.4f}")
+    ]
+    return [
+        "model-index:",
+        f"- name: {name}",
+        "  results:",
+        f"  - task: {{type: {task_type}}}",
+        f"    dataset: {{name: {result['task']}, type: {result['task']}, split: validation}}",
+        "    metrics:",
+        *["  " + m for m in metrics],
+    ]
+
+
+def metadata(config, report, license: str | None, datasets: tuple[str, ...], scores) -> list[str]:
+    """The card's YAML front matter (the Hub's model-card metadata)."""
+    lines = [
         "---",
         "library_name: transformers",
         f"pipeline_tag: {PIPELINE_TAGS[report.head]}",
         "tags:",
         *[f"- {tag}" for tag in dict.fromkeys(("shatter", config.arch))],
-        "license: # fill in: the terms of the training data and of your release",
+        f"license: {license}" if license else "license: other",
+        *([] if license else ["license_name: unspecified"]),
+        *(["datasets:", *[f"- {d}" for d in datasets]] if datasets else []),
+        *model_index(
+            f"{config.arch}-{scores['task']}" if scores else "", scores, PIPELINE_TAGS[report.head]
+        ),
         "---",
     ]
+    return lines
+
+
+def model_card(
+    model: nn.Module, source, report, license: str | None = None, datasets: tuple[str, ...] = ()
+) -> str:
+    config = model.config
+    facts = run_facts(source.run)
+    scores = finetune_scores(source.run) if report.head else None
+    remote = "" if report.native else ", trust_remote_code=True"
+    meta = metadata(config, report, license, datasets, scores)
     rows = [
         ("arch", f"`{config.arch}`"),
         ("class", f"`{report.hf_class}`" + ("" if report.native else " (remote code)")),
@@ -87,6 +136,7 @@ def model_card(model: nn.Module, source, report) -> str:
         "steps": "training steps",
         "train_loss": "final training loss",
         "validation_loss": "final validation loss",
+        "gpu_hours": "training compute (GPU-hours, start-up and lost work included)",
     }
     rows += [(names[k], _fmt(k, facts[k])) for k in names if k in facts]
     auto = {
@@ -124,7 +174,10 @@ def model_card(model: nn.Module, source, report) -> str:
         "",
         "## License",
         "",
-        "Not set by the toolkit: fill in the `license` field above.",
+        f"`{license}`."
+        if license
+        else "Not set at export (`shatter-export --license ID`): "
+        "fill in the `license` field above with the terms of the training data and your release.",
         "",
         "## Citation",
         "",
@@ -139,4 +192,6 @@ def model_card(model: nn.Module, source, report) -> str:
 def _fmt(key: str, value) -> str:
     if key == "data_index_sha256":
         return f"`{value}`"
+    if key == "gpu_hours":
+        return f"{value:.2f}"
     return f"{value:.4f}" if isinstance(value, float) else str(value)

@@ -148,8 +148,15 @@ def load_hf(directory: Path, model: nn.Module) -> nn.Module:
     return auto.from_pretrained(str(directory), trust_remote_code=not native).eval()
 
 
-def export_hf(src: Path, output: Path, overwrite: bool = False) -> ExportReport:
-    """Convert SRC (see the module docstring) into the transformers directory `output`."""
+def export_hf(
+    src: Path,
+    output: Path,
+    overwrite: bool = False,
+    license: str | None = None,
+    datasets: tuple[str, ...] = (),
+) -> ExportReport:
+    """Convert SRC (see the module docstring) into the transformers directory `output`; the
+    card's license and datasets are the Hub's ids (`license`, `datasets`)."""
     check_transformers()
     from transformers.utils import logging as hf_logging
 
@@ -186,7 +193,7 @@ def export_hf(src: Path, output: Path, overwrite: bool = False) -> ExportReport:
         result = ExportReport(
             model.config.arch, kind, type(converted).__name__, is_native(model.config, head), diff
         )
-        (tmp / "README.md").write_text(card.model_card(model, source, result))
+        (tmp / "README.md").write_text(card.model_card(model, source, result, license, datasets))
         report.append(result)
 
     try:
@@ -196,4 +203,31 @@ def export_hf(src: Path, output: Path, overwrite: bool = False) -> ExportReport:
     return report[0]
 
 
-__all__ = ["ConvertError", "ExportError", "TokenizerError", "export_hf"]
+def push_to_hub(directory: Path, repo: str) -> str:
+    """Upload a written export to the Hub repository `repo` (created if missing); its URL."""
+    try:
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+    except ImportError as e:
+        raise ExportError(
+            f"--push-to-hub needs huggingface_hub ({e}): pip install huggingface_hub"
+        ) from None
+    api = HfApi()
+    try:
+        api.create_repo(repo, exist_ok=True)
+        return api.upload_folder(folder_path=str(directory), repo_id=repo).commit_url
+    except OfflineModeIsEnabled:
+        raise ExportError(
+            f"cannot push {directory} to {repo}: HF_HUB_OFFLINE is set; unset it (the export "
+            f"is written: push it later with `huggingface-cli upload {repo} {directory}`)"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ExportError(
+            f"cannot push {directory} to {repo}: {first}; log in with `huggingface-cli login` "
+            f"(the export is written: push it later with `huggingface-cli upload {repo} "
+            f"{directory}`)"
+        ) from None
+
+
+__all__ = ["ConvertError", "ExportError", "TokenizerError", "export_hf", "push_to_hub"]

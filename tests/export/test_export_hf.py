@@ -8,8 +8,8 @@ transformers' Auto classes from the written directory, offline.
 from __future__ import annotations
 
 import ast
-import logging as pylogging
 import json
+import logging as pylogging
 import random
 import sys
 from pathlib import Path
@@ -26,7 +26,7 @@ from click.testing import CliRunner  # noqa: E402
 import shatter  # noqa: E402
 from shatter.extend import extend_model  # noqa: E402
 from shatter.heads import SequenceClassificationModel, SpanExtractionModel  # noqa: E402
-from shatter.hf import convert  # noqa: E402
+from shatter.hf import card, convert  # noqa: E402
 from shatter.hf.export import outputs, sample_batch as batch  # noqa: E402
 from shatter.hf.remote import configuration_shatter, modeling_shatter  # noqa: E402
 from tools.export import main  # noqa: E402
@@ -381,18 +381,55 @@ def test_a_run_gets_a_model_card_with_its_data_and_losses(tokenizer_file, tmp_pa
     shatter.save_pretrained(tiny("bert", tokenizer_file), run / "export", tokenizer=tokenizer_file)
     (run / "config.json").write_text(json.dumps({"config": {"data": {"path": str(data)}}}))
     metrics = [
-        {"step": 10, "loss": 7.5, "lr": 1e-4},
-        {"step": 20, "loss": 6.25, "lr": 1e-4},
+        {"step": 10, "loss": 7.5, "lr": 1e-4, "gpu_hours": 0.5},
+        {"step": 20, "loss": 6.25, "lr": 1e-4, "gpu_hours": 1.25},
         {"step": 20, "split": "validation", "loss": 6.5, "accuracy": 0.1},
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-    result = CliRunner().invoke(main, [str(run), "--output", str(tmp_path / "hf")])
+    args = [str(run), "--output", str(tmp_path / "hf"), "--license", "apache-2.0"]
+    result = CliRunner().invoke(main, [*args, "--dataset", "wikimedia/wikipedia"])
     assert result.exit_code == 0, result.output
     card = (tmp_path / "hf" / "README.md").read_text()
     import hashlib
 
+    import yaml
+
     digest = hashlib.sha256((data / "index.json").read_bytes()).hexdigest()
     for fact in (digest, "| training steps | 20 |", "6.2500", "6.5000", "pipeline_tag: fill-mask"):
         assert fact in card
-    assert "license:" in card and "@inproceedings{tian2021shatter" in card
-    assert "shatter-extend" in card
+    assert "GPU-hours, start-up and lost work included) | 1.25 |" in card
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["license"] == "apache-2.0" and meta["datasets"] == ["wikimedia/wikipedia"]
+    assert "@inproceedings{tian2021shatter" in card and "shatter-extend" in card
+    # without --license the field is still set (a null license reads as none on the Hub)
+    CliRunner().invoke(main, [str(run), "--output", str(tmp_path / "hf2")])
+    meta = yaml.safe_load((tmp_path / "hf2" / "README.md").read_text().split("---")[1])
+    assert meta["license"] == "other" and meta["license_name"] == "unspecified"
+
+
+def test_a_finetuning_card_has_its_scores_as_model_index():
+    scores = {"task": "rte", "metric": "accuracy", "scores": {"accuracy": 0.625, "loss": 0.7}}
+    import yaml
+
+    meta = yaml.safe_load("\n".join(card.model_index("shatter-rte", scores, "text-classification")))
+    result = meta["model-index"][0]["results"][0]
+    assert result["task"]["type"] == "text-classification"
+    assert result["dataset"]["name"] == "rte"
+    assert {"type": "accuracy", "value": 0.625} in result["metrics"]
+
+
+def test_push_to_hub_offline_is_one_line_after_the_export(tokenizer_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    out = tmp_path / "hf"
+    shatter.save_pretrained(tiny("bert", tokenizer_file), tmp_path / "e", tokenizer=tokenizer_file)
+    result = CliRunner().invoke(
+        main, [str(tmp_path / "e"), "--output", str(out), "--push-to-hub", "you/model"]
+    )
+    assert result.exit_code == 1 and (out / "README.md").is_file()
+    error = result.output.strip().splitlines()[-1]
+    assert (
+        "cannot push" in error and "HF_HUB_OFFLINE" in error and "huggingface-cli upload" in error
+    )
