@@ -4,7 +4,7 @@ it gets, and the counters it reports.
 - No `--runner`: the in-process FnApiRunner (never Prism, which would be downloaded), with the
   options in its provision info so that `multi_processing` workers get them too.
 - `--runner DaskRunner` (or Beam's full `apache_beam.runners.dask.dask_runner.DaskRunner`): Beam's
-  Dask runner with three fixes for this pipeline (`DaskRunner` below).
+  Dask runner with this pipeline's fixes (`pipeline/dask_runner.py` lists them).
 - Any other runner by name, with its options (`--project`, `--flink_master`, ...).
 
 Beam discards the options it cannot parse with a warning, so a misspelled one (`--direct_num_workrs
@@ -203,8 +203,27 @@ def counters(result, namespace: str) -> dict | None:
     return dict(sorted(out.items()))
 
 
+# pipeline/dask_runner.py subclasses Beam's Dask runner through private API (its transform
+# evaluators, `_OutputHandler`, DaskOptions' bag arguments), which Beam rewrote between 2.62 and
+# 2.69: the fork is written for, and tested on, this Beam minor series only.
+DASK_FORK_BEAM = (2, 77)
+
+
+def check_dask_fork(version: str = beam.__version__) -> None:
+    """An OptionError in one line when the installed Beam is not one the Dask fork is tested on."""
+    series = tuple(int(p) for p in version.split(".")[:2])
+    if series != DASK_FORK_BEAM:
+        want = ".".join(map(str, DASK_FORK_BEAM))
+        raise OptionError(
+            f"--runner DaskRunner: apache-beam {version} is installed, and the toolkit's fixes to "
+            f"Beam's Dask runner (pipeline/dask_runner.py) are written for {want}.x; install "
+            f"'apache-beam=={want}.*' or use another runner"
+        )
+
+
 def make_dask_runner():
-    """Beam's DaskRunner with this pipeline's three fixes (an instance; see `pipeline.dask_runner`)."""
+    """Beam's DaskRunner with this pipeline's fixes (an instance; see `pipeline.dask_runner`)."""
+    check_dask_fork()
     try:
         from pipeline import dask_runner
     except ImportError as e:

@@ -235,3 +235,15 @@ class _CountAdds(beam.CombineFn):
 
     def extract_output(self, acc):
         return list(acc)
+
+
+def test_the_dask_fork_refuses_a_beam_it_was_not_written_for():
+    """pipeline/dask_runner.py patches Beam's private Dask-runner API: another Beam series is one
+    line naming the installed version and the one to install, before any private import."""
+    from pipeline.runners import DASK_FORK_BEAM, OptionError, check_dask_fork
+
+    check_dask_fork(beam.__version__)  # the installed Beam is the tested one
+    with pytest.raises(OptionError) as e:
+        check_dask_fork("2.78.0")
+    series = ".".join(map(str, DASK_FORK_BEAM))
+    assert "apache-beam 2.78.0 is installed" in str(e.value) and f"=={series}.*" in str(e.value)
