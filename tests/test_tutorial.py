@@ -14,6 +14,7 @@ import pytest
 from tests.docs_commands import REPO, SHELL_LANGS, blocks, commands
 
 TUTORIAL = REPO / "docs" / "tutorial.md"
+PRINTED: dict[str, str] = {}  # each tutorial command's standard output, by its first words
 
 
 def tutorial_commands() -> list[list[str]]:
@@ -36,6 +37,7 @@ def tutorial(tmp_path_factory):
             argv, cwd=root, env=env, capture_output=True, text=True, timeout=600
         )
         timings.append((" ".join(argv[:3]), time.perf_counter() - start))
+        PRINTED[" ".join(argv[:3])] = result.stdout
         assert result.returncode == 0, (
             f"{' '.join(argv)}\n{result.stdout[-2000:]}{result.stderr[-3000:]}"
         )
@@ -55,6 +57,8 @@ def test_the_tutorial_covers_every_stage():
         "python tools/evaluate.py",
         "python train/finetune.py",
         "shatter-extend tutorial/run/checkpoints",
+        "shatter-export tutorial/reviews",
+        "python -c from transformers import pipeline",
     ]:
         assert any(command.startswith(stage) for command in typed), stage
 
@@ -83,3 +87,10 @@ def test_the_tutorial_runs_verbatim(tutorial):
     converted = tutorial / "export-from-checkpoint"
     assert json.loads((converted / "config.json").read_text())["max_len"] == 64
     assert (converted / "model.safetensors").is_file() and (converted / "tokenizer.model").is_file()
+    # into transformers: the card, the remote code, and the labels of the finetuning run
+    hf = tutorial / "hf-reviews"
+    assert (hf / "README.md").is_file() and (hf / "modeling_shatter.py").is_file()
+    labels = json.loads((hf / "config.json").read_text())["id2label"].values()
+    assert set(labels) == {"negative", "positive"}
+    printed = next(out for cmd, out in PRINTED.items() if cmd.startswith("python -c"))
+    assert "'label': 'positive'" in printed or "'label': 'negative'" in printed, printed
