@@ -138,9 +138,8 @@ def plot_cost(runs: list[Path], labels: list[str], output: Path) -> Path:
     rate.set_ylabel("tokens/s per GPU")
     mfu.set_ylabel("MFU (%)")
     if not mfu.lines:
-        mfu.text(
-            0.5, 0.5, "no device peak known", ha="center", va="center", transform=mfu.transAxes
-        )
+        why = "no MFU: the device's peak is unknown\n(a CPU, or a GPU not in the table;\nset run.peak_tflops)"
+        mfu.text(0.5, 0.5, why, ha="center", va="center", fontsize=7, transform=mfu.transAxes)
     for ax in (rate, mfu):
         ax.set_xlabel("steps")
         ax.grid(True, alpha=0.3)
@@ -150,6 +149,17 @@ def plot_cost(runs: list[Path], labels: list[str], output: Path) -> Path:
     fig.savefig(output)
     plt.close(fig)
     return output
+
+
+def run_names(runs: list[Path]) -> list[str]:
+    """A distinct legend label per run: the shortest tail of each path that tells them apart
+    (`a/run` and `b/run` are `a/run` and `b/run`, not `run` twice)."""
+    parts = [r.resolve().parts for r in runs]
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        names = ["/".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [str(r) for r in runs]  # the same directory given twice
 
 
 @click.command()
@@ -168,7 +178,7 @@ def plot_cost(runs: list[Path], labels: list[str], output: Path) -> Path:
 def main(runs, output, labels, show_train, title, cost):
     """Draw the MLM loss curves of RUNS into a PNG."""
     require("matplotlib", extra="demo", purpose="plot_metrics")
-    names = labels.split(",") if labels else [Path(r).name for r in runs]
+    names = labels.split(",") if labels else run_names([Path(r) for r in runs])
     if len(names) != len(runs):
         raise click.ClickException(f"{len(names)} labels for {len(runs)} runs")
     click.echo(plot(list(runs), names, output, show_train, title))

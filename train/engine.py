@@ -59,11 +59,30 @@ def _file_store() -> str:
     return f"file://{path}"
 
 
-def extensions_dir() -> str:
-    """A JIT-extension cache per Python environment: DeepSpeed builds its CPU shm_comm op on first
-    use (~1 min); two environments sharing torch's default cache rebuild each other's build."""
-    tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+CPU_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory comm op, JIT-built on first use
+
+
+def extensions_dir(checkout: Path = Path(__file__).resolve().parents[1]) -> str:
+    """A JIT-extension cache per Python environment, checkout and build (torch and DeepSpeed
+    versions): DeepSpeed builds its CPU shm_comm op on first use (~1 min), and two of them
+    sharing torch's default cache rebuild each other's build."""
+    from importlib.metadata import version  # not the packages: importing DeepSpeed is slow
+
+    key = "|".join((sys.prefix, str(checkout), version("torch"), version("deepspeed")))
+    tag = hashlib.sha1(key.encode()).hexdigest()[:10]
     return str(Path.home() / ".cache" / "torch_extensions" / f"env-{tag}")
+
+
+def announce_cpu_build() -> None:
+    """Say so before DeepSpeed's silent minute of gcc, when its CPU op is not built yet."""
+    built = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir())) / CPU_OP
+    if os.environ.get("LOCAL_RANK", "0") == "0" and not any(built.glob("*.so")):
+        print(
+            f"building DeepSpeed's CPU communication op into {built.parent} (once per "
+            "environment and checkout; about 1 minute on 2 cores)...",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def build_extensions() -> None:
@@ -73,6 +92,7 @@ def build_extensions() -> None:
     if not on_cpu():
         return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    announce_cpu_build()
     from deepspeed.comm.torch import build_shm_op
 
     if build_shm_op() is None:
@@ -93,6 +113,7 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     alone = single_process_env()
     if on_cpu():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        announce_cpu_build()
     rendezvous = {"init_method": _file_store(), "rank": 0, "world_size": 1} if alone else {}
     deepspeed.init_distributed(
         dist_backend="gloo" if on_cpu() else "nccl",

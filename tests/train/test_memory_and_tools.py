@@ -128,3 +128,11 @@ def test_plot_metrics_draws_tokens_per_s_and_mfu(tmp_path):
         main, [str(run), "-o", str(tmp_path / "a.png"), "--cost", str(cost)]
     )
     assert result.exit_code == 1 and "no tokens_per_s lines" in result.output
+
+
+def test_plot_metrics_names_each_run_apart(tmp_path):
+    from tools.plot_metrics import run_names
+
+    a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    assert run_names([a, b]) == ["a/run", "b/run"]
+    assert run_names([tmp_path / "x", tmp_path / "y"]) == ["x", "y"]
