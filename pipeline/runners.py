@@ -71,7 +71,7 @@ def _import_runner_options(runner: str | None) -> None:
 def _no_dask(e: Exception) -> str:
     return (
         f"--runner DaskRunner needs dask.distributed ({e}); install it with "
-        "pip install 'shatter[pipeline-dask]' (or pip install 'dask[distributed]')"
+        "pip install 'shatter-toolkit[pipeline-dask]' (or pip install 'dask[distributed]')"
     )
 
 

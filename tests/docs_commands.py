@@ -233,7 +233,7 @@ def parse_pip(args: list[str]) -> None:
     cfg.read(REPO / "setup.cfg")
     extras = set(cfg["options.extras_require"])
     for arg in args:
-        m = re.fullmatch(r"(?:shatter|\.)\[([\w,-]+)\]", arg)
+        m = re.fullmatch(r"(?:shatter-toolkit|\.)\[([\w,-]+)\]", arg)
         if m and not set(m.group(1).split(",")) <= extras:
             unknown = sorted(set(m.group(1).split(",")) - extras)
             raise DocsCommandError(f"pip install {arg}: setup.cfg has no extra {unknown}")

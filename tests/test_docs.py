@@ -86,7 +86,7 @@ def test_commands_split_like_the_shell():
         ["deepspeed", "--num_gpus", "two", "train/pretrain.py"],
         ["python", "tools/bench_pipeline.py", "--no-such-flag"],
         ["make", "tutorials"],
-        ["pip", "install", "shatter[trian]"],
+        ["pip", "install", "shatter-toolkit[trian]"],
         ["python", "-c", "import (x"],
         ["python", "train/pretrain.py", "--preset", "shatter-tiny", "--max-steps", "0"],
         ["frobnicate", "--x"],

@@ -16,7 +16,7 @@ try:
     import torch  # noqa: F401
 except ModuleNotFoundError:  # a core install (what Beam workers get) has the pipeline only
     raise SystemExit(
-        "shatter-export needs the training stack and transformers: pip install 'shatter[train,hf]'"
+        "shatter-export needs the training stack and transformers: pip install 'shatter-toolkit[train,hf]'"
     ) from None
 
 from shatter.checkpoint import CheckpointError

@@ -25,7 +25,7 @@ try:
     import torch  # noqa: F401
 except ModuleNotFoundError:  # a core install (what Beam workers get) has the pipeline only
     raise SystemExit(
-        "shatter-extend needs the training stack: pip install 'shatter[train]'"
+        "shatter-extend needs the training stack: pip install 'shatter-toolkit[train]'"
     ) from None
 
 from shatter.checkpoint import CheckpointError

@@ -28,5 +28,5 @@ def require(*modules: str, extra: str, purpose: str) -> None:
     if missing:
         raise MissingExtra(
             f"{purpose} needs {', '.join(missing)} (the `{extra}` extra), which is not "
-            f"installed: pip install -e '.[{extra}]' (or pip install 'shatter[{extra}]')"
+            f"installed: pip install -e '.[{extra}]' (or pip install 'shatter-toolkit[{extra}]')"
         )

@@ -79,7 +79,7 @@ def check_transformers() -> None:
         import transformers
     except ModuleNotFoundError:
         raise ExportError(
-            "shatter-export --format hf needs transformers: pip install 'shatter[hf]'"
+            "shatter-export --format hf needs transformers: pip install 'shatter-toolkit[hf]'"
         ) from None
     from packaging.version import Version
 

@@ -137,7 +137,7 @@ def test_without_the_train_extra_it_says_what_to_install():
     """A core install (the pipeline only) has no torch: a one-line message, not a traceback."""
     code = "import sys; sys.modules['torch'] = None; import tools.extend"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 1 and "pip install 'shatter[train]'" in proc.stderr
+    assert proc.returncode == 1 and "pip install 'shatter-toolkit[train]'" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -24,7 +24,7 @@ def test_require_names_every_missing_module_and_the_extra():
         require("json", "no_such_module_a", "no_such_module_b", extra="demo", purpose="the plot")
     assert err.value.message == (
         "the plot needs no_such_module_a, no_such_module_b (the `demo` extra), which is not "
-        "installed: pip install -e '.[demo]' (or pip install 'shatter[demo]')"
+        "installed: pip install -e '.[demo]' (or pip install 'shatter-toolkit[demo]')"
     )
 
 
