@@ -11,6 +11,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def child_env(base: dict | None = None, **extra: str) -> dict:
+    """`base` (os.environ) for a child process: the checkout ahead on PYTHONPATH, the caller's
+    own entries kept after it, so the child imports what its caller imports (the GPU lane's
+    carried packages among them), then `extra` set."""
+    env = dict(os.environ if base is None else base)
+    paths = [str(REPO), *env.get("PYTHONPATH", "").split(os.pathsep)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    return {**env, **extra}
+
+
 class Job:
     """A launched command whose output lines are time-stamped as they come."""
 
@@ -22,7 +32,7 @@ class Job:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+            env=child_env(**(env or {})),
             start_new_session=True,
         )
         self.reader = threading.Thread(target=self._read, daemon=True)

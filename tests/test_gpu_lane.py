@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.jobs import Job, child_env, finish_soon
+
 REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("wheelset", REPO / ".ci" / "gpu" / "wheelset.py")
 wheelset = importlib.util.module_from_spec(spec)
@@ -177,3 +179,17 @@ def test_the_lane_s_table_lists_every_test_with_its_result_and_seconds(tmp_path)
     assert "1 pass, 2 FAIL, 1 skip" in table
     assert "test_lane::test_bad: AssertionError: one is not two" in table, table
     assert "test_lane::test_hangs: Failed: Timeout" in table, table
+
+
+def test_a_child_job_keeps_the_caller_s_pythonpath(tmp_path, monkeypatch):
+    """The GPU lane carries its packages on PYTHONPATH (/tmp/site): a job the tests start (the
+    deepspeed launcher, its ranks, finetune) must still import them beside the checkout."""
+    carried = tmp_path / "site"
+    (carried / "carried_probe").mkdir(parents=True)
+    (carried / "carried_probe" / "__init__.py").write_text("NAME = 'carried'\n")
+    monkeypatch.setenv("PYTHONPATH", str(carried))
+    probe = "import carried_probe, train; print(carried_probe.NAME, train.__file__)"
+    job = Job([sys.executable, "-c", probe])
+    text = finish_soon(job, timeout=60)
+    assert text.startswith("carried ") and str(REPO / "train") in text, text
+    assert child_env({"PYTHONPATH": "a:b"}, X="1") == {"PYTHONPATH": f"{REPO}:a:b", "X": "1"}
