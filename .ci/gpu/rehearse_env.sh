@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# An interpreter like the GPU image's, on a CPU machine with the package index: CPython 3.12
+# (pyenv's, or python3.12 on PATH) in a venv holding what the image holds of what the lane uses:
+# the image's packages that the project's requirements reach (.whl/image.txt, written by
+# .ci/gpu/wheels.sh, at the image's versions where they are known: torch 2.11.0, Triton 3.6.0,
+# numpy 2.5.2, transformers 5.17.0) and the test tools the image has (pytest, pytest-xdist,
+# pytest-timeout, matplotlib). torch is PyPI's 2.11.0, the image's own build (CUDA 13.0): it
+# runs on a CPU, and no CPU build of torch for CPython 3.12 is on the index this machine
+# reaches. Nothing the lane carries (.whl/) goes in: run.sh installs that into /tmp/site, as on
+# the GPU machine. Kept between runs under GPU_REHEARSE_VENV, rebuilt when its list changes.
+# Prints the interpreter's path last.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VENV=${GPU_REHEARSE_VENV:-$HOME/.cache/shatter/gpu-rehearse-py312}
+TOOLS=(pytest pytest-xdist pytest-timeout matplotlib)
+[ -f .whl/image.txt ] || { echo "rehearse_env.sh: error: no .whl/image.txt (bash .ci/gpu/wheels.sh writes it)" >&2; exit 1; }
+want=$( (cat .whl/image.txt; printf '%s\n' "${TOOLS[@]}") | sort | sha256sum | cut -c1-16)
+if [ -f "$VENV/.rehearse-$want" ] && "$VENV/bin/python" -c 'import torch, triton' 2>/dev/null; then
+  echo "rehearse_env.sh: $VENV is up to date" >&2
+  echo "$VENV/bin/python"
+  exit 0
+fi
+base=$(command -v python3.12 || true)
+if [ -z "$base" ] && command -v pyenv >/dev/null; then
+  base=$(ls -d "$(pyenv root)"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1)
+fi
+[ -n "$base" ] || { echo "rehearse_env.sh: error: no Python 3.12 (pyenv install 3.12, or python3.12 on PATH)" >&2; exit 1; }
+echo "rehearse_env.sh: building $VENV from $base (torch's CUDA build: about 5 GB, a few minutes)" >&2
+rm -rf "$VENV"
+"$base" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip >&2
+# torch first at the image's version: the image list's numpy, transformers ... then find it there
+"$VENV/bin/python" -m pip install -q -r .whl/image.txt "${TOOLS[@]}" >&2
+touch "$VENV/.rehearse-$want"
+echo "$VENV/bin/python"
