@@ -213,6 +213,17 @@ def fmt(mean: float, std: float | None, digits: int = 3) -> str:
     return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
 
 
+def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM to the process group of `proc` (the launcher, its ranks, their workers: the
+    trainer saves and exits, a JIT build releases its lock), SIGKILL after `grace_s`."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 class Study:
     """The shared machinery: data, runs, progress, failures."""
 
@@ -270,8 +281,7 @@ class Study:
             try:
                 code = proc.wait(timeout=budget)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the launcher, its ranks, their workers
-                proc.wait()
+                stop_group(proc)
                 raise StudyError(
                     f"run {name} took over its budget of {budget:.0f} s (--budget-seconds): "
                     f"give it fewer --steps; its output is in {log}"

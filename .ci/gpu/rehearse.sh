@@ -30,6 +30,9 @@ if [ ! -f .science/l128/index.json ]; then
   echo "rehearse: building .science/ (tools/science_data.py)" | tee -a "$log"
   python3 tools/science_data.py >>"$log" 2>&1 || fail "tools/science_data.py failed: see $log"
 fi
+# The env step once before the calls: DeepSpeed's CPU comm op is JIT-built here (a GPU needs none)
+echo "rehearse: run.sh --env-step (installs .whl/ into /tmp/site, builds DeepSpeed's CPU op)" | tee -a "$log"
+PYTHON=$PY GPU_REHEARSE=1 bash .ci/gpu/run.sh --env-step >>"$log" 2>&1 || fail "the env step failed: see $log"
 failed=0
 rows=()
 for call in $CALLS; do

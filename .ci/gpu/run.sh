@@ -178,8 +178,9 @@ EOF
 }
 
 if [ "$MODE" = --env-step ]; then # the env step itself, in its own process under timeout
-  install_wheels
-  exit
+  install_wheels || exit
+  # DeepSpeed's CPU comm op JIT-built once (CPU ranks only: the rehearsal), not in each job
+  exec "$PY" -c "from train.engine import build_extensions; build_extensions()"
 fi
 
 # What each step runs; on a CPU (the rehearsal) the benchmarks take their CPU sizes.
