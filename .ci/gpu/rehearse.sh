@@ -20,19 +20,23 @@ CALLS=${*:-kernels bench jobs science}
 rm -rf "$OUT" && mkdir -p "$OUT" || exit 1
 log=$OUT/rehearse.log
 fail() { echo "rehearse: error: $*" | tee -a "$log" >&2; exit 1; }
+# The books the jobs' datasets are built from go along in .whl/data, as wheels.sh carries them
+if [ -z "${SHATTER_SHARED_DATA:-}" ] && [ -d ../shared/data/books ]; then
+  export SHATTER_SHARED_DATA=$PWD/../shared/data
+fi
 if [ ! -f .whl/image.txt ] || [ setup.cfg -nt .whl/image.txt ]; then
   echo "rehearse: building .whl/ (bash .ci/gpu/wheels.sh)" | tee -a "$log"
   PYTHON=python3 bash .ci/gpu/wheels.sh >>"$log" 2>&1 || fail "bash .ci/gpu/wheels.sh failed: see $log"
 fi
 PY=$(bash .ci/gpu/rehearse_env.sh 2>>"$log" | tail -1)
 [ -x "$PY" ] || fail "the interpreter was not built: see $log (.ci/gpu/rehearse_env.sh)"
-if [ ! -f .science/l128/index.json ]; then
-  echo "rehearse: building .science/ (tools/science_data.py)" | tee -a "$log"
-  python3 tools/science_data.py >>"$log" 2>&1 || fail "tools/science_data.py failed: see $log"
-fi
 # The env step once before the calls: DeepSpeed's CPU comm op is JIT-built here (a GPU needs none)
 echo "rehearse: run.sh --env-step (installs .whl/ into /tmp/site, builds DeepSpeed's CPU op)" | tee -a "$log"
 PYTHON=$PY GPU_REHEARSE=1 bash .ci/gpu/run.sh --env-step >>"$log" 2>&1 || fail "the env step failed: see $log"
+if [ ! -f .science/l128/index.json ]; then
+  echo "rehearse: building .science/ (tools/science_data.py)" | tee -a "$log"
+  PYTHONPATH=$PWD "$PY" tools/science_data.py >>"$log" 2>&1 || fail "tools/science_data.py failed: see $log"
+fi
 failed=0
 rows=()
 for call in $CALLS; do
