@@ -20,10 +20,12 @@ if [ -f "$VENV/.rehearse-$want" ] && "$VENV/bin/python" -c 'import torch, triton
   echo "$VENV/bin/python"
   exit 0
 fi
-base=$(command -v python3.12 || true)
-if [ -z "$base" ] && command -v pyenv >/dev/null; then
-  base=$(ls -d "$(pyenv root)"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1)
-fi
+# pyenv's newest 3.12, else python3.12 on PATH (a pyenv shim there may not run: each is tried)
+base=
+for c in $(ls -d "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V -r) \
+  $(command -v python3.12); do
+  "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && base=$c && break
+done
 [ -n "$base" ] || { echo "rehearse_env.sh: error: no Python 3.12 (pyenv install 3.12, or python3.12 on PATH)" >&2; exit 1; }
 echo "rehearse_env.sh: building $VENV from $base (torch's CUDA build: about 5 GB, a few minutes)" >&2
 rm -rf "$VENV"

@@ -69,7 +69,7 @@ box() { # the box of step $1 in this call's plan, scaled
 # Every process whose environment holds LANE_STEP=$1: a step's leftovers, in any session.
 sweep() {
   local pid found=()
-  for pid in $(grep -lZs "LANE_STEP=$1" /proc/[0-9]*/environ 2>/dev/null | tr '\0' '\n' | cut -d/ -f3); do
+  for pid in $(grep -lzsx "LANE_STEP=$1" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do
     [ "$pid" != $$ ] && found+=("$pid")
   done
   ((${#found[@]})) || return 0
