@@ -2,9 +2,9 @@
 # An interpreter like the GPU image's, on a CPU machine with the package index: CPython 3.12
 # (pyenv's, or python3.12 on PATH) in a venv holding what the image holds of what the lane uses:
 # the image's packages that the project's requirements reach (.whl/image.txt, written by
-# .ci/gpu/wheels.sh, at the image's versions where they are known: torch 2.11.0, Triton 3.6.0,
-# numpy 2.5.2, transformers 5.17.0) and the test tools the image has (pytest, pytest-xdist,
-# pytest-timeout, matplotlib). torch is PyPI's 2.11.0, the image's own build (CUDA 13.0): it
+# .ci/gpu/wheels.sh: torch 2.11.0, Triton 3.6.0, numpy 2.5.2 ... at the image's versions where
+# they are known, the others at what pip picks beside them) and the test tools, matplotlib and
+# transformers 5.17.0 the image has. torch is PyPI's 2.11.0, the image's own build (CUDA 13.0): it
 # runs on a CPU, and no CPU build of torch for CPython 3.12 is on the index this machine
 # reaches. Nothing the lane carries (.whl/) goes in: run.sh installs that into /tmp/site, as on
 # the GPU machine. Kept between runs under GPU_REHEARSE_VENV, rebuilt when its list changes.
@@ -12,7 +12,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=${GPU_REHEARSE_VENV:-$HOME/.cache/shatter/gpu-rehearse-py312}
-TOOLS=(pytest pytest-xdist pytest-timeout matplotlib)
+# beside the requirements' share of the image: its test tools, plot library and Hugging Face
+# stack (the export's parity tests), at the image's versions where they are known
+TOOLS=(pytest pytest-xdist pytest-timeout matplotlib transformers==5.17.0 tokenizers==0.23.2
+  accelerate==1.15.0)
 [ -f .whl/image.txt ] || { echo "rehearse_env.sh: error: no .whl/image.txt (bash .ci/gpu/wheels.sh writes it)" >&2; exit 1; }
 want=$( (cat .whl/image.txt; printf '%s\n' "${TOOLS[@]}") | sort | sha256sum | cut -c1-16)
 if [ -f "$VENV/.rehearse-$want" ] && "$VENV/bin/python" -c 'import torch, triton' 2>/dev/null; then

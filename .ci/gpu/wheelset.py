@@ -4,8 +4,8 @@
     wheelset.py select REPORT IMAGE               name==version to carry, one a line
     wheelset.py stubs REPORT IMAGE DIR            empty wheels standing in for the image's packages
     wheelset.py check WHEELDIR IMAGE [NAME==VER]  one version each; conflicts with known image versions
-    wheelset.py image REPORT IMAGE [NAME==VER]    the image's packages the requirements use, pinned
-                                                  (known versions first): the rehearsal installs them
+    wheelset.py image REPORT IMAGE [NAME==VER]    the image's packages the requirements use (known
+                                                  versions pinned): the rehearsal installs them
 
 REPORT is `pip install --dry-run --report` of the requirements for the GPU machine's Python;
 IMAGE a file of the package names the GPU machine already has, one a line. A package is carried
@@ -155,15 +155,16 @@ def check(wheels: Path, image: set[str], known: dict[str, str]) -> int:
     return 1 if twice or any(x.startswith("error") for x in notes) else 0
 
 
-def image_pins(report: dict[str, dict], image: set[str], known: dict[str, str]) -> list:
-    """(name, version) of the image's packages in the resolver's report, the image's known
-    version where there is one; CUDA's own packages left to torch, which brings its build's."""
+def image_requirements(report: dict[str, dict], image: set[str], known: dict[str, str]) -> list:
+    """The image's packages in the resolver's report: `name==version` where the image's version
+    is known, the bare name elsewhere (pip then picks a release that agrees with the known
+    ones); CUDA's own packages left to torch, which brings its build's."""
     cuda = ("nvidia-", "cuda-")
-    return [
-        (name, known.get(name, meta["version"]))
-        for name, meta in report.items()
+    return sorted(
+        f"{name}=={known[name]}" if name in known else name
+        for name in report
         if name in image and not name.startswith(cuda)
-    ]
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -182,8 +183,7 @@ def main(argv: list[str]) -> int:
                 write_stub(out, name, meta["version"])
     elif argv[:1] == ["image"] and len(argv) >= 3:
         known = dict(canonical_pin(p) for p in argv[3:])
-        for name, version in sorted(image_pins(resolved(argv[1]), read_names(argv[2]), known)):
-            print(f"{name}=={version}")
+        print("\n".join(image_requirements(resolved(argv[1]), read_names(argv[2]), known)))
     elif argv[:1] == ["check"] and len(argv) >= 3:
         known = dict(canonical_pin(p) for p in argv[3:])
         return check(Path(argv[1]), read_names(argv[2]), known)
