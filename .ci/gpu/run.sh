@@ -188,8 +188,11 @@ DEVICE=cuda BENCH_SIZE=base BENCH_STEPS=20 LENGTHS=512,1024,2048 JOB_WORKERS=4 K
 if ((REHEARSE)); then
   DEVICE=cpu BENCH_SIZE=tiny BENCH_STEPS=2 LENGTHS=128 JOB_WORKERS=2 KERNEL_WORKERS=2
 fi
-SCIENCE_ARGS=(--scale gpu-small --data .science/l128 --output "$SCRATCH/science" --budget-seconds 200)
-((REHEARSE)) && SCIENCE_ARGS+=(--steps 6 --budget-seconds 90 --config .ci/gpu/science-cpu.yaml)
+# each model's time box: 200 s of the science step's 470 (two models, then 3 extensions and 5
+# evaluations of seconds each)
+SCIENCE_ARGS=(--scale gpu-small --data .science/l128 --output "$SCRATCH/science"
+  --budget-seconds "$(awk "BEGIN {print int(200 * $SCALE)}")")
+((REHEARSE)) && SCIENCE_ARGS+=(--steps 6 --eval-every 3 --config .ci/gpu/science-cpu.yaml)
 for item in $PLAN; do
   case ${item%%:*} in
     env) step env bash "$0" --env-step ;;
