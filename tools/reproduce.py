@@ -738,30 +738,32 @@ def write_science(study: Study, archs: list[str], lengths: list[int], rows: list
     lines = study.header("Shatter against BERT on one GPU call's budget")
     lines += [
         f"Validation MLM loss at l = {lengths[0]} (the pretraining length) after "
-        f"{study.steps * per_step / 1e6:.1f}M training tokens each, and at l = {lengths[1]} after "
+        f"{study.steps * per_step:,} training tokens each, and at l = {lengths[1]} after "
         f"`shatter-extend --max-len {lengths[1]}` (`copy`/`random`: `--init` of BERT's new "
         "position rows; `none`: no new weights). Wall time: the pretraining's.",
         "",
-        "| arch | paper | params | tokens/s | wall time | val loss l = "
+        "| arch | params | tokens/s | wall time | val loss l = "
         + f"{lengths[0]} | "
         + " | ".join(f"l = {lengths[1]} ({v})" for v in extended)
         + " |",
-        "|---|---|---:|---:|---:|---:|" + "---:|" * len(extended),
+        "|---|---:|---:|---:|---:|" + "---:|" * len(extended),
     ]
     curves = {}
     for arch in archs:
         info = study.summary(arch, 0)
         loss = {r["variant"]: r["loss"] for r in rows if r["arch"] == arch}
         speed = f"{info['tokens_per_s']:,.0f}" if info["tokens_per_s"] else "-"
-        cells = [arch, PAPER_NAMES[arch], f"{info['params']:,}", speed, f"{info['wall_s']:.0f} s"]
+        cells = [arch, f"{info['params']:,}", speed, f"{info['wall_s']:.0f} s"]
         cells += [f"{loss['pretrained']:.3f}"]
         cells += [f"{loss[v]:.3f}" if v in loss else "-" for v in extended]
         lines.append("| " + " | ".join(cells) + " |")
-        curves[PAPER_NAMES[arch]] = [(step * per_step / 1e6, y, 0.0) for step, y in info["curve"]]
+        curves[f"{arch}-{study.scale.size}"] = [
+            (step * per_step, y, 0.0) for step, y in info["curve"]
+        ]
     lines += ["", "![validation loss over tokens](science.png)", ""]
     (study.output / "science.md").write_text("\n".join(lines))
     title = f"validation MLM loss at l = {lengths[0]}, scale {study.scale.name}"
-    plot(curves, study.output / "science.png", "training tokens (millions)", title)
+    plot(curves, study.output / "science.png", "training tokens", title)
     click.echo(f"wrote {study.output / 'science.md'} and science.png", err=True)
 
 

@@ -258,7 +258,7 @@ def test_science_table_and_plot_in_a_budget_of_seconds(studies):
     (shatter,) = table_rows(table, "shatter")
     header = next(line for line in table.splitlines() if line.startswith("| arch "))
     assert "l = 64 (copy)" in header and "l = 64 (random)" in header and "l = 64 (none)" in header
-    losses = lambda row: [float(c) for c in row[5:] if c != "-"]  # noqa: E731
+    losses = lambda row: [float(c) for c in row[4:] if c != "-"]  # noqa: E731
     assert len(losses(bert)) == 3 and len(losses(shatter)) == 2, table
     assert all(math.isfinite(x) for x in losses(bert) + losses(shatter))
     assert_png(out / "science.png")
