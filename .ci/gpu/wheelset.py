@@ -157,11 +157,12 @@ def check(wheels: Path, image: set[str], known: dict[str, str]) -> int:
 
 def image_requirements(report: dict[str, dict], image: set[str], known: dict[str, str]) -> list:
     """The image's packages in the resolver's report: `name==version` where the image's version
-    is known, the bare name elsewhere (pip then picks a release that agrees with the known
-    ones); CUDA's own packages left to torch, which brings its build's."""
+    is known; elsewhere at most the release the resolver chose beside the carried packages (so
+    within their bounds: Beam's protobuf<7, say), pip free to go lower where a known one asks
+    (torch 2.11's setuptools<82); CUDA's own packages left to torch, which brings its build's."""
     cuda = ("nvidia-", "cuda-")
     return sorted(
-        f"{name}=={known[name]}" if name in known else name
+        f"{name}=={known[name]}" if name in known else f"{name}<={report[name]['version']}"
         for name in report
         if name in image and not name.startswith(cuda)
     )
