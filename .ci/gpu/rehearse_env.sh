@@ -3,8 +3,8 @@
 # (pyenv's, or python3.12 on PATH) in a venv holding what the image holds of what the lane uses:
 # the image's packages that the project's requirements reach (.whl/image.txt, written by
 # .ci/gpu/wheels.sh: torch 2.11.0, Triton 3.6.0, numpy 2.5.2 ... at the image's versions where
-# they are known, the others at most at the releases the resolver chose beside the carried packages) and the test tools, matplotlib and
-# transformers 5.17.0 the image has. torch is PyPI's 2.11.0, the image's own build (CUDA 13.0): it
+# they are known, the others at most at the releases the resolver chose beside the carried
+# packages) and the test tools, matplotlib and transformers 5.17.0 the image has. torch is PyPI's 2.11.0, the image's own build (CUDA 13.0): it
 # runs on a CPU, and no CPU build of torch for CPython 3.12 is on the index this machine
 # reaches. Nothing the lane carries (.whl/) goes in: run.sh installs that into /tmp/site, as on
 # the GPU machine. Kept between runs under GPU_REHEARSE_VENV, rebuilt when its list changes.
