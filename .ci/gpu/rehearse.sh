@@ -37,12 +37,13 @@ if [ ! -f .science/l128/index.json ]; then
   echo "rehearse: building .science/ (tools/science_data.py)" | tee -a "$log"
   PYTHONPATH=$PWD "$PY" tools/science_data.py >>"$log" 2>&1 || fail "tools/science_data.py failed: see $log"
 fi
+numpy=$(dirname "$(dirname "$PY")")/interpreter-numpy # Triton 3.6's interpreter's (run.sh)
 failed=0
 rows=()
 for call in $CALLS; do
   t0=$SECONDS
   echo "rehearse: run.sh $call" | tee -a "$log"
-  PYTHON=$PY GPU_REHEARSE=1 GPU_SCALE=$SCALE GPU_BUDGET=$((570 * SCALE)) OUT=$OUT/$call \
+  PYTHON=$PY GPU_REHEARSE=1 GPU_REHEARSE_NUMPY=$numpy GPU_SCALE=$SCALE GPU_BUDGET=$((570 * SCALE)) OUT=$OUT/$call \
     timeout -k 30 $((600 * SCALE)) bash .ci/gpu/run.sh "$call" >>"$log" 2>&1
   rc=$?
   ((rc)) && failed=1

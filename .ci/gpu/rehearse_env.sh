@@ -17,7 +17,8 @@ VENV=${GPU_REHEARSE_VENV:-$HOME/.cache/shatter/gpu-rehearse-py312}
 TOOLS=(pytest pytest-xdist pytest-timeout matplotlib transformers==5.17.0 tokenizers==0.23.2
   accelerate==1.15.0)
 [ -f .whl/image.txt ] || { echo "rehearse_env.sh: error: no .whl/image.txt (bash .ci/gpu/wheels.sh writes it)" >&2; exit 1; }
-want=$( (cat .whl/image.txt; printf '%s\n' "${TOOLS[@]}") | sort | sha256sum | cut -c1-16)
+INTERPRETER_NUMPY='numpy<2.4'
+want=$( (cat .whl/image.txt; printf '%s\n' "${TOOLS[@]}" "$INTERPRETER_NUMPY") | sort | sha256sum | cut -c1-16)
 if [ -f "$VENV/.rehearse-$want" ] && "$VENV/bin/python" -c 'import torch, triton' 2>/dev/null; then
   echo "rehearse_env.sh: $VENV is up to date" >&2
   echo "$VENV/bin/python"
@@ -36,5 +37,8 @@ rm -rf "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip >&2
 # torch first at the image's version: the image list's numpy, transformers ... then find it there
 "$VENV/bin/python" -m pip install -q -r .whl/image.txt "${TOOLS[@]}" >&2
+# Triton 3.6's interpreter (the kernel tests on a CPU) fails under numpy >= 2.4: run.sh puts this
+# numpy ahead for those tests alone (GPU_REHEARSE_NUMPY)
+"$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/interpreter-numpy" "$INTERPRETER_NUMPY" >&2
 touch "$VENV/.rehearse-$want"
 echo "$VENV/bin/python"

@@ -108,11 +108,12 @@ step() {
 # pytest NAME PER_TEST WORKERS ARGS...: a pytest step, each test in PER_TEST seconds (below the
 # box), WORKERS parallel pytest-xdist processes (0: none), the XML kept for the summary.
 pytest_step() {
-  local name=$1 per_test=$2 workers=$3 parallel=()
+  local name=$1 per_test=$2 workers=$3 parallel=() pre=()
   shift 3
   ((workers > 0)) && parallel=(-n "$workers")
+  [[ $name == kernel* ]] && pre=("${KERNEL_ENV[@]}")
   per_test=$(awk "BEGIN {t = int($per_test * $SCALE); b = $(box "$name") - 20; print (t < b ? t : b)}")
-  step "$name" "$PY" -m pytest -q -s -p no:cacheprovider "${parallel[@]}" --timeout "$per_test" \
+  step "$name" "${pre[@]}" "$PY" -m pytest -q -s -p no:cacheprovider "${parallel[@]}" --timeout "$per_test" \
     --junitxml "$SCRATCH/$name.xml" -o junit_family=xunit1 "$@"
 }
 
@@ -184,6 +185,11 @@ if [ "$MODE" = --env-step ]; then # the env step itself, in its own process unde
 fi
 
 # What each step runs; on a CPU (the rehearsal) the benchmarks take their CPU sizes.
+# The rehearsal runs the kernel tests under Triton's interpreter, which in Triton 3.6 (the image's)
+# takes int() of 1-element arrays, an error from numpy 2.4 on: there they get the numpy<2.4 that
+# .ci/gpu/rehearse_env.sh puts in GPU_REHEARSE_NUMPY (the GPU's compiled kernels never meet it).
+KERNEL_ENV=()
+[ -n "${GPU_REHEARSE_NUMPY:-}" ] && KERNEL_ENV=(env "PYTHONPATH=$GPU_REHEARSE_NUMPY:$PYTHONPATH")
 DEVICE=cuda BENCH_SIZE=base BENCH_STEPS=20 LENGTHS=512,1024,2048 JOB_WORKERS=4 KERNEL_WORKERS=8
 if ((REHEARSE)); then
   DEVICE=cpu BENCH_SIZE=tiny BENCH_STEPS=2 LENGTHS=128 JOB_WORKERS=2 KERNEL_WORKERS=2
