@@ -39,16 +39,16 @@ SCALE=${GPU_SCALE:-1}
 REHEARSE=${GPU_REHEARSE:-0}
 # Each call: its steps, each `name:box` in seconds, run in this order.
 case $MODE in
-  kernels) PLAN="env:60 kernel_base:120 kernels:330" ;;
-  bench) PLAN="env:60 bench_kernel:170 bench_model:130 bench_train:160" ;;
-  jobs) PLAN="env:60 jobs:450" ;;
-  science) PLAN="env:60 science:470" ;;
-  all) PLAN="env:60 kernel_base:90 bench_kernel:100 bench_model:70 bench_train:80 jobs:140" ;;
+  kernels) PLAN="env:90 kernel_base:120 kernels:300" ;;
+  bench) PLAN="env:90 bench_kernel:160 bench_model:130 bench_train:160" ;;
+  jobs) PLAN="env:90 jobs:450" ;;
+  science) PLAN="env:90 science:450" ;;
+  all) PLAN="env:90 kernel_base:80 bench_kernel:90 bench_model:70 bench_train:70 jobs:140" ;;
   rehearse) exec bash .ci/gpu/rehearse.sh "$@" ;;
   --env-step) ;;
   *) echo "run.sh: error: unknown call '$MODE' (kernels, bench, jobs, science, all or rehearse) in $0" >&2; exit 2 ;;
 esac
-((REHEARSE)) && [ "$MODE" = kernels ] && PLAN="$PLAN kernel_report:240"
+((REHEARSE)) && [ "$MODE" = kernels ] && PLAN="$PLAN kernel_report:200"
 [ "$MODE" = --env-step ] || mkdir -p "$OUT" || { echo "run.sh: error: cannot create $OUT (OUT)" >&2; exit 1; }
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ -z "${SHATTER_SHARED_DATA:-}" ] && [ -d .whl/data ]; then
@@ -194,7 +194,7 @@ DEVICE=cuda BENCH_SIZE=base BENCH_STEPS=20 LENGTHS=512,1024,2048 JOB_WORKERS=4 K
 if ((REHEARSE)); then
   DEVICE=cpu BENCH_SIZE=tiny BENCH_STEPS=2 LENGTHS=128 JOB_WORKERS=2 KERNEL_WORKERS=2
 fi
-# each model's time box: 200 s of the science step's 470 (two models, then 3 extensions and 5
+# each model's time box: 200 s of the science step's 450 (two models, then 3 extensions and 5
 # evaluations of seconds each)
 SCIENCE_ARGS=(--scale gpu-small --data .science/l128 --output "$SCRATCH/science"
   --budget-seconds "$(awk "BEGIN {print int(200 * $SCALE)}")")
@@ -206,7 +206,7 @@ for item in $PLAN; do
       tests/shatter/test_triton_kernel.py -k base_shape "$@" ;;
     kernels) pytest_step kernels 150 "$KERNEL_WORKERS" -m gpu tests/shatter -k "not base_shape" "$@" ;;
     kernel_report) step kernel_report "$PY" tools/kernel_report.py --arch 80,90 --shape base \
-      --length 509 ;;
+      --dtype bf16 --length 509 ;;
     bench_kernel) if [ "$DEVICE" = cuda ]; then
       step bench_kernel "$PY" tools/bench_kernel.py --lengths 128,256,512,1024 --dtype bf16
     else SUMMARY+=("bench_kernel: not rehearsed (it times CUDA kernels)"); fi ;;
