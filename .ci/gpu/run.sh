@@ -190,9 +190,11 @@ fi
 # .ci/gpu/rehearse_env.sh puts in GPU_REHEARSE_NUMPY (the GPU's compiled kernels never meet it).
 KERNEL_ENV=()
 [ -n "${GPU_REHEARSE_NUMPY:-}" ] && KERNEL_ENV=(env "PYTHONPATH=$GPU_REHEARSE_NUMPY:$PYTHONPATH")
-DEVICE=cuda BENCH_SIZE=base BENCH_STEPS=20 LENGTHS=512,1024,2048 JOB_WORKERS=4 KERNEL_WORKERS=8
+DEVICE=cuda BENCH_SIZE=base BENCH_STEPS=20 JOB_WORKERS=4 KERNEL_WORKERS=8
+MODEL_ARGS=(--lengths 512,1024,2048 --batch-tokens 16384)
 if ((REHEARSE)); then
-  DEVICE=cpu BENCH_SIZE=tiny BENCH_STEPS=2 LENGTHS=128 JOB_WORKERS=2 KERNEL_WORKERS=2
+  DEVICE=cpu BENCH_SIZE=tiny BENCH_STEPS=2 JOB_WORKERS=2 KERNEL_WORKERS=2
+  MODEL_ARGS=(--size tiny --lengths 128 --batch-tokens 512 --repeats 1)
 fi
 # each model's time box: 200 s of the science step's 450 (two models, then 3 extensions and 5
 # evaluations of seconds each)
@@ -210,8 +212,8 @@ for item in $PLAN; do
     bench_kernel) if [ "$DEVICE" = cuda ]; then
       step bench_kernel "$PY" tools/bench_kernel.py --lengths 128,256,512,1024 --dtype bf16
     else SUMMARY+=("bench_kernel: not rehearsed (it times CUDA kernels)"); fi ;;
-    bench_model) step bench_model "$PY" tools/bench_model.py --device "$DEVICE" \
-      --lengths "$LENGTHS" --batch-tokens 16384 --markdown ;;
+    bench_model) step bench_model "$PY" tools/bench_model.py --device "$DEVICE" "${MODEL_ARGS[@]}" \
+      --markdown ;;
     bench_train) step bench_train "$PY" tools/bench_train.py --device "$DEVICE" --precision bf16 \
       --vs-bare --sizes "$BENCH_SIZE" --archs bert,shatter,bert-rpe,bert-rab --steps "$BENCH_STEPS" ;;
     jobs) pytest_step jobs 150 "$JOB_WORKERS" -m gpu tests/train/test_gpu.py \
