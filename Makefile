@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX ?=
 export TORCH_INDEX
 
-.PHONY: setup test test-gpu demo clean
+.PHONY: setup test test-gpu demo clean rehearse-gpu science-data
 
 setup: $(STAMP)
 
@@ -37,6 +37,15 @@ test: setup
 # skip without CUDA.
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu -s
+
+# The GPU lane (.ci/gpu/run.sh) rehearsed on this CPU machine in an interpreter like the GPU
+# image's: every call, where what could fail is not the GPU (docs/benchmarks.md).
+rehearse-gpu:
+	bash .ci/gpu/run.sh rehearse
+
+# The science call's dataset, carried to the GPU machine in .science/ (docs/results.md).
+science-data: setup
+	$(PY) tools/science_data.py
 
 demo: setup
 	$(PY) tools/demo.py

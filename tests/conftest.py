@@ -30,7 +30,9 @@ from train.engine import extensions_dir  # noqa: E402
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
 
 REPO = Path(__file__).resolve().parents[1]
-pytest_plugins = ("tests.s3server",)  # `s3_server`: a real S3 server on loopback
+pytest_plugins = ("tests.s3server",)
+from tests.jobs import jobs_end_with_their_test  # noqa: E402, F401 (autouse)  # `s3_server`: a real S3 server on loopback
+
 SHARED_DATA = Path(os.environ.get("SHATTER_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 

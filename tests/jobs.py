@@ -8,7 +8,43 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+def child_env(base: dict | None = None, **extra: str) -> dict:
+    """`base` (os.environ) for a child process: the checkout ahead on PYTHONPATH, the caller's
+    own entries kept after it, so the child imports what its caller imports (the GPU lane's
+    carried packages among them), then `extra` set."""
+    env = dict(os.environ if base is None else base)
+    paths = [str(REPO), *env.get("PYTHONPATH", "").split(os.pathsep)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    return {**env, **extra}
+
+
+RUNNING: list["Job"] = []
+
+
+def end_jobs() -> None:
+    """Kill every job still running with its ranks and workers: a test that failed or ran out of
+    its time (pytest-timeout) mid-job must not leave one busy (tests/conftest.py, per test)."""
+    while RUNNING:
+        job = RUNNING.pop()
+        if job.proc.poll() is None:
+            try:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            job.proc.wait(30)
+
+
+@pytest.fixture(autouse=True)
+def jobs_end_with_their_test():
+    """A job a test started ends with the test, also one cut by its timeout (tests/conftest.py
+    uses this fixture for every test)."""
+    yield
+    end_jobs()
 
 
 class Job:
@@ -22,11 +58,12 @@ class Job:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+            env=child_env(**(env or {})),
             start_new_session=True,
         )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
+        RUNNING.append(self)
 
     def _read(self):
         for line in self.proc.stdout:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.jobs import Job, child_env, finish_soon
+
 REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("wheelset", REPO / ".ci" / "gpu" / "wheelset.py")
 wheelset = importlib.util.module_from_spec(spec)
@@ -112,37 +114,60 @@ def test_project_requirements_are_setup_cfgs():
     assert not any(r.startswith("#") or r.startswith("pytest") for r in reqs)
 
 
-def test_run_sh_dry_run_names_every_step_and_options_the_tools_have(tmp_path):
-    env = {**os.environ, "GPU_DRY": "1", "OUT": str(tmp_path)}
+def dry_run(call: str, out: Path, *args: str) -> list[tuple[int, str]]:
+    """(box seconds, command) of each step `GPU_DRY=1 .ci/gpu/run.sh CALL` lists."""
+    env = {**os.environ, "GPU_DRY": "1", "OUT": str(out)}
     done = subprocess.run(
-        ["bash", ".ci/gpu/run.sh", "all", "-k", "kernel"],
+        ["bash", ".ci/gpu/run.sh", call, *args],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert done.returncode == 0, done.stderr
-    commands = [x for x in done.stdout.splitlines() if x.startswith("+ timeout ")]
-    assert len(commands) == 5, done.stdout
-    assert "-m pytest -q -s -m gpu --timeout 300 --junitxml" in commands[1], commands[1]
-    assert " -x " not in commands[1] and commands[1].endswith("-k kernel")
-    for command in commands[2:]:
-        tool = re.search(r"tools/(\w+)\.py", command).group(1)
-        source = (REPO / "tools" / f"{tool}.py").read_text()
-        for option in re.findall(r" (--[a-z-]+)", command):
-            assert f'"{option}"' in source, (tool, option)
-    summary = (tmp_path / "summary.txt").read_text()
-    assert summary.count("dry run") == 5
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = re.findall(r"^\+ \[(\d+) s\] (.*)$", done.stdout, re.M)
+    return [(int(box), command) for box, command in steps]
+
+
+@pytest.mark.parametrize("call", ["kernels", "bench", "jobs", "science", "all"])
+def test_each_call_fits_ten_minutes_with_tests_timed_out_inside_their_box(tmp_path, call):
+    steps = dry_run(call, tmp_path, "-k", "x")
+    assert sum(box for box, _ in steps) <= 540, steps
+    assert steps[0][1].endswith("--env-step"), steps
+    for box, command in steps:
+        timeout = re.search(r"--timeout (\d+)", command)
+        assert timeout is None or int(timeout.group(1)) < box, (box, command)
+        assert " -x " not in command  # every test runs
+        tool = re.search(r"tools/(\w+)\.py", command)
+        if tool:  # options the tool has
+            source = (REPO / "tools" / f"{tool.group(1)}.py").read_text()
+            for option in re.findall(r" (--[a-z-]+)", command):
+                assert f'"{option}"' in source, (tool.group(1), option)
+    assert (tmp_path / "summary.txt").read_text().count("dry run") == len(steps)
+
+
+def test_all_runs_the_rare_slot_s_priorities_in_order(tmp_path):
+    """The paper's base-shape kernels first, then bench_kernel, the whole-step benchmarks,
+    and the DeepSpeed jobs last (in parallel, as the kernel tests)."""
+    commands = [command for _, command in dry_run("all", tmp_path)]
+    order = ["--env-step", "-k base_shape", "bench_kernel", "bench_model", "bench_train", "jobs"]
+    assert [next(i for i, c in enumerate(commands) if k in c) for k in order] == list(range(6))
+    assert " -n " in commands[1] and " -n " in commands[5]
+    kernels = [command for _, command in dry_run("kernels", tmp_path)]
+    assert "base_shape" in kernels[1] and "not base_shape" in kernels[2]
+
+
+def test_an_unknown_call_is_refused(tmp_path):
     bad = subprocess.run(
         ["bash", ".ci/gpu/run.sh", "benchmarks"],
         cwd=REPO,
-        env=env,
+        env={**os.environ, "GPU_DRY": "1", "OUT": str(tmp_path)},
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert bad.returncode == 2 and "unknown step 'benchmarks'" in bad.stderr
+    assert bad.returncode == 2 and "unknown call 'benchmarks'" in bad.stderr
 
 
 def test_the_lane_s_table_lists_every_test_with_its_result_and_seconds(tmp_path):
@@ -177,3 +202,40 @@ def test_the_lane_s_table_lists_every_test_with_its_result_and_seconds(tmp_path)
     assert "1 pass, 2 FAIL, 1 skip" in table
     assert "test_lane::test_bad: AssertionError: one is not two" in table, table
     assert "test_lane::test_hangs: Failed: Timeout" in table, table
+
+
+def test_a_child_job_keeps_the_caller_s_pythonpath(tmp_path, monkeypatch):
+    """The GPU lane carries its packages on PYTHONPATH (/tmp/site): a job the tests start (the
+    deepspeed launcher, its ranks, finetune) must still import them beside the checkout."""
+    carried = tmp_path / "site"
+    (carried / "carried_probe").mkdir(parents=True)
+    (carried / "carried_probe" / "__init__.py").write_text("NAME = 'carried'\n")
+    monkeypatch.setenv("PYTHONPATH", str(carried))
+    probe = "import carried_probe, train; print(carried_probe.NAME, train.__file__)"
+    job = Job([sys.executable, "-c", probe])
+    text = finish_soon(job, timeout=60)
+    assert text.startswith("carried ") and str(REPO / "train") in text, text
+    assert child_env({"PYTHONPATH": "a:b"}, X="1") == {"PYTHONPATH": f"{REPO}:a:b", "X": "1"}
+
+
+def test_a_job_cut_by_its_test_s_timeout_ends_with_the_test(tmp_path):
+    """pytest-timeout ends a test mid-job: the job's process group (its own session, where the
+    deepspeed launcher's ranks live) ends with it, not after the lane's step."""
+    (tmp_path / "test_cut.py").write_text(
+        "import sys, time\n"
+        "from tests.jobs import Job, jobs_end_with_their_test\n"
+        "def test_cut():\n"
+        f"    job = Job([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"    open({str(tmp_path / 'pid')!r}, 'w').write(str(job.proc.pid))\n"
+        "    time.sleep(60)\n"
+    )
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "3"]
+    cmd += ["--rootdir", str(REPO), "-c", str(REPO / "setup.cfg"), str(tmp_path / "test_cut.py")]
+    done = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=child_env()
+    )
+    assert done.returncode == 1 and "Timeout" in done.stdout, done.stdout[-2000:]
+    pid = int((tmp_path / "pid").read_text())
+    assert (
+        not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    )

@@ -22,6 +22,8 @@ backward kernels and the PyTorch glue between them (CUDA time per group). Needs 
 
 from __future__ import annotations
 
+import math
+
 import click
 import torch
 import torch.nn.functional as F
@@ -117,6 +119,22 @@ def profile_split(fn, leaves, repeats: int = 5) -> dict[str, float]:
     return split
 
 
+def first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [""])[0][:100]
+
+
+def timed(name: str, fn, leaves, L: int, B: int) -> tuple[float, float]:
+    """(fwd ms, fwd+bwd ms), or NaNs after a row naming the failure: any contender's error (no
+    flash kernel for this dtype, a Triton compile or out-of-resources error, out of memory)
+    leaves the other contenders and lengths to run."""
+    try:
+        return timings(fn, leaves)
+    except Exception as e:  # noqa: BLE001
+        print(f"| {L} | {B} | {name} | failed: {type(e).__name__}: {first_line(e)} | | | |")
+        torch.cuda.empty_cache()
+        return float("nan"), float("nan")
+
+
 @click.command()
 @click.option("--lengths", default="128,256,512,1024", show_default=True)
 @click.option("--shape", default="base", show_default=True, type=click.Choice(list(SHAPES)))
@@ -143,17 +161,17 @@ def main(lengths, shape, dtype, batch_tokens, arch):
     for L in ls:
         B = max(1, batch_tokens // L)
         runs = contenders(B, L, d, n, DTYPES[dtype], *ARCHS[arch])
-        times = {}
+        ref = (float("nan"), float("nan"))  # sdpa-flash's, timed first
         for name, (fn, leaves) in runs.items():
-            try:
-                times[name] = timings(fn, leaves)
-            except RuntimeError as e:  # e.g. no flash kernel for this dtype/GPU: say so, go on
-                print(f"| {L} | {B} | {name} | failed: {str(e).splitlines()[0][:80]} | | | |")
-        ref = times.get("sdpa-flash", (float("nan"), float("nan")))
-        for name, (fwd, both) in times.items():
-            print(f"| {L} | {B} | {name} | {fwd:.3f} | {both:.3f} | "
-                  f"{fwd / ref[0]:.2f} | {both / ref[1]:.2f} |")  # fmt: skip
-        splits[L] = profile_split(*runs["triton"])
+            fwd, both = timed(name, fn, leaves, L, B)
+            ref = (fwd, both) if name == "sdpa-flash" else ref
+            if not math.isnan(fwd):  # one line per contender as it is timed: a cut run keeps them
+                print(f"| {L} | {B} | {name} | {fwd:.3f} | {both:.3f} | "
+                      f"{fwd / ref[0]:.2f} | {both / ref[1]:.2f} |", flush=True)  # fmt: skip
+        try:
+            splits[L] = profile_split(*runs["triton"])
+        except Exception as e:  # noqa: BLE001 (the table above stands without the split)
+            print(f"| {L} | profile of triton failed: {type(e).__name__}: {first_line(e)} |")
     print("\ntriton fwd+bwd, torch.profiler CUDA time per group (ms)")
     print("| l | GEMMs | mixing fwd | mixing bwd | glue | total |")
     print("|---|---|---|---|---|---|")

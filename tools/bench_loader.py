@@ -142,7 +142,10 @@ def worker_run(root: Path, checkout: str, batch: int, before: int, after: int) -
     import json
     import subprocess
 
-    env = {**os.environ, "PYTHONPATH": checkout}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [checkout, os.environ.get("PYTHONPATH")])),
+    }
     argv = [str(root), batch, before, after, 1]
     done = subprocess.run(
         [sys.executable, "-c", WORKER, *map(str, argv)],

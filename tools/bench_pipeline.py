@@ -128,7 +128,10 @@ def bench_build(
         *beam_args,
     ]
     start = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     elapsed = time.perf_counter() - start
     if proc.returncode:

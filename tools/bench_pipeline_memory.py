@@ -65,7 +65,8 @@ sys.exit(os.waitstatus_to_exitcode(status))
 def measure(cmd: list[str]) -> tuple[float, float, str]:
     """(wall seconds, peak RSS in GB of the build's process and its children, stderr tail)."""
     env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     )
     with tempfile.TemporaryFile() as err, tempfile.TemporaryDirectory() as tmp:
         peak_file = Path(tmp) / "maxrss"

@@ -72,6 +72,12 @@ def main() -> None:
         default=None,
         help="trainer loop vs bare model step (default: on with --device cuda)",
     )
+    parser.add_argument(
+        "--save",
+        action="store_true",
+        help="--vs-bare: the trainer checkpoints and exports at its last step, as a run does "
+        "(off: the timing needs neither, and a base-size save costs seconds per contender)",
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_train.py: --device cuda but torch sees no CUDA device; use --device cpu")
@@ -205,7 +211,7 @@ def trainer_tokens_per_s(model, index, data_dir: Path, run_dir: Path, args) -> d
     engine = build_engine(model, cfg, deepspeed_config(cfg, 1))
     run_dir.mkdir(parents=True, exist_ok=True)
     writer = MetricsWriter(run_dir, 0, False)
-    ctx = RunContext(cfg, index, engine, 0, 1, run_dir, args.seq_len, writer, StopFlag())
+    ctx = RunContext(cfg, index, engine, 0, 1, run_dir, args.seq_len, writer, StopFlag(), args.save)
     train(ctx, checkpoint.TrainState())
     engine.destroy()
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -232,7 +238,15 @@ def trainer_vs_bare(args) -> None:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    rows = []
+    print(
+        f"{args.device}, {args.precision}, ZeRO-{args.zero_stage}, micro-batch {args.micro_batch} "
+        f"x length {args.seq_len}, {args.steps} timed steps (load average {os.getloadavg()[0]:.2f})"
+    )
+    print(
+        f"{'model':16s}{'trainer tok/s':>15s}{'MFU':>7s}{'bare tok/s':>13s}{'ratio':>8s}"
+        f"{'trainer GiB':>13s}{'bare GiB':>10s}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = synthetic_dataset(Path(tmp), 4096, args.seq_len, 32000, 1)
         index = read_index(data_dir)
@@ -254,24 +268,19 @@ def trainer_vs_bare(args) -> None:
                     name, vocab_size=32000, max_len=max(512, args.seq_len)
                 ).to(device)
                 bare = bare_tokens_per_s(bare_model, batches, args.precision, device, args.steps)
-                rows.append((name, record, trainer_peak, bare, peak_gib(device)))
+                print_row(name, record, trainer_peak, bare, peak_gib(device))  # as it comes
                 del bare_model
-    print(
-        f"{args.device}, {args.precision}, ZeRO-{args.zero_stage}, micro-batch {args.micro_batch} "
-        f"x length {args.seq_len}, {args.steps} timed steps (load average {os.getloadavg()[0]:.2f})"
-    )
-    print(
-        f"{'model':16s}{'trainer tok/s':>15s}{'MFU':>7s}{'bare tok/s':>13s}{'ratio':>8s}"
-        f"{'trainer GiB':>13s}{'bare GiB':>10s}"
-    )
+
+
+def print_row(name: str, record: dict, trainer_peak, bare: float, bare_peak) -> None:
     gib = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
-    for name, record, trainer_peak, bare, bare_peak in rows:
-        mfu = record.get("mfu")
-        print(
-            f"{name:16s}{record['tokens_per_s']:15,.0f}{(f'{mfu:.1%}' if mfu else '-'):>7s}"
-            f"{bare:13,.0f}{record['tokens_per_s'] / bare:8.2f}"
-            f"{gib(trainer_peak):>13s}{gib(bare_peak):>10s}"
-        )
+    mfu = record.get("mfu")
+    print(
+        f"{name:16s}{record['tokens_per_s']:15,.0f}{(f'{mfu:.1%}' if mfu else '-'):>7s}"
+        f"{bare:13,.0f}{record['tokens_per_s'] / bare:8.2f}"
+        f"{gib(trainer_peak):>13s}{gib(bare_peak):>10s}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

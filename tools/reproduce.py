@@ -2,6 +2,13 @@
 
     python tools/reproduce.py ablation  --scale cpu --input wiki=DUMP.xml.bz2 --output runs/study
     python tools/reproduce.py extension --scale cpu --input wiki=DUMP.xml.bz2 --output runs/study
+    python tools/reproduce.py science --scale gpu-small --data .science/l128 --output runs/science \
+        --budget-seconds 200
+
+`science` is one GPU call's answer (.ci/gpu/run.sh science): bert and shatter pretrained for the
+same tokens, each in a time box of --budget-seconds, evaluated at l_train and, after
+`shatter-extend`, at 2 l_train (bert with --init copy and random): OUTPUT/science.md (one table)
+and science.png (validation loss over tokens).
 
 Every step is a user-facing command run as a subprocess, so the study exercises exactly the code
 users run: `shatter-data build` (the training data at l_train, and validation data at 2x and 4x
@@ -21,6 +28,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -68,6 +77,7 @@ PAPER_STEPS = [
     ("shatter", "bert", 0, "Shatter matches BERT_Base's valid loss (§3.3)"),
 ]
 EXTENSION_ARCHS = ("shatter", "bert", "bert-rpe", "bert-rab", "no-position")
+SCIENCE_ARCHS = ["bert", "shatter"]  # one GPU call's pair (Figure 3's ends, Tables 1-2's claim)
 INITS = ("random", "copy")  # shatter-extend --init, for archs with absolute position rows
 
 
@@ -109,6 +119,34 @@ SCALES = {
                 "zero_stage": 1,
                 "save_every": 200,
                 "log_every": 10,
+                "keep_checkpoints": 1,
+                "progress": False,
+            },
+        },
+    ),
+    # One GPU call (.ci/gpu/run.sh science): the small preset at l = 128 on the carried dataset
+    # (tools/science_data.py, ~1M training tokens: dynamic masking gives each epoch new masks),
+    # one GPU, bf16, 128 rows a step (16k tokens), 2000 steps = 33M tokens per model, which
+    # should take under the step's 200 s per model on an H100 (a guess until a GPU times it:
+    # the run then fails on its budget, naming it, rather than overrunning the call).
+    "gpu-small": Scale(
+        name="gpu-small",
+        size="small",
+        seq_len=128,
+        steps=2000,
+        eval_every=200,
+        ranks=1,
+        vocab_size=8000,
+        config={
+            "data": {"masking": "dynamic", "num_workers": 2, "eval_samples": 512},
+            "optim": {"lr": 1.0e-3, "warmup_steps": 200},
+            "run": {
+                "micro_batch": 128,
+                "grad_accum": 1,
+                "precision": "bf16",
+                "zero_stage": 0,
+                "save_every": 0,
+                "log_every": 50,
                 "keep_checkpoints": 1,
                 "progress": False,
             },
@@ -175,6 +213,17 @@ def fmt(mean: float, std: float | None, digits: int = 3) -> str:
     return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
 
 
+def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM to the process group of `proc` (the launcher, its ranks, their workers: the
+    trainer saves and exits, a JIT build releases its lock), SIGKILL after `grace_s`."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 class Study:
     """The shared machinery: data, runs, progress, failures."""
 
@@ -194,6 +243,7 @@ class Study:
         self.corpus = opts["corpus"]
         self.vocab_size = opts["vocab_size"] or scale.vocab_size
         self.data_arg = opts["data"]
+        self.budget = opts.get("budget_seconds")  # a pretraining run's time box (None: none)
         config = scale.config
         if opts["config"]:
             extra = yaml.safe_load(Path(opts["config"]).read_text()) or {}
@@ -216,15 +266,26 @@ class Study:
 
     # -- subprocesses ------------------------------------------------------------------------
 
-    def execute(self, name: str, cmd: list, log: Path) -> float:
-        """Run `cmd` with its output in `log` (appended); a failure ends the study in one line."""
+    def execute(self, name: str, cmd: list, log: Path, budget: float | None = None) -> float:
+        """Run `cmd` with its output in `log` (appended), in `budget` seconds when given; a
+        failure ends the study in one line."""
         cmd = [str(c) for c in cmd]
         log.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         with open(log, "a") as f:
             f.write(f"\n$ {' '.join(cmd)}\n")
             f.flush()
-            code = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
+            proc = subprocess.Popen(
+                cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                code = proc.wait(timeout=budget)
+            except subprocess.TimeoutExpired:
+                stop_group(proc)
+                raise StudyError(
+                    f"run {name} took over its budget of {budget:.0f} s (--budget-seconds): "
+                    f"give it fewer --steps; its output is in {log}"
+                ) from None
         if code != 0:
             raise StudyError(
                 f"run {name} failed (exit {code}): {' '.join(cmd)}; its output is in {log}"
@@ -287,9 +348,9 @@ class Study:
         index = json.loads((train / "index.json").read_text())
         if index["seq_len"] == seq_len:
             return train
-        out = self.output / "data" / f"l{seq_len}"
-        if (out / "index.json").is_file():
-            return out
+        for out in (train.parent / f"l{seq_len}", self.output / "data" / f"l{seq_len}"):
+            if (out / "index.json").is_file():  # beside --data (tools/science_data.py), or built
+                return out
         config = index.get("config", {})
         inputs = self.inputs or [
             f"{item['corpus']}={item['path']}" for item in config.get("inputs", [])
@@ -365,7 +426,7 @@ class Study:
         launch = cmd
         if self.ranks > 1:  # a port of its own: two studies on one host must not share a master
             launch = [*cmd[:3], "--master_port", str(free_port()), *cmd[3:]]
-        seconds = self.execute(run.name, launch, run / "reproduce.log")
+        seconds = self.execute(run.name, launch, run / "reproduce.log", self.budget)
         if not self.finished(run):
             raise StudyError(
                 f"run {run.name} ended without an export at step {self.steps}: {' '.join(cmd)}; "
@@ -597,17 +658,7 @@ def run_extension(study: Study, archs: list[str]) -> None:
             models = [(run / "export", "pretrained", study.seq_len)]
             for length in lengths[1:]:
                 for init in variants[arch]:
-                    out = study.output / "extended" / f"{arch}-s{seed}-{length}-{init}"
-                    models.append((out, init, length))
-                    name = out.name
-                    if (out / "config.json").is_file():
-                        study.progress("extend", name, None)
-                        continue
-                    cmd = [BIN / "shatter-extend", run / "export", "--max-len", length]
-                    cmd += ["--output", out, "--seed", seed, "--overwrite"]
-                    cmd += ["--init", init] if init != "none" else []
-                    seconds = study.execute(f"extend {name}", cmd, out.with_suffix(".log"))
-                    study.progress("extend", name, seconds)
+                    models.append((extend(study, arch, seed, length, init), init, length))
             for model, variant, max_len in models:
                 name = f"{arch}-s{seed}-{variant}-{max_len}"
                 results = {
@@ -632,6 +683,88 @@ def run_extension(study: Study, archs: list[str]) -> None:
                     )
     append_results(study.output, "extension", rows)
     write_extension(study, archs, lengths, rows)
+
+
+def extend(study: Study, arch: str, seed: int, length: int, init: str) -> Path:
+    """`shatter-extend` of a run's export to `length` (`--init` unless "none"), once."""
+    out = study.output / "extended" / f"{arch}-s{seed}-{length}-{init}"
+    if (out / "config.json").is_file():
+        study.progress("extend", out.name, None)
+        return out
+    cmd = [BIN / "shatter-extend", study.run_dir(arch, seed) / "export", "--max-len", length]
+    cmd += ["--output", out, "--seed", seed, "--overwrite"]
+    cmd += ["--init", init] if init != "none" else []
+    seconds = study.execute(f"extend {out.name}", cmd, out.with_suffix(".log"))
+    study.progress("extend", out.name, seconds)
+    return out
+
+
+# -- one GPU call's science ------------------------------------------------------------------
+
+
+def run_science(study: Study, archs: list[str]) -> None:
+    """Each arch pretrained for the same tokens (its time box: --budget-seconds), evaluated at
+    l_train, then extended to 2 l_train and evaluated there."""
+    data = study.train_data()
+    lengths = [study.seq_len, 2 * study.seq_len]
+    variants = {a: list(INITS) if ATTENTIONS[a].absolute_positions else ["none"] for a in archs}
+    study.planned = {
+        "pretrain": len(archs),
+        "extend": sum(len(v) for v in variants.values()),
+        "evaluate": len(archs) + sum(len(v) for v in variants.values()),
+    }
+    eval_data = {length: study.data_at(data, length) for length in lengths}
+    for arch in archs:
+        study.pretrain(arch, 0, data)
+    max_samples = study.config.get("data", {}).get("eval_samples")
+    rows = []
+    for arch in archs:
+        models = [(study.run_dir(arch, 0) / "export", "pretrained", lengths[0])]
+        models += [(extend(study, arch, 0, lengths[1], v), v, lengths[1]) for v in variants[arch]]
+        for model, variant, length in models:
+            name = f"{arch}-{variant}-{length}"
+            result = study.output / "eval" / f"{name}.json"
+            evaluate_model(study, name, model, eval_data, {length: result}, max_samples)
+            got = read_json(result)
+            rows.append({"arch": arch, "variant": variant, "length": length, "loss": got["loss"]})
+    append_results(study.output, "science", rows)
+    write_science(study, archs, lengths, rows)
+
+
+def write_science(study: Study, archs: list[str], lengths: list[int], rows: list[dict]) -> None:
+    """OUTPUT/science.md (one table) and science.png (validation loss over tokens)."""
+    per_step = study.config["run"]["micro_batch"] * study.ranks * study.seq_len
+    extended = sorted({r["variant"] for r in rows} - {"pretrained"})
+    lines = study.header("Shatter against BERT on one GPU call's budget")
+    lines += [
+        f"Validation MLM loss at l = {lengths[0]} (the pretraining length) after "
+        f"{study.steps * per_step:,} training tokens each, and at l = {lengths[1]} after "
+        f"`shatter-extend --max-len {lengths[1]}` (`copy`/`random`: `--init` of BERT's new "
+        "position rows; `none`: no new weights). Wall time: the pretraining's.",
+        "",
+        "| arch | params | tokens/s | wall time | val loss l = "
+        + f"{lengths[0]} | "
+        + " | ".join(f"l = {lengths[1]} ({v})" for v in extended)
+        + " |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(extended),
+    ]
+    curves = {}
+    for arch in archs:
+        info = study.summary(arch, 0)
+        loss = {r["variant"]: r["loss"] for r in rows if r["arch"] == arch}
+        speed = f"{info['tokens_per_s']:,.0f}" if info["tokens_per_s"] else "-"
+        cells = [arch, f"{info['params']:,}", speed, f"{info['wall_s']:.0f} s"]
+        cells += [f"{loss['pretrained']:.3f}"]
+        cells += [f"{loss[v]:.3f}" if v in loss else "-" for v in extended]
+        lines.append("| " + " | ".join(cells) + " |")
+        curves[f"{arch}-{study.scale.size}"] = [
+            (step * per_step, y, 0.0) for step, y in info["curve"]
+        ]
+    lines += ["", "![validation loss over tokens](science.png)", ""]
+    (study.output / "science.md").write_text("\n".join(lines))
+    title = f"validation MLM loss at l = {lengths[0]}, scale {study.scale.name}"
+    plot(curves, study.output / "science.png", "training tokens", title)
+    click.echo(f"wrote {study.output / 'science.md'} and science.png", err=True)
 
 
 def write_extension(study: Study, archs: list[str], lengths: list[int], rows: list[dict]) -> None:
@@ -719,7 +852,7 @@ def write_extension(study: Study, archs: list[str], lengths: list[int], rows: li
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("which", type=click.Choice(["ablation", "extension"]))
+@click.argument("which", type=click.Choice(["ablation", "extension", "science"]))
 @click.option("--scale", type=click.Choice(sorted(SCALES)), default="cpu", show_default=True)
 @click.option("--output", required=True, type=click.Path(path_type=Path), help="Study directory.")
 @click.option(
@@ -748,6 +881,11 @@ def write_extension(study: Study, archs: list[str], lengths: list[int], rows: li
 @click.option("--seq-len", type=int, help="l_train (default: the scale's, 128 cpu / 256 gpu).")
 @click.option("--eval-every", type=int, help="Steps between validation passes.")
 @click.option("--ranks", type=int, help="Training processes (cpu: 2; gpu: every visible GPU).")
+@click.option(
+    "--budget-seconds",
+    type=click.FloatRange(min=1),
+    help="Time box of each pretraining run: one over it ends the study, naming it.",
+)
 @click.option("--vocab-size", type=int, help="Vocabulary of a dataset built from --input.")
 @click.option(
     "--config",
@@ -757,7 +895,7 @@ def write_extension(study: Study, archs: list[str], lengths: list[int], rows: li
 def main(which: str, scale: str, archs: str | None, **opts) -> None:
     """Run the paper's ablation or length-extension study with the project's own commands."""
     mlm = [a for a in ATTENTIONS if default_objective(a) == "mlm"]  # Figure 3 compares MLM losses
-    default = mlm if which == "ablation" else list(EXTENSION_ARCHS)
+    default = {"ablation": mlm, "extension": list(EXTENSION_ARCHS)}.get(which, SCIENCE_ARCHS)
     chosen = archs.split(",") if archs else default
     unknown = [a for a in chosen if a not in ATTENTIONS]
     if unknown:
@@ -776,7 +914,8 @@ def main(which: str, scale: str, archs: str | None, **opts) -> None:
     output = opts.pop("output")
     try:
         study = Study(output, SCALES[scale], opts)
-        (run_ablation if which == "ablation" else run_extension)(study, chosen)
+        studies = {"ablation": run_ablation, "extension": run_extension, "science": run_science}
+        studies[which](study, chosen)
     except click.ClickException:
         raise
     except Exception as e:  # one line naming the cause, never a bare traceback

@@ -54,6 +54,7 @@ class RunContext:
     seq_len: int
     writer: MetricsWriter
     stop: StopFlag
+    final_save: bool = True  # checkpoint and export at max_steps (a benchmark's run skips them)
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -305,8 +306,9 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
         if not host_reads:
             stop_seen = stop_seen or agreed_stop(ctx.stop.requested)
         log_now = _due(state.step, run.log_every, run.max_steps)
-        export_now = _due(state.step, run.export_every, run.max_steps)
-        save_now = stop_seen or export_now or _due(state.step, run.save_every, run.max_steps)
+        last = run.max_steps if ctx.final_save else 0  # 0: no step is the last one to save at
+        export_now = _due(state.step, run.export_every, last)
+        save_now = stop_seen or export_now or _due(state.step, run.save_every, last)
         if log_now or save_now:
             if not host_reads:
                 state.tokens += _global_tokens(ctx, local_tokens)

@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# The GPU lane and the GPU figures in one command, on a GPU machine without network access
+# The GPU lane and the GPU figures, one call of a GPU machine without network access at a time
 # (docs/benchmarks.md, "Running the GPU figures"). From the repository root, with .whl/ built by
 # .ci/gpu/wheels.sh beside it:
 #
-#   bash .ci/gpu/run.sh [tests|bench|all|env] [pytest arguments...]
+#   bash .ci/gpu/run.sh CALL [pytest arguments...]
 #
-#   env    always first: installs .whl/*.whl into /tmp/site, puts the console scripts the tests
-#          call next to the interpreter, prints the GPU, torch/triton and the carried packages
-#   tests  python3 -m pytest -q -s -m gpu --timeout $GPU_TEST_TIMEOUT [pytest arguments...]: every
-#          test runs (no -x), each in its own time box (GPU_TEST_TIMEOUT, 300 s: a cold Triton
-#          cache compiles and autotunes every kernel config in the first test that uses it);
-#          $OUT/junit.xml gives each test's result and seconds
-#   bench  tools/bench_kernel.py, tools/bench_model.py and tools/bench_train.py on the GPU
-#   all    (the default) tests, then bench, each in a shorter time box
+# Each CALL fits one 10-minute call: its steps' time boxes add up to at most 540 s.
+#   kernels   the compiled kernels against the references: the paper's base shape first, then
+#             every other `gpu` kernel test, in parallel (pytest-xdist)
+#   bench     tools/bench_kernel.py, then the whole-step benchmarks bench_model and bench_train
+#   jobs      the DeepSpeed and finetuning jobs of tests/train/test_gpu.py and
+#             tests/finetune/test_gpu.py (the V100 path among them), in parallel
+#   science   tools/reproduce.py science --scale gpu-small on the carried dataset .science/
+#             (make science-data): bert-small against shatter-small, extended to twice the length
+#   all       (the default) the base-shape kernels, the three benchmarks, the jobs: 9 minutes
+#   rehearse  the whole lane on this CPU machine in an environment like the GPU image's
+#             (.ci/gpu/rehearse_env.sh): every call whose steps mean something without a GPU
 #
-# Each step runs under `timeout` so that the whole ends within GPU_BUDGET seconds (570); a failed
-# step does not stop the next. Each step's output goes to $OUT/<step>.log (OUT defaults to
-# runs/gpu/), and $OUT/summary.txt, written last, gives each step's exit status and seconds, then
-# one table of the tests (test, pass/fail, seconds) and each failure's first line.
-# GPU_DRY=1 prints the steps without running them. PYTHON (python3) is the interpreter.
+# Every call starts with `env`: .whl/*.whl installed into /tmp/site, which every interpreter
+# the lane starts sees (PYTHONPATH, and a .pth file in the interpreter's site directory), the
+# console scripts the tests call put beside the interpreter, the GPU and versions printed.
+# A step runs in a time box; when it is up, the step's processes end, those in sessions of their
+# own included (each carries LANE_STEP in its environment), before the next step starts. Pytest
+# steps give each test a timeout below the box. $OUT (runs/gpu/ by default) gets one log per
+# step and summary.txt (each step's exit status and seconds, the tests' table): at most 8
+# files. GPU_DRY=1 lists the steps and their boxes without running them. PYTHON (python3) is the
+# interpreter; GPU_SCALE multiplies every box (the rehearsal's CPU is slower).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 MODE=${1:-all}
@@ -28,46 +35,86 @@ OUT=${OUT:-$PWD/runs/gpu}
 BUDGET=${GPU_BUDGET:-570}
 DRY=${GPU_DRY:-0}
 SITE=${GPU_SITE:-/tmp/site}
-PER_TEST=${GPU_TEST_TIMEOUT:-300}
-# The tests the lane runs (pytest selection arguments): one line to change.
-TEST_SELECTION=(-m gpu)
+SCALE=${GPU_SCALE:-1}
+REHEARSE=${GPU_REHEARSE:-0}
+# Each call: its steps, each `name:box` in seconds, run in this order.
 case $MODE in
-  tests) T_TESTS=520 ;;
-  bench) T_KERNEL=150 T_MODEL=180 T_TRAIN=180 ;;
-  all) T_TESTS=250 T_KERNEL=80 T_MODEL=100 T_TRAIN=100 ;;
-  env | --env-step) ;;
-  *) echo "run.sh: error: unknown step '$MODE' (tests, bench, all or env) in $0" >&2; exit 2 ;;
+  kernels) PLAN="env:90 kernel_base:120 kernels:300" ;;
+  bench) PLAN="env:90 bench_kernel:160 bench_model:130 bench_train:160" ;;
+  jobs) PLAN="env:90 jobs:450" ;;
+  science) PLAN="env:90 science:450" ;;
+  all) PLAN="env:90 kernel_base:80 bench_kernel:90 bench_model:70 bench_train:70 jobs:140" ;;
+  rehearse) exec bash .ci/gpu/rehearse.sh "$@" ;;
+  --env-step) ;;
+  *) echo "run.sh: error: unknown call '$MODE' (kernels, bench, jobs, science, all or rehearse) in $0" >&2; exit 2 ;;
 esac
+((REHEARSE)) && [ "$MODE" = kernels ] && PLAN="$PLAN kernel_report:200"
 [ "$MODE" = --env-step ] || mkdir -p "$OUT" || { echo "run.sh: error: cannot create $OUT (OUT)" >&2; exit 1; }
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ -z "${SHATTER_SHARED_DATA:-}" ] && [ -d .whl/data ]; then
   export SHATTER_SHARED_DATA="$PWD/.whl/data"
 fi
+SCRATCH=$(mktemp -d)
+trap 'rm -rf "$SCRATCH"' EXIT
 SUMMARY=()
 FAILED=0
 
-# step NAME SECONDS COMMAND...: run COMMAND under timeout, output to $OUT/NAME.log, in the budget.
-# SIG=INT step ...: the time box interrupts as Ctrl-C does (pytest then still writes its XML).
+box() { # the box of step $1 in this call's plan, scaled
+  local item
+  for item in $PLAN; do
+    [ "${item%%:*}" = "$1" ] && awk "BEGIN {print int(${item#*:} * $SCALE)}"
+  done
+}
+
+# Every process whose environment holds LANE_STEP=$1: a step's leftovers, in any session.
+sweep() {
+  local pid found=()
+  for pid in $(grep -lzsx "LANE_STEP=$1" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do
+    [ "$pid" != $$ ] && found+=("$pid")
+  done
+  ((${#found[@]})) || return 0
+  echo "run.sh: ending ${#found[@]} process(es) step $1 left running: ${found[*]}"
+  kill -KILL "${found[@]}" 2>/dev/null
+  sleep 2
+}
+
+# step NAME COMMAND...: COMMAND in NAME's box (its own process group; SIGINT first, as Ctrl-C,
+# so that pytest still writes its XML), output to $OUT/NAME.log.
 step() {
-  local name=$1 limit=$2 left log=$OUT/$1.log t0 rc
-  shift 2
+  local name=$1 limit left log=$OUT/$1.log t0 rc tag
+  shift
+  limit=$(box "$name")
   left=$((BUDGET - SECONDS - 15))
   ((limit > left)) && limit=$left
   if ((limit < 30)); then
     SUMMARY+=("$name: skipped, $left s left of GPU_BUDGET=$BUDGET")
     return
   fi
-  echo "+ timeout $limit $*" | tee "$log"
+  echo "+ [$limit s] $*" | tee "$log"
   if [ "$DRY" = 1 ]; then
-    SUMMARY+=("$name: dry run")
+    SUMMARY+=("$name: dry run, box $limit s")
     return
   fi
+  tag="$name-$$-$RANDOM"
   t0=$SECONDS
-  timeout -s "${SIG:-TERM}" -k 20 "$limit" "$@" 2>&1 | tee -a "$log"
+  LANE_STEP=$tag timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
+  sweep "$tag" | tee -a "$log"
   ((rc == 124 || rc == 137)) && rc="$rc (timed out after $limit s)"
   [ "$rc" = 0 ] || FAILED=1
   SUMMARY+=("$name: exit $rc, $((SECONDS - t0)) s, $log")
+}
+
+# pytest NAME PER_TEST WORKERS ARGS...: a pytest step, each test in PER_TEST seconds (below the
+# box), WORKERS parallel pytest-xdist processes (0: none), the XML kept for the summary.
+pytest_step() {
+  local name=$1 per_test=$2 workers=$3 parallel=() pre=()
+  shift 3
+  ((workers > 0)) && parallel=(-n "$workers")
+  [[ $name == kernel* ]] && pre=("${KERNEL_ENV[@]}")
+  per_test=$(awk "BEGIN {t = int($per_test * $SCALE); b = $(box "$name") - 20; print (t < b ? t : b)}")
+  step "$name" "${pre[@]}" "$PY" -m pytest -q -s -p no:cacheprovider "${parallel[@]}" --timeout "$per_test" \
+    --junitxml "$SCRATCH/$name.xml" -o junit_family=xunit1 "$@"
 }
 
 # The wheels are CPython 3.12 x86-64 builds: another interpreter keeps its own packages.
@@ -81,8 +128,21 @@ install_wheels() {
   else
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$SITE" .whl/*.whl || return 1
+    site_pth || return 1
   fi
   scripts
+}
+
+# /tmp/site for every interpreter started from $PY, whatever PYTHONPATH it is given: a .pth
+# file in $PY's site directory adds it as a site directory (its own .pth files processed too).
+site_pth() {
+  "$PY" - "$SITE" <<'EOF'
+import os, site, sys, sysconfig
+path = os.path.join(sysconfig.get_paths()["purelib"], "shatter-gpu-lane.pth")
+with open(path, "w") as f:
+    f.write(f"import site; site.addsitedir({sys.argv[1]!r})\n")
+print(f"run.sh: wrote {path}: {sys.argv[1]} on every {sys.executable}'s path")
+EOF
 }
 
 # The tests start `shatter-data`, `shatter-extend` and `deepspeed` from the interpreter's own
@@ -113,63 +173,72 @@ EOF
     cp -nv "$SITE"/bin/* "$bin"/ || return 1
   fi
   command -v nvidia-smi >/dev/null && nvidia-smi -L
-  "$PY" - <<'EOF'
-import importlib, sys
-print(sys.version.split()[0], sys.executable)
-try:
-    import torch, triton
-    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}")
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        cap = torch.cuda.get_device_capability(0)
-        print(f"{p.name}: capability {cap}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB")
-    else:
-        print("torch sees no CUDA device")
-except ImportError as e:
-    print(f"torch/triton: import failed: {e}")
-bad = 0
-for name in ("torch", "triton", "apache_beam", "deepspeed", "datasets", "pydantic", "zstandard", "mwparserfromhell",
-             "pyarrow", "numpy", "sentencepiece", "pipeline.cli", "train.engine", "shatter"):
-    try:
-        m = importlib.import_module(name)
-        print(f"{name} {getattr(m, '__version__', '')} {m.__file__}")
-    except Exception as e:
-        bad = 1
-        print(f"{name}: import failed: {type(e).__name__}: {e}")
-sys.exit(bad)
-EOF
-  local rc=$?
+  # the imports again in a child whose PYTHONPATH holds the checkout alone: the .pth file's work
+  PYTHONPATH=$PWD "$PY" .ci/gpu/env_report.py || return 1
   "$PY" -m pip check || true
-  return "$rc"
 }
 
 if [ "$MODE" = --env-step ]; then # the env step itself, in its own process under timeout
-  install_wheels
-  exit
+  install_wheels || exit
+  # DeepSpeed's CPU comm op JIT-built once (CPU ranks only: the rehearsal), not in each job
+  exec "$PY" -c "from train.engine import build_extensions; build_extensions()"
 fi
-step env 150 bash "$0" --env-step
-case $MODE in tests | all)
-  rm -f "$OUT/junit.xml"
-  SIG=INT step tests "$T_TESTS" "$PY" -m pytest -q -s "${TEST_SELECTION[@]}" --timeout "$PER_TEST" \
-    --junitxml "$OUT/junit.xml" -o junit_family=xunit1 "$@" ;;
-esac
-case $MODE in bench | all)
-  step bench_kernel "$T_KERNEL" "$PY" tools/bench_kernel.py --lengths 128,256,512,1024 --dtype bf16
-  step bench_model "$T_MODEL" "$PY" tools/bench_model.py --device cuda --lengths 512,1024,2048 \
-    --batch-tokens 16384 --markdown
-  step bench_train "$T_TRAIN" "$PY" tools/bench_train.py --device cuda --precision bf16 \
-    --sizes base --archs bert,shatter,bert-rpe,bert-rab --steps 20
-  ;;
-esac
+
+# What each step runs; on a CPU (the rehearsal) the benchmarks take their CPU sizes.
+# The rehearsal runs the kernel tests under Triton's interpreter, which in Triton 3.6 (the image's)
+# takes int() of 1-element arrays, an error from numpy 2.4 on: there they get the numpy<2.4 that
+# .ci/gpu/rehearse_env.sh puts in GPU_REHEARSE_NUMPY (the GPU's compiled kernels never meet it).
+KERNEL_ENV=()
+[ -n "${GPU_REHEARSE_NUMPY:-}" ] && KERNEL_ENV=(env "PYTHONPATH=$GPU_REHEARSE_NUMPY:$PYTHONPATH")
+DEVICE=cuda BENCH_SIZE=base BENCH_STEPS=20 JOB_WORKERS=4 KERNEL_WORKERS=8
+MODEL_ARGS=(--lengths 512,1024,2048 --batch-tokens 16384)
+if ((REHEARSE)); then
+  DEVICE=cpu BENCH_SIZE=tiny BENCH_STEPS=2 JOB_WORKERS=2 KERNEL_WORKERS=2
+  MODEL_ARGS=(--size tiny --lengths 128 --batch-tokens 512 --repeats 1)
+fi
+# each model's time box: 200 s of the science step's 450 (two models, then 3 extensions and 5
+# evaluations of seconds each)
+SCIENCE_ARGS=(--scale gpu-small --data .science/l128 --output "$SCRATCH/science"
+  --budget-seconds "$(awk "BEGIN {print int(200 * $SCALE)}")")
+((REHEARSE)) && SCIENCE_ARGS+=(--steps 6 --eval-every 3 --config .ci/gpu/science-cpu.yaml)
+for item in $PLAN; do
+  case ${item%%:*} in
+    env) step env bash "$0" --env-step ;;
+    kernel_base) pytest_step kernel_base 100 3 -m gpu \
+      tests/shatter/test_triton_kernel.py -k base_shape "$@" ;;
+    kernels) pytest_step kernels 150 "$KERNEL_WORKERS" -m gpu tests/shatter -k "not base_shape" "$@" ;;
+    kernel_report) step kernel_report "$PY" tools/kernel_report.py --arch 80,90 --shape base \
+      --dtype bf16 --length 509 ;;
+    bench_kernel) if [ "$DEVICE" = cuda ]; then
+      step bench_kernel "$PY" tools/bench_kernel.py --lengths 128,256,512,1024 --dtype bf16
+    else SUMMARY+=("bench_kernel: not rehearsed (it times CUDA kernels)"); fi ;;
+    bench_model) step bench_model "$PY" tools/bench_model.py --device "$DEVICE" "${MODEL_ARGS[@]}" \
+      --markdown ;;
+    bench_train) step bench_train "$PY" tools/bench_train.py --device "$DEVICE" --precision bf16 \
+      --vs-bare --sizes "$BENCH_SIZE" --archs bert,shatter,bert-rpe,bert-rab --steps "$BENCH_STEPS" ;;
+    jobs) pytest_step jobs 150 "$JOB_WORKERS" -m gpu tests/train/test_gpu.py \
+      tests/finetune/test_gpu.py "$@" ;;
+    science) step science "$PY" tools/reproduce.py science "${SCIENCE_ARGS[@]}"
+      cp "$SCRATCH"/science/science.{md,png} "$OUT"/ 2>/dev/null ;;
+  esac
+done
 
 {
-  echo "run.sh $MODE: $SECONDS s of GPU_BUDGET=$BUDGET"
-  grep -hE '^(NVIDIA|GPU 0|torch )' "$OUT/env.log" 2>/dev/null
+  total=0
+  for item in $PLAN; do total=$((total + $(box "${item%%:*}"))); done
+  echo "run.sh $MODE: $SECONDS s of GPU_BUDGET=$BUDGET; the steps' boxes add up to $total s"
+  grep -hE '^(NVIDIA|GPU 0|torch |Python )' "$OUT/env.log" 2>/dev/null
   printf '%s\n' "${SUMMARY[@]}"
-  if [ -f "$OUT/junit.xml" ]; then
-    "$PY" .ci/gpu/junit_table.py "$OUT/junit.xml"
-  elif [ -f "$OUT/tests.log" ]; then # killed before pytest wrote its XML: its last count
-    grep -E '(passed|failed|skipped|error|no tests ran)' "$OUT/tests.log" | tail -1
+  for xml in "$SCRATCH"/*.xml; do
+    [ -f "$xml" ] || continue
+    echo "$(basename "$xml" .xml):"
+    "$PY" .ci/gpu/junit_table.py "$xml"
+  done
+  n=$(find "$OUT" -type f | wc -l)
+  if ((n > 8)); then
+    echo "run.sh: error: $OUT holds $n files, a call brings back 8: fewer steps or files per call"
+    exit 1
   fi
 } | tee "$OUT/summary.txt"
+((PIPESTATUS[0])) && FAILED=1
 exit "$FAILED"

@@ -76,6 +76,8 @@ PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip --isolated install -q --dry-run --ign
   -r "$work/requirements.txt" -c "$work/pins.txt" ||
   { echo "wheels.sh: error: $DEST/ plus the image does not satisfy setup.cfg's requirements" >&2; exit 1; }
 helper check "$DEST" "$work/image.txt" "${KNOWN[@]}"
+# The image's packages the requirements use, pinned: .ci/gpu/rehearse_env.sh installs them.
+helper image "$work/report.json" "$work/image.txt" "${KNOWN[@]}" >"$DEST/image.txt"
 have=$(find "$DEST" -maxdepth 1 -type f -name '*.whl' | wc -l)
 want=$(wc -l <"$work/carry.txt")
 [ "$have" -eq "$want" ] ||

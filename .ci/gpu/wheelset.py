@@ -4,6 +4,8 @@
     wheelset.py select REPORT IMAGE               name==version to carry, one a line
     wheelset.py stubs REPORT IMAGE DIR            empty wheels standing in for the image's packages
     wheelset.py check WHEELDIR IMAGE [NAME==VER]  one version each; conflicts with known image versions
+    wheelset.py image REPORT IMAGE [NAME==VER]    the image's packages the requirements use (known
+                                                  versions pinned): the rehearsal installs them
 
 REPORT is `pip install --dry-run --report` of the requirements for the GPU machine's Python;
 IMAGE a file of the package names the GPU machine already has, one a line. A package is carried
@@ -153,6 +155,19 @@ def check(wheels: Path, image: set[str], known: dict[str, str]) -> int:
     return 1 if twice or any(x.startswith("error") for x in notes) else 0
 
 
+def image_requirements(report: dict[str, dict], image: set[str], known: dict[str, str]) -> list:
+    """The image's packages in the resolver's report: `name==version` where the image's version
+    is known; elsewhere at most the release the resolver chose beside the carried packages (so
+    within their bounds: Beam's protobuf<7, say), pip free to go lower where a known one asks
+    (torch 2.11's setuptools<82); CUDA's own packages left to torch, which brings its build's."""
+    cuda = ("nvidia-", "cuda-")
+    return sorted(
+        f"{name}=={known[name]}" if name in known else f"{name}<={report[name]['version']}"
+        for name in report
+        if name in image and not name.startswith(cuda)
+    )
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["requirements"]:
         print("\n".join(project_requirements()))
@@ -167,6 +182,9 @@ def main(argv: list[str]) -> int:
         for name, meta in resolved(argv[1]).items():
             if name in image:
                 write_stub(out, name, meta["version"])
+    elif argv[:1] == ["image"] and len(argv) >= 3:
+        known = dict(canonical_pin(p) for p in argv[3:])
+        print("\n".join(image_requirements(resolved(argv[1]), read_names(argv[2]), known)))
     elif argv[:1] == ["check"] and len(argv) >= 3:
         known = dict(canonical_pin(p) for p in argv[3:])
         return check(Path(argv[1]), read_names(argv[2]), known)

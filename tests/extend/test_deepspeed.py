@@ -1,6 +1,5 @@
 """`shatter-extend` on a real DeepSpeed checkpoint (ZeRO-2, one rank, in a subprocess)."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import torch
 from click.testing import CliRunner
 
 import shatter
+from tests.jobs import child_env
 from tools.extend import main
 
 from .test_cli import tokenizer_file  # noqa: F401  (fixture)
@@ -29,7 +29,7 @@ def free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 2])
 def test_extends_a_deepspeed_checkpoint(tmp_path, tokenizer_file, stage):  # noqa: F811
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO)}
+    env = child_env(MASTER_PORT=str(free_port()))
     done = subprocess.run(
         [
             sys.executable,

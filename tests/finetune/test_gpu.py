@@ -1,6 +1,6 @@
 """The GPU lane of finetuning (`make test-gpu`): the real CLI under the deepspeed launcher on one
-CUDA device, classify and squad; exit 0 within 30 s of the last line, finite losses. Skipped
-without CUDA."""
+CUDA device, classify and squad; exit 0 within 30 s of the last line, finite losses. On CPU
+ranks in the lane's rehearsal (tests/lane.py), else skipped without CUDA."""
 
 import json
 import math
@@ -8,17 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.jobs import Job, finish_soon
+from tests.lane import lane, precisions
 
 from .conftest import sentiment_rows, squad_json
 from .test_finetune import export, write_csv  # noqa: F401 (a fixture)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make test-gpu)"),
-]
+pytestmark = lane
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -37,7 +34,7 @@ def check(out: Path, text: str) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", precisions("bf16", "fp16"))
 def test_classify_on_a_gpu(tmp_path, export, precision):  # noqa: F811
     train = write_csv(tmp_path / "train.csv", sentiment_rows(320, seed=0))
     dev = write_csv(tmp_path / "dev.csv", sentiment_rows(80, seed=1))

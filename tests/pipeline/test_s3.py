@@ -17,6 +17,7 @@ from pipeline.build import build
 from pipeline.cli import main
 from pipeline.config import InputSpec
 from pipeline.format import read_index
+from tests.jobs import child_env
 from tests.pipeline.conftest import quiet, small_config
 from tests.s3server import BUCKET
 
@@ -178,8 +179,7 @@ def test_dask_workers_sharing_no_disk_write_the_bytes_of_a_local_build(
     corpus_dir, s3_server, tmp_path
 ):
     corpus = s3_server.upload(corpus_dir, "corpus-dask")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env["PYTHONPATH"] = str(REPO)
+    env = child_env({k: v for k, v in os.environ.items() if not k.startswith("AWS_")})
     scheduler_file, procs = dask_fleet(tmp_path / "fleet", env)
     args = ["build", "--input", corpus, "--vocab-size", "300", "--seq-len", "64"]
     args += ["--dupe-factor", "2", "--num-shards", "3", "--validation-fraction", "0.1"]

@@ -2,7 +2,6 @@
 evaluation of the appendix formula at chosen points."""
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 
 import shatter
 from shatter.partition import partition_mask, partition_of_unity, partition_params, partition_table
+from tests.jobs import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 CASES = [(4, 0, 2), (4, 1, 2), (12, 0, 12), (12, 5, 12), (12, 11, 12), (16, 23, 24)]
@@ -110,7 +110,7 @@ def test_table_stays_fp32_under_a_bf16_deepspeed_engine():
     """A bf16 engine that casts buffers (data_types.buffer_dtype) rounds the non-persistent table
     (a bf16 partition misses 1 by ~2e-3); every impl must still be handed the exact fp32 table."""
     script = Path(__file__).with_name("deepspeed_partition.py")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     res = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.jobs import child_env
 from tools.kernel_report import Row
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,8 +35,7 @@ def test_every_kernel_compiles_for_sm90_without_spills():
     partition bias and a length that is not a multiple of 16, for the sigmoid and the softmax;
     every kernel with dots uses wgmma (HGMMA)."""
     pytest.importorskip("triton", reason="triton has no wheel for this platform")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO)
+    env = child_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     cmd = [sys.executable, "tools/kernel_report.py", "--arch", "90", "--shape", "base"]
     cmd += ["--dtype", "bf16", "--has-c", "true", "--length", "509", "--first-config"]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

@@ -241,3 +241,34 @@ def test_ablation_defaults_to_the_masked_lm_archs_and_refuses_plm(tmp_path):
     result = CliRunner().invoke(main, ["ablation", "--archs", "xlnet", "--output", str(tmp_path)])
     assert result.exit_code == 2 and "permutation LM" in result.output
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+@pytest.mark.slow
+def test_science_table_and_plot_in_a_budget_of_seconds(studies):
+    """The GPU lane's science call at micro scale, reusing the studies' runs and extended models:
+    one table (each arch at l_train and extended to 2 l_train, bert with --init copy and random)
+    and one plot of validation loss over tokens; a run over its budget is one line."""
+    out = studies[0]
+    done = reproduce("science", out, out.parent / "unused", "--budget-seconds", "300")
+    assert done.returncode != 0 and "has no index.json" in done.stderr  # --data is checked
+    done = reproduce("science", out, studies_data(out), "--budget-seconds", "300")
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = (out / "science.md").read_text()
+    (bert,) = table_rows(table, "bert")
+    (shatter,) = table_rows(table, "shatter")
+    header = next(line for line in table.splitlines() if line.startswith("| arch "))
+    assert "l = 64 (copy)" in header and "l = 64 (random)" in header and "l = 64 (none)" in header
+    losses = lambda row: [float(c) for c in row[4:] if c != "-"]  # noqa: E731
+    assert len(losses(bert)) == 3 and len(losses(shatter)) == 2, table
+    assert all(math.isfinite(x) for x in losses(bert) + losses(shatter))
+    assert_png(out / "science.png")
+    late = out.parent / "late"
+    done = reproduce("science", late, studies_data(out), "--budget-seconds", "1")
+    (line,) = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and "over its budget of 1 s" in line, line
+
+
+def studies_data(out: Path) -> Path:
+    """The dataset the studies trained on (their runs' recorded --data)."""
+    record = json.loads((out / "runs" / "bert-s0" / "reproduce.json").read_text())
+    return Path(record["command"][record["command"].index("--data") + 1])
