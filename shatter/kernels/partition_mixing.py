@@ -304,28 +304,31 @@ def mix_fwd_kernel(
 @_autotune(DELTA_CONFIGS)
 @triton.jit
 def delta_kernel(
-    OUT, DO, AP, DAP, DELTA, so_b, so_h, so_l, sa_b, sa_l, L, L_KEY, K_PART,
+    OUT, DO, AP, DAP, DELTA, so_b, so_h, so_l, sd_b, sd_h, sd_l, sa_b, sa_l, sp_b, sp_l,
+    L, L_KEY, K_PART,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr,
     NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch): δ_i = Σ_h ⟨dX̄[h]_i, X̄[h]_i⟩ + ⟨dA_part_i, A_part_i⟩ in fp32;
-    OUT and DO share the strides so_*, AP and DAP sa_*."""
+    OUT's strides so_*, DO's sd_*, AP's sa_*, DAP's sp_*."""
     b = tl.program_id(1).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < L
     ok = row_ok[:, None] & (offs_k < K_PART)[None, :]
-    base = b * so_b + offs_m[:, None] * so_l + offs_k[None, :]
+    o_base = OUT + b * so_b + offs_m[:, None] * so_l + offs_k[None, :]
+    do_base = DO + b * sd_b + offs_m[:, None] * sd_l + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for h in range(N_PARTS):
-        o = tl.load(OUT + base + h * so_h, mask=ok, other=0.0).to(tl.float32)
-        do = tl.load(DO + base + h * so_h, mask=ok, other=0.0).to(tl.float32)
+        o = tl.load(o_base + h * so_h, mask=ok, other=0.0).to(tl.float32)
+        do = tl.load(do_base + h * sd_h, mask=ok, other=0.0).to(tl.float32)
         acc += o * do
     parts = tl.arange(0, NP)
     p_ok = row_ok[:, None] & (parts < N_PARTS)[None, :]
-    p_ptrs = b * sa_b + offs_m[:, None] * sa_l + parts[None, :]
-    ap = tl.load(AP + p_ptrs, mask=p_ok, other=0.0).to(tl.float32)
-    dap = tl.load(DAP + p_ptrs, mask=p_ok, other=0.0).to(tl.float32)
+    ap_ptrs = AP + b * sa_b + offs_m[:, None] * sa_l + parts[None, :]
+    dap_ptrs = DAP + b * sp_b + offs_m[:, None] * sp_l + parts[None, :]
+    ap = tl.load(ap_ptrs, mask=p_ok, other=0.0).to(tl.float32)
+    dap = tl.load(dap_ptrs, mask=p_ok, other=0.0).to(tl.float32)
     tl.store(DELTA + b * L + offs_m, tl.sum(acc, 1) + tl.sum(ap * dap, 1), mask=row_ok)
 
 
@@ -333,13 +336,13 @@ def delta_kernel(
 @triton.jit
 def mix_bwd_dv_kernel(
     Z, C, Mk, T, STAT, STAT2, DO, DV,
-    sz_b, sz_l, sc_b, sc_l, st_h, sd_b, sd_h, sd_l, L, L_KEY, K_PART, T_CENTRE,
+    sz_b, sz_l, sc_b, sc_l, st_h, sd_b, sd_h, sd_l, sg_b, sg_h, sg_l, L, L_KEY, K_PART, T_CENTRE,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Program (key block, batch × side × group): dV[h] = Σ_i (A ⊙ f_h)ᵀ dX̄[h] for GROUP of the
-    side's parts (side 0: rows i <= j; side 1: i >= j); dO and dV share the [B, n, L, d/n]
-    strides sd_*."""
+    side's parts (side 0: rows i <= j; side 1: i >= j); dO's [B, n, L, d/n] strides sd_*, dV's
+    sg_*."""
     b, side, h0 = _program_parts(N_PARTS, GROUP)
     j0 = tl.program_id(0) * BLOCK_N
     offs_n = j0 + tl.arange(0, BLOCK_N)
@@ -373,23 +376,23 @@ def mix_bwd_dv_kernel(
             acc6 = _dv_part(acc6, a, f_ptr + 6 * st_h, col, ok, do + 6 * sd_h, do_ok, PREC)
         if GROUP > 7:
             acc7 = _dv_part(acc7, a, f_ptr + 7 * st_h, col, ok, do + 7 * sd_h, do_ok, PREC)
-    dv = DV + b * sd_b + h0 * sd_h + offs_n[:, None] * sd_l + offs_k[None, :]
+    dv = DV + b * sg_b + h0 * sg_h + offs_n[:, None] * sg_l + offs_k[None, :]
     dv_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
     ty = DV.dtype.element_ty
     tl.store(dv, acc0.to(ty), mask=dv_ok)
-    tl.store(dv + sd_h, acc1.to(ty), mask=dv_ok)
+    tl.store(dv + sg_h, acc1.to(ty), mask=dv_ok)
     if GROUP > 2:
-        tl.store(dv + 2 * sd_h, acc2.to(ty), mask=dv_ok)
+        tl.store(dv + 2 * sg_h, acc2.to(ty), mask=dv_ok)
     if GROUP > 3:
-        tl.store(dv + 3 * sd_h, acc3.to(ty), mask=dv_ok)
+        tl.store(dv + 3 * sg_h, acc3.to(ty), mask=dv_ok)
     if GROUP > 4:
-        tl.store(dv + 4 * sd_h, acc4.to(ty), mask=dv_ok)
+        tl.store(dv + 4 * sg_h, acc4.to(ty), mask=dv_ok)
     if GROUP > 5:
-        tl.store(dv + 5 * sd_h, acc5.to(ty), mask=dv_ok)
+        tl.store(dv + 5 * sg_h, acc5.to(ty), mask=dv_ok)
     if GROUP > 6:
-        tl.store(dv + 6 * sd_h, acc6.to(ty), mask=dv_ok)
+        tl.store(dv + 6 * sg_h, acc6.to(ty), mask=dv_ok)
     if GROUP > 7:
-        tl.store(dv + 7 * sd_h, acc7.to(ty), mask=dv_ok)
+        tl.store(dv + 7 * sg_h, acc7.to(ty), mask=dv_ok)
 
 
 @_autotune(DZ_CONFIGS)
