@@ -30,7 +30,6 @@ from shatter.kernels.cost import register_costs
 from shatter.kernels.partition_mixing import (
     INTERPRET,
     MAX_PARTS,
-    delta_kernel,
     mix_bwd_dv_kernel,
     mix_bwd_dz_kernel,
     mix_fwd_kernel,
@@ -172,7 +171,7 @@ def mixing_bwd(
     g_part: torch.Tensor,
     sigmoid: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dX, dV, dc) from the saved Z and statistics: δ, dV and dZ in Triton, then
+    """(dQ, dX, dV, dc) from the saved Z and statistics: dV, then δ and dZ in one pass, in Triton, then
     dQ = dZ X and dX = dZᵀ Q in cuBLAS; dc is empty without the part bias. dV comes in X̄'s
     layout; dX̄ is read in whatever strides autograd hands in."""
     B, L, d = Q.shape
@@ -195,18 +194,12 @@ def mixing_bwd(
         Z, cc, mask32, table, stat[0], stat[1], g_out, gV, *zs, *gs,
         gV.stride(0), gV.stride(1), gV.stride(2), GROUP=meta["GROUP"], **shared, **tables,
     )  # fmt: skip
-    delta = torch.empty(B, L, device=Q.device, dtype=torch.float32)
-    delta_kernel[_grid(L, "BLOCK_M", B)](
-        out, g_out, part, g_part, delta, out.stride(0), out.stride(1), out.stride(2), *gs,
-        part.stride(0), part.stride(1), g_part.stride(0), g_part.stride(1),
-        NP=meta["NP"], **shared,
-    )  # fmt: skip
     dZ = torch.empty_like(Z)  # the padded keys' columns are never read
     dc = torch.empty(B, L, n, device=Q.device, dtype=Q.dtype) if c is not None else Z
     mix_bwd_dz_kernel[_grid(L, "BLOCK_M", B)](
-        Z, cc, mask32, table, V, stat[0], stat[1], delta, g_out, g_part, dZ, dc, *zs,
-        V.stride(0), V.stride(1), V.stride(2), *gs, g_part.stride(0), g_part.stride(1),
-        scale=1.0 / math.sqrt(d), NP=meta["NP"], **shared, **tables,
+        Z, cc, mask32, table, V, stat[0], stat[1], out, part, g_out, g_part, dZ, dc, *zs,
+        V.stride(0), V.stride(1), V.stride(2), out.stride(0), out.stride(1), out.stride(2), *gs,
+        part.stride(0), part.stride(1), g_part.stride(0), g_part.stride(1), scale=1.0 / math.sqrt(d), NP=meta["NP"], **shared, **tables,
     )  # fmt: skip
     dS = dZ[:, :, :L]  # dS/√d
     gQ = torch.matmul(dS, X)  # cuBLAS: dQ = dS X / √d
