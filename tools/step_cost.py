@@ -179,7 +179,7 @@ def figures(archs, lengths, tokens, gpu_names, padding, size="base", vocab=REPLA
 
 def add_ratios(per_arch: dict) -> None:
     """Each arch's ms per step over BERT's at the same length (when BERT was modelled)."""
-    for arch, per_len in per_arch.items():
+    for per_len in per_arch.values():
         for L, f in per_len.items():
             bert = per_arch.get("bert", {}).get(L)
             f["ratio_to_bert"] = f["ms_per_step"] / bert["ms_per_step"] if bert else None
