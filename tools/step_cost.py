@@ -13,8 +13,10 @@ priced on the GPU by its kind, with the one efficiency table EFFICIENCY for ever
     gemm        cuBLAS products: max(FLOPs / (gemm x peak), bytes / (memory x HBM bandwidth))
     flash       SDPA's FlashAttention-2 kernel (forward, backward): its FLOPs at `flash` x peak
     efficient   SDPA's memory-efficient kernel (a mask or bias, or a V100): at `efficient` x peak
-    custom      our Triton kernels (`shatter::` custom ops) by their own (FLOPs, bytes) formula
-                (shatter.kernels.cost.OP_COSTS), their dots at `custom` x peak
+    custom      our attention ops (`shatter::` custom ops) by their own (FLOPs, bytes) formula
+                (shatter.kernels.cost.OP_COSTS): each runs several kernels in turn (cuBLAS
+                GEMMs and memory-bound Triton mixing), so FLOPs / (custom x peak) + bytes /
+                (memory x HBM bandwidth)
     memory      every other kernel (elementwise, reductions, copies, the optimizer): its bytes at
                 `memory` x HBM bandwidth
     launch      plus `launch_us` per kernel launched: the gaps between small kernels
@@ -43,7 +45,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
@@ -61,7 +63,7 @@ EFFICIENCY = {
     "gemm": 0.60,  # cuBLAS bf16/fp16 GEMMs, fraction of the dense tensor peak
     "flash": 0.35,  # FlashAttention-2, forward and backward
     "efficient": 0.25,  # the memory-efficient (cutlass) attention kernel
-    "custom": 0.35,  # the Triton kernels' tensor-core dots
+    "custom": 0.50,  # a custom op's products: its cuBLAS GEMMs and its Triton kernels' dots
     "memory": 0.75,  # fraction of HBM bandwidth for memory-bound kernels
     "launch_us": 4.0,  # per kernel launch
 }
@@ -99,7 +101,10 @@ def op_seconds(row: dict, gpu: Gpu, eff: dict = EFFICIENCY) -> float:
     memory = row["bytes"] / (eff["memory"] * gpu.bandwidth)
     if row["kind"] == "memory":
         return memory
-    return max(row["flops"] / (eff[row["kind"]] * gpu.peak), memory)
+    compute = row["flops"] / (eff[row["kind"]] * gpu.peak)
+    if row["kind"] == "custom":  # several kernels in turn: GEMMs, then memory-bound mixing
+        return compute + memory
+    return max(compute, memory)
 
 
 def price(rows: list[dict], gpu: Gpu, eff: dict = EFFICIENCY) -> dict[str, float]:
@@ -144,14 +149,27 @@ def trace_here(arch, size, length, rows, gpu: Gpu, padding: bool, vocab: int) ->
         gpu.partition_impl if issubclass(ATTENTIONS[arch], SingleHeadPartitionAttention) else None
     )
     model = build_meta(shatter.build_model, arch, size, vocab, max(length, 512), gpu.low, impl)
-    rec = trace_step(model, length, rows, "zero1", gpu.low, gpu.flash, padding_mask=padding)
+    try:
+        rec = trace_step(model, length, rows, "zero1", gpu.low, gpu.flash, padding_mask=padding)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        what = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise SystemExit(
+            f"step_cost: {arch} with attention_impl {impl} cannot be traced on meta tensors "
+            f"({what}); its kernels must be torch.library custom ops with a fake impl "
+            f"(shatter/attention/triton_kernel.py), or pick another with --partition-impl"
+        ) from None
     return records(rec)
 
 
-def figures(archs, lengths, tokens, gpu_names, padding, size="base", vocab=REPLAY_VOCAB) -> dict:
-    """{gpu: {arch: {length: figures}}} at this checkout."""
+def figures(
+    archs, lengths, tokens, gpu_names, padding, size="base", vocab=REPLAY_VOCAB, impl=None
+) -> dict:
+    """{gpu: {arch: {length: figures}}} at this checkout; `impl` replaces Shatter's `auto` choice
+    of attention impl on every GPU."""
     out = {}
     table = gpus()
+    if impl:
+        table = {k: replace(g, partition_impl=impl) for k, g in table.items()}
     traces = {}
     for name in gpu_names:
         gpu = table[name]
@@ -293,9 +311,14 @@ def print_calibration(cal: dict) -> None:
 @click.option("--tokens", default=16384, show_default=True, help="tokens per step")
 @click.option("--gpus", "gpu_names", default=",".join(GPUS), show_default=True)
 @click.option("--padding", is_flag=True, help="every batch passes its attention mask")
+@click.option(
+    "--partition-impl",
+    type=click.Choice(("triton", "chunked", "lean", "naive")),
+    help="Shatter's attention impl on every GPU (default: auto's choice per GPU)",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the figures")
 @click.option("--calibrate", "do_calibrate", is_flag=True, help="replay the H100 measurement")
-def main(archs, lengths, tokens, gpu_names, padding, json_path, do_calibrate):
+def main(archs, lengths, tokens, gpu_names, padding, partition_impl, json_path, do_calibrate):
     from shatter.config import ARCHS
 
     archs = archs.split(",")
@@ -315,7 +338,7 @@ def main(archs, lengths, tokens, gpu_names, padding, json_path, do_calibrate):
     if do_calibrate:
         result["calibration"] = calibrate(tokens)
         print_calibration(result["calibration"])
-    result["figures"] = figures(archs, lens, tokens, names, padding)
+    result["figures"] = figures(archs, lens, tokens, names, padding, impl=partition_impl)
     print_tables(result["figures"], tokens)
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))

@@ -33,6 +33,7 @@ Custom ops named `shatter::...` are priced by their own (FLOPs, bytes) formula f
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
 
@@ -100,11 +101,12 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
 
 
 def _custom_costs():
+    """(OP_COSTS, model_flops) of this checkout's `shatter::` custom ops, or ({}, None)."""
     try:
-        from shatter.kernels.cost import OP_COSTS
+        from shatter.kernels import cost
     except ImportError:
-        return {}
-    return OP_COSTS
+        return {}, None
+    return cost.OP_COSTS, getattr(cost, "model_flops", None)
 
 
 class StepTrace(TorchDispatchMode):
@@ -116,7 +118,7 @@ class StepTrace(TorchDispatchMode):
         self.predicted = predicted
         self.phase = "forward"
         self.ops: Counter = Counter()
-        self.custom = _custom_costs()
+        self.custom, self.custom_model_flops = _custom_costs()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -156,6 +158,8 @@ class StepTrace(TorchDispatchMode):
             flops, total = self.custom[qualified](args, kwargs, out)
             reads, writes, kind = total, 0, "custom"
             model_flops = flops
+            if self.custom_model_flops is not None:  # the dense count train/cost.py makes
+                model_flops = self.custom_model_flops(qualified, args, kwargs)
         elif func.overloadpacket in flop_registry and (name in GEMMS or name in SDPA):
             flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
             kind = "gemm" if name in GEMMS else SDPA[name]
@@ -171,9 +175,9 @@ class StepTrace(TorchDispatchMode):
 class GpuEmulation(TorchFunctionMode):
     """CUDA autocast and SDPA's backend choice on meta tensors (see the module doc)."""
 
-    def __init__(self, autocast_dtype: torch.dtype | None, flash: bool):
+    def __init__(self, autocast_dtype: torch.dtype | None, flash: bool, low: torch.dtype):
         super().__init__()
-        self.dtype, self.flash = autocast_dtype, flash
+        self.dtype, self.flash, self.low = autocast_dtype, flash, low
         self.cache: dict[int, torch.Tensor] = {}
 
     def _cast(self, t, dtype):
@@ -236,6 +240,30 @@ class GpuEmulation(TorchFunctionMode):
         )[0]
 
 
+class MetaAutocast:
+    """`torch.autocast` while tracing: a region on the meta device switches the emulated autocast
+    (`enabled=False`: a kernel that computes in fp32 on purpose); others are torch's own."""
+
+    real = torch.autocast
+
+    def __init__(self, emulation: GpuEmulation):
+        self.emulation = emulation
+
+    def __call__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        if device_type != "meta":
+            return self.real(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        return self._region(dtype, enabled)
+
+    @contextlib.contextmanager
+    def _region(self, dtype, enabled):
+        saved = self.emulation.dtype
+        self.emulation.dtype = (dtype or self.emulation.low) if enabled else None
+        try:
+            yield
+        finally:
+            self.emulation.dtype = saved
+
+
 def zero1_step(params: list[torch.Tensor]) -> None:
     """DeepSpeed's bf16 ZeRO-1 optimizer step on one rank, over flat buffers as it keeps them."""
     numel = sum(p.numel() for p in params)
@@ -290,9 +318,9 @@ def trace_step(
     labels = torch.empty(rows, length, dtype=torch.long, device=dev)
     params = [p for p in model.parameters() if p.requires_grad]
     rec = StepTrace(predicted)
-    emulate = GpuEmulation(low if optimizer == "fused" else None, flash)
+    emulate = GpuEmulation(low if optimizer == "fused" else None, flash, low)
     model.train()
-    with emulate, rec:
+    with emulate, rec, _patched_autocast(MetaAutocast(emulate)):
         loss = model(ids, mask, labels)["loss"]
         rec.phase = "backward"
         loss.backward()
@@ -301,6 +329,15 @@ def trace_step(
     for p in params:
         p.grad = None
     return rec
+
+
+@contextlib.contextmanager
+def _patched_autocast(autocast):
+    torch.autocast = autocast
+    try:
+        yield
+    finally:
+        torch.autocast = MetaAutocast.real
 
 
 def records(rec: StepTrace) -> list[dict]:
