@@ -131,12 +131,12 @@ def model_flops(rows: list[dict]) -> float:
     return sum(r["model_flops"] * r["count"] for r in rows if r["phase"] != "optimizer")
 
 
-def cost_py_flops(arch: str, length: int, rows_per_step: int, size: str = "base") -> float:
+def cost_py_flops(arch: str, length: int, rows_per_step: int, size: str, vocab: int) -> float:
     """train/cost.py's training FLOPs per token for this arch and run (MLM, 15% predicted)."""
     from shatter.config import preset_config
     from train.cost import training_flops_per_token
 
-    config = preset_config(f"{arch}-{size}", max_len=max(length, 512))
+    config = preset_config(f"{arch}-{size}", max_len=max(length, 512), vocab_size=vocab)
     return training_flops_per_token(config, length, 0.15, micro_batch=rows_per_step)
 
 
@@ -188,7 +188,7 @@ def figures(
                     "tokens_per_s": rows * L / split["total"],
                     "split_ms": {k: 1e3 * split[k] for k in SPLIT},
                     "flops_per_token": model_flops(trace) / (rows * L),
-                    "cost_py_flops_per_token": cost_py_flops(arch, L, rows, size),
+                    "cost_py_flops_per_token": cost_py_flops(arch, L, rows, size, vocab),
                 }
     for per_arch in out.values():
         add_ratios(per_arch)
@@ -309,6 +309,9 @@ def print_calibration(cal: dict) -> None:
 @click.option("--archs", default="bert,shatter", show_default=True)
 @click.option("--lengths", default="256,1024", show_default=True)
 @click.option("--tokens", default=16384, show_default=True, help="tokens per step")
+@click.option(
+    "--size", default="base", show_default=True, help="the presets' size (base: 12 x 768)"
+)
 @click.option("--gpus", "gpu_names", default=",".join(GPUS), show_default=True)
 @click.option("--padding", is_flag=True, help="every batch passes its attention mask")
 @click.option(
@@ -318,7 +321,7 @@ def print_calibration(cal: dict) -> None:
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the figures")
 @click.option("--calibrate", "do_calibrate", is_flag=True, help="replay the H100 measurement")
-def main(archs, lengths, tokens, gpu_names, padding, partition_impl, json_path, do_calibrate):
+def main(archs, lengths, tokens, size, gpu_names, padding, partition_impl, json_path, do_calibrate):
     from shatter.config import ARCHS
 
     archs = archs.split(",")
@@ -334,11 +337,11 @@ def main(archs, lengths, tokens, gpu_names, padding, partition_impl, json_path, 
         raise SystemExit(
             f"step_cost: --lengths takes integers like 256,1024, got {lengths!r}"
         ) from None
-    result = {"efficiency": EFFICIENCY, "tokens_per_step": tokens}
+    result = {"efficiency": EFFICIENCY, "tokens_per_step": tokens, "size": size}
     if do_calibrate:
         result["calibration"] = calibrate(tokens)
         print_calibration(result["calibration"])
-    result["figures"] = figures(archs, lens, tokens, names, padding, impl=partition_impl)
+    result["figures"] = figures(archs, lens, tokens, names, padding, size, impl=partition_impl)
     print_tables(result["figures"], tokens)
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))

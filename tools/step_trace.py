@@ -94,7 +94,10 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors an in-place or out= op writes (its mutable arguments)."""
     out = []
     values = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    unscaled = values.get("grad_scale") is not None  # a fused Adam writes its grads only then
     for arg in func._schema.arguments:
+        if arg.name == "grads" and not unscaled:
+            continue
         if arg.alias_info is not None and arg.alias_info.is_write and arg.name in values:
             out += _tensors(values[arg.name])
     return out
