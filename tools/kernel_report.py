@@ -221,6 +221,9 @@ def main(arch, kernels, activations, has_cs, shapes, dtypes, lengths, first_conf
     if bad_len:
         raise SystemExit(f"kernel_report: --length {bad_len} outside 17..{MAX_LEN}")
     tuned = tuned_kernels()
+    import triton
+
+    print(f"triton {triton.__version__} (python {sys.version.split()[0]})")
     header = f"{'arch':>5} {'kernel':6} {'act':7} {'c':1} {'shape':5} {'dtype':5} {'l':>4} "
     header += f"{'config':16} {'smem':>7} {'regs':>4} {'spill':>5} {'HMMA':>5} {'HGMMA':>5}  check"
     print(header)

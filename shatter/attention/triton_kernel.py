@@ -20,14 +20,13 @@ choice); fp32 runs too (IEEE dots, for the tests). n even in 4..16, d/n ≤ 128,
 tensors of compute capability ≥ 8.0, or CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
 
-from __future__ import annotations
-
 import math
 
 import torch
 import torch.nn.functional as F
 import triton
 
+from shatter.kernels.cost import register_costs
 from shatter.kernels.partition_mixing import (
     INTERPRET,
     MAX_PARTS,
@@ -66,7 +65,7 @@ def _check(Q, X, V, c, mask, table):
         (Q.dtype not in (torch.float16, torch.bfloat16, torch.float32), f"dtype {Q.dtype}"),
         (X.dtype != Q.dtype or V.dtype != Q.dtype, f"Q, X, V dtypes {Q.dtype}, {X.dtype}, {V.dtype} differ"),
         (table.dtype != torch.float32, f"the partition table is {table.dtype}, not float32"),
-        (not INTERPRET and not Q.is_cuda, "CPU tensors need TRITON_INTERPRET=1"),
+        (Q.device.type == "cpu" and not INTERPRET, "CPU tensors need TRITON_INTERPRET=1"),
     ]  # fmt: skip
     for bad, what in problems:
         if bad:
@@ -79,91 +78,157 @@ def _grid(L, block, per_batch):
     return lambda META: (triton.cdiv(L, META[block]), per_batch)
 
 
-class PartitionAttentionTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, Q, X, V, c, mask_BL, table, sigmoid):
-        B, L, d = Q.shape
-        n = table.shape[0]
-        scale = 1.0 / math.sqrt(d)
-        # cuBLAS, Q scaled first (no fp16 overflow); the keys padded to a multiple of 16 so that
-        # Z's rows (and dZ's) are aligned for the GEMMs and the kernels' vector loads
-        Xp = F.pad(X, (0, 0, 0, -L % 16))
-        Z = torch.matmul(Q * scale, Xp.transpose(-1, -2))  # [B, L, L rounded up to 16]
-        V = V if V.stride(-1) == 1 else V.contiguous()
-        cc = c.contiguous() if c is not None else Z  # a placeholder pointer without the bias
-        mask32 = mask_BL.to(torch.float32).contiguous()
-        stat = torch.empty(2, B, L, device=Q.device, dtype=torch.float32)
-        meta = kernel_meta(d, n, Q.dtype)
-        shared = dict(
-            L=L, L_KEY=triton.next_power_of_2(L), T_CENTRE=(table.shape[1] - 1) // 2,
-            HAS_C=c is not None, N_PARTS=n, SIGMOID=sigmoid,
-        )  # fmt: skip
-        zs = (Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), table.stride(0))
-        row_stats_kernel[_grid(L, "BLOCK_M", B)](
-            Z, cc, mask32, table, stat[0], stat[1], *zs, **shared
-        )
-        out = torch.empty(B, n, L, d // n, device=Q.device, dtype=Q.dtype)
-        part = torch.empty(B, L, n, device=Q.device, dtype=Q.dtype)
-        programs = 2 * B * (n // 2 // meta["GROUP"])  # batch x side x group of parts
-        mix_fwd_kernel[_grid(L, "BLOCK_M", programs)](
-            Z, cc, mask32, table, V, stat[0], stat[1], out, part, *zs,
-            V.stride(0), V.stride(1), V.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            part.stride(0), part.stride(1), K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
-            GROUP=meta["GROUP"], PREC=meta["PREC"], **shared,
-        )  # fmt: skip
-        ctx.save_for_backward(Q, Xp, V, c, Z, mask32, table, stat, out, part)
-        ctx.sigmoid = sigmoid
-        return out, part
+def padded(L: int) -> int:
+    """Z's row length: the keys rounded up to a multiple of 16 (aligned rows for the GEMMs and the
+    kernels' vector loads)."""
+    return -(-L // 16) * 16
 
-    @staticmethod
-    def backward(ctx, g_out, g_part):
-        Q, Xp, V, c, Z, mask32, table, stat, out, part = ctx.saved_tensors
-        B, L, d = Q.shape
-        n = table.shape[0]
-        g_out = torch.zeros_like(out) if g_out is None else g_out.to(Q.dtype).contiguous()
-        g_part = torch.zeros_like(part) if g_part is None else g_part.to(Q.dtype).contiguous()
-        meta = kernel_meta(d, n, Q.dtype)
-        cc = c.contiguous() if c is not None else Z
-        shared = dict(
-            L=L, L_KEY=triton.next_power_of_2(L), HAS_C=c is not None, N_PARTS=n,
-            SIGMOID=ctx.sigmoid, K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
-        )  # fmt: skip
-        tables = dict(T_CENTRE=(table.shape[1] - 1) // 2, PREC=meta["PREC"])
-        zs = (Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), table.stride(0))
-        gs = (g_out.stride(0), g_out.stride(1), g_out.stride(2))
-        need_q, need_x, need_v, need_c = ctx.needs_input_grad[:4]
-        gQ = gX = gV = gc = None
-        if need_v:
-            gV = torch.empty(B, n, L, d // n, device=Q.device, dtype=Q.dtype)
-            programs = 2 * B * (n // 2 // meta["GROUP"])
-            mix_bwd_dv_kernel[_grid(L, "BLOCK_N", programs)](
-                Z, cc, mask32, table, stat[0], stat[1], g_out, gV, *zs, *gs,
-                GROUP=meta["GROUP"], **shared, **tables,
-            )  # fmt: skip
-        if need_q or need_x or (need_c and c is not None):
-            delta = torch.empty(B, L, device=Q.device, dtype=torch.float32)
-            delta_kernel[_grid(L, "BLOCK_M", B)](
-                out, g_out, part, g_part, delta, *gs, part.stride(0), part.stride(1),
-                NP=meta["NP"], **shared,
-            )  # fmt: skip
-            dZ = torch.empty_like(Z) if Z.shape[2] == L else torch.zeros_like(Z)  # padded keys: 0
-            dc = torch.empty(B, L, n, device=Q.device, dtype=Q.dtype) if c is not None else Z
-            mix_bwd_dz_kernel[_grid(L, "BLOCK_M", B)](
-                Z, cc, mask32, table, V, stat[0], stat[1], delta, g_out, g_part, dZ, dc, *zs,
-                V.stride(0), V.stride(1), V.stride(2), *gs, g_part.stride(0), g_part.stride(1),
-                scale=1.0 / math.sqrt(d), NP=meta["NP"], **shared, **tables,
-            )  # fmt: skip
-            gQ = torch.matmul(dZ, Xp) if need_q else None  # cuBLAS: dQ = dS X / √d
-            if need_x:  # dX_key = dSᵀ Q / √d
-                gX = torch.matmul(dZ.transpose(-1, -2), Q)[:, :L]
-            gc = dc if c is not None and need_c else None
-        return gQ, gX, gV, gc, None, None, None
+
+@torch.library.custom_op("shatter::mixing_fwd", mutates_args=())
+def mixing_fwd(
+    Q: torch.Tensor,
+    X: torch.Tensor,
+    V: torch.Tensor,
+    c: torch.Tensor | None,
+    mask: torch.Tensor,
+    table: torch.Tensor,
+    sigmoid: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(X̄ [B, n, L, d/n], A_part [B, L, n], Z [B, L, Lp], stat [2, B, L] fp32): the scores GEMM,
+    the row statistics and the mixing forward; Z and stat are kept for `mixing_bwd`."""
+    B, L, d = Q.shape
+    n = table.shape[0]
+    scale = 1.0 / math.sqrt(d)
+    # cuBLAS, Q scaled first (no fp16 overflow); the keys padded to a multiple of 16 so that
+    # Z's rows (and dZ's) are aligned for the GEMMs and the kernels' vector loads
+    Xp = F.pad(X, (0, 0, 0, -L % 16))
+    Z = torch.matmul(Q * scale, Xp.transpose(-1, -2))  # [B, L, L rounded up to 16]
+    V = V if V.stride(-1) == 1 else V.contiguous()
+    cc = c.contiguous() if c is not None else Z  # a placeholder pointer without the bias
+    mask32 = mask.to(torch.float32).contiguous()
+    stat = torch.empty(2, B, L, device=Q.device, dtype=torch.float32)
+    meta = kernel_meta(d, n, Q.dtype)
+    shared = dict(
+        L=L, L_KEY=triton.next_power_of_2(L), T_CENTRE=(table.shape[1] - 1) // 2,
+        HAS_C=c is not None, N_PARTS=n, SIGMOID=sigmoid,
+    )  # fmt: skip
+    zs = (Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), table.stride(0))
+    row_stats_kernel[_grid(L, "BLOCK_M", B)](Z, cc, mask32, table, stat[0], stat[1], *zs, **shared)
+    out = torch.empty(B, n, L, d // n, device=Q.device, dtype=Q.dtype)
+    part = torch.empty(B, L, n, device=Q.device, dtype=Q.dtype)
+    programs = 2 * B * (n // 2 // meta["GROUP"])  # batch x side x group of parts
+    mix_fwd_kernel[_grid(L, "BLOCK_M", programs)](
+        Z, cc, mask32, table, V, stat[0], stat[1], out, part, *zs,
+        V.stride(0), V.stride(1), V.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        part.stride(0), part.stride(1), K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
+        GROUP=meta["GROUP"], PREC=meta["PREC"], **shared,
+    )  # fmt: skip
+    return out, part, Z, stat
+
+
+@mixing_fwd.register_fake
+def _(Q, X, V, c, mask, table, sigmoid):
+    B, L, d = Q.shape
+    n = table.shape[0]
+    return (
+        Q.new_empty(B, n, L, d // n),
+        Q.new_empty(B, L, n),
+        Q.new_empty(B, L, padded(L)),
+        Q.new_empty(2, B, L, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("shatter::mixing_bwd", mutates_args=())
+def mixing_bwd(
+    Q: torch.Tensor,
+    X: torch.Tensor,
+    V: torch.Tensor,
+    c: torch.Tensor | None,
+    mask: torch.Tensor,
+    table: torch.Tensor,
+    Z: torch.Tensor,
+    stat: torch.Tensor,
+    out: torch.Tensor,
+    part: torch.Tensor,
+    g_out: torch.Tensor,
+    g_part: torch.Tensor,
+    sigmoid: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dX, dV, dc) from the saved Z and statistics: δ, dV and dZ in Triton, then
+    dQ = dZ X and dX = dZᵀ Q in cuBLAS; dc is empty without the part bias."""
+    B, L, d = Q.shape
+    n = table.shape[0]
+    g_out = g_out.to(Q.dtype).contiguous()
+    g_part = g_part.to(Q.dtype).contiguous()
+    meta = kernel_meta(d, n, Q.dtype)
+    cc = c.contiguous() if c is not None else Z
+    mask32 = mask.to(torch.float32).contiguous()
+    shared = dict(
+        L=L, L_KEY=triton.next_power_of_2(L), HAS_C=c is not None, N_PARTS=n,
+        SIGMOID=sigmoid, K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
+    )  # fmt: skip
+    tables = dict(T_CENTRE=(table.shape[1] - 1) // 2, PREC=meta["PREC"])
+    zs = (Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), table.stride(0))
+    gs = (g_out.stride(0), g_out.stride(1), g_out.stride(2))
+    gV = torch.empty(B, n, L, d // n, device=Q.device, dtype=Q.dtype)
+    programs = 2 * B * (n // 2 // meta["GROUP"])
+    mix_bwd_dv_kernel[_grid(L, "BLOCK_N", programs)](
+        Z, cc, mask32, table, stat[0], stat[1], g_out, gV, *zs, *gs,
+        GROUP=meta["GROUP"], **shared, **tables,
+    )  # fmt: skip
+    delta = torch.empty(B, L, device=Q.device, dtype=torch.float32)
+    delta_kernel[_grid(L, "BLOCK_M", B)](
+        out, g_out, part, g_part, delta, *gs, part.stride(0), part.stride(1),
+        NP=meta["NP"], **shared,
+    )  # fmt: skip
+    dZ = torch.empty_like(Z) if Z.shape[2] == L else torch.zeros_like(Z)  # padded keys: 0
+    dc = torch.empty(B, L, n, device=Q.device, dtype=Q.dtype) if c is not None else Z
+    mix_bwd_dz_kernel[_grid(L, "BLOCK_M", B)](
+        Z, cc, mask32, table, V, stat[0], stat[1], delta, g_out, g_part, dZ, dc, *zs,
+        V.stride(0), V.stride(1), V.stride(2), *gs, g_part.stride(0), g_part.stride(1),
+        scale=1.0 / math.sqrt(d), NP=meta["NP"], **shared, **tables,
+    )  # fmt: skip
+    Xp = F.pad(X, (0, 0, 0, -L % 16))
+    gQ = torch.matmul(dZ, Xp)  # cuBLAS: dQ = dS X / √d
+    gX = torch.matmul(dZ.transpose(-1, -2), Q)[:, :L]  # dX_key = dSᵀ Q / √d
+    return gQ, gX, gV, dc if c is not None else Q.new_empty(0)
+
+
+@mixing_bwd.register_fake
+def _(Q, X, V, c, mask, table, Z, stat, out, part, g_out, g_part, sigmoid):
+    B, L, d = Q.shape
+    return (
+        torch.empty_like(Q),
+        Q.new_empty(B, padded(L), d)[:, :L],  # a view of dZᵀ Q's rows
+        Q.new_empty(V.shape),
+        Q.new_empty(c.shape) if c is not None else Q.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    Q, X, V, c, mask, table, sigmoid = inputs
+    out, part, Z, stat = output
+    ctx.save_for_backward(Q, X, V, c, mask, table, Z, stat, out, part)
+    ctx.sigmoid = sigmoid
+
+
+def _backward(ctx, g_out, g_part, _g_z, _g_stat):
+    saved = ctx.saved_tensors
+    g_out = torch.zeros_like(saved[8]) if g_out is None else g_out
+    g_part = torch.zeros_like(saved[9]) if g_part is None else g_part
+    gQ, gX, gV, gc = torch.ops.shatter.mixing_bwd(*saved, g_out, g_part, ctx.sigmoid)
+    return gQ, gX, gV, gc if saved[3] is not None else None, None, None, None
+
+
+mixing_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_costs(("shatter::mixing_fwd", "shatter::mixing_bwd"))
 
 
 def partition_attention_triton(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, sigmoid: bool):
     """(X_bar [B, n, L, d/n], A_part [B, L, n]) as `lean.partition_mix_lean` gives them for
     Z0 = Q Xᵀ/√d; the 1h-sigmoid and 1h-softmax archs pass c = None."""
     _check(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table)
-    return PartitionAttentionTriton.apply(
+    out, part, _, _ = torch.ops.shatter.mixing_fwd(
         Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, bool(sigmoid)
     )
+    return out, part
