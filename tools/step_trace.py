@@ -55,7 +55,7 @@ SDPA = {
 }
 # Ops that launch no kernel: allocation without a fill, metadata
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
-             "alias", "lift_fresh", "_local_scalar_dense", "sym_size", "sym_stride", "is_same_size",
+             "alias", "lift_fresh", "_unsafe_view", "_local_scalar_dense", "sym_size", "sym_stride", "is_same_size",
              "_to_copy_noop"}  # fmt: skip
 
 # CUDA autocast's op lists (torch.amp's "Autocast Op Reference"), by the Python function's name
