@@ -1,8 +1,9 @@
 """The ops of one training step of a model, traced on meta tensors: what tools/step_cost.py prices.
 
 `trace_step(model, ...)` runs one step of a masked-LM model built by `shatter.build_model` (this
-checkout's, or an older commit's: the module imports nothing of the project, so
-tools/step_cost.py runs it by path under another checkout's PYTHONPATH) on meta tensors, which
+checkout's, or an older commit's: the module imports no project module at load time, and
+`shatter` itself only in `main`, so tools/step_cost.py runs it by path under another checkout's
+PYTHONPATH) on meta tensors, which
 have shapes, dtypes and strides but no values, so a base-size step traces in seconds on a CPU:
 
     forward    model(input_ids, attention_mask, labels)["loss"]
