@@ -1,7 +1,7 @@
 """Ahead-of-time compile report for the Triton mixing kernels of the hybrid partition attention
 (no GPU needed).
 
-For every kernel (stats and fwd of the forward; delta, dv and dz of the backward), every autotune
+For every kernel (stats and fwd of the forward; dv and dz of the backward), every autotune
 configuration and every variant it is compiled for (the partition bias HAS_C on and off, the
 sigmoid and the softmax, the base (d=768, n=12) and large (d=1024, n=16) shapes, bf16 and fp16, a
 length that is a multiple of 16 and one that is not: l = 512 and l = 509), it compiles the kernel
@@ -32,8 +32,8 @@ import click
 SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # usable shared memory per block (A100, H100)
 SHAPES = {"base": (768, 12), "large": (1024, 16)}  # (d, n), the paper's sizes
 DTYPES = ("bf16", "fp16", "fp32")  # fp32 runs IEEE dots: no tensor cores expected
-KERNELS = ("stats", "fwd", "delta", "dv", "dz")
-DOT_KERNELS = ("fwd", "dv", "dz")  # stats and delta are elementwise sweeps: no dot to expect
+KERNELS = ("stats", "fwd", "dv", "dz")
+DOT_KERNELS = ("fwd", "dv", "dz")  # stats is an elementwise sweep: no dot to expect
 LENGTHS = (512, 509)  # a multiple of 16 and not: sets which int arguments are multiples of 16
 MAX_LEN = 512
 
@@ -69,14 +69,16 @@ class Row:
 def _args(d: int, n: int, dtype: str, L: int) -> dict[str, tuple[str, object]]:
     """(triton type, representative value) of every runtime argument name the kernels take, as
     the wrapper passes them for B = 8 and length L (Z's rows padded to a multiple of 16); the
-    values only decide the runtime's divisibility-by-16 hints."""
+    values only decide the runtime's divisibility-by-16 hints. X̄, dX̄, V and dV are [B, n, L, d/n]
+    views of [B, L, d] tensors."""
     k, m, Lp = d // n, MAX_LEN, -(-L // 16) * 16
     ptrs = {name: dtype for name in ("Z", "C", "V", "OUT", "AP", "DO", "DV", "DAP", "DZ", "DC")}
     ptrs.update({name: "fp32" for name in ("Mk", "T", "STAT", "STAT2", "DELTA")})
     ints = {
         "sz_b": L * Lp, "sz_l": Lp, "sc_b": L * n, "sc_l": n, "st_h": 2 * m - 1,
-        "sv_b": L * d, "sv_h": k, "sv_l": d, "so_b": n * L * k, "so_h": L * k, "so_l": k,
-        "sd_b": n * L * k, "sd_h": L * k, "sd_l": k, "sa_b": L * n, "sa_l": n,
+        "sv_b": L * d, "sv_h": k, "sv_l": d, "so_b": L * d, "so_h": k, "so_l": d,
+        "sd_b": L * d, "sd_h": k, "sd_l": d, "sg_b": L * d, "sg_h": k, "sg_l": d,
+        "sa_b": L * n, "sa_l": n, "sp_b": L * n, "sp_l": n,
         "L": L, "L_KEY": 1 << (L - 1).bit_length(), "K_PART": k, "T_CENTRE": m - 1,
     }  # fmt: skip
     out = {name: (f"*{t}", None) for name, t in ptrs.items()}
@@ -101,7 +103,6 @@ def tuned_kernels() -> dict:
     return {
         "stats": (pm.row_stats_kernel, pm.STATS_CONFIGS),
         "fwd": (pm.mix_fwd_kernel, pm.FWD_CONFIGS),
-        "delta": (pm.delta_kernel, pm.DELTA_CONFIGS),
         "dv": (pm.mix_bwd_dv_kernel, pm.DV_CONFIGS),
         "dz": (pm.mix_bwd_dz_kernel, pm.DZ_CONFIGS),
     }
@@ -153,9 +154,7 @@ def compile_one(
 
 
 def variants(kernel: str, activations, has_cs, shapes, dtypes, lengths):
-    """The variants a kernel is compiled for; delta reads neither the bias nor the activation."""
-    if kernel == "delta":
-        activations, has_cs = activations[:1], has_cs[:1]
+    """The variants a kernel is compiled for."""
     return itertools.product(activations, has_cs, shapes, dtypes, lengths)
 
 

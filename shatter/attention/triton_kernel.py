@@ -30,7 +30,6 @@ from shatter.kernels.cost import register_costs
 from shatter.kernels.partition_mixing import (
     INTERPRET,
     MAX_PARTS,
-    delta_kernel,
     mix_bwd_dv_kernel,
     mix_bwd_dz_kernel,
     mix_fwd_kernel,
@@ -84,6 +83,27 @@ def padded(L: int) -> int:
     return -(-L // 16) * 16
 
 
+def _unit(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dimension is contiguous (the kernels take every other stride)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _parts_layout(B: int, L: int, n: int, k: int, like: torch.Tensor) -> torch.Tensor:
+    """A new [B, n, L, k] tensor stored as [B, L, n, k]: X̄ (and dV) in the layout of the
+    [B, L, d] context (and of V as single_head.py views it), so that no transpose copies it."""
+    return like.new_empty(B, L, n, k).transpose(1, 2)
+
+
+def _scores(Q: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """Z = Q Xᵀ/√d on cuBLAS [B, L, Lp], the 1/√d applied to the fp32 accumulator (no fp16
+    overflow, no scaled copy of Q); keys that are not a multiple of 16 are padded with zeros so
+    that Z's rows are aligned."""
+    L = X.shape[1]
+    X = X if L % 16 == 0 else F.pad(X, (0, 0, 0, -L % 16))
+    Z = Q.new_empty(Q.shape[0], L, X.shape[1])
+    return torch.baddbmm(Z, Q, X.transpose(-1, -2), beta=0.0, alpha=Q.shape[-1] ** -0.5, out=Z)
+
+
 @torch.library.custom_op("shatter::mixing_fwd", mutates_args=())
 def mixing_fwd(
     Q: torch.Tensor,
@@ -94,17 +114,14 @@ def mixing_fwd(
     table: torch.Tensor,
     sigmoid: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(X̄ [B, n, L, d/n], A_part [B, L, n], Z [B, L, Lp], stat [2, B, L] fp32): the scores GEMM,
-    the row statistics and the mixing forward; Z and stat are kept for `mixing_bwd`."""
+    """(X̄ [B, n, L, d/n] stored as [B, L, n, d/n], A_part [B, L, n], Z [B, L, Lp], stat [2, B, L]
+    fp32): the scores GEMM, the row statistics and the mixing forward; Z and stat are kept for
+    `mixing_bwd`."""
     B, L, d = Q.shape
     n = table.shape[0]
-    scale = 1.0 / math.sqrt(d)
-    # cuBLAS, Q scaled first (no fp16 overflow); the keys padded to a multiple of 16 so that
-    # Z's rows (and dZ's) are aligned for the GEMMs and the kernels' vector loads
-    Xp = F.pad(X, (0, 0, 0, -L % 16))
-    Z = torch.matmul(Q * scale, Xp.transpose(-1, -2))  # [B, L, L rounded up to 16]
-    V = V if V.stride(-1) == 1 else V.contiguous()
-    cc = c.contiguous() if c is not None else Z  # a placeholder pointer without the bias
+    Z = _scores(Q, X)
+    V = _unit(V)
+    cc = _unit(c) if c is not None else Z  # a placeholder pointer without the bias
     mask32 = mask.to(torch.float32).contiguous()
     stat = torch.empty(2, B, L, device=Q.device, dtype=torch.float32)
     meta = kernel_meta(d, n, Q.dtype)
@@ -114,7 +131,7 @@ def mixing_fwd(
     )  # fmt: skip
     zs = (Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), table.stride(0))
     row_stats_kernel[_grid(L, "BLOCK_M", B)](Z, cc, mask32, table, stat[0], stat[1], *zs, **shared)
-    out = torch.empty(B, n, L, d // n, device=Q.device, dtype=Q.dtype)
+    out = _parts_layout(B, L, n, d // n, Q)
     part = torch.empty(B, L, n, device=Q.device, dtype=Q.dtype)
     programs = 2 * B * (n // 2 // meta["GROUP"])  # batch x side x group of parts
     mix_fwd_kernel[_grid(L, "BLOCK_M", programs)](
@@ -131,7 +148,7 @@ def _(Q, X, V, c, mask, table, sigmoid):
     B, L, d = Q.shape
     n = table.shape[0]
     return (
-        Q.new_empty(B, n, L, d // n),
+        _parts_layout(B, L, n, d // n, Q),
         Q.new_empty(B, L, n),
         Q.new_empty(B, L, padded(L)),
         Q.new_empty(2, B, L, dtype=torch.float32),
@@ -154,14 +171,15 @@ def mixing_bwd(
     g_part: torch.Tensor,
     sigmoid: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dX, dV, dc) from the saved Z and statistics: δ, dV and dZ in Triton, then
-    dQ = dZ X and dX = dZᵀ Q in cuBLAS; dc is empty without the part bias."""
+    """(dQ, dX, dV, dc) from the saved Z and statistics: dV, then δ and dZ in one pass, in Triton, then
+    dQ = dZ X and dX = dZᵀ Q in cuBLAS; dc is empty without the part bias. dV comes in X̄'s
+    layout; dX̄ is read in whatever strides autograd hands in."""
     B, L, d = Q.shape
     n = table.shape[0]
-    g_out = g_out.to(Q.dtype).contiguous()
-    g_part = g_part.to(Q.dtype).contiguous()
+    g_out, g_part = _unit(g_out.to(Q.dtype)), _unit(g_part.to(Q.dtype))
+    V = _unit(V)
     meta = kernel_meta(d, n, Q.dtype)
-    cc = c.contiguous() if c is not None else Z
+    cc = _unit(c) if c is not None else Z
     mask32 = mask.to(torch.float32).contiguous()
     shared = dict(
         L=L, L_KEY=triton.next_power_of_2(L), HAS_C=c is not None, N_PARTS=n,
@@ -170,27 +188,22 @@ def mixing_bwd(
     tables = dict(T_CENTRE=(table.shape[1] - 1) // 2, PREC=meta["PREC"])
     zs = (Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), table.stride(0))
     gs = (g_out.stride(0), g_out.stride(1), g_out.stride(2))
-    gV = torch.empty(B, n, L, d // n, device=Q.device, dtype=Q.dtype)
+    gV = _parts_layout(B, L, n, d // n, Q)
     programs = 2 * B * (n // 2 // meta["GROUP"])
     mix_bwd_dv_kernel[_grid(L, "BLOCK_N", programs)](
         Z, cc, mask32, table, stat[0], stat[1], g_out, gV, *zs, *gs,
-        GROUP=meta["GROUP"], **shared, **tables,
+        gV.stride(0), gV.stride(1), gV.stride(2), GROUP=meta["GROUP"], **shared, **tables,
     )  # fmt: skip
-    delta = torch.empty(B, L, device=Q.device, dtype=torch.float32)
-    delta_kernel[_grid(L, "BLOCK_M", B)](
-        out, g_out, part, g_part, delta, *gs, part.stride(0), part.stride(1),
-        NP=meta["NP"], **shared,
-    )  # fmt: skip
-    dZ = torch.empty_like(Z) if Z.shape[2] == L else torch.zeros_like(Z)  # padded keys: 0
+    dZ = torch.empty_like(Z)  # the padded keys' columns are never read
     dc = torch.empty(B, L, n, device=Q.device, dtype=Q.dtype) if c is not None else Z
     mix_bwd_dz_kernel[_grid(L, "BLOCK_M", B)](
-        Z, cc, mask32, table, V, stat[0], stat[1], delta, g_out, g_part, dZ, dc, *zs,
-        V.stride(0), V.stride(1), V.stride(2), *gs, g_part.stride(0), g_part.stride(1),
-        scale=1.0 / math.sqrt(d), NP=meta["NP"], **shared, **tables,
+        Z, cc, mask32, table, V, stat[0], stat[1], out, part, g_out, g_part, dZ, dc, *zs,
+        V.stride(0), V.stride(1), V.stride(2), out.stride(0), out.stride(1), out.stride(2), *gs,
+        part.stride(0), part.stride(1), g_part.stride(0), g_part.stride(1), scale=1.0 / math.sqrt(d), NP=meta["NP"], **shared, **tables,
     )  # fmt: skip
-    Xp = F.pad(X, (0, 0, 0, -L % 16))
-    gQ = torch.matmul(dZ, Xp)  # cuBLAS: dQ = dS X / √d
-    gX = torch.matmul(dZ.transpose(-1, -2), Q)[:, :L]  # dX_key = dSᵀ Q / √d
+    dS = dZ[:, :, :L]  # dS/√d
+    gQ = torch.matmul(dS, X)  # cuBLAS: dQ = dS X / √d
+    gX = torch.matmul(dS.transpose(-1, -2), Q)  # dX_key = dSᵀ Q / √d
     return gQ, gX, gV, dc if c is not None else Q.new_empty(0)
 
 
@@ -198,9 +211,9 @@ def mixing_bwd(
 def _(Q, X, V, c, mask, table, Z, stat, out, part, g_out, g_part, sigmoid):
     B, L, d = Q.shape
     return (
-        torch.empty_like(Q),
-        Q.new_empty(B, padded(L), d)[:, :L],  # a view of dZᵀ Q's rows
-        Q.new_empty(V.shape),
+        torch.empty_like(Q, memory_format=torch.contiguous_format),
+        torch.empty_like(X, memory_format=torch.contiguous_format),
+        _parts_layout(B, L, table.shape[0], d // table.shape[0], Q),
         Q.new_empty(c.shape) if c is not None else Q.new_empty(0),
     )
 
@@ -209,6 +222,8 @@ def _setup_context(ctx, inputs, output):
     Q, X, V, c, mask, table, sigmoid = inputs
     out, part, Z, stat = output
     ctx.save_for_backward(Q, X, V, c, mask, table, Z, stat, out, part)
+    ctx.mark_non_differentiable(Z, stat)  # kept for the backward only
+    ctx.set_materialize_grads(False)  # no zero gradients made for Z and stat
     ctx.sigmoid = sigmoid
 
 

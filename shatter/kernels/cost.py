@@ -51,16 +51,16 @@ def _z_reads(n: int) -> int:
 def mixing_dot_flops(B: int, L: int, d: int) -> float:
     """The mixing dots of one sweep (forward X̄, dV, or dA of the dZ pass): every pair (i, j)
     of a side, j >= i or j <= i, against the side's n/2 parts of d/n: d/2 multiply-adds."""
-    return 2.0 * B * L * (L + 1) * d
+    return 1.0 * B * L * (L + 1) * d
 
 
 def mixing_fwd_cost(args, kwargs, outputs) -> tuple[float, float]:
     a = _bind("shatter::mixing_fwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
     z, x = B * L * Lp * e, B * L * d * e  # one Z, one [B, L, d]
-    flops = 2.0 * B * L * Lp * d + mixing_dot_flops(B, L, d) / 2
-    copies = 2 * x + (2 * x if L % 16 else 0)  # Q · 1/√d, the keys padded to Lp
-    gemm = 2 * x + z  # Z = (Q/√d) Xᵀ
+    flops = 2.0 * B * L * Lp * d + mixing_dot_flops(B, L, d)
+    copies = 2 * x if L % 16 else 0  # the keys padded to Lp
+    gemm = 2 * x + z  # Z = Q Xᵀ/√d
     stats = z
     fwd = _z_reads(n) * z + x + x  # Z per group, V, X̄
     return flops, float(copies + gemm + stats + fwd)
@@ -70,14 +70,12 @@ def mixing_bwd_cost(args, kwargs, outputs) -> tuple[float, float]:
     a = _bind("shatter::mixing_bwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
     z, x = B * L * Lp * e, B * L * d * e
-    flops = mixing_dot_flops(B, L, d) + 2 * 2.0 * B * L * Lp * d  # dV and dA; dQ and dX
-    copies = 0 if a["g_out"].is_contiguous() else 2 * x
-    copies += z + 2 * x if L % 16 else 0  # dZ's padded keys zeroed, the keys padded again
+    flops = 2 * mixing_dot_flops(B, L, d) + 2 * 2.0 * B * L * Lp * d  # dV, dA; dQ, dX
+    copies = 0 if a["g_out"].stride(-1) == 1 else 2 * x
     dv = _z_reads(n) * z + x + x  # Z per group, dX̄, dV
-    delta = 2 * x  # X̄ and dX̄
-    dz = z + x + x + z  # Z, V, dX̄ in, dZ out
+    dz = x + z + x + x + z  # X̄ (δ), Z, V, dX̄ in, dZ out
     gemms = 2 * (z + x + x)  # dQ = dZ X, dX = dZᵀ Q
-    return flops, float(copies + dv + delta + dz + gemms)
+    return flops, float(copies + dv + dz + gemms)
 
 
 OP_COSTS: dict[str, Callable[..., tuple[float, float]]] = {

@@ -20,7 +20,7 @@ else n/2: the accumulators then fit the registers without spills, at the cost of
 side's Z tiles once per group (Z is B·l² elements: a small part of the traffic).
 
 Backward, with δ_i = Σ_j dA_ij A_ij = Σ_h ⟨dX̄[h]_i, X̄[h]_i⟩ + ⟨dA_part_i, A_part_i⟩ from the
-saved outputs (`delta_kernel`, FlashAttention-2's preprocess) and
+saved outputs (FlashAttention-2's preprocess, taken in the dZ pass's prologue) and
 dA_ij = Σ_h f_h(j−i) (⟨dX̄[h]_i, V[h]_j⟩ + dA_part_ih):
 
     sigmoid: dS_ij = ρ_i m_j s_ij (1 − s_ij) (dA_ij − A_ij δ_i)          (as lean.PartitionMix)
@@ -73,7 +73,6 @@ DZ_CONFIGS = [
     _cfg(64, 64, 4, 2, archs=(90,)),
     _cfg(64, 128, 8, 2, archs=(90,)),
 ]
-DELTA_CONFIGS = [_cfg(64, 16, 4, 1)]
 AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID"]
 
 
@@ -196,6 +195,30 @@ def _store_part(o_ptrs, acc, o_ok, a_ptrs, ap, row_ok):
     tl.store(a_ptrs, ap.to(a_ptrs.dtype.element_ty), mask=row_ok)
 
 
+@triton.jit
+def _row_delta(
+    OUT, DO, AP, DAP, b, offs_m, offs_k, row_ok, k_ok, so_b, so_h, so_l, sd_b, sd_h, sd_l,
+    sa_b, sa_l, sp_b, sp_l, N_PARTS: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """δ_i = Σ_h ⟨dX̄[h]_i, X̄[h]_i⟩ + ⟨dA_part_i, A_part_i⟩ in fp32 for the rows offs_m, from the
+    saved outputs (FlashAttention-2's preprocess, here the dZ pass's prologue): OUT's strides
+    so_*, DO's sd_*, AP's sa_*, DAP's sp_*."""
+    ok = row_ok[:, None] & k_ok
+    o_base = OUT + b * so_b + offs_m[:, None] * so_l + offs_k[None, :]
+    do_base = DO + b * sd_b + offs_m[:, None] * sd_l + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for h in range(N_PARTS):
+        o = tl.load(o_base + h * so_h, mask=ok, other=0.0).to(tl.float32)
+        do = tl.load(do_base + h * sd_h, mask=ok, other=0.0).to(tl.float32)
+        acc += o * do
+    parts = tl.arange(0, NP)
+    p_ok = row_ok[:, None] & (parts < N_PARTS)[None, :]
+    ap = tl.load(AP + b * sa_b + offs_m[:, None] * sa_l + parts[None, :], mask=p_ok, other=0.0)
+    dap = tl.load(DAP + b * sp_b + offs_m[:, None] * sp_l + parts[None, :], mask=p_ok, other=0.0)
+    return tl.sum(acc, 1) + tl.sum(ap.to(tl.float32) * dap.to(tl.float32), 1)
+
+
 # ---------------------------------------------------------------------------------- kernels
 
 
@@ -301,45 +324,17 @@ def mix_fwd_kernel(
         _store_part(o + 7 * so_h, acc7, o_ok, a_ptrs + 7, ap7, row_ok)
 
 
-@_autotune(DELTA_CONFIGS)
-@triton.jit
-def delta_kernel(
-    OUT, DO, AP, DAP, DELTA, so_b, so_h, so_l, sa_b, sa_l, L, L_KEY, K_PART,
-    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr,
-    NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Program (row block, batch): δ_i = Σ_h ⟨dX̄[h]_i, X̄[h]_i⟩ + ⟨dA_part_i, A_part_i⟩ in fp32;
-    OUT and DO share the strides so_*, AP and DAP sa_*."""
-    b = tl.program_id(1).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    row_ok = offs_m < L
-    ok = row_ok[:, None] & (offs_k < K_PART)[None, :]
-    base = b * so_b + offs_m[:, None] * so_l + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for h in range(N_PARTS):
-        o = tl.load(OUT + base + h * so_h, mask=ok, other=0.0).to(tl.float32)
-        do = tl.load(DO + base + h * so_h, mask=ok, other=0.0).to(tl.float32)
-        acc += o * do
-    parts = tl.arange(0, NP)
-    p_ok = row_ok[:, None] & (parts < N_PARTS)[None, :]
-    p_ptrs = b * sa_b + offs_m[:, None] * sa_l + parts[None, :]
-    ap = tl.load(AP + p_ptrs, mask=p_ok, other=0.0).to(tl.float32)
-    dap = tl.load(DAP + p_ptrs, mask=p_ok, other=0.0).to(tl.float32)
-    tl.store(DELTA + b * L + offs_m, tl.sum(acc, 1) + tl.sum(ap * dap, 1), mask=row_ok)
-
-
 @_autotune(DV_CONFIGS)
 @triton.jit
 def mix_bwd_dv_kernel(
     Z, C, Mk, T, STAT, STAT2, DO, DV,
-    sz_b, sz_l, sc_b, sc_l, st_h, sd_b, sd_h, sd_l, L, L_KEY, K_PART, T_CENTRE,
+    sz_b, sz_l, sc_b, sc_l, st_h, sd_b, sd_h, sd_l, sg_b, sg_h, sg_l, L, L_KEY, K_PART, T_CENTRE,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Program (key block, batch × side × group): dV[h] = Σ_i (A ⊙ f_h)ᵀ dX̄[h] for GROUP of the
-    side's parts (side 0: rows i <= j; side 1: i >= j); dO and dV share the [B, n, L, d/n]
-    strides sd_*."""
+    side's parts (side 0: rows i <= j; side 1: i >= j); dO's [B, n, L, d/n] strides sd_*, dV's
+    sg_*."""
     b, side, h0 = _program_parts(N_PARTS, GROUP)
     j0 = tl.program_id(0) * BLOCK_N
     offs_n = j0 + tl.arange(0, BLOCK_N)
@@ -373,37 +368,38 @@ def mix_bwd_dv_kernel(
             acc6 = _dv_part(acc6, a, f_ptr + 6 * st_h, col, ok, do + 6 * sd_h, do_ok, PREC)
         if GROUP > 7:
             acc7 = _dv_part(acc7, a, f_ptr + 7 * st_h, col, ok, do + 7 * sd_h, do_ok, PREC)
-    dv = DV + b * sd_b + h0 * sd_h + offs_n[:, None] * sd_l + offs_k[None, :]
+    dv = DV + b * sg_b + h0 * sg_h + offs_n[:, None] * sg_l + offs_k[None, :]
     dv_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
     ty = DV.dtype.element_ty
     tl.store(dv, acc0.to(ty), mask=dv_ok)
-    tl.store(dv + sd_h, acc1.to(ty), mask=dv_ok)
+    tl.store(dv + sg_h, acc1.to(ty), mask=dv_ok)
     if GROUP > 2:
-        tl.store(dv + 2 * sd_h, acc2.to(ty), mask=dv_ok)
+        tl.store(dv + 2 * sg_h, acc2.to(ty), mask=dv_ok)
     if GROUP > 3:
-        tl.store(dv + 3 * sd_h, acc3.to(ty), mask=dv_ok)
+        tl.store(dv + 3 * sg_h, acc3.to(ty), mask=dv_ok)
     if GROUP > 4:
-        tl.store(dv + 4 * sd_h, acc4.to(ty), mask=dv_ok)
+        tl.store(dv + 4 * sg_h, acc4.to(ty), mask=dv_ok)
     if GROUP > 5:
-        tl.store(dv + 5 * sd_h, acc5.to(ty), mask=dv_ok)
+        tl.store(dv + 5 * sg_h, acc5.to(ty), mask=dv_ok)
     if GROUP > 6:
-        tl.store(dv + 6 * sd_h, acc6.to(ty), mask=dv_ok)
+        tl.store(dv + 6 * sg_h, acc6.to(ty), mask=dv_ok)
     if GROUP > 7:
-        tl.store(dv + 7 * sd_h, acc7.to(ty), mask=dv_ok)
+        tl.store(dv + 7 * sg_h, acc7.to(ty), mask=dv_ok)
 
 
 @_autotune(DZ_CONFIGS)
 @triton.jit
 def mix_bwd_dz_kernel(
-    Z, C, Mk, T, V, STAT, STAT2, DELTA, DO, DAP, DZ, DC,
-    sz_b, sz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, sd_b, sd_h, sd_l, sa_b, sa_l,
-    L, L_KEY, K_PART, T_CENTRE, scale,
+    Z, C, Mk, T, V, STAT, STAT2, OUT, AP, DO, DAP, DZ, DC,
+    sz_b, sz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, so_b, so_h, so_l, sd_b, sd_h, sd_l,
+    sa_b, sa_l, sp_b, sp_l, L, L_KEY, K_PART, T_CENTRE, scale,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, batch) over all key blocks: DZ = dS · scale (Z's strides sz_*, the
-    input dtype) and, with the part bias, DC = dc [B, L, n]. DO is dX̄ [B, n, L, d/n] (sd_*), DAP
-    is dA_part [B, L, n] (sa_*)."""
+    """Program (row block, batch): δ of its rows from the saved outputs, then over all key
+    blocks DZ = dS · scale (Z's strides sz_*, the input dtype) and, with the part bias,
+    DC = dc [B, L, n]. OUT is X̄ and DO dX̄ [B, n, L, d/n] (so_*, sd_*), AP is A_part and DAP
+    dA_part [B, L, n] (sa_*, sp_*)."""
     b = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
@@ -411,7 +407,10 @@ def mix_bwd_dz_kernel(
     row_ok = offs_m < L
     k_ok = (offs_k < K_PART)[None, :]
     stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M)
-    delta = tl.load(DELTA + b * L + offs_m, mask=row_ok, other=0.0)
+    delta = _row_delta(
+        OUT, DO, AP, DAP, b, offs_m, offs_k, row_ok, k_ok, so_b, so_h, so_l, sd_b, sd_h, sd_l,
+        sa_b, sa_l, sp_b, sp_l, N_PARTS, NP, BLOCK_M, BLOCK_K,
+    )  # fmt: skip
     dc = tl.zeros([BLOCK_M, NP], dtype=tl.float32)
     parts = tl.arange(0, NP)[None, :]
     do_ptrs = DO + b * sd_b + offs_m[:, None] * sd_l + offs_k[None, :]
@@ -430,7 +429,7 @@ def mix_bwd_dz_kernel(
             f = tl.load(T + h * st_h + col, mask=ok, other=0.0)
             do = tl.load(do_ptrs + h * sd_h, mask=row_ok[:, None] & k_ok, other=0.0)
             v = tl.load(v_ptrs + h * sv_h, mask=col_ok, other=0.0)
-            dap = tl.load(DAP + b * sa_b + offs_m * sa_l + h, mask=row_ok, other=0.0)
+            dap = tl.load(DAP + b * sp_b + offs_m * sp_l + h, mask=row_ok, other=0.0)
             da += f * (tl.dot(do, tl.trans(v), input_precision=PREC) + dap.to(tl.float32)[:, None])
         if SIGMOID:
             ds = g * (da - a * delta[:, None])

@@ -104,3 +104,22 @@ def test_torch_compile_runs_the_model_with_the_triton_impl():
     torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-4, atol=1e-4)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+COPIES = {"aten::clone", "aten::copy_", "aten::_to_copy", "aten::constant_pad_nd", "aten::zeros"}
+COPIES |= {"aten::zeros_like", "aten::mul.Tensor", "aten::div.Tensor", "aten::contiguous"}
+
+
+def test_no_copies_around_the_kernels():
+    """A shatter layer's forward and backward at l = 32 (a multiple of 16), traced on meta
+    tensors: no scaled Q, no padded keys, no transposed output, dX̄ or dV copied, no zero
+    gradient made for the saved Z."""
+    model = tiny("shatter", attention_impl="triton")
+    attention = model.encoder.layers[0].attention.to("meta")
+    x = torch.randn(2, 32, model.config.hidden, device="meta", requires_grad=True)
+    mask = torch.ones(2, 32, dtype=torch.bool, device="meta")
+    with _Names() as trace:  # grad(), not backward(): no copies into .grad
+        torch.autograd.grad(attention(x, mask).sum(), [x, *attention.parameters()])
+    names = [name for name, *_ in trace.names]
+    assert "shatter::mixing_fwd" in names and "shatter::mixing_bwd" in names
+    assert not COPIES & set(names), sorted(COPIES & set(names))
