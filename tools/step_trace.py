@@ -29,7 +29,9 @@ TorchFunctionMode:
   the tokens, as the data's masking would give.
 
 Custom ops named `shatter::...` are priced by their own (FLOPs, bytes) formula from
-`shatter.kernels.cost.OP_COSTS` when this checkout has it; ops it lacks count their tensors' bytes.
+`shatter.kernels.cost.OP_COSTS` when this checkout has it (their model FLOPs from its
+`model_flops`, their kernel launches from `OP_LAUNCHES` when it states them, else one); ops it
+lacks count their tensors' bytes.
 """
 
 from __future__ import annotations
@@ -105,12 +107,12 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
 
 
 def _custom_costs():
-    """(OP_COSTS, model_flops) of this checkout's `shatter::` custom ops, or ({}, None)."""
+    """(OP_COSTS, model_flops, OP_LAUNCHES) of this checkout's `shatter::` custom ops."""
     try:
         from shatter.kernels import cost
     except ImportError:
-        return {}, None
-    return cost.OP_COSTS, getattr(cost, "model_flops", None)
+        return {}, None, {}
+    return cost.OP_COSTS, getattr(cost, "model_flops", None), getattr(cost, "OP_LAUNCHES", {})
 
 
 class StepTrace(TorchDispatchMode):
@@ -122,7 +124,7 @@ class StepTrace(TorchDispatchMode):
         self.predicted = predicted
         self.phase = "forward"
         self.ops: Counter = Counter()
-        self.custom, self.custom_model_flops = _custom_costs()
+        self.custom, self.custom_model_flops, self.custom_launches = _custom_costs()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -169,7 +171,7 @@ class StepTrace(TorchDispatchMode):
             kind = "gemm" if name in GEMMS else SDPA[name]
             # the SDPA backward recomputes Q K^T: 5 products where the model count has 4
             model_flops = flops * 0.8 if name.endswith("_backward") else flops
-        launches = 1
+        launches = self.custom_launches.get(qualified, 1)  # a custom op's kernels, when stated
         if name.startswith(("_foreach_", "_fused_")):  # multi_tensor_apply: ~110 tensors a launch
             launches = max(1, math.ceil(len(_tensors(args[0])) / 110))
         key = (qualified, self.phase, kind, flops, model_flops, reads + writes, launches)
