@@ -69,16 +69,19 @@ class Row:
 def _args(d: int, n: int, dtype: str, L: int) -> dict[str, tuple[str, object]]:
     """(triton type, representative value) of every runtime argument name the kernels take, as
     the wrapper passes them for B = 8 and length L (Z's rows padded to a multiple of 16); the
-    values only decide the runtime's divisibility-by-16 hints. X̄, dX̄, V and dV are [B, n, L, d/n]
-    views of [B, L, d] tensors."""
+    values only decide the runtime's divisibility-by-16 hints. X̄ and dX̄ are [B, n, L, d/n] views
+    of [B, L, d] tensors; V, c, dV and dc views of the projections P [B, L, w] and of dP."""
+    from shatter.attention.impls import projection_width
+
     k, m, Lp = d // n, MAX_LEN, -(-L // 16) * 16
+    w = projection_width(d, n)  # V, c and their gradients are columns of the projections P
     ptrs = {name: dtype for name in ("Z", "C", "V", "OUT", "AP", "DO", "DV", "DAP", "DZ", "DC")}
     ptrs.update({name: "fp32" for name in ("Mk", "T", "STAT", "STAT2", "DELTA")})
     ints = {
-        "sz_b": L * Lp, "sz_l": Lp, "sc_b": L * n, "sc_l": n, "st_h": 2 * m - 1,
-        "sv_b": L * d, "sv_h": k, "sv_l": d, "so_b": L * d, "so_h": k, "so_l": d,
-        "sd_b": L * d, "sd_h": k, "sd_l": d, "sg_b": L * d, "sg_h": k, "sg_l": d,
-        "sa_b": L * n, "sa_l": n, "sp_b": L * n, "sp_l": n,
+        "sz_b": L * Lp, "sz_l": Lp, "sc_b": L * w, "sc_l": w, "st_h": 2 * m - 1,
+        "sv_b": L * w, "sv_h": k, "sv_l": w, "so_b": L * d, "so_h": k, "so_l": d,
+        "sd_b": L * d, "sd_h": k, "sd_l": d, "sg_b": L * w, "sg_h": k, "sg_l": w,
+        "sa_b": L * n, "sa_l": n, "sp_b": L * n, "sp_l": n, "sdc_b": L * w, "sdc_l": w,
         "L": L, "L_KEY": 1 << (L - 1).bit_length(), "K_PART": k, "T_CENTRE": m - 1,
     }  # fmt: skip
     out = {name: (f"*{t}", None) for name, t in ptrs.items()}

@@ -21,8 +21,8 @@ parts, l = the run's length:
 - the MLM head on the predicted share p of the tokens only (cramming): dense d^2 plus the decoder
   d V (BERT's tied output layer).
 
-Products computed once per forward from weights alone (Shatter's R W^V, RPE's R W^K and R W^V,
-XLNet's W_R r) are shared out over the micro-batch's tokens when it is given (a run gives it):
+Products computed once per forward from weights alone (Part_Bias's and Shatter's R W^Q, Shatter's
+R W^V, RPE's R W^K and R W^V, XLNet's W_R r) are shared out over the micro-batch's tokens when it is given (a run gives it):
 at micro-batch 16 and l = 256 they add under 0.1% for Shatter.
 Elementwise work (softmax, sigmoid, L2 normalisation, N, LayerNorm, GELU) is not counted, as in
 the convention. tests/train/test_cost.py checks the count against a hand count (bert-base,
@@ -106,12 +106,14 @@ def forward_macs_per_token(
 
 def weight_flops_per_forward(config: ModelConfig, length: int) -> float:
     """Training FLOPs of the products made once per forward from weights alone, all layers:
-    Shatter's V_part = R W^V (n d^2, §3.3) and RPE's K_rel = R W^K, V_rel = R W^V (r d^2 each,
-    §2), forward and both gradients (3 x 2); XLNet's W_R r over 2 l - 1 distances (r is fixed:
-    forward and the weight gradient, 2 x 2)."""
+    Part_Bias's and Shatter's R W^Q (n d^2: c = Q R^T = x (R W^Q)^T + R b^Q comes out of the
+    projection GEMM), Shatter's V_part = R W^V (n d^2, §3.3) and RPE's K_rel = R W^K,
+    V_rel = R W^V (r d^2 each, §2), forward and both gradients (3 x 2); XLNet's W_R r over
+    2 l - 1 distances (r is fixed: forward and the weight gradient, 2 x 2)."""
     d, arch = config.hidden, config.arch
-    if arch == "shatter":
-        return config.layers * 6.0 * config.heads * d * d
+    if arch in ("part-bias", "shatter"):
+        products = 2 if arch == "shatter" else 1  # R W^Q, and R W^V
+        return config.layers * 6.0 * products * config.heads * d * d
     if arch == "bert-rpe":
         r = min(2 * length - 1, 2 * config.rpe_max_distance - 1)
         return config.layers * 6.0 * 2 * r * d * d

@@ -81,6 +81,47 @@ def _triton_kernel() -> Impl:
     return partition_attention_triton
 
 
+def projection_width(d: int, n: int, bias: bool = True) -> int:
+    """Columns of the layer's projections P = [Q | V | c]: 2d, plus n with the partition bias."""
+    return 2 * d + (n if bias else 0)
+
+
+def projection_views(P: torch.Tensor, d: int, n: int):
+    """(Q [B, L, d], V [B, n, L, d/n], c [B, L, n] or None): views of P's columns, no copy."""
+    V = P[..., d : 2 * d].unflatten(-1, (n, d // n)).transpose(1, 2)
+    return P[..., :d], V, P[..., 2 * d : 2 * d + n] if P.shape[-1] > 2 * d else None
+
+
+def context(x_bar: torch.Tensor, a_part: torch.Tensor, v_part: torch.Tensor | None):
+    """The layer's context [B, L, d]: X̄'s parts side by side (eq. 3; a view when X̄ is stored
+    in that layout), plus A_part V_part (§3.3) when `v_part` [n, d] is given."""
+    B, n, L, k = x_bar.shape
+    out = x_bar.transpose(1, 2).reshape(B, L, n * k)
+    return out if v_part is None else out + a_part @ v_part
+
+
+Layer = Callable[..., torch.Tensor]
+
+
+def _through(impl: Impl) -> Layer:
+    """A layer-level form of an impl: (P, X, mask, table, v_part, sigmoid) -> context."""
+
+    def layer(P, X, mask_BL, table, v_part, sigmoid: bool):
+        Q, V, c = projection_views(P, X.shape[-1], table.shape[0])
+        x_bar, a_part = impl(Q, X, V, c, mask_BL, table, sigmoid)
+        return context(x_bar, a_part, v_part)
+
+    return layer
+
+
+def _triton_layer(P, X, mask_BL, table, v_part, sigmoid: bool):
+    """The Triton impl on the layer's P itself: dP comes back whole (no copy of its columns)."""
+    require_triton_capability(P.device)
+    from shatter.attention.triton_kernel import partition_attention_layer
+
+    return partition_attention_layer(P, X, mask_BL, table, v_part, sigmoid)
+
+
 IMPLS: dict[str, Impl] = {
     "triton": triton,
     "chunked": partition_attention_chunked,
@@ -114,3 +155,10 @@ def auto_impl(device: torch.device, dtype: torch.dtype) -> str:
 def resolve(name: str, device: torch.device, dtype: torch.dtype) -> Impl:
     """The impl function for config.attention_impl `name` on `dtype` inputs on `device`."""
     return IMPLS[auto_impl(device, dtype) if name == "auto" else name]
+
+
+def resolve_layer(name: str, device: torch.device, dtype: torch.dtype) -> Layer:
+    """The layer-level function (P, X, mask, table, v_part, sigmoid) -> context for
+    config.attention_impl `name` (single_head.py)."""
+    chosen = auto_impl(device, dtype) if name == "auto" else name
+    return _triton_layer if chosen == "triton" else _through(IMPLS[chosen])

@@ -29,12 +29,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shatter.attention.impls import resolve
+from shatter.attention.impls import resolve_layer
 from shatter.attention.lean import activate
 from shatter.partition import PartitionBuffer
 
 if TYPE_CHECKING:  # annotations only: shatter.config reads this registry
     from shatter.config import ModelConfig
+
+
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast gives x's matmuls (x's own outside autocast)."""
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
 
 
 class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
@@ -56,19 +64,22 @@ class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
         self.register_partition(config.heads, layer, config.layers, config.max_len)
         self.impl = config.attention_impl
 
+    def projections(self, X: torch.Tensor) -> torch.Tensor:
+        """P = X [W^Q; W^V; R W^Q]ᵀ + [b^Q; b^V; R b^Q]: Q, V and, with the partition bias,
+        c = Q Rᵀ = X (R W^Q)ᵀ + R b^Q (§3.3, exact) in one GEMM, from the same weights as ever."""
+        weights, biases = [self.query.weight, self.value.weight], [self.query.bias, self.value.bias]
+        if self.partition_bias:
+            R = self.partition_embeddings
+            weights.append(R @ self.query.weight)
+            biases.append(R @ self.query.bias)
+        return F.linear(X, torch.cat(weights), torch.cat(biases))
+
     def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
-        B, L, d = x_BLD.shape
-        Q = self.query(x_BLD)
-        c = Q @ self.partition_embeddings.t() if self.partition_bias else None  # Q R^T: [B, L, n]
-        V = self.value(x_BLD).view(B, L, self.n, d // self.n).transpose(1, 2)  # [B, n, L, d/n]
-        X = x_BLD.to(Q.dtype)  # the keys (K = X) in the matmul dtype: bf16 under autocast
-        mix = resolve(self.impl, x_BLD.device, Q.dtype)  # scores Q X^T / sqrt(d) inside
-        x_bar, a_part = mix(Q, X, V, c, mask_BL, self.exact_partition(), self.sigmoid)
-        context = x_bar.transpose(1, 2).reshape(B, L, d)
-        if self.partition_value:
-            v_part = F.linear(self.partition_embeddings, self.value.weight)  # R W^V: [n, d]
-            context = context + a_part @ v_part  # A_part V_part: [B, L, n] @ [n, d]
-        return context
+        X = x_BLD.to(_matmul_dtype(x_BLD))  # the keys (K = X), cast once: bf16 under autocast
+        P = self.projections(X)  # [Q | V | c]
+        v_part = F.linear(self.partition_embeddings, self.value.weight) if self.partition_value else None  # fmt: skip
+        attend = resolve_layer(self.impl, x_BLD.device, P.dtype)  # scores Q X^T / sqrt(d) inside
+        return attend(P, X, mask_BL, self.exact_partition(), v_part, self.sigmoid)  # eq. 3, §3.3
 
     def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         """§3.4 with single-head attention: a = act(y W^Q X^T / sqrt(d)), y_bar = a X W^V.

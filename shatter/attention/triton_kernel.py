@@ -4,7 +4,7 @@ Shatter has one head: the score matrix Z = Q Xᵀ/√d is a single l x l matrix 
 elements in the input dtype, less than the Q, K, V and O that BERT's flash attention saves), so
 the three d-wide products are cuBLAS GEMMs in the input dtype with fp32 accumulation:
 
-    forward    Z = (Q/√d) Xᵀ                       saved for the backward pass
+    forward    Z = Q Xᵀ/√d                         saved for the backward pass
     backward   dQ = dZ X,   dX_key = dZᵀ Q         dZ = dS/√d, written by the mixing kernel
 
 and only the memory-bound part mixing runs in Triton (shatter/kernels/partition_mixing.py): the
@@ -12,6 +12,8 @@ mask, the sigmoid (or 1h-softmax's softmax), the partition bias c·f(j−i), the
 with 64-wide dots, ‖p‖, and the outputs normalised in the input dtype; the backward pass takes δ
 from the saved outputs, then dV and dZ (with dc).
 
+The layer calls `partition_attention_layer(P, X, mask, table, v_part, sigmoid)` on its projections
+P = [Q | V | c] (impls.projection_views) and gets dP back whole; the impls' common signature
 `partition_attention_triton(Q, X, V, c, mask, table, sigmoid)` computes what
 `lean.partition_mix_lean(Q Xᵀ/√d, c, V, mask, table, sigmoid)` computes. Inputs: Q, X [B, L, d];
 V [B, n, L, d/n]; c = Q Rᵀ [B, L, n] or None (1h-sigmoid, 1h-softmax); mask [B, L] (1 token,
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from shatter.attention.impls import context, projection_views
 from shatter.kernels.cost import register_costs
 from shatter.kernels.partition_mixing import (
     INTERPRET,
@@ -40,12 +43,13 @@ from shatter.kernels.partition_mixing import (
 
 def kernel_meta(d: int, n: int, dtype: torch.dtype) -> dict:
     """The shape-derived compile-time constants the kernels share (tools/kernel_report.py too)."""
+    block_k = max(16, triton.next_power_of_2(d // n))
     return {
         "N_PARTS": n,
-        "BLOCK_K": max(16, triton.next_power_of_2(d // n)),
+        "BLOCK_K": block_k,
         "PREC": "ieee" if dtype == torch.float32 else "tf32",
         "NP": max(16, triton.next_power_of_2(n)),
-        "GROUP": part_group(n),
+        "GROUP": part_group(n, block_k),
     }
 
 
@@ -106,33 +110,27 @@ def _scores(Q: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("shatter::mixing_fwd", mutates_args=())
 def mixing_fwd(
-    Q: torch.Tensor,
-    X: torch.Tensor,
-    V: torch.Tensor,
-    c: torch.Tensor | None,
-    mask: torch.Tensor,
-    table: torch.Tensor,
-    sigmoid: bool,
+    P: torch.Tensor, X: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, sigmoid: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(X̄ [B, n, L, d/n] stored as [B, L, n, d/n], A_part [B, L, n], Z [B, L, Lp], stat [2, B, L]
-    fp32): the scores GEMM, the row statistics and the mixing forward; Z and stat are kept for
-    `mixing_bwd`."""
-    B, L, d = Q.shape
+    fp32) from the layer's projections P = [Q | V | c] (impls.projection_views): the scores
+    GEMM, the row statistics and the mixing forward; Z and stat are kept for `mixing_bwd`."""
+    B, L, d = X.shape
     n = table.shape[0]
+    Q, V, c = projection_views(P, d, n)
     Z = _scores(Q, X)
-    V = _unit(V)
-    cc = _unit(c) if c is not None else Z  # a placeholder pointer without the bias
+    cc = c if c is not None else Z  # a placeholder pointer without the bias
     mask32 = mask.to(torch.float32).contiguous()
-    stat = torch.empty(2, B, L, device=Q.device, dtype=torch.float32)
-    meta = kernel_meta(d, n, Q.dtype)
+    stat = torch.empty(2, B, L, device=X.device, dtype=torch.float32)
+    meta = kernel_meta(d, n, X.dtype)
     shared = dict(
         L=L, L_KEY=triton.next_power_of_2(L), T_CENTRE=(table.shape[1] - 1) // 2,
         HAS_C=c is not None, N_PARTS=n, SIGMOID=sigmoid,
     )  # fmt: skip
     zs = (Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), table.stride(0))
     row_stats_kernel[_grid(L, "BLOCK_M", B)](Z, cc, mask32, table, stat[0], stat[1], *zs, **shared)
-    out = _parts_layout(B, L, n, d // n, Q)
-    part = torch.empty(B, L, n, device=Q.device, dtype=Q.dtype)
+    out = _parts_layout(B, L, n, d // n, X)
+    part = torch.empty(B, L, n, device=X.device, dtype=X.dtype)
     programs = 2 * B * (n // 2 // meta["GROUP"])  # batch x side x group of parts
     mix_fwd_kernel[_grid(L, "BLOCK_M", programs)](
         Z, cc, mask32, table, V, stat[0], stat[1], out, part, *zs,
@@ -144,23 +142,21 @@ def mixing_fwd(
 
 
 @mixing_fwd.register_fake
-def _(Q, X, V, c, mask, table, sigmoid):
-    B, L, d = Q.shape
+def _(P, X, mask, table, sigmoid):
+    B, L, d = X.shape
     n = table.shape[0]
     return (
-        _parts_layout(B, L, n, d // n, Q),
-        Q.new_empty(B, L, n),
-        Q.new_empty(B, L, padded(L)),
-        Q.new_empty(2, B, L, dtype=torch.float32),
+        _parts_layout(B, L, n, d // n, X),
+        X.new_empty(B, L, n),
+        X.new_empty(B, L, padded(L)),
+        X.new_empty(2, B, L, dtype=torch.float32),
     )
 
 
 @torch.library.custom_op("shatter::mixing_bwd", mutates_args=())
 def mixing_bwd(
-    Q: torch.Tensor,
+    P: torch.Tensor,
     X: torch.Tensor,
-    V: torch.Tensor,
-    c: torch.Tensor | None,
     mask: torch.Tensor,
     table: torch.Tensor,
     Z: torch.Tensor,
@@ -170,16 +166,19 @@ def mixing_bwd(
     g_out: torch.Tensor,
     g_part: torch.Tensor,
     sigmoid: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dX, dV, dc) from the saved Z and statistics: dV, then δ and dZ in one pass, in Triton, then
-    dQ = dZ X and dX = dZᵀ Q in cuBLAS; dc is empty without the part bias. dV comes in X̄'s
-    layout; dX̄ is read in whatever strides autograd hands in."""
-    B, L, d = Q.shape
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dP, dX) from the saved Z and statistics: dV, then δ and dZ (with dc) in one pass, in
+    Triton, written into dP's columns, then dQ = dZ X into dP and dX = dZᵀ Q in cuBLAS. dX̄ is
+    read in whatever strides autograd hands in."""
+    B, L, d = X.shape
     n = table.shape[0]
-    g_out, g_part = _unit(g_out.to(Q.dtype)), _unit(g_part.to(Q.dtype))
-    V = _unit(V)
-    meta = kernel_meta(d, n, Q.dtype)
-    cc = _unit(c) if c is not None else Z
+    Q, V, c = projection_views(P, d, n)
+    g_out, g_part = _unit(g_out.to(X.dtype)), _unit(g_part.to(X.dtype))
+    dP = torch.empty_like(P, memory_format=torch.contiguous_format)
+    dQ, gV, dc = projection_views(dP, d, n)
+    meta = kernel_meta(d, n, X.dtype)
+    cc = c if c is not None else Z
+    dcc = dc if dc is not None else Z
     mask32 = mask.to(torch.float32).contiguous()
     shared = dict(
         L=L, L_KEY=triton.next_power_of_2(L), HAS_C=c is not None, N_PARTS=n,
@@ -188,40 +187,33 @@ def mixing_bwd(
     tables = dict(T_CENTRE=(table.shape[1] - 1) // 2, PREC=meta["PREC"])
     zs = (Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), table.stride(0))
     gs = (g_out.stride(0), g_out.stride(1), g_out.stride(2))
-    gV = _parts_layout(B, L, n, d // n, Q)
     programs = 2 * B * (n // 2 // meta["GROUP"])
     mix_bwd_dv_kernel[_grid(L, "BLOCK_N", programs)](
         Z, cc, mask32, table, stat[0], stat[1], g_out, gV, *zs, *gs,
         gV.stride(0), gV.stride(1), gV.stride(2), GROUP=meta["GROUP"], **shared, **tables,
     )  # fmt: skip
     dZ = torch.empty_like(Z)  # the padded keys' columns are never read
-    dc = torch.empty(B, L, n, device=Q.device, dtype=Q.dtype) if c is not None else Z
     mix_bwd_dz_kernel[_grid(L, "BLOCK_M", B)](
-        Z, cc, mask32, table, V, stat[0], stat[1], out, part, g_out, g_part, dZ, dc, *zs,
+        Z, cc, mask32, table, V, stat[0], stat[1], out, part, g_out, g_part, dZ, dcc, *zs,
         V.stride(0), V.stride(1), V.stride(2), out.stride(0), out.stride(1), out.stride(2), *gs,
-        part.stride(0), part.stride(1), g_part.stride(0), g_part.stride(1), scale=1.0 / math.sqrt(d), NP=meta["NP"], **shared, **tables,
+        part.stride(0), part.stride(1), g_part.stride(0), g_part.stride(1),
+        dcc.stride(0), dcc.stride(1), scale=1.0 / math.sqrt(d), NP=meta["NP"], **shared, **tables,
     )  # fmt: skip
     dS = dZ[:, :, :L]  # dS/√d
-    gQ = torch.matmul(dS, X)  # cuBLAS: dQ = dS X / √d
+    torch.matmul(dS, X, out=dQ)  # cuBLAS: dQ = dS X / √d, into dP's columns
     gX = torch.matmul(dS.transpose(-1, -2), Q)  # dX_key = dSᵀ Q / √d
-    return gQ, gX, gV, dc if c is not None else Q.new_empty(0)
+    return dP, gX
 
 
 @mixing_bwd.register_fake
-def _(Q, X, V, c, mask, table, Z, stat, out, part, g_out, g_part, sigmoid):
-    B, L, d = Q.shape
-    return (
-        torch.empty_like(Q, memory_format=torch.contiguous_format),
-        torch.empty_like(X, memory_format=torch.contiguous_format),
-        _parts_layout(B, L, table.shape[0], d // table.shape[0], Q),
-        Q.new_empty(c.shape) if c is not None else Q.new_empty(0),
-    )
+def _(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmoid):
+    return torch.empty_like(P, memory_format=torch.contiguous_format), torch.empty_like(X)
 
 
 def _setup_context(ctx, inputs, output):
-    Q, X, V, c, mask, table, sigmoid = inputs
+    P, X, mask, table, sigmoid = inputs
     out, part, Z, stat = output
-    ctx.save_for_backward(Q, X, V, c, mask, table, Z, stat, out, part)
+    ctx.save_for_backward(P, X, mask, table, Z, stat, out, part)
     ctx.mark_non_differentiable(Z, stat)  # kept for the backward only
     ctx.set_materialize_grads(False)  # no zero gradients made for Z and stat
     ctx.sigmoid = sigmoid
@@ -229,10 +221,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, g_out, g_part, _g_z, _g_stat):
     saved = ctx.saved_tensors
-    g_out = torch.zeros_like(saved[8]) if g_out is None else g_out
-    g_part = torch.zeros_like(saved[9]) if g_part is None else g_part
-    gQ, gX, gV, gc = torch.ops.shatter.mixing_bwd(*saved, g_out, g_part, ctx.sigmoid)
-    return gQ, gX, gV, gc if saved[3] is not None else None, None, None, None
+    g_out = torch.zeros_like(saved[6]) if g_out is None else g_out
+    g_part = torch.zeros_like(saved[7]) if g_part is None else g_part
+    dP, dX = torch.ops.shatter.mixing_bwd(*saved, g_out, g_part, ctx.sigmoid)
+    return dP, dX, None, None, None
 
 
 mixing_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -241,9 +233,24 @@ register_costs(("shatter::mixing_fwd", "shatter::mixing_bwd"))
 
 def partition_attention_triton(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, sigmoid: bool):
     """(X_bar [B, n, L, d/n], A_part [B, L, n]) as `lean.partition_mix_lean` gives them for
-    Z0 = Q Xᵀ/√d; the 1h-sigmoid and 1h-softmax archs pass c = None."""
+    Z0 = Q Xᵀ/√d; the 1h-sigmoid and 1h-softmax archs pass c = None. The impls' common
+    signature: Q, V and c are gathered into one P (a copy); the layer passes its P itself
+    (`partition_attention_layer`)."""
     _check(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table)
-    out, part, _, _ = torch.ops.shatter.mixing_fwd(
-        Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, bool(sigmoid)
-    )
+    B, L, d = Q_BLD.shape
+    columns = [Q_BLD, V_BnLk.transpose(1, 2).reshape(B, L, d)]
+    if c_BLn_or_None is not None:
+        columns.append(c_BLn_or_None)
+    P = torch.cat(columns, -1)
+    out, part, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
     return out, part
+
+
+def partition_attention_layer(P, X_BLD, mask_BL, table, v_part, sigmoid: bool):
+    """The layer's context [B, L, d] from its projections P = [Q | V | c] (no copy of them):
+    X̄ in the context's layout, plus A_part V_part when `v_part` [n, d] is given (§3.3)."""
+    B, L, d = X_BLD.shape
+    Q, V, c = projection_views(P, d, table.shape[0])
+    _check(Q, X_BLD, V, c, mask_BL, table)
+    out, part, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
+    return context(out, part, v_part)

@@ -22,10 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 OP_SCHEMA = {  # the ops' argument names, to read args and kwargs alike
-    "shatter::mixing_fwd": ("Q", "X", "V", "c", "mask", "table", "sigmoid"),
+    "shatter::mixing_fwd": ("P", "X", "mask", "table", "sigmoid"),
     "shatter::mixing_bwd": (
-        "Q", "X", "V", "c", "mask", "table", "Z", "stat", "out", "part", "g_out", "g_part",
-        "sigmoid",
+        "P", "X", "mask", "table", "Z", "stat", "out", "part", "g_out", "g_part", "sigmoid",
     ),
 }  # fmt: skip
 
@@ -36,16 +35,16 @@ def _bind(name: str, args, kwargs) -> dict:
 
 def _dims(a: dict) -> tuple[int, int, int, int, int, int]:
     """(B, L, Lp, d, n, element bytes): Lp is Z's row length (L rounded up to 16)."""
-    B, L, d = a["Q"].shape
-    return B, L, -(-L // 16) * 16, d, a["table"].shape[0], a["Q"].element_size()
+    B, L, d = a["X"].shape
+    return B, L, -(-L // 16) * 16, d, a["table"].shape[0], a["X"].element_size()
 
 
-def _z_reads(n: int) -> int:
+def _z_reads(n: int, d: int) -> int:
     """Reads of Z by the mixing forward (and the dV kernel): each side's keys once per group of
     parts, the two sides together once per group."""
     from shatter.kernels.partition_mixing import part_group
 
-    return n // 2 // part_group(n)
+    return n // 2 // part_group(n, max(16, 1 << (d // n - 1).bit_length()))
 
 
 def mixing_dot_flops(B: int, L: int, d: int) -> float:
@@ -62,7 +61,7 @@ def mixing_fwd_cost(args, kwargs, outputs) -> tuple[float, float]:
     copies = 2 * x if L % 16 else 0  # the keys padded to Lp
     gemm = 2 * x + z  # Z = Q Xᵀ/√d
     stats = z
-    fwd = _z_reads(n) * z + x + x  # Z per group, V, X̄
+    fwd = _z_reads(n, d) * z + x + x  # Z per group, V, X̄
     return flops, float(copies + gemm + stats + fwd)
 
 
@@ -72,7 +71,7 @@ def mixing_bwd_cost(args, kwargs, outputs) -> tuple[float, float]:
     z, x = B * L * Lp * e, B * L * d * e
     flops = 2 * mixing_dot_flops(B, L, d) + 2 * 2.0 * B * L * Lp * d  # dV, dA; dQ, dX
     copies = 0 if a["g_out"].stride(-1) == 1 else 2 * x
-    dv = _z_reads(n) * z + x + x  # Z per group, dX̄, dV
+    dv = _z_reads(n, d) * z + x + x  # Z per group, dX̄, dV
     dz = x + z + x + x + z  # X̄ (δ), Z, V, dX̄ in, dZ out
     gemms = 2 * (z + x + x)  # dQ = dZ X, dX = dZᵀ Q
     return flops, float(copies + dv + dz + gemms)

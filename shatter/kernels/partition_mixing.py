@@ -76,7 +76,7 @@ DZ_CONFIGS = [
 AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID"]
 
 
-def part_group(n: int) -> int:
+def part_group(n: int, block_k: int) -> int:
     """Parts per forward/dV program: 2 when n/2 is even (an mma accumulator of [64, 64] fp32 takes
     32 registers per thread whatever the warps: 3 or 4 of them spill beside the score tile), else
     n/2 (3, 5 or 7)."""
@@ -392,14 +392,14 @@ def mix_bwd_dv_kernel(
 def mix_bwd_dz_kernel(
     Z, C, Mk, T, V, STAT, STAT2, OUT, AP, DO, DAP, DZ, DC,
     sz_b, sz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, so_b, so_h, so_l, sd_b, sd_h, sd_l,
-    sa_b, sa_l, sp_b, sp_l, L, L_KEY, K_PART, T_CENTRE, scale,
+    sa_b, sa_l, sp_b, sp_l, sdc_b, sdc_l, L, L_KEY, K_PART, T_CENTRE, scale,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch): δ of its rows from the saved outputs, then over all key
     blocks DZ = dS · scale (Z's strides sz_*, the input dtype) and, with the part bias,
-    DC = dc [B, L, n]. OUT is X̄ and DO dX̄ [B, n, L, d/n] (so_*, sd_*), AP is A_part and DAP
-    dA_part [B, L, n] (sa_*, sp_*)."""
+    DC = dc [B, L, n] (sdc_*). OUT is X̄ and DO dX̄ [B, n, L, d/n] (so_*, sd_*), AP is A_part
+    and DAP dA_part [B, L, n] (sa_*, sp_*)."""
     b = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
@@ -443,5 +443,5 @@ def mix_bwd_dz_kernel(
         dz_ptrs = DZ + b * sz_b + offs_m[:, None] * sz_l + offs_n[None, :]
         tl.store(dz_ptrs, (ds * scale).to(DZ.dtype.element_ty), mask=ok)
     if HAS_C:
-        dc_ptrs = DC + b * L * N_PARTS + offs_m[:, None] * N_PARTS + parts
+        dc_ptrs = DC + b * sdc_b + offs_m[:, None] * sdc_l + parts
         tl.store(dc_ptrs, dc.to(DC.dtype.element_ty), mask=row_ok[:, None] & (parts < N_PARTS))
