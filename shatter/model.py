@@ -129,7 +129,8 @@ class Encoder(nn.Module):
     def key_mask(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """Validate the inputs and return the bool key mask (True = real token)."""
+        """Validate the inputs and return the bool key mask (True = real token); None for no
+        attention_mask when the variant declares `optional_mask` (no padding)."""
         if input_ids.dim() != 2:
             raise ValueError(
                 f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}"
@@ -139,7 +140,9 @@ class Encoder(nn.Module):
                 f"input length {input_ids.shape[1]} exceeds max_len {self.config.max_len} of this "
                 f"{self.config.arch} model; extend it first (shatter-extend --max-len N)"
             )
-        if attention_mask is None:
+        if attention_mask is None:  # no padding: None where the variant takes it (SDPA's flash)
+            if getattr(ATTENTIONS[self.config.arch], "optional_mask", False):
+                return None
             return torch.ones_like(input_ids, dtype=torch.bool)
         if attention_mask.shape != input_ids.shape:
             raise ValueError(

@@ -3,7 +3,11 @@
 Every variant maps `forward(x_BLD, mask_BL) -> context_BLD` (before W^O, which the block owns)
 and `pool(y_BD, x_BLD, mask_BL) -> context_BD`, the §3.4 attention of a learnt query over a
 layer's hidden states with the layer's own weights. `mask_BL` is True at real tokens; padded keys
-get no weight, so padding never changes the outputs at real tokens.
+get no weight, so padding never changes the outputs at real tokens. These variants take
+`mask_BL = None` for a batch without padding (`optional_mask`: the encoder passes None when the
+caller's attention_mask is None): SDPA then gets no mask and runs FlashAttention-2 on a GPU, where
+a mask (even all ones) keeps it on the memory-efficient kernel. Deciding needs no host sync: the
+caller knows whether it padded the batch.
 
 References: Vaswani et al. 2017 (eq. 1-3 of the paper, §2); Shaw et al. 2018 as the paper
 defines RPE in §2; T5's relative attention bias (Raffel et al. 2019, HF `T5Attention.
@@ -37,10 +41,18 @@ def _merge(t_BNLK: torch.Tensor) -> torch.Tensor:
     return t_BNLK.transpose(1, 2).reshape(B, L, n * k)
 
 
-def masked_softmax(scores: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
-    """Softmax over keys with padded keys at exactly 0; scores are [B, ..., Lq, Lk]."""
+def masked_softmax(scores: torch.Tensor, mask_BL: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over keys with padded keys at exactly 0; scores are [B, ..., Lq, Lk]; a None mask:
+    no padding."""
+    if mask_BL is None:
+        return scores.softmax(-1)
     key = mask_BL.view(mask_BL.shape[0], *([1] * (scores.dim() - 2)), mask_BL.shape[-1])
     return scores.masked_fill(~key, torch.finfo(scores.dtype).min).softmax(-1)
+
+
+def _key_mask(mask_BL: torch.Tensor | None) -> torch.Tensor | None:
+    """SDPA's [B, 1, 1, L] key mask (True = keep), or None (no padding: the flash kernel)."""
+    return None if mask_BL is None else mask_BL[:, None, None, :]
 
 
 class BertAttention(nn.Module):
@@ -48,6 +60,7 @@ class BertAttention(nn.Module):
 
     absolute_positions = True
     parts = False  # heads are the n parts of the partition N (§3.1): n even, >= 4
+    optional_mask = True  # mask_BL None: no padding (SDPA's flash kernel on a GPU)
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -61,23 +74,26 @@ class BertAttention(nn.Module):
     def _p(self) -> float:
         return self.attention_dropout if self.training else 0.0
 
-    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor | None) -> torch.Tensor:
         q, k, v = (_heads(f(x_BLD), self.n) for f in (self.query, self.key, self.value))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=self._bias(x_BLD, mask_BL), dropout_p=self._p()
         )
         return _merge(out)
 
-    def _bias(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
-        """The attention mask/bias given to SDPA: here only the padded keys (bool, True = keep)."""
-        return mask_BL[:, None, None, :]
+    def _bias(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor | None) -> torch.Tensor | None:
+        """The attention mask/bias given to SDPA: here only the padded keys (bool, True = keep);
+        None without padding."""
+        return _key_mask(mask_BL)
 
-    def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+    def pool(
+        self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor | None
+    ) -> torch.Tensor:
         """§3.4: q = y W^Q, K = X W^K, V = X W^V, multi-head softmax over the layer's tokens."""
         q = _heads(self.query(y_BD)[:, None, :], self.n)
         k, v = _heads(self.key(x_BLD), self.n), _heads(self.value(x_BLD), self.n)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask_BL[:, None, None, :], dropout_p=self._p()
+            q, k, v, attn_mask=_key_mask(mask_BL), dropout_p=self._p()
         )
         return _merge(out)[:, 0]
 
@@ -127,11 +143,13 @@ class RabAttention(BertAttention):
         buckets = t5_relative_bucket(rel, config.rab_buckets, config.rab_max_distance)
         self.register_buffer("buckets", buckets, persistent=False)  # (2 max_len - 1,)
 
-    def _bias(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+    def _bias(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor | None) -> torch.Tensor:
         table = self.relative_attention_bias(self.buckets).t()  # [n, 2 max_len - 1]
         bias = partition_mask(table, x_BLD.shape[1])[
             None
         ]  # B[h, i, j] = W^B[bucket(j - i), h]: [1, n, L, L]
+        if mask_BL is None:
+            return bias
         pad = torch.zeros(mask_BL.shape, dtype=bias.dtype, device=bias.device)
         pad = pad.masked_fill(~mask_BL, torch.finfo(bias.dtype).min)
         return bias + pad[:, None, None, :]
