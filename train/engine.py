@@ -81,6 +81,18 @@ def build_extensions() -> None:
         )
 
 
+def quiet_other_ranks() -> None:
+    """Warnings once per node: its local rank 0 says Python's and DeepSpeed's warnings, the
+    node's other ranks (which would repeat them word for word) keep only DeepSpeed's errors."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        return
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
 def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     """(rank, world_size) after joining the process group (gloo on CPU, nccl on GPUs). A
     collective that waits on a peer for `timeout_s` (`run.collective_timeout_s`) fails: gloo
@@ -88,11 +100,12 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
     # NCCL: a timed-out collective tears the process down instead of leaving it blocked
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if on_cpu():  # said, not guessed: no "Setting accelerator to CPU" warning from each rank
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
+    quiet_other_ranks()
     alone = single_process_env()
-    if on_cpu():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     rendezvous = {"init_method": _file_store(), "rank": 0, "world_size": 1} if alone else {}
     deepspeed.init_distributed(
         dist_backend="gloo" if on_cpu() else "nccl",

@@ -392,3 +392,56 @@ def test_nonfinite_losses_are_skipped_counted_and_a_diverged_run_stops_clearly(
     assert done.returncode == 1, done.stderr[-3000:]
     assert "non-finite loss, micro-batch skipped (4 so far)" in done.stderr
     assert "NaN/inf for 4 micro-batches in a row" in done.stderr and "Traceback" not in done.stderr
+
+
+FAULTY = str(REPO / "tests" / "train" / "faulty_pretrain.py")
+
+
+def _killed_at(cmd: list[str], kill: str, log: Path) -> int:
+    """Run `cmd` (train/pretrain.py under tests/train/faulty_pretrain.py) until its kill -9
+    at `kill` (POINT:STEP); returns the launcher's exit status."""
+    env = {**os.environ, "SHATTER_TEST_KILL_SAVE": kill}
+    with open(log, "w") as err:
+        job = subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True
+        )
+        try:
+            job.wait(240)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    return job.returncode
+
+
+def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
+    books_data, reference, tmp_path
+):
+    """kill -9 of the whole job at each point of a save; each restart resumes from the newest
+    complete checkpoint (the save's own after `latest`, the one before otherwise), and the
+    final losses are the unbroken run's, bit for bit. While the first job is held at its kill
+    point, a second launch on the same --output stops in one line."""
+    run = tmp_path / "run"
+    cmd = command(books_data, run, *FP32_ARGS)
+    cmd[cmd.index(SCRIPT)] = FAULTY
+    go = tmp_path / "go"
+    assert _killed_at(cmd, f"before:20:{go}" if False else "before:20", tmp_path / "1.log") == -9
+    assert (run / "checkpoints" / "latest").read_text() == "step00000010"
+    assert _killed_at(cmd, "between:30", tmp_path / "2.log") == -9
+    second = (tmp_path / "2.log").read_text()
+    assert "resuming from step 10" in second, second[-3000:]
+    assert not (run / "checkpoints" / "step00000030" / "manifest.json").exists()
+    assert (run / "checkpoints" / "latest").read_text() == "step00000020"
+    assert _killed_at(cmd, "after:40", tmp_path / "3.log") == -9
+    third = (tmp_path / "3.log").read_text()
+    skipped = f"checkpoint {run / 'checkpoints' / 'step00000030'} is incomplete (no manifest"
+    assert skipped in third and "resuming from step 20" in third, third[-3000:]
+    assert "run.lock: the lock of a run that is gone" in third
+    done = run_to_end(command(books_data, run, *FP32_ARGS))
+    assert "resuming from step 40" in done.stderr, done.stderr[-3000:]
+    manifest = json.loads((run / "checkpoints" / "step00000060" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["zero_stage"] == 1
+    assert len([f for f in manifest["files"] if "optim_states" in f]) == 2
+    ref_train, ref_val = metrics(reference[0])
+    train, val = metrics(run)
+    assert train == ref_train  # bit for bit, the steps redone after each kill included
+    assert {s: v["loss"] for s, v in val.items()} == {s: v["loss"] for s, v in ref_val.items()}
