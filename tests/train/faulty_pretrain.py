@@ -8,13 +8,15 @@ SHATTER_TEST_FAULT=KIND:RANK:STEP; in STEP's backward, rank RANK (after saying `
   times out;
 - `kill`: SIGKILLs itself (the OOM killer).
 
-SHATTER_TEST_KILL_SAVE=POINT:STEP[:GO]: kill -9 of the whole job (launcher, ranks, loader
+SHATTER_TEST_KILL_SAVE=POINT:STEP: kill -9 of the whole job (launcher, ranks, loader
 workers: the process group) at a point of the save of checkpoint STEP, as a preemption's SIGKILL
 that lands during a save:
 - `before`: before any file of it is written;
 - `between`: rank 0's files written, rank 1's not (its optimizer partition is removed again);
 - `after`: once `latest` names it.
-With GO (a path), rank 0 first waits for that file to exist (a test's cue).
+
+SHATTER_TEST_NAN=MICRO: the loss of the run's micro-batch MICRO (counted from 0, on every rank)
+is NaN, with a gradient.
 """
 
 import os
@@ -39,12 +41,18 @@ KILL = os.environ.get("SHATTER_TEST_KILL_SAVE", "none:0").split(":")
 backward = deepspeed.DeepSpeedEngine.backward
 save_checkpoint = deepspeed.DeepSpeedEngine.save_checkpoint
 save = checkpoint.save
+forward = deepspeed.DeepSpeedEngine.forward
+NAN_MICRO = int(os.environ.get("SHATTER_TEST_NAN", "-1"))
+
+
+def nan_forward(engine, *args, **kwargs):
+    out = forward(engine, *args, **kwargs)
+    if engine.training and engine.micro_steps == NAN_MICRO:
+        out["loss"] = out["loss"] * float("nan")
+    return out
 
 
 def kill_job(point: str) -> None:
-    if len(KILL) > 2 and os.environ.get("RANK") == "0":
-        while not os.path.exists(KILL[2]):
-            time.sleep(0.05)
     sys.stderr.write(f"kill -9 {point} the save of step {KILL[1]}\n")
     sys.stderr.flush()
     os.killpg(os.getpgrp(), signal.SIGKILL)
@@ -95,6 +103,7 @@ def faulty_backward(engine, loss, *args, **kwargs):
 deepspeed.DeepSpeedEngine.backward = faulty_backward
 deepspeed.DeepSpeedEngine.save_checkpoint = killing_save_checkpoint
 checkpoint.save = killing_save
+deepspeed.DeepSpeedEngine.forward = nan_forward
 
 if __name__ == "__main__":
     run_cli(main)

@@ -321,6 +321,16 @@ def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
             time.sleep(0.05)
         if job.poll() is not None:
             pytest.fail("the run ended before SIGTERM: " + job.communicate()[1][-3000:])
+        # one run per run directory: a second launch on it stops in one line, writing nothing
+        config = (run / "config.json").read_text()
+        second = subprocess.run(
+            [*cmd, "--micro-batch", "2"], cwd=REPO, capture_output=True, text=True, timeout=240
+        )
+        assert second.returncode == 1, second.stderr[-3000:]
+        said = [x for x in second.stderr.splitlines() if x.startswith("Error:")]
+        assert len(said) == 1 and f"(pid {job.pid} on " in said[0], second.stderr[-3000:]
+        assert "one run per --output" in said[0] and "Traceback" not in second.stderr
+        assert (run / "config.json").read_text() == config
         os.killpg(job.pid, signal.SIGTERM)  # the process and its loader worker, as a scheduler does
         _, err = job.communicate(timeout=120)
     finally:
@@ -423,8 +433,7 @@ def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
     run = tmp_path / "run"
     cmd = command(books_data, run, *FP32_ARGS)
     cmd[cmd.index(SCRIPT)] = FAULTY
-    go = tmp_path / "go"
-    assert _killed_at(cmd, f"before:20:{go}" if False else "before:20", tmp_path / "1.log") == -9
+    assert _killed_at(cmd, "before:20", tmp_path / "1.log") == -9
     assert (run / "checkpoints" / "latest").read_text() == "step00000010"
     assert _killed_at(cmd, "between:30", tmp_path / "2.log") == -9
     second = (tmp_path / "2.log").read_text()
@@ -436,6 +445,8 @@ def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
     skipped = f"checkpoint {run / 'checkpoints' / 'step00000030'} is incomplete (no manifest"
     assert skipped in third and "resuming from step 20" in third, third[-3000:]
     assert "run.lock: the lock of a run that is gone" in third
+    # warnings once per node: the rank-0 side says them, rank 1 does not repeat them
+    assert third.count("FutureWarning") <= 1 and third.count("Setting accelerator to CPU") <= 1
     done = run_to_end(command(books_data, run, *FP32_ARGS))
     assert "resuming from step 40" in done.stderr, done.stderr[-3000:]
     manifest = json.loads((run / "checkpoints" / "step00000060" / "manifest.json").read_text())
@@ -445,3 +456,38 @@ def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
     train, val = metrics(run)
     assert train == ref_train  # bit for bit, the steps redone after each kill included
     assert {s: v["loss"] for s, v in val.items()} == {s: v["loss"] for s, v in ref_val.items()}
+
+
+def test_a_skipped_micro_batch_keeps_the_step_boundary(books_data, tmp_path):
+    """--grad-accum 4 with a NaN loss in the 2nd micro-batch of step 2, then a resume: every
+    checkpoint's position is a whole number of steps, and no row is trained twice."""
+    run, log = tmp_path / "run", tmp_path / "rows"
+    cmd = [sys.executable, FAULTY, "--data", str(books_data), "--output", str(run)]
+    cmd += ["--preset", "shatter-tiny", "--config", str(REPO / "configs" / "cpu-tiny.yaml")]
+    cmd += ["--micro-batch", "2", "--grad-accum", "4", "--save-every", "2", "--eval-every", "0"]
+    cmd += ["--log-every", "1", "--num-workers", "0", "--no-progress"]
+    env = {**os.environ, "SHATTER_TEST_NAN": "5", "SHATTER_SAMPLE_LOG": str(log)}
+    for steps, nan in ((4, "5"), (6, "-1")):
+        done = subprocess.run(
+            [*cmd, "--max-steps", str(steps)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=REPO,
+            env={**env, "SHATTER_TEST_NAN": nan},
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert ("step 2: non-finite loss, micro-batch skipped (1 so far)" in done.stderr) == (
+            steps == 4
+        ), done.stderr[-3000:]
+    for step in (4, 6):  # step 2 is pruned (keep_checkpoints: 2)
+        state = torch.load(
+            run / "checkpoints" / f"step{step:08d}" / "mp_rank_00_model_states.pt",
+            weights_only=False,
+        )
+        assert state["data_position"]["samples"] == 8 * step, state["data_position"]
+    micro = [json.loads(x) for x in (tmp_path / "rows.rank0.jsonl").read_text().splitlines()]
+    positions = [p for p, _ in micro]
+    assert positions == list(range(0, 48, 2)), positions  # 24 micro-batches, none repeated
+    rows = [r for _, ids in micro for r in ids]
+    assert len(rows) == len(set(rows)) == 48
