@@ -12,6 +12,13 @@ RUN/checkpoints/stepN/universal/), and every rank loads that with `load_universa
 re-partitions for the new world. The trainer state and the stream position are global (samples
 consumed by all ranks together), so the data continues at the next global sample.
 
+A checkpoint is complete or ignored: every rank writes its files (`latest` is not written by
+DeepSpeed), then after a barrier rank 0 writes stepN/manifest.json (world size, ZeRO stage, every
+file with its size) and only then `latest`, both atomically (written beside, then renamed). A
+resume takes the newest checkpoint whose manifest matches its files; a newer one without (a kill
+during its save) is said in one line and removed. The manifest, not a count of files, gives the
+world size the partitions were written for.
+
 The export (RUN/export/) is the DESIGN.md format written by `shatter.save_pretrained`:
 consolidated fp32 weights. Under ZeRO (and bf16/fp16) the fp32 master weights live in the
 optimizer, so every rank gathers them from the live engine (`fp32_masters`: DeepSpeed's
@@ -23,7 +30,9 @@ files, so the export needs no other node's shards.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -98,16 +107,51 @@ def tag(step: int) -> str:
     return f"step{step:08d}"
 
 
+MANIFEST = "manifest.json"  # RUN/checkpoints/stepN/manifest.json: written last, the save's proof
+LATEST = "latest"
+
+
 def latest_tag(run_dir: Path) -> str | None:
-    latest = run_dir / CHECKPOINTS / "latest"
+    latest = run_dir / CHECKPOINTS / LATEST
     return latest.read_text().strip() if latest.is_file() else None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`path` holds `text` or what it held before, whatever kills the process: written beside,
+    flushed to the disk, renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _own_files(step_dir: Path, rank: int) -> dict[str, int]:
+    """{name: size} of the files of `step_dir` that `rank` wrote: its ZeRO partitions
+    (`*zero_pp_rank_R_*`); rank 0 also the rest (model states)."""
+    files = {}
+    for path in step_dir.iterdir():
+        if not path.is_file() or path.name.startswith("."):
+            continue
+        owner = re.search(r"zero_pp_rank_(\d+)_", path.name)
+        if (int(owner.group(1)) if owner else 0) == rank:
+            files[path.name] = path.stat().st_size
+    return files
 
 
 def save(
     engine, run_dir: Path, state: TrainState, config: dict, data_position: dict, keep: int
 ) -> str:
-    """Collective: every rank calls it. Returns the tag written."""
+    """Collective: every rank calls it. Returns the tag written. Every rank's files, a barrier,
+    then rank 0's manifest and `latest`: a kill at any point leaves the previous checkpoint the
+    newest complete one."""
     name = tag(state.step)
+    step_dir = run_dir / CHECKPOINTS / name
+    dist = torch.distributed
+    if dist.get_rank() == 0 and step_dir.exists():  # an interrupted save of this step: its files
+        shutil.rmtree(step_dir)  # might be another world size's
+    dist.barrier()
     client = {
         "train_state": state.to_dict(),
         "data_position": data_position,
@@ -115,10 +159,24 @@ def save(
         "model_config": engine.module.config.to_dict(),  # shatter-extend reads the length here
     }
     skipped_steps(engine)  # its device-side count into engine.skipped_steps, which is saved
-    engine.save_checkpoint(str(run_dir / CHECKPOINTS), tag=name, client_state=client)
-    if torch.distributed.get_rank() == 0 and keep > 0:
-        prune(run_dir / CHECKPOINTS, keep)
-    torch.distributed.barrier()
+    engine.save_checkpoint(
+        str(run_dir / CHECKPOINTS), tag=name, client_state=client, save_latest=False
+    )
+    owned = [None] * dist.get_world_size()
+    dist.all_gather_object(owned, _own_files(step_dir, dist.get_rank()))  # also the barrier
+    if dist.get_rank() == 0:
+        manifest = {
+            "tag": name,
+            "step": state.step,
+            "world_size": dist.get_world_size(),
+            "zero_stage": engine.zero_optimization_stage(),
+            "files": {k: v for files in owned for k, v in sorted(files.items())},
+        }
+        write_atomic(step_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        write_atomic(run_dir / CHECKPOINTS / LATEST, name)
+        if keep > 0:
+            prune(run_dir / CHECKPOINTS, keep)
+    dist.barrier()
     return name
 
 
@@ -131,19 +189,70 @@ def prune(directory: Path, keep: int) -> None:
 UNIVERSAL = "universal"  # RUN/checkpoints/stepN/universal: stepN re-partitionable
 
 
-def saved_world_size(run_dir: Path) -> int | None:
-    """The data-parallel world size the newest checkpoint's ZeRO partitions were written for
-    (one optimizer file per rank); None without a checkpoint or partitions (ZeRO-0)."""
-    name = latest_tag(run_dir)
-    if name is None:
-        return None
-    return len(list((run_dir / CHECKPOINTS / name).glob("*zero_pp_rank_*_optim_states.pt"))) or None
+def manifest_problem(step_dir: Path) -> str | None:
+    """Why `step_dir` is not a complete checkpoint (None when it is)."""
+    try:
+        manifest = json.loads((step_dir / MANIFEST).read_text())
+    except OSError:
+        return "no manifest: its save was interrupted"
+    except ValueError:
+        return f"{MANIFEST} is not readable"
+    for name, size in manifest["files"].items():
+        path = step_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, its manifest says {size}"
+    return None
 
 
-def to_universal(run_dir: Path) -> Path:
-    """Collective: rank 0 converts the newest checkpoint to DeepSpeed's universal format (once:
-    an earlier attempt's complete conversion is reused); returns its folder."""
-    step_dir = run_dir / CHECKPOINTS / latest_tag(run_dir)
+@dataclass(frozen=True)
+class Resumable:
+    """The checkpoint a run resumes from (`tag` None: none, a fresh start)."""
+
+    tag: str | None = None
+    world_size: int | None = None  # of its ZeRO partitions; None: ZeRO-0, or unknown
+
+
+def _legacy_world(step_dir: Path) -> int | None:
+    """The world size of a checkpoint written before manifests: its optimizer files."""
+    return len(list(step_dir.glob("*zero_pp_rank_*_optim_states.pt"))) or None
+
+
+def _choose(run_dir: Path, say) -> Resumable:
+    """Rank 0: the newest complete checkpoint; newer incomplete ones are said and removed."""
+    directory = run_dir / CHECKPOINTS
+    tags = sorted((p for p in directory.glob("step*") if p.is_dir()), reverse=True)
+    latest = latest_tag(run_dir)
+    for step_dir in tags:
+        problem = manifest_problem(step_dir)
+        if problem is None:
+            manifest = json.loads((step_dir / MANIFEST).read_text())
+            zero = manifest["zero_stage"] > 0
+            return Resumable(step_dir.name, manifest["world_size"] if zero else None)
+        if step_dir.name == latest and not (step_dir / MANIFEST).exists():
+            if not any((p / MANIFEST).exists() for p in tags):  # written by an older trainer
+                return Resumable(step_dir.name, _legacy_world(step_dir))
+        say(f"checkpoint {step_dir} is incomplete ({problem}): skipped and removed")
+        shutil.rmtree(step_dir, ignore_errors=True)
+    return Resumable()
+
+
+def find_resumable(run_dir: Path, say=print) -> Resumable:
+    """Collective: the checkpoint every rank resumes from, chosen by rank 0 (`say`s its lines)."""
+    dist = torch.distributed
+    choice = [_choose(run_dir, say) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    found = choice[0]
+    if dist.get_rank() == 0 and found.tag is not None and latest_tag(run_dir) != found.tag:
+        write_atomic(run_dir / CHECKPOINTS / LATEST, found.tag)  # DeepSpeed's tools read it
+    return found
+
+
+def to_universal(run_dir: Path, name: str) -> Path:
+    """Collective: rank 0 converts checkpoint `name` to DeepSpeed's universal format (once: an
+    earlier attempt's complete conversion is reused); returns its folder."""
+    step_dir = run_dir / CHECKPOINTS / name
     out = step_dir / UNIVERSAL
     if torch.distributed.get_rank() == 0 and not (out / "DONE").is_file():
         import argparse
@@ -162,7 +271,8 @@ def to_universal(run_dir: Path) -> Path:
             strict=True,
             inject_missing_state=True,  # the engine's checkpoints carry no universal metadata
         )
-        with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
+        quiet = io.StringIO()  # its progress prints and bars
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
             ds_to_universal(args)
         for extra in (step_dir / "latest_universal",):  # written beside `out`, unused here
             extra.unlink(missing_ok=True)
@@ -172,12 +282,11 @@ def to_universal(run_dir: Path) -> Path:
 
 
 def resume(
-    engine, run_dir: Path, universal: bool = False
+    engine, run_dir: Path, name: str | None, universal: bool = False
 ) -> tuple[TrainState, dict | None, dict | None]:
-    """(state, data position, saved config) from the newest checkpoint, or a fresh state; from
-    its universal conversion (`to_universal`) when `universal` (an engine built with
+    """(state, data position, saved config) from checkpoint `name` (`find_resumable`), or a fresh
+    state; from its universal conversion (`to_universal`) when `universal` (an engine built with
     `checkpoint.load_universal`)."""
-    name = latest_tag(run_dir)
     if name is None:
         return TrainState(), None, None
     load_dir, load_tag = run_dir / CHECKPOINTS, name
@@ -186,38 +295,46 @@ def resume(
     try:
         path, client = engine.load_checkpoint(str(load_dir), tag=load_tag)
     except (RuntimeError, KeyError, ValueError) as err:  # e.g. weights of another shape
-        from train.config import ConfigError
-
-        where = run_dir / CHECKPOINTS / name
-        lines = [line.strip() for line in str(err).strip().splitlines()] or [type(err).__name__]
-        added = sorted(
-            {
-                n
-                for m in engine.module.modules()
-                for n in getattr(m, "zero_if_missing", ())
-                if f'.{n}"' in str(err)
-            }
-        )
-        if added and "Missing key" in str(err):  # weights the arch gained after this run began
-            raise ConfigError(
-                f"{where} was written before this {engine.module.config.arch} model had "
-                f"{', '.join(added)}: a run cannot resume across that change (its optimizer "
-                "state has no slot for them); start another --output, or finetune or "
-                "shatter-extend its export or checkpoint, which load them at zero"
-            ) from None
-        first = next((line for line in lines if "key(s)" in line or "size mismatch" in line), None)
-        raise ConfigError(
-            f"{where} cannot be resumed by this model ({(first or lines[0])[:300]}); use the "
-            "run's own --preset, --seq-len and data, or another --output for a new run"
-        ) from None
+        _refuse_load(engine, run_dir / CHECKPOINTS / name, err)
     if path is None:
         raise RuntimeError(
             f"{run_dir / CHECKPOINTS / name}: DeepSpeed could not load this checkpoint"
         )
+    if universal and engine.zero_optimization_stage() == 3:
+        from train.zero3_fix import repair_universal_load
+
+        repair_universal_load(engine.optimizer, load_dir / load_tag)
     scheduler = engine.lr_scheduler
     if scheduler is not None:  # the optimizer's saved lr is the saved schedule's: recompute it
         scheduler.step(scheduler.last_batch_iteration)  # for this run's --max-steps, in place
     return TrainState(**client["train_state"]), client["data_position"], client.get("config")
+
+
+def _refuse_load(engine, where: Path, err: BaseException) -> None:
+    """A checkpoint this model cannot load: one line saying why and what to do."""
+    from train.config import ConfigError
+
+    lines = [line.strip() for line in str(err).strip().splitlines()] or [type(err).__name__]
+    added = sorted(
+        {
+            n
+            for m in engine.module.modules()
+            for n in getattr(m, "zero_if_missing", ())
+            if f'.{n}"' in str(err)
+        }
+    )
+    if added and "Missing key" in str(err):  # weights the arch gained after this run began
+        raise ConfigError(
+            f"{where} was written before this {engine.module.config.arch} model had "
+            f"{', '.join(added)}: a run cannot resume across that change (its optimizer "
+            "state has no slot for them); start another --output, or finetune or "
+            "shatter-extend its export or checkpoint, which load them at zero"
+        ) from None
+    first = next((line for line in lines if "key(s)" in line or "size mismatch" in line), None)
+    raise ConfigError(
+        f"{where} cannot be resumed by this model ({(first or lines[0])[:300]}); use the "
+        "run's own --preset, --seq-len and data, or another --output for a new run"
+    ) from None
 
 
 def config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:

@@ -35,24 +35,37 @@ has no such table entry: MFU is left out (null) unless `run.peak_tflops` gives a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from shatter.config import ModelConfig
 
 # Dense (no sparsity) peak TFLOP/s per device and precision: vendors' datasheets. fp32 is the
-# non-tensor-core rate (torch's default has TF32 matmuls off). Matched by substring of
-# torch.cuda.get_device_name(), first match wins (so "H100 PCIe" before "H100").
-DEVICE_PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),
-    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2}),
-    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}),
-    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),  # SXM
-    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
-    ("L40S", {"bf16": 362.1, "fp16": 362.1, "fp32": 91.6}),
-    ("L4", {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3}),
-    ("A10", {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2}),
-    ("V100", {"fp16": 125.0, "fp32": 15.7}),  # SXM2; no bf16
-)
+# non-tensor-core rate (torch's default has TF32 matmuls off). Keyed by the model in
+# torch.cuda.get_device_name() (`device_model`: "NVIDIA H100 PCIe" is "H100 PCIe", "Tesla
+# V100-SXM2-32GB" is "V100"), matched exactly: "L40" is not the "L4".
+DEVICE_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},  # SXM
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.1, "fp16": 362.1, "fp32": 91.6},
+    "L40": {"bf16": 181.0, "fp16": 181.0, "fp32": 90.5},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},
+    "V100": {"fp16": 125.0, "fp32": 15.7},  # SXM2; no bf16
+}
+VENDOR_WORDS = {"NVIDIA", "Tesla", "GeForce", "RTX"}
+VARIANT_WORDS = ("PCIe", "NVL")  # a model's variants with other peaks
+
+
+def device_model(device_name: str) -> str:
+    """The table's key for a CUDA device name: its model word, and a variant word if any."""
+    words = [w for w in re.split(r"[\s\-_]+", device_name.strip()) if w]
+    words = [w for w in words if w not in VENDOR_WORDS] or [""]
+    variant = next((w for w in words[1:] if w in VARIANT_WORDS), None)
+    return f"{words[0]} {variant}" if variant else words[0]
 
 
 def projections(config: ModelConfig) -> int:
@@ -146,13 +159,13 @@ def training_flops_per_token(
 
 
 def device_peak_tflops(device_name: str | None, precision: str) -> float | None:
-    """The dense peak of a CUDA device by name at `precision`; None when not in the table."""
+    """The dense peak of a CUDA device by name at `precision`; None when its model is not in
+    the table (MFU is then not reported: set `run.peak_tflops`)."""
     if not device_name:
         return None
-    for key, peaks in DEVICE_PEAK_TFLOPS:
-        if key.lower() in device_name.lower():
-            return peaks.get(precision)
-    return None
+    model = device_model(device_name)
+    peaks = DEVICE_PEAK_TFLOPS.get(model) or DEVICE_PEAK_TFLOPS.get(model.split(" ")[0], {})
+    return peaks.get(precision)
 
 
 @dataclass(frozen=True)

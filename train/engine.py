@@ -101,6 +101,18 @@ def build_extensions() -> None:
         )
 
 
+def quiet_other_ranks() -> None:
+    """Warnings once per node: its local rank 0 says Python's and DeepSpeed's warnings, the
+    node's other ranks (which would repeat them word for word) keep only DeepSpeed's errors."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        return
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
 def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     """(rank, world_size) after joining the process group (gloo on CPU, nccl on GPUs). A
     collective that waits on a peer for `timeout_s` (`run.collective_timeout_s`) fails: gloo
@@ -108,11 +120,13 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
     # NCCL: a timed-out collective tears the process down instead of leaving it blocked
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if on_cpu():  # said, not guessed: no "Setting accelerator to CPU" warning from each rank
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
+    quiet_other_ranks()
     alone = single_process_env()
     if on_cpu():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         announce_cpu_build()
     rendezvous = {"init_method": _file_store(), "rank": 0, "world_size": 1} if alone else {}
     deepspeed.init_distributed(
@@ -377,6 +391,9 @@ def guard_nonfinite_steps(engine) -> None:
     """
     if engine.zero_optimization_stage() == 0 and engine.optimizer is engine.basic_optimizer:
         FiniteStepGuard(engine.optimizer)
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if getattr(scaler, "raise_error_at_min_scale", False):  # fp16 ZeRO: `LossScaleStall` stops
+        scaler.raise_error_at_min_scale = False  # the run, in one line, instead of this raise
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     optimizer = engine.optimizer
@@ -399,3 +416,66 @@ def skipped_steps(engine) -> int:
         engine.skipped_steps += int(guard.skipped.item())
         guard.skipped = None
     return int(engine.skipped_steps)
+
+
+def first_nonfinite_output(module: nn.Module, inputs: dict) -> str | None:
+    """The submodule whose output is the first to be non-finite in a forward of `inputs` (a
+    hook fires as a module finishes, so the innermost one): one diagnostic forward, after a
+    failure. Collective under ZeRO-3, like any forward."""
+    found: list[str] = []
+
+    def hook(name):
+        def check(_module, _args, out):
+            out = out[0] if isinstance(out, (tuple, list)) and out else out
+            if not found and torch.is_tensor(out) and out.is_floating_point():
+                if not torch.isfinite(out).all():
+                    found.append(name)
+
+        return check
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in module.named_modules() if n]
+    try:
+        with torch.no_grad():
+            module(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found[0] if found else None
+
+
+class LossScaleStall:
+    """fp16: optimizer steps skipped for an overflow, in a row. DeepSpeed's ZeRO loss scaler
+    raises "Current loss scale already at minimum" once the scale, halved at each overflow, is
+    at `min_loss_scale`: 18 overflows from 2**16 with hysteresis 2, long before the trainer's
+    `run.max_nonfinite`. That raise is turned off (`guard_nonfinite_steps`); `check`, called at
+    every step boundary (fp16 has read the overflow's verdict on the host already: no extra
+    sync), says why the run must stop once `limit` steps in a row were skipped."""
+
+    def __init__(self, engine, limit: int):
+        self.engine, self.limit = engine, limit
+        self.active = engine.fp16_enabled()
+        self.seen = int(engine.skipped_steps) if self.active else 0
+        self.run = 0
+
+    def check(self, step: int, inputs: dict, batch: dict) -> str | None:
+        """None, or the one line that stops the run: the layer whose output is first
+        non-finite on the step's last micro-batch, or that batch when its forward is finite."""
+        if not self.active:
+            return None
+        skipped = int(self.engine.skipped_steps)
+        self.run = self.run + 1 if skipped > self.seen else 0
+        self.seen = skipped
+        if self.run < self.limit:
+            return None
+        layer = first_nonfinite_output(self.engine.module, inputs)
+        rows = batch["sample_id"].tolist() if "sample_id" in batch else []
+        what = (
+            f"the first non-finite output of its last micro-batch is {layer}'s"
+            if layer
+            else "the forward of its last micro-batch is finite, its gradients overflow"
+        )
+        return (
+            f"step {step}: {self.run} optimizer steps in a row skipped for an fp16 overflow "
+            f"(loss scale {loss_scale(self.engine)}); {what} (rows {rows[:8]}); lower the lr, "
+            "train in bf16, or resume from an earlier checkpoint"
+        )

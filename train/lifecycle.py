@@ -30,6 +30,7 @@ Used by the three entry points (train/pretrain.py, train/finetune.py, tools/eval
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import re
 import signal
@@ -294,3 +295,121 @@ def process_exit(known: tuple[type[BaseException], ...] = ()):
         arm_watchdog(code)
         if _owner["cli"]:  # in-process callers (tests, notebooks) keep DeepSpeed's cached group
             close_process_group(DESTROY_S if code == 0 else FAILED_DESTROY_S)
+
+
+RUN_LOCK = "run.lock"  # RUN/run.lock: "host pid" of the process that holds the run directory
+LOCK_REFRESH_S = 60.0  # the holder touches the lock this often (lock files without flock)
+LOCK_STALE_S = 600.0  # such a lock of another host, untouched this long, is a dead run's
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+class RunLock:
+    """One run per run directory: rank 0 holds RUN/run.lock for the run's life.
+
+    The lock is an exclusive POSIX lock (`lockf`) on the file: released by the kernel when its
+    holder dies, on any node of a file system with working locks (local disks, NFS, Lustre
+    mounted with `flock`), and not inherited by the loader's forked workers, which may outlive a
+    killed holder by seconds. Its text names the holder's host and pid. Where the file system
+    has no locks (ENOLCK, ENOTSUP: some FUSE mounts, Lustre without `flock`) the text decides: a holder on
+    this host whose pid is gone, or on another host whose lock has not been touched for
+    LOCK_STALE_S (the holder touches it every LOCK_REFRESH_S), is a dead run's and is taken
+    over."""
+
+    def __init__(self, run_dir):
+        from pathlib import Path
+
+        self.path = Path(run_dir) / RUN_LOCK
+        self.fd: int | None = None
+        self.took_over: str | None = None  # the stale holder's text, when one was replaced
+        self._stop = threading.Event()
+
+    def acquire(self) -> str | None:
+        """None when this process now holds the lock, else the holder's text ("host pid")."""
+        import fcntl
+        import socket
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        before = os.pread(fd, 256, 0).decode(errors="replace").strip()
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.EACCES, errno.EAGAIN):  # a live holder
+                os.close(fd)
+                return before or "another process"
+            if before and not self._stale(before):  # no locks here: the text and its age decide
+                os.close(fd)
+                return before
+        self.took_over = before or None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        threading.Thread(target=self._refresh, name="shatter-run-lock", daemon=True).start()
+        atexit.register(self.release)
+        return None
+
+    def _stale(self, text: str) -> bool:
+        import socket
+
+        host, _, pid = text.partition(" ")
+        if host == socket.gethostname() and pid.strip().isdigit():
+            return not _alive(int(pid))
+        try:
+            return time.time() - self.path.stat().st_mtime > LOCK_STALE_S
+        except OSError:
+            return True
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(LOCK_REFRESH_S):
+            try:
+                os.utime(self.path)
+            except OSError:  # the run directory went away: the run fails on its own
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        if self.fd is not None:
+            try:
+                os.ftruncate(self.fd, 0)
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
+
+
+def hold_run_directory(run_dir, rank: int) -> RunLock | None:
+    """Collective, at start-up: rank 0 takes RUN/run.lock (`RunLock`); when another live run
+    holds it, every rank stops with one line naming that run. Returns rank 0's lock."""
+    import torch.distributed as dist
+
+    from train.config import ConfigError
+
+    lock = RunLock(run_dir) if rank == 0 else None
+    verdict = [None]
+    if lock is not None:
+        holder = lock.acquire()
+        verdict = [(holder, lock.took_over)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    holder, took_over = verdict[0]
+    if holder is not None:
+        host, _, pid = holder.partition(" ")
+        raise ConfigError(
+            f"{run_dir} is in use by another run (pid {pid.strip() or '?'} on {host} holds "
+            f"{run_dir}/{RUN_LOCK}): one run per --output; wait for it to end or stop it, or "
+            "give this run another --output"
+        )
+    if rank == 0 and took_over:
+        sys.stderr.write(
+            f"{run_dir}/{RUN_LOCK}: the lock of a run that is gone ({took_over}) taken over\n"
+        )
+    return lock

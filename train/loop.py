@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,11 +25,11 @@ from pipeline.masking import mix64
 from train import checkpoint
 from train.config import TrainConfig
 from train.cost import cost_model
-from train.engine import loss_scale, skipped_steps
+from train.engine import LossScaleStall, loss_scale, skipped_steps
 from train.evaluate import evaluate
 from train.lifecycle import StopFlag, ignore_stop_signals
 from train.loader import ShardStream, StreamPosition, train_loader, validation_stream
-from train.metrics import MetricsWriter, Progress, gpu_memory
+from train.metrics import MetricsWriter, Progress, RunClock, gpu_memory
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "perm_rank")  # perm_rank: plm only
 
@@ -106,7 +105,6 @@ def _log_line(
     scale = loss_scale(ctx.engine)
     if scale is not None:
         record["loss_scale"] = scale
-        record["overflow_skipped_steps"] = int(ctx.engine.skipped_steps)
     ctx.writer.write(record)
     state.window_loss, state.window_micro = 0.0, 0
     return record
@@ -229,10 +227,11 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
     engine, run = ctx.engine, ctx.cfg.run
     progress = Progress(ctx.rank, run.progress, state.step, run.max_steps)
     per_micro = run.micro_batch * ctx.world
-    clock, tokens_at, steps_shown = time.perf_counter(), state.tokens, state.step
+    tokens_at, steps_shown = state.tokens, state.step
     stop_seen, status, in_a_row, local_tokens = False, "complete", 0, 0
     cost = cost_model(ctx.cfg, engine.module.config, ctx.seq_len, ctx.world, engine.device)
-    started, gpu_hours_before = clock, ctx.writer.gpu_hours_before(state.step)
+    clock = RunClock(ctx.world, ctx.writer.hours_before, ctx.writer.hours_lost)
+    stall = LossScaleStall(engine, run.max_nonfinite)
     # on a CPU a value costs nothing to read: skip decisions are taken before the backward
     host_reads = engine.device.type == "cpu"
     window = DeviceWindow(engine.device)
@@ -277,18 +276,15 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
                 )
                 if in_a_row >= run.max_nonfinite:
                     _raise_diverged(ctx, in_a_row, state.step + 1)
-                if stop_seen and engine.micro_steps % run.grad_accum == 0:
-                    save_and_export(ctx, state, False, epoch_size)
-                    status = "stopped"
-                    progress.write(
-                        f"{ctx.stop.name or 'stop'}: checkpoint saved at step {state.step}; exiting"
-                    )
-                    break
-                continue
-            in_a_row = 0
-            engine.backward(loss)
-            engine.step()
-            window.add(loss, torch.zeros((), dtype=torch.float64))
+                # it keeps its place in the accumulation, so the step boundary (and the stream
+                # position a checkpoint saves) never moves: its loss is zeroed, as on a GPU
+                engine.backward(torch.where(flags[0] > 0, torch.zeros_like(loss), loss))
+                engine.step()
+            else:
+                in_a_row = 0
+                engine.backward(loss)
+                engine.step()
+                window.add(loss, torch.zeros((), dtype=torch.float64))
         else:
             local_tokens += int(batch["attention_mask"].sum())  # a CPU tensor: no sync
             bad = (~torch.isfinite(loss.detach())).to(torch.float64)
@@ -321,24 +317,29 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
                 )
             if not host_reads and longest >= run.max_nonfinite:
                 _raise_diverged(ctx, longest, state.step)
+        stalled = stall.check(state.step, inputs, batch)  # fp16: before DeepSpeed's min scale
+        if stalled:
+            raise TrainingError(stalled)
         if log_now:
-            now = time.perf_counter()
-            tokens_per_s = (state.tokens - tokens_at) / max(now - clock, 1e-9)
-            gpu_hours = gpu_hours_before + (now - started) * ctx.world / 3600
-            s_per_step = (now - clock) / max(state.step - steps_shown, 1)
-            costs = cost.fields(tokens_per_s, s_per_step, state.step, gpu_hours)
+            lap = clock.lap()  # training time apart from validation and checkpoints
+            tokens_per_s = (state.tokens - tokens_at) / lap["training_s"]
+            s_per_step = lap["training_s"] / max(state.step - steps_shown, 1)
+            costs = cost.fields(tokens_per_s, s_per_step, state.step, clock.gpu_hours())
+            costs.update(lap, gpu_hours_lost=clock.hours_lost)
             record = _log_line(ctx, state, lr, tokens_per_s, costs)
             progress.update(state.step - steps_shown, record["loss"], lr, tokens_per_s, costs)
-            clock, tokens_at, steps_shown = now, state.tokens, state.step
+            tokens_at, steps_shown = state.tokens, state.step
         if _due(state.step, run.eval_every, run.max_steps):
-            record = run_validation(ctx, state.step, validation)
+            with clock.aside("validation"):
+                record = run_validation(ctx, state.step, validation)
             progress.write(
                 f"step {state.step}: validation loss {record['loss']:.4f} accuracy {record['accuracy']:.4f}"
                 if record["predictions"]
                 else f"step {state.step}: no validation data (0 masked tokens), validation skipped"
             )
         if save_now:
-            name = save_and_export(ctx, state, export_now, epoch_size)
+            with clock.aside("checkpoint"):
+                name = save_and_export(ctx, state, export_now, epoch_size)
             progress.write(
                 f"step {state.step}: checkpoint {name}" + (" and export" if export_now else "")
             )
@@ -349,8 +350,12 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
             )
             break
     progress.close()
-    gpu_hours = gpu_hours_before + (time.perf_counter() - started) * ctx.world / 3600
-    progress.write(f"{gpu_hours:.3f} GPU-hours used to step {state.step} (world size {ctx.world})")
+    clock.lap()
+    seconds = ", ".join(f"{kind} {s:.0f} s" for kind, s in clock.total.items())
+    progress.write(
+        f"{clock.gpu_hours():.3f} GPU-hours used to step {state.step} (world size {ctx.world}; "
+        f"this session: {seconds})"
+    )
     return status
 
 

@@ -2,15 +2,22 @@
 
 Only rank 0 writes. metrics.jsonl has one JSON object per line: training lines
 `{"step", "loss", "lr", ...}` and validation lines `{"step", "split": "validation", "loss",
-"accuracy"}`. On a resume the lines after the checkpoint's step are dropped, so a restarted run's
-file reads as if it had never stopped.
+"accuracy"}`. On a resume the lines after the checkpoint's step are dropped (and TensorBoard's
+events after it purged), so a restarted run's file reads as if it had never stopped; the hours
+the dropped lines cost stay counted in `gpu_hours`, and apart in `gpu_hours_lost`.
+
+Rates (tokens/s, MFU, the time left) are over training time only: `RunClock` keeps validation
+and checkpoint time apart and reports them as such.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
@@ -51,32 +58,51 @@ def truncate_after(path: Path, step: int) -> int:
     return dropped
 
 
-class MetricsWriter:
-    """metrics.jsonl and TensorBoard scalars on rank 0; a no-op elsewhere."""
-
-    def __init__(self, run_dir: Path, rank: int, tensorboard: bool):
-        self.active = rank == 0
-        self.path = run_dir / METRICS
-        self.tb = None
-        if self.active and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-
-    def gpu_hours_before(self, step: int) -> float:
-        """GPU-hours of the earlier sessions of a resumed run: its last training line at or
-        before `step` (metrics.jsonl is truncated to the checkpoint's step on resume)."""
-        hours = 0.0
-        if not self.path.is_file():
-            return hours
-        for line in self.path.read_text().splitlines():
+def usage_before(path: Path, step: int) -> tuple[float, float]:
+    """(GPU-hours, of which lost) of the earlier sessions of a run resumed at `step`, read from
+    metrics.jsonl before its lines after `step` are dropped: every hour they used counts (to
+    their last line), and the hours after the checkpoint's own line were lost."""
+    last = at_step = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if record.get("gpu_hours") is not None and record.get("step", 0) <= step:
-                hours = record["gpu_hours"]
-        return hours
+            if record.get("gpu_hours") is None:
+                continue
+            last = record
+            if record.get("step", 0) <= step:
+                at_step = record
+    used = last.get("gpu_hours", 0.0)
+    lost = at_step.get("gpu_hours_lost", 0.0) + used - at_step.get("gpu_hours", 0.0)
+    return used, lost
+
+
+class MetricsWriter:
+    """metrics.jsonl and TensorBoard scalars on rank 0; a no-op elsewhere. `resumed_step` (a
+    pretraining run: 0 when fresh) drops what an earlier session logged after it, in both."""
+
+    def __init__(
+        self, run_dir: Path, rank: int, tensorboard: bool, resumed_step: int | None = None
+    ):
+        self.active = rank == 0
+        self.path = run_dir / METRICS
+        self.tb = None
+        self.hours_before = self.hours_lost = 0.0
+        if self.active and resumed_step is not None:
+            self.hours_before, self.hours_lost = usage_before(self.path, resumed_step)
+            truncate_after(self.path, resumed_step)
+        if self.active and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: events of later steps an earlier session wrote are dropped on read
+            purge = {} if resumed_step is None else {"purge_step": resumed_step + 1}
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), **purge)
+
+    def gpu_hours_before(self, step: int) -> float:
+        """GPU-hours of the earlier sessions of a resumed run, lost work included."""
+        return self.hours_before
 
     def write(self, record: dict) -> None:
         if not self.active:
@@ -100,6 +126,58 @@ class MetricsWriter:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def process_started() -> float:
+    """When this process began (time.time() scale), so that GPU-hours count its start-up."""
+    try:
+        stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime")
+        )
+        return boot + int(stat[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+    except (OSError, ValueError, IndexError, StopIteration):  # not Linux: from now
+        return time.time()
+
+
+class RunClock:
+    """Where a session's time goes. Training time is wall time less validation and checkpoint
+    time (each kept apart, `aside`); GPU-hours are wall time since the process began x the
+    world size, added to the earlier sessions' (lost work included)."""
+
+    ASIDE = ("validation", "checkpoint")
+
+    def __init__(self, world: int, hours_before: float = 0.0, hours_lost: float = 0.0):
+        self.world, self.hours_before, self.hours_lost = world, hours_before, hours_lost
+        self.started = process_started()
+        self.total = dict.fromkeys(("training", *self.ASIDE), 0.0)  # this session's seconds
+        self.window = dict.fromkeys(self.ASIDE, 0.0)  # since the last `lap`
+        self._mark = time.perf_counter()
+
+    @contextmanager
+    def aside(self, kind: str):
+        """Time spent in the block is `kind`'s (validation, checkpoint), not training time."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - began
+            self.window[kind] += spent
+            self.total[kind] += spent
+
+    def lap(self) -> dict:
+        """{"training_s", "validation_s", "checkpoint_s"} since the last lap; starts the next."""
+        now = time.perf_counter()
+        training = max(now - self._mark - sum(self.window.values()), 1e-9)
+        self.total["training"] += training
+        out = {"training_s": training, **{f"{k}_s": v for k, v in self.window.items()}}
+        self._mark, self.window = now, dict.fromkeys(self.ASIDE, 0.0)
+        return out
+
+    def gpu_hours(self) -> float:
+        return self.hours_before + (time.time() - self.started) * self.world / 3600
 
 
 def postfix(record: dict, lr: float) -> str:

@@ -118,28 +118,35 @@ def _run(cfg: TrainConfig) -> int:
     import shatter
     from train import checkpoint
     from train.engine import build_engine, init_distributed, resolved_deepspeed_config
-    from train.lifecycle import ProgressWatchdog, StopFlag
+    from train.lifecycle import ProgressWatchdog, StopFlag, hold_run_directory
     from train.loader import StreamPosition
     from train.loop import RunContext, train
-    from train.metrics import MetricsWriter, gpu_memory, truncate_after
+    from train.metrics import MetricsWriter, gpu_memory
+    from train.node_env import check_nodes_env
 
     index, seq_len = start_up_checks(cfg)
     stop = StopFlag().install()
     rank, world = init_distributed(cfg.run.collective_timeout_s)
+    check_nodes_env()  # the store's settings, TMPDIR and HF_* on every node
     run_dir = Path(cfg.run.output)
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = hold_run_directory(run_dir, rank)  # noqa: F841 (held until the process ends)
     checkpoint.check_shared(run_dir)  # every node must see the same run directory
     ds_config = resolved_deepspeed_config(cfg, world)
-    saved_world = checkpoint.saved_world_size(run_dir)
-    universal = saved_world is not None and saved_world != world
+    found = checkpoint.find_resumable(run_dir, say=lambda line: click.echo(line, err=True))
+    universal = found.world_size is not None and found.world_size != world
     if universal:  # ZeRO's partitions re-cut for this world (train/checkpoint.py)
+        if ds_config["zero_optimization"]["stage"] == 3:
+            from train.zero3_fix import check_version
+
+            check_version()
         if rank == 0:
             click.echo(
-                f"the checkpoint was written by {saved_world} ranks, this run has {world}: "
+                f"the checkpoint was written by {found.world_size} ranks, this run has {world}: "
                 "converting it to a universal checkpoint to re-partition it",
                 err=True,
             )
-        checkpoint.to_universal(run_dir)
+        checkpoint.to_universal(run_dir, found.tag)
         ds_config["checkpoint"] = {"load_universal": True}
     torch.manual_seed(cfg.run.seed)
     # The model is built for the length it is trained at (the paper pretrains BERT_GPU and
@@ -150,7 +157,7 @@ def _run(cfg: TrainConfig) -> int:
     engine = build_engine(model, cfg, ds_config)
     progress = ProgressWatchdog(ProgressWatchdog.limit_for(cfg.run.collective_timeout_s))
     engine.module.register_forward_pre_hook(progress.pet)  # a rank stuck between forwards ends
-    state, position, saved_config = checkpoint.resume(engine, run_dir, universal)
+    state, position, saved_config = checkpoint.resume(engine, run_dir, found.tag, universal)
     if position is not None:
         StreamPosition.from_dict(
             position, index.rows("train")
@@ -163,7 +170,6 @@ def _run(cfg: TrainConfig) -> int:
                 + (": config changed: " + "; ".join(changes) if changes else ""),
                 err=True,
             )
-            truncate_after(run_dir / "metrics.jsonl", state.step)
             planned = saved_config["run"]["max_steps"]
             if planned != cfg.run.max_steps and state.step < cfg.run.max_steps:
                 click.echo(
@@ -184,11 +190,11 @@ def _run(cfg: TrainConfig) -> int:
             )
             + "\n"
         )
-    writer = MetricsWriter(run_dir, rank, cfg.run.tensorboard)
+    writer = MetricsWriter(run_dir, rank, cfg.run.tensorboard, resumed_step=state.step)
     ctx = RunContext(cfg, index, engine, rank, world, run_dir, seq_len, writer, stop)
     try:
         if state.step >= cfg.run.max_steps and not (run_dir / checkpoint.EXPORT).is_dir():
-            checkpoint.export(engine, run_dir, checkpoint.latest_tag(run_dir), index.tokenizer)
+            checkpoint.export(engine, run_dir, found.tag, index.tokenizer)
         status = train(ctx, state) if state.step < cfg.run.max_steps else "complete"
     finally:
         progress.stop()

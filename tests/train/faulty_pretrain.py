@@ -7,6 +7,16 @@ SHATTER_TEST_FAULT=KIND:RANK:STEP; in STEP's backward, rank RANK (after saying `
 - `block`: waits (an hour) in a receive that no peer sends, so its peers' next collective
   times out;
 - `kill`: SIGKILLs itself (the OOM killer).
+
+SHATTER_TEST_KILL_SAVE=POINT:STEP: kill -9 of the whole job (launcher, ranks, loader
+workers: the process group) at a point of the save of checkpoint STEP, as a preemption's SIGKILL
+that lands during a save:
+- `before`: before any file of it is written;
+- `between`: rank 0's files written, rank 1's not (its optimizer partition is removed again);
+- `after`: once `latest` names it.
+
+SHATTER_TEST_NAN=MICRO: the loss of the run's micro-batch MICRO (counted from 0, on every rank)
+is NaN, with a gradient.
 """
 
 import os
@@ -22,11 +32,52 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from train import checkpoint  # noqa: E402
 from train.lifecycle import run_cli  # noqa: E402
 from train.pretrain import main  # noqa: E402
 
-KIND, RANK, STEP = os.environ["SHATTER_TEST_FAULT"].split(":")
+KIND, RANK, STEP = os.environ.get("SHATTER_TEST_FAULT", "none:-1:0").split(":")
+KILL = os.environ.get("SHATTER_TEST_KILL_SAVE", "none:0").split(":")
 backward = deepspeed.DeepSpeedEngine.backward
+save_checkpoint = deepspeed.DeepSpeedEngine.save_checkpoint
+save = checkpoint.save
+forward = deepspeed.DeepSpeedEngine.forward
+NAN_MICRO = int(os.environ.get("SHATTER_TEST_NAN", "-1"))
+
+
+def nan_forward(engine, *args, **kwargs):
+    out = forward(engine, *args, **kwargs)
+    if engine.training and engine.micro_steps == NAN_MICRO:
+        out["loss"] = out["loss"] * float("nan")
+    return out
+
+
+def kill_job(point: str) -> None:
+    sys.stderr.write(f"kill -9 {point} the save of step {KILL[1]}\n")
+    sys.stderr.flush()
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def killing_save(engine, run_dir, state, *args, **kwargs):
+    if KILL[0] == "before" and state.step == int(KILL[1]) and os.environ.get("RANK") == "0":
+        kill_job("before")
+    name = save(engine, run_dir, state, *args, **kwargs)
+    if KILL[0] == "after" and state.step == int(KILL[1]) and os.environ.get("RANK") == "0":
+        kill_job("after")
+    return name
+
+
+def killing_save_checkpoint(engine, save_dir, tag=None, *args, **kwargs):
+    done = save_checkpoint(engine, save_dir, tag, *args, **kwargs)
+    if (
+        KILL[0] == "between"
+        and tag == checkpoint.tag(int(KILL[1]))
+        and os.environ.get("RANK") == "1"
+    ):
+        for path in Path(save_dir, tag).glob("*zero_pp_rank_1_*"):
+            path.unlink()  # not written yet when the kill lands
+        kill_job("between")
+    return done
 
 
 def _raise(grad):
@@ -50,6 +101,9 @@ def faulty_backward(engine, loss, *args, **kwargs):
 
 
 deepspeed.DeepSpeedEngine.backward = faulty_backward
+deepspeed.DeepSpeedEngine.save_checkpoint = killing_save_checkpoint
+checkpoint.save = killing_save
+deepspeed.DeepSpeedEngine.forward = nan_forward
 
 if __name__ == "__main__":
     run_cli(main)

@@ -61,6 +61,18 @@ def test_mfu_needs_a_peak():
     assert device_peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
     assert device_peak_tflops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 on a V100
     assert device_peak_tflops(None, "bf16") is None
+
+
+def test_device_names_match_exactly():
+    """An L40 is not an L4 (a substring match gave it the L4's peak: MFU 1.5x too high)."""
+    assert device_peak_tflops("NVIDIA L40", "bf16") == 181.0
+    assert device_peak_tflops("NVIDIA L4", "bf16") == 121.0
+    assert device_peak_tflops("NVIDIA L40S", "bf16") == 362.1
+    assert device_peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5
+    assert device_peak_tflops("NVIDIA A100 80GB PCIe", "bf16") == 312.0
+    assert device_peak_tflops("NVIDIA H100 NVL", "bf16") == 835.0
+    assert device_peak_tflops("NVIDIA A10G", "bf16") is None  # not the A10: no guess
+    assert device_peak_tflops("NVIDIA H200", "fp16") == 989.4
     cost = CostModel(flops_per_token=1e9, peak_flops=1e12, world=8, max_steps=100)
     fields = cost.fields(tokens_per_s=8000, s_per_step=36.0, step=50, gpu_hours=2.0)
     assert fields["tokens_per_s_per_gpu"] == 1000

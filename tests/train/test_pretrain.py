@@ -321,6 +321,16 @@ def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
             time.sleep(0.05)
         if job.poll() is not None:
             pytest.fail("the run ended before SIGTERM: " + job.communicate()[1][-3000:])
+        # one run per run directory: a second launch on it stops in one line, writing nothing
+        config = (run / "config.json").read_text()
+        second = subprocess.run(
+            [*cmd, "--micro-batch", "2"], cwd=REPO, capture_output=True, text=True, timeout=240
+        )
+        assert second.returncode == 1, second.stderr[-3000:]
+        said = [x for x in second.stderr.splitlines() if x.startswith("Error:")]
+        assert len(said) == 1 and f"(pid {job.pid} on " in said[0], second.stderr[-3000:]
+        assert "one run per --output" in said[0] and "Traceback" not in second.stderr
+        assert (run / "config.json").read_text() == config
         os.killpg(job.pid, signal.SIGTERM)  # the process and its loader worker, as a scheduler does
         _, err = job.communicate(timeout=120)
     finally:
@@ -392,3 +402,92 @@ def test_nonfinite_losses_are_skipped_counted_and_a_diverged_run_stops_clearly(
     assert done.returncode == 1, done.stderr[-3000:]
     assert "non-finite loss, micro-batch skipped (4 so far)" in done.stderr
     assert "NaN/inf for 4 micro-batches in a row" in done.stderr and "Traceback" not in done.stderr
+
+
+FAULTY = str(REPO / "tests" / "train" / "faulty_pretrain.py")
+
+
+def _killed_at(cmd: list[str], kill: str, log: Path) -> int:
+    """Run `cmd` (train/pretrain.py under tests/train/faulty_pretrain.py) until its kill -9
+    at `kill` (POINT:STEP); returns the launcher's exit status."""
+    env = {**os.environ, "SHATTER_TEST_KILL_SAVE": kill}
+    with open(log, "w") as err:
+        job = subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True
+        )
+        try:
+            job.wait(240)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    return job.returncode
+
+
+def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
+    books_data, reference, tmp_path
+):
+    """kill -9 of the whole job at each point of a save; each restart resumes from the newest
+    complete checkpoint (the save's own after `latest`, the one before otherwise), and the
+    final losses are the unbroken run's, bit for bit. While the first job is held at its kill
+    point, a second launch on the same --output stops in one line."""
+    run = tmp_path / "run"
+    cmd = command(books_data, run, *FP32_ARGS)
+    cmd[cmd.index(SCRIPT)] = FAULTY
+    assert _killed_at(cmd, "before:20", tmp_path / "1.log") == -9
+    assert (run / "checkpoints" / "latest").read_text() == "step00000010"
+    assert _killed_at(cmd, "between:30", tmp_path / "2.log") == -9
+    second = (tmp_path / "2.log").read_text()
+    assert "resuming from step 10" in second, second[-3000:]
+    assert not (run / "checkpoints" / "step00000030" / "manifest.json").exists()
+    assert (run / "checkpoints" / "latest").read_text() == "step00000020"
+    assert _killed_at(cmd, "after:40", tmp_path / "3.log") == -9
+    third = (tmp_path / "3.log").read_text()
+    skipped = f"checkpoint {run / 'checkpoints' / 'step00000030'} is incomplete (no manifest"
+    assert skipped in third and "resuming from step 20" in third, third[-3000:]
+    assert "run.lock: the lock of a run that is gone" in third
+    # warnings once per node: the rank-0 side says them, rank 1 does not repeat them
+    assert third.count("FutureWarning") <= 1 and third.count("Setting accelerator to CPU") <= 1
+    done = run_to_end(command(books_data, run, *FP32_ARGS))
+    assert "resuming from step 40" in done.stderr, done.stderr[-3000:]
+    manifest = json.loads((run / "checkpoints" / "step00000060" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["zero_stage"] == 1
+    assert len([f for f in manifest["files"] if "optim_states" in f]) == 2
+    ref_train, ref_val = metrics(reference[0])
+    train, val = metrics(run)
+    assert train == ref_train  # bit for bit, the steps redone after each kill included
+    assert {s: v["loss"] for s, v in val.items()} == {s: v["loss"] for s, v in ref_val.items()}
+
+
+def test_a_skipped_micro_batch_keeps_the_step_boundary(books_data, tmp_path):
+    """--grad-accum 4 with a NaN loss in the 2nd micro-batch of step 2, then a resume: every
+    checkpoint's position is a whole number of steps, and no row is trained twice."""
+    run, log = tmp_path / "run", tmp_path / "rows"
+    cmd = [sys.executable, FAULTY, "--data", str(books_data), "--output", str(run)]
+    cmd += ["--preset", "shatter-tiny", "--config", str(REPO / "configs" / "cpu-tiny.yaml")]
+    cmd += ["--micro-batch", "2", "--grad-accum", "4", "--save-every", "2", "--eval-every", "0"]
+    cmd += ["--log-every", "1", "--num-workers", "0", "--no-progress"]
+    env = {**os.environ, "SHATTER_TEST_NAN": "5", "SHATTER_SAMPLE_LOG": str(log)}
+    for steps, nan in ((4, "5"), (6, "-1")):
+        done = subprocess.run(
+            [*cmd, "--max-steps", str(steps)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=REPO,
+            env={**env, "SHATTER_TEST_NAN": nan},
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert ("step 2: non-finite loss, micro-batch skipped (1 so far)" in done.stderr) == (
+            steps == 4
+        ), done.stderr[-3000:]
+    for step in (4, 6):  # step 2 is pruned (keep_checkpoints: 2)
+        state = torch.load(
+            run / "checkpoints" / f"step{step:08d}" / "mp_rank_00_model_states.pt",
+            weights_only=False,
+        )
+        assert state["data_position"]["samples"] == 8 * step, state["data_position"]
+    micro = [json.loads(x) for x in (tmp_path / "rows.rank0.jsonl").read_text().splitlines()]
+    positions = [p for p, _ in micro]
+    assert positions == list(range(0, 48, 2)), positions  # 24 micro-batches, none repeated
+    rows = [r for _, ids in micro for r in ids]
+    assert len(rows) == len(set(rows)) == 48

@@ -1,0 +1,65 @@
+"""Settings that must reach every node: a two-"node" launch through the deepspeed launcher's pdsh
+path, where a stand-in `pdsh` (first on PATH) records its command and runs it once per host on
+this machine, in an environment without AWS_*, HF_* and TMPDIR, as a node's own shell would be."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_pretrain import BIN, SCRIPT, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
+
+PDSH = f"""#!{sys.executable}
+import json, os, subprocess, sys
+args = sys.argv[1:]
+hosts = args[args.index("-w") + 1].split(",")
+command = " ".join(args[args.index("-w") + 2:])
+with open(os.environ["PDSH_RECORD"], "a") as f:
+    f.write(json.dumps({{"hosts": hosts, "command": command}}) + "\\n")
+env = {{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "HF_")) and k != "TMPDIR"}}
+jobs = [subprocess.Popen(["bash", "-c", command.replace("%n", str(n))], env=env)
+        for n in range(len(hosts))]
+sys.exit(max(job.wait() for job in jobs))
+"""
+
+
+def test_the_store_settings_reach_every_node(books_data, tmp_path):
+    stand_in = tmp_path / "bin"
+    stand_in.mkdir()
+    (stand_in / "pdsh").write_text(PDSH)
+    (stand_in / "pdsh").chmod(0o755)
+    (tmp_path / "hosts").write_text("nodeA slots=1\nnodeB slots=1\n")
+    launch = tmp_path / "launch"  # the launch directory: its .deepspeed_env
+    launch.mkdir()
+    env = {**os.environ, "PATH": f"{stand_in}:{os.environ['PATH']}"}
+    env.update(PDSH_RECORD=str(tmp_path / "pdsh.jsonl"), TMPDIR=str(tmp_path / "tmp"))
+    env.update(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_REGION="us-east-1")
+    env.update(AWS_SECRET_ACCESS_KEY="not-written")
+    (tmp_path / "tmp").mkdir()
+    cmd = [str(BIN / "deepspeed"), "--hostfile", str(tmp_path / "hosts"), "--launcher", "pdsh"]
+    cmd += ["--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    cmd += [SCRIPT, "--data", str(books_data), "--output", str(tmp_path / "run")]
+    cmd += ["--preset", "shatter-tiny", "--max-steps", "1", "--micro-batch", "2"]
+    cmd += ["--num-workers", "0", "--eval-every", "0", "--no-progress"]
+
+    first = subprocess.run(cmd, cwd=launch, env=env, capture_output=True, text=True, timeout=240)
+    assert first.returncode != 0
+    line = next(x for x in first.stderr.splitlines() if "set for rank 0" in x)
+    assert "AWS_ENDPOINT_URL, AWS_REGION, AWS_SECRET_ACCESS_KEY, TMPDIR set for rank 0" in line
+    assert "not for rank(s) 1" in line and "then launch again" in line, line
+    assert "add AWS_SECRET_ACCESS_KEY there" in line and "Traceback" not in first.stderr
+    written = (launch / ".deepspeed_env").read_text()
+    assert "AWS_ENDPOINT_URL=http://127.0.0.1:9\n" in written and "TMPDIR=" in written
+    assert "SECRET" not in written and (launch / ".deepspeed_env").stat().st_mode & 0o077 == 0
+
+    env.pop("AWS_SECRET_ACCESS_KEY")  # an instance role's node: no key in the environment
+    second = subprocess.run(cmd, cwd=launch, env=env, capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    recorded = [json.loads(x) for x in (tmp_path / "pdsh.jsonl").read_text().splitlines()]
+    assert len(recorded) == 2 and recorded[0]["hosts"] == ["nodeA", "nodeB"]
+    assert "export AWS_ENDPOINT_URL" not in recorded[0]["command"]
+    assert "export AWS_ENDPOINT_URL=http://127.0.0.1:9" in recorded[1]["command"]
+    assert f"export TMPDIR={tmp_path / 'tmp'}" in recorded[1]["command"]
