@@ -307,7 +307,7 @@ def build(
 def _open_store(ctx, out: str) -> None:
     """A remote OUT: Beam's filesystems get the extra options (`--s3_endpoint_url`, ...; else the
     environment's), and OUT is checked (credentials, bucket, prefix) before it is read."""
-    from pipeline.format import fs
+    from pipeline.format.store import fs
 
     if fs.is_remote(out):
         from pipeline import store

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.format import DatasetError, Index, Shard, cache
+from pipeline.format import DatasetError, Index, Shard
 from pipeline.format.blocks import BlockReader
+from pipeline.format.store import is_remote
 from pipeline.format.writer import record_batch_rows
 from train.masking import IGNORE, PAD, SEP, dynamic_mask, ragged_gather, static_mask
 from train.plm import plm_batch, static_plm_batch
@@ -80,6 +81,9 @@ class MaskingSpec:
     plm_max_span: int = 5
 
 
+# a batch's key, present when a look-ahead download from the object store failed for good: its
+# one-line message; the step loop stops at the next step boundary (a checkpoint) and reports it
+STORE_ERROR = "store_error"
 SHUFFLE_WINDOW = 4  # record batches whose rows are shuffled together (blocks.CACHE_BLOCKS is twice)
 
 
@@ -234,7 +238,11 @@ class ShardStream(IterableDataset):
             ahead = next(batches, None)
             if ahead is not None and len(ahead):
                 self.prefetch(ahead)
-            yield self.batch(q) if len(q) else self.padding_batch()
+            batch = self.batch(q) if len(q) else self.padding_batch()
+            failure = self.reader.store_failure()
+            if failure:  # a look-ahead download failed: the trainer stops at a step boundary
+                batch[STORE_ERROR] = failure
+            yield batch
             q = ahead
 
     def _locate(self, q: np.ndarray):
@@ -249,18 +257,14 @@ class ShardStream(IterableDataset):
 
     def prefetch(self, q: np.ndarray) -> None:
         """Start decoding what the batch of positions q needs, and opening the shard after it
-        (from a store: the two after it, and a download that fails stops the run, `cache`)."""
+        (from a store: the two after it; a download that fails for good is named in the next
+        batch, under STORE_ERROR)."""
         for epoch, _, s, rows in self._locate(q):
             self.reader.prefetch(s, rows)
             ahead = self.order.next_shard(epoch, s)
-            opening = self.reader.open_ahead(ahead)
-            if cache.is_remote(self.index.root):
-                trainer = os.getppid() if get_worker_info() else os.getpid()
-                for future in (
-                    opening,
-                    self.reader.open_ahead(self.order.next_shard(epoch, ahead)),
-                ):
-                    cache.stop_on_failure(future, trainer)
+            self.reader.open_ahead(ahead)
+            if is_remote(self.index.root):
+                self.reader.open_ahead(self.order.next_shard(epoch, ahead))
 
     def padding_batch(self) -> dict[str, torch.Tensor]:
         """One row of zero weight: the stream's first row with nothing to predict (labels all

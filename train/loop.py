@@ -26,7 +26,7 @@ from pipeline.masking import mix64
 from train import checkpoint
 from train.config import TrainConfig
 from train.cost import cost_model
-from train.data import ShardStream, StreamPosition, train_loader, validation_stream
+from train.data import STORE_ERROR, ShardStream, StreamPosition, train_loader, validation_stream
 from train.engine import loss_scale, skipped_steps
 from train.evaluate import evaluate
 from train.lifecycle import StopFlag, ignore_stop_signals
@@ -54,6 +54,7 @@ class RunContext:
     seq_len: int
     writer: MetricsWriter
     stop: StopFlag
+    store_failure: str | None = None  # a loader's store failure (STORE_ERROR): why it stopped
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -241,6 +242,9 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
     engine.train()
     while state.step < run.max_steps:
         batch = next(batches)
+        if STORE_ERROR in batch and ctx.store_failure is None:  # in-band, from a loader worker
+            ctx.store_failure, ctx.stop.requested = batch[STORE_ERROR], True
+            ctx.stop.name = "store failure"
         if sample_log is not None:
             sample_log.write(json.dumps([state.samples, batch["sample_id"].tolist()]) + "\n")
         # seeded by the micro-batch's step and slot (train/data.py): the same on any world size

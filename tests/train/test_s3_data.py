@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.format import DatasetError, cache, read_index
+from pipeline.format import DatasetError, read_index
+from pipeline.format.store import NodeCache, configure, current
 from tests.jobs import Job
 from tests.s3server import BUCKET
 
@@ -66,6 +67,10 @@ def test_store_stopping_during_training_checkpoints_and_exits_naming_the_object(
     index = read_index(remote)
     info = index.shards("train")[0]
     s3_server.client().put_object(Bucket=BUCKET, Key=f"small/{info.file}", Body=b"other bytes")
-    cache.configure(str(tmp_path / "fresh-cache"), 1.0, 1.0)
+    configure(
+        current().replace(
+            cache_dir=str(tmp_path / "fresh-cache"), cache_limit_gb=1.0, retry_seconds=1.0
+        )
+    )
     with pytest.raises(DatasetError, match=f"{index.shard_path(info)} is not the file"):
-        cache.local_path(index.shard_path(info), info.sha256)
+        NodeCache().local_path(index.shard_path(info), info.sha256)
