@@ -1,7 +1,9 @@
-"""Training data on object storage (a loopback S3 server, `tests.s3server`): the store stops
-answering during a run, and the trainer checkpoints and exits with one line naming the object;
-an object replaced by different bytes is refused by its sha256. (The 2-rank run from s3:// with
-an exact resume: tests/train/test_pretrain.py, the kill -9 test.)"""
+"""Training data on object storage (a loopback S3 server, `tests.s3server`): a dataset three
+times the node cache's bound trains two epochs on two ranks, with validation, to the losses of
+the same data on local disk; the store stops answering during a run, and the trainer checkpoints
+and exits with one line naming the object; an object replaced by different bytes is refused by
+its sha256. (The 2-rank run from s3:// with an exact resume: tests/train/test_pretrain.py, the
+kill -9 test.)"""
 
 import subprocess
 import sys
@@ -19,6 +21,74 @@ pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+
+
+def build(books_data: Path, out: Path, *args: str) -> Path:
+    """A dataset of the shared books with books_data's tokenizer (`shatter-data build`)."""
+    cmd = [str(BIN / "shatter-data"), "build", "--corpus", "books", "--output", str(out)]
+    cmd += ["--tokenizer", str(books_data / "tokenizer.model"), "--dupe-factor", "1", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_a_dataset_three_times_the_cache_trains_two_epochs_as_from_local_disk(
+    books_data, s3_server, tmp_path, monkeypatch
+):
+    """Shards are evicted and fetched again while both ranks' loader workers read, and a
+    validation runs in each epoch: no reader loses a shard under it, and the losses, training
+    and validation, are those of the same dataset on local disk, bit for bit (fp32). The S3 run's
+    ranks cannot import Beam: a training node reads the store through fsspec alone."""
+    from tests.train.test_pretrain import command, count_requests, metrics, run_to_end
+
+    books = tmp_path / "macbeth"
+    books.mkdir()
+    (books / "macbeth.txt").symlink_to(
+        REPO.parent / "shared" / "data" / "books" / "macbeth_gut.txt"
+    )
+    local = build(
+        books_data,
+        tmp_path / "data",
+        "--input",
+        str(books),
+        "--seq-len",
+        "32",
+        "--num-shards",
+        "12",
+        "--validation-fraction",
+        "0.1",
+    )
+    index = read_index(local)
+    shards = index.shards("train") + index.shards("validation")
+    limit = sum(s.bytes for s in shards) / 3
+    remote = s3_server.upload(local, "three-times")
+    gets = count_requests("GET /shards/three-times/train-")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the node cache: $TMPDIR/shatter-cache-<user>
+    config = tmp_path / "cache.yaml"
+    tiny = (REPO / "configs" / "cpu-tiny.yaml").read_text()
+    config.write_text(tiny.replace("data:\n", f"data:\n  cache_limit_gb: {limit / 2**30!r}\n", 1))
+    steps = -(-2 * index.rows("train") // 32) + 1  # two epochs and a step of the third
+    args = ["--config", str(config), "--max-steps", str(steps), "--micro-batch", "16"]
+    args += ["--eval-every", str(steps // 3), "--save-every", "0", "--log-every", "1"]
+    args += ["--warmup-steps", "5", "--lr", "2e-3", "--seq-len", "32"]
+    runs = {"local": tmp_path / "local", "s3": tmp_path / "s3"}
+    run_to_end(command(local, runs["local"], *args))
+    # a training node without Beam: in the S3 run's ranks, `import apache_beam` fails
+    no_beam = tmp_path / "no-beam" / "apache_beam"
+    no_beam.mkdir(parents=True)
+    (no_beam / "__init__.py").write_text('raise ImportError("Beam is not installed here")\n')
+    monkeypatch.setenv("PYTHONPATH", f"{no_beam.parent}:{REPO}")
+    run_to_end(command(remote, runs["s3"], *args))
+    fetched = {name: gets.count(name) for name in set(gets)}
+    assert len(fetched) == len(index.shards("train")) and max(fetched.values()) > 1, fetched
+    cache = next(tmp_path.glob("shatter-cache-*"))
+    assert not list(cache.rglob(".tmp-*"))
+    kept = {p.name for p in (cache / "keep").glob("*.arrow")}
+    assert kept == {f"{s.sha256}.arrow" for s in index.shards("validation")}
+    (local_train, local_val), (s3_train, s3_val) = metrics(runs["local"]), metrics(runs["s3"])
+    assert len(local_train) == steps and len(local_val) >= 3
+    assert s3_train == local_train
+    assert {k: v["loss"] for k, v in s3_val.items()} == {k: v["loss"] for k, v in local_val.items()}
 
 
 def test_store_stopping_during_training_checkpoints_and_exits_naming_the_object(
