@@ -9,6 +9,7 @@ missing object (FileNotFoundError) or a refusal (PermissionError) is not retried
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import time
@@ -107,11 +108,23 @@ def listdir(path: str) -> list[str]:
     return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in _retrying(url, fs.ls, url, False))
 
 
-class _RemoteReader:
+class _RemoteReader(io.RawIOBase):
     """A binary reader of one object whose reads retry (`_retrying`), reopening where it was."""
 
     def __init__(self, url: str):
+        super().__init__()
         self.url, self.pos, self._file = url, 0, None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
 
     def _open(self):
         if self._file is None:
@@ -124,7 +137,7 @@ class _RemoteReader:
         try:
             return self._open().read(n)
         except Exception:
-            self.close()  # reopened at `pos` by the next try
+            self._drop()  # reopened at `pos` by the next try
             raise
 
     def read(self, n: int = -1) -> bytes:
@@ -133,7 +146,10 @@ class _RemoteReader:
         return data
 
     def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = pos if whence == 0 else self.pos + pos
+        if whence == 2:
+            self.pos = size(self.url) + pos
+        else:
+            self.pos = pos if whence == 0 else self.pos + pos
         if self._file is not None:
             self._file.seek(self.pos)
         return self.pos
@@ -141,7 +157,7 @@ class _RemoteReader:
     def tell(self) -> int:
         return self.pos
 
-    def close(self) -> None:
+    def _drop(self) -> None:
         if self._file is not None:
             try:
                 self._file.close()
@@ -149,11 +165,9 @@ class _RemoteReader:
                 pass
             self._file = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def close(self) -> None:
+        self._drop()
+        super().close()
 
 
 def open_read(path: str):
