@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from pipeline.format.store.cache import NodeCache
 from pipeline.format.store.errors import StoreError
 from pipeline.format.store.locks import Locked
 from pipeline.format.store.settings import current
@@ -25,7 +26,9 @@ def sha256_matches(path: str, sha256: str, digest) -> bool:
     if os.path.exists(mark):
         return True
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if not os.path.isdir(directory):
+            NodeCache().prepare()  # this user's directory, 0700
+            os.makedirs(directory, exist_ok=True)
         locked = Locked(mark + ".lock", directory).__enter__()
     except (OSError, StoreError):  # no usable node cache here: this process hashes on its own
         return digest(path) == sha256
