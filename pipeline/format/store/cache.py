@@ -193,8 +193,8 @@ class NodeCache:
             if free - need < floor:
                 raise disk_full(
                     self.directory,
-                    f"{need / 2**20:.1f} MiB to fetch, {free / 2**20:.1f} MiB free, "
-                    f"{floor / 2**20:.1f} MiB kept free; the rest is pinned by readers",
+                    f"{need / 2**20:.1f} MiB to fetch, {free / 2**20:.1f} MiB free once every "
+                    f"shard not being read is evicted, {floor / 2**20:.1f} MiB kept free",
                 )
 
     def sweep(self) -> int:
