@@ -144,3 +144,30 @@ def test_store_stopping_during_training_checkpoints_and_exits_naming_the_object(
     )
     with pytest.raises(DatasetError, match=f"{index.shard_path(info)} is not the file"):
         NodeCache().local_path(index.shard_path(info), info.sha256)
+
+
+def test_a_failed_look_ahead_reaches_the_trainer_in_band(s3_server, tmp_path, monkeypatch):
+    """A download that fails for good in a loader's look-ahead rides the next batch (STORE_ERROR),
+    while the shard being read still serves its rows: no file, no signal."""
+    from loaderutil import stream
+    from shardutil import write_dataset
+
+    from train.loader.stream import STORE_ERROR
+
+    monkeypatch.setattr("pipeline.format.store.settings._current", None)
+    configure(current().replace(cache_dir=str(tmp_path / "cache"), retry_seconds=1.0))
+    local = write_dataset(tmp_path / "data", shards=(40, 40))
+    remote = s3_server.upload(local, "look-ahead")
+    s3_server.client().delete_object(Bucket=BUCKET, Key="look-ahead/train-00001-of-00002.arrow")
+    batches = iter(stream(read_index(remote, verify_tokenizer=False), batch_size=2, shuffle=False))
+    flagged = []
+    for _ in range(20):  # the first shard's rows, read while the second one's download fails
+        batch = next(batches)
+        assert len(batch["sample_id"]) == 2
+        if STORE_ERROR in batch:
+            flagged.append(batch[STORE_ERROR])
+        time.sleep(0.02)
+    assert flagged, "no batch carried the look-ahead's failure"
+    assert flagged[0].startswith(f"{remote}/train-00001-of-00002.arrow, listed in index.json"), (
+        flagged
+    )

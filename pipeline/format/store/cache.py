@@ -120,7 +120,12 @@ class NodeCache:
         raise StoreError(f"{remote}: evicted from {self.directory} as soon as it was fetched")
 
     def _fetch(self, remote: str, sha256: str, final: str, listed_in: str, fix: str) -> None:
-        need = fs.size(remote)
+        try:
+            need = fs.size(remote)
+        except FileNotFoundError:
+            raise StoreError(
+                f"{remote}, listed in {listed_in}, is not in the store; {fix}"
+            ) from None
         self.make_room(need, keep=final)
         temp = os.path.join(
             os.path.dirname(final), f"{TEMP}{uuid.uuid4().hex}-{os.path.basename(final)}"
