@@ -100,6 +100,18 @@ def test_a_training_node_pulls_no_beam():
     assert "apache-beam" not in closure and "apache-beam" in core_distributions()
 
 
+def test_shatter_data_without_beam_is_one_line():
+    """On a training node's install, `shatter-data` names the extra to install."""
+    run = "import sys; sys.modules['apache_beam'] = None; from pipeline.cli import entry; entry()"
+    done = subprocess.run(
+        [sys.executable, "-c", run, "inspect", "x"], capture_output=True, text=True, cwd=REPO
+    )
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        "shatter-data: error: shatter-data needs Apache Beam (the `pipeline` extra), which is not "
+        "installed: pip install 'shatter[pipeline]'"
+    ], done.stderr
+
+
 def test_a_build_needs_only_the_core_install(corpus_dir, tmp_path):
     blocked = blocked_modules()
     installed = set(metadata.packages_distributions())
