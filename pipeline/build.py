@@ -33,7 +33,8 @@ from apache_beam.io.filesystems import FileSystems
 
 from pipeline import progress, readers, runners, store, tokenizer
 from pipeline.config import BuildConfig
-from pipeline.format import FORMAT, INDEX_FILE, TOKENIZER_FILE, VERSION, fs, write_index
+from pipeline.format import FORMAT, INDEX_FILE, TOKENIZER_FILE, VERSION, write_index
+from pipeline.format.store import fs
 from pipeline.format.writer import record_batch_rows
 from pipeline.inspect import validation_warnings
 from pipeline.sharding import ShardSize

@@ -307,7 +307,7 @@ def build(
 def _open_store(ctx, out: str) -> None:
     """A remote OUT: Beam's filesystems get the extra options (`--s3_endpoint_url`, ...; else the
     environment's), and OUT is checked (credentials, bucket, prefix) before it is read."""
-    from pipeline.format import fs
+    from pipeline.format.store import fs
 
     if fs.is_remote(out):
         from pipeline import store
@@ -413,6 +413,13 @@ def entry() -> None:
     without the interpreter's teardown, which frees every module and object one by one: half a
     second after a build, of nothing left to do (every file is closed, stdout and stderr are
     flushed here). With a thread still running, the exit is the interpreter's own."""
+    try:
+        import apache_beam  # noqa: F401  (a training node's install has none)
+    except ImportError:
+        sys.exit(
+            "shatter-data: error: shatter-data needs Apache Beam (the `pipeline` extra), which is "
+            "not installed: pip install 'shatter-toolkit[pipeline]'"
+        )
     if sys.argv[1:2] == ["build"]:
         _build_without_pandas(sys.argv[2:])
     status = 0

@@ -12,7 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.format import fs, read_index, read_shard, schema, sha256_file
+from pipeline.format import read_index, read_shard, schema, sha256_file
+from pipeline.format.store import fs
 from pipeline.masking import CLS_ID, SEP_ID
 
 MIN_VALIDATION_ROWS = 100  # fewer: the validation loss is too noisy to compare runs by

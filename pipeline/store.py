@@ -1,6 +1,7 @@
-"""Object stores (`s3://`, `gs://`, any scheme that Beam's `FileSystems` knows) for the build,
-`inspect`/`verify` and the trainer: the options that reach Beam's filesystems, a check of each
-remote path before any work starts, and a bound on how long a call retries a store that is gone.
+"""The build's side of object storage (`s3://`, `gs://`, any scheme that Beam's `FileSystems`
+knows): the command line's options reach Beam's filesystems and the format's store
+(`pipeline.format.store`, which the trainer uses without Beam), a check of each remote path before
+any work starts, and a bound on how long a Beam call retries a store that is gone.
 
 Credentials and the endpoint come from the command line's Beam options (`--s3_endpoint_url`,
 `--s3_access_key_id`, `--s3_secret_access_key`, `--s3_region_name`, ... for S3; GCS's
@@ -18,8 +19,6 @@ import time
 
 from apache_beam.options.pipeline_options import PipelineOptions, S3Options
 from apache_beam.utils import retry
-
-from pipeline.format.schema import DatasetError
 
 # Beam retries a failing store call 7 times, waiting 5 s and doubling (with up to half of each
 # wait taken off at random): at most 5 * (2**7 - 1) s in all (apache_beam.utils.retry)
@@ -120,7 +119,10 @@ def use(options: PipelineOptions) -> None:
     from apache_beam.io.filesystems import FileSystems
 
     if FileSystems._pipeline_options is not options:
+        from pipeline.format import store as format_store
+
         FileSystems.set_options(options)
+        format_store.configure(_settings(options))
         bound_retries(options.view_as(StoreOptions).store_retry_seconds)
         share_s3_clients()
 
@@ -133,84 +135,30 @@ def configure(args=()) -> PipelineOptions:
     return options
 
 
-def _s3_client(options: PipelineOptions):
-    """A boto3 client with the pipeline's S3 options that fails fast (the check runs before any
-    work: one try, short timeouts), for the precise errors that Beam's wrapper would blur."""
-    import boto3
-    from botocore.config import Config
+def _settings(options: PipelineOptions):
+    """The format's store settings of Beam's S3 options and `--store_retry_seconds`."""
+    from pipeline.format.store import StoreSettings
 
     s3 = options.view_as(S3Options)
-    return boto3.session.Session().client(
-        "s3",
-        region_name=s3.s3_region_name,
+    return StoreSettings.from_env(
         endpoint_url=s3.s3_endpoint_url,
-        use_ssl=not s3.s3_disable_ssl,
-        verify=s3.s3_verify,
-        aws_access_key_id=s3.s3_access_key_id,
-        aws_secret_access_key=s3.s3_secret_access_key,
-        aws_session_token=s3.s3_session_token,
-        config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 1}),
+        key=s3.s3_access_key_id,
+        secret=s3.s3_secret_access_key,
+        token=s3.s3_session_token,
+        region=s3.s3_region_name,
+        retry_seconds=options.view_as(StoreOptions).store_retry_seconds,
     )
 
 
-CREDENTIALS_HINT = (
-    "check the credentials (--s3_access_key_id and --s3_secret_access_key, or AWS_ACCESS_KEY_ID "
-    "and AWS_SECRET_ACCESS_KEY)"
-)
-
-
-def _check_s3(path: str, options: PipelineOptions, must_exist: bool) -> None:
-    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-
-    bucket, _, key = path[len("s3://") :].partition("/")
-    client = _s3_client(options)
-    where = client.meta.endpoint_url
-    try:
-        client.head_bucket(Bucket=bucket)
-        if must_exist:
-            prefix = key.rstrip("/")
-            found = client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1)
-            if not found.get("KeyCount"):
-                raise DatasetError(f"{path}: no such object or prefix in bucket {bucket} ({where})")
-    except NoCredentialsError:
-        raise DatasetError(f"{path}: no S3 credentials found; {CREDENTIALS_HINT}") from None
-    except ClientError as e:
-        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        code = e.response.get("Error", {}).get("Code", status)
-        if status == 404 or code == "NoSuchBucket":
-            raise DatasetError(f"{path}: bucket {bucket} does not exist at {where}") from None
-        if status in (401, 403):
-            raise DatasetError(
-                f"{path}: access denied by {where} ({code}); {CREDENTIALS_HINT}"
-            ) from None
-        raise DatasetError(f"{path}: {where} answered {code}: {e}") from None
-    except BotoCoreError as e:
-        raise DatasetError(
-            f"{path}: cannot reach the S3 endpoint {where} ({e}); check --s3_endpoint_url or "
-            "AWS_ENDPOINT_URL"
-        ) from None
-
-
 def check(path: str, options: PipelineOptions | None = None, must_exist: bool = True) -> None:
-    """Raise DatasetError (one line) unless `path` can be reached with `options`' credentials:
+    """Raise StoreError (one line) unless `path` can be reached with `options`' credentials:
     its bucket exists and, with `must_exist`, something is stored under it. A local path passes."""
-    path = str(path)
-    if "://" not in path:  # a local path (`fs.is_remote`: fs imports this module)
-        return
-    options = options or pipeline_options()
-    if path.startswith("s3://"):
-        _check_s3(path, options, must_exist)
-        return
-    # gs:// and other schemes: one listing through Beam (its own errors, its own retries)
-    from apache_beam.io.filesystems import FileSystems
+    from pipeline.format import store as format_store
 
-    use(options)
-    try:
-        found = FileSystems.match([FileSystems.join(path, "*")], limits=[1])[0].metadata_list
-    except Exception as e:
-        raise DatasetError(f"{path}: cannot list it ({type(e).__name__}: {e})") from None
-    if must_exist and not found:
-        raise DatasetError(f"{path}: nothing is stored under it")
+    if "://" not in str(path):
+        return
+    use(options or pipeline_options())
+    format_store.check(str(path), must_exist)
 
 
 _URL = re.compile(r"""(?:s3|gs)://[^\s'"),]+|https?://[^\s'"),/]+/[^\s'"),]+""")
@@ -221,6 +169,9 @@ def failure(e: BaseException) -> str | None:
     """One line for a store call that failed after its retries (the build's and the trainer's):
     the object and the cause, or None if `e` is not a store error."""
     text = str(e)
+    ours = re.search(r"the object store failed on \S+ after retrying \(.*\)", text)
+    if ours:  # the format's store (`StoreError`), raised in a worker and wrapped by the runner
+        return ours.group(0)
     if not any(name in f"{type(e).__name__} {text}" for name in _STORE_ERRORS):
         return None
     found = _URL.search(text)

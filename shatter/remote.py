@@ -1,9 +1,9 @@
-"""Exports on object storage (`s3://`, `gs://`: any scheme Beam's filesystems know), through the
-store's credentials and endpoint (`pipeline.store`: the standard AWS environment of each machine,
-`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) and its bounded retries.
+"""Exports on object storage (`s3://`, `gs://`, `hf://`: any scheme fsspec knows), through the
+store's credentials and endpoint (`pipeline.format.store`: the standard AWS environment of each
+machine, `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) and its bounded retries.
 
 - `local_export`: a remote export resolved to a local copy in the node's cache
-  (`pipeline.format.cache`), which every reader of exports (shatter-extend, finetuning,
+  (`pipeline.format.store`), which every reader of exports (shatter-extend, finetuning,
   tools/evaluate.py) then opens as a local one; `from_pretrained` checks its weights again.
 - `check_output` and `upload_export`: shatter-extend's remote `--output`, checked before any
   work and written after the export is complete locally, its `checksums.json` last.
@@ -30,10 +30,10 @@ def is_remote(path: str | Path) -> bool:
 
 
 def _store_failure(e: Exception, remote: str) -> CheckpointError:
-    from pipeline import store
+    from pipeline.format import DatasetError
+    from pipeline.format.store.errors import store_failed
 
-    message = store.failure(e) or f"the object store failed on {remote} ({type(e).__name__}: {e})"
-    return CheckpointError(message)
+    return CheckpointError(str(e if isinstance(e, DatasetError) else store_failed(remote, e)))
 
 
 def _no_object(remote: str, export: str) -> CheckpointError:
@@ -45,7 +45,7 @@ def _no_object(remote: str, export: str) -> CheckpointError:
 
 def _read_object(remote: str, required: bool, export: str) -> bytes | None:
     """The bytes of the object `remote` (None when absent and not `required`)."""
-    from pipeline.format import fs
+    from pipeline.format.store import fs
 
     try:
         if not fs.exists(remote):
@@ -56,28 +56,27 @@ def _read_object(remote: str, required: bool, export: str) -> bytes | None:
             return f.read()
     except CheckpointError:
         raise
-    except Exception as e:  # Beam wraps every store failure in its own types
+    except Exception as e:  # a store failure after its retries
         raise _store_failure(e, remote) from None
 
 
 def local_export(path: str | Path) -> Path:
     """A local export directory for `path`: `path` itself, or for a remote export a copy in the
-    node's cache (`pipeline.format.cache`: `$TMPDIR/shatter-cache`), `exports/<digest of its small
+    node's cache (`pipeline.format.store`: `$TMPDIR/shatter-cache-<user>`), `exports/<digest of its small
     files>/`. Its weights are fetched once per node through the shard cache (a lock, a temporary
     name, their sha256 in `checksums.json` checked on download); `config.json`, `checksums.json`,
     `head.json` and `tokenizer.model` are read on every call, so a changed export is a new copy.
-    Credentials and the endpoint are the store's (`pipeline.store`: the AWS environment); a missing
-    bucket, prefix or object, or a store that fails after its retries, is one CheckpointError line.
-    The cached weights (`<sha256>.safetensors`) are not counted in the cache's size bound."""
+    Credentials and the endpoint are the store's (`pipeline.format.store`: the AWS environment); a
+    missing bucket, prefix or object, or a store that fails after its retries, is one
+    CheckpointError line. The cached weights (`keep/<sha256>.safetensors`) are never evicted."""
     if not is_remote(path):
         return Path(path)
-    from pipeline import store
-    from pipeline.format import DatasetError, cache, fs
+    from pipeline.format import DatasetError
+    from pipeline.format.store import NodeCache, check, current, fs
 
     remote = str(path).rstrip("/")
     try:
-        store.check(remote)  # credentials, bucket, prefix: one line each, before any download
-        store.bound_retries(cache.settings().retry_seconds)
+        check(remote)  # credentials, bucket, prefix: one line each, before any download
         files = {}
         for name in (CONFIG, CHECKSUMS, HEAD, TOKENIZER):
             data = _read_object(fs.join(remote, name), name in (CONFIG, CHECKSUMS), remote)
@@ -92,18 +91,19 @@ def local_export(path: str | Path) -> Path:
         digest = hashlib.sha256()
         for name in sorted(files):
             digest.update(f"{name}\0{len(files[name])}\0".encode() + files[name])
-        exports = Path(cache.settings().directory) / "exports"
+        exports = Path(current().directory) / "exports"
         final = exports / digest.hexdigest()[:32]
         if (final / WEIGHTS).is_file():
             return final
         weights = fs.join(remote, WEIGHTS)
         if not fs.exists(weights):
             raise _no_object(weights, remote)
-        cached = cache.local_path(
+        cached = NodeCache().local_path(
             weights,
             sha256,
-            CHECKSUMS,
-            f"upload the export again whole (its {WEIGHTS} and {CHECKSUMS})",
+            keep=True,
+            listed_in=CHECKSUMS,
+            fix=f"upload the export again whole (its {WEIGHTS} and {CHECKSUMS})",
         )
     except DatasetError as e:
         raise CheckpointError(str(e)) from None
@@ -130,11 +130,11 @@ def local_export(path: str | Path) -> Path:
 def check_output(output: str, overwrite: bool) -> None:
     """A remote `--output`: its bucket reachable (one line each: credentials, bucket), and no
     export under it unless `overwrite`. Run before any work."""
-    from pipeline import store
-    from pipeline.format import DatasetError, fs
+    from pipeline.format import DatasetError
+    from pipeline.format.store import check, fs
 
     try:
-        store.check(output, must_exist=False)
+        check(output, must_exist=False)
         taken = fs.exists(fs.join(output, CONFIG)) or fs.exists(fs.join(output, WEIGHTS))
     except DatasetError as e:
         raise CheckpointError(str(e)) from None
@@ -148,7 +148,7 @@ def upload_export(local: Path, output: str) -> None:
     """Copy the export `local` to `output`, `checksums.json` last (until it lands, a reader
     refuses the copy: no checksums, or weights that do not match the old ones), and delete what
     an older export there had beyond it (a `head.json`)."""
-    from pipeline.format import fs
+    from pipeline.format.store import fs
 
     names = sorted((p.name for p in local.iterdir() if p.is_file()), key=lambda n: n == CHECKSUMS)
     remote = output.rstrip("/")

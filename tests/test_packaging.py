@@ -34,7 +34,9 @@ def test_torch_range_admits_the_local_cpu_wheel():
 
 
 def test_beam_without_dill_extra():
-    beam = next(r for r in _requirements() if r.name == "apache-beam")
+    beam = next(
+        r for r in _requirements("options.extras_require", "pipeline") if r.name == "apache-beam"
+    )
     assert "dill" not in beam.extras, "apache-beam[dill] conflicts with datasets"
 
 
@@ -50,10 +52,12 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_pipeline_workers_install_no_training_stack():
-    """Beam workers install the core (`--setup_file`): torch and deepspeed are the `train` extra."""
+    """Beam workers install the core (`--setup_file`) on their Beam (the `pipeline` extra): torch
+    and deepspeed are the `train` extra, Beam is not in the core that training nodes install."""
     core = {r.name for r in _requirements()}
-    assert {"apache-beam", "sentencepiece", "pyarrow", "mwparserfromhell"} <= core
-    assert not core & {"torch", "deepspeed", "datasets"}
+    assert {"sentencepiece", "pyarrow", "mwparserfromhell", "fsspec"} <= core
+    assert not core & {"torch", "deepspeed", "datasets", "apache-beam"}
+    assert "apache-beam" in {r.name for r in _requirements("options.extras_require", "pipeline")}
     assert {"torch", "deepspeed", "datasets"} <= {r.name for r in _train_requirements()}
     for path in (REPO / "pipeline").glob("*.py"):  # and the pipeline imports none of it
         text = path.read_text()

@@ -240,7 +240,7 @@ def store_main(remote: str, batch: int, seq_len: int, rounds: int) -> None:
     """`--data s3://...`: the stream from the store through the node's shard cache, cold (an
     empty cache, with and without the prefetcher) and warm (every shard cached), against the same
     shards on local disk; one epoch each, interleaved round by round."""
-    from pipeline.format import cache, fs
+    from pipeline.format.store import configure, current, fs
 
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "local"
@@ -260,7 +260,11 @@ def store_main(remote: str, batch: int, seq_len: int, rounds: int) -> None:
                 epoch_tokens_per_s(local_index, batch, seq_len, verify=False)
             )
             for prefetch in (False, True):
-                cache.configure(str(Path(tmp) / f"cache{r}-{prefetch}"), 100.0)
+                configure(
+                    current().replace(
+                        cache_dir=str(Path(tmp) / f"cache{r}-{prefetch}"), cache_limit_gb=100.0
+                    )
+                )
                 name = "cold, prefetch" if prefetch else "cold, no prefetch"
                 results[name].append(
                     epoch_tokens_per_s(remote_index, batch, seq_len, prefetch=prefetch)

@@ -25,7 +25,8 @@ import click
 import torch
 
 import shatter
-from pipeline.format import DatasetError, Index, cache, read_index, sha256_file
+from pipeline.format import DatasetError, Index, read_index, sha256_file
+from pipeline.format.store import open_store
 from shatter.checkpoint import TOKENIZER, CheckpointError
 from shatter.remote import local_export
 from shatter.sources import describe_non_export
@@ -78,8 +79,8 @@ def evaluate_exports(
 
 def checked_index(checkpoint: Path, data: Path, split: str) -> Index:
     """`data`'s index once its files, its `split` rows and its tokenizer (the model's) check out.
-    A remote `data` is checked first (credentials, bucket, prefix: `pipeline.store`)."""
-    cache.open_store(str(data), None, DataArgs.cache_limit_gb, DataArgs.store_retry_seconds)
+    A remote `data` is checked first (credentials, bucket, prefix: `pipeline.format.store`)."""
+    open_store(str(data), None, DataArgs.cache_limit_gb, DataArgs.store_retry_seconds)
     index = read_index(data)
     index.check_files()
     rows = index.rows(split) if index.splits.get(split) else 0

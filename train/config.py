@@ -64,7 +64,9 @@ class DataArgs:
     plm_ratio: int = 6  # plm spans: K, one token in about K predicted (XLNet)
     plm_max_span: int = 5  # plm spans: longest span, lengths drawn with p(n) ∝ 1/n (XLNet)
     # a remote data.path (s3://, gs://): shards are read from a node-local cache (docs/scale-out.md)
-    cache_dir: str | None = None  # one per node, shared by its ranks; None = $TMPDIR/shatter-cache
+    cache_dir: str | None = (
+        None  # one per node and user, shared by its ranks; None = $TMPDIR/shatter-cache-USER
+    )
     cache_limit_gb: float = 50.0  # least recently used shards are evicted beyond this
     store_retry_seconds: float = 120.0  # how long a download retries a store that does not answer
 

@@ -29,6 +29,7 @@ from train.engine import LossScaleStall, loss_scale, skipped_steps
 from train.evaluate import evaluate
 from train.lifecycle import StopFlag, ignore_stop_signals
 from train.loader import ShardStream, StreamPosition, train_loader, validation_stream
+from train.loader.stream import STORE_ERROR
 from train.metrics import MetricsWriter, Progress, RunClock, gpu_memory
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "perm_rank")  # perm_rank: plm only
@@ -54,6 +55,7 @@ class RunContext:
     writer: MetricsWriter
     stop: StopFlag
     final_save: bool = True  # checkpoint and export at max_steps (a benchmark's run skips them)
+    store_failure: str | None = None  # a loader's store failure (STORE_ERROR): why it stopped
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -241,6 +243,9 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
     engine.train()
     while state.step < run.max_steps:
         batch = next(batches)
+        if STORE_ERROR in batch and ctx.store_failure is None:  # in-band, from a loader worker
+            ctx.store_failure, ctx.stop.requested = batch[STORE_ERROR], True
+            ctx.stop.name = "store failure"
         if sample_log is not None:
             sample_log.write(json.dumps([state.samples, batch["sample_id"].tolist()]) + "\n")
         # seeded by the micro-batch's step and slot (train/loader/order.py): the same on any world size

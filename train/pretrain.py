@@ -24,7 +24,8 @@ if __package__ in (None, ""):
 
 import click  # noqa: E402
 
-from pipeline.format import DatasetError, cache, read_index  # noqa: E402
+from pipeline.format import DatasetError, read_index  # noqa: E402
+from pipeline.format.store import is_remote, local_path, open_store  # noqa: E402
 from train.config import (  # noqa: E402
     OPTIMIZER_IMPLS,
     PRECISIONS,
@@ -74,16 +75,16 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
         )
     check_output(cfg.run.output, directory=True)
     d = cfg.data
-    cache.open_store(d.path, d.cache_dir, d.cache_limit_gb, d.store_retry_seconds)
+    open_store(d.path, d.cache_dir, d.cache_limit_gb, d.store_retry_seconds)
     index = read_index(cfg.data.path)
     index.check_files()
-    if cache.is_remote(index.tokenizer):  # exports copy it: its node-local copy
-        local = cache.local_path(index.tokenizer, index.tokenizer_sha256)
+    if is_remote(index.tokenizer):  # exports copy it: its node-local copy, never evicted
+        local = local_path(index.tokenizer, index.tokenizer_sha256, keep=True)
         index = dataclasses.replace(index, tokenizer=local)
-        # the validation shards too, now (they are small): a validation, or the stop that a
-        # store failure asks for, then never waits on a store that stopped answering
+        # the validation shards too, now (they are small), never evicted: a validation, or the
+        # stop that a store failure asks for, then never waits on a store that stopped answering
         for info in index.shards("validation"):
-            cache.local_path(index.shard_path(info), info.sha256)
+            local_path(index.shard_path(info), info.sha256, keep=True)
     seq_len = cfg.data.seq_len or index.seq_len
     if seq_len > index.seq_len:
         raise ConfigError(
@@ -199,11 +200,10 @@ def _run(cfg: TrainConfig) -> int:
     finally:
         progress.stop()
         writer.close()
-    store_failed = cache.take_failure(os.getpid())  # a prefetch's: it stopped the run
-    if store_failed and status == "stopped":
+    if ctx.store_failure and status == "stopped":  # a loader's, in-band: it stopped the run
         raise DatasetError(
-            f"{store_failed}; checkpoint saved at step {state.step} in {run_dir / 'checkpoints'}: "
-            "run the same command again to resume once the store answers"
+            f"{ctx.store_failure}; checkpoint saved at step {state.step} in "
+            f"{run_dir / 'checkpoints'}: run the same command again to resume once the store answers"
         )
     if rank == 0:
         where = (

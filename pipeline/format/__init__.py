@@ -3,7 +3,6 @@
 `streaming/base/format/mds/{reader,writer}.py`.
 
     schema.py   names, version, columns, `ShardInfo`, the one error type `DatasetError`
-    fs.py       local paths with the standard library; `gs://` and other schemes through Beam
     index.py    `read_index` -> `Index` (checked: format, version, fields), `write_index`
     reader.py   `open_shard` -> `ShardFile` (record batches located by their headers, decoded
                 one at a time), `load_shard` (a whole shard decoded), `read_shard`
@@ -11,9 +10,10 @@
                 the next ones decoded and the next shard verified in the background
     writer.py   `ShardWriter` (temp file + rename), `write_shard`, `rows_table`,
                 `record_batch_rows`
-    cache.py    a node-local cache of remote shards: `local_path` (the trainer's `s3://`, `gs://`)
+    store/      object storage: fsspec file access (`s3://`, `gs://`, `hf://`), the node cache,
+                `StoreError`
 
-Beam-free for local paths: the trainer imports it without importing Apache Beam.
+Beam-free: the trainer imports it, local or remote, without Apache Beam.
 """
 
 from pipeline.format.index import Index, read_index, write_index

@@ -7,6 +7,9 @@ decoded blocks are kept (least recently used evicted), plus one being decoded in
 and one in the background, so a worker's loader memory is about (capacity + 2) x a decoded
 record batch (about 2 MB at 2**18 ids), whatever the shards' size.
 
+A worker keeps at most OPEN_SHARDS shards open (least recently opened closed first): an open
+shard of the node cache is pinned against eviction, so what a worker pins stays bounded.
+
 Two daemon threads work ahead: one opens shards (the sha256 of a whole file, streamed, is the
 slow part), so the next shard is verified while the current one is read; one decodes the blocks
 that the next batch will need. Like MosaicML streaming's per-worker shard prefetch, but per
@@ -25,8 +28,10 @@ import numpy as np
 
 from pipeline.format.reader import ShardFile, open_shard
 from pipeline.format.schema import ShardInfo
+from pipeline.format.store.errors import StoreError
 
 CACHE_BLOCKS = 8  # decoded record batches kept per worker: twice the loader's shuffle window
+OPEN_SHARDS = 4  # the shard being read, the two opened ahead, and one a batch may straddle
 
 
 class _Worker:
@@ -64,7 +69,7 @@ class BlockReader:
     ):
         self.paths, self.infos, self.verify, self.capacity = paths, infos, verify, capacity
         self._lock = threading.Lock()
-        self._files: dict[int, Future] = {}  # opened (and verified) shards: small, all kept
+        self._files: OrderedDict[int, Future] = OrderedDict()  # opened (and verified) shards
         self._blocks: OrderedDict[tuple[int, int], Future] = OrderedDict()
         self._opener = self._decoder = None
 
@@ -80,7 +85,21 @@ class BlockReader:
                 opener, _ = self._threads()
                 info = self.infos[shard]
                 self._files[shard] = opener.submit(open_shard, self.paths[shard], info, self.verify)
+                while len(self._files) > OPEN_SHARDS:  # closed once no block decode holds it
+                    self._files.popitem(last=False)
+            else:
+                self._files.move_to_end(shard)
             return self._files[shard]
+
+    def store_failure(self) -> str | None:
+        """Why a shard open (its download from the object store, ahead or now) failed for good,
+        if one did: the stream hands it to the trainer in-band, with its next batch."""
+        with self._lock:
+            opens = list(self._files.values())
+        for future in opens:
+            if future.done() and isinstance(future.exception(), StoreError):
+                return str(future.exception())
+        return None
 
     def file(self, shard: int) -> ShardFile:
         return self.open_ahead(shard).result()

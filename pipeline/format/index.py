@@ -8,7 +8,6 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from pipeline.format import fs
 from pipeline.format.reader import sha256_file
 from pipeline.format.schema import (
     FORMAT,
@@ -18,6 +17,7 @@ from pipeline.format.schema import (
     DatasetError,
     ShardInfo,
 )
+from pipeline.format.store import fs
 
 
 @dataclass(frozen=True)

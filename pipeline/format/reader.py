@@ -10,7 +10,11 @@ flat numpy arrays plus Arrow offsets (`Shard`), so that a batch is gathered with
 numpy calls instead of per-row Python. A record batch is at most about 2**18 ids
 (`writer.record_batch_rows`), so a reader's memory does not grow with the shard. Like MosaicML
 streaming's reader, a shard's sha256 is checked against index.json before its first use, here
-streamed in 4 MB chunks.
+streamed in 4 MB chunks, once per node (`store.verified`).
+
+A `ShardFile` holds its file open and reads it by `pread` on that descriptor: a shard from the
+node cache stays readable (and pinned against eviction) until the ShardFile is closed or
+collected.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from pipeline.format import fs
 from pipeline.format.schema import REQUIRED_COLUMNS, DatasetError, ShardInfo
+from pipeline.format.store import fs
 
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
@@ -78,7 +82,15 @@ class Shard:
 def _check(path: str, info: ShardInfo, verify: bool) -> None:
     if not fs.exists(path):
         raise DatasetError(f"shard {path} listed in index.json is missing; rebuild or restore it")
-    if verify and sha256_file(path) != info.sha256:
+    if not verify:
+        return
+    if fs.is_remote(path):
+        matches = sha256_file(path) == info.sha256
+    else:
+        from pipeline.format.store.verified import sha256_matches
+
+        matches = sha256_matches(path, info.sha256, sha256_file)
+    if not matches:
         raise DatasetError(
             f"shard {path} is corrupted: its sha256 differs from index.json; rebuild or restore it"
         )
@@ -165,9 +177,18 @@ class ShardFile:
     `row_start[i]`: its first row (int64 [batches + 1], the last entry is the shard's rows).
     """
 
-    def __init__(self, path: str, info: ShardInfo, schema_, offsets, sizes, row_start):
-        self.path, self.info, self.schema = path, info, schema_
+    def __init__(self, path: str, info: ShardInfo, fd: int, schema_, offsets, sizes, row_start):
+        self.path, self.info, self.fd, self.schema = path, info, fd, schema_
         self.offsets, self.sizes, self.row_start = offsets, sizes, row_start
+
+    def close(self) -> None:
+        """Release the file (and its pin in the node cache); also when collected."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self):
+        self.close()
 
     @property
     def batches(self) -> int:
@@ -177,21 +198,11 @@ class ShardFile:
         """Record batch of each row."""
         return np.searchsorted(self.row_start, rows, side="right") - 1
 
-    def _read(self, offset: int, size: int) -> bytes:
-        if fs.is_remote(self.path):
-            with fs.open_read(self.path) as f:
-                f.seek(offset)
-                return f.read(size)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            return os.pread(fd, size, offset)
-        finally:
-            os.close(fd)
-
     def block(self, i: int) -> Shard:
         """Record batch i, decoded (rows numbered from 0 within it)."""
         try:
-            message = pa.ipc.read_message(pa.py_buffer(self._read(self.offsets[i], self.sizes[i])))
+            data = os.pread(self.fd, int(self.sizes[i]), int(self.offsets[i]))
+            message = pa.ipc.read_message(pa.py_buffer(data))
             batch = pa.ipc.read_record_batch(message, self.schema)
         except (pa.ArrowInvalid, OSError) as err:
             raise DatasetError(
@@ -202,54 +213,72 @@ class ShardFile:
         return _decode(batch, self.path, self.info)
 
 
-def open_shard(path: str, info: ShardInfo, verify: bool = True) -> ShardFile:
-    """The one way the trainer opens a shard file (a local path, or a URL read through Beam):
-    checks it exists and (optionally) its sha256, and locates its record batches from their
-    headers without reading or decoding their bodies."""
-    path = str(path)
-    if fs.is_remote(path):  # its node-local copy, whose sha256 was checked on download
-        from pipeline.format import cache
-
-        path, verify = cache.local_path(path, info.sha256), False
-    _check(path, info, verify)
+def _scan(fd: int, path: str) -> tuple:
+    """(schema, record batch offsets, sizes, rows, end) of the IPC stream on `fd`, from its
+    message headers alone (positioned reads)."""
     offsets, sizes, rows, schema_ = [], [], [], None
+    pos = 0
+    while True:
+        prefix = os.pread(fd, 8, pos)
+        if len(prefix) < 8:
+            break  # a stream without its end marker still ends at the file's end
+        word, length = struct.unpack("<Ii", prefix)
+        head = 8
+        if word != _CONTINUATION:  # the pre-1.0 framing: the length alone
+            length, head = word, 4
+        if length == 0:
+            break
+        meta = os.pread(fd, length, pos + head)
+        kind, body, n = _header(meta)
+        size = head + length + body
+        if kind == _SCHEMA:
+            schema_ = pa.ipc.read_schema(pa.py_buffer(prefix[:head] + meta))
+        elif kind == _RECORD_BATCH:
+            offsets.append(pos)
+            sizes.append(size)
+            rows.append(n)
+        else:
+            raise DatasetError(f"shard {path}: unexpected IPC message type {kind}")
+        pos += size
+    return schema_, offsets, sizes, rows, pos
+
+
+def _open(path: str, info: ShardInfo, verify: bool) -> tuple[str, int]:
+    """(local path, open descriptor) of a shard; a remote one is its node-local copy, whose
+    sha256 was checked on download, pinned in the node cache while the descriptor is open."""
+    if fs.is_remote(path):
+        from pipeline.format.store.cache import NodeCache
+
+        return NodeCache().open(path, info.sha256)
+    _check(path, info, verify)
     try:
-        with fs.open_read(path) as f:
-            pos = 0
-            while True:
-                prefix = f.read(8)
-                if len(prefix) < 8:
-                    break  # a stream without its end marker still ends at the file's end
-                word, length = struct.unpack("<Ii", prefix)
-                head = 8
-                if word != _CONTINUATION:  # the pre-1.0 framing: the length alone
-                    length, head = word, 4
-                    f.seek(pos + 4)
-                if length == 0:
-                    break
-                meta = f.read(length)
-                kind, body, n = _header(meta)
-                size = head + length + body
-                if kind == _SCHEMA:
-                    schema_ = pa.ipc.read_schema(pa.py_buffer(prefix[:head] + meta))
-                elif kind == _RECORD_BATCH:
-                    offsets.append(pos)
-                    sizes.append(size)
-                    rows.append(n)
-                else:
-                    raise DatasetError(f"shard {path}: unexpected IPC message type {kind}")
-                pos += size
-                f.seek(pos)
-    except (struct.error, IndexError, pa.ArrowInvalid, OSError) as err:
-        raise DatasetError(f"shard {path}: not a readable Arrow IPC stream ({err})") from None
-    if schema_ is None:
-        raise DatasetError(f"shard {path}: not an Arrow IPC stream (no schema message)")
-    if pos > fs.size(path):
-        raise DatasetError(f"shard {path}: truncated (a record batch ends past the file's end)")
-    _columns(schema_.empty_table(), path)
-    row_start = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
-    if row_start[-1] != info.rows:
-        raise DatasetError(f"shard {path}: {row_start[-1]} rows, index.json says {info.rows}")
-    return ShardFile(
-        path, info, schema_, np.asarray(offsets, np.int64), np.asarray(sizes, np.int64), row_start
-    )
+        return path, os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise DatasetError(
+            f"shard {path} listed in index.json is missing; rebuild or restore it"
+        ) from None
+
+
+def open_shard(path: str, info: ShardInfo, verify: bool = True) -> ShardFile:
+    """The one way the trainer opens a shard file (a local path, or a URL through the node
+    cache): checks it exists and (optionally) its sha256, and locates its record batches from
+    their headers without reading or decoding their bodies. The file stays open (`ShardFile`)."""
+    path, fd = _open(str(path), info, verify)
+    try:
+        try:
+            schema_, offsets, sizes, rows, pos = _scan(fd, path)
+        except (struct.error, IndexError, pa.ArrowInvalid, OSError) as err:
+            raise DatasetError(f"shard {path}: not a readable Arrow IPC stream ({err})") from None
+        if schema_ is None:
+            raise DatasetError(f"shard {path}: not an Arrow IPC stream (no schema message)")
+        if pos > os.fstat(fd).st_size:
+            raise DatasetError(f"shard {path}: truncated (a record batch ends past the file's end)")
+        _columns(schema_.empty_table(), path)
+        row_start = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
+        if row_start[-1] != info.rows:
+            raise DatasetError(f"shard {path}: {row_start[-1]} rows, index.json says {info.rows}")
+    except BaseException:
+        os.close(fd)
+        raise
+    offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
+    return ShardFile(path, info, fd, schema_, offsets, sizes, row_start)

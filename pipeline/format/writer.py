@@ -12,8 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.format import fs
 from pipeline.format.schema import ShardInfo, id_type, schema
+from pipeline.format.store import fs
 
 if TYPE_CHECKING:
     from pipeline.masking import MaskedBatch

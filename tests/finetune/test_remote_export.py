@@ -7,7 +7,7 @@ import json
 from click.testing import CliRunner
 
 import shatter
-from pipeline.format import cache
+from pipeline.format.store import configure, current
 from tests.s3server import BUCKET
 from tools.extend import main as extend
 
@@ -17,7 +17,9 @@ from .test_finetune import export, run, write_csv  # noqa: F401  (export is a fi
 
 
 def test_extend_and_finetune_read_an_export_from_s3(s3_server, tmp_path, export):  # noqa: F811
-    cache.configure(str(tmp_path / "shatter-cache"), 1.0)  # the node's cache
+    configure(
+        current().replace(cache_dir=str(tmp_path / "shatter-cache"), cache_limit_gb=1.0)
+    )  # the node's cache
     local = export("shatter", max_len=32)
     remote = s3_server.upload(local, "exports/tiny")
 
@@ -65,7 +67,9 @@ def test_extend_and_finetune_read_an_export_from_s3(s3_server, tmp_path, export)
     s3_server.client().put_object(
         Bucket=BUCKET, Key="exports/tiny/model.safetensors", Body=b"other bytes"
     )
-    cache.configure(str(tmp_path / "other-node"), 1.0)  # a node that has not fetched them
+    configure(
+        current().replace(cache_dir=str(tmp_path / "other-node"), cache_limit_gb=1.0)
+    )  # a node that has not fetched them
     done = CliRunner().invoke(extend, [remote, "--max-len", "64", "--output", str(tmp_path / "z")])
     one_line_error(done, f"{remote}/model.safetensors is not the file that checksums.json lists")
     assert not any((tmp_path / n).exists() for n in "xyz")
@@ -80,7 +84,7 @@ def test_evaluate_reads_an_export_from_s3(s3_server, tmp_path):
     model = shatter.build_model("shatter-tiny", vocab_size=100, max_len=32, hidden=32, ffn=64)
     local = shatter.save_pretrained(model, tmp_path / "export", tokenizer=data / "tokenizer.model")
     remote = s3_server.upload(local, "exports/scored")
-    cache.configure(str(tmp_path / "shatter-cache"), 1.0)
+    configure(current().replace(cache_dir=str(tmp_path / "shatter-cache"), cache_limit_gb=1.0))
     scores = []
     for checkpoint in (remote, local):
         out = tmp_path / f"{len(scores)}.json"

@@ -1,5 +1,7 @@
-"""What remote Beam workers run: a build with only the core install (`install_requires` and what
-it pulls in), simulated in a subprocess where every other installed module fails to import."""
+"""What remote Beam workers run: a build with only the core install and the `pipeline` extra
+(Beam), and what they pull in, simulated in a subprocess where every other installed module fails
+to import. And the other way round: a training node (the core and the `train` extra) pulls no
+Beam."""
 
 import configparser
 import re
@@ -22,11 +24,14 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def core_distributions() -> set[str]:
-    """install_requires and, recursively, what those distributions require (extras honoured)."""
+def core_distributions(extras: tuple[str, ...] = ("pipeline",)) -> set[str]:
+    """install_requires and `extras` and, recursively, what those distributions require (extras
+    honoured)."""
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
     lines = cfg["options"]["install_requires"].splitlines()
+    for extra in extras:
+        lines += cfg["options.extras_require"][extra].splitlines()
     todo = [(Requirement(s), "") for s in (x.strip() for x in lines) if s and s[0] != "#"]
     seen: set[tuple[str, tuple]] = set()
     while todo:
@@ -85,6 +90,26 @@ RUN = textwrap.dedent(
     entry()
     """
 )
+
+
+def test_a_training_node_pulls_no_beam():
+    """`pip install '.[train,s3]'`: Beam (and its protobuf and numpy bounds) is not among what it
+    requires, whatever the depth."""
+    closure = core_distributions(("train", "s3"))
+    assert {"torch", "deepspeed", "s3fs", "fsspec"} <= closure
+    assert "apache-beam" not in closure and "apache-beam" in core_distributions()
+
+
+def test_shatter_data_without_beam_is_one_line():
+    """On a training node's install, `shatter-data` names the extra to install."""
+    run = "import sys; sys.modules['apache_beam'] = None; from pipeline.cli import entry; entry()"
+    done = subprocess.run(
+        [sys.executable, "-c", run, "inspect", "x"], capture_output=True, text=True, cwd=REPO
+    )
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        "shatter-data: error: shatter-data needs Apache Beam (the `pipeline` extra), which is not "
+        "installed: pip install 'shatter-toolkit[pipeline]'"
+    ], done.stderr
 
 
 def test_a_build_needs_only_the_core_install(corpus_dir, tmp_path):

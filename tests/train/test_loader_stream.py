@@ -82,12 +82,16 @@ def test_format_reader_is_beam_free(tmp_path):
         read_index(root, verify_tokenizer=False)
 
 
-def test_validation_stream_can_be_iterated_again_without_rehashing(dataset, monkeypatch):
-    """The loop builds the validation stream once and passes over it at every evaluation."""
+def test_validation_stream_can_be_iterated_again_without_rehashing(dataset, monkeypatch, tmp_path):
+    """The loop builds the validation stream once and passes over it at every evaluation; another
+    stream of the node (a loader worker, a rank) trusts the node's mark and hashes nothing."""
     from pipeline.format import reader
+    from pipeline.format.store import configure, current
     from train.config import DataArgs
     from train.loader import validation_stream
 
+    monkeypatch.setattr("pipeline.format.store.settings._current", None)  # restored after
+    configure(current().replace(cache_dir=str(tmp_path / "node-cache")))
     hashed = []
     real = reader.sha256_file
     monkeypatch.setattr(
@@ -107,6 +111,8 @@ def test_validation_stream_can_be_iterated_again_without_rehashing(dataset, monk
         for key in a:
             assert torch.equal(a[key], b[key]), key
     assert len(hashed) == 1, hashed  # one validation shard, hashed on the first pass only
+    again = validation_stream(s.index, DataArgs(), batch_size=2, seq_len=32, rank=1, world_size=2)
+    assert list(again) and len(hashed) == 1, hashed
 
 
 def test_record_batches_are_located_by_their_headers_and_decoded_one_at_a_time(tmp_path):

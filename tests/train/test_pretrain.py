@@ -206,17 +206,18 @@ def test_kill_9_after_a_checkpoint_then_restart_gives_the_same_losses(
     one node-local cache, each shard fetched once for both runs."""
     remote = s3_server.upload(books_data, "books-train")
     gets = count_requests("GET /shards/books-train/train-")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the cache: $TMPDIR/shatter-cache
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the cache: $TMPDIR/shatter-cache-<user>
     run = tmp_path / "run"
     cmd = command(remote, run, *FP32_ARGS)
     killed_at = kill_9_after_a_checkpoint(cmd, run)
     assert killed_at != "step00000060"
     assert not shm_left(cmd)  # 64 MiB of RAM per rank, unlinked while the job ran
     done = run_to_end(cmd)
-    cached = {p.name for p in (tmp_path / "shatter-cache").glob("*.arrow")}
+    node_cache = next(tmp_path.glob("shatter-cache-*"))
+    cached = {p.name for p in node_cache.rglob("*.arrow")}
     index = read_index(books_data)
     shards = {f"{s.sha256}.arrow" for s in index.shards("train") + index.shards("validation")}
-    assert cached and cached <= shards and not list((tmp_path / "shatter-cache").glob("*.tmp-*"))
+    assert cached and cached <= shards and not list(node_cache.rglob(".tmp-*"))
     assert gets and len(gets) == len(set(gets)), gets  # once per node, both runs, both ranks
     # tools/evaluate.py on the remote dataset: the scores of the local one
     scores = [

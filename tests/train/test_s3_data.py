@@ -1,7 +1,9 @@
-"""Training data on object storage (a loopback S3 server, `tests.s3server`): the store stops
-answering during a run, and the trainer checkpoints and exits with one line naming the object;
-an object replaced by different bytes is refused by its sha256. (The 2-rank run from s3:// with
-an exact resume: tests/train/test_pretrain.py, the kill -9 test.)"""
+"""Training data on object storage (a loopback S3 server, `tests.s3server`): a dataset three
+times the node cache's bound trains two epochs on two ranks, with validation, to the losses of
+the same data on local disk; the store stops answering during a run, and the trainer checkpoints
+and exits with one line naming the object; an object replaced by different bytes is refused by
+its sha256. (The 2-rank run from s3:// with an exact resume: tests/train/test_pretrain.py, the
+kill -9 test.)"""
 
 import subprocess
 import sys
@@ -10,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.format import DatasetError, cache, read_index
+from pipeline.format import DatasetError, read_index
+from pipeline.format.store import NodeCache, configure, current
 from tests.jobs import Job
 from tests.s3server import BUCKET
 
@@ -18,6 +21,74 @@ pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+
+
+def build(books_data: Path, out: Path, *args: str) -> Path:
+    """A dataset of the shared books with books_data's tokenizer (`shatter-data build`)."""
+    cmd = [str(BIN / "shatter-data"), "build", "--corpus", "books", "--output", str(out)]
+    cmd += ["--tokenizer", str(books_data / "tokenizer.model"), "--dupe-factor", "1", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_a_dataset_three_times_the_cache_trains_two_epochs_as_from_local_disk(
+    books_data, s3_server, tmp_path, monkeypatch
+):
+    """Shards are evicted and fetched again while both ranks' loader workers read, and a
+    validation runs in each epoch: no reader loses a shard under it, and the losses, training
+    and validation, are those of the same dataset on local disk, bit for bit (fp32). The S3 run's
+    ranks cannot import Beam: a training node reads the store through fsspec alone."""
+    from tests.train.test_pretrain import command, count_requests, metrics, run_to_end
+
+    books = tmp_path / "plays"  # two books: one the train split, one the validation split
+    books.mkdir()
+    for name in ("macbeth_gut.txt", "julius_caesar_gut.txt"):
+        (books / name).symlink_to(REPO.parent / "shared" / "data" / "books" / name)
+    local = build(
+        books_data,
+        tmp_path / "data",
+        "--input",
+        str(books),
+        "--seq-len",
+        "32",
+        "--num-shards",
+        "12",
+        "--validation-fraction",
+        "0.2",
+    )
+    index = read_index(local)
+    train_bytes = sum(s.bytes for s in index.shards("train"))
+    # the kept validation split, and room for a third of the train split
+    limit = sum(s.bytes for s in index.shards("validation")) + train_bytes / 3
+    remote = s3_server.upload(local, "three-times")
+    gets = count_requests("GET /shards/three-times/train-")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the node cache: $TMPDIR/shatter-cache-<user>
+    config = tmp_path / "cache.yaml"
+    tiny = (REPO / "configs" / "cpu-tiny.yaml").read_text()
+    config.write_text(tiny.replace("data:\n", f"data:\n  cache_limit_gb: {limit / 2**30!r}\n", 1))
+    steps = -(-2 * index.rows("train") // 32) + 1  # two epochs and a step of the third
+    args = ["--config", str(config), "--max-steps", str(steps), "--micro-batch", "16"]
+    args += ["--eval-every", str(steps // 3), "--save-every", "0", "--log-every", "1"]
+    args += ["--warmup-steps", "5", "--lr", "2e-3", "--seq-len", "32"]
+    runs = {"local": tmp_path / "local", "s3": tmp_path / "s3"}
+    run_to_end(command(local, runs["local"], *args))
+    # a training node without Beam: in the S3 run's ranks, `import apache_beam` fails
+    no_beam = tmp_path / "no-beam" / "apache_beam"
+    no_beam.mkdir(parents=True)
+    (no_beam / "__init__.py").write_text('raise ImportError("Beam is not installed here")\n')
+    monkeypatch.setenv("PYTHONPATH", f"{no_beam.parent}:{REPO}")
+    run_to_end(command(remote, runs["s3"], *args))
+    fetched = {name: gets.count(name) for name in set(gets)}
+    assert len(fetched) == len(index.shards("train")) and max(fetched.values()) > 1, fetched
+    cache = next(tmp_path.glob("shatter-cache-*"))
+    assert not list(cache.rglob(".tmp-*"))
+    kept = {p.name for p in (cache / "keep").glob("*.arrow")}
+    assert kept == {f"{s.sha256}.arrow" for s in index.shards("validation")}
+    (local_train, local_val), (s3_train, s3_val) = metrics(runs["local"]), metrics(runs["s3"])
+    assert len(local_train) == steps and len(local_val) >= 3
+    assert s3_train == local_train
+    assert {k: v["loss"] for k, v in s3_val.items()} == {k: v["loss"] for k, v in local_val.items()}
 
 
 def test_store_stopping_during_training_checkpoints_and_exits_naming_the_object(
@@ -31,7 +102,7 @@ def test_store_stopping_during_training_checkpoints_and_exits_naming_the_object(
     done = subprocess.run(build, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     remote = s3_server.upload(small, "small")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the cache: $TMPDIR/shatter-cache
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the cache: $TMPDIR/shatter-cache-<user>
     config = tmp_path / "retry.yaml"
     tiny = (REPO / "configs" / "cpu-tiny.yaml").read_text()
     config.write_text(tiny.replace("data:\n", "data:\n  store_retry_seconds: 1\n", 1))
@@ -66,6 +137,37 @@ def test_store_stopping_during_training_checkpoints_and_exits_naming_the_object(
     index = read_index(remote)
     info = index.shards("train")[0]
     s3_server.client().put_object(Bucket=BUCKET, Key=f"small/{info.file}", Body=b"other bytes")
-    cache.configure(str(tmp_path / "fresh-cache"), 1.0, 1.0)
+    configure(
+        current().replace(
+            cache_dir=str(tmp_path / "fresh-cache"), cache_limit_gb=1.0, retry_seconds=1.0
+        )
+    )
     with pytest.raises(DatasetError, match=f"{index.shard_path(info)} is not the file"):
-        cache.local_path(index.shard_path(info), info.sha256)
+        NodeCache().local_path(index.shard_path(info), info.sha256)
+
+
+def test_a_failed_look_ahead_reaches_the_trainer_in_band(s3_server, tmp_path, monkeypatch):
+    """A download that fails for good in a loader's look-ahead rides the next batch (STORE_ERROR),
+    while the shard being read still serves its rows: no file, no signal."""
+    from loaderutil import stream
+    from shardutil import write_dataset
+
+    from train.loader.stream import STORE_ERROR
+
+    monkeypatch.setattr("pipeline.format.store.settings._current", None)
+    configure(current().replace(cache_dir=str(tmp_path / "cache"), retry_seconds=1.0))
+    local = write_dataset(tmp_path / "data", shards=(40, 40))
+    remote = s3_server.upload(local, "look-ahead")
+    s3_server.client().delete_object(Bucket=BUCKET, Key="look-ahead/train-00001-of-00002.arrow")
+    batches = iter(stream(read_index(remote, verify_tokenizer=False), batch_size=2, shuffle=False))
+    flagged = []
+    for _ in range(20):  # the first shard's rows, read while the second one's download fails
+        batch = next(batches)
+        assert len(batch["sample_id"]) == 2
+        if STORE_ERROR in batch:
+            flagged.append(batch[STORE_ERROR])
+        time.sleep(0.02)
+    assert flagged, "no batch carried the look-ahead's failure"
+    assert flagged[0].startswith(f"{remote}/train-00001-of-00002.arrow, listed in index.json"), (
+        flagged
+    )

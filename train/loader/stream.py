@@ -4,7 +4,8 @@
 their record batches one at a time (`pipeline.format.blocks`: a worker's memory does not grow
 with the shard size) while the next batch's blocks and the next shards are read ahead, and
 hands the rows to the collate (`train.loader.collate`). A dataset in an object store is read
-through the node's cache (`pipeline.format.cache`). Like MosaicML streaming: deterministic
+through the node's cache (`pipeline.format.store`); a download that fails for good reaches the
+trainer in-band, in the next batch under STORE_ERROR. Like MosaicML streaming: deterministic
 sample-space partitioning and a resumable position.
 """
 
@@ -16,8 +17,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.format import DatasetError, Index, cache
+from pipeline.format import DatasetError, Index
 from pipeline.format.blocks import BlockReader
+from pipeline.format.store import is_remote
 from pipeline.format.writer import record_batch_rows
 from train.loader.collate import (
     Collator,
@@ -29,6 +31,10 @@ from train.loader.collate import (
 )
 from train.loader.order import EpochOrder, Slots
 from train.masking import IGNORE
+
+# a batch's key, present when a download from the object store failed for good (its one-line
+# message): the step loop stops at the next step boundary, with a checkpoint, and reports it
+STORE_ERROR = "store_error"
 
 
 class ShardStream(IterableDataset):
@@ -96,23 +102,22 @@ class ShardStream(IterableDataset):
             ahead = next(batches, None)
             if ahead is not None and len(ahead):
                 self.prefetch(ahead)
-            yield self.batch(q) if len(q) else self.padding_batch()
+            batch = self.batch(q) if len(q) else self.padding_batch()
+            failure = self.reader.store_failure()
+            if failure:  # a look-ahead download failed: the trainer stops at a step boundary
+                batch[STORE_ERROR] = failure
+            yield batch
             q = ahead
 
     def prefetch(self, q: np.ndarray) -> None:
         """Start decoding what the batch of positions q needs, and opening the shard after it
-        (from a store: the two after it, and a download that fails stops the run, `cache`)."""
+        (from a store: the two after it; one that fails for good is named in the next batch)."""
         for epoch, _, s, rows in self.order.by_shard(q):
             self.reader.prefetch(s, rows)
             ahead = self.order.next_shard(epoch, s)
-            opening = self.reader.open_ahead(ahead)
-            if cache.is_remote(self.index.root):
-                trainer = os.getppid() if get_worker_info() else os.getpid()
-                for future in (
-                    opening,
-                    self.reader.open_ahead(self.order.next_shard(epoch, ahead)),
-                ):
-                    cache.stop_on_failure(future, trainer)
+            self.reader.open_ahead(ahead)
+            if is_remote(self.index.root):
+                self.reader.open_ahead(self.order.next_shard(epoch, ahead))
 
     def padding_batch(self) -> dict[str, torch.Tensor]:
         """One row of zero weight: the stream's first row with nothing to predict (labels all
