@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from pipeline.format import Index
 from pipeline.masking import mix64
 from train import checkpoint
+from train.budget import Budget
 from train.config import TrainConfig
 from train.cost import cost_model
 from train.data import ShardStream, StreamPosition, train_loader, validation_stream
@@ -54,6 +55,7 @@ class RunContext:
     seq_len: int
     writer: MetricsWriter
     stop: StopFlag
+    budget: Budget | None = None  # run.budget_hours: re-plans the run's length (train/budget.py)
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -302,6 +304,8 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
         if engine.global_steps == state.step:
             continue  # inside a gradient accumulation
         state.step = engine.global_steps
+        if ctx.budget is not None:
+            run = _replan(ctx, state.step)
         if not host_reads:
             stop_seen = stop_seen or agreed_stop(ctx.stop.requested)
         log_now = _due(state.step, run.log_every, run.max_steps)
@@ -350,6 +354,17 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
     gpu_hours = gpu_hours_before + (time.perf_counter() - started) * ctx.world / 3600
     progress.write(f"{gpu_hours:.3f} GPU-hours used to step {state.step} (world size {ctx.world})")
     return status
+
+
+def _replan(ctx: RunContext, step: int):
+    """The run's settings after its budget's check at `step`: a new last step once the step time
+    is measured, or this step when the budget is spent (it then saves and exports here)."""
+    last = ctx.budget.check(step, ctx.cfg.run.max_steps)
+    if last is not None and last != ctx.cfg.run.max_steps:
+        ctx.cfg = replace(ctx.cfg, run=replace(ctx.cfg.run, max_steps=last))
+        scheduler = ctx.engine.lr_scheduler  # the next step's lr, from a new plan
+        scheduler.step(scheduler.last_batch_iteration)
+    return ctx.cfg.run
 
 
 def _sample_log(rank: int):
