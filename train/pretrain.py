@@ -154,7 +154,6 @@ def _run(cfg: TrainConfig) -> int:
     import torch
 
     from train import budget, checkpoint
-    from train.data import StreamPosition
     from train.engine import (
         build_engine,
         deepspeed_schedule,
@@ -162,6 +161,7 @@ def _run(cfg: TrainConfig) -> int:
         resolved_deepspeed_config,
     )
     from train.lifecycle import ProgressWatchdog, StopFlag
+    from train.loader import StreamPosition
     from train.loop import RunContext
     from train.metrics import MetricsWriter, gpu_memory, truncate_after
     from train.schedule import Plan
