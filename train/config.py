@@ -47,9 +47,9 @@ class DataArgs:
     path: str | None = (
         None  # shard dataset directory written by `shatter-data build` (has index.json)
     )
-    seq_len: int | None = (
-        None  # truncate rows to this length; None = the data's seq_len; longer is an error
-    )
+    # train at this length; None = the data's seq_len L; longer is an error; l <= L/2 cuts each
+    # stored row into L // l rows ([CLS] … [SEP] each; train/loader/order.py), above truncates
+    seq_len: int | None = None
     masking: str = "static"  # "static": the shards' dupe_factor maskings cycled by epoch; "dynamic": fresh per epoch
     mask_prob: float = (
         0.15  # dynamic masking: share of non-special tokens predicted (BERT §3.1; 80/10/10)

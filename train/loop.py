@@ -31,6 +31,7 @@ from train.engine import loss_scale, skipped_steps
 from train.evaluate import evaluate
 from train.lifecycle import StopFlag, ignore_stop_signals
 from train.loader import ShardStream, StreamPosition, train_loader, validation_stream
+from train.loader.order import cut_factor
 from train.metrics import MetricsWriter, Progress, gpu_memory
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "perm_rank")  # perm_rank: plm only
@@ -97,7 +98,7 @@ def _log_line(
         "tokens_per_s": tokens_per_s,
         **cost,  # tokens_per_s_per_gpu, mfu, hours_to_max_steps, gpu_hours (train/cost.py)
         "samples": state.samples,
-        "epoch": state.samples / ctx.index.rows("train"),
+        "epoch": state.samples / epoch_rows(ctx.index, ctx.seq_len),
         "tokens": state.tokens,
         "skipped_nonfinite": state.skipped_nonfinite,
         "grad_norm": _grad_norm(ctx.engine),
@@ -193,7 +194,7 @@ def _raise_diverged(ctx: RunContext, run: int, step: int) -> None:
 def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
     """Run until max_steps or a stop request; returns "complete" or "stopped"."""
     cfg, engine, run = ctx.cfg, ctx.engine, ctx.cfg.run
-    epoch_size = ctx.index.rows("train")
+    epoch_size = epoch_rows(ctx.index, ctx.seq_len)
     loader = train_loader(
         ctx.index,
         cfg.data,
@@ -365,6 +366,11 @@ def _replan(ctx: RunContext, step: int):
         scheduler = ctx.engine.lr_scheduler  # the next step's lr, from a new plan
         scheduler.step(scheduler.last_batch_iteration)
     return ctx.cfg.run
+
+
+def epoch_rows(index: Index, seq_len: int) -> int:
+    """Rows of a training epoch: the train split's, each cut into k at a shorter length."""
+    return index.rows("train") * cut_factor(index.seq_len, seq_len)
 
 
 def _sample_log(rank: int):

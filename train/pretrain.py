@@ -162,7 +162,7 @@ def _run(cfg: TrainConfig) -> int:
     )
     from train.lifecycle import ProgressWatchdog, StopFlag
     from train.loader import StreamPosition
-    from train.loop import RunContext
+    from train.loop import RunContext, epoch_rows
     from train.metrics import MetricsWriter, gpu_memory, truncate_after
     from train.schedule import Plan
 
@@ -199,7 +199,7 @@ def _run(cfg: TrainConfig) -> int:
     state, position, saved_config = checkpoint.resume(engine, run_dir, universal)
     if position is not None:
         StreamPosition.from_dict(
-            position, index.rows("train")
+            position, epoch_rows(index, seq_len)
         )  # refuses a position on different data
     if rank == 0:
         if saved_config is not None:
@@ -301,7 +301,11 @@ def _run(cfg: TrainConfig) -> int:
     help="Masked LM, or XLNet's permutation LM (xlnet's default).",
 )
 @click.option("--whole-word/--no-whole-word", default=None, help="Dynamic masking of whole words.")
-@click.option("--seq-len", type=int, help="Truncate rows to this length (at most the data's).")
+@click.option(
+    "--seq-len",
+    type=int,
+    help="Train at this length (at most the data's L): L/k cuts each stored row into k rows.",
+)
 @click.option("--num-workers", type=int, help="DataLoader workers per rank.")
 @click.option("--lr", type=float, help="Peak learning rate.")
 @click.option("--warmup-steps", type=int, help="Linear warm-up steps.")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from test_pretrain import command, run_to_end
+from test_resume_world import _at_step
 
 from pipeline.format import read_index
 from train import budget
@@ -21,6 +22,7 @@ from train.schedule import lr_factor
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+ROWS = 3793  # train rows of the books sample built at 128
 
 
 def _logged(run: Path) -> dict[int, dict]:
@@ -80,29 +82,54 @@ def test_a_budget_of_seconds_plans_the_wsd_schedule_and_ends_with_an_export(book
         assert lrs[last] < lrs[plan_step]  # the cooldown ran
 
 
-def test_two_phases_compiled_then_init_from_an_extended_export(books_data, tmp_path):
-    """Phase 1: bert-tiny at 32 with run.compile; `shatter-extend` to 64; phase 2 at 64 from its
-    weights with 1-sqrt: a fresh schedule (warm-up from lr 0) and a loss below a fresh model's."""
+@pytest.fixture(scope="module")
+def books_128(shared_data, tmp_path_factory) -> Path:
+    """The books sample built once at 128 (vocab 2000): every shorter length cuts its rows."""
+    out = tmp_path_factory.mktemp("books128") / "data"
+    cmd = [str(BIN / "shatter-data"), "build", "--corpus", "books", "--input",
+           str(shared_data / "books"), "--output", str(out), "--seq-len", "128", "--vocab-size",
+           "2000", "--dupe-factor", "2", "--num-shards", "4", "--validation-fraction", "0.05"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_one_build_at_128_serves_32_then_64_resumes_exactly_and_init_from_continues(
+    books_128, tmp_path
+):
+    """Phase 1: bert-tiny at 32 on the 128 build (each row cut in 4), resumed from its step-8
+    checkpoint to the same losses; `shatter-extend` to 64; phase 2 at 64 (rows cut in 2) from
+    phase 1's weights with --init-from, 1-sqrt and run.compile: a fresh schedule, a loss that
+    starts where phase 1 ended, no second build."""
     phase1, extended, phase2 = tmp_path / "p1", tmp_path / "ext", tmp_path / "p2"
     config = str(_config(tmp_path, ""))
-    common = ("--config", config, "--warmup-steps", "2", "--lr", "3e-3", "--micro-batch", "8")
-    _single(books_data, phase1, *common, "--max-steps", "30", "--seq-len", "32", "--compile",
-            preset="bert-tiny", timeout=600)  # fmt: skip
+    common = ("--config", config, "--warmup-steps", "2", "--lr", "5e-3", "--micro-batch", "8")
+    one = ("--max-steps", "16", "--seq-len", "32", "--save-every", "8")
+    _single(books_128, phase1, *common, *one, preset="bert-tiny")
+    p1 = _logged(phase1)
+    chain = _at_step(phase1, 8, tmp_path / "resumed")
+    _single(books_128, chain, *common, *one, preset="bert-tiny")
+    resumed = _logged(chain)
+    assert [resumed[s]["loss"] for s in range(9, 17)] == pytest.approx(
+        [p1[s]["loss"] for s in range(9, 17)], rel=1e-6
+    )
+    assert p1[16]["samples"] == 16 * 8 and p1[16]["epoch"] == pytest.approx(128 / (4 * ROWS))
     ext = [str(BIN / "shatter-extend"), str(phase1 / "export"), "--max-len", "64"]
     done = subprocess.run(ext + ["--output", str(extended)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    two = ("--max-steps", "4", "--decay", "1-sqrt", "--seq-len", "64")
-    _single(books_data, phase2, *common, *two, "--init-from", str(extended), preset="bert-tiny")
-    fresh = tmp_path / "fresh"
-    _single(books_data, fresh, *common, *two, preset="bert-tiny")
-    p1, p2, p0 = _logged(phase1), _logged(phase2), _logged(fresh)
-    print(f"phase 1 loss {p1[1]['loss']:.3f} -> {p1[30]['loss']:.3f}; phase 2 at 64 starts at "
-          f"{p2[1]['loss']:.3f} (a fresh model {p0[1]['loss']:.3f})")  # fmt: skip
+    two = ("--max-steps", "4", "--decay", "1-sqrt", "--seq-len", "64", "--compile")
+    _single(books_128, phase2, *common, *two, "--init-from", str(extended), preset="bert-tiny",
+            timeout=600)  # fmt: skip
+    p2 = _logged(phase2)
+    print(f"phase 1 at 32: loss {p1[1]['loss']:.3f} -> {p1[16]['loss']:.3f}; resumed from step 8: "
+          f"the same 8 losses; phase 2 at 64 from the extended export: {p2[1]['loss']:.3f} -> "
+          f"{p2[4]['loss']:.3f}")  # fmt: skip
     assert p2[1]["lr"] == 0.0 and p2[3]["lr"] > 0  # a fresh schedule, from warm-up
-    optim = OptimArgs(lr=3e-3, warmup_steps=2, decay="1-sqrt")
+    optim = OptimArgs(lr=5e-3, warmup_steps=2, decay="1-sqrt")
     assert [p2[s]["lr"] for s in p2] == pytest.approx([lr_at(optim, 4, s) for s in p2])
-    assert p2[1]["loss"] < p0[1]["loss"] - 0.5  # phase 1's weights, at twice its length
+    assert p2[1]["loss"] < p1[1]["loss"] - 1.0  # phase 1's weights, at twice its length
     assert json.loads((phase2 / "config.json").read_text())["seq_len"] == 64
+    assert p2[4]["epoch"] == pytest.approx(4 * 8 / (2 * ROWS))
 
 
 def _cfg(data: Path, init_from: Path, preset: str = "bert-tiny") -> TrainConfig:
