@@ -22,7 +22,6 @@ from train.schedule import lr_factor
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-ROWS = 3793  # train rows of the books sample built at 128
 
 
 def _logged(run: Path) -> dict[int, dict]:
@@ -102,6 +101,7 @@ def test_one_build_at_128_serves_32_then_64_resumes_exactly_and_init_from_contin
     phase 1's weights with --init-from, 1-sqrt and run.compile: a fresh schedule, a loss that
     starts where phase 1 ended, no second build."""
     phase1, extended, phase2 = tmp_path / "p1", tmp_path / "ext", tmp_path / "p2"
+    rows = read_index(str(books_128)).rows("train")
     config = str(_config(tmp_path, ""))
     common = ("--config", config, "--warmup-steps", "2", "--lr", "5e-3", "--micro-batch", "8")
     one = ("--max-steps", "16", "--seq-len", "32", "--save-every", "8")
@@ -113,7 +113,7 @@ def test_one_build_at_128_serves_32_then_64_resumes_exactly_and_init_from_contin
     assert [resumed[s]["loss"] for s in range(9, 17)] == pytest.approx(
         [p1[s]["loss"] for s in range(9, 17)], rel=1e-6
     )
-    assert p1[16]["samples"] == 16 * 8 and p1[16]["epoch"] == pytest.approx(128 / (4 * ROWS))
+    assert p1[16]["samples"] == 16 * 8 and p1[16]["epoch"] == pytest.approx(128 / (4 * rows))
     ext = [str(BIN / "shatter-extend"), str(phase1 / "export"), "--max-len", "64"]
     done = subprocess.run(ext + ["--output", str(extended)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -129,7 +129,7 @@ def test_one_build_at_128_serves_32_then_64_resumes_exactly_and_init_from_contin
     assert [p2[s]["lr"] for s in p2] == pytest.approx([lr_at(optim, 4, s) for s in p2])
     assert p2[1]["loss"] < p1[1]["loss"] - 1.0  # phase 1's weights, at twice its length
     assert json.loads((phase2 / "config.json").read_text())["seq_len"] == 64
-    assert p2[4]["epoch"] == pytest.approx(4 * 8 / (2 * ROWS))
+    assert p2[4]["epoch"] == pytest.approx(4 * 8 / (2 * rows))
 
 
 def _cfg(data: Path, init_from: Path, preset: str = "bert-tiny") -> TrainConfig:
