@@ -193,6 +193,8 @@ def _run(cfg: TrainConfig) -> int:
     if not deepspeed_schedule(cfg):
         o = cfg.optim
         plan = Plan(o.decay, max(2, o.warmup_steps), cfg.run.max_steps, o.cooldown)
+    # a budgeted run's clock and plan, before the resume recomputes the lr from the plan
+    run_budget = budget.Budget(cfg, plan, run_dir, rank, world) if cfg.run.budget_hours else None
     engine = build_engine(model, cfg, ds_config, plan)
     progress = ProgressWatchdog(ProgressWatchdog.limit_for(cfg.run.collective_timeout_s))
     engine.module.register_forward_pre_hook(progress.pet)  # a rank stuck between forwards ends
@@ -231,9 +233,7 @@ def _run(cfg: TrainConfig) -> int:
             + "\n"
         )
     writer = MetricsWriter(run_dir, rank, cfg.run.tensorboard)
-    ctx = RunContext(cfg, index, engine, rank, world, run_dir, seq_len, writer, stop)
-    if cfg.run.budget_hours is not None:
-        ctx.budget = budget.Budget(cfg, plan, run_dir, rank, world)
+    ctx = RunContext(cfg, index, engine, rank, world, run_dir, seq_len, writer, stop, run_budget)
     try:
         if state.step >= cfg.run.max_steps and not (run_dir / checkpoint.EXPORT).is_dir():
             checkpoint.export(engine, run_dir, checkpoint.latest_tag(run_dir), index.tokenizer)

@@ -145,16 +145,14 @@ def gather_cut(
     """Piece j of k of each row: `[CLS]`, the row's content tokens j·s … (j+1)·s - 1 (s =
     seq_len - 2; a row's tokens beyond k·s are left out), `[SEP]`. Its id is row id · k + j, so
     dynamic masks differ per piece; `shift` maps the stored static masks onto it."""
-    idx, valid = ragged_gather(block.ids_off, rows)
-    content = np.maximum(valid.sum(1) - 2, 0)  # tokens between [CLS] and the final [SEP]
+    start = block.ids_off[rows]
+    content = np.maximum(block.ids_off[rows + 1] - start - 2, 0)  # between [CLS] and last [SEP]
     s = seq_len - 2
     shift = piece.astype(np.int64) * s
     count = np.clip(content - shift, 0, s)  # content tokens in this piece
     col = np.arange(s)
     inside = col[None, :] < count[:, None]
-    source = np.take_along_axis(
-        idx, np.minimum(1 + shift[:, None] + col[None, :], idx.shape[1] - 1), 1
-    )
+    source = np.where(inside, (start + 1 + shift)[:, None] + col[None, :], 0)
     n = len(rows)
     ids = np.full((n, seq_len), PAD, np.int64)
     ids[:, 0] = CLS
