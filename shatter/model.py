@@ -149,7 +149,9 @@ class Encoder(nn.Module):
                 f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
             )
         mask = attention_mask.bool()
-        if mask.device.type == "cpu":  # a free check on the host; on a GPU it would sync
+        # a free check on the host (left to eager runs: a compiled graph would break on it);
+        # on a GPU it would sync
+        if mask.device.type == "cpu" and not torch.compiler.is_compiling():
             if not bool(mask.any(-1).all()):
                 raise ValueError(
                     "every sequence needs at least one real token (attention_mask row of zeros)"

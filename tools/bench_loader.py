@@ -4,6 +4,7 @@ stalls at large shards.
     python tools/bench_loader.py [--data OUT] [--rows 20000] [--batch 128] [--rounds 3]
     python tools/bench_loader.py --memory [--shard-mb 1024] [--baseline CHECKOUT] [--data OUT]
     python tools/bench_loader.py --data s3://BUCKET/OUT   # the store: cold and warm cache vs local
+    python tools/bench_loader.py --cut 512 --cut-to 128,256 [--rows 4000]   # cut rows vs uncut
 
 Contenders, interleaved round by round so that a busy machine slows them alike: static masks
 (from the shards), dynamic masking, dynamic whole-word masking. The stream runs in this process
@@ -236,6 +237,41 @@ def epoch_tokens_per_s(
     return tokens / (time.perf_counter() - t0)
 
 
+def cut_main(args) -> None:
+    """Rows/s of a dataset built at L = --cut, trained at each l of --cut-to (each row cut into
+    L // l), against a dataset built at l with the same tokens, static and dynamic masks,
+    interleaved round by round."""
+    L = args.cut
+    lengths = [int(x) for x in args.cut_to.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        built = {L: read_index(synthetic_dataset(Path(tmp) / str(L), args.rows, L, 32000, 5))}
+        for short in lengths:
+            rows = args.rows * (L // short)
+            built[short] = read_index(
+                synthetic_dataset(Path(tmp) / str(short), rows, short, 32000, 5)
+            )
+        results: dict = {}
+        for r in range(args.rounds):
+            for short in lengths:
+                n = args.rows * (L // short)  # one epoch's rows, both ways
+                for mode in ("static", "dynamic"):
+                    for source in (L, short):
+                        rate = run(built[source], MaskingSpec(mode), args.batch, n, short, r * n)
+                        results.setdefault((short, mode, source), []).append(rate)
+        print(
+            f"built at {L}: {args.rows} rows; batch {args.batch}, 1 core, {args.rounds} rounds "
+            f"(load average {os.getloadavg()[0]:.2f})"
+        )
+        print(
+            f"{'length':>6s} {'masks':8s} {'cut from ' + str(L):>14s} {'built at l':>11s} {'ratio':>6s}"
+        )
+        for short in lengths:
+            for mode in ("static", "dynamic"):
+                cut_rate = np.median(results[(short, mode, L)])
+                own = np.median(results[(short, mode, short)])
+                print(f"{short:6d} {mode:8s} {cut_rate:14,.0f} {own:11,.0f} {cut_rate / own:5.2f}x")
+
+
 def store_main(remote: str, batch: int, seq_len: int, rounds: int) -> None:
     """`--data s3://...`: the stream from the store through the node's shard cache, cold (an
     empty cache, with and without the prefetcher) and warm (every shard cached), against the same
@@ -291,6 +327,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--memory", action="store_true", help="peak RSS and worst batch gap")
+    parser.add_argument("--cut", type=int, help="rows/s of rows cut from this length vs uncut")
+    parser.add_argument("--cut-to", default="128,256", help="--cut: the lengths trained at")
     parser.add_argument("--shard-mb", type=float, default=1024, help="--memory: shard size")
     parser.add_argument("--baseline", help="--memory: another checkout to compare with")
     parser.add_argument("--before", type=int, default=3000, help="--memory: batches before")
@@ -303,6 +341,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    if args.cut:
+        cut_main(args)
+        return
     if args.data and "://" in args.data:  # an object store: its own table (`store_main`)
         store_main(args.data, args.batch, args.seq_len, args.rounds)
         return

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from train.schedule import DECAYS, lr_factor
+
 OPTIMIZER_IMPLS = ("torch", "deepspeed")
 PRECISIONS = ("fp32", "bf16", "fp16")
 MASKINGS = ("static", "dynamic")
@@ -45,9 +47,9 @@ class DataArgs:
     path: str | None = (
         None  # shard dataset directory written by `shatter-data build` (has index.json)
     )
-    seq_len: int | None = (
-        None  # truncate rows to this length; None = the data's seq_len; longer is an error
-    )
+    # train at this length; None = the data's seq_len L; longer is an error; l <= L/2 cuts each
+    # stored row into L // l rows ([CLS] … [SEP] each; train/loader/order.py), above truncates
+    seq_len: int | None = None
     masking: str = "static"  # "static": the shards' dupe_factor maskings cycled by epoch; "dynamic": fresh per epoch
     mask_prob: float = (
         0.15  # dynamic masking: share of non-special tokens predicted (BERT §3.1; 80/10/10)
@@ -81,7 +83,9 @@ class OptimArgs:
     )
     warmup_steps: int = 10_000  # linear warm-up from 0 to lr (§A.2); when neither --config nor
     # --warmup-steps sets it, `resolve` uses default_warmup(run.max_steps) instead
-    decay: str = "linear"  # after warm-up: "linear" to 0 at run.max_steps (§A.2) or "constant"
+    decay: str = "linear"  # after warm-up: "linear" to 0 at run.max_steps (§A.2), "constant",
+    # "cosine", "wsd" or "1-sqrt" (the peak lr, then a decay over the last `cooldown`; train/schedule.py)
+    cooldown: float = 0.1  # wsd, 1-sqrt: share of the run's steps in the final decay to 0
     grad_clip: float = 1.0  # global gradient-norm clipping
     initial_scale_power: int = 16  # fp16 dynamic loss scaling starts at 2**this
     loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
@@ -120,6 +124,13 @@ class RunArgs:
     # slowest rank-0-only pause (an export of a large model); a dead peer is noticed this late
     collective_timeout_s: float = 600.0
     tensorboard: bool = True  # TensorBoard event files under RUN/tensorboard
+    # wall-clock hours of training: the schedule's length is set from the measured step time
+    # (run.max_steps is then a ceiling) and the run ends with an export when they are spent
+    budget_hours: float | None = None
+    compile: bool = False  # torch.compile the model (refused in one line where it cannot run)
+    # an export (or a run directory with one) whose weights start the run: continued
+    # pretraining, with a fresh optimizer and schedule; ignored once the run has a checkpoint
+    init_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -150,8 +161,13 @@ class TrainConfig:
             (0 < d.mask_prob < 1, "data.mask_prob must be in (0, 1)"),
             (d.seq_len is None or d.seq_len >= 8, "data.seq_len must be at least 8"),
             (
-                self.optim.decay in ("linear", "constant"),
-                "optim.decay must be 'linear' or 'constant'",
+                self.optim.decay in DECAYS,
+                f"optim.decay must be one of {DECAYS}, got {self.optim.decay!r}",
+            ),
+            (0 < self.optim.cooldown <= 1, "optim.cooldown must be in (0, 1]"),
+            (
+                r.budget_hours is None or r.budget_hours > 0,
+                "run.budget_hours must be positive",
             ),
             (
                 self.optim.impl in OPTIMIZER_IMPLS,
@@ -195,18 +211,12 @@ def default_zero_stage(precision: str) -> int:
 
 def lr_at(optim: OptimArgs, max_steps: int, step: int) -> float:
     """The learning rate optimizer step `step` (1-based) runs at, as DeepSpeed's WarmupDecayLR /
-    WarmupLR apply it (linear warm-up from 0, then linear decay to 0 at max_steps, or constant),
-    and as metrics.jsonl logs it. DeepSpeed lags two steps behind the formula: step 1 runs at the
+    WarmupLR apply it (linear warm-up from 0, then `optim.decay`: train/schedule.py), and as
+    metrics.jsonl logs it. DeepSpeed lags two steps behind the formula: step 1 runs at the
     initial lr (0) and the first scheduler step gives iteration 0, so step s uses iteration s - 2;
     its warm-up is at least 2 iterations."""
-    iteration, warmup = step - 2, max(optim.warmup_steps, 2)
-    if iteration < 0:
-        return 0.0
-    if iteration < warmup:
-        return optim.lr * iteration / warmup
-    if optim.decay == "constant":
-        return optim.lr
-    return optim.lr * max(0.0, (max_steps - iteration) / max(1.0, max_steps - warmup))
+    warmup = max(optim.warmup_steps, 2)
+    return optim.lr * lr_factor(optim.decay, step - 2, warmup, max_steps, optim.cooldown)
 
 
 def model_overrides(cfg: TrainConfig, index: Any, seq_len: int) -> dict[str, Any]:
@@ -288,6 +298,10 @@ FLAGS = {
     "deepspeed_config": "run.deepspeed_config",
     "num_gpus": "run.num_gpus",
     "progress": "run.progress",
+    "decay": "optim.decay",
+    "budget_hours": "run.budget_hours",
+    "compile": "run.compile",
+    "init_from": "run.init_from",
 }
 
 

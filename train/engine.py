@@ -25,6 +25,7 @@ from torch import nn
 
 from train.config import ConfigError, TrainConfig
 from train.lifecycle import COLLECTIVE_TIMEOUT
+from train.schedule import DEEPSPEED_DECAYS, Plan, client_scheduler
 
 
 def on_cpu() -> bool:
@@ -183,6 +184,8 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | None = None)
         scheduler["params"]["total_num_steps"] = (
             r.max_steps
         )  # eq. of §A.2: linear decay to 0 at the last step
+    if not deepspeed_schedule(cfg):
+        scheduler = None  # build_engine passes train/schedule.py's (a client scheduler)
     zero = {"stage": r.zero_stage}
     if r.zero_stage in (1, 2):
         zero.update(
@@ -203,7 +206,7 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | None = None)
         "gradient_accumulation_steps": r.grad_accum,
         "train_batch_size": r.micro_batch * r.grad_accum * world_size,
         "gradient_clipping": o.grad_clip,
-        "scheduler": scheduler,
+        **({"scheduler": scheduler} if scheduler else {}),
         "fp16": {
             "enabled": r.precision == "fp16",
             "loss_scale": 0,  # 0 = dynamic loss scaling
@@ -234,6 +237,12 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | None = None)
             },
         }
     return built
+
+
+def deepspeed_schedule(cfg: TrainConfig) -> bool:
+    """Whether DeepSpeed's config describes the run's schedule: a linear or constant decay over
+    a fixed run.max_steps; other decays and budgeted runs get train/schedule.py's."""
+    return cfg.optim.decay in DEEPSPEED_DECAYS and cfg.run.budget_hours is None
 
 
 def merge(base: dict, override: dict) -> dict:
@@ -305,9 +314,10 @@ def cuda_arch_list_for_jit() -> None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(dict.fromkeys(a for a in cleaned if a))
 
 
-def build_engine(model: nn.Module, cfg: TrainConfig, ds_config: dict):
-    """deepspeed.initialize with the scheduler of `ds_config`, and its optimizer when it names
-    one; else torch's fused AdamW as a client optimizer (a GPU, `optim.impl: torch`)."""
+def build_engine(model: nn.Module, cfg: TrainConfig, ds_config: dict, plan: Plan | None = None):
+    """deepspeed.initialize with the scheduler of `ds_config` (or `plan`'s, train/schedule.py),
+    and its optimizer when it names one; else torch's fused AdamW as a client optimizer (a GPU,
+    `optim.impl: torch`)."""
     import deepspeed
 
     groups = param_groups(model, cfg.optim.weight_decay)
@@ -320,6 +330,7 @@ def build_engine(model: nn.Module, cfg: TrainConfig, ds_config: dict):
         model=model,
         model_parameters=groups if optimizer is None else None,
         optimizer=optimizer,
+        lr_scheduler=None if plan is None else client_scheduler(cfg.optim, plan),
         config=ds_config,
     )
     guard_nonfinite_steps(engine)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,12 +23,14 @@ import torch
 from pipeline.format import Index
 from pipeline.masking import mix64
 from train import checkpoint
+from train.budget import Budget
 from train.config import TrainConfig
 from train.cost import cost_model
 from train.engine import LossScaleStall, loss_scale, skipped_steps
 from train.evaluate import evaluate
 from train.lifecycle import StopFlag, ignore_stop_signals
 from train.loader import ShardStream, StreamPosition, train_loader, validation_stream
+from train.loader.order import cut_factor
 from train.loader.stream import STORE_ERROR
 from train.metrics import MetricsWriter, Progress, RunClock, gpu_memory
 
@@ -56,6 +58,7 @@ class RunContext:
     stop: StopFlag
     final_save: bool = True  # checkpoint and export at max_steps (a benchmark's run skips them)
     store_failure: str | None = None  # a loader's store failure (STORE_ERROR): why it stopped
+    budget: Budget | None = None  # run.budget_hours: re-plans the run's length (train/budget.py)
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -97,7 +100,7 @@ def _log_line(
         "tokens_per_s": tokens_per_s,
         **cost,  # tokens_per_s_per_gpu, mfu, hours_to_max_steps, gpu_hours (train/cost.py)
         "samples": state.samples,
-        "epoch": state.samples / ctx.index.rows("train"),
+        "epoch": state.samples / epoch_rows(ctx.index, ctx.seq_len),
         "tokens": state.tokens,
         "skipped_nonfinite": state.skipped_nonfinite,
         "grad_norm": _grad_norm(ctx.engine),
@@ -192,7 +195,7 @@ def _raise_diverged(ctx: RunContext, run: int, step: int) -> None:
 def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
     """Run until max_steps or a stop request; returns "complete" or "stopped"."""
     cfg, engine, run = ctx.cfg, ctx.engine, ctx.cfg.run
-    epoch_size = ctx.index.rows("train")
+    epoch_size = epoch_rows(ctx.index, ctx.seq_len)
     loader = train_loader(
         ctx.index,
         cfg.data,
@@ -304,6 +307,8 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
         if engine.global_steps == state.step:
             continue  # inside a gradient accumulation
         state.step = engine.global_steps
+        if ctx.budget is not None:
+            run = _replan(ctx, state.step)
         if not host_reads:
             stop_seen = stop_seen or agreed_stop(ctx.stop.requested)
         log_now = _due(state.step, run.log_every, run.max_steps)
@@ -362,6 +367,22 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
         f"this session: {seconds})"
     )
     return status
+
+
+def _replan(ctx: RunContext, step: int):
+    """The run's settings after its budget's check at `step`: a new last step once the step time
+    is measured, or this step when the budget is spent (it then saves and exports here)."""
+    last = ctx.budget.check(step, ctx.cfg.run.max_steps)
+    if last is not None and last != ctx.cfg.run.max_steps:
+        ctx.cfg = replace(ctx.cfg, run=replace(ctx.cfg.run, max_steps=last))
+        scheduler = ctx.engine.lr_scheduler  # the next step's lr, from a new plan
+        scheduler.step(scheduler.last_batch_iteration)
+    return ctx.cfg.run
+
+
+def epoch_rows(index: Index, seq_len: int) -> int:
+    """Rows of a training epoch: the train split's, each cut into k at a shorter length."""
+    return index.rows("train") * cut_factor(index.seq_len, seq_len)
 
 
 def _sample_log(rank: int):

@@ -77,14 +77,25 @@ def ragged_gather(offsets: np.ndarray, lists: np.ndarray, width: int | None = No
     return np.where(valid, start[:, None] + col[None, :], 0), valid
 
 
-def static_mask(ids_BL: np.ndarray, lengths_B: np.ndarray, shard, rows_B: np.ndarray, copy: int):
+def static_mask(
+    ids_BL: np.ndarray,
+    lengths_B: np.ndarray,
+    shard,
+    rows_B: np.ndarray,
+    copy: int,
+    shift_B: np.ndarray | None = None,
+):
     """(input_ids, labels) int64 [B, L] from the stored masking number `copy` of each row.
-    Positions beyond a truncated row's last kept token are dropped."""
+    Positions beyond a truncated row's last kept token are dropped; a piece of a cut row
+    (`shift_B`: stored position - piece position) keeps the stored positions of its own tokens."""
     ids_BL = ids_BL.astype(np.int64, copy=False)
     B, L = ids_BL.shape
     lists = shard.masks_outer[rows_B] + copy
     idx, valid = ragged_gather(shard.masks_inner, lists)
     pos = shard.mask_pos[idx].astype(np.int64)
+    if shift_B is not None:
+        pos = pos - shift_B[:, None]
+        valid &= pos >= 1  # before the piece: another piece's token (or its [CLS])
     valid &= pos < (lengths_B[:, None] - 1)  # [SEP] sits at length - 1 after truncation
     row = np.broadcast_to(np.arange(B)[:, None], pos.shape)
     inputs = ids_BL.copy()

@@ -127,7 +127,9 @@ def plm_batch(
     return ids_BL, labels, rank
 
 
-def static_plm_batch(ids_BL, lengths_B, shard, rows_B, copy: int, uid_B, *, epoch: int, seed: int):
+def static_plm_batch(
+    ids_BL, lengths_B, shard, rows_B, copy: int, uid_B, *, epoch: int, seed: int, shift_B=None
+):
     """`plm_batch` with the stored masking number `copy` of each row as the targets."""
-    _, labels = static_mask(ids_BL, lengths_B, shard, rows_B, copy)
+    _, labels = static_mask(ids_BL, lengths_B, shard, rows_B, copy, shift_B)
     return plm_batch(ids_BL, lengths_B, uid_B, epoch=epoch, seed=seed, static_labels_BL=labels)

@@ -26,6 +26,7 @@ import click  # noqa: E402
 
 from pipeline.format import DatasetError, read_index  # noqa: E402
 from pipeline.format.store import is_remote, local_path, open_store  # noqa: E402
+from train import init_from  # noqa: E402
 from train.config import (  # noqa: E402
     OPTIMIZER_IMPLS,
     PRECISIONS,
@@ -37,8 +38,8 @@ from train.config import (  # noqa: E402
     resolve,
     schedule_problem,
 )
-
-SHAPE_FIELDS = ("arch", "hidden", "layers", "heads", "ffn", "rpe_max_distance", "rab_buckets")
+from train.init_from import SHAPE_FIELDS  # noqa: E402
+from train.schedule import DECAYS  # noqa: E402
 
 
 def _check_same_arch(cfg: TrainConfig) -> None:
@@ -94,6 +95,8 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
     if index.rows("train") == 0:
         raise DatasetError(f"{index.path}: the train split has 0 rows; rebuild with more text")
     _check_same_arch(cfg)
+    if cfg.run.init_from:
+        init_from.check(cfg, index, seq_len)
     rank0 = os.environ.get("RANK", "0") == "0"  # before the process group exists
     if rank0 and (not index.splits.get("validation") or index.rows("validation") == 0):
         click.echo(
@@ -107,6 +110,41 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
     return index, seq_len
 
 
+def _initial_model(cfg: TrainConfig, index, seq_len: int):
+    """The model the run starts from: the preset's fresh weights, or --init-from's (built at the
+    export's max_len, which is at least the training length); `torch.compile`d with run.compile."""
+    import shatter
+
+    overrides = model_overrides(cfg, index, seq_len)
+    export = None
+    if cfg.run.init_from:
+        export, saved = init_from.check(cfg, index, seq_len)
+        overrides["max_len"] = saved.max_len
+    model = shatter.build_model(cfg.model.preset, **overrides)
+    if seq_len > model.config.max_len:
+        raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_len {model.config.max_len}")
+    if export is not None:
+        init_from.load_weights(model, export)
+    if cfg.run.compile:
+        from train.compiling import compile_model
+
+        compile_model(model)
+    return model
+
+
+def compiled_run(ctx, state) -> str:
+    """train(), with a failure of torch.compile's first compilation as one line."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    from train.compiling import one_line
+    from train.loop import TrainingError, train
+
+    try:
+        return train(ctx, state)
+    except TorchDynamoException as err:
+        raise TrainingError(one_line(err)) from None
+
+
 class UsageError(click.ClickException):
     """One line, like every other refusal, but the exit status of a usage error."""
 
@@ -116,16 +154,22 @@ class UsageError(click.ClickException):
 def _run(cfg: TrainConfig) -> int:
     import torch
 
-    import shatter
-    from train import checkpoint
-    from train.engine import build_engine, init_distributed, resolved_deepspeed_config
+    from train import budget, checkpoint
+    from train.engine import (
+        build_engine,
+        deepspeed_schedule,
+        init_distributed,
+        resolved_deepspeed_config,
+    )
     from train.lifecycle import ProgressWatchdog, StopFlag, hold_run_directory
     from train.loader import StreamPosition
-    from train.loop import RunContext, train
+    from train.loop import RunContext, epoch_rows
     from train.metrics import MetricsWriter, gpu_memory
     from train.node_env import check_nodes_env
+    from train.schedule import Plan
 
     index, seq_len = start_up_checks(cfg)
+    cfg = budget.planned_config(cfg, Path(cfg.run.output))  # a resumed budgeted run's length
     stop = StopFlag().install()
     rank, world = init_distributed(cfg.run.collective_timeout_s)
     check_nodes_env()  # the store's settings, TMPDIR and HF_* on every node
@@ -152,16 +196,20 @@ def _run(cfg: TrainConfig) -> int:
     torch.manual_seed(cfg.run.seed)
     # The model is built for the length it is trained at (the paper pretrains BERT_GPU and
     # Shatter_GPU at 256); `shatter-extend` stretches it to 512 or 1024 for finetuning.
-    model = shatter.build_model(cfg.model.preset, **model_overrides(cfg, index, seq_len))
-    if seq_len > model.config.max_len:
-        raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_len {model.config.max_len}")
-    engine = build_engine(model, cfg, ds_config)
+    model = _initial_model(cfg, index, seq_len)
+    plan = None
+    if not deepspeed_schedule(cfg):
+        o = cfg.optim
+        plan = Plan(o.decay, max(2, o.warmup_steps), cfg.run.max_steps, o.cooldown)
+    # a budgeted run's clock and plan, before the resume recomputes the lr from the plan
+    run_budget = budget.Budget(cfg, plan, run_dir, rank, world) if cfg.run.budget_hours else None
+    engine = build_engine(model, cfg, ds_config, plan)
     progress = ProgressWatchdog(ProgressWatchdog.limit_for(cfg.run.collective_timeout_s))
     engine.module.register_forward_pre_hook(progress.pet)  # a rank stuck between forwards ends
     state, position, saved_config = checkpoint.resume(engine, run_dir, found.tag, universal)
     if position is not None:
         StreamPosition.from_dict(
-            position, index.rows("train")
+            position, epoch_rows(index, seq_len)
         )  # refuses a position on different data
     if rank == 0:
         if saved_config is not None:
@@ -192,11 +240,13 @@ def _run(cfg: TrainConfig) -> int:
             + "\n"
         )
     writer = MetricsWriter(run_dir, rank, cfg.run.tensorboard, resumed_step=state.step)
-    ctx = RunContext(cfg, index, engine, rank, world, run_dir, seq_len, writer, stop)
+    ctx = RunContext(
+        cfg, index, engine, rank, world, run_dir, seq_len, writer, stop, budget=run_budget
+    )
     try:
         if state.step >= cfg.run.max_steps and not (run_dir / checkpoint.EXPORT).is_dir():
             checkpoint.export(engine, run_dir, found.tag, index.tokenizer)
-        status = train(ctx, state) if state.step < cfg.run.max_steps else "complete"
+        status = compiled_run(ctx, state) if state.step < cfg.run.max_steps else "complete"
     finally:
         progress.stop()
         writer.close()
@@ -259,7 +309,11 @@ def _run(cfg: TrainConfig) -> int:
     help="Masked LM, or XLNet's permutation LM (xlnet's default).",
 )
 @click.option("--whole-word/--no-whole-word", default=None, help="Dynamic masking of whole words.")
-@click.option("--seq-len", type=int, help="Truncate rows to this length (at most the data's).")
+@click.option(
+    "--seq-len",
+    type=int,
+    help="Train at this length (at most the data's L): L/k cuts each stored row into k rows.",
+)
 @click.option("--num-workers", type=int, help="DataLoader workers per rank.")
 @click.option("--lr", type=float, help="Peak learning rate.")
 @click.option("--warmup-steps", type=int, help="Linear warm-up steps.")
@@ -275,6 +329,13 @@ def _run(cfg: TrainConfig) -> int:
     help="Expert: DeepSpeed JSON merged over the built one.",
 )
 @click.option("--progress/--no-progress", default=None, help="tqdm progress bar on rank 0.")
+@click.option(
+    "--init-from",
+    help="Export (or run directory) whose weights start the run; fresh optimizer and schedule.",
+)
+@click.option("--decay", type=click.Choice(DECAYS), help="The lr schedule after warm-up.")
+@click.option("--budget-hours", type=float, help="Wall-clock budget; sets the schedule's length.")
+@click.option("--compile/--no-compile", default=None, help="torch.compile the model.")
 @click.option(
     "--dry-run",
     is_flag=True,

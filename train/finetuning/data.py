@@ -122,15 +122,19 @@ class ClassificationData:
             return M.pearson_spearman(gold, preds), {i: float(p) for i, p in zip(ids, preds)}
         preds = logits.argmax(-1).tolist()
         if self.task == "multirc":
-            scores = M.multirc_metrics(gold, preds, [f["group"] for f in self.eval_features])
-        elif self.task == "classify":
-            scores = M.accuracy(gold, preds)
-            majority = collections.Counter(f["label"] for f in self.train_features).most_common(1)[
-                0
-            ][0]
-            scores["majority_accuracy"] = float(np.mean(np.asarray(gold) == majority))
+            groups = [f["group"] for f in self.eval_features]
+
+            def scorer(g, p):
+                return M.multirc_metrics(g, p, groups)
         else:
-            scores = M.CLASSIFICATION_METRICS[self.task](gold, preds)
+            scorer = M.CLASSIFICATION_METRICS.get(self.task, M.accuracy)
+        scores = scorer(gold, preds)
+        # the score of always predicting the training set's most frequent class
+        counts = collections.Counter(f["label"] for f in self.train_features)
+        majority = counts.most_common(1)[0][0]
+        main = self.main_metric
+        scores[f"majority_{main}"] = scorer(gold, [majority] * len(gold))[main]
+        scores.update(M.class_report(gold, preds, self.labels))
         return scores, {i: self.labels[p] for i, p in zip(ids, preds)}
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,8 +22,9 @@ import torch
 
 from train.checkpoint import fp32_masters
 from train.config import ConfigError, RunArgs, TrainConfig, check_output
-from train.finetuning.config import FinetuneConfig, default_steps
+from train.finetuning.config import FinetuneConfig, default_steps, scaled_lr
 from train.finetuning.data import SpanData, build_task_data
+from train.finetuning.metrics import learned_nothing
 
 
 def global_batches(
@@ -154,6 +156,8 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     r = cfg.run
     steps = r.max_steps or default_steps(len(data.train_features), r.batch_size, r.epochs)
     optim = cfg.optim
+    if r.scale_lr:
+        optim = dataclasses.replace(optim, lr=scaled_lr(optim.lr, backbone.config.hidden))
     warmup = int(r.warmup_ratio * steps) if optim.warmup_steps < 0 else optim.warmup_steps
     optim = dataclasses.replace(
         optim, warmup_steps=max(1, warmup)
@@ -197,6 +201,7 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
                 "world_size": world,
                 "max_len": max_len,
                 "steps": steps,
+                "lr": optim.lr,
                 "labels": getattr(data, "labels", None),
             },
         )
@@ -268,5 +273,9 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     if rank != 0:
         return None
     summary.update(final=summary["evaluations"][-1], best=best)
+    warning = learned_nothing(best, data.main_metric)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+        summary["warnings"] = [warning]
     _write_json(run_dir / "metrics.json", summary)
     return summary

@@ -105,6 +105,42 @@ def multirc_metrics(
     return {"f1a": float(f1a), "em": em, **accuracy(labels, preds)}
 
 
+def class_report(labels: Sequence[int], preds: Sequence[int], names: Sequence[str]) -> dict:
+    """Per-class precision, recall, support (gold count) and predicted count, and the confusion
+    matrix (rows: gold class, columns: predicted class, in label-id order): a class the model
+    never predicts shows as a column of zeros."""
+    ids = list(range(len(names)))
+    p, r, _, support = skm.precision_recall_fscore_support(
+        labels, preds, labels=ids, zero_division=0.0
+    )
+    confusion = skm.confusion_matrix(labels, preds, labels=ids)
+    per_class = {
+        name: {
+            "precision": float(p[i]),
+            "recall": float(r[i]),
+            "support": int(support[i]),
+            "predicted": int(confusion[:, i].sum()),
+        }
+        for i, name in enumerate(names)
+    }
+    return {"per_class": per_class, "confusion": confusion.tolist()}
+
+
+def learned_nothing(best: Mapping, main: str) -> str | None:
+    """A warning when the best evaluation's `main` score is no better than always predicting
+    the training set's majority class (its `majority_{main}`), else None."""
+    baseline = best.get(f"majority_{main}")
+    if baseline is None or best[main] > baseline + 1e-9:
+        return None
+    never = [k for k, v in best.get("per_class", {}).items() if v["predicted"] == 0]
+    return (
+        f"warning: the best {main} {best[main]:.4f} (step {best['step']}) is no better than "
+        f"always predicting the majority class ({baseline:.4f}): the model learned nothing"
+        + (f" (never predicted: {', '.join(never)})" if never else "")
+        + "; raise --lr (docs/finetune.md: the lr rule for small models) or train longer"
+    )
+
+
 # Which function scores each classification-style task, and which of its numbers picks the best
 # checkpoint. SQuAD is scored by `squad_metrics` (main: f1).
 CLASSIFICATION_METRICS: dict[str, Callable[..., dict]] = {

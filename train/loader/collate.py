@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.format import Shard
-from train.masking import IGNORE, PAD, SEP, dynamic_mask, ragged_gather, static_mask
+from train.masking import CLS, IGNORE, PAD, SEP, dynamic_mask, ragged_gather, static_mask
 from train.plm import plm_batch, static_plm_batch
 
 
@@ -66,6 +66,7 @@ class Piece:
     epoch: int
     block: Shard | None = None  # the record batch they were read from (its stored masks)
     rows: np.ndarray | None = None  # [n] their rows in `block`
+    shift: np.ndarray | None = None  # [n] a cut row: stored position - piece position
 
     @staticmethod
     def stack(pieces: list[Piece]) -> Piece:
@@ -100,9 +101,20 @@ class Masked:
 
 
 def gather(
-    block: Shard, rows: np.ndarray, seq_len: int, *, where: np.ndarray, uid: np.ndarray, epoch: int
+    block: Shard,
+    rows: np.ndarray,
+    seq_len: int,
+    *,
+    where: np.ndarray,
+    uid: np.ndarray,
+    epoch: int,
+    piece: np.ndarray | None = None,
+    k: int = 1,
 ) -> Piece:
-    """The piece of `rows` of `block`, truncated to `seq_len`: [CLS] … and a final [SEP] kept."""
+    """The piece of `rows` of `block`, truncated to `seq_len`: [CLS] … and a final [SEP] kept;
+    cut by k > 1 (`train.loader.order.cut`): piece number `piece` of each row instead."""
+    if k > 1:
+        return gather_cut(block, rows, seq_len, where=where, uid=uid, epoch=epoch, piece=piece, k=k)
     idx, valid = ragged_gather(block.ids_off, rows)
     length = valid.sum(1)
     L = seq_len
@@ -117,6 +129,39 @@ def gather(
     if cut is not None and cut.any():
         ids[cut, L - 1] = SEP
     return Piece(where, ids, word_start, length, uid, epoch, block, rows)
+
+
+def gather_cut(
+    block: Shard,
+    rows: np.ndarray,
+    seq_len: int,
+    *,
+    where: np.ndarray,
+    uid: np.ndarray,
+    epoch: int,
+    piece: np.ndarray,
+    k: int,
+) -> Piece:
+    """Piece j of k of each row: `[CLS]`, the row's content tokens j·s … (j+1)·s - 1 (s =
+    seq_len - 2; a row's tokens beyond k·s are left out), `[SEP]`. Its id is row id · k + j, so
+    dynamic masks differ per piece; `shift` maps the stored static masks onto it."""
+    start = block.ids_off[rows]
+    content = np.maximum(block.ids_off[rows + 1] - start - 2, 0)  # between [CLS] and last [SEP]
+    s = seq_len - 2
+    shift = piece.astype(np.int64) * s
+    count = np.clip(content - shift, 0, s)  # content tokens in this piece
+    col = np.arange(s)
+    inside = col[None, :] < count[:, None]
+    source = np.where(inside, (start + 1 + shift)[:, None] + col[None, :], 0)
+    n = len(rows)
+    ids = np.full((n, seq_len), PAD, np.int64)
+    ids[:, 0] = CLS
+    ids[:, 1:-1] = np.where(inside, block.ids[source], PAD)
+    word_start = np.zeros((n, seq_len), bool)
+    word_start[:, 1:-1] = inside & block.word_start[source]
+    ids[np.arange(n), count + 1] = SEP
+    length = count + 2
+    return Piece(where, ids, word_start, length, uid * k + piece, epoch, block, rows, shift)
 
 
 class Masker(Protocol):
@@ -141,7 +186,8 @@ class StaticMasker:
         return self.fixed_copy if self.fixed_copy is not None else epoch % self.dupe_factor
 
     def __call__(self, p: Piece) -> Masked:
-        inputs, labels = static_mask(p.ids, p.length, p.block, p.rows, self.copy(p.epoch))
+        copy = self.copy(p.epoch)
+        inputs, labels = static_mask(p.ids, p.length, p.block, p.rows, copy, p.shift)
         return _masked(p, inputs, labels)
 
 
@@ -203,7 +249,15 @@ class StaticPlmMasker:
     def __call__(self, p: Piece) -> Masked:
         copy = self.static.copy(p.epoch)
         ids, labels, rank = static_plm_batch(
-            p.ids, p.length, p.block, p.rows, copy, p.uid, epoch=p.epoch, seed=self.seed
+            p.ids,
+            p.length,
+            p.block,
+            p.rows,
+            copy,
+            p.uid,
+            epoch=p.epoch,
+            seed=self.seed,
+            shift_B=p.shift,
         )
         return _masked(p, ids, labels, rank)
 

@@ -26,6 +26,24 @@ import numpy as np
 
 from pipeline.format import DatasetError
 
+
+def cut_factor(stored_len: int, seq_len: int) -> int:
+    """k: the pieces each stored row is cut into when training at `seq_len` below the data's
+    `stored_len` (L // l; 1 = a length above L/2 truncates, as it did before cutting)."""
+    return max(1, stored_len // seq_len)
+
+
+def cut(q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Global stream positions of a cut stream -> (stored-row positions, piece numbers).
+
+    Cut by k, an epoch has k·N positions and position q is piece q mod k of stored position
+    q div k: a row's pieces are consecutive positions (read from one record batch, the same
+    batch or the next), and since (e·k·N + o) div k = e·N + o div k, the stored rows keep the
+    order, epochs and shuffle of the uncut stream. A resumed or re-sized run finds its rows
+    from the one integer, as before."""
+    return q // k, q % k
+
+
 SHUFFLE_WINDOW = 4  # record batches whose rows are shuffled together (blocks.CACHE_BLOCKS is twice)
 
 

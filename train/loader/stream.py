@@ -29,7 +29,7 @@ from train.loader.collate import (
     masking_spec,
     validation_masking,
 )
-from train.loader.order import EpochOrder, Slots
+from train.loader.order import EpochOrder, Slots, cut, cut_factor
 from train.masking import IGNORE
 
 # a batch's key, present when a download from the object store failed for good (its one-line
@@ -63,6 +63,7 @@ class ShardStream(IterableDataset):
             raise DatasetError(
                 f"--seq-len {seq_len} exceeds the data's seq_len {index.seq_len} ({index.path})"
             )
+        self.k = cut_factor(index.seq_len, seq_len)  # each stored row: k rows of the stream
         self.index, self.shards = index, index.shards(split)
         self.batch_size, self.seq_len, self.masking = batch_size, seq_len, masking
         self.seed, self.rank, self.world, self.start = seed, rank, world_size, start
@@ -70,7 +71,8 @@ class ShardStream(IterableDataset):
         self.finite, self.verify = finite, verify
         block_rows = index.raw.get("record_batch_rows") or record_batch_rows(index.seq_len)
         self.order = EpochOrder([s.rows for s in self.shards], seed, shuffle, int(block_rows))
-        total = self.order.size if max_samples is None else min(max_samples, self.order.size)
+        size = self.order.size * self.k
+        total = size if max_samples is None else min(max_samples, size)
         self.end = start + total if finite else None  # finite streams stop after one pass
         self.slots = Slots(rank, world_size, batch_size, grad_accum, start, self.end)
         masker = make_masker(
@@ -112,7 +114,7 @@ class ShardStream(IterableDataset):
     def prefetch(self, q: np.ndarray) -> None:
         """Start decoding what the batch of positions q needs, and opening the shard after it
         (from a store: the two after it; one that fails for good is named in the next batch)."""
-        for epoch, _, s, rows in self.order.by_shard(q):
+        for epoch, _, s, rows in self.order.by_shard(cut(q, self.k)[0]):
             self.reader.prefetch(s, rows)
             ahead = self.order.next_shard(epoch, s)
             self.reader.open_ahead(ahead)
@@ -130,10 +132,14 @@ class ShardStream(IterableDataset):
 
     def pieces(self, q: np.ndarray):
         """The unmasked `Piece`s of the rows at global positions q, one per record batch read."""
-        for epoch, where, s, shard_rows in self.order.by_shard(q):
+        stored, piece = cut(q, self.k)
+        for epoch, where, s, shard_rows in self.order.by_shard(stored):
             for block, rows, hit in self.reader.rows(s, shard_rows):
-                uid = self.order.base[s] + shard_rows[hit]
-                yield gather(block, rows, self.seq_len, where=where[hit], uid=uid, epoch=epoch)
+                uid, at = self.order.base[s] + shard_rows[hit], where[hit]
+                yield gather(
+                    block, rows, self.seq_len, where=at, uid=uid, epoch=epoch,
+                    piece=piece[at], k=self.k,
+                )  # fmt: skip
 
     def batch(self, q: np.ndarray) -> dict[str, torch.Tensor]:
         """The batch of global stream positions q: padded to its longest row."""

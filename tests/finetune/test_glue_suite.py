@@ -1,0 +1,74 @@
+"""tools/glue.py on tiny GLUE-format files the test writes (synthetic reviews, in the Hub's
+schema through tools/glue_hub.py): all eight tasks of Table 1, MNLI-m and -mm, the row and its
+average, glue.json; a run whose metrics.json is gone is the only one run again."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shatter
+from tools.glue import COLUMNS, TASKS
+from tools.glue_hub import FORMATS, write_split
+
+from .conftest import sentiment_rows
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def glue_dir(root: Path) -> Path:
+    reviews = [r["review"] for r in sentiment_rows(80, seed=3)]
+    for task, (_, columns, labels, splits) in FORMATS.items():
+        for name in splits:
+            n = 24 if name == "train" else 12
+            rows = [
+                {
+                    **{c: reviews[(i + k) % len(reviews)] for k, c in enumerate(columns)},
+                    "label": (i % 6) * 1.0 if labels is None else i % len(labels),
+                }
+                for i in range(n)
+            ]
+            write_split(task, root / TASKS[task][0] / f"{name}.tsv", rows)
+    return root
+
+
+@pytest.mark.slow
+def test_the_suite_runs_the_eight_tasks_prints_the_row_and_resumes(tmp_path, tokenizer_model):
+    export = tmp_path / "export"
+    model = shatter.build_model("shatter-tiny", vocab_size=200, max_len=64, hidden=32, ffn=64)
+    shatter.save_pretrained(model, export, tokenizer=tokenizer_model)
+    out = tmp_path / "suite"
+    cmd = [sys.executable, str(REPO / "tools" / "glue.py"), "--checkpoint", str(export)]
+    cmd += ["--data-dir", str(glue_dir(tmp_path / "glue")), "--output", str(out)]
+    cmd += ["--seeds", "0", "--max-steps", "2", "--eval-every", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    print(done.stdout)
+    header, values = done.stdout.strip().splitlines()[-2:]
+    assert header.split(" | ") == [f"{c:>7}" for c in COLUMNS + ["Avg"]]
+    result = json.loads((out / "glue.json").read_text())
+    assert list(result["columns"]) == COLUMNS and set(result["tasks"]) == set(TASKS)
+    numbers = [float(v) for v in values.split(" | ")]
+    assert numbers[-1] == pytest.approx(sum(numbers[:-1]) / 9, abs=0.06)
+    assert result["tasks"]["cola"]["runs"][0]["lr"] == 1e-3  # the default, scaled (and capped)
+    assert done.stderr.count("start: ") == 8
+
+    (out / "rte" / "lr-default-seed0" / "metrics.json").unlink()  # an interrupted run
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("start: ") == 1 and "start: rte/lr-default-seed0" in again.stderr
+    assert again.stdout.strip().splitlines()[-1] == values
+
+
+def test_missing_glue_files_are_one_line(tmp_path):
+    cmd = [sys.executable, str(REPO / "tools" / "glue.py"), "--checkpoint", str(tmp_path)]
+    cmd += ["--data-dir", str(tmp_path / "none"), "--output", str(tmp_path / "out")]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 1
+    assert (
+        done.stderr.strip().count("\n") == 0
+        and "cola:" in done.stderr
+        and "not found" in done.stderr
+    )

@@ -1,0 +1,174 @@
+"""The cheap-pretraining recipe on one CPU rank, real shards and the real trainer: the schedules
+(wsd, 1-sqrt) as metrics.jsonl logs them, a run given a budget of seconds that sets its length and
+ends with an export, and the two-phase recipe (a compiled phase at half the length,
+`shatter-extend`, `--init-from` at the full length); --init-from's and run.compile's refusals."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_pretrain import command, run_to_end
+from test_resume_world import _at_step
+
+from pipeline.format import read_index
+from train import budget
+from train.compiling import compile_problem
+from train.config import ConfigError, OptimArgs, TrainConfig, lr_at, resolve
+from train.init_from import check
+from train.schedule import lr_factor
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def _logged(run: Path) -> dict[int, dict]:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {x["step"]: x for x in lines if "lr" in x}
+
+
+def _config(tmp: Path, text: str) -> Path:
+    config = tmp / "recipe.yaml"
+    config.write_text((REPO / "configs" / "cpu-tiny.yaml").read_text() + text)
+    return config
+
+
+def _single(data: Path, run: Path, *args: str, preset: str = "shatter-tiny", timeout=300):
+    base = ("--eval-every", "0", "--save-every", "0", "--log-every", "1", "--num-workers", "0")
+    cmd = command(data, run, *base, "--no-progress", *args, launcher=[sys.executable])
+    cmd[cmd.index("--preset") + 1] = preset
+    return run_to_end(cmd, timeout=timeout)
+
+
+def test_the_decays_shapes():
+    """eq. of each decay at a few iterations of a 100-step run, 10 of warm-up, cooldown 0.2."""
+    f = {
+        d: [lr_factor(d, i, 10, 100, 0.2) for i in (5, 50, 80, 90, 100)] for d in ("wsd", "1-sqrt")
+    }
+    assert f["wsd"] == pytest.approx([0.5, 1.0, 1.0, 0.5, 0.0])
+    assert f["1-sqrt"] == pytest.approx([0.5, 1.0, 1.0, 1 - 0.5**0.5, 0.0])
+    assert lr_factor("cosine", 55, 10, 100, 0.2) == pytest.approx(0.5)
+    assert lr_factor("linear", 55, 10, 100, 0.2) == pytest.approx(0.5)
+
+
+def test_a_budget_of_seconds_plans_the_wsd_schedule_and_ends_with_an_export(books_data, tmp_path):
+    """budget_hours = 30 s: the run times its steps, sets its length from them, follows wsd over
+    that length (the cooldown in its last half) and ends with its export inside the budget."""
+    config = _config(tmp_path, "")
+    config.write_text(
+        config.read_text().replace("  warmup_steps: 20\n", "  warmup_steps: 2\n  cooldown: 0.5\n")
+    )
+    run, seconds, started = tmp_path / "run", 30.0, time.time()
+    args = ("--config", str(config), "--decay", "wsd", "--max-steps", "100000")
+    args += ("--micro-batch", "4", "--seq-len", "32")
+    done = _single(books_data, run, *args, "--budget-hours", str(seconds / 3600))
+    planned = json.loads((run / budget.FILE).read_text())
+    lrs, last = {s: r["lr"] for s, r in _logged(run).items()}, max(_logged(run))
+    print(
+        f"budget {seconds} s: planned {planned}, ran {last} steps in {time.time() - started:.1f} s"
+    )
+    assert "complete: step" in done.stderr and (run / "export" / "model.safetensors").is_file()
+    assert last == (planned["ended_at"] or planned["planned_steps"]) and last < 100000
+    assert planned["spent_s"] < seconds * 2  # the plan's estimate, plus the last step
+    optim = OptimArgs(lr=1e-3, warmup_steps=2, decay="wsd", cooldown=0.5)
+    plan_step = 1 + budget.MEASURE  # steps after it run on the planned length
+    length = planned["planned_steps"] or 100000  # the schedule's, planned at plan_step
+    expected = {s: lr_at(optim, 100000 if s <= plan_step else length, s) for s in lrs}
+    assert lrs == pytest.approx(expected, abs=1e-12)
+    if last == planned["planned_steps"] > plan_step + 2:  # a box loaded less than ours
+        assert lrs[last] < lrs[plan_step]  # the cooldown ran
+
+
+@pytest.fixture(scope="module")
+def books_128(shared_data, tmp_path_factory) -> Path:
+    """The books sample built once at 128 (vocab 2000): every shorter length cuts its rows."""
+    out = tmp_path_factory.mktemp("books128") / "data"
+    cmd = [str(BIN / "shatter-data"), "build", "--corpus", "books", "--input",
+           str(shared_data / "books"), "--output", str(out), "--seq-len", "128", "--vocab-size",
+           "2000", "--dupe-factor", "2", "--num-shards", "4", "--validation-fraction", "0.05"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_one_build_at_128_serves_32_then_64_resumes_exactly_and_init_from_continues(
+    books_128, tmp_path
+):
+    """Phase 1: bert-tiny at 32 on the 128 build (each row cut in 4), resumed from its step-8
+    checkpoint to the same losses; `shatter-extend` to 64; phase 2 at 64 (rows cut in 2) from
+    phase 1's weights with --init-from, 1-sqrt and run.compile: a fresh schedule, a loss that
+    starts where phase 1 ended, no second build."""
+    phase1, extended, phase2 = tmp_path / "p1", tmp_path / "ext", tmp_path / "p2"
+    rows = read_index(str(books_128)).rows("train")
+    config = str(_config(tmp_path, ""))
+    common = ("--config", config, "--warmup-steps", "2", "--lr", "5e-3", "--micro-batch", "8")
+    one = ("--max-steps", "16", "--seq-len", "32", "--save-every", "8")
+    _single(books_128, phase1, *common, *one, preset="bert-tiny")
+    p1 = _logged(phase1)
+    chain = _at_step(phase1, 8, tmp_path / "resumed")
+    _single(books_128, chain, *common, *one, preset="bert-tiny")
+    resumed = _logged(chain)
+    assert [resumed[s]["loss"] for s in range(9, 17)] == pytest.approx(
+        [p1[s]["loss"] for s in range(9, 17)], rel=1e-6
+    )
+    assert p1[16]["samples"] == 16 * 8 and p1[16]["epoch"] == pytest.approx(128 / (4 * rows))
+    ext = [str(BIN / "shatter-extend"), str(phase1 / "export"), "--max-len", "64"]
+    done = subprocess.run(ext + ["--output", str(extended)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    two = ("--max-steps", "4", "--decay", "1-sqrt", "--seq-len", "64", "--compile")
+    _single(books_128, phase2, *common, *two, "--init-from", str(extended), preset="bert-tiny",
+            timeout=600)  # fmt: skip
+    p2 = _logged(phase2)
+    print(f"phase 1 at 32: loss {p1[1]['loss']:.3f} -> {p1[16]['loss']:.3f}; resumed from step 8: "
+          f"the same 8 losses; phase 2 at 64 from the extended export: {p2[1]['loss']:.3f} -> "
+          f"{p2[4]['loss']:.3f}")  # fmt: skip
+    assert p2[1]["lr"] == 0.0 and p2[3]["lr"] > 0  # a fresh schedule, from warm-up
+    optim = OptimArgs(lr=5e-3, warmup_steps=2, decay="1-sqrt")
+    assert [p2[s]["lr"] for s in p2] == pytest.approx([lr_at(optim, 4, s) for s in p2])
+    assert p2[1]["loss"] < p1[1]["loss"] - 1.0  # phase 1's weights, at twice its length
+    assert json.loads((phase2 / "config.json").read_text())["seq_len"] == 64
+    assert p2[4]["epoch"] == pytest.approx(4 * 8 / (2 * rows))
+
+
+def _cfg(data: Path, init_from: Path, preset: str = "bert-tiny") -> TrainConfig:
+    flags = {"data": str(data), "output": "unused", "preset": preset, "init_from": str(init_from)}
+    return resolve(None, flags)
+
+
+def test_init_from_refuses_another_arch_vocabulary_or_a_shorter_model(books_data, tmp_path):
+    import shatter
+
+    index = read_index(str(books_data))
+    model = shatter.build_model("bert-tiny", vocab_size=index.vocab_size, max_len=32)
+    export = shatter.save_pretrained(model, tmp_path / "export", tokenizer=index.tokenizer)
+    assert check(_cfg(books_data, export), index, 32)[0] == export
+    problems = {
+        "not a shatter-tiny model (arch bert (export) vs shatter": (_cfg(books_data, export, "shatter-tiny"), 32),
+        "max_len 32, shorter than the training length 64: extend it first": (_cfg(books_data, export), 64),
+    }  # fmt: skip
+    config = json.loads((export / "config.json").read_text())
+    other = tmp_path / "other"
+    shatter.save_pretrained(
+        shatter.build_model("bert-tiny", vocab_size=500, max_len=64), other, index.tokenizer
+    )
+    problems["another vocabulary than the data"] = (_cfg(books_data, other), 32)
+    problems["--init-from " + str(tmp_path / "nothing") + ": no such directory"] = (
+        _cfg(books_data, tmp_path / "nothing"),
+        32,
+    )
+    for message, (cfg, length) in problems.items():
+        with pytest.raises(
+            ConfigError, match="^.*" + message.replace("(", r"\(").replace(")", r"\)")
+        ) as err:
+            check(cfg, index, length)
+        assert "\n" not in str(err.value)
+    assert config["arch"] == "bert"
+
+
+def test_compile_is_refused_in_one_line_without_a_compiler(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    assert compile_problem("cpu").startswith("run.compile on a CPU needs a C++ compiler")
+    assert compile_problem("cpu").count("\n") == 0

@@ -1,0 +1,51 @@
+"""`run.compile: true`: the model compiled by torch.compile (inductor), or refused in one line.
+
+The model is compiled in place (`nn.Module.compile`), so its state dict, and with it the
+checkpoints and the export, keep their names. Inductor builds C++ kernels on a CPU and Triton
+kernels on a GPU: without a C++ compiler, or without triton, the run is refused before it starts;
+a model torch.compile cannot compile is refused at its first step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import torch
+from torch import nn
+
+from train.config import ConfigError
+
+
+def compile_problem(device_type: str) -> str | None:
+    """A sentence saying why inductor cannot compile here, else None."""
+    if device_type == "cpu":
+        compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+        if not any(c and shutil.which(c) for c in compilers):
+            return (
+                "run.compile on a CPU needs a C++ compiler (inductor builds its kernels with one): "
+                "install g++ or set run.compile: false"
+            )
+    elif importlib.util.find_spec("triton") is None:
+        return "run.compile on a GPU needs triton: pip install triton, or set run.compile: false"
+    return None
+
+
+def compile_model(model: nn.Module) -> nn.Module:
+    """`model`, compiled in place; a ConfigError where inductor cannot run."""
+    problem = compile_problem("cuda" if torch.cuda.is_available() else "cpu")
+    if problem:
+        raise ConfigError(problem)
+    model.compile()
+    return model
+
+
+def one_line(err: Exception) -> str:
+    """The refusal of a model that torch.compile failed on."""
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    return (
+        f"run.compile: torch.compile could not compile the model ({first[:300]}); "
+        "train without it (run.compile: false)"
+    )
