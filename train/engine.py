@@ -63,7 +63,10 @@ def _file_store() -> str:
 CPU_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory comm op, JIT-built on first use
 
 
-def extensions_dir(checkout: Path = Path(__file__).resolve().parents[1]) -> str:
+CHECKOUT = Path(__file__).resolve().parents[1]  # the repository this code runs from
+
+
+def extensions_dir(checkout: Path = CHECKOUT) -> str:
     """A JIT-extension cache per Python environment, checkout and build (torch and DeepSpeed
     versions): DeepSpeed builds its CPU shm_comm op on first use (~1 min), and two of them
     sharing torch's default cache rebuild each other's build."""
