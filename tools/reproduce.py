@@ -3,7 +3,7 @@
     python tools/reproduce.py ablation  --scale cpu --input wiki=DUMP.xml.bz2 --output runs/study
     python tools/reproduce.py extension --scale cpu --input wiki=DUMP.xml.bz2 --output runs/study
     python tools/reproduce.py science --scale gpu-small --data .science/l128 --output runs/science \
-        --budget-seconds 200
+        --budget-seconds 180
 
 `science` is one GPU call's answer (.ci/gpu/run.sh science): bert and shatter pretrained for the
 same tokens, each in a time box of --budget-seconds, evaluated at l_train and, after
@@ -127,7 +127,7 @@ SCALES = {
     # One GPU call (.ci/gpu/run.sh science): the small preset at l = 128 on the carried dataset
     # (tools/science_data.py, ~1M training tokens: dynamic masking gives each epoch new masks),
     # one GPU, bf16, 128 rows a step (16k tokens), 2000 steps = 33M tokens per model, which
-    # should take under the step's 200 s per model on an H100 (a guess until a GPU times it:
+    # should take under the step's 180 s per model on an H100 (a guess until a GPU times it:
     # the run then fails on its budget, naming it, rather than overrunning the call).
     "gpu-small": Scale(
         name="gpu-small",
