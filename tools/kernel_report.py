@@ -14,10 +14,13 @@ configurations must leave the autotune lists of shatter/kernels/partition_mixing
 
     python tools/kernel_report.py --arch 80,90
     python tools/kernel_report.py --arch 90 --shape base --dtype bf16 --first-config   # CI subset
+
+Compiles run in parallel (--jobs, the CPU count by default); the table keeps the order above.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import os
 import re
@@ -150,15 +153,36 @@ def compile_one(
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     cfg = "M{BLOCK_M} N{BLOCK_N}".format(**config.kwargs)
     cfg += f" w{config.num_warps} s{config.num_stages}"
+    cfg += f" G{config.kwargs['GROUP']}" if "GROUP" in config.kwargs else ""
     return Row(
         arch, kernel, activation, shape, dtype, cfg, compiled.metadata.shared, regs, stack,
         len(re.findall(r"\bHMMA\b", sass)), len(re.findall(r"\bHGMMA\b", sass)), has_c, L,
     )  # fmt: skip
 
 
-def variants(kernel: str, activations, has_cs, shapes, dtypes, lengths):
-    """The variants a kernel is compiled for."""
-    return itertools.product(activations, has_cs, shapes, dtypes, lengths)
+def jobs(archs, kernels, activations, has_cs, shapes, dtypes, lengths, first_config):
+    """(arch, kernel, activation, HAS_C, shape, dtype, l, config) of every compile: each
+    kernel's configurations for the arch family that serve the shape (partition_mixing.usable),
+    or the first of them."""
+    from shatter.kernels.partition_mixing import usable
+
+    tuned = tuned_kernels()
+    for cap, kernel in itertools.product(archs, kernels):
+        for act, has_c, shape, dtype, L in itertools.product(
+            activations, has_cs, shapes, dtypes, lengths
+        ):
+            d, n = SHAPES[shape]
+            configs = usable(tuned[kernel][1], n, max(16, 1 << (d // n - 1).bit_length()), cap)
+            for config in configs[:1] if first_config else configs:
+                yield cap, kernel, act, has_c, shape, dtype, L, config
+
+
+def _compile_job(job) -> Row | str:
+    cap, kernel, act, has_c, shape, dtype, L, config = job
+    try:
+        return compile_one(cap, kernel, act, shape, dtype, config, has_c, L)
+    except Exception as e:
+        return str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
 
 
 def _split(text: str) -> list[str]:
@@ -196,7 +220,8 @@ def summary(rows: list[Row]) -> list[str]:
 @click.option("--dtype", "dtypes", default="bf16,fp16", help="bf16, fp16, fp32")
 @click.option("--length", "lengths", default="512,509", help="sequence lengths (hints only)")
 @click.option("--first-config", is_flag=True, help="only each kernel's first autotune config")
-def main(arch, kernels, activations, has_cs, shapes, dtypes, lengths, first_config):
+@click.option("--jobs", "n_jobs", default=os.cpu_count() or 1, help="compiles run in parallel")
+def main(arch, kernels, activations, has_cs, shapes, dtypes, lengths, first_config, n_jobs):
     """Compile the Triton kernels ahead of time and check their resources (see module doc)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("kernel_report: unset TRITON_INTERPRET: the interpreter compiles nothing")
@@ -222,37 +247,33 @@ def main(arch, kernels, activations, has_cs, shapes, dtypes, lengths, first_conf
     bad_len = [v for v in ls if not 16 < v <= MAX_LEN]
     if bad_len:
         raise SystemExit(f"kernel_report: --length {bad_len} outside 17..{MAX_LEN}")
-    tuned = tuned_kernels()
     import triton
 
     print(f"triton {triton.__version__} (python {sys.version.split()[0]})")
     header = f"{'arch':>5} {'kernel':6} {'act':7} {'c':1} {'shape':5} {'dtype':5} {'l':>4} "
-    header += f"{'config':16} {'smem':>7} {'regs':>4} {'spill':>5} {'HMMA':>5} {'HGMMA':>5}  check"
+    header += f"{'config':21} {'smem':>7} {'regs':>4} {'spill':>5} {'HMMA':>5} {'HGMMA':>5}  check"
     print(header)
+    has = [v == "true" for v in _split(has_cs)]
+    todo = list(jobs(archs, _split(kernels), _split(activations), has, _split(shapes),
+                     _split(dtypes), ls, first_config))  # fmt: skip
     rows: list[Row] = []
     failed = 0
-    has = [v == "true" for v in _split(has_cs)]
-    for cap, kernel in itertools.product(archs, _split(kernels)):
-        configs = [c for c in tuned[kernel][1] if cap in c.archs]
-        combos = variants(kernel, _split(activations), has, _split(shapes), _split(dtypes), ls)
-        for (act, has_c, shape, dtype, L), config in itertools.product(
-            combos, configs[:1] if first_config else configs
-        ):
-            try:
-                r = compile_one(cap, kernel, act, shape, dtype, config, has_c, L)
-            except Exception as e:  # a compile error: one line, then stop
+    with concurrent.futures.ProcessPoolExecutor(max_workers=n_jobs) as pool:
+        for job, r in zip(todo, pool.map(_compile_job, todo)):
+            if isinstance(r, str):  # a compile error: one line, then stop
+                cap, kernel, act, has_c, shape, dtype, L, config = job
                 what = f"sm_{cap} {kernel} {act} HAS_C={has_c} {shape} {dtype} l={L} {config}"
-                msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+                pool.shutdown(cancel_futures=True)
                 raise SystemExit(
-                    f"kernel_report: {what} does not compile: {msg} "
+                    f"kernel_report: {what} does not compile: {r} "
                     "(shatter/kernels/partition_mixing.py)"
-                ) from None
+                )
             bad = r.problems()
             failed += bool(bad)
             rows.append(r)
             print(
                 f"sm_{r.arch:<2} {r.kernel:6} {r.activation:7} {'yn'[not r.has_c]} {r.shape:5} "
-                f"{r.dtype:5} {r.length:>4} {r.config:16} {r.smem:>7} {r.regs:>4} {r.spill:>5} "
+                f"{r.dtype:5} {r.length:>4} {r.config:21} {r.smem:>7} {r.regs:>4} {r.spill:>5} "
                 f"{r.hmma:>5} {r.hgmma:>5}  " + ("; ".join(bad) or "ok"),
                 flush=True,
             )

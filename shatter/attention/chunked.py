@@ -15,7 +15,9 @@ N[h, i, j] = f_h(j - i) for the block's rows is gathered from the layer's (n, 2m
 X_bar only; B and A_part (and their gradients) are small matmuls against the table window T in
 relative coordinates, B = skew(c T) and A_part = unskew(A) T^T, as `lean` takes them, so that no
 [B, r, n, L] broadcast is ever copied.
-The forward keeps only Q, X, V, c, the mask and one statistic per row: |P_i| (sigmoid) or the
+The 1/√d is applied on the scores GEMM's fp32 accumulator (no scaled copy of Q), and X̄ is written
+in the layout of the [B, L, d] context, so that the layer's context is a view of it. The forward
+keeps only Q, X, V, c, the mask and one statistic per row: |P_i| (sigmoid) or the
 logsumexp of the masked scores (softmax). The backward recomputes each block's A from them and
 takes the row term <dL/dA_i, A_i> inside the block, where the rows are whole. Each block's
 dL/dZ goes, in the input dtype, into one [B, L, L] buffer, and dQ = dZ X, dX = dZ^T Q are two
@@ -54,7 +56,10 @@ def _parts(table: torch.Tensor, i0: int, i1: int, L: int, dtype: torch.dtype) ->
 
 def _scores(Q, X, c, T, i0, i1, scale):
     """Z + B for rows i0:i1 in T's dtype (float32 or wider): [B, r, L]."""
-    Z = ((Q[:, i0:i1] * scale) @ X.transpose(-1, -2)).to(T.dtype)  # scaled first: no fp16 overflow
+    # the 1/√d on the GEMM's fp32 accumulator: no scaled copy of Q, no fp16 overflow
+    Q = Q[:, i0:i1]
+    Z = torch.baddbmm(Q.new_empty(()).expand(*Q.shape[:2], X.shape[1]), Q, X.transpose(-1, -2), beta=0.0, alpha=scale)  # fmt: skip
+    Z = Z.to(T.dtype)
     if c is not None:  # B_ij = sum_h c_ih f_h(j - i) = skew(c T), §3.3
         Z += skew(c[:, i0:i1].to(T.dtype) @ T, i0)
     return Z
@@ -81,7 +86,8 @@ class ChunkedPartitionAttention(torch.autograd.Function):
         Xq = X.to(Q.dtype)  # the matmul dtype (a no-op unless the caller mixes precisions)
         Vc = V.contiguous()  # once: a strided V would be copied by every block's matmul
         T = table_window(table, L, acc)
-        out = V.new_empty(V.shape)
+        B_, n_, L_, k_ = V.shape  # X̄ stored as [B, L, n, d/n]: the context is a view of it
+        out = V.new_empty(B_, L_, n_, k_).transpose(1, 2)
         part = torch.empty(B, L, n, dtype=V.dtype, device=V.device)
         stat = torch.empty(B, L, dtype=acc, device=Q.device)
         with torch.autocast(Q.device.type, enabled=False):

@@ -87,9 +87,10 @@ def projection_width(d: int, n: int, bias: bool = True) -> int:
 
 
 def projection_views(P: torch.Tensor, d: int, n: int):
-    """(Q [B, L, d], V [B, n, L, d/n], c [B, L, n] or None): views of P's columns, no copy."""
-    V = P[..., d : 2 * d].unflatten(-1, (n, d // n)).transpose(1, 2)
-    return P[..., :d], V, P[..., 2 * d : 2 * d + n] if P.shape[-1] > 2 * d else None
+    """(Q [B, L, d], V [B, n, L, d/n], c [B, L, n] or None): views of P's columns, no copy; one
+    split, so that autograd gathers their gradients into dP with one cat."""
+    Q, V, *c = P.split([d, d, P.shape[-1] - 2 * d] if P.shape[-1] > 2 * d else [d, d], -1)
+    return Q, V.unflatten(-1, (n, d // n)).transpose(1, 2), c[0] if c else None
 
 
 def context(x_bar: torch.Tensor, a_part: torch.Tensor, v_part: torch.Tensor | None):

@@ -36,7 +36,6 @@ from shatter.kernels.partition_mixing import (
     mix_bwd_dv_kernel,
     mix_bwd_dz_kernel,
     mix_fwd_kernel,
-    part_group,
     row_stats_kernel,
 )
 
@@ -49,7 +48,6 @@ def kernel_meta(d: int, n: int, dtype: torch.dtype) -> dict:
         "BLOCK_K": block_k,
         "PREC": "ieee" if dtype == torch.float32 else "tf32",
         "NP": max(16, triton.next_power_of_2(n)),
-        "GROUP": part_group(n, block_k),
     }
 
 
@@ -77,8 +75,14 @@ def _check(Q, X, V, c, mask, table):
             )
 
 
-def _grid(L, block, per_batch):
-    return lambda META: (triton.cdiv(L, META[block]), per_batch)
+def _grid(L, block, per_batch, half=0):
+    """(blocks of L, per_batch programs, times 2 sides × n/2/GROUP groups of parts when a side
+    has `half` = n/2 parts)."""
+
+    def grid(META):
+        return triton.cdiv(L, META[block]), per_batch * (2 * half // META["GROUP"] if half else 1)
+
+    return grid
 
 
 def padded(L: int) -> int:
@@ -131,12 +135,11 @@ def mixing_fwd(
     row_stats_kernel[_grid(L, "BLOCK_M", B)](Z, cc, mask32, table, stat[0], stat[1], *zs, **shared)
     out = _parts_layout(B, L, n, d // n, X)
     part = torch.empty(B, L, n, device=X.device, dtype=X.dtype)
-    programs = 2 * B * (n // 2 // meta["GROUP"])  # batch x side x group of parts
-    mix_fwd_kernel[_grid(L, "BLOCK_M", programs)](
+    mix_fwd_kernel[_grid(L, "BLOCK_M", B, n // 2)](  # batch x side x group of parts
         Z, cc, mask32, table, V, stat[0], stat[1], out, part, *zs,
         V.stride(0), V.stride(1), V.stride(2), out.stride(0), out.stride(1), out.stride(2),
         part.stride(0), part.stride(1), K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
-        GROUP=meta["GROUP"], PREC=meta["PREC"], **shared,
+        PREC=meta["PREC"], **shared,
     )  # fmt: skip
     return out, part, Z, stat
 
@@ -187,10 +190,9 @@ def mixing_bwd(
     tables = dict(T_CENTRE=(table.shape[1] - 1) // 2, PREC=meta["PREC"])
     zs = (Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), table.stride(0))
     gs = (g_out.stride(0), g_out.stride(1), g_out.stride(2))
-    programs = 2 * B * (n // 2 // meta["GROUP"])
-    mix_bwd_dv_kernel[_grid(L, "BLOCK_N", programs)](
+    mix_bwd_dv_kernel[_grid(L, "BLOCK_N", B, n // 2)](
         Z, cc, mask32, table, stat[0], stat[1], g_out, gV, *zs, *gs,
-        gV.stride(0), gV.stride(1), gV.stride(2), GROUP=meta["GROUP"], **shared, **tables,
+        gV.stride(0), gV.stride(1), gV.stride(2), **shared, **tables,
     )  # fmt: skip
     dZ = torch.empty_like(Z)  # the padded keys' columns are never read
     mix_bwd_dz_kernel[_grid(L, "BLOCK_M", B)](

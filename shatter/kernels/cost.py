@@ -10,7 +10,7 @@ shapes, dtypes and strides of its arguments and outputs alone (real, fake or met
   Elementwise work (sigmoid, exp, the table gathers) is not counted, as in train/cost.py.
 - bytes: reads and writes of global memory, each tensor counted once per kernel that streams it,
   and once per program group that re-reads it (Z in the mixing forward and dV kernels, one read
-  per group of parts: partition_mixing.part_group), the copies the op makes included; tensors
+  per group of parts, as on sm_90: `_z_reads`), the copies the op makes included; tensors
   of B·L·n elements and smaller (c, A_part, the mask, the row statistics) are left out.
 
 `register_costs(names)` hands the FLOP half to torch.utils.flop_counter, so `FlopCounterMode`
@@ -39,12 +39,15 @@ def _dims(a: dict) -> tuple[int, int, int, int, int, int]:
     return B, L, -(-L // 16) * 16, d, a["table"].shape[0], a["X"].element_size()
 
 
-def _z_reads(n: int, d: int) -> int:
-    """Reads of Z by the mixing forward (and the dV kernel): each side's keys once per group of
-    parts, the two sides together once per group."""
-    from shatter.kernels.partition_mixing import part_group
+def _z_reads(n: int, d: int, kernel: str) -> int:
+    """Reads of Z by the mixing forward or dV kernel: each side's keys once per group of parts,
+    the two sides together once per group, with the GROUP of the kernel's sm_90 configurations
+    for n (partition_mixing.usable)."""
+    from shatter.kernels import partition_mixing as pm
 
-    return n // 2 // part_group(n, max(16, 1 << (d // n - 1).bit_length()))
+    configs = {"fwd": pm.FWD_CONFIGS, "dv": pm.DV_CONFIGS}[kernel]
+    block_k = max(16, 1 << (d // n - 1).bit_length())
+    return n // 2 // pm.usable(configs, n, block_k, family=90)[0].kwargs["GROUP"]
 
 
 def mixing_dot_flops(B: int, L: int, d: int) -> float:
@@ -61,7 +64,7 @@ def mixing_fwd_cost(args, kwargs, outputs) -> tuple[float, float]:
     copies = 2 * x if L % 16 else 0  # the keys padded to Lp
     gemm = 2 * x + z  # Z = Q Xᵀ/√d
     stats = z
-    fwd = _z_reads(n, d) * z + x + x  # Z per group, V, X̄
+    fwd = _z_reads(n, d, "fwd") * z + x + x  # Z per group, V, X̄
     return flops, float(copies + gemm + stats + fwd)
 
 
@@ -71,7 +74,7 @@ def mixing_bwd_cost(args, kwargs, outputs) -> tuple[float, float]:
     z, x = B * L * Lp * e, B * L * d * e
     flops = 2 * mixing_dot_flops(B, L, d) + 2 * 2.0 * B * L * Lp * d  # dV, dA; dQ, dX
     copies = 0 if a["g_out"].stride(-1) == 1 else 2 * x
-    dv = _z_reads(n, d) * z + x + x  # Z per group, dX̄, dV
+    dv = _z_reads(n, d, "dv") * z + x + x  # Z per group, dX̄, dV
     dz = x + z + x + x + z  # X̄ (δ), Z, V, dX̄ in, dZ out
     gemms = 2 * (z + x + x)  # dQ = dZ X, dX = dZᵀ Q
     return flops, float(copies + dv + dz + gemms)

@@ -15,9 +15,9 @@ left of the diagonal and parts n/2..n−1 right of it (the appendix's mirror hal
 Forward: `row_stats_kernel` (one program per row block) sweeps Z once for ρ (or the row maximum
 and log-sum), then `mix_fwd_kernel` (one program per row block, side and group of parts) sweeps that
 side's keys with one accumulator of [BLOCK_M, d/n] per part of its group (64-wide dots) and writes
-X̄ and A_part normalised, in the input dtype. A group is 2 parts when n/2 is even (n = 12: 3 groups per side),
-else n/2: the accumulators then fit the registers without spills, at the cost of reading the
-side's Z tiles once per group (Z is B·l² elements: a small part of the traffic).
+X̄ and A_part normalised, in the input dtype. A group's GROUP parts come from the autotune
+configuration (`usable`): all n/2 parts of the side where their accumulators fit the registers
+without spills (sm_90 at n = 12: the side's Z tiles read once), else fewer.
 
 Backward, with δ_i = Σ_j dA_ij A_ij = Σ_h ⟨dX̄[h]_i, X̄[h]_i⟩ + ⟨dA_part_i, A_part_i⟩ from the
 saved outputs (FlashAttention-2's preprocess, taken in the dZ pass's prologue) and
@@ -31,7 +31,7 @@ dA_ij = Σ_h f_h(j−i) (⟨dX̄[h]_i, V[h]_j⟩ + dA_part_ih):
 block) gives dc and writes dZ = dS/√d in the input dtype: the 1/√d of Z's GEMM applied before the
 rounding keeps fp16 values no larger than the dQ and dX that the GEMMs make from them.
 
-n ∈ {4, 6, ..., 16} (at most 7 unrolled accumulators: `part_group`). `tools/kernel_report.py` compiles every
+n ∈ {4, 6, ..., 16} (at most 8 unrolled accumulators). `tools/kernel_report.py` compiles every
 autotune configuration ahead of time for sm_80/sm_90 and checks shared memory, spills and tensor
 cores. Under TRITON_INTERPRET=1 (CPU tests) one small configuration is tuned over.
 """
@@ -49,39 +49,59 @@ MAX_PARTS = 16  # n/2 <= 8 unrolled per-part accumulators
 FP32_MIN = tl.constexpr(-3.4028234663852886e38)  # padded keys, as multihead.masked_softmax
 
 
-def _cfg(block_m, block_n, warps, stages, archs=(80, 90)):
-    """An autotune configuration and the arch families it is for (80: sm_80..89, 90: sm_90+)."""
-    config = triton.Config(
-        {"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages
-    )
+def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None):
+    """An autotune configuration and the arch families it is for (80: sm_80..89, 90: sm_90+);
+    `group` (forward and dV kernels): the parts of a side that one program takes."""
+    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n}
+    if group is not None:
+        meta["GROUP"] = group
+    config = triton.Config(meta, num_warps=warps, num_stages=stages)
     config.archs = archs
     return config
 
 
-INTERPRET_CONFIGS = [_cfg(16, 16, 1, 1)]
-# Row tiles of at least 64 in the forward (a group's accumulators share one score tile). Checked
-# by tools/kernel_report.py (docs/benchmarks.md) within shared memory, without spills and with
-# tensor-core instructions: each list's first configuration for an arch family in every variant
-# (HAS_C, sigmoid/softmax, l = 512 and 509, d = 768/n = 12 and d = 1024/n = 16, bf16 and fp16),
-# the others at the hardest (d = 1024, n = 16, l = 509, bf16).
+# Checked by tools/kernel_report.py (docs/benchmarks.md) within shared memory, without spills and
+# with tensor-core instructions, at every configuration in every variant it serves (HAS_C,
+# sigmoid/softmax, l = 512 and 509, d = 768/n = 12 and d = 1024/n = 16, bf16 and fp16), under
+# the GPU image's Triton and the CPU's. The forward and dV kernels hold one [BLOCK, d/n] fp32
+# accumulator per part of their GROUP: sm_90 takes all n/2 parts of a side in one program at
+# n = 12 (the side's Z tiles read once) and 4 at n = 16; sm_80 (mma.sync, more registers per
+# accumulator) 2; GROUP 1 serves any n.
 STATS_CONFIGS = [_cfg(128, 64, 8, 2), _cfg(64, 128, 4, 2, archs=(90,))]
-FWD_CONFIGS = [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2, archs=(90,))]
-DV_CONFIGS = [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2), _cfg(64, 128, 8, 2)]
+FWD_CONFIGS = [
+    _cfg(64, 16, 8, 2, archs=(90,), group=6),
+    _cfg(64, 32, 8, 2, archs=(90,), group=4),
+    _cfg(64, 32, 8, 2, archs=(90,), group=3),
+    _cfg(128, 32, 8, 2, archs=(80,), group=2),
+    _cfg(64, 32, 4, 2, group=1),
+]
+DV_CONFIGS = [
+    _cfg(64, 32, 8, 2, archs=(90,), group=6),
+    _cfg(64, 32, 8, 2, archs=(90,), group=4),
+    _cfg(64, 32, 8, 2, archs=(90,), group=3),
+    _cfg(64, 64, 8, 2, archs=(80,), group=2),
+    _cfg(32, 64, 4, 2, archs=(80,), group=2),
+    _cfg(64, 32, 4, 2, group=1),
+]
 DZ_CONFIGS = [
     _cfg(64, 64, 8, 2),
     _cfg(64, 32, 4, 2, archs=(80,)),
     _cfg(64, 64, 4, 2, archs=(90,)),
     _cfg(64, 128, 8, 2, archs=(90,)),
 ]
-AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID"]
+# every compile-time constant that changes the code: a kernel is keyed on those it takes
+AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID", "BLOCK_K", "PREC", "NP"]
+ACC_COLUMNS = 384  # fp32 accumulator columns of a program's group: 6 parts of 64
 
 
-def part_group(n: int, block_k: int) -> int:
-    """Parts per forward/dV program: 2 when n/2 is even (an mma accumulator of [64, 64] fp32 takes
-    32 registers per thread whatever the warps: 3 or 4 of them spill beside the score tile), else
-    n/2 (3, 5 or 7)."""
-    half = n // 2
-    return 2 if half % 2 == 0 else half
+def usable(configs, n: int, block_k: int, family: int | None = None) -> list:
+    """The configurations for an arch family (None: any) that serve n parts of BLOCK_K: those
+    whose GROUP divides a side's n/2 parts, fits ACC_COLUMNS and is the largest such."""
+    mine = [c for c in configs if family is None or family in c.archs]
+    group = {c: c.kwargs.get("GROUP", 0) for c in mine}
+    fit = [c for c in mine if not group[c] or (n // 2 % group[c] == 0 and group[c] * block_k <= ACC_COLUMNS)]  # fmt: skip
+    best = max((group[c] for c in fit), default=0)
+    return [c for c in fit if group[c] in (0, best)]
 
 
 def arch_family(capability: tuple[int, int]) -> int:
@@ -89,15 +109,25 @@ def arch_family(capability: tuple[int, int]) -> int:
 
 
 def _for_this_call(configs, named_args, **kwargs):
-    family = arch_family(torch.cuda.get_device_capability())
-    return [c for c in configs if family in c.archs]
+    args = {**named_args, **kwargs}
+    family = None if INTERPRET else arch_family(torch.cuda.get_device_capability())
+    return usable(configs, args["N_PARTS"], args["BLOCK_K"], family)
 
 
 def _autotune(configs):
-    if INTERPRET:
-        return triton.autotune(configs=INTERPRET_CONFIGS, key=AUTOTUNE_KEY)
-    prune = {"early_config_prune": _for_this_call}
-    return triton.autotune(configs=configs, key=AUTOTUNE_KEY, prune_configs_by=prune)
+    """triton.autotune over `configs`, pruned to those that serve the call's arch and n (under
+    the interpreter: 16 x 16 tiles, all of a side's parts in one program), keyed on the
+    AUTOTUNE_KEY constants that the kernel takes."""
+
+    def wrap(fn):
+        key = [name for name in AUTOTUNE_KEY if name in fn.arg_names]
+        if INTERPRET:
+            groups = range(MAX_PARTS // 2, 0, -1) if "GROUP" in configs[0].kwargs else [None]
+            configs_ = [_cfg(16, 16, 1, 1, group=g) for g in groups]
+        prune = {"early_config_prune": _for_this_call}
+        return triton.autotune(configs=configs_ if INTERPRET else configs, key=key, prune_configs_by=prune)(fn)  # fmt: skip
+
+    return wrap
 
 
 # ------------------------------------------------------------------------------------ tiles
@@ -264,11 +294,11 @@ def mix_fwd_kernel(
     Z, C, Mk, T, V, STAT, STAT2, OUT, AP,
     sz_b, sz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, so_b, so_h, so_l, sa_b, sa_l,
     L, L_KEY, K_PART, T_CENTRE,
-    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch × side × group): X̄[h] and A_part[:, h] of GROUP of the side's
-    n/2 parts (GROUP accumulators; the groups re-read the side's Z tiles)."""
+    n/2 parts (GROUP accumulators; groups of fewer than n/2 parts re-read the side's Z)."""
     b, side, h0 = _program_parts(N_PARTS, GROUP)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
@@ -329,8 +359,8 @@ def mix_fwd_kernel(
 def mix_bwd_dv_kernel(
     Z, C, Mk, T, STAT, STAT2, DO, DV,
     sz_b, sz_l, sc_b, sc_l, st_h, sd_b, sd_h, sd_l, sg_b, sg_h, sg_l, L, L_KEY, K_PART, T_CENTRE,
-    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """Program (key block, batch × side × group): dV[h] = Σ_i (A ⊙ f_h)ᵀ dX̄[h] for GROUP of the
     side's parts (side 0: rows i <= j; side 1: i >= j); dO's [B, n, L, d/n] strides sd_*, dV's

@@ -155,3 +155,22 @@ def test_compiled_kernel_equals_naive_at_base_shape(dtype, bias, sigmoid):
     want = _values_and_grads(lambda *a: _reference(*a, sigmoid=sigmoid), *as32, mask, table)
     for name, a, b in zip(["X_bar", "A_part", "dQ", "dX", "dV", "dc"], got, want):
         assert _rel_err(a, b) < TOLERANCE[dtype], f"{dtype} {name}: {_rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "n=" in c])
+def test_two_programs_per_side_equal_naive(kernel, case, monkeypatch):
+    """GROUP = 2 (sm_80's configurations: a side's n/2 parts in groups of 2, one program each)
+    gives the naive reference's values and gradients too."""
+    if not INTERPRET:
+        pytest.skip("the compiled kernels tune over their own configurations")
+    from shatter.kernels import partition_mixing as pm
+
+    for tuned in (pm.mix_fwd_kernel, pm.mix_bwd_dv_kernel):
+        monkeypatch.setattr(tuned, "configs", [pm._cfg(16, 16, 1, 1, group=2)])
+        monkeypatch.setattr(tuned, "cache", {})
+    B, L, d, n, bias, lengths, sigmoid = CASES[case]
+    inputs = _inputs(B, L, d, n, bias, lengths)
+    got = _values_and_grads(lambda *a: kernel(*a, sigmoid=sigmoid), *inputs)
+    want = _values_and_grads(lambda *a: _reference(*a, sigmoid=sigmoid), *inputs)
+    for name, a, b in zip(["X_bar", "A_part", "dQ", "dX", "dV", "dc"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{case}: {name} differs")
