@@ -363,8 +363,8 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
     clock.lap()
     seconds = ", ".join(f"{kind} {s:.0f} s" for kind, s in clock.total.items())
     progress.write(
-        f"{clock.gpu_hours():.3f} GPU-hours used to step {state.step} (world size {ctx.world}; "
-        f"this session: {seconds})"
+        f"{clock.gpu_hours():.3f} GPU-hours used to step {state.step} (world size {ctx.world}); "
+        f"this session: {seconds}"
     )
     return status
 

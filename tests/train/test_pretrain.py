@@ -180,6 +180,23 @@ def test_fp32_zero1_two_ranks_loss_falls_and_exports_the_engines_model(books_dat
     hours = [r["gpu_hours"] for r in lines]
     assert hours == sorted(hours) and hours[-1] > 0
     assert "GPU-hours used to step 60 (world size 2)" in done.stderr
+    # the rates are over training time: the line after step 30's validation and checkpoint
+    # reports their seconds apart, and its tokens/s is not diluted by them
+    by_step = {r["step"]: r for r in lines}
+    after = by_step[31]
+    assert after["validation_s"] > 0 and after["checkpoint_s"] > 0, after
+    assert by_step[29]["validation_s"] == by_step[29]["checkpoint_s"] == 0
+    for r in lines[1:]:
+        tokens = r["tokens"] - by_step[r["step"] - 1]["tokens"]
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["training_s"], rel=1e-9)
+    before = sorted(by_step[s]["tokens_per_s"] for s in range(21, 30))[4]  # the median
+    print(
+        f"tokens/s: {before:,.0f} before the validation at step 30, {after['tokens_per_s']:,.0f}"
+        f" after it ({after['validation_s']:.2f} s of validation, {after['checkpoint_s']:.2f} s"
+        f" of checkpoint apart): ratio {after['tokens_per_s'] / before:.2f}"
+    )
+    assert after["tokens_per_s"] > before / 3  # 5x lower when they counted as training time
+    assert lines[-1]["gpu_hours_lost"] == 0
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["world_size"] == 2 and cfg["deepspeed"]["train_batch_size"] == 16
     assert (run / "export" / "STEP").read_text().strip() == "step00000060"
