@@ -157,6 +157,10 @@ def test_init_from_refuses_another_arch_vocabulary_or_a_shorter_model(books_data
     model = shatter.build_model("bert-tiny", vocab_size=index.vocab_size, max_len=32)
     export = shatter.save_pretrained(model, tmp_path / "export", tokenizer=index.tokenizer)
     assert check(_cfg(books_data, export), index, 32)[0] == export
+    run = tmp_path / "run"  # a run directory: its export
+    shatter.save_pretrained(model, run / "export", tokenizer=index.tokenizer)
+    (run / "metrics.jsonl").write_text("")
+    assert check(_cfg(books_data, run), index, 32)[0] == run / "export"
     problems = {
         "not a shatter-tiny model (arch bert (export) vs shatter": (_cfg(books_data, export, "shatter-tiny"), 32),
         "max_len 32, shorter than the training length 64: extend it first": (_cfg(books_data, export), 64),
