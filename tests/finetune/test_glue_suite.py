@@ -35,6 +35,7 @@ def glue_dir(root: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # nine finetuning processes: about 2 min on an idle 2-core box
 def test_the_suite_runs_the_eight_tasks_prints_the_row_and_resumes(tmp_path, tokenizer_model):
     export = tmp_path / "export"
     model = shatter.build_model("shatter-tiny", vocab_size=200, max_len=64, hidden=32, ffn=64)

@@ -121,3 +121,35 @@ def test_the_permutation_lm_batch_carries_its_order_and_mlm_does_not(dataset):
     plm = take(iter(stream(index, masking=spec)), 1)[0]
     assert "perm_rank" not in mlm and plm["perm_rank"].shape == plm["input_ids"].shape
     assert bool((plm["perm_rank"][plm["attention_mask"] == 0] == -1).all())
+
+
+@pytest.mark.parametrize("seq_len", [16, 8])
+def test_a_shorter_length_cuts_each_stored_row_into_pieces(dataset, seq_len):
+    """Built at 32: at 16 (8) each row is 2 (4) rows of the stream, [CLS] + its next 14 (6)
+    content tokens + [SEP], consecutive positions, the stored masks moved onto each piece,
+    an epoch k times as long; dynamic masks differ between a row's pieces."""
+    index = read_index(dataset)
+    k, s = 32 // seq_len, seq_len - 2
+    uncut = stream(index, batch_size=24).batch(np.arange(24))
+    cut = stream(index, batch_size=24 * k, seq_len=seq_len)
+    assert cut.end is None and cut.k == k
+    b = cut.batch(np.arange(24 * k))
+    assert b["sample_id"].tolist() == [
+        u * k + j for u in uncut["sample_id"].tolist() for j in range(k)
+    ]
+    for r in range(24):
+        n = int(uncut["attention_mask"][r].sum())
+        for j in range(k):
+            at = r * k + j
+            length = int(b["attention_mask"][at].sum())
+            count = min(max(n - 2 - j * s, 0), s)
+            assert length == count + 2 and int(b["input_ids"][at, 0]) == 2
+            assert int(b["input_ids"][at, length - 1]) == SEP
+            stored = slice(1 + j * s, 1 + j * s + count)
+            assert torch.equal(b["labels"][at, 1 : 1 + count], uncut["labels"][r, stored])
+            assert torch.equal(b["input_ids"][at, 1 : 1 + count], uncut["input_ids"][r, stored])
+    dynamic = stream(index, batch_size=24 * k, seq_len=seq_len, masking=MaskingSpec("dynamic"))
+    d = dynamic.batch(np.arange(24 * k))
+    pieces = [d["labels"][r * k : r * k + k] for r in range(24)]
+    assert sum(not torch.equal(p[0], p[1]) for p in pieces) >= 12
+    assert dynamic.batch(np.arange(24 * k, 48 * k))["epoch"].tolist() == [1] * (24 * k)
