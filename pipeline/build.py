@@ -33,7 +33,7 @@ from apache_beam.io.filesystems import FileSystems
 
 from pipeline import progress, readers, runners, store, tokenizer
 from pipeline.config import BuildConfig
-from pipeline.format import FORMAT, INDEX_FILE, TOKENIZER_FILE, VERSION, fs, write_index
+from pipeline.format import INDEX_FILE, TOKENIZER_FILE, build_index, fs, write_index
 from pipeline.format.writer import record_batch_rows
 from pipeline.inspect import validation_warnings
 from pipeline.sharding import ShardSize
@@ -427,41 +427,27 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
     recorded = config.to_dict()
     if not config.tokenizer:
         recorded["requested_vocab_size"] = config.vocab_size  # tokenizer.vocab_size: what it has
-    index = {
-        "format": FORMAT,
-        "version": VERSION,
-        "seq_len": config.seq_len,
-        "dupe_factor": config.dupe_factor,
-        "record_batch_rows": batch_rows,  # at most; the loader shuffles rows by such blocks
-        "tokenizer": {
-            "file": TOKENIZER_FILE,
-            "sha256": hashlib.sha256(model).hexdigest(),
-            "vocab_size": vocab_size,
-            "special_ids": dict(tokenizer.SPECIAL_PIECES),
-        },
-        "config": recorded,
-        "splits": {
-            split: {
-                "shards": [
-                    {k: r[k] for k in ("file", "rows", "tokens", "bytes", "sha256")}
-                    for r in infos
-                    if r["split"] == split
-                ]
-            }
-            for split in counts
-        },
-    }
-    for _split, entry in index["splits"].items():
-        entry["rows"] = sum(s["rows"] for s in entry["shards"])
-        entry["tokens"] = sum(s["tokens"] for s in entry["shards"])
     if sample_counters is None or build_counters is None:  # a runner without metrics (Dask)
-        index["counters"] = {"rows": sum(r["rows"] for r in infos), "shards_written": len(infos)}
-        index["counters_unavailable"] = list(RUNNER_ONLY_COUNTERS)
+        counters = {"rows": sum(r["rows"] for r in infos), "shards_written": len(infos)}
+        unavailable = RUNNER_ONLY_COUNTERS
     else:  # the reading counters come from the sampling pipeline when it cached the clean text
-        index["counters"] = {
+        counters = {
             k: sample_counters.get(k, 0) + build_counters.get(k, 0)
             for k in sorted(set(sample_counters) | set(build_counters))
         }
+        unavailable = None
+    index = build_index(
+        {split: [r for r in infos if r["split"] == split] for split in counts},
+        seq_len=config.seq_len,
+        dupe_factor=config.dupe_factor,
+        tokenizer_sha256=hashlib.sha256(model).hexdigest(),
+        vocab_size=vocab_size,
+        special_ids=tokenizer.SPECIAL_PIECES,
+        config=recorded,
+        counters=counters,
+        counters_unavailable=unavailable,
+        record_batch_rows=batch_rows,  # at most; the loader shuffles rows by such blocks
+    )
     for warning in validation_warnings(index):
         log.warning("%s", warning)
     write_index(out, index)

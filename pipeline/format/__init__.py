@@ -4,7 +4,8 @@
 
     schema.py   names, version, columns, `ShardInfo`, the one error type `DatasetError`
     fs.py       local paths with the standard library; `gs://` and other schemes through Beam
-    index.py    `read_index` -> `Index` (checked: format, version, fields), `write_index`
+    index.py    `build_index` (index.json's content), `read_index` -> `Index` (checked:
+                format, version, fields), `write_index`
     reader.py   `open_shard` -> `ShardFile` (record batches located by their headers, decoded
                 one at a time), `load_shard` (a whole shard decoded), `read_shard`
     blocks.py   `BlockReader`: a loader worker's bounded cache of decoded record batches, with
@@ -16,7 +17,7 @@
 Beam-free for local paths: the trainer imports it without importing Apache Beam.
 """
 
-from pipeline.format.index import Index, read_index, write_index
+from pipeline.format.index import Index, build_index, read_index, write_index
 from pipeline.format.reader import (
     Shard,
     ShardFile,
@@ -49,6 +50,7 @@ __all__ = [
     "ShardFile",
     "ShardWriter",
     "ShardInfo",
+    "build_index",
     "id_type",
     "load_shard",
     "open_shard",
