@@ -25,9 +25,9 @@ if __package__ in (None, ""):
 import click  # noqa: E402
 
 from pipeline.format import DatasetError, cache, read_index  # noqa: E402
+from pipeline.options import click_options  # noqa: E402
 from train.config import (  # noqa: E402
-    OPTIMIZER_IMPLS,
-    PRECISIONS,
+    SECTIONS,
     ConfigError,
     PresetError,
     TrainConfig,
@@ -227,48 +227,7 @@ def _run(cfg: TrainConfig) -> int:
     type=click.Path(dir_okay=False),
     help="YAML config (sections model, data, optim, run).",
 )
-@click.option("--data", help="Shard dataset directory (OUT of `shatter-data build`).")
-@click.option("--output", help="Run directory; an existing run there is resumed.")
-@click.option("--preset", help="Model preset, e.g. shatter-base, bert-tiny.")
-@click.option("--max-steps", type=int, help="Optimizer steps of the run.")
-@click.option("--micro-batch", type=int, help="Sequences per rank per micro-batch.")
-@click.option("--grad-accum", type=int, help="Micro-batches per optimizer step.")
-@click.option("--precision", type=click.Choice(PRECISIONS), help="fp32, bf16 or fp16 (GPU).")
-@click.option("--zero-stage", type=click.IntRange(0, 3), help="DeepSpeed ZeRO stage.")
-@click.option("--save-every", type=int, help="Steps between checkpoints.")
-@click.option("--eval-every", type=int, help="Steps between validation passes.")
-@click.option(
-    "--export-every", type=int, help="Steps between exports to RUN/export (always at the end)."
-)
-@click.option("--log-every", type=int, help="Steps between metrics.jsonl lines.")
-@click.option("--seed", type=int, help="Seed of weights, shuffle, dynamic masks, dropout.")
-@click.option(
-    "--masking",
-    type=click.Choice(["static", "dynamic"]),
-    help="Stored masks by epoch, or fresh ones.",
-)
-@click.option(
-    "--objective",
-    type=click.Choice(["mlm", "plm"]),
-    help="Masked LM, or XLNet's permutation LM (xlnet's default).",
-)
-@click.option("--whole-word/--no-whole-word", default=None, help="Dynamic masking of whole words.")
-@click.option("--seq-len", type=int, help="Truncate rows to this length (at most the data's).")
-@click.option("--num-workers", type=int, help="DataLoader workers per rank.")
-@click.option("--lr", type=float, help="Peak learning rate.")
-@click.option("--warmup-steps", type=int, help="Linear warm-up steps.")
-@click.option(
-    "--optim-impl",
-    type=click.Choice(OPTIMIZER_IMPLS),
-    help="AdamW on a GPU: torch's fused AdamW (default) or DeepSpeed's JIT-built FusedAdam.",
-)
-@click.option("--num-gpus", type=int, help="World size the config is written for (--dry-run).")
-@click.option(
-    "--deepspeed-config",
-    type=click.Path(dir_okay=False),
-    help="Expert: DeepSpeed JSON merged over the built one.",
-)
-@click.option("--progress/--no-progress", default=None, help="tqdm progress bar on rank 0.")
+@click_options(SECTIONS, defaults=False)  # train/config.py: the config fields declared as flags
 @click.option(
     "--dry-run",
     is_flag=True,
