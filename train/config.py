@@ -203,6 +203,20 @@ class RunArgs:
     # slowest rank-0-only pause (an export of a large model); a dead peer is noticed this late
     collective_timeout_s: float = 600.0
     tensorboard: bool = True  # TensorBoard event files under RUN/tensorboard
+    sample_log: str | None = option(
+        None,
+        "Debugging: each rank appends [stream position, row ids] of every micro-batch to "
+        "PREFIX.rankR.jsonl.",
+        doc="debugging: each rank appends `[stream position, row ids]` of every micro-batch to "
+        "`PREFIX.rankR.jsonl`",
+    )
+    sync_debug: str | None = option(
+        None,
+        "Debugging on a GPU: torch warns (or errors) at each host sync inside a training step.",
+        choices=("warn", "error"),
+        doc="debugging on a GPU: torch's `set_sync_debug_mode` over each step's forward, "
+        "backward and optimizer step (`warn` or `error`)",
+    )
 
 
 @dataclass(frozen=True)

@@ -249,8 +249,8 @@ def _run(cfg: TrainConfig) -> int:
 )
 def main(config_file, dry_run, target, local_rank, **flags):
     """Pretrain a masked-LM encoder on a shard dataset with DeepSpeed."""
+    from train.guard import TrainingError
     from train.lifecycle import process_exit
-    from train.loop import TrainingError
     from train.plm import with_objective
 
     with process_exit(known=(ConfigError, DatasetError, TrainingError)):
