@@ -231,29 +231,12 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         r, d = self.run, self.data
+        EngineArgs.of(self)  # the optimizer, schedule, batch, precision and ZeRO stage
         checks = [
-            (
-                r.precision in PRECISIONS,
-                f"run.precision must be one of {PRECISIONS}, got {r.precision!r}",
-            ),
-            (r.zero_stage in (0, 1, 2, 3), f"run.zero_stage must be 0-3, got {r.zero_stage}"),
             (d.masking in MASKINGS, f"data.masking must be one of {MASKINGS}, got {d.masking!r}"),
-            (r.max_steps > 0, "run.max_steps must be positive"),
             (r.collective_timeout_s > 0, "run.collective_timeout_s must be positive"),
-            (
-                r.micro_batch > 0 and r.grad_accum > 0,
-                "run.micro_batch and run.grad_accum must be positive",
-            ),
             (0 < d.mask_prob < 1, "data.mask_prob must be in (0, 1)"),
             (d.seq_len is None or d.seq_len >= 8, "data.seq_len must be at least 8"),
-            (
-                self.optim.decay in ("linear", "constant"),
-                "optim.decay must be 'linear' or 'constant'",
-            ),
-            (
-                self.optim.impl in OPTIMIZER_IMPLS,
-                f"optim.impl must be one of {OPTIMIZER_IMPLS}, got {self.optim.impl!r}",
-            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -275,6 +258,60 @@ class TrainConfig:
         except (TypeError, ValueError) as err:
             raise ConfigError(f"model.overrides {dict(self.model.overrides)}: {err}") from None
         return self
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What a DeepSpeed engine is built from (train/engine.py): the optimizer, the schedule's
+    length, the batch, the precision, the ZeRO stage, and an expert's JSON merged over the built
+    config. A pretraining run's come from its `TrainConfig` (`of`); finetuning builds its own."""
+
+    optim: OptimArgs
+    max_steps: int  # optimizer steps; the lr reaches 0 here (linear decay)
+    micro_batch: int  # sequences per rank per forward/backward
+    grad_accum: int = 1
+    precision: str = "fp32"
+    zero_stage: int = 0
+    deepspeed_config: str | None = None  # a DeepSpeed JSON merged over the built one
+
+    def __post_init__(self):
+        o = self.optim
+        checks = [
+            (
+                self.precision in PRECISIONS,
+                f"run.precision must be one of {PRECISIONS}, got {self.precision!r}",
+            ),
+            (self.zero_stage in (0, 1, 2, 3), f"run.zero_stage must be 0-3, got {self.zero_stage}"),
+            (self.max_steps > 0, "run.max_steps must be positive"),
+            (
+                self.micro_batch > 0 and self.grad_accum > 0,
+                "run.micro_batch and run.grad_accum must be positive",
+            ),
+            (o.decay in ("linear", "constant"), "optim.decay must be 'linear' or 'constant'"),
+            (
+                o.impl in OPTIMIZER_IMPLS,
+                f"optim.impl must be one of {OPTIMIZER_IMPLS}, got {o.impl!r}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    @classmethod
+    def of(cls, cfg: TrainConfig | EngineArgs) -> EngineArgs:
+        """A pretraining config's engine arguments (EngineArgs as they are)."""
+        if isinstance(cfg, EngineArgs):
+            return cfg
+        r = cfg.run
+        return cls(
+            cfg.optim,
+            max_steps=r.max_steps,
+            micro_batch=r.micro_batch,
+            grad_accum=r.grad_accum,
+            precision=r.precision,
+            zero_stage=r.zero_stage,
+            deepspeed_config=r.deepspeed_config,
+        )
 
 
 def default_warmup(max_steps: int) -> int:
