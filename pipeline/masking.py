@@ -19,8 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
-SPECIAL_IDS = (PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID)
+from pipeline.format.tokenizer import (  # noqa: F401  (the masking's special ids, used from here)
+    CLS_ID,
+    MASK_ID,
+    PAD_ID,
+    SEP_ID,
+    SPECIAL_IDS,
+    UNK_ID,
+)
 
 _U64, _U32 = np.uint64, np.uint32
 _GOLDEN = _U32(0x9E3779B9)  # 2**32 / golden ratio: spreads consecutive counters before hashing

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.tokenizer import load as load_sentencepiece
+from pipeline.format.tokenizer import load as load_sentencepiece
 
 SPIECE_UNDERLINE = "\u2581"
 UNIGRAM = 1  # sentencepiece TrainerSpec.ModelType
