@@ -89,12 +89,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
-        """Build from a dict (e.g. config.json), rejecting keys this version does not know.
-        Exports from before `attention_impl` hold `lean_attention`: True -> auto, False -> naive."""
-        if "lean_attention" in data:
-            data = dict(data)
-            lean = data.pop("lean_attention")
-            data.setdefault("attention_impl", "auto" if lean else "naive")
+        """Build from a dict (e.g. config.json), rejecting keys this version does not know."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
