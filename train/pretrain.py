@@ -121,7 +121,7 @@ def _run(cfg: TrainConfig) -> int:
     from train.lifecycle import ProgressWatchdog, StopFlag
     from train.loader import StreamPosition
     from train.loop import RunContext, train
-    from train.metrics import MetricsWriter, gpu_memory, truncate_after
+    from train.metrics import MetricsWriter
 
     index, seq_len = start_up_checks(cfg)
     stop = StopFlag().install()
@@ -130,17 +130,7 @@ def _run(cfg: TrainConfig) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint.check_shared(run_dir)  # every node must see the same run directory
     ds_config = resolved_deepspeed_config(cfg, world)
-    saved_world = checkpoint.saved_world_size(run_dir)
-    universal = saved_world is not None and saved_world != world
-    if universal:  # ZeRO's partitions re-cut for this world (train/checkpoint.py)
-        if rank == 0:
-            click.echo(
-                f"the checkpoint was written by {saved_world} ranks, this run has {world}: "
-                "converting it to a universal checkpoint to re-partition it",
-                err=True,
-            )
-        checkpoint.to_universal(run_dir)
-        ds_config["checkpoint"] = {"load_universal": True}
+    universal = _universal_if_resharded(run_dir, rank, world, ds_config)
     torch.manual_seed(cfg.run.seed)
     # The model is built for the length it is trained at (the paper pretrains BERT_GPU and
     # Shatter_GPU at 256); `shatter-extend` stretches it to 512 or 1024 for finetuning.
@@ -156,34 +146,7 @@ def _run(cfg: TrainConfig) -> int:
             position, index.rows("train")
         )  # refuses a position on different data
     if rank == 0:
-        if saved_config is not None:
-            changes = checkpoint.config_changes(saved_config, cfg.to_dict())
-            click.echo(
-                f"resuming from step {state.step} (sample {state.samples})"
-                + (": config changed: " + "; ".join(changes) if changes else ""),
-                err=True,
-            )
-            truncate_after(run_dir / "metrics.jsonl", state.step)
-            planned = saved_config["run"]["max_steps"]
-            if planned != cfg.run.max_steps and state.step < cfg.run.max_steps:
-                click.echo(
-                    f"--max-steps {planned} -> {cfg.run.max_steps}: from step {state.step} the lr "
-                    f"follows the schedule of a {cfg.run.max_steps}-step run "
-                    f"({cfg.optim.decay} after warm-up)",
-                    err=True,
-                )
-        (run_dir / "config.json").write_text(
-            json.dumps(
-                {
-                    "config": cfg.to_dict(),
-                    "deepspeed": ds_config,
-                    "world_size": world,
-                    "seq_len": seq_len,
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+        _record_start(cfg, run_dir, state, saved_config, ds_config, world, seq_len)
     writer = MetricsWriter(run_dir, rank, cfg.run.tensorboard)
     ctx = RunContext(cfg, index, engine, rank, world, run_dir, seq_len, writer, stop)
     try:
@@ -200,24 +163,88 @@ def _run(cfg: TrainConfig) -> int:
             "run the same command again to resume once the store answers"
         )
     if rank == 0:
-        where = (
-            f"export in {run_dir / checkpoint.EXPORT}"
-            if status == "complete"
-            else f"checkpoint in {run_dir / 'checkpoints'}; run the same command again to resume"
-        )
-        memory = gpu_memory(engine.device)
-        peak = (
-            f"; GPU memory peak {memory['gpu_mem_peak_gb']:.2f} GiB allocated, "
-            f"{memory['gpu_mem_reserved_gb']:.2f} GiB reserved"
-            if memory
-            else ""
-        )
+        _say_how_it_ended(status, state, run_dir, engine.device)
+    return 0 if status == "complete" else stop.exit_code
+
+
+def _universal_if_resharded(run_dir: Path, rank: int, world: int, ds_config: dict) -> bool:
+    """A checkpoint written by another number of ranks is converted to a universal one (ZeRO's
+    partitions re-cut for this world, train/checkpoint.py) and loaded as such; True if so."""
+    from train import checkpoint
+
+    saved_world = checkpoint.saved_world_size(run_dir)
+    if saved_world is None or saved_world == world:
+        return False
+    if rank == 0:
         click.echo(
-            f"{status}: step {state.step}, {state.skipped_nonfinite} non-finite micro-batches skipped"
-            f"{peak}; {where}",
+            f"the checkpoint was written by {saved_world} ranks, this run has {world}: "
+            "converting it to a universal checkpoint to re-partition it",
             err=True,
         )
-    return 0 if status == "complete" else stop.exit_code
+    checkpoint.to_universal(run_dir)
+    ds_config["checkpoint"] = {"load_universal": True}
+    return True
+
+
+def _record_start(cfg, run_dir: Path, state, saved_config, ds_config, world, seq_len) -> None:
+    """Rank 0: what a resume changes (the config, the schedule), metrics.jsonl cut back to the
+    checkpoint's step, and RUN/config.json."""
+    from train import checkpoint
+    from train.metrics import truncate_after
+
+    if saved_config is not None:
+        changes = checkpoint.config_changes(saved_config, cfg.to_dict())
+        click.echo(
+            f"resuming from step {state.step} (sample {state.samples})"
+            + (": config changed: " + "; ".join(changes) if changes else ""),
+            err=True,
+        )
+        truncate_after(run_dir / "metrics.jsonl", state.step)
+        planned = saved_config["run"]["max_steps"]
+        if planned != cfg.run.max_steps and state.step < cfg.run.max_steps:
+            click.echo(
+                f"--max-steps {planned} -> {cfg.run.max_steps}: from step {state.step} the lr "
+                f"follows the schedule of a {cfg.run.max_steps}-step run "
+                f"({cfg.optim.decay} after warm-up)",
+                err=True,
+            )
+    (run_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "config": cfg.to_dict(),
+                "deepspeed": ds_config,
+                "world_size": world,
+                "seq_len": seq_len,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+
+
+def _say_how_it_ended(status: str, state, run_dir: Path, device) -> None:
+    """Rank 0's last line: complete or stopped, at which step, the skips, the GPU memory peak,
+    and where the export or the checkpoint is."""
+    from train import checkpoint
+    from train.metrics import gpu_memory
+
+    where = (
+        f"export in {run_dir / checkpoint.EXPORT}"
+        if status == "complete"
+        else f"checkpoint in {run_dir / 'checkpoints'}; run the same command again to resume"
+    )
+    memory = gpu_memory(device)
+    peak = (
+        f"; GPU memory peak {memory['gpu_mem_peak_gb']:.2f} GiB allocated, "
+        f"{memory['gpu_mem_reserved_gb']:.2f} GiB reserved"
+        if memory
+        else ""
+    )
+    click.echo(
+        f"{status}: step {state.step}, {state.skipped_nonfinite} non-finite micro-batches skipped"
+        f"{peak}; {where}",
+        err=True,
+    )
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
