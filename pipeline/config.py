@@ -93,7 +93,7 @@ class BuildConfig:
             raise ValueError("no --input given")
         if self.seq_len < 8:
             raise ValueError(f"--seq-len {self.seq_len} is too short (at least 8)")
-        if self.seq_len > 65535:  # mask_positions are uint16 (DESIGN.md)
+        if self.seq_len > 65535:  # mask_positions are uint16 (the shard format)
             raise ValueError(
                 f"--seq-len {self.seq_len} is too long (at most 65535: mask positions are uint16)"
             )

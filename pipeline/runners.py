@@ -4,7 +4,7 @@ it gets, and the counters it reports.
 - No `--runner`: the in-process FnApiRunner (never Prism, which would be downloaded), with the
   options in its provision info so that `multi_processing` workers get them too.
 - `--runner DaskRunner` (or Beam's full `apache_beam.runners.dask.dask_runner.DaskRunner`): Beam's
-  Dask runner with three fixes for this pipeline (`DaskRunner` below).
+  Dask runner with the fixes that `pipeline.dask_runner` lists, for this pipeline.
 - Any other runner by name, with its options (`--project`, `--flink_master`, ...).
 
 Beam discards the options it cannot parse with a warning, so a misspelled one (`--direct_num_workrs
@@ -204,7 +204,7 @@ def counters(result, namespace: str) -> dict | None:
 
 
 def make_dask_runner():
-    """Beam's DaskRunner with this pipeline's three fixes (an instance; see `pipeline.dask_runner`)."""
+    """Beam's DaskRunner with this pipeline's fixes (an instance; `pipeline.dask_runner` lists them)."""
     try:
         from pipeline import dask_runner
     except ImportError as e:

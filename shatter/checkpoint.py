@@ -1,6 +1,6 @@
 """The export format: `model.safetensors` + `config.json` (+ `tokenizer.model`, + `head.json`).
 
-- `config.json` is exactly the `ModelConfig` dataclass (DESIGN.md); loading rejects unknown keys.
+- `config.json` is exactly the `ModelConfig` dataclass (docs/model.md, Exports); loading rejects unknown keys.
 - `model.safetensors` holds the state dict, tied weights stored once (safetensors `save_model`).
 - `head.json` is written only for a finetuning head (shatter/heads.py):
   `{"head": "sequence-classification", "num_labels": 3, "strategy": "modified"}` or
