@@ -190,21 +190,6 @@ def resume(
 
         where = run_dir / CHECKPOINTS / name
         lines = [line.strip() for line in str(err).strip().splitlines()] or [type(err).__name__]
-        added = sorted(
-            {
-                n
-                for m in engine.module.modules()
-                for n in getattr(m, "zero_if_missing", ())
-                if f'.{n}"' in str(err)
-            }
-        )
-        if added and "Missing key" in str(err):  # weights the arch gained after this run began
-            raise ConfigError(
-                f"{where} was written before this {engine.module.config.arch} model had "
-                f"{', '.join(added)}: a run cannot resume across that change (its optimizer "
-                "state has no slot for them); start another --output, or finetune or "
-                "shatter-extend its export or checkpoint, which load them at zero"
-            ) from None
         first = next((line for line in lines if "key(s)" in line or "size mismatch" in line), None)
         raise ConfigError(
             f"{where} cannot be resumed by this model ({(first or lines[0])[:300]}); use the "
