@@ -27,13 +27,14 @@ import posixpath
 import resource
 import time
 import uuid
+from dataclasses import dataclass
 
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 
 from pipeline import progress, readers, runners, store, tokenizer
 from pipeline.config import BuildConfig
-from pipeline.format import FORMAT, INDEX_FILE, TOKENIZER_FILE, VERSION, write_index
+from pipeline.format import INDEX_FILE, TOKENIZER_FILE, build_index, write_index
 from pipeline.format.store import fs
 from pipeline.format.writer import record_batch_rows
 from pipeline.inspect import validation_warnings
@@ -324,22 +325,44 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
 
 
 def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=print) -> dict:
-    """The build itself, writing into `out` (OUT, or the new directory beside it)."""
+    """The build itself, writing into `out` (OUT, or the new directory beside it), in four
+    stages: the tokenizer, the shards, their manifest checked, index.json."""
+    tok = _tokenizer_stage(config, out, beam_args, report)
+    plan = _plan(config, out, tok)
+    build_counters = _shards_stage(plan, beam_args, report)
+    shards = _written_shards(plan)
+    index = _index(config, tok, shards, build_counters, plan.batch_rows)
+    for warning in validation_warnings(index):
+        log.warning("%s", warning)
+    write_index(out, index)
+    return json.loads(json.dumps(index))  # exactly what index.json holds (lists, not tuples)
+
+
+@dataclass(frozen=True)
+class TokenizerStage:
+    """The first stage's result: OUT/tokenizer.model (given, or trained on the cleaned text)."""
+
+    model: bytes  # the sentencepiece model's bytes
+    vocab_size: int  # its pieces (a trained one may have fewer than --vocab-size)
+    cached: dict | None  # the cleaned text's cache {files, smallest_key}, when one was written
+    counters: dict | None  # the sampling pipeline's counters ({} with a given tokenizer)
+
+
+def _tokenizer_stage(config: BuildConfig, out: str, beam_args: list[str], report) -> TokenizerStage:
+    """Copy the given tokenizer, or run the first pipeline and train one (`train_tokenizer`)."""
     model_path = fs.join(out, TOKENIZER_FILE)
-    fraction = 0.0 if config.validation_inputs else config.validation_fraction
-    sample_counters, cached = {}, None
+    counters, cached = {}, None
     if config.tokenizer:
         with FileSystems.open(config.tokenizer) as f:
             model = f.read()
         with FileSystems.create(model_path) as f:
             f.write(model)
     else:
-        sample_counters = train_tokenizer(config, out, beam_args, report)
+        counters = train_tokenizer(config, out, beam_args, report)
         cached = json.loads(_read_text(fs.join(out, CACHE_LIST)))
     with FileSystems.open(model_path) as f:
         model = f.read()
-    sp = tokenizer.load(model)
-    vocab_size = sp.get_piece_size()
+    vocab_size = tokenizer.load(model).get_piece_size()
     if not config.tokenizer and vocab_size < config.vocab_size:
         # tokenizer.train lets sentencepiece stop short (hard_vocab_limit=False) rather than fail
         log.warning(
@@ -350,120 +373,162 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
             vocab_size,
             vocab_size,
         )
-    given = {"train": config.num_shards, "validation": config.num_validation_shards}
+    return TokenizerStage(model, vocab_size, cached, counters)
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """What the build pipeline is given: where it writes, how it holds out, shards and masks."""
+
+    config: BuildConfig
+    out: str
+    model_path: str  # OUT/tokenizer.model
+    fraction: float  # documents held out by hash (0 with --validation-input)
+    cached: dict | None  # TokenizerStage.cached
+    given: dict  # {split: shard count or None (from the size target)}
+    size: ShardSize
+    batch_rows: int  # rows per record batch, at most
+    mask: MaskSpec
+
+    @property
+    def work_dir(self) -> str:
+        return fs.join(self.out, WORK_DIR)
+
+
+def _plan(config: BuildConfig, out: str, tok: TokenizerStage) -> BuildPlan:
+    model_path = fs.join(out, TOKENIZER_FILE)
     size = ShardSize(
         int(config.shard_size_mb * 2**20),
-        2 if vocab_size <= 65535 else 4,
+        2 if tok.vocab_size <= 65535 else 4,
         config.dupe_factor,
         config.mask_rate,
     )
-    batch_rows = record_batch_rows(config.seq_len)
-    work_dir = fs.join(out, WORK_DIR)
-
-    def run_build(held_out: int | None) -> dict | None:
-        p = runners.make_pipeline(beam_args)
-        docs = (
-            _read_clean(p, config)
-            if cached is None
-            else p | "read cleaned" >> ReadCache(cached["files"])
-        )
-        if held_out is not None:  # the smallest-key document, where the hash threshold held none
-            docs = docs | "hold out" >> beam.ParDo(HoldOutFn(fraction), held_out)
-        _ = (
-            docs
-            | "tokenize" >> Tokenize(model_path, fraction)
-            | "pack" >> Pack(config.seq_len, config.cross_document)
-            | "shard, mask and write"
-            >> ShardAndWrite(out, work_dir, given, mask, config.spill_rows, size, batch_rows)
-        )
-        return run_and_report(p, "build", report)
-
-    def find_smallest_key() -> int | None:
-        """A pass over the cleaned documents for the hold-out key alone: read, clean, hash."""
-        p = runners.make_pipeline(beam_args)
-        _ = (
-            _read_clean(p, config)
-            | "batch keys" >> beam.Map(batch_smallest_key)
-            | "smallest key" >> SmallestKey()
-            | "write smallest key" >> beam.Map(lambda k: _write_text(key_path, json.dumps(k)))
-        )
-        run_and_report(p, "hold-out key", report)
-        key = json.loads(_read_text(key_path))
-        FileSystems.delete([key_path])
-        return key
-
-    mask = MaskSpec(
-        model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word
+    return BuildPlan(
+        config,
+        out,
+        model_path,
+        fraction=0.0 if config.validation_inputs else config.validation_fraction,
+        cached=tok.cached,
+        given={"train": config.num_shards, "validation": config.num_validation_shards},
+        size=size,
+        batch_rows=record_batch_rows(config.seq_len),
+        mask=MaskSpec(
+            model_path, config.seed, config.dupe_factor, config.mask_rate, config.whole_word
+        ),
     )
-    key_path = fs.join(out, KEY_FILE)
-    if cached is not None or fraction == 0:  # the hold-out key known (or not needed)
-        build_counters = run_build(cached["smallest_key"] if cached and fraction > 0 else None)
-    else:
-        # A given tokenizer: one pipeline, and only where it held out no document (a corpus of a
-        # few documents, below the hash threshold) a pass for the smallest key and a build with
-        # that document held out. No second branch beside the build: a runner that keeps an
-        # output until all its readers are done (Dask) would hold the documents meanwhile.
-        build_counters = run_build(None)
-        written = read_manifest(work_dir)
-        if not any(r["rows"] for r in written if r["split"] == "validation"):
-            held_out = find_smallest_key()
-            if HoldOutFn(fraction).moves(held_out):
-                report("no document held out by hash: building again with one held out")
-                _delete_tree(work_dir)
-                build_counters = run_build(held_out)
 
-    infos = sorted(read_manifest(work_dir), key=lambda r: (r["split"], r["shard"]))
+
+def _shards_stage(plan: BuildPlan, beam_args: list[str], report) -> dict | None:
+    """Run the build pipeline; returns its counters (None: a runner without metrics).
+
+    With the cleaned text cached, the hold-out key is known before it starts. With a given
+    tokenizer: one pipeline, and only where it held out no document (a corpus of a few
+    documents, below the hash threshold) a pass for the smallest key and a build with that
+    document held out. No second branch beside the build: a runner that keeps an output until
+    all its readers are done (Dask) would hold the documents meanwhile."""
+    cached, fraction = plan.cached, plan.fraction
+    if cached is not None or fraction == 0:  # the hold-out key known (or not needed)
+        held_out = cached["smallest_key"] if cached and fraction > 0 else None
+        return _run_build(plan, held_out, beam_args, report)
+    counters = _run_build(plan, None, beam_args, report)
+    written = read_manifest(plan.work_dir)
+    if not any(r["rows"] for r in written if r["split"] == "validation"):
+        held_out = _find_smallest_key(plan, beam_args, report)
+        if HoldOutFn(fraction).moves(held_out):
+            report("no document held out by hash: building again with one held out")
+            _delete_tree(plan.work_dir)
+            counters = _run_build(plan, held_out, beam_args, report)
+    return counters
+
+
+def _run_build(plan: BuildPlan, held_out: int | None, beam_args: list[str], report) -> dict | None:
+    """The build pipeline: (cached or freshly cleaned) documents → tokenize → pack → shard, mask
+    and write; `held_out` is the smallest-key document where the hash threshold held none."""
+    config, p = plan.config, runners.make_pipeline(beam_args)
+    if plan.cached is None:
+        docs = _read_clean(p, config)
+    else:
+        docs = p | "read cleaned" >> ReadCache(plan.cached["files"])
+    if held_out is not None:
+        docs = docs | "hold out" >> beam.ParDo(HoldOutFn(plan.fraction), held_out)
+    write = ShardAndWrite(
+        plan.out, plan.work_dir, plan.given, plan.mask, config.spill_rows, plan.size,
+        plan.batch_rows,
+    )  # fmt: skip
+    _ = (
+        docs
+        | "tokenize" >> Tokenize(plan.model_path, plan.fraction)
+        | "pack" >> Pack(config.seq_len, config.cross_document)
+        | "shard, mask and write" >> write
+    )
+    return run_and_report(p, "build", report)
+
+
+def _find_smallest_key(plan: BuildPlan, beam_args: list[str], report) -> int | None:
+    """A pass over the cleaned documents for the hold-out key alone: read, clean, hash."""
+    key_path = fs.join(plan.out, KEY_FILE)
+    p = runners.make_pipeline(beam_args)
+    _ = (
+        _read_clean(p, plan.config)
+        | "batch keys" >> beam.Map(batch_smallest_key)
+        | "smallest key" >> SmallestKey()
+        | "write smallest key" >> beam.Map(lambda k: _write_text(key_path, json.dumps(k)))
+    )
+    run_and_report(p, "hold-out key", report)
+    key = json.loads(_read_text(key_path))
+    FileSystems.delete([key_path])
+    return key
+
+
+def _written_shards(plan: BuildPlan) -> dict[str, list[dict]]:
+    """Each split's shards from the writers' manifest, every one of them there (a runner that
+    lost a shard's write must not give an index.json without it); the work directory removed."""
+    infos = sorted(read_manifest(plan.work_dir), key=lambda r: (r["split"], r["shard"]))
     # each shard's manifest records its split's shard count (given, or from the split's size)
-    counts = {s: max((r["count"] for r in infos if r["split"] == s), default=1) for s in given}
+    counts = {s: max((r["count"] for r in infos if r["split"] == s), default=1) for s in plan.given}
     missing = sorted(
         {(split, i) for split, n in counts.items() for i in range(n)}
         - {(r["split"], r["shard"]) for r in infos}
     )
-    if missing:  # a runner that lost a shard's write must not give an index.json without it
+    if missing:
         raise BuildError(
-            f"the build wrote {len(infos)} of {sum(counts.values())} shards in {out} (missing: "
-            f"{', '.join(f'{s} {i}' for s, i in missing[:5])}): the runner dropped work; build again"
+            f"the build wrote {len(infos)} of {sum(counts.values())} shards in {plan.out} "
+            f"(missing: {', '.join(f'{s} {i}' for s, i in missing[:5])}): the runner dropped "
+            "work; build again"
         )
-    _delete_tree(work_dir)
+    _delete_tree(plan.work_dir)
+    return {split: [r for r in infos if r["split"] == split] for split in counts}
+
+
+def _index(
+    config: BuildConfig,
+    tok: TokenizerStage,
+    shards: dict[str, list[dict]],
+    build_counters: dict | None,
+    batch_rows: int,
+) -> dict:
+    """index.json's content: the config, the tokenizer, the shards and the counters (a runner
+    without metrics: the rows and shards the manifest gives, and which counters are missing)."""
     recorded = config.to_dict()
     if not config.tokenizer:
         recorded["requested_vocab_size"] = config.vocab_size  # tokenizer.vocab_size: what it has
-    index = {
-        "format": FORMAT,
-        "version": VERSION,
-        "seq_len": config.seq_len,
-        "dupe_factor": config.dupe_factor,
-        "record_batch_rows": batch_rows,  # at most; the loader shuffles rows by such blocks
-        "tokenizer": {
-            "file": TOKENIZER_FILE,
-            "sha256": hashlib.sha256(model).hexdigest(),
-            "vocab_size": vocab_size,
-            "special_ids": dict(tokenizer.SPECIAL_PIECES),
-        },
-        "config": recorded,
-        "splits": {
-            split: {
-                "shards": [
-                    {k: r[k] for k in ("file", "rows", "tokens", "bytes", "sha256")}
-                    for r in infos
-                    if r["split"] == split
-                ]
-            }
-            for split in counts
-        },
-    }
-    for _split, entry in index["splits"].items():
-        entry["rows"] = sum(s["rows"] for s in entry["shards"])
-        entry["tokens"] = sum(s["tokens"] for s in entry["shards"])
-    if sample_counters is None or build_counters is None:  # a runner without metrics (Dask)
-        index["counters"] = {"rows": sum(r["rows"] for r in infos), "shards_written": len(infos)}
-        index["counters_unavailable"] = list(RUNNER_ONLY_COUNTERS)
+    unavailable = None
+    if tok.counters is None or build_counters is None:  # a runner without metrics (Dask)
+        every = [r for split in shards.values() for r in split]
+        counters = {"rows": sum(r["rows"] for r in every), "shards_written": len(every)}
+        unavailable = RUNNER_ONLY_COUNTERS
     else:  # the reading counters come from the sampling pipeline when it cached the clean text
-        index["counters"] = {
-            k: sample_counters.get(k, 0) + build_counters.get(k, 0)
-            for k in sorted(set(sample_counters) | set(build_counters))
-        }
-    for warning in validation_warnings(index):
-        log.warning("%s", warning)
-    write_index(out, index)
-    return json.loads(json.dumps(index))  # exactly what index.json holds (lists, not tuples)
+        keys = sorted(set(tok.counters) | set(build_counters))
+        counters = {k: tok.counters.get(k, 0) + build_counters.get(k, 0) for k in keys}
+    return build_index(
+        shards,
+        seq_len=config.seq_len,
+        dupe_factor=config.dupe_factor,
+        tokenizer_sha256=hashlib.sha256(tok.model).hexdigest(),
+        vocab_size=tok.vocab_size,
+        special_ids=tokenizer.SPECIAL_PIECES,
+        config=recorded,
+        counters=counters,
+        counters_unavailable=unavailable,
+        record_batch_rows=batch_rows,  # at most; the loader shuffles rows by such blocks
+    )

@@ -9,17 +9,15 @@ what follows `--` goes to the runner unchecked.
 
 from __future__ import annotations
 
-import atexit
-import importlib.abc
 import logging
-import os
 import re
 import sys
-import threading
 
 import click
 
-from pipeline.config import CORPORA, DASK_RUNNERS, SWITCHING_RUNNERS, BuildConfig, InputSpec
+from pipeline import process
+from pipeline.config import CORPORA, BuildConfig, InputSpec
+from pipeline.options import click_options
 
 
 class _DropBeamImportNoise(logging.Filter):
@@ -114,86 +112,13 @@ def main():
     default=None,
     help="multistream index of the wiki dump (parallel reads by stream)",
 )
-@click.option("--output", required=True, help="dataset directory (local or gs://, s3://, ...)")
 @click.option(
     "--validation-input",
     "validation_inputs",
     multiple=True,
     help="separate validation corpus (repeatable); else --validation-fraction is held out",
 )
-@click.option("--validation-fraction", type=float, default=0.005, show_default=True)
-@click.option("--seq-len", type=int, default=256, show_default=True)
-@click.option("--vocab-size", type=int, default=32000, show_default=True)
-@click.option("--tokenizer", default=None, help="existing sentencepiece model (skips training)")
-@click.option(
-    "--tokenizer-sample",
-    type=int,
-    default=2_000_000,
-    show_default=True,
-    help="lines of cleaned text the tokenizer is trained on",
-)
-@click.option(
-    "--tokenizer-sample-mb",
-    type=click.FloatRange(min=0, min_open=True),
-    default=BuildConfig.tokenizer_sample_mb,
-    show_default=True,
-    help="and at most this many MB of them: the tokenizer trainer's memory grows with its sample",
-)
-@click.option(
-    "--tokenizer-model-type",
-    type=click.Choice(["unigram", "bpe"]),
-    default="unigram",
-    show_default=True,
-)
-@click.option(
-    "--dupe-factor", type=int, default=5, show_default=True, help="static maskings per row"
-)
-@click.option("--mask-rate", type=float, default=0.15, show_default=True)
-@click.option("--whole-word/--no-whole-word", default=False, show_default=True)
-@click.option(
-    "--cross-document/--no-cross-document",
-    default=True,
-    show_default=True,
-    help="whether rows may span documents",
-)
-@click.option(
-    "--shard-size-mb",
-    type=float,
-    default=128,
-    show_default=True,
-    help="shard size target (Arrow data before zstd): the shard count follows from the data",
-)
-@click.option("--num-shards", type=int, help="train shards (overrides --shard-size-mb)")
-@click.option("--num-validation-shards", type=int, help="validation shards (likewise)")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option(
-    "--text-field",
-    default="text",
-    show_default=True,
-    help="JSON field / Parquet column (text corpus)",
-)
-@click.option(
-    "--text-mode",
-    type=click.Choice(["paragraph", "line"]),
-    default="paragraph",
-    show_default=True,
-    help=".txt documents: blank-line separated, or one per line",
-)
-@click.option(
-    "--on-error",
-    type=click.Choice(["skip", "stop"]),
-    default="skip",
-    show_default=True,
-    help="truncated/broken input: skip the rest of that file (counted) or stop",
-)
-@click.option(
-    "--spill-rows",
-    type=click.IntRange(min=1),
-    default=BuildConfig.spill_rows,
-    show_default=True,
-    help="rows a worker buffers before it sorts and spills them to a temporary file (memory: "
-    "about 3 x rows x --seq-len x 4 bytes at a spill; the shards do not depend on it)",
-)
+@click_options(BuildConfig, defaults=True)  # pipeline/config.py: its fields declared as options
 @click.option("--overwrite", is_flag=True, help="replace an existing dataset in --output")
 @click.option(
     "--progress-seconds",
@@ -209,30 +134,11 @@ def build(
     corpus,
     inputs,
     wiki_index,
-    output,
     validation_inputs,
-    validation_fraction,
-    seq_len,
-    vocab_size,
-    tokenizer,
-    tokenizer_sample,
-    tokenizer_sample_mb,
-    tokenizer_model_type,
-    dupe_factor,
-    mask_rate,
-    whole_word,
-    cross_document,
-    shard_size_mb,
-    num_shards,
-    num_validation_shards,
-    seed,
-    text_field,
-    text_mode,
-    on_error,
-    spill_rows,
     overwrite,
     verbose,
     progress_seconds,
+    **fields,
 ):
     """Build OUT from corpora. Extra options (e.g. --runner, --direct_num_workers) go to Beam;
     options that only the runner knows go after `--` (passed on unchecked)."""
@@ -252,27 +158,8 @@ def build(
     try:
         config = BuildConfig(
             inputs=_inputs(inputs, corpus, wiki_index),
-            output=output,
             validation_inputs=_inputs(validation_inputs, corpus, None),
-            validation_fraction=validation_fraction,
-            seq_len=seq_len,
-            vocab_size=vocab_size,
-            tokenizer=tokenizer,
-            tokenizer_sample=tokenizer_sample,
-            tokenizer_sample_mb=tokenizer_sample_mb,
-            tokenizer_model_type=tokenizer_model_type,
-            dupe_factor=dupe_factor,
-            mask_rate=mask_rate,
-            whole_word=whole_word,
-            cross_document=cross_document,
-            num_shards=num_shards,
-            num_validation_shards=num_validation_shards,
-            shard_size_mb=shard_size_mb,
-            seed=seed,
-            text_field=text_field,
-            text_mode=text_mode,
-            on_error=on_error,
-            spill_rows=spill_rows,
+            **fields,
         )
         beam_args = [  # --progress_seconds is a Beam option (pipeline.progress)
             f"--progress_seconds={progress_seconds}",
@@ -301,7 +188,7 @@ def build(
             "Run again with -v for the full traceback"
         )
     rows = {s: v["rows"] for s, v in index["splits"].items()}
-    click.echo(f"wrote {output}: rows {rows}, vocab {index['tokenizer']['vocab_size']}")
+    click.echo(f"wrote {config.output}: rows {rows}, vocab {index['tokenizer']['vocab_size']}")
 
 
 def _open_store(ctx, out: str) -> None:
@@ -361,58 +248,10 @@ def verify(ctx, out):
     click.echo(f"OK {out}")
 
 
-# the runners (None: the in-process default) on which the build is tested with a driver that has no
-# pandas (the core install: tests/pipeline/test_core_install.py)
-_RUNNERS_WITHOUT_PANDAS = (None, *SWITCHING_RUNNERS, *DASK_RUNNERS)
-
-
-def _runner_named(args: list[str]) -> str | None:
-    """The `--runner` of a build's arguments (None: the default)."""
-    for i, arg in enumerate(args):
-        if arg == "--":
-            break
-        if arg.startswith("--runner="):
-            return arg.split("=", 1)[1]
-        if arg == "--runner" and i + 1 < len(args):
-            return args[i + 1]
-    return None
-
-
-class _WithoutPandas(importlib.abc.MetaPathFinder):
-    """Imports of pandas fail as where it is not installed."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "pandas" or name.startswith("pandas."):
-            raise ModuleNotFoundError(f"No module named {name!r} (shatter-data build)", name=name)
-        return None
-
-
-def _build_without_pandas(args: list[str]) -> None:
-    """Importing Beam imports pandas, where it is installed, for Beam's optional pandas batch
-    converters: a quarter of its import time (0.5 s per build). The build uses none of them, and
-    on the runners it is tested on, it runs in the core install, which has no pandas; so a
-    `shatter-data build` process on them runs as it does there. Workers of their own (Dask's,
-    `multi_processing`'s) import what they have."""
-    if "pandas" not in sys.modules and _runner_named(args) in _RUNNERS_WITHOUT_PANDAS:
-        sys.meta_path.insert(0, _WithoutPandas())
-
-
-def _exit_status(code) -> int:
-    """What the interpreter makes of `sys.exit(code)`: None is 0, a message is 1 (printed)."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
 def entry() -> None:
-    """The `shatter-data` program (its console script, and `python -m pipeline.cli`): `main`, then
-    the exit handlers (logging's, Beam's, temporary directories'), and then the process ends
-    without the interpreter's teardown, which frees every module and object one by one: half a
-    second after a build, of nothing left to do (every file is closed, stdout and stderr are
-    flushed here). With a thread still running, the exit is the interpreter's own."""
+    """The `shatter-data` program (its console script, and `python -m pipeline.cli`): `main`,
+    with the two workarounds of `pipeline.process` (a build without pandas, no teardown); on an
+    install without Apache Beam (a training node's), one line naming the extra to install."""
     try:
         import apache_beam  # noqa: F401  (a training node's install has none)
     except ImportError:
@@ -421,21 +260,8 @@ def entry() -> None:
             "not installed: pip install 'shatter-toolkit[pipeline]'"
         )
     if sys.argv[1:2] == ["build"]:
-        _build_without_pandas(sys.argv[2:])
-    status = 0
-    try:
-        main()  # standalone: ends in SystemExit, or an exception (a traceback, the normal exit)
-    except SystemExit as e:
-        status = _exit_status(e.code)
-        if threading.active_count() > 1:
-            raise
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (BrokenPipeError, ValueError):  # its reader is gone (`| head`), or it is closed
-            pass
-    os._exit(status)
+        process.hide_pandas(sys.argv[2:])
+    process.exit_without_teardown(main)
 
 
 if __name__ == "__main__":

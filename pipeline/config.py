@@ -1,9 +1,12 @@
-"""The build configuration: one frozen dataclass, saved whole in every index.json."""
+"""The build configuration: one frozen dataclass, saved whole in every index.json; a field
+declared with `option(...)` is also an option of `shatter-data build` (`pipeline.options`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from pipeline.options import option
 
 CORPORA = ("wiki", "books", "text")
 # `--runner` names with a meaning of ours (`pipeline.runners`; here, Beam-free, for the CLI too):
@@ -27,39 +30,57 @@ class InputSpec:
 class BuildConfig:
     """Everything that determines the bytes of a dataset (plus where it goes)."""
 
-    inputs: tuple[InputSpec, ...]  # training corpora, mixed in one build
-    output: str  # dataset directory (local or remote)
-    validation_inputs: tuple[
-        InputSpec, ...
-    ] = ()  # a separate validation corpus; else held out by hash
-    validation_fraction: float = (
-        0.005  # share of documents held out by document hash (no validation_inputs)
+    inputs: tuple[InputSpec, ...]  # training corpora, mixed in one build (--input, --corpus)
+    output: str = option(help="dataset directory (local or gs://, s3://, ...)", required=True)
+    # a separate validation corpus (--validation-input); else held out by hash
+    validation_inputs: tuple[InputSpec, ...] = ()
+    validation_fraction: float = option(
+        0.005, "share of documents held out by document hash (without --validation-input)"
     )
-    seq_len: int = 256  # ids per row, [CLS] and closing [SEP] included
-    vocab_size: int = 32000  # sentencepiece vocabulary, special ids included
-    tokenizer: str | None = None  # an existing sentencepiece model; else one is trained
-    tokenizer_sample: int = 2_000_000  # lines of cleaned text the tokenizer is trained on
-    # ... and at most this many MB (UTF-8) of them: sentencepiece's trainer needs several times
-    # its input in memory (the build logs the sample's size and the driver's peak)
-    tokenizer_sample_mb: float = 200.0
-    tokenizer_model_type: str = "unigram"  # sentencepiece model type: unigram or bpe
-    dupe_factor: int = 5  # static maskings stored per row
-    mask_rate: float = 0.15  # share of non-special tokens masked (BERT §3.1)
-    whole_word: bool = False  # mask whole words (word_start) instead of single tokens
-    cross_document: bool = True  # rows may span documents ([SEP] between them)
-    num_shards: int | None = None  # train shards; None: as many as --shard-size-mb makes
-    num_validation_shards: int | None = None  # validation shards; None: likewise
-    shard_size_mb: float = 128  # shard size target (its Arrow data before zstd, pipeline.sharding)
-    seed: int = 0  # global seed of the maskings
-    text_field: str = "text"  # JSON field / Parquet column of the `text` reader
-    text_mode: str = "paragraph"  # .txt documents: "paragraph" (blank-line separated) or "line"
-    on_error: str = (
-        "skip"  # truncated/broken input: "skip" the rest of that file (counted) or "stop"
+    seq_len: int = option(256, "ids per row, [CLS] and closing [SEP] included")
+    vocab_size: int = option(32000, "sentencepiece vocabulary, special ids included")
+    tokenizer: str | None = option(None, "existing sentencepiece model (skips training)")
+    tokenizer_sample: int = option(2_000_000, "lines of cleaned text the tokenizer is trained on")
+    # sentencepiece's trainer needs several times its input in memory (the build logs the
+    # sample's size and the driver's peak)
+    tokenizer_sample_mb: float = option(
+        200.0,
+        "and at most this many MB of them: the tokenizer trainer's memory grows with its sample",
+        min=0,
+        min_open=True,
+    )
+    tokenizer_model_type: str = option(
+        "unigram", "sentencepiece model type", choices=("unigram", "bpe")
+    )
+    dupe_factor: int = option(5, "static maskings per row")
+    mask_rate: float = option(0.15, "share of non-special tokens masked (BERT §3.1)")
+    whole_word: bool = option(False, "mask whole words (word_start) instead of single tokens")
+    cross_document: bool = option(True, "whether rows may span documents ([SEP] between them)")
+    num_shards: int | None = option(None, "train shards (overrides --shard-size-mb)")
+    num_validation_shards: int | None = option(None, "validation shards (likewise)")
+    shard_size_mb: float = option(
+        128,
+        "shard size target (Arrow data before zstd): the shard count follows from the data",
+    )
+    seed: int = option(0, "global seed of the maskings")
+    text_field: str = option("text", "JSON field / Parquet column (text corpus)")
+    text_mode: str = option(
+        "paragraph",
+        ".txt documents: blank-line separated, or one per line",
+        choices=("paragraph", "line"),
+    )
+    on_error: str = option(
+        "skip",
+        "truncated/broken input: skip the rest of that file (counted) or stop",
+        choices=("skip", "stop"),
     )
     batch_chars: int = 1 << 20  # characters of text per DoFn call (Beam overhead is per element)
     split_bytes: int = 4 << 20  # byte-range size for parallel reads of splittable files
-    spill_rows: int = (
-        65536  # rows a worker buffers before spilling them, key-sorted, to a temp file
+    spill_rows: int = option(
+        65536,
+        "rows a worker buffers before it sorts and spills them to a temporary file (memory: "
+        "about 3 x rows x --seq-len x 4 bytes at a spill; the shards do not depend on it)",
+        min=1,
     )
 
     def __post_init__(self):
@@ -72,7 +93,7 @@ class BuildConfig:
             raise ValueError("no --input given")
         if self.seq_len < 8:
             raise ValueError(f"--seq-len {self.seq_len} is too short (at least 8)")
-        if self.seq_len > 65535:  # mask_positions are uint16 (DESIGN.md)
+        if self.seq_len > 65535:  # mask_positions are uint16 (the shard format)
             raise ValueError(
                 f"--seq-len {self.seq_len} is too long (at most 65535: mask positions are uint16)"
             )

@@ -19,8 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
-SPECIAL_IDS = (PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID)
+from pipeline.format.tokenizer import (  # noqa: F401  (the masking's special ids, used from here)
+    CLS_ID,
+    MASK_ID,
+    PAD_ID,
+    SEP_ID,
+    SPECIAL_IDS,
+    UNK_ID,
+)
 
 _U64, _U32 = np.uint64, np.uint32
 _GOLDEN = _U32(0x9E3779B9)  # 2**32 / golden ratio: spreads consecutive counters before hashing
@@ -29,7 +35,7 @@ _P80, _P90 = (
     _U32(int(0.8 * 2**32)),
     _U32(int(0.9 * 2**32)),
 )  # the 80% / 10% / 10% split of the draws
-_POS_MASK = 0xFFFF  # positions are uint16 (DESIGN.md), the low 16 bits of a sort key
+_POS_MASK = 0xFFFF  # positions are uint16 (the shard format), the low 16 bits of a sort key
 _NOT_CANDIDATE = _U64(2**64 - 1)
 _BLOCK_ELEMENTS = 1 << 17  # keys per block of rows in mask_batch (512 KiB of uint32)
 
@@ -92,7 +98,7 @@ def _unit_hash(unit, salt) -> np.ndarray:
 def _candidates(ids: np.ndarray, lengths, special_ids) -> np.ndarray:
     special = np.asarray(special_ids)
     in_row = np.arange(ids.shape[1])[None, :] < np.asarray(lengths)[:, None]
-    if np.array_equal(special, np.arange(len(special))):  # DESIGN.md's ids 0..4: one comparison
+    if np.array_equal(special, np.arange(len(special))):  # the format's ids 0..4: one comparison
         return in_row & (ids >= len(special))
     return in_row & ~np.isin(ids, special)
 

@@ -222,7 +222,7 @@ def check_dask_fork(version: str = beam.__version__) -> None:
 
 
 def make_dask_runner():
-    """Beam's DaskRunner with this pipeline's fixes (an instance; see `pipeline.dask_runner`)."""
+    """Beam's DaskRunner with this pipeline's fixes (an instance; `pipeline.dask_runner` lists them)."""
     check_dask_fork()
     try:
         from pipeline import dask_runner

@@ -66,7 +66,7 @@ def sort_order(keys: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class ShardSize:
     """Shards of about `target_bytes` each, estimated as the Arrow data they hold before zstd
-    (the writer's columns, DESIGN.md): the files come out smaller, and a reader's decoded
+    (the writer's columns, docs/pipeline.md): the files come out smaller, and a reader's decoded
     record batches are about this size per row."""
 
     target_bytes: int  # --shard-size-mb

@@ -3,7 +3,7 @@
 Training is deterministic: the sample is the `n` lines with the smallest content hashes (so it
 does not depend on reading order or worker count), fed in hash order, with a fixed random seed,
 no input shuffling and one thread. Text is lower-cased: NFKC + case folding (`nmt_nfkc_cf`).
-Special ids follow DESIGN.md: [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4.
+Special ids (pipeline.format.tokenizer): [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4.
 """
 
 from __future__ import annotations
@@ -15,16 +15,15 @@ import io
 import numpy as np
 import sentencepiece as spm
 
-from pipeline.masking import CLS_ID, MASK_ID, PAD_ID, SEP_ID, SPECIAL_IDS, UNK_ID
+from pipeline.format.tokenizer import (  # noqa: F401  (load, SPECIAL_PIECES: the pipeline's names)
+    NORMALIZATION,
+    PAD_ID,
+    SPECIAL_IDS,
+    SPECIAL_PIECES,
+    UNK_ID,
+    load,
+)
 
-SPECIAL_PIECES = {
-    "[PAD]": PAD_ID,
-    "[UNK]": UNK_ID,
-    "[CLS]": CLS_ID,
-    "[SEP]": SEP_ID,
-    "[MASK]": MASK_ID,
-}
-NORMALIZATION = "nmt_nfkc_cf"
 TRAINING_SEED = 1234
 # sentencepiece's `max_sentence_length` (its default, passed explicitly): its trainer skips longer
 # lines, so a sample needs only their hashes, never their text
@@ -74,18 +73,6 @@ def train(lines: list[str], vocab_size: int, model_type: str = "unigram") -> byt
         minloglevel=2,
     )
     return model.getvalue()
-
-
-def load(model: bytes) -> spm.SentencePieceProcessor:
-    """A processor from serialized model bytes, checked against DESIGN.md's special ids."""
-    sp = spm.SentencePieceProcessor(model_proto=model)
-    for piece, want in SPECIAL_PIECES.items():
-        got = sp.piece_to_id(piece)
-        if got != want or sp.id_to_piece(want) != piece:
-            raise ValueError(
-                f"tokenizer has {piece} at id {got}, expected {want} (DESIGN.md special ids)"
-            )
-    return sp
 
 
 def encode(sp: spm.SentencePieceProcessor, texts: list[str]) -> list[np.ndarray]:

@@ -95,7 +95,7 @@ class Packed:
 
 @dataclass(frozen=True)
 class MaskSpec:
-    """How rows are masked when their shard is written (`dupe_factor` static maskings, DESIGN.md)."""
+    """How rows are masked when their shard is written (`dupe_factor` static maskings, docs/pipeline.md)."""
 
     model_path: str  # the sentencepiece model: vocabulary size and word starts
     seed: int  # global seed; copy d of a row draws from row_seeds(seed, key, d)

@@ -1,6 +1,6 @@
 """The export format: `model.safetensors` + `config.json` (+ `tokenizer.model`, + `head.json`).
 
-- `config.json` is exactly the `ModelConfig` dataclass (DESIGN.md); loading rejects unknown keys.
+- `config.json` is exactly the `ModelConfig` dataclass (docs/model.md, Exports); loading rejects unknown keys.
 - `model.safetensors` holds the state dict, tied weights stored once (safetensors `save_model`).
 - `head.json` is written only for a finetuning head (shatter/heads.py):
   `{"head": "sequence-classification", "num_labels": 3, "strategy": "modified"}` or
@@ -35,7 +35,7 @@ from torch import nn
 from pipeline.format.reader import sha256_file
 from shatter.config import ModelConfig
 from shatter.heads import build_head
-from shatter.model import ShatterForMaskedLM, zero_missing
+from shatter.model import ShatterForMaskedLM
 
 WEIGHTS, CONFIG, HEAD, TOKENIZER, CHECKSUMS = (
     "model.safetensors",
@@ -162,25 +162,9 @@ def from_pretrained(path: str | Path, **overrides: Any) -> nn.Module:
         raise CheckpointError(
             f"{weights} is corrupt or does not match {path / CONFIG}: {e}"
         ) from None
-    missing = zero_absent(model, missing, weights)
     if missing or unexpected:
         raise CheckpointError(
             f"{weights} does not match {path / CONFIG} ({config.arch}): "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
     return model.eval()
-
-
-def zero_absent(model: nn.Module, missing, file: Path) -> list[str]:
-    """Weights added after `file` was written (xlnet's segment encoding) load at zero, which is
-    the model as saved, with a one-line warning; returns the keys still missing."""
-    zeroed, missing = zero_missing(model, missing)
-    if zeroed:
-        names = sorted({k.rpartition(".")[2] for k in zeroed})
-        log.warning(
-            "warning: %s has no %s (written before them): loaded at zero, which leaves the "
-            "model as saved; save or export it again to store them",
-            file,
-            ", ".join(names),
-        )
-    return missing

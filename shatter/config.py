@@ -1,6 +1,6 @@
 """The model config: one frozen dataclass, named size presets, and strict (de)serialisation.
 
-`ModelConfig` is what `config.json` in an export holds (DESIGN.md). Presets are `"{arch}-{size}"`;
+`ModelConfig` is what `config.json` in an export holds (docs/model.md, Exports). Presets are `"{arch}-{size}"`;
 base and large follow Table 2 of the paper: 12 layers, hidden
 768, 12 heads or parts; and 24 layers, hidden 1024, 16 heads or parts. See docs/model.md for the
 Table 2 discrepancy (its Large parameter counts match 12 layers, not 24).
@@ -38,7 +38,7 @@ class ModelConfig:
     attention_dropout: float = 0.1  # dropout on softmax attention probabilities (softmax archs)
     initializer_range: float = 0.02  # std of the normal init of weights (BERT's value)
     layer_norm_eps: float = 1e-12  # LayerNorm epsilon (BERT's value)
-    pad_id: int = 0  # [PAD] id (DESIGN.md special ids)
+    pad_id: int = 0  # [PAD] id (pipeline.format.tokenizer's special ids)
     sep_id: int = 3  # [SEP] id: xlnet's segments are counted from it (index.json special_ids)
     rpe_max_distance: int = 128  # bert-rpe: R has 2*128-1 rows, distances clipped to +-127 (§4)
     rab_buckets: int = 32  # bert-rab: T5 relative attention bias buckets (T5 default)
@@ -89,12 +89,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
-        """Build from a dict (e.g. config.json), rejecting keys this version does not know.
-        Exports from before `attention_impl` hold `lean_attention`: True -> auto, False -> naive."""
-        if "lean_attention" in data:
-            data = dict(data)
-            lean = data.pop("lean_attention")
-            data.setdefault("attention_impl", "auto" if lean else "naive")
+        """Build from a dict (e.g. config.json), rejecting keys this version does not know."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

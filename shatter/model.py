@@ -15,7 +15,6 @@ References: Devlin et al. 2019 (BERT, HF `modeling_bert.py`), nanoGPT `model.py`
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -231,23 +230,6 @@ class ShatterForMaskedLM(nn.Module):
         target = labels[predicted]
         loss = F.cross_entropy(logits, target) if target.numel() else logits.sum() * 0.0
         return {"loss": loss, "logits": logits}
-
-
-def zero_missing(model: nn.Module, missing: Iterable[str]) -> tuple[list[str], list[str]]:
-    """For weights loaded with `missing` keys: zero the parameters that their module declares in
-    `zero_if_missing` (weights added after exports were written, whose zero reproduces the
-    model saved without them). Returns (zeroed keys, keys still missing)."""
-    missing = set(missing)
-    zeroed = []
-    for prefix, module in model.named_modules():
-        for name in getattr(module, "zero_if_missing", ()):
-            key = f"{prefix}.{name}" if prefix else name
-            if key in missing:
-                with torch.no_grad():
-                    getattr(module, name).zero_()
-                missing.discard(key)
-                zeroed.append(key)
-    return zeroed, sorted(missing)
 
 
 def build_model(preset: str, **overrides) -> ShatterForMaskedLM:

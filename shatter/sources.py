@@ -32,7 +32,6 @@ from shatter.checkpoint import (
     from_pretrained,
     load_config,
     save_pretrained,
-    zero_absent,
 )
 from shatter.config import ModelConfig, preset_config
 from shatter.model import ShatterForMaskedLM
@@ -137,7 +136,6 @@ def load_deepspeed(tag_dir: Path) -> tuple[ShatterForMaskedLM, dict]:
         raise CheckpointError(
             f"{tag_dir}: weights do not match its {config.arch} config: {e}"
         ) from None
-    missing = zero_absent(model, missing, tag_dir / MODEL_STATES)
     tied = {"mlm_head.word_embeddings.weight", "encoder.embeddings.word_embeddings.weight"}
     if unexpected or set(missing) - tied:
         raise CheckpointError(

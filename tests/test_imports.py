@@ -95,3 +95,26 @@ def test_annotation_only_imports_are_not_edges():
 
 def test_a_cycle_is_found():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# shatter.remote reaches the object store through pipeline.store, the store's Beam-side options
+MODEL_TO_PIPELINE = {"shatter.remote": {"pipeline.store"}}
+
+
+def test_the_model_package_imports_only_the_shard_format_of_the_pipeline():
+    """shatter/ (the model) needs no Beam: what it shares with the pipeline (special ids, sha256,
+    the tokenizer loader) is in pipeline.format, which imports neither Beam nor torch. Lazy
+    imports count; `if TYPE_CHECKING:` ones do not."""
+    graph = _graph()
+    found = {
+        module: {d for d in deps if d.split(".")[0] == "pipeline" and not _in_format(d)}
+        for module, deps in graph.items()
+        if module.split(".")[0] == "shatter"
+    }
+    found = {m: deps - MODEL_TO_PIPELINE.get(m, set()) for m, deps in found.items()}
+    assert not {m: d for m, d in found.items() if d}, "shatter/ imports the pipeline's Beam side"
+    assert "pipeline.format.tokenizer" in graph["shatter.hf.tokenizer"]
+
+
+def _in_format(module: str) -> bool:
+    return module == "pipeline.format" or module.startswith("pipeline.format.")

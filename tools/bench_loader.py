@@ -74,24 +74,17 @@ def synthetic_dataset(
                     spec = MaskSpec("", seed, dupe, 0.15, False)
                     lengths = np.full(count, seq_len, np.int32)
                     writer.write(mask_table(keys, ids, lengths, word_start_table, vocab, spec))
-            entries.append(writer.info.__dict__)
-        splits[split] = {"shards": entries}
-    tok = {
-        "file": pshards.TOKENIZER_FILE,
-        "sha256": sha256_file(root / pshards.TOKENIZER_FILE),
-        "vocab_size": vocab,
-        "special_ids": dict(SPECIAL_PIECES),
-    }
-    index = {
-        "format": pshards.FORMAT,
-        "version": pshards.VERSION,
-        "seq_len": seq_len,
-        "dupe_factor": dupe,
-        "tokenizer": tok,
-        "config": {"benchmark": True},
-        "splits": splits,
-        "counters": {},
-    }
+            entries.append(writer.info)
+        splits[split] = entries
+    index = pshards.build_index(
+        splits,
+        seq_len=seq_len,
+        dupe_factor=dupe,
+        tokenizer_sha256=sha256_file(root / pshards.TOKENIZER_FILE),
+        vocab_size=vocab,
+        special_ids=SPECIAL_PIECES,
+        config={"benchmark": True},
+    )
     pshards.write_index(str(root), index)
     return root
 

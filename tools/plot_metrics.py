@@ -4,7 +4,7 @@ against steps, one line per run; validation solid, training faint).
     python tools/plot_metrics.py RUN [RUN ...] --output curves.png [--labels a,b] [--train/--no-train]
                                  [--cost cost.png]
 
-Reads each RUN/metrics.jsonl (the DESIGN.md run layout). A run without a metrics file, or with no
+Reads each RUN/metrics.jsonl (docs/training.md, Run directory). A run without a metrics file, or with no
 line to plot, is an error naming it. `--cost` also draws what each run cost: tokens/s per GPU
 and MFU against steps (MFU only where the run knew its device's peak, train/cost.py).
 """

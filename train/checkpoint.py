@@ -295,7 +295,15 @@ def resume(
     try:
         path, client = engine.load_checkpoint(str(load_dir), tag=load_tag)
     except (RuntimeError, KeyError, ValueError) as err:  # e.g. weights of another shape
-        _refuse_load(engine, run_dir / CHECKPOINTS / name, err)
+        from train.config import ConfigError
+
+        where = run_dir / CHECKPOINTS / name
+        lines = [line.strip() for line in str(err).strip().splitlines()] or [type(err).__name__]
+        first = next((line for line in lines if "key(s)" in line or "size mismatch" in line), None)
+        raise ConfigError(
+            f"{where} cannot be resumed by this model ({(first or lines[0])[:300]}); use the "
+            "run's own --preset, --seq-len and data, or another --output for a new run"
+        ) from None
     if path is None:
         raise RuntimeError(
             f"{run_dir / CHECKPOINTS / name}: DeepSpeed could not load this checkpoint"
@@ -308,33 +316,6 @@ def resume(
     if scheduler is not None:  # the optimizer's saved lr is the saved schedule's: recompute it
         scheduler.step(scheduler.last_batch_iteration)  # for this run's --max-steps, in place
     return TrainState(**client["train_state"]), client["data_position"], client.get("config")
-
-
-def _refuse_load(engine, where: Path, err: BaseException) -> None:
-    """A checkpoint this model cannot load: one line saying why and what to do."""
-    from train.config import ConfigError
-
-    lines = [line.strip() for line in str(err).strip().splitlines()] or [type(err).__name__]
-    added = sorted(
-        {
-            n
-            for m in engine.module.modules()
-            for n in getattr(m, "zero_if_missing", ())
-            if f'.{n}"' in str(err)
-        }
-    )
-    if added and "Missing key" in str(err):  # weights the arch gained after this run began
-        raise ConfigError(
-            f"{where} was written before this {engine.module.config.arch} model had "
-            f"{', '.join(added)}: a run cannot resume across that change (its optimizer "
-            "state has no slot for them); start another --output, or finetune or "
-            "shatter-extend its export or checkpoint, which load them at zero"
-        ) from None
-    first = next((line for line in lines if "key(s)" in line or "size mismatch" in line), None)
-    raise ConfigError(
-        f"{where} cannot be resumed by this model ({(first or lines[0])[:300]}); use the "
-        "run's own --preset, --seq-len and data, or another --output for a new run"
-    ) from None
 
 
 def config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:

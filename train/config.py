@@ -4,7 +4,8 @@ A run is described by `TrainConfig(model, data, optim, run)`. It is resolved in 
 overriding the one before: the dataclass defaults (the paper's §A.2 settings), a YAML file
 (`--config`, sections `model:`, `data:`, `optim:`, `run:`), and the command-line flags. Unknown
 keys are rejected with the file name and the key, as in academic-budget-bert's argument groups
-(one dataclass per concern) and torchtitan's job config.
+(one dataclass per concern) and torchtitan's job config. A field declared with `option(...)` is
+also a flag of `train/pretrain.py` and a row of docs/training.md's table (`pipeline.options`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.options import flag_fields, option
 from train.schedule import DECAYS, lr_factor
 
 OPTIMIZER_IMPLS = ("torch", "deepspeed")
@@ -36,7 +38,9 @@ class PresetError(ConfigError):
 
 @dataclass(frozen=True)
 class ModelArgs:
-    preset: str = "shatter-tiny"  # "{arch}-{size}" preset of shatter.build_model
+    preset: str = option(
+        "shatter-tiny", "Model preset, e.g. shatter-base, bert-tiny.", doc="`{arch}-{size}`"
+    )  # of shatter.build_model
     overrides: Mapping[str, Any] = field(
         default_factory=dict
     )  # ModelConfig fields, e.g. {dropout: 0.0}
@@ -44,24 +48,43 @@ class ModelArgs:
 
 @dataclass(frozen=True)
 class DataArgs:
-    path: str | None = (
-        None  # shard dataset directory written by `shatter-data build` (has index.json)
+    path: str | None = option(
+        None,
+        "Shard dataset directory (OUT of `shatter-data build`).",
+        flag="--data",
+        doc="shard dataset (has `index.json`)",
     )
-    # train at this length; None = the data's seq_len L; longer is an error; l <= L/2 cuts each
-    # stored row into L // l rows ([CLS] … [SEP] each; train/loader/order.py), above truncates
-    seq_len: int | None = None
-    masking: str = "static"  # "static": the shards' dupe_factor maskings cycled by epoch; "dynamic": fresh per epoch
+    seq_len: int | None = option(
+        None,
+        "Train at this length (at most the data's); L/k of the data's L cuts each row into k.",
+        doc="train at this length: L/k of the data's L cuts each stored row into k rows "
+        "(below); longer than L is an error; unset: the data's",
+    )
+    masking: str = option(
+        "static",
+        "Stored masks by epoch, or fresh ones.",
+        choices=MASKINGS,
+        doc="`static` (the shards' `dupe_factor` maskings, cycled by epoch) or `dynamic`",
+    )
     mask_prob: float = (
         0.15  # dynamic masking: share of non-special tokens predicted (BERT §3.1; 80/10/10)
     )
-    whole_word: bool = False  # dynamic: mask whole words (uses the shards' word_start column)
+    whole_word: bool = option(False, "Dynamic masking of whole words.")
     shuffle: bool = True  # deterministic per-epoch shuffle of shard order and rows, from run.seed
-    num_workers: int = 1  # DataLoader worker processes per rank (0 = load in the training process)
+    num_workers: int = option(
+        1, "DataLoader workers per rank.", doc="DataLoader workers per rank (0: in the trainer)"
+    )
     verify_shards: bool = (
         True  # sha256 of each shard checked against index.json before its first use
     )
     eval_samples: int | None = None  # validation rows evaluated each time; None = the whole split
-    objective: str | None = None  # "mlm" or "plm" (xlnet's permutation LM); None = the arch's own
+    objective: str | None = option(
+        None,
+        "Masked LM, or XLNet's permutation LM (xlnet's default).",
+        choices=("mlm", "plm"),
+        doc="`mlm` or `plm` (XLNet's permutation LM); unset: the arch's own, `plm` for `xlnet`, "
+        "`mlm` otherwise; `plm` is refused for the MLM archs",
+    )
     plm_targets: str = "spans"  # plm: "spans" (XLNet's span sampling) or "static" (stored masks)
     plm_ratio: int = 6  # plm spans: K, one token in about K predicted (XLNet)
     plm_max_span: int = 5  # plm spans: longest span, lengths drawn with p(n) ∝ 1/n (XLNet)
@@ -75,16 +98,25 @@ class DataArgs:
 
 @dataclass(frozen=True)
 class OptimArgs:
-    lr: float = 1e-4  # peak learning rate (§A.2)
+    lr: float = option(1e-4, "Peak learning rate.", doc="peak learning rate (§A.2)")
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW β1, β2 (§A.2)
     eps: float = 1e-6  # AdamW ε
     weight_decay: float = (
         0.01  # decoupled weight decay, not applied to biases and LayerNorm weights (§A.2)
     )
-    warmup_steps: int = 10_000  # linear warm-up from 0 to lr (§A.2); when neither --config nor
-    # --warmup-steps sets it, `resolve` uses default_warmup(run.max_steps) instead
-    decay: str = "linear"  # after warm-up: "linear" to 0 at run.max_steps (§A.2), "constant",
-    # "cosine", "wsd" or "1-sqrt" (the peak lr, then a decay over the last `cooldown`; train/schedule.py)
+    # when neither --config nor --warmup-steps sets it, `resolve` uses default_warmup(max_steps)
+    warmup_steps: int = option(
+        10_000,
+        "Linear warm-up steps.",
+        doc="linear warm-up from 0 to the peak (unset: see below)",
+    )
+    decay: str = option(
+        "linear",
+        "The lr after warm-up.",
+        choices=DECAYS,
+        doc="`linear` to 0 at max_steps (§A.2), `constant`, `cosine`, `wsd`, `1-sqrt` "
+        "(the peak, then a decay over the last `optim.cooldown` of the run; train/schedule.py)",
+    )
     cooldown: float = 0.1  # wsd, 1-sqrt: share of the run's steps in the final decay to 0
     grad_clip: float = 1.0  # global gradient-norm clipping
     initial_scale_power: int = 16  # fp16 dynamic loss scaling starts at 2**this
@@ -92,45 +124,125 @@ class OptimArgs:
     min_loss_scale: float = 1.0  # fp16: the scale never goes below this
     # AdamW on a GPU: "torch" = torch.optim.AdamW(fused=True) handed to DeepSpeed (no JIT build);
     # "deepspeed" = DeepSpeed's FusedAdam (JIT-built with nvcc). On a CPU: torch's AdamW always.
-    impl: str = "torch"
+    impl: str = option(
+        "torch",
+        "AdamW on a GPU: torch's fused AdamW (default) or DeepSpeed's JIT-built FusedAdam.",
+        flag="--optim-impl",
+        choices=OPTIMIZER_IMPLS,
+        doc="AdamW on a GPU: `torch` (fused, default) or `deepspeed` (FusedAdam, JIT-built)",
+    )
 
 
 @dataclass(frozen=True)
 class RunArgs:
-    output: str | None = None  # run directory: checkpoints/, export/, metrics.jsonl, tensorboard/
-    max_steps: int = 1000  # optimizer steps of the whole run (the lr reaches 0 here)
-    micro_batch: int = 8  # sequences per rank per forward/backward
-    grad_accum: int = 1  # micro-batches accumulated per optimizer step
-    precision: str = "fp32"  # fp32, bf16 or fp16 (fp16: dynamic loss scaling, for V100s)
-    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3; unset: `default_zero_stage(precision)`
-    seed: int = 0  # seeds the weights, the shuffle, dynamic masks and dropout
-    save_every: int = 1000  # steps between checkpoints (0 = only at the end and on SIGTERM)
-    eval_every: int = 1000  # steps between validation passes (0 = only at the end)
-    export_every: int = 0  # steps between exports to RUN/export (0 = only at the end)
-    log_every: int = 10  # steps between metrics.jsonl training lines
+    output: str | None = option(
+        None,
+        "Run directory; an existing run there is resumed.",
+        doc="run directory: checkpoints/, export/, metrics.jsonl, tensorboard/",
+    )
+    max_steps: int = option(
+        1000, "Optimizer steps of the run.", doc="optimizer steps; the lr reaches 0 here"
+    )
+    micro_batch: int = option(
+        8,
+        "Sequences per rank per micro-batch.",
+        doc="sequences per rank per forward/backward; global batch = micro × accum × ranks",
+    )
+    grad_accum: int = option(1, "Micro-batches per optimizer step.")
+    precision: str = option(
+        "fp32",
+        "fp32, bf16 or fp16 (GPU).",
+        choices=PRECISIONS,
+        doc="`fp32`, `bf16`, `fp16` (GPU; dynamic loss scaling, for V100s)",
+    )
+    zero_stage: int = option(
+        0,
+        "DeepSpeed ZeRO stage.",
+        min=0,
+        max=3,
+        doc="DeepSpeed ZeRO stage 0-3 (unset: 0 in fp32, 1 in bf16/fp16)",
+    )
+    seed: int = option(
+        0,
+        "Seed of weights, shuffle, dynamic masks, dropout.",
+        doc="seeds the weights, the shuffle, dynamic masks and dropout",
+    )
+    save_every: int = option(
+        1000, "Steps between checkpoints.", doc="steps between checkpoints; 0 = only at the end"
+    )  # (and on SIGTERM)
+    eval_every: int = option(
+        1000,
+        "Steps between validation passes.",
+        doc="steps between validation passes; 0 = only at the end",
+    )
+    export_every: int = option(
+        0,
+        "Steps between exports to RUN/export (always at the end).",
+        doc="steps between exports to RUN/export; 0 = only at the end",
+    )
+    log_every: int = option(10, "Steps between metrics.jsonl lines.")
     max_nonfinite: int = (
         100  # consecutive NaN/inf micro-batches (each skipped and counted) before the run stops
     )
     keep_checkpoints: int = 2  # newest checkpoints kept under RUN/checkpoints (0 = keep all)
-    num_gpus: int = 1  # world size the config is written for; --dry-run estimates for it
-    gpu_memory_gb: float = 16.0  # --dry-run: memory of one GPU the estimate is compared with
-    peak_tflops: float | None = None  # dense TFLOP/s of one device for MFU; None: by GPU name
-    # (train/cost.py's table), and no MFU on a CPU
-    deepspeed_config: str | None = (
-        None  # expert override: a DeepSpeed JSON merged over the built one
+    num_gpus: int = option(
+        1,
+        "World size the config is written for (--dry-run).",
+        doc="the world size the config is written for and `--dry-run` estimates for",
     )
-    progress: bool = True  # tqdm progress bar on rank 0
+    gpu_memory_gb: float = option(
+        16.0,
+        "Memory of one GPU that --dry-run compares its estimate with.",
+        flag="",
+        doc="the memory of one GPU `--dry-run` compares with",
+    )
+    peak_tflops: float | None = option(
+        None,
+        "Dense TFLOP/s of one device for MFU.",
+        flag="",
+        doc="dense TFLOP/s of one device for MFU (default: by GPU name, train/cost.py's table; "
+        "none on a CPU)",
+    )
+    deepspeed_config: str | None = option(
+        None,
+        "Expert: DeepSpeed JSON merged over the built one.",
+        file=True,
+        doc="expert: a DeepSpeed JSON merged over the built DeepSpeed config",
+    )
+    progress: bool = option(True, "tqdm progress bar on rank 0.")
     # seconds a collective waits on a peer before it fails (and the run with it): longer than the
     # slowest rank-0-only pause (an export of a large model); a dead peer is noticed this late
     collective_timeout_s: float = 600.0
     tensorboard: bool = True  # TensorBoard event files under RUN/tensorboard
-    # wall-clock hours of training: the schedule's length is set from the measured step time
-    # (run.max_steps is then a ceiling) and the run ends with an export when they are spent
-    budget_hours: float | None = None
-    compile: bool = False  # torch.compile the model (refused in one line where it cannot run)
-    # an export (or a run directory with one) whose weights start the run: continued
-    # pretraining, with a fresh optimizer and schedule; ignored once the run has a checkpoint
-    init_from: str | None = None
+    budget_hours: float | None = option(
+        None,
+        "A wall-clock budget in hours: the schedule's length is set from the timed steps.",
+        min=0,
+        min_open=True,
+        doc="wall-clock hours of training: the schedule's length comes from the measured step "
+        "time (max_steps is then a ceiling); the run ends with an export when they are spent",
+    )
+    compile: bool = option(False, "torch.compile the model.", doc="`torch.compile` the model")
+    init_from: str | None = option(
+        None,
+        "Continued pretraining: start from an export's (or a run's) weights.",
+        doc="continued pretraining from an export's (or a run directory's) weights, with a "
+        "fresh optimizer and schedule; ignored once the run has a checkpoint",
+    )
+    sample_log: str | None = option(
+        None,
+        "Debugging: each rank appends [stream position, row ids] of every micro-batch to "
+        "PREFIX.rankR.jsonl.",
+        doc="debugging: each rank appends `[stream position, row ids]` of every micro-batch to "
+        "`PREFIX.rankR.jsonl`",
+    )
+    sync_debug: str | None = option(
+        None,
+        "Debugging on a GPU: torch warns (or errors) at each host sync inside a training step.",
+        choices=("warn", "error"),
+        doc="debugging on a GPU: torch's `set_sync_debug_mode` over each step's forward, "
+        "backward and optimizer step (`warn` or `error`)",
+    )
 
 
 @dataclass(frozen=True)
@@ -145,34 +257,14 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         r, d = self.run, self.data
+        EngineArgs.of(self)  # the optimizer, schedule, batch, precision and ZeRO stage
         checks = [
-            (
-                r.precision in PRECISIONS,
-                f"run.precision must be one of {PRECISIONS}, got {r.precision!r}",
-            ),
-            (r.zero_stage in (0, 1, 2, 3), f"run.zero_stage must be 0-3, got {r.zero_stage}"),
             (d.masking in MASKINGS, f"data.masking must be one of {MASKINGS}, got {d.masking!r}"),
-            (r.max_steps > 0, "run.max_steps must be positive"),
             (r.collective_timeout_s > 0, "run.collective_timeout_s must be positive"),
-            (
-                r.micro_batch > 0 and r.grad_accum > 0,
-                "run.micro_batch and run.grad_accum must be positive",
-            ),
             (0 < d.mask_prob < 1, "data.mask_prob must be in (0, 1)"),
             (d.seq_len is None or d.seq_len >= 8, "data.seq_len must be at least 8"),
-            (
-                self.optim.decay in DECAYS,
-                f"optim.decay must be one of {DECAYS}, got {self.optim.decay!r}",
-            ),
             (0 < self.optim.cooldown <= 1, "optim.cooldown must be in (0, 1]"),
-            (
-                r.budget_hours is None or r.budget_hours > 0,
-                "run.budget_hours must be positive",
-            ),
-            (
-                self.optim.impl in OPTIMIZER_IMPLS,
-                f"optim.impl must be one of {OPTIMIZER_IMPLS}, got {self.optim.impl!r}",
-            ),
+            (r.budget_hours is None or r.budget_hours > 0, "run.budget_hours must be positive"),
         ]
         for ok, message in checks:
             if not ok:
@@ -194,6 +286,60 @@ class TrainConfig:
         except (TypeError, ValueError) as err:
             raise ConfigError(f"model.overrides {dict(self.model.overrides)}: {err}") from None
         return self
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What a DeepSpeed engine is built from (train/engine.py): the optimizer, the schedule's
+    length, the batch, the precision, the ZeRO stage, and an expert's JSON merged over the built
+    config. A pretraining run's come from its `TrainConfig` (`of`); finetuning builds its own."""
+
+    optim: OptimArgs
+    max_steps: int  # optimizer steps; the lr reaches 0 here (linear decay)
+    micro_batch: int  # sequences per rank per forward/backward
+    grad_accum: int = 1
+    precision: str = "fp32"
+    zero_stage: int = 0
+    deepspeed_config: str | None = None  # a DeepSpeed JSON merged over the built one
+
+    def __post_init__(self):
+        o = self.optim
+        checks = [
+            (
+                self.precision in PRECISIONS,
+                f"run.precision must be one of {PRECISIONS}, got {self.precision!r}",
+            ),
+            (self.zero_stage in (0, 1, 2, 3), f"run.zero_stage must be 0-3, got {self.zero_stage}"),
+            (self.max_steps > 0, "run.max_steps must be positive"),
+            (
+                self.micro_batch > 0 and self.grad_accum > 0,
+                "run.micro_batch and run.grad_accum must be positive",
+            ),
+            (o.decay in DECAYS, f"optim.decay must be one of {DECAYS}, got {o.decay!r}"),
+            (
+                o.impl in OPTIMIZER_IMPLS,
+                f"optim.impl must be one of {OPTIMIZER_IMPLS}, got {o.impl!r}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    @classmethod
+    def of(cls, cfg: TrainConfig | EngineArgs) -> EngineArgs:
+        """A pretraining config's engine arguments (EngineArgs as they are)."""
+        if isinstance(cfg, EngineArgs):
+            return cfg
+        r = cfg.run
+        return cls(
+            cfg.optim,
+            max_steps=r.max_steps,
+            micro_batch=r.micro_batch,
+            grad_accum=r.grad_accum,
+            precision=r.precision,
+            zero_stage=r.zero_stage,
+            deepspeed_config=r.deepspeed_config,
+        )
 
 
 def default_warmup(max_steps: int) -> int:
@@ -272,37 +418,8 @@ def check_output(path: str | Path, directory: bool, option: str = "--output") ->
 
 SECTIONS = {"model": ModelArgs, "data": DataArgs, "optim": OptimArgs, "run": RunArgs}
 
-# The command-line flags (a contract, docs/training.md) and a few more, mapped to their config fields.
-FLAGS = {
-    "data": "data.path",
-    "output": "run.output",
-    "preset": "model.preset",
-    "max_steps": "run.max_steps",
-    "micro_batch": "run.micro_batch",
-    "grad_accum": "run.grad_accum",
-    "precision": "run.precision",
-    "zero_stage": "run.zero_stage",
-    "save_every": "run.save_every",
-    "eval_every": "run.eval_every",
-    "export_every": "run.export_every",
-    "log_every": "run.log_every",
-    "seed": "run.seed",
-    "masking": "data.masking",
-    "objective": "data.objective",
-    "seq_len": "data.seq_len",
-    "whole_word": "data.whole_word",
-    "num_workers": "data.num_workers",
-    "lr": "optim.lr",
-    "warmup_steps": "optim.warmup_steps",
-    "optim_impl": "optim.impl",
-    "deepspeed_config": "run.deepspeed_config",
-    "num_gpus": "run.num_gpus",
-    "progress": "run.progress",
-    "decay": "optim.decay",
-    "budget_hours": "run.budget_hours",
-    "compile": "run.compile",
-    "init_from": "run.init_from",
-}
+# {click parameter: config field} of the command-line flags (a contract, docs/training.md)
+FLAGS = flag_fields(SECTIONS)
 
 
 def _coerce(cls, name: str, value: Any, where: str) -> Any:

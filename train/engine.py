@@ -1,11 +1,11 @@
 """The DeepSpeed side of a run: process-group set-up, the DeepSpeed config dict, the engine.
 
-The DeepSpeed config is built in code from the typed `TrainConfig` (one source of truth, as in
-academic-budget-bert); `--deepspeed-config FILE` merges an expert's JSON over it. Optimisation
-follows the paper's §A.2: AdamW (lr 1e-4, β = (0.9, 0.999), ε = 1e-6), weight decay 0.01 not
-applied to biases and LayerNorm weights, 10k steps of linear warm-up then linear decay to 0 at
-the last step (DeepSpeed's WarmupDecayLR), gradient clipping at 1.0. fp16 uses DeepSpeed's dynamic
-loss scaling (Micikevicius et al. 2018); ZeRO stages per Rajbhandari et al. 2020.
+The DeepSpeed config is built in code from `EngineArgs` (train/config.py): a pretraining run's
+`TrainConfig` or a finetuning run's own fields, one source of truth as in academic-budget-bert;
+`--deepspeed-config FILE` merges an expert's JSON over it. Optimisation follows the paper's
+§A.2: AdamW (lr 1e-4, β = (0.9, 0.999), ε = 1e-6), weight decay 0.01 not applied to biases and
+LayerNorm weights, 10k steps of linear warm-up then linear decay to 0 at the last step
+(DeepSpeed's WarmupDecayLR), gradient clipping at 1.0. fp16 uses DeepSpeed's dynamic loss scaling (Micikevicius et al. 2018); ZeRO stages per Rajbhandari et al. 2020.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from train.config import ConfigError, TrainConfig
+from train.config import ConfigError, EngineArgs, TrainConfig
 from train.lifecycle import COLLECTIVE_TIMEOUT
 from train.schedule import DEEPSPEED_DECAYS, Plan, client_scheduler
 
@@ -166,9 +166,12 @@ def release_shm_names() -> None:
     shm_name(torch.distributed.get_rank()).unlink(missing_ok=True)
 
 
-def deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | None = None) -> dict:
-    """The DeepSpeed config dict of a run, from the typed config alone."""
-    r, o = cfg.run, cfg.optim
+def deepspeed_config(
+    cfg: TrainConfig | EngineArgs, world_size: int, cpu: bool | None = None
+) -> dict:
+    """The DeepSpeed config dict of a run, from its typed config alone."""
+    r = EngineArgs.of(cfg)
+    o = r.optim
     cpu = on_cpu() if cpu is None else cpu
     if cpu and r.precision == "fp16":
         raise ConfigError(
@@ -256,10 +259,12 @@ def merge(base: dict, override: dict) -> dict:
     return out
 
 
-def resolved_deepspeed_config(cfg: TrainConfig, world_size: int, cpu: bool | None = None) -> dict:
-    """The built config, with `run.deepspeed_config` (a JSON file) merged over it."""
+def resolved_deepspeed_config(
+    cfg: TrainConfig | EngineArgs, world_size: int, cpu: bool | None = None
+) -> dict:
+    """The built config, with `deepspeed_config` (a JSON file) merged over it."""
     built = deepspeed_config(cfg, world_size, cpu)
-    path = cfg.run.deepspeed_config
+    path = EngineArgs.of(cfg).deepspeed_config
     if not path:
         return built
     try:
@@ -317,7 +322,9 @@ def cuda_arch_list_for_jit() -> None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(dict.fromkeys(a for a in cleaned if a))
 
 
-def build_engine(model: nn.Module, cfg: TrainConfig, ds_config: dict, plan: Plan | None = None):
+def build_engine(
+    model: nn.Module, cfg: TrainConfig | EngineArgs, ds_config: dict, plan: Plan | None = None
+):
     """deepspeed.initialize with the scheduler of `ds_config` (or `plan`'s, train/schedule.py),
     and its optimizer when it names one; else torch's fused AdamW as a client optimizer (a GPU,
     `optim.impl: torch`)."""

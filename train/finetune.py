@@ -109,9 +109,11 @@ def main(config_file, local_rank, **flags):
     from shatter.checkpoint import CheckpointError
     from train.finetuning.loop import finetune
     from train.finetuning.tasks import TaskDataError
+    from train.guard import TrainingError
     from train.lifecycle import process_exit
 
-    with process_exit(known=(ConfigError, CheckpointError, TaskDataError, FileNotFoundError)):
+    known = (ConfigError, CheckpointError, TaskDataError, FileNotFoundError, TrainingError)
+    with process_exit(known=known):
         cfg = resolve(config_file, flags)
         result = finetune(cfg)
     if result is not None:

@@ -1,12 +1,11 @@
 """The training loop: functions over a DeepSpeed engine and a small `TrainState` (no trainer class).
 
-No host sync per step on a GPU: the loss window and the non-finite counters stay on the device
-and are read at log steps and checkpoints only; the stop request (SIGTERM, Ctrl-C) is agreed
-between ranks one optimizer step late through a pinned copy. A micro-batch whose loss is NaN/inf
-on some rank is skipped on every rank and counted: on a CPU (where reading a value costs
-nothing) before its backward; on a GPU its loss is zeroed instead (fp16 overflow stays the loss
-scaler's job). `run.max_nonfinite` in a row stop the run. At each optimizer step: metrics,
-validation, checkpoint, export, and a stop after saving when one was requested. Dropout is reseeded
+One loop for a CPU and a GPU: what differs sits behind the step guard (train/guard.py). No host
+sync per step on a GPU: the loss window and the non-finite counters stay on the device and are
+read at log steps and checkpoints only; the stop request (SIGTERM, Ctrl-C) is agreed between
+ranks one optimizer step late. A micro-batch whose loss is NaN/inf on some rank is skipped on
+every rank and counted; `run.max_nonfinite` in a row stop the run. At each optimizer step:
+metrics, validation, checkpoint, export, and a stop after saving when one was requested. Dropout is reseeded
 from (seed, stream position, rank) before every micro-batch, so a resumed run draws the same
 masks as an uninterrupted one without storing RNG state.
 """
@@ -14,7 +13,6 @@ masks as an uninterrupted one without storing RNG state.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from train.config import TrainConfig
 from train.cost import cost_model
 from train.engine import LossScaleStall, loss_scale, skipped_steps
 from train.evaluate import evaluate
+from train.guard import StepGuard, TrainingError, step_guard
 from train.lifecycle import StopFlag, ignore_stop_signals
 from train.loader import ShardStream, StreamPosition, train_loader, validation_stream
 from train.loader.order import cut_factor
@@ -35,10 +34,6 @@ from train.loader.stream import STORE_ERROR
 from train.metrics import MetricsWriter, Progress, RunClock, gpu_memory
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "perm_rank")  # perm_rank: plm only
-
-
-class TrainingError(RuntimeError):
-    """A run that cannot go on (e.g. a diverged loss); the message says what to do."""
 
 
 def dropout_seed(seed: int, samples: int, rank: int) -> int:
@@ -115,57 +110,6 @@ def _log_line(
     return record
 
 
-class DeviceWindow:
-    """What the loop sums per micro-batch, kept where the loss is: [loss sum, micro-batches,
-    non-finite micro-batches, current run of them in a row, longest run]. `fold` reads it into
-    the `TrainState` (one host sync) at log steps and checkpoints."""
-
-    def __init__(self, device: torch.device):
-        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
-
-    def add(self, loss: torch.Tensor, bad: torch.Tensor) -> None:
-        s, bad = self.sums, bad.to(torch.float64)
-        s[0] += torch.where(bad > 0, 0.0, loss.detach().to(torch.float64))
-        s[1] += 1 - bad
-        s[2] += bad
-        s[3] = (s[3] + 1) * bad  # eq. of a run: reset to 0 by a finite micro-batch
-        s[4] = torch.maximum(s[4], s[3])
-
-    def fold(self, state: checkpoint.TrainState) -> tuple[int, int]:
-        """Move the sums into `state`; returns (new non-finite micro-batches, longest run)."""
-        loss, micro, bad, run, longest = self.sums.tolist()
-        state.window_loss += loss
-        state.window_micro += int(micro)
-        state.skipped_nonfinite += int(bad)
-        self.sums[:3] = 0
-        self.sums[4] = run
-        return int(bad), int(longest)
-
-
-class LaggedStop:
-    """The ranks' agreement on a stop request, one optimizer step late: each boundary posts
-    this rank's flag (an async all-reduce and a pinned copy) and reads the previous boundary's
-    agreed value, which the GPU finished long ago. One rank alone reads its flag directly."""
-
-    def __init__(self, device: torch.device, world: int):
-        self.device, self.world, self.pending = device, world, None
-
-    def __call__(self, requested: bool) -> bool:
-        if self.world == 1:
-            return requested
-        flag = torch.full((1,), float(requested), device=self.device)
-        torch.distributed.all_reduce(flag)
-        host = torch.empty(1, pin_memory=True)
-        host.copy_(flag, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        previous, self.pending = self.pending, (host, done)
-        if previous is None:
-            return False
-        previous[1].synchronize()
-        return bool(previous[0][0] > 0)
-
-
 def _grad_norm(engine) -> float | None:
     norm = engine.get_global_grad_norm()
     if norm is None:
@@ -183,13 +127,6 @@ def save_and_export(
     if export:
         checkpoint.export(ctx.engine, ctx.run_dir, name, ctx.index.tokenizer)
     return name
-
-
-def _raise_diverged(ctx: RunContext, run: int, step: int) -> None:
-    raise TrainingError(
-        f"the loss was NaN/inf for {run} micro-batches in a row at step {step}: the run "
-        f"has diverged; lower the lr or resume from an earlier checkpoint in {ctx.run_dir / 'checkpoints'}"
-    )
 
 
 def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
@@ -228,145 +165,152 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
         del batches
 
 
+@dataclass
+class Loop:
+    """What the step loop keeps besides the `TrainState`."""
+
+    progress: Progress
+    guard: StepGuard
+    clock: RunClock  # training time apart from validation and checkpoints; GPU-hours
+    stall: LossScaleStall  # fp16: stops the run before DeepSpeed's minimum loss scale
+    cost: object  # train.cost's model: tokens/s and MFU per log line
+    validation: ShardStream
+    epoch_size: int
+    sample_log: object | None  # a file (run.sample_log), or None
+    tokens_at: int  # state.tokens at the last log line
+    steps_shown: int  # state.step then
+    last: tuple[dict, dict] = ({}, {})  # the last micro-batch: (its inputs, its batch)
+    status: str = "complete"
+
+
 def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
-    engine, run = ctx.engine, ctx.cfg.run
-    progress = Progress(ctx.rank, run.progress, state.step, run.max_steps)
-    per_micro = run.micro_batch * ctx.world
-    tokens_at, steps_shown = state.tokens, state.step
-    stop_seen, status, in_a_row, local_tokens = False, "complete", 0, 0
-    cost = cost_model(ctx.cfg, engine.module.config, ctx.seq_len, ctx.world, engine.device)
-    clock = RunClock(ctx.world, ctx.writer.hours_before, ctx.writer.hours_lost)
-    stall = LossScaleStall(engine, run.max_nonfinite)
-    # on a CPU a value costs nothing to read: skip decisions are taken before the backward
-    host_reads = engine.device.type == "cpu"
-    window = DeviceWindow(engine.device)
-    agreed_stop = LaggedStop(engine.device, ctx.world)
-    sample_log = _sample_log(ctx.rank)
-    sync_debug = os.environ.get("SHATTER_SYNC_DEBUG") if engine.device.type == "cuda" else None
-    engine.train()
-    while state.step < run.max_steps:
-        batch = next(batches)
-        if STORE_ERROR in batch and ctx.store_failure is None:  # in-band, from a loader worker
-            ctx.store_failure, ctx.stop.requested = batch[STORE_ERROR], True
-            ctx.stop.name = "store failure"
-        if sample_log is not None:
-            sample_log.write(json.dumps([state.samples, batch["sample_id"].tolist()]) + "\n")
-        # seeded by the micro-batch's step and slot (train/loader/order.py): the same on any world size
-        micro = engine.micro_steps % run.grad_accum
-        slot = micro * ctx.world + ctx.rank
-        torch.manual_seed(dropout_seed(run.seed, state.samples - micro * per_micro, slot))
-        state.samples += per_micro
-        if sync_debug:  # SHATTER_SYNC_DEBUG=warn|error: torch flags each host sync of the step
-            torch.cuda.set_sync_debug_mode(sync_debug)
-        inputs = {
-            k: batch[k].to(engine.device, non_blocking=True) for k in MODEL_INPUTS if k in batch
-        }
-        lr = engine.optimizer.param_groups[0]["lr"]
-        loss = engine(**inputs)["loss"]
-        if host_reads:
-            flags = torch.tensor(
-                [
-                    float(not torch.isfinite(loss.detach()).item()),
-                    float(ctx.stop.requested),
-                    float(batch["attention_mask"].sum()),
-                ],
-                dtype=torch.float64,
-            )
-            if ctx.world > 1:
-                torch.distributed.all_reduce(flags)
-            state.tokens += int(flags[2])
-            stop_seen = stop_seen or flags[1] > 0
-            if flags[0] > 0:
-                state.skipped_nonfinite += 1
-                in_a_row += 1
-                progress.write(
-                    f"step {state.step + 1}: non-finite loss, micro-batch skipped ({state.skipped_nonfinite} so far)"
-                )
-                if in_a_row >= run.max_nonfinite:
-                    _raise_diverged(ctx, in_a_row, state.step + 1)
-                # it keeps its place in the accumulation, so the step boundary (and the stream
-                # position a checkpoint saves) never moves: its loss is zeroed, as on a GPU
-                engine.backward(torch.where(flags[0] > 0, torch.zeros_like(loss), loss))
-                engine.step()
-            else:
-                in_a_row = 0
-                engine.backward(loss)
-                engine.step()
-                window.add(loss, torch.zeros((), dtype=torch.float64))
-        else:
-            local_tokens += int(batch["attention_mask"].sum())  # a CPU tensor: no sync
-            bad = (~torch.isfinite(loss.detach())).to(torch.float64)
-            if ctx.world > 1:
-                torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-            loss = torch.where(bad > 0, torch.zeros_like(loss), loss)  # skipped: no gradient
-            engine.backward(loss)
-            engine.step()
-            window.add(loss, bad)
-        if sync_debug:
-            torch.cuda.set_sync_debug_mode(0)  # the boundary's reads (logs, saves) are expected
-        if engine.global_steps == state.step:
+    """Micro-batches until max_steps or an agreed stop; returns "complete" or "stopped"."""
+    loop = _start_loop(ctx, state, validation, epoch_size)
+    ctx.engine.train()
+    while state.step < ctx.cfg.run.max_steps:
+        lr = _micro_batch(ctx, loop, state, next(batches))
+        if ctx.engine.global_steps == state.step:
             continue  # inside a gradient accumulation
-        state.step = engine.global_steps
-        if ctx.budget is not None:
-            run = _replan(ctx, state.step)
-        if not host_reads:
-            stop_seen = stop_seen or agreed_stop(ctx.stop.requested)
-        log_now = _due(state.step, run.log_every, run.max_steps)
-        last = run.max_steps if ctx.final_save else 0  # 0: no step is the last one to save at
-        export_now = _due(state.step, run.export_every, last)
-        save_now = stop_seen or export_now or _due(state.step, run.save_every, last)
-        if log_now or save_now:
-            if not host_reads:
-                state.tokens += _global_tokens(ctx, local_tokens)
-                local_tokens = 0
-            new_bad, longest = window.fold(state)
-            if not host_reads and new_bad:
-                progress.write(
-                    f"step {state.step}: {new_bad} non-finite micro-batches skipped "
-                    f"({state.skipped_nonfinite} so far)"
-                )
-            if not host_reads and longest >= run.max_nonfinite:
-                _raise_diverged(ctx, longest, state.step)
-        stalled = stall.check(state.step, inputs, batch)  # fp16: before DeepSpeed's min scale
-        if stalled:
-            raise TrainingError(stalled)
-        if log_now:
-            lap = clock.lap()  # training time apart from validation and checkpoints
-            tokens_per_s = (state.tokens - tokens_at) / lap["training_s"]
-            s_per_step = lap["training_s"] / max(state.step - steps_shown, 1)
-            costs = cost.fields(tokens_per_s, s_per_step, state.step, clock.gpu_hours())
-            costs.update(lap, gpu_hours_lost=clock.hours_lost)
-            record = _log_line(ctx, state, lr, tokens_per_s, costs)
-            progress.update(state.step - steps_shown, record["loss"], lr, tokens_per_s, costs)
-            tokens_at, steps_shown = state.tokens, state.step
-        if _due(state.step, run.eval_every, run.max_steps):
-            with clock.aside("validation"):
-                record = run_validation(ctx, state.step, validation)
-            progress.write(
-                f"step {state.step}: validation loss {record['loss']:.4f} accuracy {record['accuracy']:.4f}"
-                if record["predictions"]
-                else f"step {state.step}: no validation data (0 masked tokens), validation skipped"
-            )
-        if save_now:
-            with clock.aside("checkpoint"):
-                name = save_and_export(ctx, state, export_now, epoch_size)
-            progress.write(
-                f"step {state.step}: checkpoint {name}" + (" and export" if export_now else "")
-            )
-        if stop_seen:
-            status = "stopped"
-            progress.write(
-                f"{ctx.stop.name or 'stop'}: checkpoint saved at step {state.step}; exiting"
-            )
+        state.step = ctx.engine.global_steps
+        if _step_boundary(ctx, loop, state, lr):
             break
-    progress.close()
+    loop.progress.close()
+    clock = loop.clock
     clock.lap()
     seconds = ", ".join(f"{kind} {s:.0f} s" for kind, s in clock.total.items())
-    progress.write(
+    loop.progress.write(
         f"{clock.gpu_hours():.3f} GPU-hours used to step {state.step} (world size {ctx.world}); "
         f"this session: {seconds}"
     )
-    return status
+    return loop.status
+
+
+def _start_loop(ctx: RunContext, state, validation, epoch_size: int) -> Loop:
+    engine, run = ctx.engine, ctx.cfg.run
+    progress = Progress(ctx.rank, run.progress, state.step, run.max_steps)
+    advice = f"lower the lr or resume from an earlier checkpoint in {ctx.run_dir / 'checkpoints'}"
+    guard = step_guard(engine.device, ctx.world, run.max_nonfinite, progress.write, advice)
+    clock = RunClock(ctx.world, ctx.writer.hours_before, ctx.writer.hours_lost)
+    stall = LossScaleStall(engine, run.max_nonfinite)
+    cost = cost_model(ctx.cfg, engine.module.config, ctx.seq_len, ctx.world, engine.device)
+    log = run.sample_log and open(f"{run.sample_log}.rank{ctx.rank}.jsonl", "a", buffering=1)
+    return Loop(
+        progress,
+        guard,
+        clock,
+        stall,
+        cost,
+        validation,
+        epoch_size,
+        log or None,
+        state.tokens,
+        state.step,
+    )
+
+
+def _micro_batch(ctx: RunContext, loop: Loop, state, batch: dict) -> float:
+    """Forward, backward and step of one micro-batch (through the guard); returns the lr it ran
+    at."""
+    engine, run = ctx.engine, ctx.cfg.run
+    if STORE_ERROR in batch and ctx.store_failure is None:  # in-band, from a loader worker
+        ctx.store_failure, ctx.stop.requested = batch[STORE_ERROR], True
+        ctx.stop.name = "store failure"
+    if loop.sample_log is not None:  # run.sample_log: [stream position, its row ids]
+        loop.sample_log.write(json.dumps([state.samples, batch["sample_id"].tolist()]) + "\n")
+    # seeded by the micro-batch's step and slot (train/loader/order.py): the same on any world size
+    per_micro = run.micro_batch * ctx.world
+    micro = engine.micro_steps % run.grad_accum
+    slot = micro * ctx.world + ctx.rank
+    torch.manual_seed(dropout_seed(run.seed, state.samples - micro * per_micro, slot))
+    state.samples += per_micro
+    watch = run.sync_debug if engine.device.type == "cuda" else None
+    if watch:  # run.sync_debug: torch flags each host sync of the step
+        torch.cuda.set_sync_debug_mode(watch)
+    inputs = {k: batch[k].to(engine.device, non_blocking=True) for k in MODEL_INPUTS if k in batch}
+    lr = engine.optimizer.param_groups[0]["lr"]
+    loss = engine(**inputs)["loss"]
+    tokens = int(batch["attention_mask"].sum())  # a CPU tensor: no sync
+    loop.guard.micro_step(engine, loss, tokens, ctx.stop.requested, state)
+    if watch:
+        torch.cuda.set_sync_debug_mode(0)  # the boundary's reads (logs, saves) are expected
+    loop.last = (inputs, batch)
+    return lr
+
+
+def _step_boundary(ctx: RunContext, loop: Loop, state, lr: float) -> bool:
+    """After optimizer step `state.step`: metrics, validation, checkpoint, export; True when the
+    run stops here (after saving)."""
+    run = ctx.cfg.run if ctx.budget is None else _replan(ctx, state.step)
+    stop_seen = loop.guard.stop(ctx.stop.requested)
+    log_now = _due(state.step, run.log_every, run.max_steps)
+    last = run.max_steps if ctx.final_save else 0  # 0: no step is the last one to save at
+    export_now = _due(state.step, run.export_every, last)
+    save_now = stop_seen or export_now or _due(state.step, run.save_every, last)
+    if log_now or save_now:
+        loop.guard.settle(state)
+    stalled = loop.stall.check(state.step, *loop.last)  # fp16: before DeepSpeed's min scale
+    if stalled:
+        raise TrainingError(stalled)
+    if log_now:
+        _log(ctx, loop, state, lr)
+    if _due(state.step, run.eval_every, run.max_steps):
+        with loop.clock.aside("validation"):
+            record = run_validation(ctx, state.step, loop.validation)
+        loop.progress.write(
+            f"step {state.step}: validation loss {record['loss']:.4f} accuracy {record['accuracy']:.4f}"
+            if record["predictions"]
+            else f"step {state.step}: no validation data (0 masked tokens), validation skipped"
+        )
+    if save_now:
+        with loop.clock.aside("checkpoint"):
+            name = save_and_export(ctx, state, export_now, loop.epoch_size)
+        loop.progress.write(
+            f"step {state.step}: checkpoint {name}" + (" and export" if export_now else "")
+        )
+    if stop_seen:
+        _stop(ctx, loop, state, save=False)
+    return stop_seen
+
+
+def _log(ctx: RunContext, loop: Loop, state, lr: float) -> None:
+    lap = loop.clock.lap()  # training time apart from validation and checkpoints
+    tokens_per_s = (state.tokens - loop.tokens_at) / lap["training_s"]
+    s_per_step = lap["training_s"] / max(state.step - loop.steps_shown, 1)
+    costs = loop.cost.fields(tokens_per_s, s_per_step, state.step, loop.clock.gpu_hours())
+    costs.update(lap, gpu_hours_lost=loop.clock.hours_lost)
+    record = _log_line(ctx, state, lr, tokens_per_s, costs)
+    loop.progress.update(state.step - loop.steps_shown, record["loss"], lr, tokens_per_s, costs)
+    loop.tokens_at, loop.steps_shown = state.tokens, state.step
+
+
+def _stop(ctx: RunContext, loop: Loop, state, save: bool) -> None:
+    """An agreed stop request: the checkpoint (`save`: not written yet), and the run ends."""
+    if save:
+        save_and_export(ctx, state, False, loop.epoch_size)
+    loop.status = "stopped"
+    loop.progress.write(
+        f"{ctx.stop.name or 'stop'}: checkpoint saved at step {state.step}; exiting"
+    )
 
 
 def _replan(ctx: RunContext, step: int):
@@ -383,18 +327,3 @@ def _replan(ctx: RunContext, step: int):
 def epoch_rows(index: Index, seq_len: int) -> int:
     """Rows of a training epoch: the train split's, each cut into k at a shorter length."""
     return index.rows("train") * cut_factor(index.seq_len, seq_len)
-
-
-def _sample_log(rank: int):
-    """SHATTER_SAMPLE_LOG=PREFIX (a debugging aid): each rank appends [stream position, the
-    canonical row ids of its micro-batch] per micro-batch to PREFIX.rankR.jsonl."""
-    prefix = os.environ.get("SHATTER_SAMPLE_LOG")
-    return open(f"{prefix}.rank{rank}.jsonl", "a", buffering=1) if prefix else None
-
-
-def _global_tokens(ctx: RunContext, local: int) -> int:
-    if ctx.world == 1:
-        return local
-    total = torch.tensor([float(local)], dtype=torch.float64, device=ctx.engine.device)
-    torch.distributed.all_reduce(total)
-    return int(total.item())

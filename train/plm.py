@@ -24,7 +24,7 @@ import dataclasses
 
 import numpy as np
 
-from pipeline.masking import SPECIAL_IDS
+from pipeline.format.tokenizer import SPECIAL_IDS
 from train.config import ConfigError, TrainConfig
 from train.masking import IGNORE, static_mask
 

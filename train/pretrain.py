@@ -26,10 +26,10 @@ import click  # noqa: E402
 
 from pipeline.format import DatasetError, read_index  # noqa: E402
 from pipeline.format.store import is_remote, local_path, open_store  # noqa: E402
+from pipeline.options import click_options  # noqa: E402
 from train import init_from  # noqa: E402
 from train.config import (  # noqa: E402
-    OPTIMIZER_IMPLS,
-    PRECISIONS,
+    SECTIONS,
     ConfigError,
     PresetError,
     TrainConfig,
@@ -164,7 +164,7 @@ def _run(cfg: TrainConfig) -> int:
     from train.lifecycle import ProgressWatchdog, StopFlag, hold_run_directory
     from train.loader import StreamPosition
     from train.loop import RunContext, epoch_rows
-    from train.metrics import MetricsWriter, gpu_memory
+    from train.metrics import MetricsWriter
     from train.node_env import check_nodes_env
     from train.schedule import Plan
 
@@ -179,20 +179,7 @@ def _run(cfg: TrainConfig) -> int:
     checkpoint.check_shared(run_dir)  # every node must see the same run directory
     ds_config = resolved_deepspeed_config(cfg, world)
     found = checkpoint.find_resumable(run_dir, say=lambda line: click.echo(line, err=True))
-    universal = found.world_size is not None and found.world_size != world
-    if universal:  # ZeRO's partitions re-cut for this world (train/checkpoint.py)
-        if ds_config["zero_optimization"]["stage"] == 3:
-            from train.zero3_fix import check_version
-
-            check_version()
-        if rank == 0:
-            click.echo(
-                f"the checkpoint was written by {found.world_size} ranks, this run has {world}: "
-                "converting it to a universal checkpoint to re-partition it",
-                err=True,
-            )
-        checkpoint.to_universal(run_dir, found.tag)
-        ds_config["checkpoint"] = {"load_universal": True}
+    universal = _universal_if_resharded(run_dir, rank, world, ds_config, found)
     torch.manual_seed(cfg.run.seed)
     # The model is built for the length it is trained at (the paper pretrains BERT_GPU and
     # Shatter_GPU at 256); `shatter-extend` stretches it to 512 or 1024 for finetuning.
@@ -212,33 +199,7 @@ def _run(cfg: TrainConfig) -> int:
             position, epoch_rows(index, seq_len)
         )  # refuses a position on different data
     if rank == 0:
-        if saved_config is not None:
-            changes = checkpoint.config_changes(saved_config, cfg.to_dict())
-            click.echo(
-                f"resuming from step {state.step} (sample {state.samples})"
-                + (": config changed: " + "; ".join(changes) if changes else ""),
-                err=True,
-            )
-            planned = saved_config["run"]["max_steps"]
-            if planned != cfg.run.max_steps and state.step < cfg.run.max_steps:
-                click.echo(
-                    f"--max-steps {planned} -> {cfg.run.max_steps}: from step {state.step} the lr "
-                    f"follows the schedule of a {cfg.run.max_steps}-step run "
-                    f"({cfg.optim.decay} after warm-up)",
-                    err=True,
-                )
-        (run_dir / "config.json").write_text(
-            json.dumps(
-                {
-                    "config": cfg.to_dict(),
-                    "deepspeed": ds_config,
-                    "world_size": world,
-                    "seq_len": seq_len,
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+        _record_start(cfg, run_dir, state, saved_config, ds_config, world, seq_len)
     writer = MetricsWriter(run_dir, rank, cfg.run.tensorboard, resumed_step=state.step)
     ctx = RunContext(
         cfg, index, engine, rank, world, run_dir, seq_len, writer, stop, budget=run_budget
@@ -256,24 +217,90 @@ def _run(cfg: TrainConfig) -> int:
             f"{run_dir / 'checkpoints'}: run the same command again to resume once the store answers"
         )
     if rank == 0:
-        where = (
-            f"export in {run_dir / checkpoint.EXPORT}"
-            if status == "complete"
-            else f"checkpoint in {run_dir / 'checkpoints'}; run the same command again to resume"
-        )
-        memory = gpu_memory(engine.device)
-        peak = (
-            f"; GPU memory peak {memory['gpu_mem_peak_gb']:.2f} GiB allocated, "
-            f"{memory['gpu_mem_reserved_gb']:.2f} GiB reserved"
-            if memory
-            else ""
-        )
+        _say_how_it_ended(status, state, run_dir, engine.device)
+    return 0 if status == "complete" else stop.exit_code
+
+
+def _universal_if_resharded(run_dir: Path, rank: int, world: int, ds_config: dict, found) -> bool:
+    """The newest complete checkpoint (`found`, its manifest), when written by another number of
+    ranks, is converted to a universal one (ZeRO's partitions re-cut for this world,
+    train/checkpoint.py) and loaded as such; True if so."""
+    from train import checkpoint
+
+    if found.world_size is None or found.world_size == world:
+        return False
+    if ds_config["zero_optimization"]["stage"] == 3:
+        from train.zero3_fix import check_version
+
+        check_version()
+    if rank == 0:
         click.echo(
-            f"{status}: step {state.step}, {state.skipped_nonfinite} non-finite micro-batches skipped"
-            f"{peak}; {where}",
+            f"the checkpoint was written by {found.world_size} ranks, this run has {world}: "
+            "converting it to a universal checkpoint to re-partition it",
             err=True,
         )
-    return 0 if status == "complete" else stop.exit_code
+    checkpoint.to_universal(run_dir, found.tag)
+    ds_config["checkpoint"] = {"load_universal": True}
+    return True
+
+
+def _record_start(cfg, run_dir: Path, state, saved_config, ds_config, world, seq_len) -> None:
+    """Rank 0: what a resume changes (the config, the schedule), metrics.jsonl cut back to the
+    checkpoint's step, and RUN/config.json."""
+    from train import checkpoint
+
+    if saved_config is not None:
+        changes = checkpoint.config_changes(saved_config, cfg.to_dict())
+        click.echo(
+            f"resuming from step {state.step} (sample {state.samples})"
+            + (": config changed: " + "; ".join(changes) if changes else ""),
+            err=True,
+        )
+        planned = saved_config["run"]["max_steps"]
+        if planned != cfg.run.max_steps and state.step < cfg.run.max_steps:
+            click.echo(
+                f"--max-steps {planned} -> {cfg.run.max_steps}: from step {state.step} the lr "
+                f"follows the schedule of a {cfg.run.max_steps}-step run "
+                f"({cfg.optim.decay} after warm-up)",
+                err=True,
+            )
+    (run_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "config": cfg.to_dict(),
+                "deepspeed": ds_config,
+                "world_size": world,
+                "seq_len": seq_len,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+
+
+def _say_how_it_ended(status: str, state, run_dir: Path, device) -> None:
+    """Rank 0's last line: complete or stopped, at which step, the skips, the GPU memory peak,
+    and where the export or the checkpoint is."""
+    from train import checkpoint
+    from train.metrics import gpu_memory
+
+    where = (
+        f"export in {run_dir / checkpoint.EXPORT}"
+        if status == "complete"
+        else f"checkpoint in {run_dir / 'checkpoints'}; run the same command again to resume"
+    )
+    memory = gpu_memory(device)
+    peak = (
+        f"; GPU memory peak {memory['gpu_mem_peak_gb']:.2f} GiB allocated, "
+        f"{memory['gpu_mem_reserved_gb']:.2f} GiB reserved"
+        if memory
+        else ""
+    )
+    click.echo(
+        f"{status}: step {state.step}, {state.skipped_nonfinite} non-finite micro-batches skipped"
+        f"{peak}; {where}",
+        err=True,
+    )
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -283,52 +310,7 @@ def _run(cfg: TrainConfig) -> int:
     type=click.Path(dir_okay=False),
     help="YAML config (sections model, data, optim, run).",
 )
-@click.option("--data", help="Shard dataset directory (OUT of `shatter-data build`).")
-@click.option("--output", help="Run directory; an existing run there is resumed.")
-@click.option("--preset", help="Model preset, e.g. shatter-base, bert-tiny.")
-@click.option("--max-steps", type=int, help="Optimizer steps of the run.")
-@click.option("--micro-batch", type=int, help="Sequences per rank per micro-batch.")
-@click.option("--grad-accum", type=int, help="Micro-batches per optimizer step.")
-@click.option("--precision", type=click.Choice(PRECISIONS), help="fp32, bf16 or fp16 (GPU).")
-@click.option("--zero-stage", type=click.IntRange(0, 3), help="DeepSpeed ZeRO stage.")
-@click.option("--save-every", type=int, help="Steps between checkpoints.")
-@click.option("--eval-every", type=int, help="Steps between validation passes.")
-@click.option(
-    "--export-every", type=int, help="Steps between exports to RUN/export (always at the end)."
-)
-@click.option("--log-every", type=int, help="Steps between metrics.jsonl lines.")
-@click.option("--seed", type=int, help="Seed of weights, shuffle, dynamic masks, dropout.")
-@click.option(
-    "--masking",
-    type=click.Choice(["static", "dynamic"]),
-    help="Stored masks by epoch, or fresh ones.",
-)
-@click.option(
-    "--objective",
-    type=click.Choice(["mlm", "plm"]),
-    help="Masked LM, or XLNet's permutation LM (xlnet's default).",
-)
-@click.option("--whole-word/--no-whole-word", default=None, help="Dynamic masking of whole words.")
-@click.option(
-    "--seq-len",
-    type=int,
-    help="Train at this length (at most the data's L): L/k cuts each stored row into k rows.",
-)
-@click.option("--num-workers", type=int, help="DataLoader workers per rank.")
-@click.option("--lr", type=float, help="Peak learning rate.")
-@click.option("--warmup-steps", type=int, help="Linear warm-up steps.")
-@click.option(
-    "--optim-impl",
-    type=click.Choice(OPTIMIZER_IMPLS),
-    help="AdamW on a GPU: torch's fused AdamW (default) or DeepSpeed's JIT-built FusedAdam.",
-)
-@click.option("--num-gpus", type=int, help="World size the config is written for (--dry-run).")
-@click.option(
-    "--deepspeed-config",
-    type=click.Path(dir_okay=False),
-    help="Expert: DeepSpeed JSON merged over the built one.",
-)
-@click.option("--progress/--no-progress", default=None, help="tqdm progress bar on rank 0.")
+@click_options(SECTIONS, defaults=False)  # train/config.py: the config fields declared as flags
 @click.option(
     "--init-from",
     help="Export (or run directory) whose weights start the run; fresh optimizer and schedule.",
@@ -357,8 +339,8 @@ def _run(cfg: TrainConfig) -> int:
 )
 def main(config_file, dry_run, target, local_rank, **flags):
     """Pretrain a masked-LM encoder on a shard dataset with DeepSpeed."""
+    from train.guard import TrainingError
     from train.lifecycle import process_exit
-    from train.loop import TrainingError
     from train.plm import with_objective
 
     with process_exit(known=(ConfigError, DatasetError, TrainingError)):

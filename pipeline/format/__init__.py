@@ -3,7 +3,8 @@
 `streaming/base/format/mds/{reader,writer}.py`.
 
     schema.py   names, version, columns, `ShardInfo`, the one error type `DatasetError`
-    index.py    `read_index` -> `Index` (checked: format, version, fields), `write_index`
+    index.py    `build_index` (index.json's content), `read_index` -> `Index` (checked:
+                format, version, fields), `write_index`
     reader.py   `open_shard` -> `ShardFile` (record batches located by their headers, decoded
                 one at a time), `load_shard` (a whole shard decoded), `read_shard`
     blocks.py   `BlockReader`: a loader worker's bounded cache of decoded record batches, with
@@ -16,7 +17,7 @@
 Beam-free: the trainer imports it, local or remote, without Apache Beam.
 """
 
-from pipeline.format.index import Index, read_index, write_index
+from pipeline.format.index import Index, build_index, read_index, write_index
 from pipeline.format.reader import (
     Shard,
     ShardFile,
@@ -49,6 +50,7 @@ __all__ = [
     "ShardFile",
     "ShardWriter",
     "ShardInfo",
+    "build_index",
     "id_type",
     "load_shard",
     "open_shard",

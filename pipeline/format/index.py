@@ -1,12 +1,13 @@
-"""`index.json`: written last and atomically (its presence marks a finished dataset), read with
-the format and version checked before anything else in it is trusted (as MosaicML streaming's
-index)."""
+"""`index.json`: built by `build_index` (the build, the benchmarks and the tests' datasets alike),
+written last and atomically (its presence marks a finished dataset), read with the format and
+version checked before anything else in it is trusted (as MosaicML streaming's index)."""
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields, is_dataclass
 
 from pipeline.format.reader import sha256_file
 from pipeline.format.schema import (
@@ -140,6 +141,62 @@ def read_index(root: str, verify_tokenizer: bool = True) -> Index:
                 "the shards were built with"
             )
     return index
+
+
+SHARD_FIELDS = tuple(f.name for f in fields(ShardInfo))  # what index.json records per shard
+
+
+def build_index(
+    splits: Mapping[str, Iterable[Mapping | ShardInfo]],
+    *,
+    seq_len: int,
+    dupe_factor: int,
+    tokenizer_sha256: str,
+    vocab_size: int,
+    special_ids: Mapping[str, int],
+    config: Mapping | None = None,
+    counters: Mapping[str, int] | None = None,
+    counters_unavailable: Sequence[str] | None = None,
+    record_batch_rows: int | None = None,
+) -> dict:
+    """The content of index.json: format and version, the tokenizer, and each split's shards
+    (`ShardInfo`s, or mappings with at least its fields) with the split's row and token totals.
+
+    `counters_unavailable` names the counters a runner without metrics could not give;
+    `record_batch_rows` the most rows a shard's record batch holds (the loader shuffles rows by
+    such blocks; without it the loader assumes `writer.record_batch_rows(seq_len)`)."""
+    index = {
+        "format": FORMAT,
+        "version": VERSION,
+        "seq_len": seq_len,
+        "dupe_factor": dupe_factor,
+        "tokenizer": {
+            "file": TOKENIZER_FILE,
+            "sha256": tokenizer_sha256,
+            "vocab_size": vocab_size,
+            "special_ids": dict(special_ids),
+        },
+        "config": dict(config or {}),
+        "splits": {},
+        "counters": dict(counters or {}),
+    }
+    if record_batch_rows is not None:
+        index["record_batch_rows"] = record_batch_rows
+    if counters_unavailable is not None:
+        index["counters_unavailable"] = list(counters_unavailable)
+    for split, shards in splits.items():
+        entries = [_shard_entry(s) for s in shards]
+        index["splits"][split] = {
+            "shards": entries,
+            "rows": sum(s["rows"] for s in entries),
+            "tokens": sum(s["tokens"] for s in entries),
+        }
+    return index
+
+
+def _shard_entry(shard: Mapping | ShardInfo) -> dict:
+    record = asdict(shard) if is_dataclass(shard) else shard
+    return {k: record[k] for k in SHARD_FIELDS}
 
 
 def write_index(out: str, index: dict) -> None:

@@ -11,8 +11,6 @@ one list of archs: shatter.config's ARCHS and PARTITION_ARCHS are read from it. 
 - `segments = True`: forward and two_stream also take `segment_BL` ([B, L], the number of [SEP]
   before each position), which the encoder computes once per forward
   (`Encoder.attention_inputs`) and the blocks pass through unread;
-- `zero_if_missing`: names of its parameters that an older export may lack and that load at
-  zero (the model as saved, shatter/checkpoint.py).
 Each variant owns its position parameters (R, W^B) and its constant partition table.
 """
 

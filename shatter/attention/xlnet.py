@@ -20,8 +20,7 @@ the [SEP]s of input_ids (`segment_ids`, computed once per forward by the encoder
 class sets `segments = True`; shatter/model.py): position i is in segment "number of [SEP]
 strictly before i", so `[CLS] a [SEP]` is segment 0 and `b [SEP]` segment 1, and in a packed
 pretraining row each document is its own segment. Only same / different matters, so the
-encoding is invariant to shifting the whole sequence. Exports from before the segment encoding
-load with s+, s- and b at zero, which adds exactly nothing to the score (`zero_if_missing`).
+encoding is invariant to shifting the whole sequence.
 
 Two streams (XLNet §2.3): for a factorisation order given as `rank_BL` (the position of each
 token in the order; tokens of equal rank see each other), the content stream h at i attends to
@@ -68,7 +67,6 @@ class XLNetAttention(nn.Module):
     absolute_positions = False  # having `two_stream`, the embeddings also hold w (model.py)
     segments = True  # forward and two_stream take segment_BL (Encoder.attention_inputs)
     # added after the first exports: at zero the segment term is exactly 0 (old models unchanged)
-    zero_if_missing = ("segment_embeddings", "segment_bias")
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()

@@ -9,7 +9,7 @@ the whitespace flags) are read off the model's protobuf wire format by `normaliz
 
 The tokenizer mirrors sentencepiece's encoding: Unigram over the same pieces and scores, the
 precompiled normalizer, sentencepiece's whitespace handling (strip, collapse runs of spaces,
-escape to '▁', a dummy prefix), then the toolkit's conventions (DESIGN.md special ids
+escape to '▁', a dummy prefix), then the toolkit's conventions (the format's special ids
 [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4): `[CLS] a [SEP]` and `[CLS] a [SEP] b [SEP]`, as
 pretraining rows and finetuning features are built. There are no token type ids (no arch has
 segment embeddings).
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.tokenizer import load as load_sentencepiece
+from pipeline.format.tokenizer import load as load_sentencepiece
 
 SPIECE_UNDERLINE = "\u2581"
 UNIGRAM = 1  # sentencepiece TrainerSpec.ModelType

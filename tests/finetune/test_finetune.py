@@ -190,6 +190,22 @@ def test_refuses_a_length_beyond_the_checkpoint(tmp_path, export):
     )
 
 
+def test_a_diverged_finetuning_stops_with_one_line(tmp_path, export):
+    """The pretraining loop's step guard: an lr that overflows the weights makes every loss
+    NaN/inf; each step is skipped and counted, and `run.max_nonfinite` in a row end the run."""
+    train = write_csv(tmp_path / "train.csv", sentiment_rows(20))
+    config = tmp_path / "ft.yaml"
+    config.write_text("run:\n  max_nonfinite: 2\n")
+    result = run(
+        "--task", "classify", "--checkpoint", export(), "--train-file", train,
+        "--text-columns", "review", "--label-column", "sentiment", "--output", tmp_path / "run",
+        "--max-steps", 8, "--eval-every", 8, "--lr", 1e38, "--batch-size", 4,
+        "--config", config,
+    )  # fmt: skip
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    assert "has diverged; lower --lr" in result.output, result.output
+
+
 def test_names_the_file_with_a_missing_column(tmp_path, export):
     train = write_csv(tmp_path / "train.csv", sentiment_rows(20))
     result = run(

@@ -436,7 +436,7 @@ def test_commands_print_no_import_noise(built):
 
 
 def test_the_program_keeps_exit_statuses_and_output_when_it_skips_teardown(built, tmp_path):
-    """`shatter-data` ends without the interpreter's teardown (`pipeline.cli.entry`): the exit
+    """`shatter-data` ends without the interpreter's teardown (`pipeline.process`): the exit
     status is still the command's, every line it wrote arrives, and the exit handlers run."""
     import subprocess
     import sys
@@ -468,11 +468,11 @@ def test_the_program_keeps_exit_statuses_and_output_when_it_skips_teardown(built
 def test_a_build_process_runs_without_pandas_as_the_core_install_does(corpus_dir, tmp_path):
     """Beam imports pandas, where installed, for converters the build never uses (0.5 s of every
     build): `shatter-data build` runs as where pandas is not installed, on the runners that are
-    tested so (`pipeline.cli._build_without_pandas`); any other runner keeps it."""
+    tested so (`pipeline.process.hide_pandas`); any other runner keeps it."""
     import subprocess
     import sys
 
-    from pipeline.cli import _RUNNERS_WITHOUT_PANDAS, _runner_named
+    from pipeline.process import RUNNERS_WITHOUT_PANDAS, runner_named
 
     seen = tmp_path / "pandas-modules"
     out = tmp_path / "out"
@@ -486,11 +486,11 @@ def test_a_build_process_runs_without_pandas_as_the_core_install_does(corpus_dir
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert seen.read_text() == "" and (out / "index.json").exists()
-    assert _runner_named(["--seq-len", "8", "--runner", "DaskRunner"]) == "DaskRunner"
-    assert _runner_named(["--runner=DataflowRunner", "--project", "p"]) == "DataflowRunner"
-    assert _runner_named(["--", "--runner", "x"]) is None  # after `--`: the runner's own flags
-    assert None in _RUNNERS_WITHOUT_PANDAS and "DaskRunner" in _RUNNERS_WITHOUT_PANDAS
-    assert "DataflowRunner" not in _RUNNERS_WITHOUT_PANDAS
+    assert runner_named(["--seq-len", "8", "--runner", "DaskRunner"]) == "DaskRunner"
+    assert runner_named(["--runner=DataflowRunner", "--project", "p"]) == "DataflowRunner"
+    assert runner_named(["--", "--runner", "x"]) is None  # after `--`: the runner's own flags
+    assert None in RUNNERS_WITHOUT_PANDAS and "DaskRunner" in RUNNERS_WITHOUT_PANDAS
+    assert "DataflowRunner" not in RUNNERS_WITHOUT_PANDAS
 
 
 def test_a_shard_the_runner_did_not_report_fails_the_build(corpus_dir, tmp_path, monkeypatch):

@@ -114,16 +114,9 @@ def test_checkpoint_saved_with_one_impl_runs_with_every_other(tmp_path):
         torch.testing.assert_close(loaded(x, mask)["logits"], want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("lean", "impl"), [(True, "auto"), (False, "naive")])
-def test_old_configs_with_lean_attention_load(tmp_path, lean, impl):
-    model = tiny("part-bias")
-    shatter.save_pretrained(model, tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    del config["attention_impl"]
-    config["lean_attention"] = lean
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    assert shatter.from_pretrained(tmp_path).config.attention_impl == impl
-    assert ModelConfig.from_dict({"arch": "shatter", "lean_attention": lean}).attention_impl == impl
+def test_a_config_key_this_version_does_not_know_is_refused():
+    with pytest.raises(ValueError, match="unknown ModelConfig keys: lean_attention"):
+        ModelConfig.from_dict({"arch": "shatter", "lean_attention": True})
 
 
 def test_unknown_impl_is_rejected():

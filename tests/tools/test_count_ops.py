@@ -8,7 +8,7 @@ import torch
 
 from tools.count_ops import OpCounter, count_engine
 from train.engine import init_distributed
-from train.loop import DeviceWindow, LaggedStop
+from train.guard import DeviceWindow, LaggedStop
 
 
 def test_a_step_that_does_not_log_reads_nothing_on_the_host():

@@ -6,7 +6,6 @@ End-to-end tests use datasets built by the real `shatter-data build` instead: `b
 from __future__ import annotations
 
 import hashlib
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from pipeline.format import build_index, write_index
+
 MASK = 4
+SPECIAL_IDS = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": MASK}
 
 
 def _sha(path: Path) -> str:
@@ -84,23 +86,16 @@ def write_dataset(
                     "sha256": _sha(root / name),
                 }
             )
-        splits[split] = {"shards": entries}
-    index = {
-        "format": "shatter-shards",
-        "version": 1,
-        "seq_len": seq_len,
-        "dupe_factor": dupe_factor,
-        "tokenizer": {
-            "file": "tokenizer.model",
-            "sha256": _sha(root / "tokenizer.model"),
-            "vocab_size": vocab,
-            "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4},
-        },
-        "config": {},
-        "splits": splits,
-        "counters": {},
-    }
-    (root / "index.json").write_text(json.dumps(index))
+        splits[split] = entries
+    index = build_index(
+        splits,
+        seq_len=seq_len,
+        dupe_factor=dupe_factor,
+        tokenizer_sha256=_sha(root / "tokenizer.model"),
+        vocab_size=vocab,
+        special_ids=SPECIAL_IDS,
+    )
+    write_index(str(root), index)
     return root
 
 

@@ -49,6 +49,30 @@ def test_flags_override_the_file(tmp_path):
         resolve(str(f), {"precision": "fp8"})
 
 
+def test_each_flag_is_declared_once_on_its_config_field(tmp_path):
+    """The flags of train/pretrain.py, FLAGS and docs/training.md's table all come from the
+    `option(...)` fields of the config: a flag given on the command line lands in its field."""
+    from pipeline.options import docs_table
+    from train.config import FLAGS, SECTIONS
+    from train.pretrain import main
+
+    table = docs_table(SECTIONS)
+    assert table in (REPO / "docs" / "training.md").read_text(), (
+        "docs/training.md's flag table is not the declared one: paste the output of "
+        "python -c 'from pipeline.options import docs_table; from train.config import SECTIONS; "
+        "print(docs_table(SECTIONS))'"
+    )
+    params = {p.name: p for p in main.params}
+    assert set(FLAGS) <= set(params) and FLAGS["optim_impl"] == "optim.impl"
+    assert all(params[name].default is None for name in FLAGS)  # unset: the config file's value
+    assert params["zero_stage"].type.max == 3 and params["precision"].type.choices
+    args = ["--max-steps", "7", "--no-progress", "--optim-impl", "deepspeed", "--data", "D"]
+    parsed = main.make_context("pretrain.py", args).params
+    cfg = resolve(None, {k: v for k, v in parsed.items() if k in FLAGS})
+    assert (cfg.run.max_steps, cfg.run.progress, cfg.optim.impl) == (7, False, "deepspeed")
+    assert cfg.data.path == "D" and cfg.run.micro_batch == TrainConfig().run.micro_batch
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_load(path):
     cfg = load_yaml(path).validate()

@@ -242,7 +242,7 @@ def test_two_nodes_of_one_rank_read_disjoint_data_and_resume(books_data, tmp_pat
     def nodes(max_steps: int) -> list[Job]:
         extra = ("--num-workers", "1", "--max-steps", str(max_steps), "--save-every", "3")
         return two_nodes(books_data, tmp_path, (run, run), *extra, "--eval-every", "0",
-                         env={"SHATTER_SAMPLE_LOG": str(log)})  # fmt: skip
+                         "--sample-log", str(log), env={})  # fmt: skip
 
     for max_steps in (3, 6):  # the second run resumes from the first's checkpoint
         jobs = nodes(max_steps)

@@ -5,7 +5,7 @@ Pretraining tiny models in fp16 and bf16 under ZeRO 0-3 (a validation pass, chec
 export, the GPU memory figures), the export's fp32 masters and the NaN-step skip in fp16, bf16
 and fp32 at ZeRO-0/1/3 (tests/train/ranks_job.py), an exact resume after SIGKILL in bf16,
 shatter-extend to 1024 and tools/evaluate.py at 1024 (on the GPU). Each asserts the exit code,
-finite losses, and an exit within 30 s of the job's last line. SHATTER_SYNC_DEBUG=warn makes torch warn at every host sync of
+finite losses, and an exit within 30 s of the job's last line. --sync-debug warn makes torch warn at every host sync of
 the training steps: the lane prints what remains. The V100 path (fp16, DeepSpeed's dynamic loss
 scaling, the chunked attention an sm_70 GPU runs) through pretraining with an overflow skipped,
 the export and shatter-extend, on any GPU."""
@@ -63,7 +63,7 @@ def test_pretrain_validates_checkpoints_exports_and_reports_memory(
         "--log-every",
         "2",
     )
-    text = finish_soon(Job(cmd, env={"SHATTER_SYNC_DEBUG": "warn"}), timeout=300)
+    text = finish_soon(Job([*cmd, "--sync-debug", "warn"]), timeout=300)
     lines = train_lines(run)
     assert [x["step"] for x in lines] == [2, 4, 6, 8]
     assert all(x["loss"] is not None and math.isfinite(x["loss"]) for x in lines), lines

@@ -6,7 +6,7 @@ import math
 import torch
 
 from train.checkpoint import TrainState
-from train.loop import DeviceWindow, LaggedStop
+from train.guard import DeviceWindow, LaggedStop
 
 
 def test_device_window_matches_a_host_count_of_losses_skips_and_runs():
@@ -28,3 +28,34 @@ def test_device_window_matches_a_host_count_of_losses_skips_and_runs():
 def test_one_rank_reads_its_own_stop_flag():
     stop = LaggedStop(torch.device("cpu"), world=1)
     assert stop(False) is False and stop(True) is True
+
+
+def test_host_and_device_guards_skip_count_and_stop_alike():
+    """The two step guards over one loss sequence on real DeepSpeed engines: the same loss
+    window and skip count; the host guard skips before the backward (no optimizer step), the
+    device guard steps on a zeroed loss; `max_nonfinite` in a row end in one TrainingError that
+    ends with the caller's advice (the host guard at once, the device guard when it settles)."""
+    import pytest
+
+    from train.config import RunArgs, TrainConfig
+    from train.engine import build_engine, init_distributed, resolved_deepspeed_config
+    from train.guard import DeviceGuard, HostGuard, TrainingError
+
+    init_distributed()
+    cfg = TrainConfig(run=RunArgs(micro_batch=1, max_steps=20, zero_stage=0))
+    x = torch.ones(1, 2)
+    for kind, steps in ((HostGuard, 2), (DeviceGuard, 4)):
+        torch.manual_seed(0)
+        engine = build_engine(torch.nn.Linear(2, 1), cfg, resolved_deepspeed_config(cfg, 1))
+        lines, state = [], TrainState()
+        guard = kind(torch.device("cpu"), 1, 3, lines.append, "lower the lr")
+        for value in (1.0, float("nan"), 2.0, float("nan")):
+            guard.micro_step(engine, engine(x).sum() * 0 + value, 5, False, state)
+        guard.settle(state)
+        assert (state.window_loss, state.window_micro, state.skipped_nonfinite) == (3.0, 2, 2)
+        assert state.tokens == 20 and engine.global_steps == steps and lines
+        assert guard.stop(False) is False
+        with pytest.raises(TrainingError, match="micro-batches in a row.*lower the lr$"):
+            for _ in range(3):
+                guard.micro_step(engine, engine(x).sum() * float("nan"), 5, False, state)
+            guard.settle(state)

@@ -47,6 +47,7 @@ class FinetuneArgs:
     progress: bool = True  # tqdm bar on rank 0
     tensorboard: bool = True  # TensorBoard event files under RUN/tensorboard
     save_best: bool = True  # write RUN/best/ whenever the main metric improves
+    max_nonfinite: int = 100  # consecutive NaN/inf steps (each skipped and counted) before a stop
     deepspeed_config: str | None = None  # expert: a DeepSpeed JSON merged over the built one
     # an lr that neither --lr nor the config sets is scaled to the model's width (`scaled_lr`)
     scale_lr: bool = True

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.masking import (
+from pipeline.format.tokenizer import (
     CLS_ID as CLS,  # noqa: F401
     PAD_ID as PAD,
     SEP_ID as SEP,
+    load as load_sentencepiece,
 )
-from pipeline.tokenizer import load as load_sentencepiece
 from shatter.checkpoint import CheckpointError
 
 
@@ -41,7 +41,7 @@ def _lower_same_length(text: str) -> str:
 
 class Tokenizer:
     """The export's sentencepiece model, loaded and checked for the special ids by the pipeline's
-    own loader (`pipeline.tokenizer.load`)."""
+    own loader (`pipeline.format.tokenizer.load`)."""
 
     def __init__(self, path: str | Path):
         path = Path(path)

@@ -15,16 +15,18 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from train.checkpoint import fp32_masters
-from train.config import ConfigError, RunArgs, TrainConfig, check_output
+from train.checkpoint import TrainState, fp32_masters
+from train.config import ConfigError, EngineArgs, OptimArgs, check_output
 from train.finetuning.config import FinetuneConfig, default_steps, scaled_lr
 from train.finetuning.data import SpanData, build_task_data
 from train.finetuning.metrics import learned_nothing
+from train.guard import StepGuard, step_guard
 
 
 def global_batches(
@@ -118,22 +120,34 @@ def _write_json(path: Path, value) -> None:
     tmp.replace(path)
 
 
-def finetune(cfg: FinetuneConfig) -> dict | None:
-    """Run one finetuning; return metrics.json's content on rank 0 (None elsewhere)."""
+@dataclass(frozen=True)
+class Prepared:
+    """A finetuning's inputs, checked: the export, its tokenizer and backbone, the task data."""
+
+    tokenizer_file: Path
+    backbone: torch.nn.Module
+    data: object  # train/finetuning/data.py: ClassifyData or SpanData
+    max_len: int
+    steps: int  # optimizer steps of the run
+    optim: OptimArgs  # with the warm-up resolved
+
+
+def prepare(cfg: FinetuneConfig) -> Prepared:
+    """Everything that can be refused before a process group or a byte of output exists: the
+    export (a remote one through the node's cache), its tokenizer, the length, the task data;
+    the step count (`epochs` passes unless `max_steps`) and the warm-up (`warmup_ratio` of them
+    unless `optim.warmup_steps`)."""
     import shatter
     from shatter.checkpoint import CheckpointError
     from shatter.remote import local_export
     from shatter.sources import describe_non_export
-    from train.engine import build_engine, init_distributed, resolved_deepspeed_config
     from train.finetuning.features import Tokenizer
-    from train.metrics import MetricsWriter, Progress
 
-    # a remote export (s3://, gs://): its copy in the node's cache, fetched once per node
-    checkpoint, run_dir = local_export(cfg.run.checkpoint), Path(cfg.run.output)
+    checkpoint = local_export(cfg.run.checkpoint)  # s3://, gs://: fetched once per node
     problem = describe_non_export(checkpoint)
     if problem:
         raise CheckpointError(problem)
-    check_output(run_dir, directory=True)
+    check_output(Path(cfg.run.output), directory=True)
     tokenizer_file = checkpoint / "tokenizer.model"
     if not tokenizer_file.is_file():
         raise FileNotFoundError(
@@ -153,129 +167,189 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
             f"vocab_size {backbone.config.vocab_size}"
         )
     data = build_task_data(dataclasses.replace(cfg.data, max_len=max_len), tokenizer)
-    r = cfg.run
+    r, optim = cfg.run, cfg.optim
     steps = r.max_steps or default_steps(len(data.train_features), r.batch_size, r.epochs)
-    optim = cfg.optim
-    if r.scale_lr:
+    if r.scale_lr:  # the default lr scales with the model's width (train/finetuning/config.py)
         optim = dataclasses.replace(optim, lr=scaled_lr(optim.lr, backbone.config.hidden))
     warmup = int(r.warmup_ratio * steps) if optim.warmup_steps < 0 else optim.warmup_steps
-    optim = dataclasses.replace(
-        optim, warmup_steps=max(1, warmup)
-    )  # DeepSpeed's schedulers need >= 1
+    optim = dataclasses.replace(optim, warmup_steps=max(1, warmup))  # DeepSpeed needs >= 1
+    return Prepared(tokenizer_file, backbone, data, max_len, steps, optim)
 
-    rank, world = init_distributed()
-    torch.manual_seed(r.seed)
-    model = _head(backbone, data, r.cls_strategy).train()
-    run_args = dataclasses.replace(
-        RunArgs(),
-        max_steps=steps,
+
+def engine_args(cfg: FinetuneConfig, prepared: Prepared, world: int) -> EngineArgs:
+    """The DeepSpeed engine's arguments: the global batch split over the ranks, one
+    micro-batch a step."""
+    r = cfg.run
+    return EngineArgs(
+        prepared.optim,
+        max_steps=prepared.steps,
         micro_batch=r.batch_size // world,
         precision=r.precision,
         zero_stage=r.zero_stage,
-        seed=r.seed,
         deepspeed_config=r.deepspeed_config,
     )
-    train_config = TrainConfig(optim=optim, run=run_args).validate()
-    ds_config = resolved_deepspeed_config(train_config, world)
-    engine = build_engine(model, train_config, ds_config)
-    device = engine.device
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    summary = {
-        "task": cfg.data.task,
-        "main_metric": data.main_metric,
-        "max_len": max_len,
-        "steps": steps,
-        "train_features": len(data.train_features),
-        "validation_features": len(data.eval_features),
-        "skipped": data.skipped,
-        "corrected": getattr(data, "corrected", {}),
-        "evaluations": [],
-    }
+
+def _write_start(cfg: FinetuneConfig, prepared: Prepared, ds_config: dict, world: int) -> None:
+    """Rank 0: RUN/config.json, and what the task data skipped or corrected."""
+    data = prepared.data
+    _write_json(
+        Path(cfg.run.output) / "config.json",
+        {
+            "config": cfg.to_dict(),
+            "deepspeed": ds_config,
+            "world_size": world,
+            "max_len": prepared.max_len,
+            "steps": prepared.steps,
+            "lr": prepared.optim.lr,
+            "labels": getattr(data, "labels", None),
+        },
+    )
+    for split, counts in data.skipped.items():
+        if counts:
+            print(f"{split}: skipped {sum(counts.values())} rows: {counts}", flush=True)
+    for split, counts in getattr(data, "corrected", {}).items():
+        if counts:
+            print(
+                f"{split}: kept {sum(counts.values())} rows after correcting {counts}",
+                flush=True,
+            )
+
+
+@dataclass
+class Run:
+    """A finetuning in progress: the engine, its rank, and what the steps keep."""
+
+    cfg: FinetuneConfig
+    prepared: Prepared
+    engine: object
+    rank: int
+    world: int
+    writer: object  # train.metrics.MetricsWriter
+    progress: object  # train.metrics.Progress
+    guard: StepGuard
+    state: TrainState = dataclasses.field(default_factory=TrainState)
+    best: dict | None = None
+    evaluations: list = dataclasses.field(default_factory=list)
+
+
+def finetune(cfg: FinetuneConfig) -> dict | None:
+    """Run one finetuning; return metrics.json's content on rank 0 (None elsewhere)."""
+    from train.engine import build_engine, init_distributed, resolved_deepspeed_config
+    from train.metrics import MetricsWriter, Progress
+
+    prepared = prepare(cfg)
+    r, data = cfg.run, prepared.data
+    rank, world = init_distributed()
+    torch.manual_seed(r.seed)
+    model = _head(prepared.backbone, data, r.cls_strategy).train()
+    args = engine_args(cfg, prepared, world)
+    ds_config = resolved_deepspeed_config(args, world)
+    engine = build_engine(model, args, ds_config)
+    Path(r.output).mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        _write_json(
-            run_dir / "config.json",
-            {
-                "config": cfg.to_dict(),
-                "deepspeed": ds_config,
-                "world_size": world,
-                "max_len": max_len,
-                "steps": steps,
-                "lr": optim.lr,
-                "labels": getattr(data, "labels", None),
-            },
-        )
-        for split, counts in data.skipped.items():
-            if counts:
-                print(f"{split}: skipped {sum(counts.values())} rows: {counts}", flush=True)
-        for split, counts in getattr(data, "corrected", {}).items():
-            if counts:
-                print(
-                    f"{split}: kept {sum(counts.values())} rows after correcting {counts}",
-                    flush=True,
-                )
-    writer = MetricsWriter(run_dir, rank, r.tensorboard)
-    progress = Progress(rank, r.progress, 0, steps, desc=f"finetune {cfg.data.task}")
-    batches = global_batches(len(data.train_features), r.batch_size, r.seed, rank, world)
-    window_loss, window_steps, window_tokens, started = 0.0, 0, 0, time.time()
-    window_start = started
-    best = None
+        _write_start(cfg, prepared, ds_config, world)
+    writer = MetricsWriter(Path(r.output), rank, r.tensorboard)
+    progress = Progress(rank, r.progress, 0, prepared.steps, desc=f"finetune {cfg.data.task}")
+    advice = "lower --lr, or check the task data"
+    guard = step_guard(engine.device, world, r.max_nonfinite, progress.write, advice)
+    run = Run(cfg, prepared, engine, rank, world, writer, progress, guard)
     try:
-        for step in range(1, steps + 1):
-            batch = data.collate([data.train_features[i] for i in next(batches)])
-            loss = engine(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})["loss"]
-            engine.backward(loss)
-            engine.step()
-            # summed on the device: the loss is read at log steps only (no host sync per step)
-            window_loss, window_steps = window_loss + loss.detach().float(), window_steps + 1
-            window_tokens += int(batch["attention_mask"].sum()) * world  # this rank's share, scaled
-            if step % r.log_every == 0 or step == steps:
-                lr, now = engine.get_lr()[0], time.time()
-                window_loss = float(window_loss)
-                tokens_per_s = window_tokens / max(now - window_start, 1e-9)
-                writer.write(
-                    {
-                        "step": step,
-                        "loss": window_loss / window_steps,
-                        "lr": lr,
-                        "tokens_per_s": round(tokens_per_s, 1),
-                        "elapsed_s": round(now - started, 2),
-                    }
-                )
-                progress.update(window_steps, window_loss / window_steps, lr, tokens_per_s)
-                window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, now
-            if step % r.eval_every and step != steps:
-                continue
-            improved = False
-            if rank == 0:  # ZeRO-0..2: a forward is no collective, the other ranks wait
-                outputs = predict(engine.module, data, r.eval_batch_size, show=r.progress)
-                scores, predictions = data.score(outputs)
-                record = {"step": step, **scores}
-                summary["evaluations"].append(record)
-                writer.write({"split": "validation", **record})
-                progress.write(
-                    f"step {step}: "
-                    + ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if isinstance(v, float))
-                )
-                if best is None or scores[data.main_metric] > best[data.main_metric]:
-                    best, improved = record, True
-                    _write_json(run_dir / "predictions.json", predictions)
-            if r.save_best and _agreed(improved, device, world):
-                masters = fp32_masters(engine)  # a collective under ZeRO: every rank gathers
-                if rank == 0:
-                    _save_best(engine.module, masters, tokenizer_file, run_dir / "best")
-                del masters
-            if world > 1:
-                torch.distributed.barrier()
+        _steps(run)
     finally:
         progress.close()
         writer.close()
     if rank != 0:
         return None
-    summary.update(final=summary["evaluations"][-1], best=best)
-    warning = learned_nothing(best, data.main_metric)
+    summary = {
+        "task": cfg.data.task,
+        "main_metric": data.main_metric,
+        "max_len": prepared.max_len,
+        "steps": prepared.steps,
+        "train_features": len(data.train_features),
+        "validation_features": len(data.eval_features),
+        "skipped": data.skipped,
+        "corrected": getattr(data, "corrected", {}),
+        "evaluations": run.evaluations,
+        "final": run.evaluations[-1],
+        "best": run.best,
+    }
+    warning = learned_nothing(run.best, data.main_metric)
     if warning:
         print(warning, file=sys.stderr, flush=True)
         summary["warnings"] = [warning]
-    _write_json(run_dir / "metrics.json", summary)
+    _write_json(Path(r.output) / "metrics.json", summary)
     return summary
+
+
+def _steps(run: Run) -> None:
+    """The optimizer steps, each through the step guard (train/guard.py: a non-finite loss is
+    skipped on every rank and counted), a log line every `log_every`, an evaluation every
+    `eval_every` and at the last step."""
+    r, data, engine, steps = run.cfg.run, run.prepared.data, run.engine, run.prepared.steps
+    batches = global_batches(len(data.train_features), r.batch_size, r.seed, run.rank, run.world)
+    started = window_start = time.time()
+    tokens_at, steps_shown = 0, 0
+    for step in range(1, steps + 1):
+        batch = data.collate([data.train_features[i] for i in next(batches)])
+        inputs = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
+        loss = engine(**inputs)["loss"]
+        tokens = int(batch["attention_mask"].sum())  # a CPU tensor: no sync
+        run.guard.micro_step(engine, loss, tokens, False, run.state)
+        run.state.step = step
+        if step % r.log_every == 0 or step == steps:
+            run.guard.settle(run.state)  # the loss window and the tokens, read here only
+            now = time.time()
+            tokens_per_s = (run.state.tokens - tokens_at) / max(now - window_start, 1e-9)
+            _log(run, tokens_per_s, step - steps_shown, now - started)
+            window_start, tokens_at, steps_shown = now, run.state.tokens, step
+        if step % r.eval_every == 0 or step == steps:
+            _evaluate(run, step)
+
+
+def _log(run: Run, tokens_per_s: float, steps: int, elapsed_s: float) -> None:
+    """A metrics.jsonl line and the progress bar, over the `steps` since the last line."""
+    state = run.state
+    loss = state.window_loss / state.window_micro if state.window_micro else float("nan")
+    lr = run.engine.get_lr()[0]
+    run.writer.write(
+        {
+            "step": state.step,
+            "loss": loss,
+            "lr": lr,
+            "tokens_per_s": round(tokens_per_s, 1),
+            "elapsed_s": round(elapsed_s, 2),
+            "skipped_nonfinite": state.skipped_nonfinite,
+        }
+    )
+    run.progress.update(steps, loss, lr, tokens_per_s)
+    state.window_loss, state.window_micro = 0.0, 0
+
+
+def _evaluate(run: Run, step: int) -> None:
+    """Rank 0 scores the validation set (ZeRO-0..2: a forward is no collective; the other ranks
+    wait); an improvement of the main metric writes predictions.json and RUN/best (from the
+    fp32 masters, which every rank gathers)."""
+    r, data = run.cfg.run, run.prepared.data
+    improved = False
+    if run.rank == 0:
+        outputs = predict(run.engine.module, data, r.eval_batch_size, show=r.progress)
+        scores, predictions = data.score(outputs)
+        record = {"step": step, **scores}
+        run.evaluations.append(record)
+        run.writer.write({"split": "validation", **record})
+        run.progress.write(
+            f"step {step}: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if isinstance(v, float))
+        )
+        if run.best is None or scores[data.main_metric] > run.best[data.main_metric]:
+            run.best, improved = record, True
+            _write_json(Path(r.output) / "predictions.json", predictions)
+    if r.save_best and _agreed(improved, run.engine.device, run.world):
+        masters = fp32_masters(run.engine)  # a collective under ZeRO: every rank gathers
+        if run.rank == 0:
+            out = Path(r.output) / "best"
+            _save_best(run.engine.module, masters, run.prepared.tokenizer_file, out)
+        del masters
+    if run.world > 1:
+        torch.distributed.barrier()

@@ -1,0 +1,71 @@
+"""One declaration per option (pipeline/options.py): a config field's `option(...)` gives its
+click option, its flag-to-field entry and its docs row; `shatter-data build`'s options are
+BuildConfig's fields."""
+
+from dataclasses import dataclass
+
+import click
+import pytest
+
+from pipeline.config import BuildConfig, InputSpec
+from pipeline.options import click_options, declared, docs_table, flag_fields, option
+
+
+@dataclass(frozen=True)
+class Toy:
+    name: str = option(help="Required.", required=True)
+    steps: int = option(3, "Steps.", min=1)
+    mode: str = option("a", "A mode.", choices=("a", "b"), doc="`a` or `b`")
+    fast: bool = option(True, "Go fast.")
+    impl: str = option("x", "Which.", flag="--toy-impl")
+    budget: float = option(1.5, "Config only.", flag="")
+    plain: int = 0  # no option
+
+
+def test_a_declared_field_gives_its_option_its_field_and_its_docs_row():
+    @click.command()
+    @click_options(Toy, defaults=True)
+    def command(**kw):
+        click.echo(repr(Toy(**kw)))
+
+    assert flag_fields(Toy) == {
+        "name": "name",
+        "steps": "steps",
+        "mode": "mode",
+        "fast": "fast",
+        "toy_impl": "impl",
+    }
+    got = command.make_context("toy", ["--name", "n", "--no-fast", "--toy-impl", "y"]).params
+    assert got == {"name": "n", "steps": 3, "mode": "a", "fast": False, "toy_impl": "y"}
+    for bad in (["--name", "n", "--steps", "0"], ["--name", "n", "--mode", "c"], ["--fast"]):
+        with pytest.raises(click.UsageError):  # a range, a choice, a required option
+            command.make_context("toy", bad)
+    table = docs_table(Toy)
+    assert "| `--mode` | `mode` | `a` or `b` |" in table
+    assert "| `--fast`, `--no-fast` | `fast` | go fast |" in table
+    assert "| (config only) | `budget` | config only |" in table and "plain" not in table
+
+    @click.command()
+    @click_options({"run": Toy}, defaults=False)
+    def unset(**kw):
+        pass
+
+    params = unset.make_context("toy", ["--name", "n"]).params
+    assert params["steps"] is None and params["fast"] is None  # not given: the file's value stands
+    assert flag_fields({"run": Toy})["toy_impl"] == "run.impl"
+
+
+def test_shatter_data_build_declares_build_configs_fields_once():
+    from pipeline.cli import build
+
+    params = {p.name: p for p in build.params}
+    fields = {d.param: d for d in declared(BuildConfig)}
+    assert len(fields) == 20 and set(fields) <= set(params)
+    assert len(params) == 27  # and --corpus, --input, --wiki-index, --validation-input, ...
+    for name, d in fields.items():
+        assert d.how.required or params[name].default == d.default, name
+    args = ["--input", "x", "--output", "o", "--seq-len", "64", "--no-cross-document"]
+    parsed = build.make_context("build", args).params
+    inputs = (InputSpec("text", "x"),)
+    config = BuildConfig(inputs=inputs, **{k: parsed[k] for k in fields})
+    assert config == BuildConfig(inputs, "o", seq_len=64, cross_document=False)

@@ -1,0 +1,207 @@
+"""The step guard of a training loop: each micro-batch's backward and step, skipped on every rank
+when its loss is NaN/inf on some rank, counted, and `max_nonfinite` of them in a row stop the run;
+the ranks' agreement on a stop request; the loss window and token count that log lines read.
+
+Two implementations of one interface (`StepGuard`), chosen by the device:
+- `HostGuard` (a CPU, where reading a value costs nothing): the non-finite flag, the stop request
+  and the tokens are all-reduced before the backward, and a non-finite micro-batch goes through
+  its backward and step with its loss zeroed (no gradient): it keeps its place in the gradient
+  accumulation, so the step boundary, and the stream position a checkpoint saves, never move;
+- `DeviceGuard` (a GPU: no host sync per step): the flag is all-reduced on the device and a
+  non-finite loss is zeroed (no gradient; fp16 overflow stays the loss scaler's job); the sums
+  stay on the device (`DeviceWindow`) and are read at log steps and checkpoints only (`settle`);
+  the stop request is agreed one optimizer step late (`LaggedStop`).
+The pretraining loop (train/loop.py) and the finetuning loop (train/finetuning/loop.py) use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from train.checkpoint import TrainState
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (e.g. a diverged loss); the message says what to do."""
+
+
+class DeviceWindow:
+    """What the loop sums per micro-batch, kept where the loss is: [loss sum, micro-batches,
+    non-finite micro-batches, current run of them in a row, longest run]. `fold` reads it into
+    the `TrainState` (one host sync) at log steps and checkpoints."""
+
+    def __init__(self, device: torch.device):
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
+
+    def add(self, loss: torch.Tensor, bad: torch.Tensor) -> None:
+        s, bad = self.sums, bad.to(torch.float64)
+        s[0] += torch.where(bad > 0, 0.0, loss.detach().to(torch.float64))
+        s[1] += 1 - bad
+        s[2] += bad
+        s[3] = (s[3] + 1) * bad  # the current run: reset to 0 by a finite micro-batch
+        s[4] = torch.maximum(s[4], s[3])
+
+    def fold(self, state: TrainState) -> tuple[int, int]:
+        """Move the sums into `state`; returns (new non-finite micro-batches, longest run)."""
+        loss, micro, bad, run, longest = self.sums.tolist()
+        state.window_loss += loss
+        state.window_micro += int(micro)
+        state.skipped_nonfinite += int(bad)
+        self.sums[:3] = 0
+        self.sums[4] = run
+        return int(bad), int(longest)
+
+
+class LaggedStop:
+    """The ranks' agreement on a stop request, one optimizer step late: each boundary posts
+    this rank's flag (an async all-reduce and a pinned copy) and reads the previous boundary's
+    agreed value, which the GPU finished long ago. One rank alone reads its flag directly."""
+
+    def __init__(self, device: torch.device, world: int):
+        self.device, self.world, self.pending = device, world, None
+
+    def __call__(self, requested: bool) -> bool:
+        if self.world == 1:
+            return requested
+        flag = torch.full((1,), float(requested), device=self.device)
+        torch.distributed.all_reduce(flag)
+        host = torch.empty(1, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        previous, self.pending = self.pending, (host, done)
+        if previous is None:
+            return False
+        previous[1].synchronize()
+        return bool(previous[0][0] > 0)
+
+
+class StepGuard(Protocol):
+    stop_seen: bool  # a stop was requested on some rank (as far as this rank knows yet)
+
+    def micro_step(
+        self, engine, loss: torch.Tensor, tokens: int, requested: bool, state: TrainState
+    ) -> None:
+        """Backward and step of one micro-batch (`tokens`: its non-padding tokens on this
+        rank; `requested`: a stop asked of this rank); a non-finite one with its loss zeroed."""
+
+    def stop(self, requested: bool) -> bool:
+        """At an optimizer-step boundary: whether the ranks agree to stop."""
+
+    def settle(self, state: TrainState) -> None:
+        """Before a log line or a checkpoint: the counts into `state`; a TrainingError when the
+        loss has been non-finite `max_nonfinite` micro-batches in a row."""
+
+
+class _Guard:
+    def __init__(self, device, world: int, max_nonfinite: int, report: Callable, advice: str):
+        self.world, self.max_nonfinite, self.report, self.advice = (
+            world,
+            max_nonfinite,
+            report,
+            advice,
+        )
+        self.window = DeviceWindow(device)
+        self.stop_seen = False
+
+    def diverged(self, run: int, step: int) -> TrainingError:
+        return TrainingError(
+            f"the loss was NaN/inf for {run} micro-batches in a row at step {step}: the run "
+            f"has diverged; {self.advice}"
+        )
+
+
+class HostGuard(_Guard):
+    """Decisions read on the host before the backward (module docstring)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.in_a_row = 0
+
+    def micro_step(self, engine, loss, tokens, requested, state) -> None:
+        flags = torch.tensor(
+            [float(not torch.isfinite(loss.detach()).item()), float(requested), float(tokens)],
+            dtype=torch.float64,
+        )
+        if self.world > 1:
+            torch.distributed.all_reduce(flags)
+        state.tokens += int(flags[2])
+        self.stop_seen = self.stop_seen or bool(flags[1] > 0)
+        if flags[0] > 0:
+            state.skipped_nonfinite += 1
+            self.in_a_row += 1
+            self.report(
+                f"step {state.step + 1}: non-finite loss, micro-batch skipped "
+                f"({state.skipped_nonfinite} so far)"
+            )
+            if self.in_a_row >= self.max_nonfinite:
+                raise self.diverged(self.in_a_row, state.step + 1)
+            # its place in the accumulation kept; its loss zeroed (where: keeps the graph)
+            engine.backward(torch.where(flags[0] > 0, torch.zeros_like(loss), loss))
+            engine.step()
+            return
+        self.in_a_row = 0
+        engine.backward(loss)
+        engine.step()
+        self.window.add(loss, torch.zeros((), dtype=torch.float64))
+
+    def stop(self, requested: bool) -> bool:
+        return self.stop_seen
+
+    def settle(self, state: TrainState) -> None:
+        self.window.fold(state)
+
+
+class DeviceGuard(_Guard):
+    """No host sync per micro-batch (module docstring)."""
+
+    def __init__(self, device, world: int, *args):
+        super().__init__(device, world, *args)
+        self.device, self.local_tokens = device, 0
+        self.agreed_stop = LaggedStop(device, world)
+
+    def micro_step(self, engine, loss, tokens, requested, state) -> None:
+        self.local_tokens += tokens
+        bad = (~torch.isfinite(loss.detach())).to(torch.float64)
+        if self.world > 1:
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        loss = torch.where(bad > 0, torch.zeros_like(loss), loss)  # skipped: no gradient
+        engine.backward(loss)
+        engine.step()
+        self.window.add(loss, bad)
+
+    def stop(self, requested: bool) -> bool:
+        self.stop_seen = self.stop_seen or self.agreed_stop(requested)
+        return self.stop_seen
+
+    def settle(self, state: TrainState) -> None:
+        state.tokens += self._global_tokens()
+        new_bad, longest = self.window.fold(state)
+        if new_bad:
+            self.report(
+                f"step {state.step}: {new_bad} non-finite micro-batches skipped "
+                f"({state.skipped_nonfinite} so far)"
+            )
+        if longest >= self.max_nonfinite:
+            raise self.diverged(longest, state.step)
+
+    def _global_tokens(self) -> int:
+        local, self.local_tokens = self.local_tokens, 0
+        if self.world == 1:
+            return local
+        total = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(total)
+        return int(total.item())
+
+
+def step_guard(
+    device: torch.device, world: int, max_nonfinite: int, report: Callable, advice: str
+) -> StepGuard:
+    """The guard for `device`: `HostGuard` on a CPU, `DeviceGuard` otherwise. `report` shows a
+    line (the progress bar's write); `advice` ends the divergence error ("lower the lr ...")."""
+    kind = HostGuard if device.type == "cpu" else DeviceGuard
+    return kind(device, world, max_nonfinite, report, advice)
