@@ -39,7 +39,6 @@ from train.config import (  # noqa: E402
     schedule_problem,
 )
 from train.init_from import SHAPE_FIELDS  # noqa: E402
-from train.schedule import DECAYS  # noqa: E402
 
 
 def _check_same_arch(cfg: TrainConfig) -> None:
@@ -311,13 +310,6 @@ def _say_how_it_ended(status: str, state, run_dir: Path, device) -> None:
     help="YAML config (sections model, data, optim, run).",
 )
 @click_options(SECTIONS, defaults=False)  # train/config.py: the config fields declared as flags
-@click.option(
-    "--init-from",
-    help="Export (or run directory) whose weights start the run; fresh optimizer and schedule.",
-)
-@click.option("--decay", type=click.Choice(DECAYS), help="The lr schedule after warm-up.")
-@click.option("--budget-hours", type=float, help="Wall-clock budget; sets the schedule's length.")
-@click.option("--compile/--no-compile", default=None, help="torch.compile the model.")
 @click.option(
     "--dry-run",
     is_flag=True,

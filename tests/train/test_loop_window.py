@@ -32,8 +32,8 @@ def test_one_rank_reads_its_own_stop_flag():
 
 def test_host_and_device_guards_skip_count_and_stop_alike():
     """The two step guards over one loss sequence on real DeepSpeed engines: the same loss
-    window and skip count; the host guard skips before the backward (no optimizer step), the
-    device guard steps on a zeroed loss; `max_nonfinite` in a row end in one TrainingError that
+    window and skip count; both step on a zeroed loss, so a skipped micro-batch keeps its place in
+    the gradient accumulation; `max_nonfinite` in a row end in one TrainingError that
     ends with the caller's advice (the host guard at once, the device guard when it settles)."""
     import pytest
 
@@ -44,7 +44,7 @@ def test_host_and_device_guards_skip_count_and_stop_alike():
     init_distributed()
     cfg = TrainConfig(run=RunArgs(micro_batch=1, max_steps=20, zero_stage=0))
     x = torch.ones(1, 2)
-    for kind, steps in ((HostGuard, 2), (DeviceGuard, 4)):
+    for kind, steps in ((HostGuard, 4), (DeviceGuard, 4)):
         torch.manual_seed(0)
         engine = build_engine(torch.nn.Linear(2, 1), cfg, resolved_deepspeed_config(cfg, 1))
         lines, state = [], TrainState()
