@@ -31,7 +31,7 @@ from train.lifecycle import StopFlag, ignore_stop_signals
 from train.loader import ShardStream, StreamPosition, train_loader, validation_stream
 from train.loader.order import cut_factor
 from train.loader.stream import STORE_ERROR
-from train.metrics import MetricsWriter, Progress, RunClock, gpu_memory
+from train.metrics import MetricsWriter, Progress, RunClock, device_word, gpu_memory
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "perm_rank")  # perm_rank: plm only
 
@@ -198,16 +198,17 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
     clock = loop.clock
     clock.lap()
     seconds = ", ".join(f"{kind} {s:.0f} s" for kind, s in clock.total.items())
+    word = device_word(ctx.engine.device)
     loop.progress.write(
-        f"{clock.gpu_hours():.3f} GPU-hours used to step {state.step} (world size {ctx.world}); "
-        f"this session: {seconds}"
+        f"{clock.gpu_hours():.3f} {word}-hours used to step {state.step} (world size "
+        f"{ctx.world}); this session: {seconds}"
     )
     return loop.status
 
 
 def _start_loop(ctx: RunContext, state, validation, epoch_size: int) -> Loop:
     engine, run = ctx.engine, ctx.cfg.run
-    progress = Progress(ctx.rank, run.progress, state.step, run.max_steps)
+    progress = Progress(ctx.rank, run.progress, state.step, run.max_steps, device=engine.device)
     advice = f"lower the lr or resume from an earlier checkpoint in {ctx.run_dir / 'checkpoints'}"
     guard = step_guard(engine.device, ctx.world, run.max_nonfinite, progress.write, advice)
     clock = RunClock(ctx.world, ctx.writer.hours_before, ctx.writer.hours_lost)

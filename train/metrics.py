@@ -13,10 +13,12 @@ and checkpoint time apart and reports them as such.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -180,32 +182,86 @@ class RunClock:
         return self.hours_before + (time.time() - self.started) * self.world / 3600
 
 
-def postfix(record: dict, lr: float) -> str:
-    """The progress line's numbers: loss, lr, tokens/s (total and per GPU), MFU, hours left."""
+log = logging.getLogger("shatter.train")
+LOG_FILE = "train.log"  # RUN/train.log: rank 0's event and progress lines, time-stamped
+
+
+def device_word(device) -> str:
+    """What the run's devices are called in its lines: GPU-hours on GPUs, device-hours else."""
+    return "GPU" if getattr(device, "type", device) == "cuda" else "device"
+
+
+def h_mm(hours: float) -> str:
+    """0.0204 -> '0:02' (hours:minutes, rounded up: minutes to go never show as 0:00)."""
+    minutes = math.ceil(max(hours, 0.0) * 60)
+    return f"{minutes // 60}:{minutes % 60:02d}"
+
+
+def postfix(record: dict, lr: float, per: str = "gpu") -> str:
+    """The progress line's numbers: loss, lr, tokens/s (total and per device), MFU, time left."""
     loss = record.get("loss")
     parts = [f"loss={loss:.4f}" if loss is not None and math.isfinite(loss) else "loss=-"]
     parts += [f"lr={lr:.2e}", f"tok/s={record['tokens_per_s']:,.0f}"]
     if "tokens_per_s_per_gpu" in record:
-        parts.append(f"tok/s/gpu={record['tokens_per_s_per_gpu']:,.0f}")
+        parts.append(f"tok/s/{per}={record['tokens_per_s_per_gpu']:,.0f}")
     if record.get("mfu") is not None:
         parts.append(f"mfu={record['mfu']:.1%}")
     if "hours_to_max_steps" in record:
-        parts.append(f"left={record['hours_to_max_steps']:.1f}h")
+        parts.append(f"left={h_mm(record['hours_to_max_steps'])}")
     return " ".join(parts)
+
+
+def log_to_run(run_dir: Path, rank: int) -> None:
+    """Rank 0 writes its event and progress lines to RUN/train.log (appended across resumes);
+    Python warnings go through logging there and to stderr, above the bar, once each."""
+    if rank != 0 or any(getattr(h, "shatter_run", False) for h in log.handlers):
+        return
+    handler = logging.FileHandler(run_dir / LOG_FILE, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    handler.shatter_run = True
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False  # stderr gets each line once, from the bar's writer
+    warnings.showwarning = _show_warning
+
+
+_SHOWN: set[str] = set()  # a library's change of filters resets Python's once-per-place registry
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    text = warnings.formatwarning(message, category, filename, lineno, line).strip()
+    if text in _SHOWN:
+        return
+    _SHOWN.add(text)
+    tqdm.write(text, file=sys.stderr)  # above the bar, never spliced into it
+    log.warning(text)
 
 
 class Progress:
     """tqdm bar on rank 0 (loss, lr, tokens/s; tqdm's own ETA); silent elsewhere."""
 
-    def __init__(self, rank: int, enabled: bool, start: int, total: int, desc: str = "pretrain"):
-        self.speaks = rank == 0
+    def __init__(
+        self,
+        rank: int,
+        enabled: bool,
+        start: int,
+        total: int,
+        desc: str = "pretrain",
+        device=None,
+    ):
+        self.speaks, self.total, self.desc = rank == 0, total, desc
+        self.per = device_word(device).lower() if device is not None else "gpu"
+        # a terminal gets the bar; a pipe or a file gets plain lines (no carriage returns or
+        # cursor escapes in a job's log)
+        self.lines = enabled and rank == 0 and not sys.stderr.isatty()
+        self.step = start
         self.bar = tqdm(
             total=total,
             initial=start,
             desc=desc,
             unit="step",
             dynamic_ncols=True,
-            disable=not (enabled and rank == 0),
+            disable=not (enabled and rank == 0) or self.lines,
             smoothing=0.05,
         )
 
@@ -219,13 +275,21 @@ class Progress:
     ) -> None:
         """`cost`: tokens/s per GPU, MFU and the hours to max_steps (train/cost.py), if any."""
         record = {"loss": loss, "tokens_per_s": tokens_per_s, **(cost or {})}
-        self.bar.set_postfix_str(postfix(record, lr), refresh=False)
+        numbers = postfix(record, lr, self.per)
+        self.step += steps
+        if self.speaks:
+            log.info("%s %d/%d %s", self.desc, self.step, self.total, numbers)
+        if self.lines:
+            print(f"{self.desc} {self.step}/{self.total} {numbers}", file=sys.stderr, flush=True)
+        self.bar.set_postfix_str(numbers, refresh=False)
         self.bar.update(steps)
 
     def write(self, text: str) -> None:
-        """An event line on rank 0 (stderr, above the bar), with or without the bar."""
+        """An event line on rank 0 (stderr, above the bar), with or without the bar; also in
+        RUN/train.log."""
         if self.speaks:
             tqdm.write(text, file=sys.stderr)
+            log.info("%s", text)
 
     def close(self) -> None:
         self.bar.close()

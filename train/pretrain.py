@@ -163,7 +163,7 @@ def _run(cfg: TrainConfig) -> int:
     from train.lifecycle import ProgressWatchdog, StopFlag, hold_run_directory
     from train.loader import StreamPosition
     from train.loop import RunContext, epoch_rows
-    from train.metrics import MetricsWriter
+    from train.metrics import MetricsWriter, log_to_run
     from train.node_env import check_nodes_env
     from train.schedule import Plan
 
@@ -175,6 +175,7 @@ def _run(cfg: TrainConfig) -> int:
     run_dir = Path(cfg.run.output)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = hold_run_directory(run_dir, rank)  # noqa: F841 (held until the process ends)
+    log_to_run(run_dir, rank)  # RUN/train.log
     checkpoint.check_shared(run_dir)  # every node must see the same run directory
     ds_config = resolved_deepspeed_config(cfg, world)
     found = checkpoint.find_resumable(run_dir, say=lambda line: click.echo(line, err=True))

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -169,7 +170,7 @@ def test_fp32_zero1_two_ranks_loss_falls_and_exports_the_engines_model(books_dat
     first, last = sum(train[s] for s in range(1, 6)) / 5, sum(train[s] for s in range(56, 61)) / 5
     assert last < first - 0.5, (first, last)
     assert val[60]["loss"] < val[30]["loss"]
-    assert "pretrain:" in done.stderr and "tok/s=" in done.stderr  # the rank-0 progress bar
+    assert "pretrain 5/60 " in done.stderr and "tok/s=" in done.stderr  # rank 0's progress lines
     # the cost report: per-GPU rate of 2 ranks, no MFU without a known peak on a CPU, the hours
     # left reaching 0 at max_steps, GPU-hours growing and said at the end
     lines = [r for r in map(json.loads, (run / "metrics.jsonl").open()) if "split" not in r]
@@ -179,7 +180,15 @@ def test_fp32_zero1_two_ranks_loss_falls_and_exports_the_engines_model(books_dat
     assert lines[-1]["hours_to_max_steps"] == 0 and lines[0]["hours_to_max_steps"] > 0
     hours = [r["gpu_hours"] for r in lines]
     assert hours == sorted(hours) and hours[-1] > 0
-    assert "GPU-hours used to step 60 (world size 2)" in done.stderr
+    assert "device-hours used to step 60 (world size 2)" in done.stderr  # a CPU run's words
+    # a job's log, piped: plain lines (no bar's carriage returns or cursor escapes), no line
+    # twice (one copy of each warning per job), and the same lines time-stamped in RUN/train.log
+    assert "\x1b" not in done.stderr and "\r" not in done.stderr
+    repeated = [x for x, n in Counter(done.stderr.splitlines()).items() if n > 1 and x.strip()]
+    assert not repeated, repeated
+    assert "pretrain 60/60 loss=" in done.stderr and "left=0:00" in done.stderr
+    logged = (run / "train.log").read_text()
+    assert "pretrain 60/60 loss=" in logged and "checkpoint" in logged
     # the rates are over training time: the line after step 30's validation and checkpoint
     # reports their seconds apart, and its tokens/s is not diluted by them
     by_step = {r["step"]: r for r in lines}

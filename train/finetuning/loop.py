@@ -236,7 +236,7 @@ class Run:
 def finetune(cfg: FinetuneConfig) -> dict | None:
     """Run one finetuning; return metrics.json's content on rank 0 (None elsewhere)."""
     from train.engine import build_engine, init_distributed, resolved_deepspeed_config
-    from train.metrics import MetricsWriter, Progress
+    from train.metrics import MetricsWriter, Progress, log_to_run
 
     prepared = prepare(cfg)
     r, data = cfg.run, prepared.data
@@ -247,10 +247,13 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     ds_config = resolved_deepspeed_config(args, world)
     engine = build_engine(model, args, ds_config)
     Path(r.output).mkdir(parents=True, exist_ok=True)
+    log_to_run(Path(r.output), rank)  # RUN/train.log
     if rank == 0:
         _write_start(cfg, prepared, ds_config, world)
     writer = MetricsWriter(Path(r.output), rank, r.tensorboard)
-    progress = Progress(rank, r.progress, 0, prepared.steps, desc=f"finetune {cfg.data.task}")
+    progress = Progress(
+        rank, r.progress, 0, prepared.steps, f"finetune {cfg.data.task}", engine.device
+    )
     advice = "lower --lr, or check the task data"
     guard = step_guard(engine.device, world, r.max_nonfinite, progress.write, advice)
     run = Run(cfg, prepared, engine, rank, world, writer, progress, guard)
