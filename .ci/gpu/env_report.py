@@ -1,6 +1,7 @@
 """The GPU lane's env step: the interpreter, torch and Triton, the GPU, and every package the lane
 imports (the image's and the carried ones); exit 1 when one does not import. run.sh runs it with
-PYTHONPATH holding the checkout alone, so the carried packages must come from the .pth file."""
+PYTHONPATH holding the checkout alone, so the carried packages must come from the .pth file.
+Then DeepSpeed's CPU comm op is JIT-built (CPU ranks only: the rehearsal), once, not in each job."""
 
 import importlib
 import sys
@@ -36,6 +37,10 @@ def main() -> int:
         except Exception as e:
             bad = 1
             print(f"{name}: import failed: {type(e).__name__}: {e}")
+    if not bad:
+        from train.engine import build_extensions
+
+        build_extensions()  # a no-op on a GPU
     return bad
 
 

@@ -125,13 +125,19 @@ install_wheels() {
     echo "run.sh: no .whl/*.whl (bash .ci/gpu/wheels.sh builds them): using $PY's own packages"
   elif [ "$tag" != cp312-x86_64 ]; then
     echo "run.sh: $PY is $tag, the wheels are cp312-x86_64: using its own packages"
+  elif [ "$(cat "$SITE/.lane-wheels" 2>/dev/null)" = "$(wheel_list)" ]; then
+    echo "run.sh: $SITE holds .whl/ already (a warm machine's earlier call)"
+    site_pth || return 1
   else
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$SITE" .whl/*.whl || return 1
+    wheel_list >"$SITE/.lane-wheels"
     site_pth || return 1
   fi
   scripts
 }
+
+wheel_list() { (cd .whl && ls -l -- *.whl | sha256sum); }
 
 # /tmp/site for every interpreter started from $PY, whatever PYTHONPATH it is given: a .pth
 # file in $PY's site directory adds it as a site directory (its own .pth files processed too).
@@ -179,9 +185,8 @@ EOF
 }
 
 if [ "$MODE" = --env-step ]; then # the env step itself, in its own process under timeout
-  install_wheels || exit
-  # DeepSpeed's CPU comm op JIT-built once (CPU ranks only: the rehearsal), not in each job
-  exec "$PY" -c "from train.engine import build_extensions; build_extensions()"
+  install_wheels
+  exit
 fi
 
 # What each step runs; on a CPU (the rehearsal) the benchmarks take their CPU sizes.
