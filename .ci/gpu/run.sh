@@ -24,14 +24,14 @@
 # own included (each carries LANE_STEP in its environment), before the next step starts. Pytest
 # steps give each test a timeout below the box. $OUT (runs/gpu/ by default) gets one log per
 # step and summary.txt (each step's exit status and seconds, the tests' table): at most 8
-# files. GPU_DRY=1 lists the steps and their boxes without running them. PYTHON (python3) is the
+# files. OUT defaults to runs/gpu/CALL. GPU_DRY=1 lists the steps and their boxes without running them. PYTHON (python3) is the
 # interpreter; GPU_SCALE multiplies every box (the rehearsal's CPU is slower).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 MODE=${1:-all}
 [ $# -gt 0 ] && shift
 PY=${PYTHON:-python3}
-OUT=${OUT:-$PWD/runs/gpu}
+OUT=${OUT:-$PWD/runs/gpu/$MODE}
 BUDGET=${GPU_BUDGET:-570}
 DRY=${GPU_DRY:-0}
 SITE=${GPU_SITE:-/tmp/site}
@@ -49,7 +49,10 @@ case $MODE in
   *) echo "run.sh: error: unknown call '$MODE' (kernels, bench, jobs, science, all or rehearse) in $0" >&2; exit 2 ;;
 esac
 ((REHEARSE)) && [ "$MODE" = kernels ] && PLAN="$PLAN kernel_report:200"
-[ "$MODE" = --env-step ] || mkdir -p "$OUT" || { echo "run.sh: error: cannot create $OUT (OUT)" >&2; exit 1; }
+if [ "$MODE" != --env-step ]; then # this call's files only: an earlier call's are not counted
+  mkdir -p "$OUT" || { echo "run.sh: error: cannot create $OUT (OUT)" >&2; exit 1; }
+  rm -f "$OUT"/*.log "$OUT"/summary.txt "$OUT"/science.md "$OUT"/science.png
+fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ -z "${SHATTER_SHARED_DATA:-}" ] && [ -d .whl/data ]; then
   export SHATTER_SHARED_DATA="$PWD/.whl/data"
