@@ -22,10 +22,10 @@
 # console scripts the tests call put beside the interpreter, the GPU and versions printed.
 # A step runs in a time box; when it is up, the step's processes end, those in sessions of their
 # own included (each carries LANE_STEP in its environment), before the next step starts. Pytest
-# steps give each test a timeout below the box. $OUT (runs/gpu/ by default) gets one log per
-# step and summary.txt (each step's exit status and seconds, the tests' table): at most 8
-# files. OUT defaults to runs/gpu/CALL. GPU_DRY=1 lists the steps and their boxes without running them. PYTHON (python3) is the
-# interpreter; GPU_SCALE multiplies every box (the rehearsal's CPU is slower).
+# steps give each test a timeout below the box. $OUT (runs/gpu/CALL/ by default) gets one log
+# per step and summary.txt (each step's exit status and seconds, the tests' table): at most 8
+# files. GPU_DRY=1 lists the steps and their boxes without running them. PYTHON (python3) is
+# the interpreter; GPU_SCALE multiplies every box (the rehearsal's CPU is slower).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 MODE=${1:-all}
