@@ -1,8 +1,11 @@
 """The GPU lane's env step: the interpreter, torch and Triton, the GPU, and every package the lane
 imports (the image's and the carried ones); exit 1 when one does not import. run.sh runs it with
-PYTHONPATH holding the checkout alone, so the carried packages must come from the .pth file."""
+PYTHONPATH holding the checkout alone, so the carried packages must come from the .pth file.
+With GPU_BUILD_OPS=1 (the rehearsal's preparation, before any call's time box), DeepSpeed's CPU
+comm op is JIT-built then, once, not in each job nor in a time box that could kill the build."""
 
 import importlib
+import os
 import sys
 
 NAMES = (
@@ -36,6 +39,10 @@ def main() -> int:
         except Exception as e:
             bad = 1
             print(f"{name}: import failed: {type(e).__name__}: {e}")
+    if not bad and os.environ.get("GPU_BUILD_OPS") == "1":
+        from train.engine import build_extensions
+
+        build_extensions()  # a no-op on a GPU
     return bad
 
 

@@ -32,7 +32,7 @@ PY=$(bash .ci/gpu/rehearse_env.sh 2>>"$log" | tail -1)
 [ -x "$PY" ] || fail "the interpreter was not built: see $log (.ci/gpu/rehearse_env.sh)"
 # The env step once before the calls: DeepSpeed's CPU comm op is JIT-built here (a GPU needs none)
 echo "rehearse: run.sh --env-step (installs .whl/ into /tmp/site, builds DeepSpeed's CPU op)" | tee -a "$log"
-PYTHON=$PY GPU_REHEARSE=1 bash .ci/gpu/run.sh --env-step >>"$log" 2>&1 || fail "the env step failed: see $log"
+PYTHON=$PY GPU_REHEARSE=1 GPU_BUILD_OPS=1 bash .ci/gpu/run.sh --env-step >>"$log" 2>&1 || fail "the env step failed: see $log"
 if [ ! -f .science/l128/index.json ]; then
   echo "rehearse: building .science/ (tools/science_data.py)" | tee -a "$log"
   PYTHONPATH=$PWD "$PY" tools/science_data.py >>"$log" 2>&1 || fail "tools/science_data.py failed: see $log"

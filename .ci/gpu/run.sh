@@ -22,16 +22,16 @@
 # console scripts the tests call put beside the interpreter, the GPU and versions printed.
 # A step runs in a time box; when it is up, the step's processes end, those in sessions of their
 # own included (each carries LANE_STEP in its environment), before the next step starts. Pytest
-# steps give each test a timeout below the box. $OUT (runs/gpu/ by default) gets one log per
-# step and summary.txt (each step's exit status and seconds, the tests' table): at most 8
-# files. GPU_DRY=1 lists the steps and their boxes without running them. PYTHON (python3) is the
-# interpreter; GPU_SCALE multiplies every box (the rehearsal's CPU is slower).
+# steps give each test a timeout below the box. $OUT (runs/gpu/CALL/ by default) gets one log
+# per step and summary.txt (each step's exit status and seconds, the tests' table): at most 8
+# files. GPU_DRY=1 lists the steps and their boxes without running them. PYTHON (python3) is
+# the interpreter; GPU_SCALE multiplies every box (the rehearsal's CPU is slower).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 MODE=${1:-all}
 [ $# -gt 0 ] && shift
 PY=${PYTHON:-python3}
-OUT=${OUT:-$PWD/runs/gpu}
+OUT=${OUT:-$PWD/runs/gpu/$MODE}
 BUDGET=${GPU_BUDGET:-570}
 DRY=${GPU_DRY:-0}
 SITE=${GPU_SITE:-/tmp/site}
@@ -49,7 +49,10 @@ case $MODE in
   *) echo "run.sh: error: unknown call '$MODE' (kernels, bench, jobs, science, all or rehearse) in $0" >&2; exit 2 ;;
 esac
 ((REHEARSE)) && [ "$MODE" = kernels ] && PLAN="$PLAN kernel_report:200"
-[ "$MODE" = --env-step ] || mkdir -p "$OUT" || { echo "run.sh: error: cannot create $OUT (OUT)" >&2; exit 1; }
+if [ "$MODE" != --env-step ]; then # this call's files only: an earlier call's are not counted
+  mkdir -p "$OUT" || { echo "run.sh: error: cannot create $OUT (OUT)" >&2; exit 1; }
+  rm -f "$OUT"/*.log "$OUT"/summary.txt "$OUT"/science.md "$OUT"/science.png
+fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ -z "${SHATTER_SHARED_DATA:-}" ] && [ -d .whl/data ]; then
   export SHATTER_SHARED_DATA="$PWD/.whl/data"
@@ -125,13 +128,19 @@ install_wheels() {
     echo "run.sh: no .whl/*.whl (bash .ci/gpu/wheels.sh builds them): using $PY's own packages"
   elif [ "$tag" != cp312-x86_64 ]; then
     echo "run.sh: $PY is $tag, the wheels are cp312-x86_64: using its own packages"
+  elif [ "$(cat "$SITE/.lane-wheels" 2>/dev/null)" = "$(wheel_list)" ]; then
+    echo "run.sh: $SITE holds .whl/ already (a warm machine's earlier call)"
+    site_pth || return 1
   else
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$SITE" .whl/*.whl || return 1
+    wheel_list >"$SITE/.lane-wheels"
     site_pth || return 1
   fi
   scripts
 }
+
+wheel_list() { (cd .whl && ls -l -- *.whl | sha256sum); }
 
 # /tmp/site for every interpreter started from $PY, whatever PYTHONPATH it is given: a .pth
 # file in $PY's site directory adds it as a site directory (its own .pth files processed too).
@@ -179,9 +188,8 @@ EOF
 }
 
 if [ "$MODE" = --env-step ]; then # the env step itself, in its own process under timeout
-  install_wheels || exit
-  # DeepSpeed's CPU comm op JIT-built once (CPU ranks only: the rehearsal), not in each job
-  exec "$PY" -c "from train.engine import build_extensions; build_extensions()"
+  install_wheels
+  exit
 fi
 
 # What each step runs; on a CPU (the rehearsal) the benchmarks take their CPU sizes.
