@@ -84,11 +84,7 @@ DV_CONFIGS = [
     _cfg(64, 32, 4, 2, group=1),
 ]
 DELTA_CONFIGS = [_cfg(64, 16, 4, 1)]
-DZ_CONFIGS = [
-    _cfg(64, 64, 8, 2),
-    _cfg(64, 64, 4, 2, archs=(90,)),
-    _cfg(64, 128, 8, 2, archs=(90,)),
-]
+DZ_CONFIGS = [_cfg(64, 64, 8, 2)]  # sm_90's M64 N64 w4 and M64 N128 w8 spilled under 3.6
 # every compile-time constant that changes the code: a kernel is keyed on those it takes
 AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID", "BLOCK_K", "PREC", "NP"]
 ACC_COLUMNS = 384  # fp32 accumulator columns of a program's group: 6 parts of 64
