@@ -34,13 +34,13 @@ SHAPES = {"base": (768, 12), "large": (1024, 16)}
 ARCHS = {"shatter": (True, True), "1h-sigmoid": (False, True), "1h-softmax": (False, False)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MIXING_FWD = ("row_stats_kernel", "mix_fwd_kernel")
-MIXING_BWD = ("delta_kernel", "mix_bwd_dv_kernel", "mix_bwd_dz_kernel")
+MIXING_BWD = ("mix_bwd_dv_kernel", "mix_bwd_dz_kernel")
 GEMM_NAMES = ("gemm", "cutlass", "xmma", "cublas", "nvjet", "ampere_", "sm80_", "sm90_")
 
 
 def contenders(B, L, d, n, dtype, bias: bool, sigmoid: bool, device: str = "cuda"):
     """name -> (forward function, its differentiable inputs); the same Q, X, V for all."""
-    from shatter.attention.triton_kernel import partition_attention_triton
+    from shatter.attention.triton_kernel import partition_attention_layer
 
     g = torch.Generator(device=device).manual_seed(0)
     new = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype).requires_grad_()  # noqa: E731
@@ -66,10 +66,13 @@ def contenders(B, L, d, n, dtype, bias: bool, sigmoid: bool, device: str = "cuda
     def partition(impl):
         return lambda: impl(Q, X, heads(V_BLD), c, mask, table, sigmoid)
 
+    # triton as the layer runs it: on the projections P = [Q | V | c] (the same values), dP whole
+    P = torch.cat([t.detach() for t in (Q, V_BLD, c) if t is not None], -1).requires_grad_()
+
     return {
         "sdpa-flash": (sdpa(SDPBackend.FLASH_ATTENTION, None), leaves[:3]),
         "sdpa-efficient": (sdpa(SDPBackend.EFFICIENT_ATTENTION, keep), leaves[:3]),
-        "triton": (partition(partition_attention_triton), leaves),
+        "triton": (lambda: (partition_attention_layer(P, X, mask, table, None, sigmoid),), [P, X]),
         "chunked": (partition(partition_attention_chunked), leaves),
     }
 

@@ -72,7 +72,7 @@ FWD_CONFIGS = [
     _cfg(64, 16, 8, 2, archs=(90,), group=6),
     _cfg(64, 32, 8, 2, archs=(90,), group=4),
     _cfg(64, 32, 8, 2, archs=(90,), group=3),
-    _cfg(128, 32, 8, 2, archs=(80,), group=2),
+    _cfg(64, 32, 8, 2, archs=(80,), group=2),
     _cfg(64, 32, 4, 2, group=1),
 ]
 DV_CONFIGS = [
