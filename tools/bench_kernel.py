@@ -34,7 +34,7 @@ SHAPES = {"base": (768, 12), "large": (1024, 16)}
 ARCHS = {"shatter": (True, True), "1h-sigmoid": (False, True), "1h-softmax": (False, False)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MIXING_FWD = ("row_stats_kernel", "mix_fwd_kernel")
-MIXING_BWD = ("mix_bwd_dv_kernel", "mix_bwd_dz_kernel")
+MIXING_BWD = ("delta_kernel", "mix_bwd_dv_kernel", "mix_bwd_dz_kernel")
 GEMM_NAMES = ("gemm", "cutlass", "xmma", "cublas", "nvjet", "ampere_", "sm80_", "sm90_")
 
 

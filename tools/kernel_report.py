@@ -1,7 +1,7 @@
 """Ahead-of-time compile report for the Triton mixing kernels of the hybrid partition attention
 (no GPU needed).
 
-For every kernel (stats and fwd of the forward; dv and dz of the backward), every autotune
+For every kernel (stats and fwd of the forward; delta, dv and dz of the backward), every autotune
 configuration and every variant it is compiled for (the partition bias HAS_C on and off, the
 sigmoid and the softmax, the base (d=768, n=12) and large (d=1024, n=16) shapes, bf16 and fp16, a
 length that is a multiple of 16 and one that is not: l = 512 and l = 509), it compiles the kernel
@@ -35,8 +35,8 @@ import click
 SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # usable shared memory per block (A100, H100)
 SHAPES = {"base": (768, 12), "large": (1024, 16)}  # (d, n), the paper's sizes
 DTYPES = ("bf16", "fp16", "fp32")  # fp32 runs IEEE dots: no tensor cores expected
-KERNELS = ("stats", "fwd", "dv", "dz")
-DOT_KERNELS = ("fwd", "dv", "dz")  # stats is an elementwise sweep: no dot to expect
+KERNELS = ("stats", "fwd", "delta", "dv", "dz")
+DOT_KERNELS = ("fwd", "dv", "dz")  # stats and delta are elementwise sweeps: no dot to expect
 LENGTHS = (512, 509)  # a multiple of 16 and not: sets which int arguments are multiples of 16
 MAX_LEN = 512
 
@@ -109,6 +109,7 @@ def tuned_kernels() -> dict:
     return {
         "stats": (pm.row_stats_kernel, pm.STATS_CONFIGS),
         "fwd": (pm.mix_fwd_kernel, pm.FWD_CONFIGS),
+        "delta": (pm.delta_kernel, pm.DELTA_CONFIGS),
         "dv": (pm.mix_bwd_dv_kernel, pm.DV_CONFIGS),
         "dz": (pm.mix_bwd_dz_kernel, pm.DZ_CONFIGS),
     }
@@ -168,8 +169,12 @@ def jobs(archs, kernels, activations, has_cs, shapes, dtypes, lengths, first_con
 
     tuned = tuned_kernels()
     for cap, kernel in itertools.product(archs, kernels):
+        if kernel == "delta":  # it reads neither the bias nor the activation
+            activations_, has_cs_ = activations[:1], has_cs[:1]
+        else:
+            activations_, has_cs_ = activations, has_cs
         for act, has_c, shape, dtype, L in itertools.product(
-            activations, has_cs, shapes, dtypes, lengths
+            activations_, has_cs_, shapes, dtypes, lengths
         ):
             d, n = SHAPES[shape]
             configs = usable(tuned[kernel][1], n, max(16, 1 << (d // n - 1).bit_length()), cap)

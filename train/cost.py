@@ -11,7 +11,8 @@ parts, l = the run's length:
 - attention (the l x l terms): Q K^T and A V, each l d multiply-adds per token summed over the
   heads (eq. 1-2); the single-head archs score Q X^T, l d, and their A V over the n parts of V
   is l d as well (eq. 5 and the rank-3 V of §3.1);
-- per arch extras: Part_Bias and Shatter add Q R^T (n d) and the bias B = sum_h (Q R^T)[:, h]
+- per arch extras: Part_Bias and Shatter add Q R^T (n d, the n columns padded to 16 in the
+  projection GEMM that computes them) and the bias B = sum_h (Q R^T)[:, h]
   N[h] (n l; N is a constant, so its backward has one product, not two), Shatter also
   A_part V_part (n d), all §3.3; BERT-RPE adds Q K_rel^T and A_rel V_rel (r d each, r = min(2 l - 1, 2 m - 1)
   relative rows, §2); XLNet adds the position term (q + v) . W_R r over 2 l - 1 distances and the
@@ -68,7 +69,9 @@ def attention_macs(config: ModelConfig, length: int) -> int:
     d, n, arch = config.hidden, config.heads, config.arch
     macs = 2 * length * d  # Q K^T (or Q X^T) and A V, eq. 1-2 / eq. 5
     if arch in ("part-bias", "shatter"):
-        macs += n * d  # c = Q R^T (§3.3)
+        macs += (
+            -(-n // 16) * 16 * d
+        )  # c = Q R^T (§3.3), n columns of the projection GEMM padded to 16
         macs += n * length  # B[i, :] = sum_h c[i, h] N[h, i, :] (§3.3): N is constant
     if arch == "shatter":
         macs += n * d  # A_part V_part (§3.3)

@@ -82,15 +82,17 @@ def _triton_kernel() -> Impl:
 
 
 def projection_width(d: int, n: int, bias: bool = True) -> int:
-    """Columns of the layer's projections P = [Q | V | c]: 2d, plus n with the partition bias."""
-    return 2 * d + (n if bias else 0)
+    """Columns of the layer's projections P = [Q | V | c]: 2d, plus, with the partition bias, c's
+    n columns padded with zeros to a multiple of 16, so that P's rows (and V's and c's, which the
+    Triton kernels read) stay aligned for vector loads."""
+    return 2 * d + (-(-n // 16) * 16 if bias else 0)
 
 
 def projection_views(P: torch.Tensor, d: int, n: int):
     """(Q [B, L, d], V [B, n, L, d/n], c [B, L, n] or None): views of P's columns, no copy; one
     split, so that autograd gathers their gradients into dP with one cat."""
     Q, V, *c = P.split([d, d, P.shape[-1] - 2 * d] if P.shape[-1] > 2 * d else [d, d], -1)
-    return Q, V.unflatten(-1, (n, d // n)).transpose(1, 2), c[0] if c else None
+    return Q, V.unflatten(-1, (n, d // n)).transpose(1, 2), c[0][..., :n] if c else None
 
 
 def context(x_bar: torch.Tensor, a_part: torch.Tensor, v_part: torch.Tensor | None):

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shatter.attention.impls import resolve_layer
+from shatter.attention.impls import projection_width, resolve_layer
 from shatter.attention.lean import activate
 from shatter.partition import PartitionBuffer
 
@@ -65,13 +65,15 @@ class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
         self.impl = config.attention_impl
 
     def projections(self, X: torch.Tensor) -> torch.Tensor:
-        """P = X [W^Q; W^V; R W^Q]ᵀ + [b^Q; b^V; R b^Q]: Q, V and, with the partition bias,
-        c = Q Rᵀ = X (R W^Q)ᵀ + R b^Q (§3.3, exact) in one GEMM, from the same weights as ever."""
+        """P = X [W^Q; W^V; R W^Q; 0]ᵀ + [b^Q; b^V; R b^Q; 0]: Q, V and, with the partition bias,
+        c = Q Rᵀ = X (R W^Q)ᵀ + R b^Q (§3.3, exact) in one GEMM, from the same weights as ever;
+        zero rows pad c to projection_width's aligned columns."""
         weights, biases = [self.query.weight, self.value.weight], [self.query.bias, self.value.bias]
         if self.partition_bias:
             R = self.partition_embeddings
-            weights.append(R @ self.query.weight)
-            biases.append(R @ self.query.bias)
+            pad = projection_width(R.shape[1], self.n) - 2 * R.shape[1] - self.n
+            weights += [R @ self.query.weight, R.new_zeros(pad, R.shape[1])]
+            biases += [R @ self.query.bias, R.new_zeros(pad)]
         return F.linear(X, torch.cat(weights), torch.cat(biases))
 
     def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:

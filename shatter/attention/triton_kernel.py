@@ -28,11 +28,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from shatter.attention.impls import context, projection_views
+from shatter.attention.impls import context, projection_views, projection_width
 from shatter.kernels.cost import register_costs
 from shatter.kernels.partition_mixing import (
     INTERPRET,
     MAX_PARTS,
+    delta_kernel,
     mix_bwd_dv_kernel,
     mix_bwd_dz_kernel,
     mix_fwd_kernel,
@@ -170,14 +171,15 @@ def mixing_bwd(
     g_part: torch.Tensor,
     sigmoid: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dP, dX) from the saved Z and statistics: dV, then δ and dZ (with dc) in one pass, in
-    Triton, written into dP's columns, then dQ = dZ X into dP and dX = dZᵀ Q in cuBLAS. dX̄ is
+    """(dP, dX) from the saved Z and statistics: dV, δ, then dZ (with dc), in Triton, written
+    into dP's columns, then dQ = dZ X into dP and dX = dZᵀ Q in cuBLAS. dX̄ is
     read in whatever strides autograd hands in."""
     B, L, d = X.shape
     n = table.shape[0]
     Q, V, c = projection_views(P, d, n)
     g_out, g_part = _unit(g_out.to(X.dtype)), _unit(g_part.to(X.dtype))
     dP = torch.empty_like(P, memory_format=torch.contiguous_format)
+    dP[..., 2 * d + (n if c is not None else 0) :].zero_()  # c's alignment columns: no gradient
     dQ, gV, dc = projection_views(dP, d, n)
     meta = kernel_meta(d, n, X.dtype)
     cc = c if c is not None else Z
@@ -194,11 +196,16 @@ def mixing_bwd(
         Z, cc, mask32, table, stat[0], stat[1], g_out, gV, *zs, *gs,
         gV.stride(0), gV.stride(1), gV.stride(2), **shared, **tables,
     )  # fmt: skip
+    delta = torch.empty(B, L, device=X.device, dtype=torch.float32)
+    delta_kernel[_grid(L, "BLOCK_M", B)](
+        out, g_out, part, g_part, delta, out.stride(0), out.stride(1), out.stride(2), *gs,
+        part.stride(0), part.stride(1), g_part.stride(0), g_part.stride(1), L=L,
+        L_KEY=shared["L_KEY"], K_PART=d // n, N_PARTS=n, BLOCK_K=meta["BLOCK_K"], NP=meta["NP"],
+    )  # fmt: skip
     dZ = torch.empty_like(Z)  # the padded keys' columns are never read
     mix_bwd_dz_kernel[_grid(L, "BLOCK_M", B)](
-        Z, cc, mask32, table, V, stat[0], stat[1], out, part, g_out, g_part, dZ, dcc, *zs,
-        V.stride(0), V.stride(1), V.stride(2), out.stride(0), out.stride(1), out.stride(2), *gs,
-        part.stride(0), part.stride(1), g_part.stride(0), g_part.stride(1),
+        Z, cc, mask32, table, V, stat[0], stat[1], delta, g_out, g_part, dZ, dcc, *zs,
+        V.stride(0), V.stride(1), V.stride(2), *gs, g_part.stride(0), g_part.stride(1),
         dcc.stride(0), dcc.stride(1), scale=1.0 / math.sqrt(d), NP=meta["NP"], **shared, **tables,
     )  # fmt: skip
     dS = dZ[:, :, :L]  # dS/√d
@@ -242,7 +249,8 @@ def partition_attention_triton(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, tab
     B, L, d = Q_BLD.shape
     columns = [Q_BLD, V_BnLk.transpose(1, 2).reshape(B, L, d)]
     if c_BLn_or_None is not None:
-        columns.append(c_BLn_or_None)
+        pad = projection_width(d, table.shape[0]) - 2 * d - c_BLn_or_None.shape[-1]
+        columns += [c_BLn_or_None, c_BLn_or_None.new_zeros(B, L, pad)]
     P = torch.cat(columns, -1)
     out, part, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
     return out, part

@@ -75,9 +75,10 @@ def mixing_bwd_cost(args, kwargs, outputs) -> tuple[float, float]:
     flops = 2 * mixing_dot_flops(B, L, d) + 2 * 2.0 * B * L * Lp * d  # dV, dA; dQ, dX
     copies = 0 if a["g_out"].stride(-1) == 1 else 2 * x
     dv = _z_reads(n, d, "dv") * z + x + x  # Z per group, dX̄, dV
-    dz = x + z + x + x + z  # X̄ (δ), Z, V, dX̄ in, dZ out
+    delta = 2 * x  # X̄ and dX̄
+    dz = z + x + x + z  # Z, V, dX̄ in, dZ out
     gemms = 2 * (z + x + x)  # dQ = dZ X, dX = dZᵀ Q
-    return flops, float(copies + dv + dz + gemms)
+    return flops, float(copies + dv + delta + dz + gemms)
 
 
 OP_COSTS: dict[str, Callable[..., tuple[float, float]]] = {

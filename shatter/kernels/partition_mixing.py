@@ -20,7 +20,7 @@ configuration (`usable`): all n/2 parts of the side where their accumulators fit
 without spills (sm_90 at n = 12: the side's Z tiles read once), else fewer.
 
 Backward, with δ_i = Σ_j dA_ij A_ij = Σ_h ⟨dX̄[h]_i, X̄[h]_i⟩ + ⟨dA_part_i, A_part_i⟩ from the
-saved outputs (FlashAttention-2's preprocess, taken in the dZ pass's prologue) and
+saved outputs (`delta_kernel`, FlashAttention-2's preprocess) and
 dA_ij = Σ_h f_h(j−i) (⟨dX̄[h]_i, V[h]_j⟩ + dA_part_ih):
 
     sigmoid: dS_ij = ρ_i m_j s_ij (1 − s_ij) (dA_ij − A_ij δ_i)          (as lean.PartitionMix)
@@ -65,8 +65,9 @@ def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None):
 # sigmoid/softmax, l = 512 and 509, d = 768/n = 12 and d = 1024/n = 16, bf16 and fp16), under
 # the GPU image's Triton and the CPU's. The forward and dV kernels hold one [BLOCK, d/n] fp32
 # accumulator per part of their GROUP: sm_90 takes all n/2 parts of a side in one program at
-# n = 12 (the side's Z tiles read once) and 4 at n = 16; sm_80 (mma.sync, more registers per
-# accumulator) 2; GROUP 1 serves any n.
+# n = 12 (the side's Z tiles read once) and, in the forward, 4 at n = 16 (the dV kernel 2: 4
+# spilled 8 bytes under Triton 3.9); sm_80 (mma.sync, more registers per accumulator) 2;
+# GROUP 1 serves any n.
 STATS_CONFIGS = [_cfg(128, 64, 8, 2), _cfg(64, 128, 4, 2, archs=(90,))]
 FWD_CONFIGS = [
     _cfg(64, 16, 8, 2, archs=(90,), group=6),
@@ -77,15 +78,14 @@ FWD_CONFIGS = [
 ]
 DV_CONFIGS = [
     _cfg(64, 32, 8, 2, archs=(90,), group=6),
-    _cfg(64, 32, 8, 2, archs=(90,), group=4),
     _cfg(64, 32, 8, 2, archs=(90,), group=3),
-    _cfg(64, 64, 8, 2, archs=(80,), group=2),
+    _cfg(64, 64, 8, 2, group=2),
     _cfg(32, 64, 4, 2, archs=(80,), group=2),
     _cfg(64, 32, 4, 2, group=1),
 ]
+DELTA_CONFIGS = [_cfg(64, 16, 4, 1)]
 DZ_CONFIGS = [
     _cfg(64, 64, 8, 2),
-    _cfg(64, 32, 4, 2, archs=(80,)),
     _cfg(64, 64, 4, 2, archs=(90,)),
     _cfg(64, 128, 8, 2, archs=(90,)),
 ]
@@ -232,8 +232,8 @@ def _row_delta(
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """δ_i = Σ_h ⟨dX̄[h]_i, X̄[h]_i⟩ + ⟨dA_part_i, A_part_i⟩ in fp32 for the rows offs_m, from the
-    saved outputs (FlashAttention-2's preprocess, here the dZ pass's prologue): OUT's strides
-    so_*, DO's sd_*, AP's sa_*, DAP's sp_*."""
+    saved outputs (FlashAttention-2's preprocess): OUT's strides so_*, DO's sd_*, AP's sa_*,
+    DAP's sp_*."""
     ok = row_ok[:, None] & k_ok
     o_base = OUT + b * so_b + offs_m[:, None] * so_l + offs_k[None, :]
     do_base = DO + b * sd_b + offs_m[:, None] * sd_l + offs_k[None, :]
@@ -354,6 +354,27 @@ def mix_fwd_kernel(
         _store_part(o + 7 * so_h, acc7, o_ok, a_ptrs + 7, ap7, row_ok)
 
 
+@_autotune(DELTA_CONFIGS)
+@triton.jit
+def delta_kernel(
+    OUT, DO, AP, DAP, DELTA, so_b, so_h, so_l, sd_b, sd_h, sd_l, sa_b, sa_l, sp_b, sp_l,
+    L, L_KEY, K_PART,
+    N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, NP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Program (row block, batch): DELTA = δ [B, L] of its rows (`_row_delta`). A launch of its
+    own: taken in the dZ pass's prologue, it spilled that kernel on sm_80 under Triton 3.6."""
+    b = tl.program_id(1).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = offs_m < L
+    delta = _row_delta(
+        OUT, DO, AP, DAP, b, offs_m, offs_k, row_ok, (offs_k < K_PART)[None, :], so_b, so_h,
+        so_l, sd_b, sd_h, sd_l, sa_b, sa_l, sp_b, sp_l, N_PARTS, NP, BLOCK_M, BLOCK_K,
+    )  # fmt: skip
+    tl.store(DELTA + b * L + offs_m, delta, mask=row_ok)
+
+
 @_autotune(DV_CONFIGS)
 @triton.jit
 def mix_bwd_dv_kernel(
@@ -420,16 +441,15 @@ def mix_bwd_dv_kernel(
 @_autotune(DZ_CONFIGS)
 @triton.jit
 def mix_bwd_dz_kernel(
-    Z, C, Mk, T, V, STAT, STAT2, OUT, AP, DO, DAP, DZ, DC,
-    sz_b, sz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, so_b, so_h, so_l, sd_b, sd_h, sd_l,
-    sa_b, sa_l, sp_b, sp_l, sdc_b, sdc_l, L, L_KEY, K_PART, T_CENTRE, scale,
+    Z, C, Mk, T, V, STAT, STAT2, DELTA, DO, DAP, DZ, DC,
+    sz_b, sz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, sd_b, sd_h, sd_l,
+    sp_b, sp_l, sdc_b, sdc_l, L, L_KEY, K_PART, T_CENTRE, scale,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, batch): δ of its rows from the saved outputs, then over all key
-    blocks DZ = dS · scale (Z's strides sz_*, the input dtype) and, with the part bias,
-    DC = dc [B, L, n] (sdc_*). OUT is X̄ and DO dX̄ [B, n, L, d/n] (so_*, sd_*), AP is A_part
-    and DAP dA_part [B, L, n] (sa_*, sp_*)."""
+    """Program (row block, batch) over all key blocks: DZ = dS · scale (Z's strides sz_*, the
+    input dtype) and, with the part bias, DC = dc [B, L, n] (sdc_*). DELTA is δ [B, L]
+    (`delta_kernel`), DO dX̄ [B, n, L, d/n] (sd_*), DAP dA_part [B, L, n] (sp_*)."""
     b = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
@@ -437,10 +457,7 @@ def mix_bwd_dz_kernel(
     row_ok = offs_m < L
     k_ok = (offs_k < K_PART)[None, :]
     stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M)
-    delta = _row_delta(
-        OUT, DO, AP, DAP, b, offs_m, offs_k, row_ok, k_ok, so_b, so_h, so_l, sd_b, sd_h, sd_l,
-        sa_b, sa_l, sp_b, sp_l, N_PARTS, NP, BLOCK_M, BLOCK_K,
-    )  # fmt: skip
+    delta = tl.load(DELTA + b * L + offs_m, mask=row_ok, other=0.0)
     dc = tl.zeros([BLOCK_M, NP], dtype=tl.float32)
     parts = tl.arange(0, NP)[None, :]
     do_ptrs = DO + b * sd_b + offs_m[:, None] * sd_l + offs_k[None, :]

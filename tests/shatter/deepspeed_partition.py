@@ -27,20 +27,20 @@ import shatter  # noqa: E402
 from shatter.attention import single_head  # noqa: E402
 
 seen = []
-resolve = single_head.resolve
+resolve_layer = single_head.resolve_layer
 
 
 def recording(name, device, dtype):
-    impl = resolve(name, device, dtype)
+    attend = resolve_layer(name, device, dtype)
 
-    def call(Q, X, V, c, mask, table, sigmoid):
+    def call(P, X, mask, table, v_part, sigmoid):
         seen.append(table)
-        return impl(Q, X, V, c, mask, table, sigmoid)
+        return attend(P, X, mask, table, v_part, sigmoid)
 
     return call
 
 
-single_head.resolve = recording
+single_head.resolve_layer = recording
 model = shatter.build_model("shatter-tiny", vocab_size=50, max_len=16, dropout=0.0)
 config = {
     "train_micro_batch_size_per_gpu": 2,

@@ -22,8 +22,9 @@ def test_checks_flag_spills_shared_memory_and_missing_tensor_cores():
     assert Row(**{**ok.__dict__, "hmma": 0}).problems() == ["no tensor-core instruction"]
     too_big = Row(**{**ok.__dict__, "arch": 80, "smem": 200 * 1024})
     assert too_big.problems() == [f"smem {200 * 1024} > {163 * 1024}"]
-    # the elementwise sweep (row statistics) has no dot: no tensor core to expect
-    assert Row(**{**ok.__dict__, "kernel": "stats", "hmma": 0}).problems() == []
+    # the elementwise sweeps (row statistics, delta) have no dot: no tensor core to expect
+    for kernel in ("stats", "delta"):
+        assert Row(**{**ok.__dict__, "kernel": kernel, "hmma": 0}).problems() == []
     assert Row(**{**ok.__dict__, "kernel": "dz", "hmma": 0}).problems() != []
 
 
@@ -44,7 +45,8 @@ def test_every_kernel_compiles_for_sm90_without_spills():
     rows = [row for row in rows if len(row) > 12]  # the table, not the summary
     kernels = [tuple(row[1:3]) for row in rows]
     acts = ("sigmoid", "softmax")
-    assert kernels == [(k, a) for k in ("stats", "fwd", "dv", "dz") for a in acts]
+    want = [(k, a) for k in ("stats", "fwd", "delta", "dv", "dz") for a in acts]
+    assert kernels == [kv for kv in want if kv != ("delta", "softmax")]
     assert all(row[-1] == "ok" for row in rows)
     for row in rows:
         if row[1] in ("fwd", "dz"):
