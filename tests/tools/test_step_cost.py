@@ -49,16 +49,18 @@ def test_pricing_of_a_hand_made_trace():
         dict(phase="forward", kind="memory", flops=0, model_flops=0, bytes=3e9, launches=1, count=2),
         dict(phase="backward", kind="flash", flops=2e12, model_flops=1.6e12, bytes=1e6, launches=1, count=1),
         dict(phase="optimizer", kind="memory", flops=0, model_flops=0, bytes=2e9, launches=2, count=1),
+        dict(phase="forward", kind="custom", flops=1e12, model_flops=2e12, bytes=4e9, launches=1, count=1),
     ]  # fmt: skip
     split = price(rows, h100)
     mem = EFFICIENCY["memory"] * bw
     assert split["gemm"] == pytest.approx(1e12 / (EFFICIENCY["gemm"] * peak) + 1e10 / mem)
     assert split["elementwise"] == pytest.approx(2 * 3e9 / mem)
-    assert split["attention"] == pytest.approx(2e12 / (EFFICIENCY["flash"] * peak))
+    custom = 1e12 / (EFFICIENCY["custom"] * peak) + 4e9 / mem  # its GEMMs, then its mixing
+    assert split["attention"] == pytest.approx(2e12 / (EFFICIENCY["flash"] * peak) + custom)
     assert split["optimizer"] == pytest.approx(2e9 / mem)
-    assert split["launches"] == pytest.approx(7 * EFFICIENCY["launch_us"] * 1e-6)
+    assert split["launches"] == pytest.approx(8 * EFFICIENCY["launch_us"] * 1e-6)
     assert split["total"] == pytest.approx(sum(v for k, v in split.items() if k != "total"))
-    assert model_flops(rows) == pytest.approx(1e12 + 1e6 + 1.6e12)
+    assert model_flops(rows) == pytest.approx(1e12 + 1e6 + 1.6e12 + 2e12)
 
 
 def test_bert_runs_flash_without_padding_and_efficient_with_it():
