@@ -114,6 +114,7 @@ def quiet_other_ranks() -> None:
     import warnings
 
     warnings.simplefilter("ignore")
+    warnings.showwarning = lambda *args, **kwargs: None  # filters added later by libraries too
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 
 

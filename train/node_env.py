@@ -6,9 +6,13 @@ variables, plus what `.deepspeed_env` holds (in the launch directory or the home
 `DS_ENV_FILE` names another file). The object store's settings (AWS_*), TMPDIR (the node cache's
 place) and HF_* reach rank 0's node only, unless the nodes' own shells set them.
 
-`check_nodes_env` (collective, at start-up) compares them across ranks. Where a setting of rank 0
-is missing on another rank, rank 0 adds it to `.deepspeed_env` in the launch directory (its
-secrets excepted) and every rank stops in one line that says so: the next launch passes them on.
+`python -m train.node_env`, run in the launch directory before a launch, appends this shell's
+settings to `.deepspeed_env` (secrets excepted). `check_nodes_env` (collective, at start-up)
+compares them across ranks: where a rank lacks a setting another has (a node whose shell profile
+sets it, another's not), rank 0 adds it to `.deepspeed_env` in the launch directory (secrets
+excepted) and every rank stops in one line that says so: the next launch passes them on. A
+setting that no rank has (exported only in the launching shell) is not seen here: the store's
+own failure then names it.
 """
 
 from __future__ import annotations
@@ -58,8 +62,9 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def check_nodes_env() -> None:
-    """Collective, at start-up: every rank has rank 0's AWS_*, HF_* and TMPDIR, or every rank
-    stops with one line (and rank 0 has written the missing ones to `.deepspeed_env`)."""
+    """Collective, at start-up: every rank has the AWS_*, HF_* and TMPDIR settings that any rank
+    has, or every rank stops with one line (and rank 0 has written the missing ones to
+    `.deepspeed_env`)."""
     import torch.distributed as dist
 
     from train.config import ConfigError
@@ -68,22 +73,31 @@ def check_nodes_env() -> None:
         return
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, (socket.gethostname(), node_settings()))
-    host0, wanted = views[0]
-    missing = sorted({k for _, env in views for k in wanted if k not in env})
+    known: dict[str, tuple[str, int]] = {}  # name -> (value, the first rank that has it)
+    for rank, (_, env) in enumerate(views):
+        for name, value in env.items():
+            known.setdefault(name, (value, rank))
+    missing = sorted(k for k in known if any(k not in env for _, env in views))
     if not missing:
         return
     short = [r for r, (_, env) in enumerate(views) if any(k not in env for k in missing)]
-    hosts = sorted({views[r][0] for r in short})
+    have = sorted({known[k][1] for k in missing})
     path = env_file()
     if dist.get_rank() == 0:
-        add_to_env_file(path, {k: wanted[k] for k in missing})
+        add_to_env_file(path, {k: known[k][0] for k in missing})
     secrets = [k for k in missing if k in SECRETS]
     written = [k for k in missing if k not in SECRETS]
     fix = f"{', '.join(written)} written to {path}, " if written else ""
     if secrets:
         fix += f"add {', '.join(secrets)} there (or use AWS_PROFILE or an instance role), "
     raise ConfigError(
-        f"{', '.join(missing)} set for rank 0 ({host0}) but not for rank(s) {_ranges(short)} "
-        f"({', '.join(hosts)}): the deepspeed launcher passes to other nodes only what "
-        f"{path.name} holds (and PYTHON*, NCCL*); {fix}then launch again (docs/scale-out.md)"
+        f"{', '.join(missing)} set for rank(s) {_ranges(have)} ({views[have[0]][0]}) but not "
+        f"for rank(s) {_ranges(short)} ({', '.join(sorted({views[r][0] for r in short}))}): "
+        "the deepspeed launcher passes to other nodes only what .deepspeed_env holds (and "
+        f"PYTHON*, NCCL*); {fix}then launch again (docs/scale-out.md)"
     )
+
+
+if __name__ == "__main__":  # before a multi-node launch: this shell's settings, for every node
+    names = add_to_env_file(env_file(), node_settings())
+    print(f"{env_file()}: {', '.join(names) or 'nothing'} added")

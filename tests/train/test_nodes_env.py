@@ -1,6 +1,7 @@
 """Settings that must reach every node: a two-"node" launch through the deepspeed launcher's pdsh
 path, where a stand-in `pdsh` (first on PATH) records its command and runs it once per host on
-this machine, in an environment without AWS_*, HF_* and TMPDIR, as a node's own shell would be."""
+this machine: on the first host with this environment (its shell profile sets the store's
+settings), on the other without AWS_*, HF_* and TMPDIR, as that node's own shell would be."""
 
 import json
 import os
@@ -19,8 +20,8 @@ hosts = args[args.index("-w") + 1].split(",")
 command = " ".join(args[args.index("-w") + 2:])
 with open(os.environ["PDSH_RECORD"], "a") as f:
     f.write(json.dumps({{"hosts": hosts, "command": command}}) + "\\n")
-env = {{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "HF_")) and k != "TMPDIR"}}
-jobs = [subprocess.Popen(["bash", "-c", command.replace("%n", str(n))], env=env)
+bare = {{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "HF_")) and k != "TMPDIR"}}
+jobs = [subprocess.Popen(["bash", "-c", command.replace("%n", str(n))], env=bare if n else None)
         for n in range(len(hosts))]
 sys.exit(max(job.wait() for job in jobs))
 """
@@ -47,8 +48,8 @@ def test_the_store_settings_reach_every_node(books_data, tmp_path):
 
     first = subprocess.run(cmd, cwd=launch, env=env, capture_output=True, text=True, timeout=240)
     assert first.returncode != 0
-    line = next(x for x in first.stderr.splitlines() if "set for rank 0" in x)
-    assert "AWS_ENDPOINT_URL, AWS_REGION, AWS_SECRET_ACCESS_KEY, TMPDIR set for rank 0" in line
+    line = next(x for x in first.stderr.splitlines() if "set for rank(s) 0" in x)
+    assert "AWS_ENDPOINT_URL, AWS_REGION, AWS_SECRET_ACCESS_KEY, TMPDIR set for rank(s) 0" in line
     assert "not for rank(s) 1" in line and "then launch again" in line, line
     assert "add AWS_SECRET_ACCESS_KEY there" in line and "Traceback" not in first.stderr
     written = (launch / ".deepspeed_env").read_text()
