@@ -64,7 +64,7 @@ def test_a_budget_of_seconds_plans_the_wsd_schedule_and_ends_with_an_export(book
     run, seconds, started = tmp_path / "run", 30.0, time.time()
     args = ("--config", str(config), "--decay", "wsd", "--max-steps", "100000")
     args += ("--micro-batch", "4", "--seq-len", "32")
-    done = _single(books_data, run, *args, "--budget-hours", str(seconds / 3600))
+    done = _single(books_data, run, *args, "--budget-hours", str(seconds / 3600), timeout=560)
     planned = json.loads((run / budget.FILE).read_text())
     lrs, last = {s: r["lr"] for s, r in _logged(run).items()}, max(_logged(run))
     print(
