@@ -247,10 +247,14 @@ def _micro_batch(ctx: RunContext, loop: Loop, state, batch: dict) -> float:
     watch = run.sync_debug if engine.device.type == "cuda" else None
     if watch:  # run.sync_debug: torch flags each host sync of the step
         torch.cuda.set_sync_debug_mode(watch)
-    inputs = {k: batch[k].to(engine.device, non_blocking=True) for k in MODEL_INPUTS if k in batch}
+    tokens = int(batch["attention_mask"].sum())  # a CPU tensor: no sync
+    # a batch without padding goes without its mask: BERT's SDPA then runs the flash kernel
+    # (any mask, all ones included, keeps it on the memory-efficient one)
+    full = tokens == batch["attention_mask"].numel()
+    names = [k for k in MODEL_INPUTS if k in batch and not (full and k == "attention_mask")]
+    inputs = {k: batch[k].to(engine.device, non_blocking=True) for k in names}
     lr = engine.optimizer.param_groups[0]["lr"]
     loss = engine(**inputs)["loss"]
-    tokens = int(batch["attention_mask"].sum())  # a CPU tensor: no sync
     loop.guard.micro_step(engine, loss, tokens, ctx.stop.requested, state)
     if watch:
         torch.cuda.set_sync_debug_mode(0)  # the boundary's reads (logs, saves) are expected

@@ -3,6 +3,7 @@ objective, the permutation LM: the PLM loss falls, validation is labelled plm, k
 restart reproduces the uninterrupted losses exactly, and the export loads single-stream; a
 checkpoint missing weights is refused in one line."""
 
+import json
 import shutil
 import subprocess
 
@@ -82,6 +83,11 @@ def test_a_checkpoint_missing_weights_is_refused_in_one_line(books_data, plm_run
     states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
     states["module"] = {k: v for k, v in states["module"].items() if "segment_" not in k}
     torch.save(states, tag / "mp_rank_00_model_states.pt")
+    manifest = json.loads((tag / "manifest.json").read_text())  # a complete checkpoint, of
+    manifest["files"]["mp_rank_00_model_states.pt"] = (
+        (tag / "mp_rank_00_model_states.pt").stat().st_size
+    )
+    (tag / "manifest.json").write_text(json.dumps(manifest))  # another model's weights
     before = sorted(p.name for p in run.rglob("*"))
     # on the run's own 2 ranks (another world size would first convert the checkpoint)
     cmd = command(books_data, run, *ARGS, "--max-steps", "42")
