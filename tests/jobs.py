@@ -3,6 +3,7 @@ measure from a line (a failure, the last line) to the exit of every process of t
 
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -21,6 +22,14 @@ def child_env(base: dict | None = None, **extra: str) -> dict:
     paths = [str(REPO), *env.get("PYTHONPATH", "").split(os.pathsep)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
     return {**env, **extra}
+
+
+def free_port() -> int:
+    """A port free now for a launcher's rendezvous: jobs run side by side (pytest-xdist, other
+    suites on the machine) and DeepSpeed's default, 29500, would be shared."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 RUNNING: list["Job"] = []

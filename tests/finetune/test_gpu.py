@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import Job, finish_soon
+from tests.jobs import Job, finish_soon, free_port
 from tests.lane import lane, precisions
 
 from .conftest import sentiment_rows, squad_json
@@ -23,7 +23,8 @@ BIN = Path(sys.executable).parent
 
 def finetune(*args) -> list[str]:
     script = str(REPO / "train" / "finetune.py")
-    return [str(BIN / "deepspeed"), "--num_gpus", "1", script, *map(str, args)]
+    launcher = [str(BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(free_port())]
+    return [*launcher, script, *map(str, args)]
 
 
 def check(out: Path, text: str) -> dict:
