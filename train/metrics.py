@@ -102,10 +102,6 @@ class MetricsWriter:
             purge = {} if resumed_step is None else {"purge_step": resumed_step + 1}
             self.tb = SummaryWriter(str(run_dir / "tensorboard"), **purge)
 
-    def gpu_hours_before(self, step: int) -> float:
-        """GPU-hours of the earlier sessions of a resumed run, lost work included."""
-        return self.hours_before
-
     def write(self, record: dict) -> None:
         if not self.active:
             return

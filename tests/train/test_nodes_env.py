@@ -35,7 +35,8 @@ def test_the_store_settings_reach_every_node(books_data, tmp_path):
     (tmp_path / "hosts").write_text("nodeA slots=1\nnodeB slots=1\n")
     launch = tmp_path / "launch"  # the launch directory: its .deepspeed_env
     launch.mkdir()
-    env = {**os.environ, "PATH": f"{stand_in}:{os.environ['PATH']}"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "HF_"))}
+    env["PATH"] = f"{stand_in}:{os.environ['PATH']}"
     env.update(PDSH_RECORD=str(tmp_path / "pdsh.jsonl"), TMPDIR=str(tmp_path / "tmp"))
     env.update(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_REGION="us-east-1")
     env.update(AWS_SECRET_ACCESS_KEY="not-written")

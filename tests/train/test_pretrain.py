@@ -472,8 +472,6 @@ def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
     skipped = f"checkpoint {run / 'checkpoints' / 'step00000030'} is incomplete (no manifest"
     assert skipped in third and "resuming from step 20" in third, third[-3000:]
     assert "run.lock: the lock of a run that is gone" in third
-    # warnings once per node: the rank-0 side says them, rank 1 does not repeat them
-    assert third.count("FutureWarning") <= 1 and third.count("Setting accelerator to CPU") <= 1
     done = run_to_end(command(books_data, run, *FP32_ARGS))
     assert "resuming from step 40" in done.stderr, done.stderr[-3000:]
     manifest = json.loads((run / "checkpoints" / "step00000060" / "manifest.json").read_text())

@@ -127,3 +127,18 @@ def test_validation_and_checkpoint_time_are_not_training_time():
     assert lap["validation_s"] >= 0.2 and lap["checkpoint_s"] >= 0.1
     assert clock.lap()["validation_s"] == 0.0  # each lap has its own
     assert clock.gpu_hours() > 0  # from the process's start, start-up included
+
+
+WARN = "import warnings; from train.engine import quiet_other_ranks; quiet_other_ranks(); "
+WARN += "warnings.simplefilter('always'); warnings.warn('said once per node', FutureWarning)"
+
+
+@pytest.mark.parametrize("local_rank,said", [("0", True), ("1", False)])
+def test_warnings_are_said_by_one_rank_per_node(local_rank, said):
+    """A node's other ranks stay quiet, even after a library adds an `always` filter."""
+    env = {**__import__("os").environ, "LOCAL_RANK": local_rank}
+    done = subprocess.run(
+        [sys.executable, "-c", WARN], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert ("said once per node" in done.stderr) == said, done.stderr
