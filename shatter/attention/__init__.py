@@ -12,7 +12,10 @@ one list of archs: shatter.config's ARCHS and PARTITION_ARCHS are read from it. 
   before each position), which the encoder computes once per forward
   (`Encoder.attention_inputs`) and the blocks pass through unread;
 - `zero_if_missing`: names of its parameters that an older export may lack and that load at
-  zero (the model as saved, shatter/checkpoint.py).
+  zero (the model as saved, shatter/checkpoint.py);
+- `optional_mask = True`: forward and pool take `mask_BL = None` for a batch without padding
+  (the encoder passes None when attention_mask is None; the multi-head variants, so that SDPA
+  runs its flash kernel).
 Each variant owns its position parameters (R, W^B) and its constant partition table.
 """
 
