@@ -11,6 +11,9 @@ one list of archs: shatter.config's ARCHS and PARTITION_ARCHS are read from it. 
 - `segments = True`: forward and two_stream also take `segment_BL` ([B, L], the number of [SEP]
   before each position), which the encoder computes once per forward
   (`Encoder.attention_inputs`) and the blocks pass through unread;
+- `optional_mask = True`: forward and pool take `mask_BL = None` for a batch without padding
+  (the encoder passes None when attention_mask is None; the multi-head variants, so that SDPA
+  runs its flash kernel).
 Each variant owns its position parameters (R, W^B) and its constant partition table.
 """
 
