@@ -74,7 +74,7 @@ def _args(d: int, n: int, dtype: str, L: int) -> dict[str, tuple[str, object]]:
     the wrapper passes them for B = 8 and length L (Z's rows padded to a multiple of 16); the
     values only decide the runtime's divisibility-by-16 hints. X̄ and dX̄ are [B, n, L, d/n] views
     of [B, L, d] tensors; V, c, dV and dc views of the projections P [B, L, w] and of dP."""
-    from shatter.attention.impls import projection_width
+    from shatter.attention.projection import projection_width
 
     k, m, Lp = d // n, MAX_LEN, -(-L // 16) * 16
     w = projection_width(d, n)  # V, c and their gradients are columns of the projections P

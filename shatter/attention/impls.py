@@ -32,6 +32,7 @@ import torch
 
 from shatter.attention.chunked import partition_attention_chunked
 from shatter.attention.lean import partition_mix_lean, partition_mix_naive
+from shatter.attention.projection import context, projection_views
 
 Impl = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -79,28 +80,6 @@ def _triton_kernel() -> Impl:
             "attention_impl to auto, chunked or lean in the model config"
         ) from None
     return partition_attention_triton
-
-
-def projection_width(d: int, n: int, bias: bool = True) -> int:
-    """Columns of the layer's projections P = [Q | V | c]: 2d, plus, with the partition bias, c's
-    n columns padded with zeros to a multiple of 16, so that P's rows (and V's and c's, which the
-    Triton kernels read) stay aligned for vector loads."""
-    return 2 * d + (-(-n // 16) * 16 if bias else 0)
-
-
-def projection_views(P: torch.Tensor, d: int, n: int):
-    """(Q [B, L, d], V [B, n, L, d/n], c [B, L, n] or None): views of P's columns, no copy; one
-    split, so that autograd gathers their gradients into dP with one cat."""
-    Q, V, *c = P.split([d, d, P.shape[-1] - 2 * d] if P.shape[-1] > 2 * d else [d, d], -1)
-    return Q, V.unflatten(-1, (n, d // n)).transpose(1, 2), c[0][..., :n] if c else None
-
-
-def context(x_bar: torch.Tensor, a_part: torch.Tensor, v_part: torch.Tensor | None):
-    """The layer's context [B, L, d]: X̄'s parts side by side (eq. 3; a view when X̄ is stored
-    in that layout), plus A_part V_part (§3.3) when `v_part` [n, d] is given."""
-    B, n, L, k = x_bar.shape
-    out = x_bar.transpose(1, 2).reshape(B, L, n * k)
-    return out if v_part is None else out + a_part @ v_part
 
 
 Layer = Callable[..., torch.Tensor]

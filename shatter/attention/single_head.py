@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shatter.attention.impls import projection_width, resolve_layer
+from shatter.attention.impls import resolve_layer
 from shatter.attention.lean import activate
+from shatter.attention.projection import projection_width
 from shatter.partition import PartitionBuffer
 
 if TYPE_CHECKING:  # annotations only: shatter.config reads this registry

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from shatter.attention.impls import context, projection_views, projection_width
+from shatter.attention.projection import context, projection_views, projection_width
 from shatter.kernels.cost import register_costs
 from shatter.kernels.partition_mixing import (
     INTERPRET,

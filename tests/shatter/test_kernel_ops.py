@@ -17,7 +17,7 @@ from shatter_tiny import ids, tiny
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from shatter.attention.impls import projection_width
+from shatter.attention.projection import projection_width
 from shatter.partition import partition_table
 
 pytest.importorskip("triton", reason="triton has no wheel for this platform")
