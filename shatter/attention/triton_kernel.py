@@ -13,7 +13,7 @@ with 64-wide dots, ‖p‖, and the outputs normalised in the input dtype; the b
 from the saved outputs, then dV and dZ (with dc).
 
 The layer calls `partition_attention_layer(P, X, mask, table, v_part, sigmoid)` on its projections
-P = [Q | V | c] (impls.projection_views) and gets dP back whole; the impls' common signature
+P = [Q | V | c] (projection.projection_views) and gets dP back whole; the impls' common signature
 `partition_attention_triton(Q, X, V, c, mask, table, sigmoid)` computes what
 `lean.partition_mix_lean(Q Xᵀ/√d, c, V, mask, table, sigmoid)` computes. Inputs: Q, X [B, L, d];
 V [B, n, L, d/n]; c = Q Rᵀ [B, L, n] or None (1h-sigmoid, 1h-softmax); mask [B, L] (1 token,
@@ -118,7 +118,7 @@ def mixing_fwd(
     P: torch.Tensor, X: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, sigmoid: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(X̄ [B, n, L, d/n] stored as [B, L, n, d/n], A_part [B, L, n], Z [B, L, Lp], stat [2, B, L]
-    fp32) from the layer's projections P = [Q | V | c] (impls.projection_views): the scores
+    fp32) from the layer's projections P = [Q | V | c] (projection.projection_views): the scores
     GEMM, the row statistics and the mixing forward; Z and stat are kept for `mixing_bwd`."""
     B, L, d = X.shape
     n = table.shape[0]
