@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from .conftest import sentiment_rows, squad_json
-from .test_finetune import export, run, write_csv  # noqa: F401  (export is a fixture)
+from .test_finetune import run, write_csv
 
 
 def one_line_error(result, *parts):

@@ -13,7 +13,7 @@ from tests.jobs import Job, finish_soon, free_port
 from tests.lane import lane, precisions
 
 from .conftest import sentiment_rows, squad_json
-from .test_finetune import export, write_csv  # noqa: F401 (a fixture)
+from .test_finetune import write_csv
 
 pytestmark = lane
 

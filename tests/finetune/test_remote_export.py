@@ -13,7 +13,7 @@ from tools.extend import main as extend
 
 from .conftest import sentiment_rows
 from .test_errors import one_line_error
-from .test_finetune import export, run, write_csv  # noqa: F401  (export is a fixture)
+from .test_finetune import run, write_csv
 
 
 def test_extend_and_finetune_read_an_export_from_s3(s3_server, tmp_path, export):  # noqa: F811
