@@ -1,6 +1,6 @@
 """Reading a model from an export or a DeepSpeed checkpoint, and writing an export atomically.
 
-- An export directory (DESIGN.md): `model.safetensors` + `config.json` (+ `tokenizer.model`,
+- An export directory (docs/format.md): `model.safetensors` + `config.json` (+ `tokenizer.model`,
   + `head.json`), loaded with `shatter.from_pretrained`.
 - A DeepSpeed checkpoint directory: the run's `checkpoints/` folder (with DeepSpeed's `latest`
   file), or one tag folder inside it (`global_step100/`). ZeRO partitions are consolidated to

@@ -110,7 +110,8 @@ def test_stub_wheel_installs_with_pip(tmp_path):
 
 def test_project_requirements_are_setup_cfgs():
     reqs = wheelset.project_requirements()
-    assert "apache-beam>=2.60" in reqs and any(r.startswith("deepspeed") for r in reqs)
+    assert any(r.startswith("apache-beam") for r in reqs)  # the pipeline extra: datasets built
+    assert any(r.startswith("deepspeed") for r in reqs)
     assert not any(r.startswith("#") or r.startswith("pytest") for r in reqs)
 
 

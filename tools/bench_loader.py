@@ -52,7 +52,7 @@ def synthetic_dataset(
     seed: int = 0,
     train_shards: int = 2,
 ) -> Path:
-    """Random full-length rows in the DESIGN.md layout, written chunk by chunk (bounded memory)
+    """Random full-length rows in the shard layout (docs/format.md), written chunk by chunk (bounded memory)
     with pipeline.format's writer."""
     rng = np.random.default_rng(seed)
     word_start_table = rng.random(vocab) < 0.7

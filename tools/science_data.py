@@ -3,7 +3,7 @@ in the ignored folder .science/ (the working tree that travels holds at most 64 
 
     python tools/science_data.py [--output .science]      # also `make science-data`
 
-`shatter-data build` of the real Wikipedia sample (../shared/data/wiki when present, else the
+`shatter-data build` of the real Wikipedia sample (a checkout's sample data when present, else the
 demo's registry sample: tools/demo.py fetches it) and the Gutenberg books beside it when present:
 OUTPUT/l128 for pretraining (vocabulary 8000, dynamic masking at train time, so one static
 masking per row), and OUTPUT/l256, the same held-out documents with the same tokenizer, for the

@@ -19,7 +19,7 @@ resume takes the newest checkpoint whose manifest matches its files; a newer one
 during its save) is said in one line and removed. The manifest, not a count of files, gives the
 world size the partitions were written for.
 
-The export (RUN/export/) is the DESIGN.md format written by `shatter.save_pretrained`:
+The export (RUN/export/) is the format of docs/format.md, written by `shatter.save_pretrained`:
 consolidated fp32 weights. Under ZeRO (and bf16/fp16) the fp32 master weights live in the
 optimizer, so every rank gathers them from the live engine (`fp32_masters`: DeepSpeed's
 ZeRO-1/2/3 and bf16 partitions, the fp32 copies of its fp16/bf16 ZeRO-0 wrappers); in plain fp32

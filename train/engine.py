@@ -47,7 +47,9 @@ def single_process_env() -> bool:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    # a world of one needs no agreed port: a fresh one, never one inherited from a caller's
+    # environment that another process (a second run, a test's engine) may hold
+    os.environ["MASTER_PORT"] = str(_free_port())
     return True
 
 
@@ -246,10 +248,12 @@ def deepspeed_config(
     return built
 
 
-def deepspeed_schedule(cfg: TrainConfig) -> bool:
+def deepspeed_schedule(cfg: TrainConfig | EngineArgs) -> bool:
     """Whether DeepSpeed's config describes the run's schedule: a linear or constant decay over
-    a fixed run.max_steps; other decays and budgeted runs get train/schedule.py's."""
-    return cfg.optim.decay in DEEPSPEED_DECAYS and cfg.run.budget_hours is None
+    a fixed run.max_steps; other decays and budgeted runs get train/schedule.py's (finetuning's
+    EngineArgs have no budget)."""
+    budget = getattr(getattr(cfg, "run", None), "budget_hours", None)
+    return cfg.optim.decay in DEEPSPEED_DECAYS and budget is None
 
 
 def merge(base: dict, override: dict) -> dict:

@@ -1,4 +1,4 @@
-"""What a run reports: RUN/metrics.jsonl (the DESIGN.md contract), TensorBoard, a progress bar.
+"""What a run reports: RUN/metrics.jsonl (docs/format.md), TensorBoard, a progress bar.
 
 Only rank 0 writes. metrics.jsonl has one JSON object per line: training lines
 `{"step", "loss", "lr", ...}` and validation lines `{"step", "split": "validation", "loss",

@@ -57,7 +57,8 @@ def project_requirements(setup_cfg: Path = REPO / "setup.cfg") -> list[str]:
     cfg = configparser.ConfigParser()
     cfg.read(setup_cfg)
     lines = cfg["options"]["install_requires"].splitlines()
-    lines += cfg["options.extras_require"]["train"].splitlines()
+    for extra in ("pipeline", "train"):  # the lane builds datasets (Beam) and trains
+        lines += cfg["options.extras_require"][extra].splitlines()
     return [s.strip() for s in lines if s.strip() and not s.strip().startswith("#")]
 
 

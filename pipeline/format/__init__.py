@@ -1,4 +1,4 @@
-"""The shard dataset format (DESIGN.md "Shard dataset layout"): one home for its schema, its
+"""The shard dataset format (docs/format.md, "The shard dataset"): one home for its schema, its
 `index.json`, its reader and its writer, side by side as in MosaicML streaming's
 `streaming/base/format/mds/{reader,writer}.py`.
 

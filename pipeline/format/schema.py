@@ -8,7 +8,7 @@ import pyarrow as pa
 
 FORMAT, VERSION = "shatter-shards", 1
 INDEX_FILE, TOKENIZER_FILE = "index.json", "tokenizer.model"
-# what every reader needs; further columns are allowed (DESIGN.md)
+# what every reader needs; further columns are allowed (docs/format.md)
 REQUIRED_COLUMNS = ("input_ids", "mask_positions", "mask_labels", "mask_inputs", "word_start")
 
 
@@ -29,7 +29,7 @@ class ShardInfo:
 
 
 def id_type(vocab_size: int) -> pa.DataType:
-    """uint16 ids while they fit, int32 beyond (DESIGN.md)."""
+    """uint16 ids while they fit, int32 beyond (docs/format.md)."""
     return pa.uint16() if vocab_size <= 65535 else pa.int32()
 
 

@@ -490,8 +490,8 @@ def test_a_skipped_micro_batch_keeps_the_step_boundary(books_data, tmp_path):
     cmd = [sys.executable, FAULTY, "--data", str(books_data), "--output", str(run)]
     cmd += ["--preset", "shatter-tiny", "--config", str(REPO / "configs" / "cpu-tiny.yaml")]
     cmd += ["--micro-batch", "2", "--grad-accum", "4", "--save-every", "2", "--eval-every", "0"]
-    cmd += ["--log-every", "1", "--num-workers", "0", "--no-progress"]
-    env = {**os.environ, "SHATTER_TEST_NAN": "5", "SHATTER_SAMPLE_LOG": str(log)}
+    cmd += ["--log-every", "1", "--num-workers", "0", "--no-progress", "--sample-log", str(log)]
+    env = {**os.environ, "SHATTER_TEST_NAN": "5"}
     for steps, nan in ((4, "5"), (6, "-1")):
         done = subprocess.run(
             [*cmd, "--max-steps", str(steps)],
