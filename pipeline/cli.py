@@ -9,6 +9,7 @@ what follows `--` goes to the runner unchecked.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 import sys
@@ -252,9 +253,7 @@ def entry() -> None:
     """The `shatter-data` program (its console script, and `python -m pipeline.cli`): `main`,
     with the two workarounds of `pipeline.process` (a build without pandas, no teardown); on an
     install without Apache Beam (a training node's), one line naming the extra to install."""
-    try:
-        import apache_beam  # noqa: F401  (a training node's install has none)
-    except ImportError:
+    if importlib.util.find_spec("apache_beam") is None:  # a training node's install has none
         sys.exit(
             "shatter-data: error: shatter-data needs Apache Beam (the `pipeline` extra), which is "
             "not installed: pip install 'shatter-toolkit[pipeline]'"
