@@ -88,3 +88,20 @@ def books_data(shared_data, tmp_path_factory) -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
+
+
+RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+SESSION_RENDEZVOUS = {k: os.environ.get(k) for k in RENDEZVOUS_ENV}  # before any engine
+
+
+@pytest.fixture(autouse=True)
+def no_inherited_rendezvous():
+    """An in-process engine (a world of one) sets RANK, WORLD_SIZE and MASTER_PORT in this
+    process; a job a later test starts would inherit them, take itself for a launched rank and
+    bind this process's port. After each test they are as the session found them."""
+    yield
+    for key, value in SESSION_RENDEZVOUS.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
