@@ -20,9 +20,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from shatter.checkpoint import CHECKSUMS, CONFIG, HEAD, TOKENIZER, WEIGHTS, CheckpointError
+from shatter.checkpoint import (
+    CHECKSUMS,
+    CONFIG,
+    HEAD,
+    TOKENIZER,
+    TOKENIZER_JSON,
+    WEIGHTS,
+    CheckpointError,
+)
 
-EXPORT_FILES = (CONFIG, CHECKSUMS, HEAD, TOKENIZER, WEIGHTS)
+EXPORT_FILES = (CONFIG, CHECKSUMS, HEAD, TOKENIZER, TOKENIZER_JSON, WEIGHTS)
 
 
 def is_remote(path: str | Path) -> bool:
@@ -65,7 +73,7 @@ def local_export(path: str | Path) -> Path:
     node's cache (`pipeline.format.cache`: `$TMPDIR/shatter-cache`), `exports/<digest of its small
     files>/`. Its weights are fetched once per node through the shard cache (a lock, a temporary
     name, their sha256 in `checksums.json` checked on download); `config.json`, `checksums.json`,
-    `head.json` and `tokenizer.model` are read on every call, so a changed export is a new copy.
+    `head.json` and the tokenizer (`tokenizer.model` or `.json`) are read on every call, so a changed export is a new copy.
     Credentials and the endpoint are the store's (`pipeline.store`: the AWS environment); a missing
     bucket, prefix or object, or a store that fails after its retries, is one CheckpointError line.
     The cached weights (`<sha256>.safetensors`) are not counted in the cache's size bound."""
@@ -79,7 +87,7 @@ def local_export(path: str | Path) -> Path:
         store.check(remote)  # credentials, bucket, prefix: one line each, before any download
         store.bound_retries(cache.settings().retry_seconds)
         files = {}
-        for name in (CONFIG, CHECKSUMS, HEAD, TOKENIZER):
+        for name in (CONFIG, CHECKSUMS, HEAD, TOKENIZER, TOKENIZER_JSON):
             data = _read_object(fs.join(remote, name), name in (CONFIG, CHECKSUMS), remote)
             if data is not None:
                 files[name] = data

@@ -1,7 +1,7 @@
 """Reading a model from an export or a DeepSpeed checkpoint, and writing an export atomically.
 
-- An export directory (DESIGN.md): `model.safetensors` + `config.json` (+ `tokenizer.model`,
-  + `head.json`), loaded with `shatter.from_pretrained`.
+- An export directory (DESIGN.md): `model.safetensors` + `config.json` (+ `tokenizer.model` or
+  `tokenizer.json`, + `head.json`), loaded with `shatter.from_pretrained`.
 - A DeepSpeed checkpoint directory: the run's `checkpoints/` folder (with DeepSpeed's `latest`
   file), or one tag folder inside it (`global_step100/`). ZeRO partitions are consolidated to
   fp32 with `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`; a ZeRO-0
@@ -26,12 +26,12 @@ from torch import nn
 
 from shatter.checkpoint import (
     CONFIG,
-    TOKENIZER,
     WEIGHTS,
     CheckpointError,
     from_pretrained,
     load_config,
     save_pretrained,
+    tokenizer_path,
     zero_absent,
 )
 from shatter.config import ModelConfig, preset_config
@@ -185,13 +185,12 @@ def describe_non_export(path: str | Path, option: str = "--checkpoint") -> str |
 
 
 def load_model(path: str | Path) -> tuple[nn.Module, Path | None]:
-    """(model, its tokenizer.model or None) from an export or a DeepSpeed checkpoint directory."""
+    """(model, its tokenizer file or None) from an export or a DeepSpeed checkpoint directory."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if is_export(path):
-        tokenizer = path / TOKENIZER
-        return from_pretrained(path), tokenizer if tokenizer.is_file() else None
+        return from_pretrained(path), tokenizer_path(path)
     tag_dir = _deepspeed_tag_dir(path)
     if tag_dir is None:
         raise CheckpointError(
@@ -199,17 +198,13 @@ def load_model(path: str | Path) -> tuple[nn.Module, Path | None]:
             f"(a 'latest' file or {MODEL_STATES})"
         )
     model, client_state = load_deepspeed(tag_dir)
-    candidates = [
-        tag_dir / TOKENIZER,
-        tag_dir.parent / TOKENIZER,
-        tag_dir.parent.parent / "export" / TOKENIZER,
-    ]
+    candidates = [tag_dir, tag_dir.parent, tag_dir.parent.parent / "export"]
     data_path = ((client_state.get("config") or {}).get("data") or {}).get("path")
     if data_path:  # the trainer's run config names the shard dataset, which holds the tokenizer
-        candidates.append(Path(data_path) / TOKENIZER)
+        candidates.append(Path(data_path))
     for candidate in candidates:
-        if candidate.is_file():
-            return model, candidate
+        if found := tokenizer_path(candidate):
+            return model, found
     return model, None
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from torch import nn
 
+from shatter.checkpoint import tokenizer_path
+from shatter.hf.tokenizer import describe
 from shatter.model import count_parameters
 
 CITATION = """@inproceedings{tian2021shatter,
@@ -78,7 +80,7 @@ def model_card(model: nn.Module, source, report) -> str:
         ("class", f"`{report.hf_class}`" + ("" if report.native else " (remote code)")),
         ("parameters", f"{count_parameters(model, exclude_word_embeddings=False):,}"),
         ("hidden / layers / heads or parts", f"{config.hidden} / {config.layers} / {config.heads}"),
-        ("vocabulary", f"{config.vocab_size} (sentencepiece unigram, lower-cased)"),
+        ("vocabulary", f"{config.vocab_size} ({describe(tokenizer_path(source.export))})"),
         ("max length", f"{config.max_len} tokens"),
         ("max logit difference to the toolkit's model", f"{report.max_abs_diff:.1e} (fp32)"),
     ]

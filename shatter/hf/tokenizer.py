@@ -1,4 +1,5 @@
-"""The export's sentencepiece model as a Hugging Face fast tokenizer (`tokenizer.json`).
+"""The export's tokenizer as a Hugging Face fast tokenizer (`tokenizer.json`): a dataset's own
+tokenizer.json (`shatter-data build --hf-tokenizer`) as it is, or the sentencepiece model converted.
 
 transformers' own converter (`SpmConverter`) parses the model with sentencepiece's bundled
 `sentencepiece_model_pb2`, which needs protobuf >= 7, while apache-beam pins protobuf < 7: in
@@ -17,12 +18,21 @@ segment embeddings).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from pipeline.tokenizer import load as load_sentencepiece
+from pipeline.hf_tokenizer import HFTokenizerError, load as load_hf_tokenizer, special_tokens
+from pipeline.tokenizer import NORMALIZATION, load as load_sentencepiece
 
 SPIECE_UNDERLINE = "\u2581"
 UNIGRAM = 1  # sentencepiece TrainerSpec.ModelType
+SPECIAL_TOKENS = {
+    "pad_token": "[PAD]",
+    "unk_token": "[UNK]",
+    "cls_token": "[CLS]",
+    "sep_token": "[SEP]",
+    "mask_token": "[MASK]",
+}
 
 
 class TokenizerError(ValueError):
@@ -62,13 +72,14 @@ def _fields(buf: bytes) -> dict[int, object]:
 
 def normalizer_spec(model: bytes) -> dict:
     """The sentencepiece ModelProto fields the conversion needs (sentencepiece_model.proto:
-    ModelProto.trainer_spec = 2 {model_type = 3}, ModelProto.normalizer_spec = 3
-    {precompiled_charsmap = 2, add_dummy_prefix = 3, remove_extra_whitespaces = 4,
+    ModelProto.trainer_spec = 2 {model_type = 3}, ModelProto.normalizer_spec = 3 {name = 1,
+    precompiled_charsmap = 2, add_dummy_prefix = 3, remove_extra_whitespaces = 4,
     escape_whitespaces = 5}; the three flags default to true)."""
     proto = _fields(model)
     trainer, spec = _fields(proto.get(2, b"")), _fields(proto.get(3, b""))
     return {
         "model_type": trainer.get(3, UNIGRAM),
+        "name": bytes(spec.get(1, b"")).decode(errors="replace"),  # "nmt_nfkc_cf", "nmt_nfkc", ...
         "precompiled_charsmap": spec.get(2, b""),
         "add_dummy_prefix": bool(spec.get(3, 1)),
         "remove_extra_whitespaces": bool(spec.get(4, 1)),
@@ -129,18 +140,43 @@ def build_tokenizer(path: Path):
     return tokenizer
 
 
+def hf_tokenizer(path: Path):
+    """(`tokenizers.Tokenizer`, its special tokens by role) of an export's tokenizer file: the
+    sentencepiece model converted (`build_tokenizer`), or a dataset's own tokenizer.json (from
+    `shatter-data build --hf-tokenizer`: the toolkit's special ids and template already)."""
+    if path.suffix != ".json":
+        return build_tokenizer(path), SPECIAL_TOKENS
+    try:
+        tokenizer = load_hf_tokenizer(path.read_bytes(), str(path))
+    except HFTokenizerError as e:
+        raise TokenizerError(
+            f"{e}; export a model trained on a dataset built with `shatter-data build "
+            "--hf-tokenizer`, whose tokenizer.json is one"
+        ) from None
+    return tokenizer, special_tokens(tokenizer)
+
+
 def save_tokenizer(path: Path, output: Path, max_len: int) -> None:
     """tokenizer.json, tokenizer_config.json and the special tokens into `output`."""
     from transformers import PreTrainedTokenizerFast
 
+    tokenizer, specials = hf_tokenizer(path)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(path),
-        unk_token="[UNK]",
-        pad_token="[PAD]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
+        tokenizer_object=tokenizer,
+        **specials,
         model_max_length=max_len,
         model_input_names=["input_ids", "attention_mask"],
     )
     fast.save_pretrained(str(output))
+
+
+def describe(path: Path) -> str:
+    """The tokenizer's kind for the model card: "sentencepiece unigram, lower-cased", ..."""
+    if path.suffix == ".json":
+        return f"{json.loads(path.read_text())['model']['type']}, Hugging Face tokenizers"
+    spec = normalizer_spec(path.read_bytes())
+    kinds = {UNIGRAM: "unigram", 2: "bpe", 3: "word", 4: "char"}
+    folded = spec["name"] == NORMALIZATION
+    return f"sentencepiece {kinds.get(spec['model_type'], '?')}, " + (
+        "lower-cased" if folded else "cased"
+    )
