@@ -86,7 +86,7 @@ def main(
         tokenizer = tokenizer or found_tokenizer
         if tokenizer is None or not Path(tokenizer).is_file():
             raise CheckpointError(
-                f"{checkpoint}: no tokenizer.model or tokenizer.json found"
+                f"{checkpoint}: no tokenizer.model found (nor a tokenizer.json)"
                 + (f" ({tokenizer} does not exist)" if tokenizer else "")
                 + "; pass --tokenizer PATH (the dataset's tokenizer file)"
             )
