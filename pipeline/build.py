@@ -310,6 +310,7 @@ def check_store(config: BuildConfig, beam_args: list[str]) -> None:
     """Remote inputs and output: the filesystems get the command line's options (`store`), and
     each path is checked before any work starts (credentials, bucket, input prefix)."""
     inputs = [spec.path for spec in (*config.inputs, *config.validation_inputs)]
+    inputs = [p for p in inputs if not readers.is_fsspec(p)]  # the Hub: listed when expanded
     if not any(fs.is_remote(p) for p in (*inputs, config.output, config.tokenizer or "")):
         return
     options = store.configure(beam_args)
