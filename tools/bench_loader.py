@@ -39,7 +39,7 @@ from pipeline import format as pshards  # noqa: E402
 from pipeline.format import read_index, sha256_file  # noqa: E402
 from pipeline.tokenizer import SPECIAL_PIECES  # noqa: E402
 from pipeline.transforms import MaskSpec, mask_table  # noqa: E402
-from train.data import MaskingSpec, ShardStream  # noqa: E402
+from train.loader import MaskingSpec, ShardStream  # noqa: E402
 
 
 def synthetic_dataset(
@@ -101,7 +101,7 @@ WORKER = """
 import json, sys, time
 import numpy as np, torch
 from pipeline.format import read_index
-from train.data import MaskingSpec, ShardStream
+from train.loader import MaskingSpec, ShardStream
 
 def status(field):
     for line in open("/proc/self/status"):

@@ -39,8 +39,8 @@ import shatter  # noqa: E402
 from pipeline.format import read_index  # noqa: E402
 from tools.bench_loader import synthetic_dataset  # noqa: E402
 from train.config import resolve  # noqa: E402
-from train.data import MaskingSpec, ShardStream  # noqa: E402
 from train.engine import build_engine, deepspeed_config, init_distributed  # noqa: E402
+from train.loader import MaskingSpec, ShardStream  # noqa: E402
 
 INPUTS = ("input_ids", "attention_mask", "labels")
 

@@ -30,8 +30,8 @@ from shatter.checkpoint import CheckpointError, tokenizer_path
 from shatter.remote import local_export
 from shatter.sources import describe_non_export
 from train.config import DataArgs, check_output
-from train.data import validation_stream
 from train.evaluate import default_device, evaluate
+from train.loader import validation_stream
 from train.plm import default_objective
 
 

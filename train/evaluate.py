@@ -4,7 +4,7 @@ the permutation LM: the query stream's loss and accuracy at the targets, train/p
 The validation split is read in file order with the fixed static masks (masking copy 0), so the
 figures of two runs or two archs are over the very same predictions. Every rank evaluates its own
 share of the rows; the sums are all-reduced, so the result does not depend on the world size.
-A rank whose rows run out first evaluates zero-weight padding batches (train/data.py) until the
+A rank whose rows run out first evaluates zero-weight padding batches (train/loader/stream.py) until the
 others are done: under ZeRO-3 each forward is a collective, so every rank runs as many.
 """
 

@@ -26,10 +26,10 @@ from pipeline.masking import mix64
 from train import checkpoint
 from train.config import TrainConfig
 from train.cost import cost_model
-from train.data import ShardStream, StreamPosition, train_loader, validation_stream
 from train.engine import loss_scale, skipped_steps
 from train.evaluate import evaluate
 from train.lifecycle import StopFlag, ignore_stop_signals
+from train.loader import ShardStream, StreamPosition, train_loader, validation_stream
 from train.metrics import MetricsWriter, Progress, gpu_memory
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "perm_rank")  # perm_rank: plm only
@@ -243,7 +243,7 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
         batch = next(batches)
         if sample_log is not None:
             sample_log.write(json.dumps([state.samples, batch["sample_id"].tolist()]) + "\n")
-        # seeded by the micro-batch's step and slot (train/data.py): the same on any world size
+        # seeded by the micro-batch's step and slot (train/loader/order.py): the same on any world size
         micro = engine.micro_steps % run.grad_accum
         slot = micro * ctx.world + ctx.rank
         torch.manual_seed(dropout_seed(run.seed, state.samples - micro * per_micro, slot))

@@ -117,9 +117,9 @@ def _run(cfg: TrainConfig) -> int:
 
     import shatter
     from train import checkpoint
-    from train.data import StreamPosition
     from train.engine import build_engine, init_distributed, resolved_deepspeed_config
     from train.lifecycle import ProgressWatchdog, StopFlag
+    from train.loader import StreamPosition
     from train.loop import RunContext, train
     from train.metrics import MetricsWriter, gpu_memory, truncate_after
 

@@ -3,4 +3,16 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))  # shardutil
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # shardutil, loaderutil
+
+from shardutil import write_dataset  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """The loader tests' dataset: train shards of 7, 5, 9 and 3 rows (24), 3 stored maskings."""
+    return write_dataset(
+        tmp_path_factory.mktemp("shards") / "data", shards=(7, 5, 9, 3), seq_len=32, dupe_factor=3
+    )

@@ -27,7 +27,6 @@ import shatter  # noqa: E402
 from pipeline.format import read_index  # noqa: E402
 from train import checkpoint  # noqa: E402
 from train.config import model_overrides, resolve  # noqa: E402
-from train.data import ShardStream, masking_spec, validation_stream  # noqa: E402
 from train.engine import (  # noqa: E402
     build_engine,
     init_distributed,
@@ -36,6 +35,7 @@ from train.engine import (  # noqa: E402
     skipped_steps,
 )
 from train.evaluate import evaluate  # noqa: E402
+from train.loader import ShardStream, masking_spec, validation_stream  # noqa: E402
 from train.loop import MODEL_INPUTS  # noqa: E402
 
 MICRO = 2

@@ -13,7 +13,7 @@ import shatter
 from pipeline.format import read_index
 from pipeline.masking import SPECIAL_IDS
 from train.config import ConfigError, DataArgs, ModelArgs, TrainConfig, model_overrides
-from train.data import MaskingSpec, ShardStream, validation_stream
+from train.loader import MaskingSpec, ShardStream, validation_stream
 from train.masking import IGNORE
 from train.plm import plm_batch, with_objective
 

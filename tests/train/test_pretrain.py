@@ -18,8 +18,8 @@ import shatter
 from pipeline.format import read_index
 from tools.evaluate import evaluate_export
 from train.config import DataArgs
-from train.data import validation_stream
 from train.evaluate import evaluate
+from train.loader import validation_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 

@@ -20,8 +20,8 @@ from test_pretrain import (
 import shatter
 from pipeline.format import read_index
 from train.config import DataArgs
-from train.data import validation_stream
 from train.evaluate import evaluate
+from train.loader import validation_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 

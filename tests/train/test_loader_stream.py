@@ -1,0 +1,149 @@
+"""The loader's stream (train/loader/stream.py): reading through pipeline.format (checks, errors
+named by file, Beam-free), the finite validation stream, the bounded block cache and read-ahead."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from loaderutil import stream
+from shardutil import write_dataset
+
+from pipeline.format import DatasetError, read_index
+
+
+def test_longer_seq_len_than_the_data_is_an_error(dataset):
+    with pytest.raises(DatasetError, match="seq-len 64.*32"):
+        stream(read_index(dataset), seq_len=64)
+
+
+def test_corrupted_shard_is_refused_by_name(tmp_path):
+    root = write_dataset(tmp_path / "data", shards=(4, 4))
+    victim = root / "train-00001-of-00002.arrow"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    s = stream(read_index(root), batch_size=8, shuffle=False)
+    with pytest.raises(DatasetError, match=r"train-00001-of-00002\.arrow.*corrupted"):
+        next(iter(s))
+
+
+def test_missing_index_tokenizer_and_version_errors(tmp_path):
+    with pytest.raises(DatasetError, match="not found"):
+        read_index(tmp_path / "nowhere")
+    (tmp_path / "partial").mkdir()
+    with pytest.raises(DatasetError, match="index.json not found"):
+        read_index(tmp_path / "partial")
+    root = write_dataset(tmp_path / "data")
+    (root / "tokenizer.model").write_bytes(b"another tokenizer")
+    with pytest.raises(DatasetError, match="tokenizer.model: sha256"):
+        read_index(root)
+    index = json.loads((root / "index.json").read_text())
+    index["version"] = 2
+    (root / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DatasetError, match="version 2"):
+        read_index(root, verify_tokenizer=False)
+
+
+def test_validation_stream_is_finite_and_split_between_ranks(dataset):
+    from train.config import DataArgs
+    from train.loader import validation_stream
+
+    index = read_index(dataset)
+    ids = []
+    for rank in range(2):
+        for b in validation_stream(
+            index, DataArgs(), batch_size=2, seq_len=32, rank=rank, world_size=2
+        ):
+            ids += b["sample_id"].tolist()
+    assert sorted(ids) == [-1] + list(range(5))  # rank 1 padded to rank 0's 2 batches
+    ids = [i for i in ids if i >= 0]
+    np.testing.assert_array_equal(np.unique(ids), np.arange(5))
+
+
+def test_format_reader_is_beam_free(tmp_path):
+    """The trainer reads a local dataset through pipeline.format without importing Beam."""
+    import subprocess
+    import sys
+
+    root = write_dataset(tmp_path / "data")
+    code = (
+        "import sys, train.loader; from pipeline.format import read_index, load_shard; "
+        f"i = read_index({str(root)!r}); s = i.shards('train')[0]; load_shard(i.shard_path(s), s); "
+        "assert 'apache_beam' not in sys.modules, 'the reader imported apache_beam'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    index = json.loads((root / "index.json").read_text())
+    index["format"] = "something-else"
+    (root / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DatasetError, match="format 'something-else'"):
+        read_index(root, verify_tokenizer=False)
+
+
+def test_validation_stream_can_be_iterated_again_without_rehashing(dataset, monkeypatch):
+    """The loop builds the validation stream once and passes over it at every evaluation."""
+    from pipeline.format import reader
+    from train.config import DataArgs
+    from train.loader import validation_stream
+
+    hashed = []
+    real = reader.sha256_file
+    monkeypatch.setattr(
+        reader, "sha256_file", lambda path, *a: hashed.append(path) or real(path, *a)
+    )
+    s = validation_stream(
+        read_index(dataset, verify_tokenizer=False),
+        DataArgs(),
+        batch_size=2,
+        seq_len=32,
+        rank=0,
+        world_size=1,
+    )
+    first, second = list(s), list(s)
+    assert len(first) == 3 and len(first) == len(second)
+    for a, b in zip(first, second):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+    assert len(hashed) == 1, hashed  # one validation shard, hashed on the first pass only
+
+
+def test_record_batches_are_located_by_their_headers_and_decoded_one_at_a_time(tmp_path):
+    """open_shard reads message headers only; a block is one record batch; damage is named."""
+    import pyarrow as pa
+
+    from pipeline.format.reader import open_shard
+
+    root = write_dataset(tmp_path / "data", shards=(11, 6))  # record batches of n // 2 rows
+    index = read_index(root)
+    for info in index.shards("train"):
+        path = index.shard_path(info)
+        file = open_shard(path, info)
+        with pa.memory_map(path) as source:
+            batches = list(pa.ipc.open_stream(source))
+        assert list(np.diff(file.row_start)) == [b.num_rows for b in batches]
+        for i, batch in enumerate(batches):
+            block = file.block(i)
+            np.testing.assert_array_equal(block.ids, batch["input_ids"].values.to_numpy())
+            assert block.rows == batch.num_rows
+    info = index.shards("train")[0]
+    path = Path(index.shard_path(info))
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(DatasetError, match=r"train-00000-of-00002\.arrow: truncated"):
+        open_shard(str(path), info, verify=False)
+
+
+def test_a_worker_keeps_a_bounded_cache_and_opens_the_next_shard_ahead(dataset):
+    from pipeline.format.blocks import BlockReader
+
+    s = stream(read_index(dataset), batch_size=3)
+    it = iter(s)
+    next(it)
+    order, _ = s.order.shards(0)
+    s.reader.file(int(order[1]))  # opened ahead: already under way (or done)
+    assert int(order[1]) in s.reader._files
+    tiny = BlockReader([s.index.shard_path(i) for i in s.shards], s.shards, True, capacity=2)
+    for shard, info in enumerate(s.shards):
+        for _block, _rows, _hit in tiny.rows(shard, np.arange(info.rows)):
+            assert len(tiny._blocks) <= 2

@@ -1,0 +1,197 @@
+"""The stream: one rank's share of a split read as batches, through `pipeline.format`.
+
+`ShardStream` asks the order (`train.loader.order`) which rows its next batches hold, reads
+their record batches one at a time (`pipeline.format.blocks`: a worker's memory does not grow
+with the shard size) while the next batch's blocks and the next shards are read ahead, and
+hands the rows to the collate (`train.loader.collate`). A dataset in an object store is read
+through the node's cache (`pipeline.format.cache`). Like MosaicML streaming: deterministic
+sample-space partitioning and a resumable position.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from pipeline.format import DatasetError, Index, cache
+from pipeline.format.blocks import BlockReader
+from pipeline.format.writer import record_batch_rows
+from train.loader.collate import (
+    Collator,
+    MaskingSpec,
+    gather,
+    make_masker,
+    masking_spec,
+    validation_masking,
+)
+from train.loader.order import EpochOrder, Slots
+from train.masking import IGNORE
+
+
+class ShardStream(IterableDataset):
+    """Batches (named dicts of tensors) of one rank's share of a split; see `train.loader.order`
+    for which rows each batch holds."""
+
+    def __init__(
+        self,
+        index: Index,
+        split: str,
+        *,
+        batch_size: int,
+        seq_len: int,
+        masking: MaskingSpec,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start: int = 0,
+        grad_accum: int = 1,
+        shuffle: bool = True,
+        finite: bool = False,
+        max_samples: int | None = None,
+        verify: bool = True,
+    ):
+        if seq_len > index.seq_len:
+            raise DatasetError(
+                f"--seq-len {seq_len} exceeds the data's seq_len {index.seq_len} ({index.path})"
+            )
+        self.index, self.shards = index, index.shards(split)
+        self.batch_size, self.seq_len, self.masking = batch_size, seq_len, masking
+        self.seed, self.rank, self.world, self.start = seed, rank, world_size, start
+        self.grad_accum = grad_accum
+        self.finite, self.verify = finite, verify
+        block_rows = index.raw.get("record_batch_rows") or record_batch_rows(index.seq_len)
+        self.order = EpochOrder([s.rows for s in self.shards], seed, shuffle, int(block_rows))
+        total = self.order.size if max_samples is None else min(max_samples, self.order.size)
+        self.end = start + total if finite else None  # finite streams stop after one pass
+        self.slots = Slots(rank, world_size, batch_size, grad_accum, start, self.end)
+        masker = make_masker(
+            masking, seed=seed, dupe_factor=index.dupe_factor, vocab_size=index.vocab_size
+        )
+        self.collate = Collator(masker)
+        self._reader, self._pid = None, None
+
+    def __getstate__(self):  # a spawned DataLoader worker makes its own reader and threads
+        return {**self.__dict__, "_reader": None, "_pid": None}
+
+    @property
+    def reader(self) -> BlockReader:
+        """This process's reader: a forked DataLoader worker starts its own (and its threads)."""
+        if self._pid != os.getpid():
+            paths = [self.index.shard_path(info) for info in self.shards]
+            self._reader, self._pid = BlockReader(paths, self.shards, self.verify), os.getpid()
+        return self._reader
+
+    def local_batches(self):
+        """Global positions of this rank's local batches that this DataLoader worker builds."""
+        info = get_worker_info()
+        return self.slots.local_batches(*((info.id, info.num_workers) if info else (0, 1)))
+
+    def __iter__(self):
+        batches = self.local_batches()
+        q = next(batches, None)
+        while q is not None:
+            ahead = next(batches, None)
+            if ahead is not None and len(ahead):
+                self.prefetch(ahead)
+            yield self.batch(q) if len(q) else self.padding_batch()
+            q = ahead
+
+    def prefetch(self, q: np.ndarray) -> None:
+        """Start decoding what the batch of positions q needs, and opening the shard after it
+        (from a store: the two after it, and a download that fails stops the run, `cache`)."""
+        for epoch, _, s, rows in self.order.by_shard(q):
+            self.reader.prefetch(s, rows)
+            ahead = self.order.next_shard(epoch, s)
+            opening = self.reader.open_ahead(ahead)
+            if cache.is_remote(self.index.root):
+                trainer = os.getppid() if get_worker_info() else os.getpid()
+                for future in (
+                    opening,
+                    self.reader.open_ahead(self.order.next_shard(epoch, ahead)),
+                ):
+                    cache.stop_on_failure(future, trainer)
+
+    def padding_batch(self) -> dict[str, torch.Tensor]:
+        """One row of zero weight: the stream's first row with nothing to predict (labels all
+        IGNORE) and sample_id -1. It runs the same forward as a real batch and adds nothing to
+        a metric's sums."""
+        batch = self.batch(np.array([self.start]))
+        batch["labels"].fill_(IGNORE)
+        batch["sample_id"].fill_(-1)
+        return batch
+
+    def pieces(self, q: np.ndarray):
+        """The unmasked `Piece`s of the rows at global positions q, one per record batch read."""
+        for epoch, where, s, shard_rows in self.order.by_shard(q):
+            for block, rows, hit in self.reader.rows(s, shard_rows):
+                uid = self.order.base[s] + shard_rows[hit]
+                yield gather(block, rows, self.seq_len, where=where[hit], uid=uid, epoch=epoch)
+
+    def batch(self, q: np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch of global stream positions q: padded to its longest row."""
+        return self.collate(self.pieces(q), len(q))
+
+
+def train_loader(
+    index: Index,
+    data_args,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    start: int,
+    grad_accum: int = 1,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """The endless training DataLoader of one rank, starting at global stream position `start`,
+    `grad_accum` micro-batches a step (`pin_memory` on a GPU: page-locked batches, copied with
+    `non_blocking=True`)."""
+    stream = ShardStream(
+        index,
+        "train",
+        batch_size=batch_size,
+        seq_len=seq_len,
+        masking=masking_spec(data_args),
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        start=start,
+        grad_accum=grad_accum,
+        shuffle=data_args.shuffle,
+        verify=data_args.verify_shards,
+    )
+    workers = data_args.num_workers
+    return DataLoader(
+        stream,
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=4 if workers else None,
+        persistent_workers=False,
+        pin_memory=pin_memory,
+    )
+
+
+def validation_stream(
+    index: Index, data_args, *, batch_size: int, seq_len: int, rank: int, world_size: int
+) -> ShardStream:
+    """The validation split in file order with the fixed static masks (copy 0): comparable across
+    runs. With the permutation LM, its targets and orders drawn at seed 0, epoch 0 (or masks copy 0)."""
+    return ShardStream(
+        index,
+        "validation",
+        batch_size=batch_size,
+        seq_len=seq_len,
+        masking=validation_masking(data_args),
+        seed=0,
+        rank=rank,
+        world_size=world_size,
+        shuffle=False,
+        finite=True,
+        max_samples=data_args.eval_samples,
+        verify=data_args.verify_shards,
+    )
