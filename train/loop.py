@@ -29,7 +29,14 @@ from train.cost import cost_model
 from train.engine import loss_scale, skipped_steps
 from train.evaluate import evaluate
 from train.lifecycle import StopFlag, ignore_stop_signals
-from train.loader import ShardStream, StreamPosition, train_loader, validation_stream
+from train.loader import (
+    ShardStream,
+    StreamPosition,
+    source_epochs,
+    stream_shape,
+    train_loader,
+    validation_stream,
+)
 from train.metrics import MetricsWriter, Progress, gpu_memory
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "perm_rank")  # perm_rank: plm only
@@ -54,6 +61,7 @@ class RunContext:
     seq_len: int
     writer: MetricsWriter
     stop: StopFlag
+    mix: list | None = None  # several --data: (index, weight) of each (`train.loader.mix`)
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -95,13 +103,15 @@ def _log_line(
         "tokens_per_s": tokens_per_s,
         **cost,  # tokens_per_s_per_gpu, mfu, hours_to_max_steps, gpu_hours (train/cost.py)
         "samples": state.samples,
-        "epoch": state.samples / ctx.index.rows("train"),
+        "epoch": state.samples / stream_shape(ctx.index, ctx.mix)[0],
         "tokens": state.tokens,
         "skipped_nonfinite": state.skipped_nonfinite,
         "grad_norm": _grad_norm(ctx.engine),
         "skipped_steps": skipped_steps(ctx.engine),  # non-finite gradients or an fp16 overflow
         **gpu_memory(ctx.engine.device),
     }
+    if ctx.mix:  # each mixed dataset's own epochs
+        record["source_epochs"] = source_epochs(ctx.mix, ctx.cfg.run.seed, state.samples)
     scale = loss_scale(ctx.engine)
     if scale is not None:
         record["loss_scale"] = scale
@@ -172,7 +182,8 @@ def _grad_norm(engine) -> float | None:
 def save_and_export(
     ctx: RunContext, state: checkpoint.TrainState, export: bool, epoch_size: int
 ) -> str:
-    position = StreamPosition(state.samples, epoch_size).to_dict()
+    shape = stream_shape(ctx.index, ctx.mix)[1]
+    position = StreamPosition(state.samples, epoch_size, shape).to_dict()
     name = checkpoint.save(
         ctx.engine, ctx.run_dir, state, ctx.cfg.to_dict(), position, ctx.cfg.run.keep_checkpoints
     )
@@ -191,7 +202,7 @@ def _raise_diverged(ctx: RunContext, run: int, step: int) -> None:
 def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
     """Run until max_steps or a stop request; returns "complete" or "stopped"."""
     cfg, engine, run = ctx.cfg, ctx.engine, ctx.cfg.run
-    epoch_size = ctx.index.rows("train")
+    epoch_size = stream_shape(ctx.index, ctx.mix)[0]
     loader = train_loader(
         ctx.index,
         cfg.data,
@@ -203,6 +214,7 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
         start=state.samples,
         grad_accum=run.grad_accum,
         pin_memory=engine.device.type == "cuda",
+        mix=ctx.mix,
     )
     loader.worker_init_fn = ignore_stop_signals
     validation = validation_stream(

@@ -32,6 +32,7 @@ from train.config import (  # noqa: E402
     PresetError,
     TrainConfig,
     check_output,
+    data_sources,
     model_overrides,
     resolve,
     schedule_problem,
@@ -67,16 +68,26 @@ def _check_same_arch(cfg: TrainConfig) -> None:
 def start_up_checks(cfg: TrainConfig) -> tuple:
     """Everything that can be refused before a process group, a model or a byte of output exists:
     the paths, the data's files and length, a resumed run's arch; the schedule is warned about.
-    Returns (the checked index, the training length)."""
+    Returns (the checked index of the first --data, the training length, and with several
+    --data the (index, weight) of each, else None)."""
     if not cfg.data.path or not cfg.run.output:
         raise ConfigError(
             "--data and --output are required (or data.path and run.output in --config)"
         )
     check_output(cfg.run.output, directory=True)
     d = cfg.data
-    cache.open_store(d.path, d.cache_dir, d.cache_limit_gb, d.store_retry_seconds)
-    index = read_index(cfg.data.path)
-    index.check_files()
+    sources = data_sources(d.path)
+    indexes = []
+    for path, _ in sources:
+        cache.open_store(path, d.cache_dir, d.cache_limit_gb, d.store_retry_seconds)
+        indexes.append(read_index(path))
+        indexes[-1].check_files()
+        if indexes[-1].rows("train") == 0:
+            raise DatasetError(
+                f"{indexes[-1].path}: the train split has 0 rows; rebuild with more text"
+            )
+    check_one_vocabulary(indexes)
+    index = indexes[0]  # its tokenizer goes into the exports, its validation split is the run's
     if cache.is_remote(index.tokenizer):  # exports copy it: its node-local copy
         local = cache.local_path(index.tokenizer, index.tokenizer_sha256)
         index = dataclasses.replace(index, tokenizer=local)
@@ -84,14 +95,13 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
         # store failure asks for, then never waits on a store that stopped answering
         for info in index.shards("validation"):
             cache.local_path(index.shard_path(info), info.sha256)
-    seq_len = cfg.data.seq_len or index.seq_len
-    if seq_len > index.seq_len:
-        raise ConfigError(
-            f"--seq-len {seq_len} is longer than the data's seq_len {index.seq_len} "
-            f"({index.path}); rebuild the shards with --seq-len {seq_len}"
-        )
-    if index.rows("train") == 0:
-        raise DatasetError(f"{index.path}: the train split has 0 rows; rebuild with more text")
+    seq_len = cfg.data.seq_len or min(ix.seq_len for ix in indexes)
+    for ix in indexes:
+        if seq_len > ix.seq_len:
+            raise ConfigError(
+                f"--seq-len {seq_len} is longer than the data's seq_len {ix.seq_len} "
+                f"({ix.path}); rebuild the shards with --seq-len {seq_len}"
+            )
     _check_same_arch(cfg)
     rank0 = os.environ.get("RANK", "0") == "0"  # before the process group exists
     if rank0 and (not index.splits.get("validation") or index.rows("validation") == 0):
@@ -103,7 +113,26 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
     problem = schedule_problem(cfg)
     if problem and rank0:
         click.echo(f"warning: {problem}", err=True)
-    return index, seq_len
+    mix = [(ix, w) for ix, (_, w) in zip(indexes, sources)] if len(indexes) > 1 else None
+    return index, seq_len, mix
+
+
+def check_one_vocabulary(indexes: list) -> None:
+    """Datasets mixed in one run must share their tokenizer: the same id is the same token."""
+    first = indexes[0]
+    for other in indexes[1:]:
+        if other.tokenizer_sha256 != first.tokenizer_sha256:
+            raise DatasetError(
+                f"{other.path}: its tokenizer (vocab {other.vocab_size}, sha256 "
+                f"{other.tokenizer_sha256[:12]}) is not {first.path}'s (vocab {first.vocab_size}, "
+                f"sha256 {first.tokenizer_sha256[:12]}): datasets mixed by --data share one "
+                f"vocabulary; rebuild it with `shatter-data build --tokenizer {first.tokenizer}`"
+                + (
+                    " (or --hf-tokenizer for a tokenizer.json)"
+                    if first.tokenizer.endswith(".json")
+                    else ""
+                )
+            )
 
 
 class UsageError(click.ClickException):
@@ -119,11 +148,11 @@ def _run(cfg: TrainConfig) -> int:
     from train import checkpoint
     from train.engine import build_engine, init_distributed, resolved_deepspeed_config
     from train.lifecycle import ProgressWatchdog, StopFlag
-    from train.loader import StreamPosition
+    from train.loader import StreamPosition, stream_shape
     from train.loop import RunContext, train
     from train.metrics import MetricsWriter, gpu_memory, truncate_after
 
-    index, seq_len = start_up_checks(cfg)
+    index, seq_len, mix = start_up_checks(cfg)
     stop = StopFlag().install()
     rank, world = init_distributed(cfg.run.collective_timeout_s)
     run_dir = Path(cfg.run.output)
@@ -151,10 +180,8 @@ def _run(cfg: TrainConfig) -> int:
     progress = ProgressWatchdog(ProgressWatchdog.limit_for(cfg.run.collective_timeout_s))
     engine.module.register_forward_pre_hook(progress.pet)  # a rank stuck between forwards ends
     state, position, saved_config = checkpoint.resume(engine, run_dir, universal)
-    if position is not None:
-        StreamPosition.from_dict(
-            position, index.rows("train")
-        )  # refuses a position on different data
+    if position is not None:  # refuses a position on different data
+        StreamPosition.from_dict(position, *stream_shape(index, mix))
     if rank == 0:
         if saved_config is not None:
             changes = checkpoint.config_changes(saved_config, cfg.to_dict())
@@ -185,7 +212,7 @@ def _run(cfg: TrainConfig) -> int:
             + "\n"
         )
     writer = MetricsWriter(run_dir, rank, cfg.run.tensorboard)
-    ctx = RunContext(cfg, index, engine, rank, world, run_dir, seq_len, writer, stop)
+    ctx = RunContext(cfg, index, engine, rank, world, run_dir, seq_len, writer, stop, mix)
     try:
         if state.step >= cfg.run.max_steps and not (run_dir / checkpoint.EXPORT).is_dir():
             checkpoint.export(engine, run_dir, checkpoint.latest_tag(run_dir), index.tokenizer)
@@ -227,7 +254,12 @@ def _run(cfg: TrainConfig) -> int:
     type=click.Path(dir_okay=False),
     help="YAML config (sections model, data, optim, run).",
 )
-@click.option("--data", help="Shard dataset directory (OUT of `shatter-data build`).")
+@click.option(
+    "--data",
+    multiple=True,
+    help="Shard dataset directory (OUT of `shatter-data build`); repeat as DIR:WEIGHT to mix "
+    "datasets by weight.",
+)
 @click.option("--output", help="Run directory; an existing run there is resumed.")
 @click.option("--preset", help="Model preset, e.g. shatter-base, bert-tiny.")
 @click.option("--max-steps", type=int, help="Optimizer steps of the run.")
@@ -295,6 +327,8 @@ def main(config_file, dry_run, target, local_rank, **flags):
     from train.plm import with_objective
 
     with process_exit(known=(ConfigError, DatasetError, TrainingError)):
+        data = flags["data"]  # one --data: its path; several: the mixture's DIR:WEIGHT list
+        flags["data"] = (data[0] if len(data) == 1 else tuple(data)) if data else None
         try:
             cfg = with_objective(resolve(config_file, flags))
             if dry_run:

@@ -11,6 +11,7 @@ sample-space partitioning and a resumable position.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from train.loader.collate import (
     masking_spec,
     validation_masking,
 )
+from train.loader.mix import MixedOrder
 from train.loader.order import EpochOrder, Slots
 from train.masking import IGNORE
 
@@ -52,23 +54,41 @@ class ShardStream(IterableDataset):
         finite: bool = False,
         max_samples: int | None = None,
         verify: bool = True,
+        mix: Sequence[tuple[Index, float]] | None = None,
     ):
-        if seq_len > index.seq_len:
-            raise DatasetError(
-                f"--seq-len {seq_len} exceeds the data's seq_len {index.seq_len} ({index.path})"
-            )
-        self.index, self.shards = index, index.shards(split)
+        indexes = [index] if mix is None else [ix for ix, _ in mix]
+        for ix in indexes:
+            if seq_len > ix.seq_len:
+                raise DatasetError(
+                    f"--seq-len {seq_len} exceeds the data's seq_len {ix.seq_len} ({ix.path})"
+                )
+        self.index = index
+        self.shards = tuple(info for ix in indexes for info in ix.shards(split))
+        self.paths = [ix.shard_path(info) for ix in indexes for info in ix.shards(split)]
+        self.remote = any(cache.is_remote(ix.root) for ix in indexes)
         self.batch_size, self.seq_len, self.masking = batch_size, seq_len, masking
         self.seed, self.rank, self.world, self.start = seed, rank, world_size, start
         self.grad_accum = grad_accum
         self.finite, self.verify = finite, verify
-        block_rows = index.raw.get("record_batch_rows") or record_batch_rows(index.seq_len)
-        self.order = EpochOrder([s.rows for s in self.shards], seed, shuffle, int(block_rows))
+        orders = [
+            EpochOrder(
+                [s.rows for s in ix.shards(split)],
+                seed,
+                shuffle,
+                int(ix.raw.get("record_batch_rows") or record_batch_rows(ix.seq_len)),
+            )
+            for ix in indexes
+        ]
+        # several datasets: global positions drawn from them by weight (`train.loader.mix`)
+        self.order = orders[0] if mix is None else MixedOrder(orders, [w for _, w in mix], seed)
         total = self.order.size if max_samples is None else min(max_samples, self.order.size)
         self.end = start + total if finite else None  # finite streams stop after one pass
         self.slots = Slots(rank, world_size, batch_size, grad_accum, start, self.end)
-        masker = make_masker(
-            masking, seed=seed, dupe_factor=index.dupe_factor, vocab_size=index.vocab_size
+        masker = make_masker(  # stored masks: the copies every source has
+            masking,
+            seed=seed,
+            dupe_factor=min(ix.dupe_factor for ix in indexes),
+            vocab_size=index.vocab_size,
         )
         self.collate = Collator(masker)
         self._reader, self._pid = None, None
@@ -80,8 +100,8 @@ class ShardStream(IterableDataset):
     def reader(self) -> BlockReader:
         """This process's reader: a forked DataLoader worker starts its own (and its threads)."""
         if self._pid != os.getpid():
-            paths = [self.index.shard_path(info) for info in self.shards]
-            self._reader, self._pid = BlockReader(paths, self.shards, self.verify), os.getpid()
+            self._reader = BlockReader(self.paths, self.shards, self.verify)
+            self._pid = os.getpid()
         return self._reader
 
     def local_batches(self):
@@ -106,7 +126,7 @@ class ShardStream(IterableDataset):
             self.reader.prefetch(s, rows)
             ahead = self.order.next_shard(epoch, s)
             opening = self.reader.open_ahead(ahead)
-            if cache.is_remote(self.index.root):
+            if self.remote:
                 trainer = os.getppid() if get_worker_info() else os.getpid()
                 for future in (
                     opening,
@@ -147,10 +167,11 @@ def train_loader(
     start: int,
     grad_accum: int = 1,
     pin_memory: bool = False,
+    mix: Sequence[tuple[Index, float]] | None = None,
 ) -> DataLoader:
     """The endless training DataLoader of one rank, starting at global stream position `start`,
     `grad_accum` micro-batches a step (`pin_memory` on a GPU: page-locked batches, copied with
-    `non_blocking=True`)."""
+    `non_blocking=True`); with `mix`, of several datasets drawn by weight (`train.loader.mix`)."""
     stream = ShardStream(
         index,
         "train",
@@ -164,6 +185,7 @@ def train_loader(
         grad_accum=grad_accum,
         shuffle=data_args.shuffle,
         verify=data_args.verify_shards,
+        mix=mix,
     )
     workers = data_args.num_workers
     return DataLoader(
