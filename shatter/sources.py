@@ -57,6 +57,17 @@ def _deepspeed_tag_dir(path: Path) -> Path | None:
     return None
 
 
+def dataset_dirs(path) -> list[Path]:
+    """The dataset directories of a run config's data.path: one, or a mixture's "DIR:WEIGHT"
+    each (train/config.py `data_sources`), local ones only."""
+    values = [path] if isinstance(path, str) else list(path or ())
+    dirs = []
+    for value in (v for v in values if isinstance(v, str) and "://" not in v):
+        head, sep, _ = value.rpartition(":")
+        dirs.append(Path(head) if sep and not Path(value).is_dir() else Path(value))
+    return dirs
+
+
 def _trained_length(tag_dir: Path, run_config: dict) -> int | None:
     """The length a trainer run built its model for: RUN/config.json's `seq_len`, else the run
     config's data.seq_len, else its dataset's index.json seq_len; None when none says."""
@@ -70,10 +81,13 @@ def _trained_length(tag_dir: Path, run_config: dict) -> int | None:
     data = run_config.get("data") or {}
     if data.get("seq_len"):
         return int(data["seq_len"])
-    try:
-        return int(json.loads((Path(data["path"]) / "index.json").read_text())["seq_len"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    lengths = []
+    for directory in dataset_dirs(data.get("path")):
+        try:
+            lengths.append(int(json.loads((directory / "index.json").read_text())["seq_len"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return min(lengths, default=None)  # mixed datasets: the trainer's default length
 
 
 def _config_for(tag_dir: Path, client_state: dict, state: dict) -> ModelConfig:
@@ -200,8 +214,8 @@ def load_model(path: str | Path) -> tuple[nn.Module, Path | None]:
     model, client_state = load_deepspeed(tag_dir)
     candidates = [tag_dir, tag_dir.parent, tag_dir.parent.parent / "export"]
     data_path = ((client_state.get("config") or {}).get("data") or {}).get("path")
-    if data_path:  # the trainer's run config names the shard dataset, which holds the tokenizer
-        candidates.append(Path(data_path))
+    # the trainer's run config names the shard datasets, which hold the tokenizer
+    candidates += dataset_dirs(data_path)
     for candidate in candidates:
         if found := tokenizer_path(candidate):
             return model, found
