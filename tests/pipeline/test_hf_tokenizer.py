@@ -17,6 +17,7 @@ from pipeline import hf_tokenizer  # noqa: E402
 from pipeline.build import build  # noqa: E402
 from pipeline.cli import main  # noqa: E402
 from pipeline.config import InputSpec  # noqa: E402
+from pipeline.inspect import inspect_dataset, verify_dataset  # noqa: E402
 from tests.hf_vocab import byte_level_bpe, wordpiece  # noqa: E402
 from tests.pipeline.conftest import generated_documents, quiet, small_config  # noqa: E402
 
@@ -156,6 +157,9 @@ def test_a_wordpiece_build_masks_whole_words_and_rebuilds_byte_identically(
                     if p + 1 < len(ids) and not starts[p + 1]:
                         assert p + 1 in masked
     assert continued > 20
+    assert verify_dataset(str(tmp_path / "ds")) == []
+    report = inspect_dataset(str(tmp_path / "ds"), sample_rows=1)
+    assert "text:   [CLS] " in report and " ##" in report  # the rows decoded by tokenizer.json
     assert run(tmp_path / "again")["splits"] == index["splits"]
     for name in ["tokenizer.json"] + [
         s["file"] for split in index["splits"].values() for s in split["shards"]
