@@ -25,7 +25,7 @@ from pipeline.hf_tokenizer import HFTokenizerError, load as load_hf_tokenizer, s
 from pipeline.tokenizer import NORMALIZATION, load as load_sentencepiece
 
 SPIECE_UNDERLINE = "\u2581"
-UNIGRAM = 1  # sentencepiece TrainerSpec.ModelType
+UNIGRAM, BPE = 1, 2  # sentencepiece TrainerSpec.ModelType
 SPECIAL_TOKENS = {
     "pad_token": "[PAD]",
     "unk_token": "[UNK]",
@@ -87,11 +87,36 @@ def normalizer_spec(model: bytes) -> dict:
     }
 
 
+def _model(sp, model_type: int):
+    """The `tokenizers` model of the processor's pieces: Unigram over the same scores, or BPE
+    whose merges are every split of a piece into two pieces, ranked by the merged piece's score
+    (sentencepiece's BPE merges the best-scoring pair first; transformers' SpmConverter alike)."""
+    from tokenizers.models import BPE as BPEModel, Unigram
+
+    size = sp.get_piece_size()
+    byte_fallback = any(sp.is_byte(i) for i in range(size))
+    if model_type == UNIGRAM:
+        vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(size)]
+        return Unigram(vocab, unk_id=sp.unk_id(), byte_fallback=byte_fallback)
+    vocab = {sp.id_to_piece(i): i for i in range(size)}
+    ranked = []
+    for i in range(size):
+        if sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i):
+            continue
+        piece = sp.id_to_piece(i)
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-sp.get_score(i), i, vocab[left], vocab[right], left, right))
+    merges = [(left, right) for *_, left, right in sorted(ranked)]
+    unk = sp.id_to_piece(sp.unk_id())
+    return BPEModel(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=byte_fallback)
+
+
 def build_tokenizer(path: Path):
     """A `tokenizers.Tokenizer` encoding like the sentencepiece model at `path`, plus our
     [CLS]/[SEP] template."""
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
-    from tokenizers.models import Unigram
 
     data = path.read_bytes()
     try:
@@ -102,15 +127,12 @@ def build_tokenizer(path: Path):
             f"{path} is not a sentencepiece model with the toolkit's special ids ({e}); "
             "export a model trained with `shatter-data build`, whose tokenizer.model is one"
         ) from None
-    if spec["model_type"] != UNIGRAM:
+    if spec["model_type"] not in (UNIGRAM, BPE):
         raise TokenizerError(
-            f"{path} is a sentencepiece model of type {spec['model_type']} (not unigram, 1); "
-            "only unigram models (shatter-data's) convert to tokenizer.json"
+            f"{path} is a sentencepiece model of type {spec['model_type']} (not unigram, 1, or "
+            "bpe, 2); only unigram and bpe models (shatter-data's) convert to tokenizer.json"
         )
-    size = sp.get_piece_size()
-    vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(size)]
-    byte_fallback = any(sp.is_byte(i) for i in range(size))
-    tokenizer = Tokenizer(Unigram(vocab, unk_id=sp.unk_id(), byte_fallback=byte_fallback))
+    tokenizer = Tokenizer(_model(sp, spec["model_type"]))
     steps = []  # sentencepiece's order: charsmap, whitespace, escape, dummy prefix
     if spec["precompiled_charsmap"]:
         steps.append(normalizers.Precompiled(spec["precompiled_charsmap"]))
@@ -175,7 +197,7 @@ def describe(path: Path) -> str:
     if path.suffix == ".json":
         return f"{json.loads(path.read_text())['model']['type']}, Hugging Face tokenizers"
     spec = normalizer_spec(path.read_bytes())
-    kinds = {UNIGRAM: "unigram", 2: "bpe", 3: "word", 4: "char"}
+    kinds = {UNIGRAM: "unigram", BPE: "bpe", 3: "word", 4: "char"}
     folded = spec["name"] == NORMALIZATION
     return f"sentencepiece {kinds.get(spec['model_type'], '?')}, " + (
         "lower-cased" if folded else "cased"

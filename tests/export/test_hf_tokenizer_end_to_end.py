@@ -29,7 +29,6 @@ from tests.pipeline.conftest import generated_documents, quiet, small_config  # 
 from tools.evaluate import evaluate_export  # noqa: E402
 from tools.export import main as export_main  # noqa: E402
 
-pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -65,6 +64,7 @@ def finetune(export: Path, tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_wordpiece_dataset_trains_bert_exports_and_auto_tokenizer_gives_its_ids(tmp_path):
     docs = generated_documents(160, seed=5)
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -102,6 +102,7 @@ def test_a_wordpiece_dataset_trains_bert_exports_and_auto_tokenizer_gives_its_id
     assert (best / "tokenizer.json").is_file() and not (best / "tokenizer.model").exists()
 
 
+@pytest.mark.slow
 def test_a_cased_sentencepiece_build_keeps_case_end_to_end(tmp_path):
     """--cased: the shards tell "Kalo" from "kalo", and so do the export's tokenizer in
     transformers and the finetuning features (which no longer lower-case its text)."""
@@ -130,3 +131,21 @@ def test_a_cased_sentencepiece_build_keeps_case_end_to_end(tmp_path):
     assert ids == sp.encode(text) and text[begins[0] : ends[0]] == "Kalo"[: ends[0] - begins[0]]
     card = (tmp_path / "hf" / "README.md").read_text()
     assert "sentencepiece unigram, cased" in card
+
+
+@pytest.mark.parametrize("cased", [False, True])
+def test_a_sentencepiece_bpe_model_converts_to_the_same_ids(cased, tmp_path):
+    """`--tokenizer-model-type bpe`: its tokenizer.json (BPE, merges ranked by the merged piece's
+    score) encodes as sentencepiece does, unknown characters and case included."""
+    from pipeline.tokenizer import load, train
+    from shatter.hf.tokenizer import save_tokenizer
+
+    lines = [x for d in generated_documents(300, seed=11) for x in d.split("\n")]
+    model = tmp_path / "tokenizer.model"
+    model.write_bytes(train(lines, 400, "bpe", cased=cased))
+    save_tokenizer(model, tmp_path / "hf", 64)
+    fast = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    texts = generated_documents(100, seed=12) + ["Hello  World, çà  va? 123 ka-lo!", " KALO mine"]
+    sp = load(model.read_bytes())
+    assert fast(texts, add_special_tokens=False)["input_ids"] == sp.encode(texts)
+    assert fast(texts[0])["input_ids"] == [2, *sp.encode(texts[0]), 3]
