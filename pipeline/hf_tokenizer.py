@@ -204,9 +204,14 @@ def load(data: bytes, name: str = TOKENIZER_JSON):
     for want, names in ROLES.items():
         if tokenizer.id_to_token(want) is None:
             raise HFTokenizerError(f"{name}: no token at id {want} ({names[1]})")
-    if tokenizer.get_vocab_size(with_added_tokens=True) >= int(CONTINUES):
+    if vocab_size(tokenizer) >= int(CONTINUES):
         raise HFTokenizerError(f"{name}: a vocabulary of 2**30 ids or more is not supported")
     return tokenizer
+
+
+def vocab_size(tokenizer) -> int:
+    """Rows the model's embedding needs: one past the largest id (ids may leave gaps)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
 
 def special_tokens(tokenizer) -> dict[str, str]:
@@ -221,7 +226,7 @@ class Encoder:
     def __init__(self, data: bytes):
         self.tokenizer = load(data)
         self.tokenizer.encode_special_tokens = True
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = vocab_size(self.tokenizer)
 
     def word_start_table(self) -> None:
         """None: the word starts are flags on the ids (`word_starts`), not a table by id."""

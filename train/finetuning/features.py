@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.hf_tokenizer import load as load_hf_tokenizer
+from pipeline.hf_tokenizer import load as load_hf_tokenizer, vocab_size as hf_vocab_size
 from pipeline.masking import (
     CLS_ID as CLS,  # noqa: F401
     PAD_ID as PAD,
@@ -61,7 +61,7 @@ class HFTokenizer:
         except ValueError as err:
             raise CheckpointError(str(err)) from None
         self.tokenizer.encode_special_tokens = True  # "[SEP]" in a text is text, as in pretraining
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = hf_vocab_size(self.tokenizer)
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
