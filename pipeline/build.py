@@ -3,7 +3,7 @@
 Two pipelines when a tokenizer must be trained (it necessarily sits between them), one otherwise:
   1. read → clean → sample lines (the n smallest line hashes), find the hold-out document's key
      (the smallest) and cache the clean text → the driver trains sentencepiece;
-  2. read the cache (or, with a given tokenizer, read → clean) → tokenize → pack → shard → mask →
+  2. read the cache (or, with a given tokenizer, --tokenizer or --hf-tokenizer, read → clean) → tokenize → pack → shard → mask →
      write, then index.json from the shards' manifest (each writer leaves its shard's entry in the
      work directory) and Beam's counters.
 No side input is computed over the documents (a runner buffers every element that waits on one),
@@ -31,7 +31,7 @@ import uuid
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline import progress, readers, runners, store, tokenizer
+from pipeline import hf_tokenizer, progress, readers, runners, store, tokenizer
 from pipeline.config import BuildConfig
 from pipeline.format import FORMAT, INDEX_FILE, TOKENIZER_FILE, VERSION, write_index
 from pipeline.format.store import fs
@@ -62,6 +62,7 @@ CACHE_LIST = ".work/clean-files.json"
 BUILD_FILES = (
     INDEX_FILE,
     TOKENIZER_FILE,
+    hf_tokenizer.TOKENIZER_JSON,
     "train-*-of-*.arrow",
     "validation-*-of-*.arrow",
     ".tmp-*",
@@ -148,7 +149,7 @@ def _prepare_output(config: BuildConfig, overwrite: bool) -> str:
     stale = [
         m.path
         for pattern in BUILD_FILES
-        if pattern not in (INDEX_FILE, TOKENIZER_FILE, WORK_DIR)
+        if pattern not in (INDEX_FILE, TOKENIZER_FILE, hf_tokenizer.TOKENIZER_JSON, WORK_DIR)
         for m in FileSystems.match([fs.join(out, pattern)])[0].metadata_list
     ]
     if stale:
@@ -273,14 +274,17 @@ def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=
         )
     mb = sum(len(line.encode()) for line in sample) / 1e6
     report(
-        f"training sentencepiece ({config.tokenizer_model_type}, vocab {config.vocab_size}) "
+        f"training sentencepiece ({config.tokenizer_model_type}, vocab {config.vocab_size}, "
+        f"{'cased' if config.cased else 'lower-cased'}) "
         f"on {len(sample)} lines, {mb:.1f} MB (--tokenizer-sample {config.tokenizer_sample}, "
         f"--tokenizer-sample-mb {config.tokenizer_sample_mb:g})"
     )
     start = time.time()
     seconds = progress.PipelineOptions(beam_args).view_as(progress.ProgressOptions).progress_seconds
     with progress.Heartbeat("training sentencepiece", report, seconds):
-        model = tokenizer.train(sample, config.vocab_size, config.tokenizer_model_type)
+        model = tokenizer.train(
+            sample, config.vocab_size, config.tokenizer_model_type, config.cased
+        )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     report(
         f"sentencepiece trained in {time.time() - start:.1f}s; the driver's peak RSS {peak:.2f} GB"
@@ -291,10 +295,23 @@ def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=
     return values
 
 
+def given_tokenizer(config: BuildConfig) -> bytes:
+    """The bytes of the dataset's tokenizer file when the build is given one: the sentencepiece
+    model of --tokenizer, or the tokenizer.json of --hf-tokenizer with the toolkit's special ids."""
+    if config.hf_tokenizer:
+        try:
+            return hf_tokenizer.prepare(config.hf_tokenizer)
+        except hf_tokenizer.HFTokenizerError as e:
+            raise BuildError(str(e)) from None
+    with FileSystems.open(config.tokenizer) as f:
+        return f.read()
+
+
 def check_store(config: BuildConfig, beam_args: list[str]) -> None:
     """Remote inputs and output: the filesystems get the command line's options (`store`), and
     each path is checked before any work starts (credentials, bucket, input prefix)."""
     inputs = [spec.path for spec in (*config.inputs, *config.validation_inputs)]
+    inputs = [p for p in inputs if not readers.is_fsspec(p)]  # the Hub: listed when expanded
     if not any(fs.is_remote(p) for p in (*inputs, config.output, config.tokenizer or "")):
         return
     options = store.configure(beam_args)
@@ -325,12 +342,13 @@ def build(config: BuildConfig, beam_args: list[str], overwrite: bool = False, re
 
 def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=print) -> dict:
     """The build itself, writing into `out` (OUT, or the new directory beside it)."""
-    model_path = fs.join(out, TOKENIZER_FILE)
+    tokenizer_file = hf_tokenizer.TOKENIZER_JSON if config.hf_tokenizer else TOKENIZER_FILE
+    model_path = fs.join(out, tokenizer_file)
     fraction = 0.0 if config.validation_inputs else config.validation_fraction
     sample_counters, cached = {}, None
-    if config.tokenizer:
-        with FileSystems.open(config.tokenizer) as f:
-            model = f.read()
+    trained = not (config.tokenizer or config.hf_tokenizer)
+    if not trained:
+        model = given_tokenizer(config)
         with FileSystems.create(model_path) as f:
             f.write(model)
     else:
@@ -338,9 +356,8 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
         cached = json.loads(_read_text(fs.join(out, CACHE_LIST)))
     with FileSystems.open(model_path) as f:
         model = f.read()
-    sp = tokenizer.load(model)
-    vocab_size = sp.get_piece_size()
-    if not config.tokenizer and vocab_size < config.vocab_size:
+    vocab_size = tokenizer.encoder(tokenizer_file, model).vocab_size
+    if trained and vocab_size < config.vocab_size:
         # tokenizer.train lets sentencepiece stop short (hard_vocab_limit=False) rather than fail
         log.warning(
             "--vocab-size %d is more than this corpus supports: sentencepiece made a vocabulary of "
@@ -426,7 +443,7 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
         )
     _delete_tree(work_dir)
     recorded = config.to_dict()
-    if not config.tokenizer:
+    if trained:
         recorded["requested_vocab_size"] = config.vocab_size  # tokenizer.vocab_size: what it has
     index = {
         "format": FORMAT,
@@ -435,7 +452,7 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
         "dupe_factor": config.dupe_factor,
         "record_batch_rows": batch_rows,  # at most; the loader shuffles rows by such blocks
         "tokenizer": {
-            "file": TOKENIZER_FILE,
+            "file": tokenizer_file,
             "sha256": hashlib.sha256(model).hexdigest(),
             "vocab_size": vocab_size,
             "special_ids": dict(tokenizer.SPECIAL_PIECES),

@@ -146,6 +146,18 @@ def main():
     show_default=True,
 )
 @click.option(
+    "--cased/--uncased",
+    default=False,
+    show_default=True,
+    help="the sentencepiece model the build trains keeps case (NFKC only), or folds it",
+)
+@click.option(
+    "--hf-tokenizer",
+    default=None,
+    help="a Hugging Face tokenizer instead of sentencepiece: tokenizer.json, its directory, or a "
+    "Hub name (e.g. bert-base-uncased); its special tokens move to ids 0-4",
+)
+@click.option(
     "--dupe-factor", type=int, default=5, show_default=True, help="static maskings per row"
 )
 @click.option("--mask-rate", type=float, default=0.15, show_default=True)
@@ -168,6 +180,8 @@ def main():
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--text-field",
+    "--text-column",
+    "text_field",
     default="text",
     show_default=True,
     help="JSON field / Parquet column (text corpus)",
@@ -218,6 +232,8 @@ def build(
     tokenizer_sample,
     tokenizer_sample_mb,
     tokenizer_model_type,
+    cased,
+    hf_tokenizer,
     dupe_factor,
     mask_rate,
     whole_word,
@@ -261,6 +277,8 @@ def build(
             tokenizer_sample=tokenizer_sample,
             tokenizer_sample_mb=tokenizer_sample_mb,
             tokenizer_model_type=tokenizer_model_type,
+            cased=cased,
+            hf_tokenizer=hf_tokenizer,
             dupe_factor=dupe_factor,
             mask_rate=mask_rate,
             whole_word=whole_word,

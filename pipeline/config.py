@@ -43,6 +43,9 @@ class BuildConfig:
     # its input in memory (the build logs the sample's size and the driver's peak)
     tokenizer_sample_mb: float = 200.0
     tokenizer_model_type: str = "unigram"  # sentencepiece model type: unigram or bpe
+    cased: bool = False  # the trained sentencepiece model keeps case (NFKC without case folding)
+    # a Hugging Face tokenizer (tokenizer.json, its directory or a Hub name) instead of sentencepiece
+    hf_tokenizer: str | None = None
     dupe_factor: int = 5  # static maskings stored per row
     mask_rate: float = 0.15  # share of non-special tokens masked (BERT §3.1)
     whole_word: bool = False  # mask whole words (word_start) instead of single tokens
@@ -93,6 +96,13 @@ class BuildConfig:
             or any(n is not None and n < 1 for n in counts)
         ):
             raise ValueError("--dupe-factor and shard counts must be >= 1, --shard-size-mb > 0")
+        if self.tokenizer and self.hf_tokenizer:
+            raise ValueError("pass --tokenizer (sentencepiece) or --hf-tokenizer, not both")
+        if self.cased and (self.tokenizer or self.hf_tokenizer):
+            raise ValueError(
+                "--cased applies to the sentencepiece model a build trains; a given tokenizer "
+                "keeps its own normalization (drop --cased)"
+            )
         if self.vocab_size < 16:
             raise ValueError("--vocab-size must be >= 16")
 

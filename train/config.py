@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -44,11 +44,12 @@ class ModelArgs:
 
 @dataclass(frozen=True)
 class DataArgs:
-    path: str | None = (
-        None  # shard dataset directory written by `shatter-data build` (has index.json)
-    )
-    # train at this length; None = the data's seq_len L; longer is an error; l <= L/2 cuts each
-    # stored row into L // l rows ([CLS] … [SEP] each; train/loader/order.py), above truncates
+    # shard dataset directory written by `shatter-data build` (has index.json); several,
+    # "DIR:WEIGHT" each (a list here, `--data` repeated), are mixed by weight (`data_sources`)
+    path: str | tuple[str, ...] | None = None
+    # train at this length; None = the data's seq_len L (mixed: the shortest); longer is an
+    # error; l <= L/2 cuts each stored row into L // l rows ([CLS] … [SEP] each;
+    # train/loader/order.py), above truncates
     seq_len: int | None = None
     masking: str = "static"  # "static": the shards' dupe_factor maskings cycled by epoch; "dynamic": fresh per epoch
     mask_prob: float = (
@@ -177,6 +178,7 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        data_sources(d.path)  # each weight a positive number
         from shatter.config import (
             ARCHS,
             SIZES,
@@ -305,9 +307,28 @@ FLAGS = {
 }
 
 
+def data_sources(path: str | Sequence[str] | None) -> list[tuple[str, float]]:
+    """(dataset, weight) of each dataset of data.path: "DIR" (weight 1) or "DIR:WEIGHT"; a
+    suffix that is not a positive number is part of the path."""
+    values = [path] if isinstance(path, str) else list(path or ())
+    sources = []
+    for value in values:
+        head, _, tail = str(value).rpartition(":")
+        try:
+            weight = float(tail) if head and not tail.startswith("/") else None
+        except ValueError:
+            weight = None
+        if weight is not None and not (0 < weight < float("inf")):
+            raise ConfigError(f"--data {value}: the weight must be a positive number")
+        sources.append((head, weight) if weight is not None else (str(value), 1.0))
+    return sources
+
+
 def _coerce(cls, name: str, value: Any, where: str) -> Any:
     """YAML gives lists where the dataclass wants tuples; keep everything else as written."""
     default = next(f for f in fields(cls) if f.name == name)
+    if name == "path" and isinstance(value, list):
+        return tuple(value)
     if name == "betas" or (isinstance(value, list) and default.type.startswith("tuple")):
         return tuple(value)
     if name == "overrides" and not isinstance(value, Mapping):

@@ -121,7 +121,7 @@ def _write_json(path: Path, value) -> None:
 def finetune(cfg: FinetuneConfig) -> dict | None:
     """Run one finetuning; return metrics.json's content on rank 0 (None elsewhere)."""
     import shatter
-    from shatter.checkpoint import CheckpointError
+    from shatter.checkpoint import CheckpointError, tokenizer_path
     from shatter.remote import local_export
     from shatter.sources import describe_non_export
     from train.engine import build_engine, init_distributed, resolved_deepspeed_config
@@ -134,10 +134,10 @@ def finetune(cfg: FinetuneConfig) -> dict | None:
     if problem:
         raise CheckpointError(problem)
     check_output(run_dir, directory=True)
-    tokenizer_file = checkpoint / "tokenizer.model"
-    if not tokenizer_file.is_file():
+    tokenizer_file = tokenizer_path(checkpoint)
+    if tokenizer_file is None:
         raise FileNotFoundError(
-            f"{tokenizer_file}: the export has no tokenizer (re-export with one)"
+            f"{checkpoint / 'tokenizer.model'}: the export has no tokenizer (re-export with one)"
         )
     tokenizer = Tokenizer(tokenizer_file)
     backbone = shatter.from_pretrained(checkpoint)
