@@ -18,7 +18,7 @@ MNLI/dev_matched.tsv, MNLI/dev_mismatched.tsv); without --data-dir the Hub's `ny
 read through `datasets` (online) and written there as such TSVs first. Runs go to
 OUTPUT/TASK/lr{LR}-seed{S}/ (train/finetune.py's run directories); a run with a metrics.json is
 done, so the same command resumes an interrupted suite. With --gpus the runs are spread over those
-GPUs, one run per GPU at a time (CUDA_VISIBLE_DEVICES); without, one at a time here.
+GPUs, one process per GPU at a time (CUDA_VISIBLE_DEVICES); without, one at a time in this process.
 """
 
 from __future__ import annotations
@@ -92,11 +92,46 @@ def done(job: Job) -> bool:
     return (job.out / "metrics.json").is_file()
 
 
+def run_inline(job: Job, args: dict) -> None:
+    """One run in this process (no --gpus): the imports and the process group are paid once for
+    the suite, not once a run."""
+    import contextlib
+
+    from train.finetune import main as finetune_main
+
+    if job.out.exists():  # an interrupted run: started again from scratch
+        shutil.rmtree(job.out)
+    job.out.mkdir(parents=True)
+    click.echo(f"start: {job.out.parent.name}/{job.out.name} here", err=True)
+    log = job.out / "finetune.log"
+    with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        try:
+            finetune_main.main(job.command(args)[2:], standalone_mode=False)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    if code or not done(job):
+        fail(job, code, log)
+    click.echo(f"done: {job.out.parent.name}/{job.out.name}", err=True)
+
+
+def fail(job: Job, code, log: Path) -> None:
+    last = log.read_text().strip().splitlines()[-1:] or [""]
+    raise SuiteError(
+        f"{job.out.parent.name}/{job.out.name} failed (exit {code}): {last[0][:300]} "
+        f"(log: {log}); run the same command again to resume the suite"
+    )
+
+
 def run_all(jobs: list[Job], args: dict) -> None:
-    """Every job not done yet, one per GPU at a time (or one at a time without --gpus)."""
+    """Every job not done yet, one per GPU at a time (or one at a time here without --gpus)."""
     todo = [j for j in jobs if not done(j)]
-    slots = args["gpus"] or [None]
-    running: dict[object, tuple[Job, subprocess.Popen]] = {}
+    if not args["gpus"]:
+        for job in todo:
+            run_inline(job, args)
+        return
+    slots = args["gpus"]
+    running: dict[str, tuple[Job, subprocess.Popen]] = {}
     while todo or running:
         for slot in slots:
             if slot not in running and todo:
@@ -109,25 +144,17 @@ def run_all(jobs: list[Job], args: dict) -> None:
             if process.returncode != 0:
                 for _, (_, other) in running.items():
                     other.terminate()  # their runs start again on the next call
-                last = (job.out / "finetune.log").read_text().strip().splitlines()[-1:] or [""]
-                raise SuiteError(
-                    f"{job.out.parent.name}/{job.out.name} failed (exit {process.returncode}): "
-                    f"{last[0][:300]} (log: {job.out / 'finetune.log'}); run the same command "
-                    "again to resume the suite"
-                )
+                fail(job, process.returncode, job.out / "finetune.log")
             click.echo(f"done: {job.out.parent.name}/{job.out.name}", err=True)
 
 
-def start(job: Job, gpu: str | None, args: dict) -> tuple[Job, subprocess.Popen]:
+def start(job: Job, gpu: str, args: dict) -> tuple[Job, subprocess.Popen]:
     if job.out.exists():  # an interrupted run: started again from scratch
         shutil.rmtree(job.out)
     job.out.mkdir(parents=True)
-    env = dict(os.environ)
-    if gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = gpu
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
     log = open(job.out / "finetune.log", "w")
-    where = f"GPU {gpu}" if gpu is not None else "here"
-    click.echo(f"start: {job.out.parent.name}/{job.out.name} on {where}", err=True)
+    click.echo(f"start: {job.out.parent.name}/{job.out.name} on GPU {gpu}", err=True)
     process = subprocess.Popen(job.command(args), stdout=log, stderr=subprocess.STDOUT, env=env)
     return job, process
 

@@ -102,3 +102,19 @@ def write_jsonl():
         return path
 
     return write
+
+
+@pytest.fixture
+def export(tmp_path, tokenizer_model):
+    """make(arch, max_len): a tiny export (hidden 32) with the synthetic tokenizer."""
+    import shatter
+
+    def make(arch="shatter", max_len=64):
+        path = tmp_path / f"export-{arch}"
+        model = shatter.build_model(
+            f"{arch}-tiny", vocab_size=200, max_len=max_len, hidden=32, ffn=64
+        )
+        shatter.save_pretrained(model, path, tokenizer=tokenizer_model)
+        return path
+
+    return make

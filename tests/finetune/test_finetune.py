@@ -13,19 +13,6 @@ from train.finetune import main
 from .conftest import sentiment_rows, squad_json
 
 
-@pytest.fixture
-def export(tmp_path, tokenizer_model):
-    def make(arch="shatter", max_len=64):
-        path = tmp_path / f"export-{arch}"
-        model = shatter.build_model(
-            f"{arch}-tiny", vocab_size=200, max_len=max_len, hidden=32, ffn=64
-        )
-        shatter.save_pretrained(model, path, tokenizer=tokenizer_model)
-        return path
-
-    return make
-
-
 def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 

@@ -1,6 +1,7 @@
 """tools/glue.py on tiny GLUE-format files the test writes (synthetic reviews, in the Hub's
-schema through tools/glue_hub.py): all eight tasks of Table 1, MNLI-m and -mm, the row and its
-average, glue.json; a run whose metrics.json is gone is the only one run again."""
+schema through tools/glue_hub.py): all eight tasks of Table 1 in one process, MNLI-m and -mm, the
+row and its average, glue.json; the runs whose metrics.json is gone are the only ones run again,
+spread over two device slots (two processes at once)."""
 
 import json
 import subprocess
@@ -35,7 +36,7 @@ def glue_dir(root: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # nine finetuning processes: about 2 min on an idle 2-core box
+@pytest.mark.timeout(1500)  # ten finetuning runs: about 2 min on an idle 2-core box
 def test_the_suite_runs_the_eight_tasks_prints_the_row_and_resumes(tmp_path, tokenizer_model):
     export = tmp_path / "export"
     model = shatter.build_model("shatter-tiny", vocab_size=200, max_len=64, hidden=32, ffn=64)
@@ -48,7 +49,7 @@ def test_the_suite_runs_the_eight_tasks_prints_the_row_and_resumes(tmp_path, tok
     assert done.returncode == 0, done.stderr[-3000:]
     print(done.stdout)
     header, values = done.stdout.strip().splitlines()[-2:]
-    assert header.split(" | ") == [f"{c:>7}" for c in COLUMNS + ["Avg"]]
+    assert [h.strip() for h in header.split("|")] == COLUMNS + ["Avg"]
     result = json.loads((out / "glue.json").read_text())
     assert list(result["columns"]) == COLUMNS and set(result["tasks"]) == set(TASKS)
     numbers = [float(v) for v in values.split(" | ")]
@@ -56,10 +57,15 @@ def test_the_suite_runs_the_eight_tasks_prints_the_row_and_resumes(tmp_path, tok
     assert result["tasks"]["cola"]["runs"][0]["lr"] == 1e-3  # the default, scaled (and capped)
     assert done.stderr.count("start: ") == 8
 
-    (out / "rte" / "lr-default-seed0" / "metrics.json").unlink()  # an interrupted run
-    again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
+    for task in ("rte", "mrpc"):  # two interrupted runs
+        (out / task / "lr-default-seed0" / "metrics.json").unlink()
+    # spread over two "GPUs": ids that name no GPU, so both processes run on this CPU at once
+    again = subprocess.run(cmd + ["--gpus", "none0,none1"], capture_output=True, text=True,
+                           cwd=REPO, timeout=900)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stderr.count("start: ") == 1 and "start: rte/lr-default-seed0" in again.stderr
+    assert again.stderr.count("start: ") == 2
+    assert "start: mrpc/lr-default-seed0 on GPU none0" in again.stderr
+    assert "start: rte/lr-default-seed0 on GPU none1" in again.stderr
     assert again.stdout.strip().splitlines()[-1] == values
 
 

@@ -11,7 +11,7 @@ import pytest
 from train.finetuning.config import scaled_lr
 
 from .conftest import FILLER, NEGATIVE, POSITIVE
-from .test_finetune import export, run, write_csv  # noqa: F401 (a fixture)
+from .test_finetune import run, write_csv
 
 NEUTRAL = "film movie plot story".split()  # the third class: no cue word at all
 

@@ -54,6 +54,8 @@ def test_the_decays_shapes():
     assert lr_factor("linear", 55, 10, 100, 0.2) == pytest.approx(0.5)
 
 
+@pytest.mark.slow
+@pytest.mark.shared_data
 def test_a_budget_of_seconds_plans_the_wsd_schedule_and_ends_with_an_export(books_data, tmp_path):
     """budget_hours = 30 s: the run times its steps, sets its length from them, follows wsd over
     that length (the cooldown in its last half) and ends with its export inside the budget."""
@@ -64,7 +66,7 @@ def test_a_budget_of_seconds_plans_the_wsd_schedule_and_ends_with_an_export(book
     run, seconds, started = tmp_path / "run", 30.0, time.time()
     args = ("--config", str(config), "--decay", "wsd", "--max-steps", "100000")
     args += ("--micro-batch", "4", "--seq-len", "32")
-    done = _single(books_data, run, *args, "--budget-hours", str(seconds / 3600))
+    done = _single(books_data, run, *args, "--budget-hours", str(seconds / 3600), timeout=560)
     planned = json.loads((run / budget.FILE).read_text())
     lrs, last = {s: r["lr"] for s, r in _logged(run).items()}, max(_logged(run))
     print(
@@ -94,6 +96,8 @@ def books_128(shared_data, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.shared_data
 def test_one_build_at_128_serves_32_then_64_resumes_exactly_and_init_from_continues(
     books_128, tmp_path
 ):
@@ -132,6 +136,8 @@ def test_one_build_at_128_serves_32_then_64_resumes_exactly_and_init_from_contin
     assert p2[4]["epoch"] == pytest.approx(4 * 8 / (2 * rows))
 
 
+@pytest.mark.slow
+@pytest.mark.shared_data
 @pytest.mark.timeout(900)  # inductor's first compile: about a CPU-minute
 def test_run_compile_trains_bert_on_cpu(books_128, tmp_path):
     run = tmp_path / "compiled"
@@ -150,6 +156,7 @@ def _cfg(data: Path, init_from: Path, preset: str = "bert-tiny") -> TrainConfig:
     return resolve(None, flags)
 
 
+@pytest.mark.shared_data
 def test_init_from_refuses_another_arch_vocabulary_or_a_shorter_model(books_data, tmp_path):
     import shatter
 
