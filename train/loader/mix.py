@@ -84,7 +84,7 @@ class Mixture:
 class MixedOrder:
     """`EpochOrder`'s interface over several sources: their shards numbered one after another
     (source i's shard s is shard offset_i + s), each source read in its own epochs, cut by its
-    own k_i (`cuts`, 1 each by default)."""
+    own k_i (`cuts`, 1 each by default; `by_shard` also gives each hit's piece and k)."""
 
     def __init__(
         self,
