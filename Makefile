@@ -20,8 +20,8 @@ setup: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || { echo "==> creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@$(PY) tools/setup_torch.py
-	@echo "==> installing shatter and its extras: pip install -e '.[pipeline,train,test,demo,pipeline-dask,s3]'"
-	$(PY) -m pip install -e '.[pipeline,train,test,demo,pipeline-dask,s3]'
+	@echo "==> installing shatter and its extras: pip install -e '.[pipeline,train,test,demo,pipeline-dask,pipeline-hf,s3]'"
+	$(PY) -m pip install -e '.[pipeline,train,test,demo,pipeline-dask,pipeline-hf,s3]'
 	@echo "==> building DeepSpeed's CPU communication op (once)"
 	$(PY) -c "from train.engine import build_extensions; build_extensions()"
 	@touch $(STAMP)
