@@ -72,7 +72,7 @@ class BuildConfig:
     )
     seed: int = option(0, "global seed of the maskings")
     text_field: str = option(
-        "text", "JSON field / Parquet column (text corpus)", aliases=("--text-column",)
+        "text", "the JSON field or Parquet column of the text corpus", aliases=("--text-column",)
     )
     text_mode: str = option(
         "paragraph",

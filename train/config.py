@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.options import flag_fields, option
+from pipeline.options import declared, flag_fields, option
 from train.schedule import DECAYS, lr_factor
 
 OPTIMIZER_IMPLS = ("torch", "deepspeed")
@@ -426,6 +426,8 @@ SECTIONS = {"model": ModelArgs, "data": DataArgs, "optim": OptimArgs, "run": Run
 
 # {click parameter: config field} of the command-line flags (a contract, docs/training.md)
 FLAGS = flag_fields(SECTIONS)
+# the repeatable flags (--data): none given is not given, one is its value, several a tuple
+REPEATABLE = {d.param for d in declared(SECTIONS) if d.how.multiple}
 
 
 def data_sources(path: str | Sequence[str] | None) -> list[tuple[str, float]]:
@@ -510,6 +512,8 @@ def with_overrides(config: TrainConfig, flags: Mapping[str, Any]) -> TrainConfig
     """Apply command-line flags (None = not given) over a config, per `FLAGS`."""
     sections = {name: {} for name in SECTIONS}
     for flag, value in flags.items():
+        if flag in REPEATABLE and isinstance(value, tuple):
+            value = value[0] if len(value) == 1 else value or None
         if value is None:
             continue
         if flag not in FLAGS:

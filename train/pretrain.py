@@ -366,8 +366,6 @@ def main(config_file, dry_run, target, local_rank, **flags):
     from train.plm import with_objective
 
     with process_exit(known=(ConfigError, DatasetError, TrainingError)):
-        data = flags["data"]  # one --data: its path; several: the mixture's DIR:WEIGHT list
-        flags["data"] = (data[0] if len(data) == 1 else tuple(data)) if data else None
         try:
             cfg = with_objective(resolve(config_file, flags))
             if dry_run:

@@ -1,15 +1,17 @@
 """Mixing datasets by weight (`--data A:3 --data B:1`): the stream draws them in proportion,
-deterministically by (seed, position), on any world size; a real 2-rank run logs each
-dataset's epochs and resumes exactly on 1 rank; datasets of two vocabularies are refused."""
+deterministically by (seed, position), on any world size; a real 2-rank run draws them 3:1,
+logs each dataset's epochs and resumes exactly on 1 rank; datasets of two vocabularies are
+refused."""
 
 import json
 import shutil
-import sys
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from test_pretrain import command, metrics, run_to_end
 
 from pipeline.build import build
@@ -18,7 +20,7 @@ from pipeline.format import DatasetError, read_index
 from tests.pipeline.conftest import generated_documents, quiet, small_config
 from train.config import ConfigError, data_sources, resolve
 from train.loader import MaskingSpec, Mixture, ShardStream, source_epochs, stream_shape
-from train.pretrain import start_up_checks
+from train.pretrain import main, start_up_checks
 
 TOLERANCE = 1e-4  # relative, fp32: a sum over 2 ranks against a sum over 2 micro-batches
 
@@ -150,35 +152,58 @@ def test_weights_and_vocabularies_are_checked_in_one_line(two, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_two_rank_mixed_run_logs_each_epoch_count_and_resumes_exactly_on_one_rank(two, tmp_path):
+def test_a_two_rank_mixed_run_draws_3_to_1_and_resumes_exactly_on_one_rank(two, tmp_path):
+    """One 2-rank launch mixing a:3 and b:1 over 400 rows (10 steps of 2 x 20): its rows are
+    3:1 (±5%) and each dataset's epochs are logged; resumed at step 5 on 1 rank (in this
+    process, 2 micro-batches a step) it draws the same rows and gives the same losses."""
     a, b, _ = two
-    args = ("--data", f"{b}:1", "--preset", "bert-tiny", "--micro-batch", "4", "--lr", "2e-3")
-    args += ("--max-steps", "6", "--save-every", "3", "--eval-every", "0", "--log-every", "1")
+    args = ("--data", f"{b}:1", "--preset", "bert-tiny", "--micro-batch", "20", "--lr", "2e-3")
+    args += ("--max-steps", "10", "--save-every", "5", "--eval-every", "0", "--log-every", "1")
     args += ("--warmup-steps", "2", "--num-workers", "0", "--no-progress", "--seed", "7")
     args += ("--zero-stage", "1")
     run = tmp_path / "two"
-    run_to_end(command(f"{a}:3", run, *args, ranks=2), timeout=300)
+    log = tmp_path / "rows"
+    run_to_end(command(f"{a}:3", run, *args, "--sample-log", str(log), ranks=2), timeout=300)
+    drawn = sample_log(log, ranks=2)
+    rows_a = read_index(str(a)).rows("train")
+    from_a = sum(r < rows_a for rows in drawn.values() for r in rows)
+    print(f"2 ranks, 400 rows: {from_a} from a, {400 - from_a} from b")  # report (-s)
+    assert sum(map(len, drawn.values())) == 400 and abs(from_a / 400 - 0.75) <= 0.05
     losses, _ = metrics(run)
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    last = [x for x in lines if x.get("step") == 6 and "split" not in x][0]
+    last = [x for x in lines if x.get("step") == 10 and "split" not in x][0]
     mix = [(read_index(str(a)), 3.0), (read_index(str(b)), 1.0)]
-    assert last["samples"] == 48
-    assert last["source_epochs"] == pytest.approx(source_epochs(mix, 7, 48, 64))
-    assert (
-        sum(e * ix.rows("train") for e, (ix, _) in zip(last["source_epochs"].values(), mix)) == 48
-    )
+    assert last["samples"] == 400
+    assert last["source_epochs"] == pytest.approx(source_epochs(mix, 7, 400, 64))
 
     resumed = tmp_path / "one"
     shutil.copytree(run, resumed)
-    for later in (resumed / "checkpoints").glob("step*"):
-        if int(later.name[4:]) > 3:
-            shutil.rmtree(later)
-    (resumed / "checkpoints" / "latest").write_text("step00000003")
+    shutil.rmtree(resumed / "checkpoints" / "step00000010")
+    (resumed / "checkpoints" / "latest").write_text("step00000005")
     shutil.rmtree(resumed / "export")
-    one = args + ("--grad-accum", "2")
-    done = run_to_end(command(f"{a}:3", resumed, *one, launcher=[sys.executable]), timeout=300)
-    assert "written by 2 ranks, this run has 1: converting" in done.stderr, done.stderr[-2000:]
-    again, _ = metrics(resumed)
-    worst = max(abs(again[s] - losses[s]) / losses[s] for s in (4, 5, 6))
-    print(f"2 ranks -> 1 rank at step 3: largest relative loss difference {worst:.2e}")
-    assert worst < TOLERANCE, (again, losses)
+    one = [*command(f"{a}:3", resumed, *args, launcher=[])[1:], "--grad-accum", "2"]
+    one += ["--sample-log", str(tmp_path / "again")]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        done = CliRunner().invoke(main, one)  # a world of one in this process
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert done.exit_code == 0, done.output[-3000:]
+    assert "written by 2 ranks, this run has 1: converting" in done.output, done.output[-2000:]
+    again = sample_log(tmp_path / "again", ranks=1)
+    assert all(sorted(again[p] + again[p + 20]) == sorted(drawn[p]) for p in range(200, 400, 40))
+    later, _ = metrics(resumed)
+    worst = max(abs(later[s] - losses[s]) / losses[s] for s in range(6, 11))
+    print(f"2 ranks -> 1 rank at step 5: largest relative loss difference {worst:.2e}")
+    assert worst < TOLERANCE, (later, losses)
+
+
+def sample_log(prefix: Path, ranks: int) -> dict[int, list[int]]:
+    """{stream position of a micro-batch: its row ids, over the ranks} of a run's --sample-log."""
+    rows: dict[int, list[int]] = {}
+    for rank in range(ranks):
+        for line in Path(f"{prefix}.rank{rank}.jsonl").read_text().splitlines():
+            position, ids = json.loads(line)
+            rows.setdefault(position, []).extend(ids)
+    return rows
