@@ -8,8 +8,11 @@ STAMP := $(VENV)/.installed
 # (tools/setup_torch.py). E.g. `make setup TORCH_INDEX=https://download.pytorch.org/whl/cu126`.
 TORCH_INDEX ?=
 export TORCH_INDEX
+# The tested versions (constraints.txt); `make setup CONSTRAINTS=` lets pip resolve afresh.
+CONSTRAINTS ?= constraints.txt
+PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup test test-gpu demo clean rehearse-gpu science-data
+.PHONY: setup test test-gpu demo clean rehearse-gpu science-data constraints
 
 setup: $(STAMP)
 
@@ -17,11 +20,11 @@ setup: $(STAMP)
 # installed one in the project's range kept), so pip never resolves the range to a multi-GB CUDA
 # build on a CPU machine. DeepSpeed's CPU comm op is JIT-built once here rather than in the first
 # run or test. Every step prints what it does (pip's own progress included).
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || { echo "==> creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@$(PY) tools/setup_torch.py
-	@echo "==> installing shatter and its extras: pip install -e '.[pipeline,train,test,demo,pipeline-dask,pipeline-hf,s3]'"
-	$(PY) -m pip install -e '.[pipeline,train,test,demo,pipeline-dask,pipeline-hf,s3]'
+	@echo "==> installing shatter and its extras at the tested versions ($(or $(CONSTRAINTS),unpinned))"
+	$(PY) -m pip install $(PIN) -e '.[pipeline,train,test,demo,pipeline-dask,pipeline-hf,s3]'
 	@echo "==> building DeepSpeed's CPU communication op (once)"
 	$(PY) -c "from train.engine import build_extensions; build_extensions()"
 	@touch $(STAMP)
@@ -49,6 +52,11 @@ science-data: setup
 
 demo: setup
 	$(PY) tools/demo.py
+
+# Rewrite constraints.txt from the venv after a green `make test` with new versions.
+constraints: setup
+	{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -viE '^(torch|shatter)'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -111,6 +111,7 @@ def test_stub_wheel_installs_with_pip(tmp_path):
 def test_project_requirements_are_setup_cfgs():
     reqs = wheelset.project_requirements()
     assert any(r.startswith("apache-beam") for r in reqs)  # the pipeline extra: datasets built
+    assert not any(r.startswith("apache-beam[") for r in reqs)  # no boto3: 64 MiB per call
     assert any(r.startswith("deepspeed") for r in reqs)
     assert not any(r.startswith("#") or r.startswith("pytest") for r in reqs)
 

@@ -106,8 +106,11 @@ class OptimArgs:
     lr: float = option(1e-4, "Peak learning rate.", doc="peak learning rate (§A.2)")
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW β1, β2 (§A.2)
     eps: float = 1e-6  # AdamW ε
-    weight_decay: float = (
-        0.01  # decoupled weight decay, not applied to biases and LayerNorm weights (§A.2)
+    weight_decay: float = option(
+        0.01,
+        "AdamW's decoupled weight decay.",
+        min=0,
+        doc="AdamW's decoupled weight decay, not on biases and LayerNorm weights (§A.2)",
     )
     # when neither --config nor --warmup-steps sets it, `resolve` uses default_warmup(max_steps)
     warmup_steps: int = option(

@@ -29,9 +29,9 @@ if __package__ in (None, ""):
 
 import click  # noqa: E402
 
+from pipeline.options import click_options  # noqa: E402
 from train.config import ConfigError  # noqa: E402
-from train.finetuning.config import STRATEGIES, resolve  # noqa: E402
-from train.finetuning.tasks import TASKS  # noqa: E402
+from train.finetuning.config import SECTIONS, resolve  # noqa: E402
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,61 +41,7 @@ from train.finetuning.tasks import TASKS  # noqa: E402
     type=click.Path(dir_okay=False),
     help="YAML config (sections data, optim, run).",
 )
-@click.option(
-    "--task",
-    type=click.Choice(list(TASKS)),
-    help="Task (GLUE name, squad, boolq, multirc, classify).",
-)
-@click.option(
-    "--checkpoint",
-    help="Export directory (e.g. shatter-extend's output or RUN/export), or s3://, gs://.",
-)
-@click.option("--train-file", help="Training file in the task's official format.")
-@click.option(
-    "--validation-file",
-    help="Validation file (default: hold out --validation-fraction of --train-file).",
-)
-@click.option(
-    "--validation-fraction", type=float, help="Share held out when there is no --validation-file."
-)
-@click.option("--output", help="Run directory.")
-@click.option("--max-steps", type=int, help="Optimizer steps (default: --epochs passes).")
-@click.option(
-    "--epochs", type=float, help="Passes over the training set when --max-steps is not given."
-)
-@click.option("--lr", type=float, help="Peak learning rate (default 1e-5; 5e-6 for cola and sst2).")
-@click.option("--max-len", type=int, help="Input length (default: the checkpoint's max_len).")
-@click.option("--batch-size", type=int, help="Global batch size (default 16).")
-@click.option("--eval-every", type=int, help="Steps between evaluations (default 1000).")
-@click.option(
-    "--cls-strategy", type=click.Choice(STRATEGIES), help="Sequence classification strategy (§3.4)."
-)
-@click.option("--text-columns", help="classify: one or two comma-separated text columns.")
-@click.option("--label-column", help="classify: the label column.")
-@click.option(
-    "--id-column", help="classify: an id column for predictions.json (default: row number)."
-)
-@click.option(
-    "--labels",
-    help="classify: comma-separated label set in id order; rows with other labels are skipped.",
-)
-@click.option(
-    "--regression",
-    is_flag=True,
-    default=None,
-    help="classify: float labels (MSE, Pearson/Spearman).",
-)
-@click.option(
-    "--doc-stride", type=int, help="squad: tokens between the starts of context windows (128)."
-)
-@click.option("--weight-decay", type=float, help="AdamW weight decay (0.01).")
-@click.option("--warmup-steps", type=int, help="Linear warm-up steps (default: 10% of the steps).")
-@click.option(
-    "--precision", type=click.Choice(["fp32", "bf16", "fp16"]), help="Training precision."
-)
-@click.option("--zero-stage", type=click.IntRange(0, 2), help="DeepSpeed ZeRO stage.")
-@click.option("--seed", type=int, help="Seed.")
-@click.option("--deepspeed-config", help="Expert: DeepSpeed JSON merged over the built one.")
+@click_options(SECTIONS, defaults=False)  # train/finetuning/config.py: the fields declared as flags
 @click.option(
     "--local_rank",
     "--local-rank",

@@ -57,3 +57,32 @@ def test_yaml_problems_are_config_errors_like_pretraining(tmp_path):
         resolve(str(path), BASE)
     with pytest.raises(ConfigError, match="config file not found"):
         resolve(str(tmp_path / "nowhere.yaml"), BASE)
+
+
+def test_each_flag_is_declared_once_on_its_config_field():
+    """train/finetune.py's flags, FLAGS and docs/finetune.md's table come from the option()
+    fields: a flag given on the command line lands in its field."""
+    from pathlib import Path
+
+    from pipeline.options import docs_table
+    from train.finetune import main
+    from train.finetuning.config import FLAGS, SECTIONS
+
+    table = docs_table(SECTIONS)
+    docs = Path(__file__).resolve().parents[2] / "docs" / "finetune.md"
+    assert table in docs.read_text(), (
+        "docs/finetune.md's flag table is not the declared one: paste the output of python -c "
+        "'from pipeline.options import docs_table; from train.finetuning.config import SECTIONS; "
+        "print(docs_table(SECTIONS))'"
+    )
+    params = {p.name: p for p in main.params}
+    assert set(FLAGS) <= set(params) and FLAGS["weight_decay"] == "optim.weight_decay"
+    assert all(params[name].default is None for name in FLAGS)  # unset: the config file's value
+    args = ["--task", "sst2", "--train-file", "t.tsv", "--checkpoint", "ck", "--output", "run"]
+    args += ["--weight-decay", "0.1", "--zero-stage", "2", "--labels", "a,b", "--no-regression"]
+    parsed = main.make_context("finetune.py", args).params
+    cfg = resolve(None, {k: v for k, v in parsed.items() if k in FLAGS})
+    assert cfg.optim.weight_decay == 0.1 and cfg.run.zero_stage == 2
+    assert cfg.data.labels == ("a", "b") and cfg.data.regression is False
+    with pytest.raises(Exception, match="3 is not in the range"):
+        main.make_context("finetune.py", [*args, "--zero-stage", "3"])

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.options import flag_fields, option
 from train.config import ConfigError, OptimArgs, _section, default_zero_stage, read_yaml
 from train.finetuning.data import DataConfig
 from train.finetuning.tasks import TASKS
@@ -25,30 +26,37 @@ MAX_DEFAULT_LR = 1e-3
 
 @dataclass(frozen=True)
 class FinetuneArgs:
-    checkpoint: str | None = (
-        None  # export directory (or s3://, gs://): config.json, model.safetensors, tokenizer.model
+    checkpoint: str | None = option(
+        None, "Export directory (e.g. shatter-extend's output or RUN/export), or s3://, gs://."
     )
-    output: str | None = (
-        None  # run directory for metrics.json, predictions.json, best/, tensorboard/
+    output: str | None = option(
+        None, "Run directory (metrics.json, predictions.json, best/, tensorboard/)."
     )
-    cls_strategy: str = "modified"  # §3.4 "modified" or BERT's "cls"
-    max_steps: int | None = None  # optimizer steps; None: `epochs` passes over the training set
-    epochs: float = 3.0  # used only when max_steps is None
-    batch_size: int = 16  # global batch, split over ranks (§4.2: 16 for every task)
-    eval_every: int = 1000  # steps between evaluations (§4.2); always at the last step too
+    cls_strategy: str = option(
+        "modified", "Sequence classification strategy (§3.4; `cls`: BERT's).", choices=STRATEGIES
+    )
+    max_steps: int | None = option(None, "Optimizer steps (default: --epochs passes).", min=1)
+    epochs: float = option(3.0, "Passes over the training set when --max-steps is not given.")
+    batch_size: int = option(16, "Global batch size, split over ranks (§4.2).", min=1)
+    eval_every: int = option(
+        1000, "Steps between evaluations (§4.2); always at the last step too.", min=1
+    )
     eval_batch_size: int = 64  # inputs per evaluation forward pass
-    warmup_ratio: float = (
-        0.1  # share of the steps with linear warm-up, unless optim.warmup_steps is set
+    # share of the steps with linear warm-up, unless optim.warmup_steps is set
+    warmup_ratio: float = 0.1
+    precision: str = option("fp32", "Training precision.", choices=("fp32", "bf16", "fp16"))
+    zero_stage: int = option(
+        0, "The DeepSpeed ZeRO stage (unset: 1 under bf16/fp16, as pretraining).", min=0, max=2
     )
-    precision: str = "fp32"  # fp32 or bf16 (fp16 on GPUs)
-    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-2 (unset: 1 under bf16/fp16, as pretraining)
-    seed: int = 0  # seeds the head's init, the batch order, dropout and the hold-out split
+    seed: int = option(0, "Seeds the head's init, the batch order, dropout and the hold-out split.")
     log_every: int = 10  # steps between metrics.jsonl training lines
     progress: bool = True  # tqdm bar on rank 0
     tensorboard: bool = True  # TensorBoard event files under RUN/tensorboard
     save_best: bool = True  # write RUN/best/ whenever the main metric improves
     max_nonfinite: int = 100  # consecutive NaN/inf steps (each skipped and counted) before a stop
-    deepspeed_config: str | None = None  # expert: a DeepSpeed JSON merged over the built one
+    deepspeed_config: str | None = option(
+        None, "Expert: DeepSpeed JSON merged over the built one.", file=True
+    )
     # an lr that neither --lr nor the config sets is scaled to the model's width (`scaled_lr`)
     scale_lr: bool = True
 
@@ -63,42 +71,13 @@ class FinetuneConfig:
         return json.loads(json.dumps(dataclasses.asdict(self), default=str))
 
 
-# command-line flag -> config field
-FLAGS = {
-    "task": "data.task",
-    "train_file": "data.train_file",
-    "validation_file": "data.validation_file",
-    "validation_fraction": "data.validation_fraction",
-    "max_len": "data.max_len",
-    "text_columns": "data.text_columns",
-    "label_column": "data.label_column",
-    "id_column": "data.id_column",
-    "labels": "data.labels",
-    "regression": "data.regression",
-    "doc_stride": "data.doc_stride",
-    "checkpoint": "run.checkpoint",
-    "output": "run.output",
-    "cls_strategy": "run.cls_strategy",
-    "max_steps": "run.max_steps",
-    "epochs": "run.epochs",
-    "batch_size": "run.batch_size",
-    "eval_every": "run.eval_every",
-    "precision": "run.precision",
-    "zero_stage": "run.zero_stage",
-    "seed": "run.seed",
-    "deepspeed_config": "run.deepspeed_config",
-    "lr": "optim.lr",
-    "weight_decay": "optim.weight_decay",
-    "warmup_steps": "optim.warmup_steps",
-}
-_SECTIONS = {"data": DataConfig, "optim": OptimArgs, "run": FinetuneArgs}
+SECTIONS = {"data": DataConfig, "optim": OptimArgs, "run": FinetuneArgs}
+FLAGS = flag_fields(SECTIONS)  # click parameter -> config field, from the option() declarations
 
 
 def resolve(config_file: str | None, flags: Mapping[str, Any]) -> FinetuneConfig:
     """Defaults (with the task's lr), then the YAML file, then the flags; unknown keys rejected."""
-    sections = (
-        read_yaml(config_file, _SECTIONS) if config_file else {name: {} for name in _SECTIONS}
-    )
+    sections = read_yaml(config_file, SECTIONS) if config_file else {name: {} for name in SECTIONS}
     for flag, value in flags.items():
         if value is not None:
             section, key = FLAGS[flag].split(".")
@@ -127,7 +106,7 @@ def resolve(config_file: str | None, flags: Mapping[str, Any]) -> FinetuneConfig
     cfg = FinetuneConfig(
         **{
             name: _section(cls, sections[name], f"{where} [{name}]")
-            for name, cls in _SECTIONS.items()
+            for name, cls in SECTIONS.items()
         }
     )
     r = cfg.run

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.options import option
 from train.finetuning import metrics as M
 from train.finetuning.features import (
     SpanWindow,
@@ -46,17 +47,27 @@ from train.finetuning.tasks import (
 class DataConfig:
     """What to read and how to cut it into model inputs."""
 
-    task: str  # one of train.finetuning.tasks.TASKS
-    train_file: Path | None = None  # training file in the task's official format
-    validation_file: Path | None = None  # None: hold out `validation_fraction` of train_file
-    validation_fraction: float = 0.1  # share of train_file held out when no validation file
-    max_len: int = 0  # tokens per input, [CLS] and [SEP]s included; 0: the checkpoint's max_len
-    text_columns: tuple[str, ...] = ("text",)  # classify: one or two text columns
-    label_column: str = "label"  # classify: the label column
-    id_column: str | None = None  # classify: an id column (default: the row number)
-    labels: tuple[str, ...] | None = None  # classify: label set in id order; other rows skipped
-    regression: bool = False  # classify: float labels, MSE, Pearson/Spearman
-    doc_stride: int = 128  # SQuAD: tokens between the starts of consecutive context windows
+    task: str = option(
+        help="Task (GLUE name, squad, boolq, multirc, classify).", choices=tuple(TASKS)
+    )
+    train_file: Path | None = option(None, "Training file in the task's official format.")
+    validation_file: Path | None = option(
+        None, "Validation file (default: hold out --validation-fraction of --train-file)."
+    )
+    validation_fraction: float = option(0.1, "Share held out when there is no --validation-file.")
+    max_len: int = option(0, "Input length (default: the checkpoint's max_len).", min=0)
+    text_columns: tuple[str, ...] = option(
+        ("text",), "classify: one or two comma-separated text columns."
+    )
+    label_column: str = option("label", "classify: the label column.")
+    id_column: str | None = option(
+        None, "classify: an id column for predictions.json (default: row number)."
+    )
+    labels: tuple[str, ...] | None = option(
+        None, "classify: comma-separated label set in id order; rows with other labels are skipped."
+    )
+    regression: bool = option(False, "classify: float labels (MSE, Pearson/Spearman).")
+    doc_stride: int = option(128, "squad: tokens between the starts of context windows.", min=1)
     max_query_len: int = 64  # SQuAD: question tokens kept
     max_answer_len: int = 30  # SQuAD: longest predicted answer, in tokens
     seed: int = 0  # seeds the hold-out split
