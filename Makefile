@@ -24,7 +24,7 @@ $(STAMP): setup.cfg pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || { echo "==> creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@$(PY) tools/setup_torch.py
 	@echo "==> installing shatter and its extras at the tested versions ($(or $(CONSTRAINTS),unpinned))"
-	$(PY) -m pip install $(PIN) -e '.[pipeline,train,test,demo,pipeline-dask,s3]'
+	$(PY) -m pip install $(PIN) -e '.[pipeline,train,test,demo,pipeline-dask,pipeline-hf,s3]'
 	@echo "==> building DeepSpeed's CPU communication op (once)"
 	$(PY) -c "from train.engine import build_extensions; build_extensions()"
 	@touch $(STAMP)

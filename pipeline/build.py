@@ -3,8 +3,8 @@
 Two pipelines when a tokenizer must be trained (it necessarily sits between them), one otherwise:
   1. read → clean → sample lines (the n smallest line hashes), find the hold-out document's key
      (the smallest) and cache the clean text → the driver trains sentencepiece;
-  2. read the cache (or, with a given tokenizer, read → clean) → tokenize → pack → shard → mask →
-     write, then index.json from the shards' manifest (each writer leaves its shard's entry in the
+  2. read the cache (or, with a given tokenizer, --tokenizer or --hf-tokenizer, read → clean) →
+     tokenize → pack → shard → mask → write, then index.json from the shards' manifest (each writer leaves its shard's entry in the
      work directory) and Beam's counters.
 No side input is computed over the documents (a runner buffers every element that waits on one),
 and no branch beside the build reads them (Dask keeps a task's output until all its readers have
@@ -32,10 +32,11 @@ from dataclasses import dataclass
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline import progress, readers, runners, store, tokenizer
+from pipeline import hf_tokenizer, progress, readers, runners, store, tokenizer
 from pipeline.config import BuildConfig
 from pipeline.format import INDEX_FILE, TOKENIZER_FILE, build_index, write_index
 from pipeline.format.store import fs
+from pipeline.format.tokenizer import TOKENIZER_JSON
 from pipeline.format.writer import record_batch_rows
 from pipeline.inspect import validation_warnings
 from pipeline.sharding import ShardSize
@@ -63,6 +64,7 @@ CACHE_LIST = ".work/clean-files.json"
 BUILD_FILES = (
     INDEX_FILE,
     TOKENIZER_FILE,
+    TOKENIZER_JSON,
     "train-*-of-*.arrow",
     "validation-*-of-*.arrow",
     ".tmp-*",
@@ -149,7 +151,7 @@ def _prepare_output(config: BuildConfig, overwrite: bool) -> str:
     stale = [
         m.path
         for pattern in BUILD_FILES
-        if pattern not in (INDEX_FILE, TOKENIZER_FILE, WORK_DIR)
+        if pattern not in (INDEX_FILE, TOKENIZER_FILE, TOKENIZER_JSON, WORK_DIR)
         for m in FileSystems.match([fs.join(out, pattern)])[0].metadata_list
     ]
     if stale:
@@ -274,14 +276,17 @@ def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=
         )
     mb = sum(len(line.encode()) for line in sample) / 1e6
     report(
-        f"training sentencepiece ({config.tokenizer_model_type}, vocab {config.vocab_size}) "
+        f"training sentencepiece ({config.tokenizer_model_type}, vocab {config.vocab_size}, "
+        f"{'cased' if config.cased else 'lower-cased'}) "
         f"on {len(sample)} lines, {mb:.1f} MB (--tokenizer-sample {config.tokenizer_sample}, "
         f"--tokenizer-sample-mb {config.tokenizer_sample_mb:g})"
     )
     start = time.time()
     seconds = progress.PipelineOptions(beam_args).view_as(progress.ProgressOptions).progress_seconds
     with progress.Heartbeat("training sentencepiece", report, seconds):
-        model = tokenizer.train(sample, config.vocab_size, config.tokenizer_model_type)
+        model = tokenizer.train(
+            sample, config.vocab_size, config.tokenizer_model_type, config.cased
+        )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     report(
         f"sentencepiece trained in {time.time() - start:.1f}s; the driver's peak RSS {peak:.2f} GB"
@@ -292,10 +297,23 @@ def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=
     return values
 
 
+def given_tokenizer(config: BuildConfig) -> bytes:
+    """The bytes of the dataset's tokenizer file when the build is given one: the sentencepiece
+    model of --tokenizer, or the tokenizer.json of --hf-tokenizer with the toolkit's special ids."""
+    if config.hf_tokenizer:
+        try:
+            return hf_tokenizer.prepare(config.hf_tokenizer)
+        except hf_tokenizer.HFTokenizerError as e:
+            raise BuildError(str(e)) from None
+    with FileSystems.open(config.tokenizer) as f:
+        return f.read()
+
+
 def check_store(config: BuildConfig, beam_args: list[str]) -> None:
     """Remote inputs and output: the filesystems get the command line's options (`store`), and
     each path is checked before any work starts (credentials, bucket, input prefix)."""
     inputs = [spec.path for spec in (*config.inputs, *config.validation_inputs)]
+    inputs = [p for p in inputs if not readers.is_fsspec(p)]  # the Hub: listed when expanded
     if not any(fs.is_remote(p) for p in (*inputs, config.output, config.tokenizer or "")):
         return
     options = store.configure(beam_args)
@@ -340,21 +358,26 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
 
 @dataclass(frozen=True)
 class TokenizerStage:
-    """The first stage's result: OUT/tokenizer.model (given, or trained on the cleaned text)."""
+    """The first stage's result: OUT/tokenizer.model or OUT/tokenizer.json (given, or a
+    sentencepiece model trained on the cleaned text)."""
 
-    model: bytes  # the sentencepiece model's bytes
-    vocab_size: int  # its pieces (a trained one may have fewer than --vocab-size)
+    file: str  # its name in OUT: TOKENIZER_FILE, or TOKENIZER_JSON with --hf-tokenizer
+    model: bytes  # the file's bytes
+    vocab_size: int  # its ids (a trained one may have fewer than --vocab-size)
     cached: dict | None  # the cleaned text's cache {files, smallest_key}, when one was written
     counters: dict | None  # the sampling pipeline's counters ({} with a given tokenizer)
+    trained: bool  # trained here: --vocab-size is what was asked for, not what it has
 
 
 def _tokenizer_stage(config: BuildConfig, out: str, beam_args: list[str], report) -> TokenizerStage:
-    """Copy the given tokenizer, or run the first pipeline and train one (`train_tokenizer`)."""
-    model_path = fs.join(out, TOKENIZER_FILE)
+    """Copy the given tokenizer (`given_tokenizer`), or run the first pipeline and train one
+    (`train_tokenizer`)."""
+    tokenizer_file = TOKENIZER_JSON if config.hf_tokenizer else TOKENIZER_FILE
+    model_path = fs.join(out, tokenizer_file)
     counters, cached = {}, None
-    if config.tokenizer:
-        with FileSystems.open(config.tokenizer) as f:
-            model = f.read()
+    trained = not (config.tokenizer or config.hf_tokenizer)
+    if not trained:
+        model = given_tokenizer(config)
         with FileSystems.create(model_path) as f:
             f.write(model)
     else:
@@ -362,8 +385,8 @@ def _tokenizer_stage(config: BuildConfig, out: str, beam_args: list[str], report
         cached = json.loads(_read_text(fs.join(out, CACHE_LIST)))
     with FileSystems.open(model_path) as f:
         model = f.read()
-    vocab_size = tokenizer.load(model).get_piece_size()
-    if not config.tokenizer and vocab_size < config.vocab_size:
+    vocab_size = tokenizer.encoder(tokenizer_file, model).vocab_size
+    if trained and vocab_size < config.vocab_size:
         # tokenizer.train lets sentencepiece stop short (hard_vocab_limit=False) rather than fail
         log.warning(
             "--vocab-size %d is more than this corpus supports: sentencepiece made a vocabulary of "
@@ -373,7 +396,7 @@ def _tokenizer_stage(config: BuildConfig, out: str, beam_args: list[str], report
             vocab_size,
             vocab_size,
         )
-    return TokenizerStage(model, vocab_size, cached, counters)
+    return TokenizerStage(tokenizer_file, model, vocab_size, cached, counters, trained)
 
 
 @dataclass(frozen=True)
@@ -382,7 +405,7 @@ class BuildPlan:
 
     config: BuildConfig
     out: str
-    model_path: str  # OUT/tokenizer.model
+    model_path: str  # OUT/tokenizer.model or OUT/tokenizer.json
     fraction: float  # documents held out by hash (0 with --validation-input)
     cached: dict | None  # TokenizerStage.cached
     given: dict  # {split: shard count or None (from the size target)}
@@ -396,7 +419,7 @@ class BuildPlan:
 
 
 def _plan(config: BuildConfig, out: str, tok: TokenizerStage) -> BuildPlan:
-    model_path = fs.join(out, TOKENIZER_FILE)
+    model_path = fs.join(out, tok.file)
     size = ShardSize(
         int(config.shard_size_mb * 2**20),
         2 if tok.vocab_size <= 65535 else 4,
@@ -510,7 +533,7 @@ def _index(
     """index.json's content: the config, the tokenizer, the shards and the counters (a runner
     without metrics: the rows and shards the manifest gives, and which counters are missing)."""
     recorded = config.to_dict()
-    if not config.tokenizer:
+    if tok.trained:
         recorded["requested_vocab_size"] = config.vocab_size  # tokenizer.vocab_size: what it has
     unavailable = None
     if tok.counters is None or build_counters is None:  # a runner without metrics (Dask)
@@ -524,6 +547,7 @@ def _index(
         shards,
         seq_len=config.seq_len,
         dupe_factor=config.dupe_factor,
+        tokenizer_file=tok.file,
         tokenizer_sha256=hashlib.sha256(tok.model).hexdigest(),
         vocab_size=tok.vocab_size,
         special_ids=tokenizer.SPECIAL_PIECES,

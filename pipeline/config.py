@@ -52,6 +52,14 @@ class BuildConfig:
     tokenizer_model_type: str = option(
         "unigram", "sentencepiece model type", choices=("unigram", "bpe")
     )
+    cased: bool = option(
+        False, "the sentencepiece model the build trains keeps case (NFKC only), or folds it"
+    )
+    hf_tokenizer: str | None = option(
+        None,
+        "a Hugging Face tokenizer instead of sentencepiece: tokenizer.json, its directory, or a "
+        "Hub name (e.g. bert-base-uncased); its special tokens move to ids 0-4",
+    )
     dupe_factor: int = option(5, "static maskings per row")
     mask_rate: float = option(0.15, "share of non-special tokens masked (BERT §3.1)")
     whole_word: bool = option(False, "mask whole words (word_start) instead of single tokens")
@@ -63,7 +71,9 @@ class BuildConfig:
         "shard size target (Arrow data before zstd): the shard count follows from the data",
     )
     seed: int = option(0, "global seed of the maskings")
-    text_field: str = option("text", "JSON field / Parquet column (text corpus)")
+    text_field: str = option(
+        "text", "the JSON field or Parquet column of the text corpus", aliases=("--text-column",)
+    )
     text_mode: str = option(
         "paragraph",
         ".txt documents: blank-line separated, or one per line",
@@ -114,6 +124,13 @@ class BuildConfig:
             or any(n is not None and n < 1 for n in counts)
         ):
             raise ValueError("--dupe-factor and shard counts must be >= 1, --shard-size-mb > 0")
+        if self.tokenizer and self.hf_tokenizer:
+            raise ValueError("pass --tokenizer (sentencepiece) or --hf-tokenizer, not both")
+        if self.cased and (self.tokenizer or self.hf_tokenizer):
+            raise ValueError(
+                "--cased applies to the sentencepiece model a build trains; a given tokenizer "
+                "keeps its own normalization (drop --cased)"
+            )
         if self.vocab_size < 16:
             raise ValueError("--vocab-size must be >= 16")
 

@@ -156,12 +156,18 @@ def inspect_dataset(out: str, sample_rows: int = 3, split: str = "train") -> str
     lines.append(f"{split} row lengths (mean {lengths.mean():.1f}):")
     lines += _histogram(lengths, index.seq_len)
     with fs.open_read(index.tokenizer) as f:
-        sp = spm.SentencePieceProcessor(model_proto=f.read())
+        data = f.read()
+    if index.tokenizer.endswith(".json"):  # a Hugging Face tokenizer (--hf-tokenizer)
+        from pipeline.format.tokenizer import load_json
+
+        piece = load_json(data).id_to_token
+    else:
+        piece = spm.SentencePieceProcessor(model_proto=data).id_to_piece
     for i in range(min(sample_rows, table.num_rows)):
         row = table.slice(i, 1).to_pylist()[0]
         ids = row["input_ids"]
         lines.append(f"--- row {i} (key {row['key']:016x}, {len(ids)} ids)")
-        lines.append("  text:   " + " ".join(sp.id_to_piece(t) for t in ids))
+        lines.append("  text:   " + " ".join(piece(t) for t in ids))
         shown = list(ids)
         for p, new in zip(row["mask_positions"][0], row["mask_inputs"][0]):
             shown[p] = new
@@ -169,9 +175,7 @@ def inspect_dataset(out: str, sample_rows: int = 3, split: str = "train") -> str
         lines.append(
             "  masked: "
             + " ".join(
-                f"{sp.id_to_piece(t)}{{{sp.id_to_piece(marks[j])}}}"
-                if j in marks
-                else sp.id_to_piece(t)
+                f"{piece(t)}{{{piece(marks[j])}}}" if j in marks else piece(t)
                 for j, t in enumerate(shown)
             )
         )

@@ -27,11 +27,13 @@ class Option:
     help: str  # the --help text
     doc: str = ""  # the docs table's last column; "" = the help text
     flag: str | None = None  # None: "--" + the field name with dashes; "": config file only
+    aliases: tuple[str, ...] = ()  # further flags of the same option ("--text-column")
     choices: tuple[str, ...] = ()  # the values accepted (click.Choice)
     min: float | None = None  # a range (click.IntRange / FloatRange by the field's type)
     max: float | None = None
     min_open: bool = False  # the range excludes `min`
     file: bool = False  # a file path (click.Path(dir_okay=False))
+    multiple: bool = False  # repeatable: click gives a tuple of the values, () when not given
     required: bool = False
 
 
@@ -112,8 +114,10 @@ def click_options(config: type | Mapping[str, type], *, defaults: bool) -> Calla
             if not d.flag:
                 continue
             is_bool = d.type.replace(" | None", "") == "bool"
-            names = [f"{d.flag}/--no-{d.flag[2:]}" if is_bool else d.flag, d.param]
+            names = [f"{d.flag}/--no-{d.flag[2:]}" if is_bool else d.flag, *d.how.aliases, d.param]
             kind = {} if is_bool else {"type": _click_type(d)}
+            if d.how.multiple:
+                kind["multiple"] = True
             if not d.how.required:  # click takes a default of None as a value given
                 kind["default"] = d.default if defaults else None
             command = click.option(
@@ -134,6 +138,7 @@ def docs_table(config: type | Mapping[str, type]) -> str:
     for d in declared(config):
         is_bool = d.type.replace(" | None", "") == "bool"
         flag = f"`{d.flag}`, `--no-{d.flag[2:]}`" if is_bool and d.flag else f"`{d.flag}`"
+        flag += "".join(f", `{alias}`" for alias in d.how.aliases)
         text = d.how.doc or d.how.help[:1].lower() + d.how.help[1:].rstrip(".")
         rows.append(f"| {flag if d.flag else '(config only)'} | `{d.path}` | {text} |")
     return "\n".join(rows) + "\n"

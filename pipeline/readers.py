@@ -6,6 +6,10 @@ in parallel. A range owns the
 records that *start* in it, as Beam's TextIO does. Each reader yields raw documents (wikitext,
 book text, plain text); cleaning is the next transform. Every skip is reported to a `count`
 callback by reason, and unreadable input raises `InputError` naming the file.
+
+Files are local, on an object store (Beam's filesystems: `s3://`, `gs://`), or on the Hugging
+Face Hub (`hf://datasets/ORG/NAME/...`, through fsspec and huggingface_hub's `HfFileSystem`:
+`is_fsspec`, `open_input`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pipeline.wiki import InputError
 log = logging.getLogger(__name__)
 Count = Callable[[str, int], None]
 SPLITTABLE_TEXT = (".txt", ".jsonl", ".text")
+FSSPEC_SCHEMES = ("hf://",)
 ONE_WORKER_WARNING_BYTES = (
     256 << 20
 )  # a wiki file this large, read whole by one worker, is worth a warning
@@ -50,7 +55,58 @@ class ReadSpec:
     end: int | None = None  # None: to the end of the file
 
 
+def is_fsspec(path: str) -> bool:
+    """Whether `path` is read through fsspec rather than Beam's filesystems: the Hugging Face
+    Hub's `hf://datasets/ORG/NAME/...` (huggingface_hub's `HfFileSystem`)."""
+    return str(path).startswith(FSSPEC_SCHEMES)
+
+
+def _fsspec(path: str):
+    """(the fsspec file system of `path`, the path within it)."""
+    try:
+        import fsspec
+
+        return fsspec.core.url_to_fs(path)
+    except ImportError as e:  # fsspec, or huggingface_hub behind the hf:// protocol
+        raise InputError(
+            f"input {path}: needs {e.name or 'huggingface_hub'}: pip install 'shatter[pipeline-hf]'"
+        ) from None
+
+
+def _list_fsspec(path: str) -> list[tuple[str, int]]:
+    """(URL, size) of the files of an fsspec path: a file, a glob, or every file under a folder."""
+    scheme = path.split("://", 1)[0]
+    fs, inner = _fsspec(path)
+    try:
+        if any(c in inner for c in "*?["):
+            found = fs.glob(inner, detail=True)
+        elif fs.isdir(inner):
+            found = fs.find(inner, detail=True)
+        else:
+            found = {inner: fs.info(inner)}
+    except FileNotFoundError:
+        return []
+    except Exception as e:  # offline, no such repository, no access
+        line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise InputError(f"input {path}: cannot list it ({type(e).__name__}: {line})") from None
+    return [
+        (f"{scheme}://{name}", int(info["size"]))
+        for name, info in found.items()
+        if info.get("type") == "file" and not posixpath.basename(name).startswith(".")
+    ]
+
+
+def open_input(path: str):
+    """A binary file object of an input (uncompressed: Beam would otherwise guess by extension)."""
+    if is_fsspec(path):
+        fs, inner = _fsspec(path)
+        return fs.open(inner, "rb")
+    return FileSystems.open(path, compression_type="uncompressed")
+
+
 def _list_files(path: str) -> list[tuple[str, int]]:
+    if is_fsspec(path):
+        return _list_fsspec(path)
     if os.path.isdir(path):
         found = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
         return [(p, os.path.getsize(p)) for p in found if not os.path.basename(p).startswith(".")]
@@ -70,6 +126,11 @@ def expand_inputs(specs: tuple[InputSpec, ...], split_bytes: int, text_mode: str
     """Read specs for all inputs, in a deterministic order (never dependent on the runner)."""
     out: list[ReadSpec] = []
     for spec in specs:
+        if spec.corpus == "wiki" and is_fsspec(spec.path):
+            raise InputError(
+                f"input {spec.path}: a wiki dump is read from local disk or an object store; the "
+                "Hub's corpora are parquet or jsonl files, read with --corpus text --text-column"
+            )
         files = sorted(_list_files(spec.path))
         if not files:
             raise InputError(f"input {spec.path}: no files match")
@@ -146,7 +207,7 @@ def read_wiki(spec: ReadSpec, count: Count, on_error: str) -> Iterator[str]:
 
 
 def _whole(path: str) -> bytes:
-    with FileSystems.open(path, compression_type="uncompressed") as f:
+    with open_input(path) as f:
         return f.read()
 
 
@@ -231,7 +292,7 @@ def read_text(
     """Documents of a .txt / .jsonl / .jsonl.zst / .json.gz / .parquet file (or a range of one)."""
     path = spec.path
     if path.endswith(".parquet"):
-        with FileSystems.open(path, compression_type="uncompressed") as f:
+        with open_input(path) as f:
             table_file = pq.ParquetFile(f)
             if text_field not in table_file.schema_arrow.names:
                 raise InputError(
@@ -241,7 +302,7 @@ def read_text(
                 yield from (t for t in batch.column(0).to_pylist() if t)
         return
     if path.endswith((".zst", ".gz")):
-        with FileSystems.open(path, compression_type="uncompressed") as raw:
+        with open_input(path) as raw:
             stream = (
                 zstandard.ZstdDecompressor().stream_reader(raw)
                 if path.endswith(".zst")
@@ -253,7 +314,7 @@ def read_text(
                     if text:
                         yield text
         return
-    with FileSystems.open(path, compression_type="uncompressed") as f:
+    with open_input(path) as f:
         if spec.start == 0:
             head = f.read(8192)
             if is_binary(head):

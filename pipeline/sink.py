@@ -186,9 +186,9 @@ class WriteShardFn(beam.DoFn):
 
     def setup(self):
         with FileSystems.open(self.mask.model_path) as f:
-            sp = tokenizer.load(f.read())
-        self.vocab_size = sp.get_piece_size()
-        self.word_start = tokenizer.word_start_table(sp)
+            encoder = tokenizer.encoder(self.mask.model_path, f.read())
+        self.vocab_size = encoder.vocab_size
+        self.word_start = encoder.word_start_table()  # None: flags on the ids
         self.masked, self.written = counter("masked_positions"), counter("shards_written")
 
     def process(self, element, counts):

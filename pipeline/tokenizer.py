@@ -2,7 +2,8 @@
 
 Training is deterministic: the sample is the `n` lines with the smallest content hashes (so it
 does not depend on reading order or worker count), fed in hash order, with a fixed random seed,
-no input shuffling and one thread. Text is lower-cased: NFKC + case folding (`nmt_nfkc_cf`).
+no input shuffling and one thread. Text is lower-cased: NFKC + case folding (`nmt_nfkc_cf`),
+unless the build asks for a cased model (`--cased`: NFKC alone, `nmt_nfkc`).
 Special ids (pipeline.format.tokenizer): [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4.
 """
 
@@ -16,6 +17,7 @@ import numpy as np
 import sentencepiece as spm
 
 from pipeline.format.tokenizer import (  # noqa: F401  (load, SPECIAL_PIECES: the pipeline's names)
+    CASED_NORMALIZATION,
     NORMALIZATION,
     PAD_ID,
     SPECIAL_IDS,
@@ -46,8 +48,11 @@ def smallest_lines(lines, n: int) -> list[tuple[int, str]]:
     return heapq.nsmallest(n, ((line_hash(x), x) for x in lines))
 
 
-def train(lines: list[str], vocab_size: int, model_type: str = "unigram") -> bytes:
-    """A serialized sentencepiece model trained on `lines`, in the given order."""
+def train(
+    lines: list[str], vocab_size: int, model_type: str = "unigram", cased: bool = False
+) -> bytes:
+    """A serialized sentencepiece model trained on `lines`, in the given order; `cased` keeps
+    case (NFKC alone, `nmt_nfkc`), else text is case-folded too (`nmt_nfkc_cf`)."""
     if not lines:
         raise ValueError("no text to train the tokenizer on (every document was empty or skipped)")
     spm.set_random_generator_seed(TRAINING_SEED)
@@ -57,7 +62,7 @@ def train(lines: list[str], vocab_size: int, model_type: str = "unigram") -> byt
         model_writer=model,
         vocab_size=vocab_size,
         model_type=model_type,
-        normalization_rule_name=NORMALIZATION,
+        normalization_rule_name=CASED_NORMALIZATION if cased else NORMALIZATION,
         pad_id=PAD_ID,
         unk_id=UNK_ID,
         bos_id=-1,
@@ -89,3 +94,29 @@ def word_start_table(sp: spm.SentencePieceProcessor) -> np.ndarray:
     )
     table[list(SPECIAL_IDS)] = True
     return table
+
+
+class SentencePieceEncoder:
+    """A dataset's sentencepiece model as the Beam workers use it: batch encoding, and word
+    starts by id (`word_start_table`)."""
+
+    def __init__(self, model: bytes):
+        self.sp = load(model)
+        self.vocab_size = self.sp.get_piece_size()
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        return encode(self.sp, texts)
+
+    def word_start_table(self) -> np.ndarray:
+        return word_start_table(self.sp)
+
+
+def encoder(name: str, data: bytes):
+    """The encoder of a dataset's tokenizer file `name` with bytes `data`: a Hugging Face
+    tokenizer.json (`pipeline.hf_tokenizer.Encoder`, word starts flagged on the ids, its
+    `word_start_table()` None) or a sentencepiece model."""
+    if name.endswith(".json"):
+        from pipeline.hf_tokenizer import Encoder
+
+        return Encoder(data)
+    return SentencePieceEncoder(data)

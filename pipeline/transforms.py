@@ -22,7 +22,7 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
-from pipeline import cleaning, masking, packing, progress, readers, tokenizer
+from pipeline import cleaning, hf_tokenizer, masking, packing, progress, readers, tokenizer
 from pipeline.format.writer import rows_table
 from pipeline.wiki import InputError
 from pipeline.wikitext import clean_wikitext
@@ -97,7 +97,7 @@ class Packed:
 class MaskSpec:
     """How rows are masked when their shard is written (`dupe_factor` static maskings, docs/pipeline.md)."""
 
-    model_path: str  # the sentencepiece model: vocabulary size and word starts
+    model_path: str  # the tokenizer file: vocabulary size and word starts
     seed: int  # global seed; copy d of a row draws from row_seeds(seed, key, d)
     dupe_factor: int  # static maskings per row
     rate: float  # share of non-special tokens masked (BERT §3.1)
@@ -339,19 +339,19 @@ def SampleLines(n: int, max_bytes: int | None = None):
 
 
 class TokenizeFn(beam.DoFn):
-    """DocBatch → Tokenized per split, with sentencepiece's batch API; held-out docs by hash."""
+    """DocBatch → Tokenized per split, with the tokenizer's batch API; held-out docs by hash."""
 
     def __init__(self, model_path: str, validation_fraction: float):
         self.model_path, self.validation_fraction = model_path, validation_fraction
 
     def setup(self):
         with FileSystems.open(self.model_path) as f:
-            self.sp = tokenizer.load(f.read())
+            self.encoder = tokenizer.encoder(self.model_path, f.read())
         self.docs, self.tokens = counter("documents_tokenized"), counter("document_tokens")
         self.empty = counter("skipped_empty_after_tokenizing")
 
     def process(self, batch: DocBatch):
-        encoded = tokenizer.encode(self.sp, list(batch.docs))
+        encoded = self.encoder.encode(list(batch.docs))
         if batch.split != "auto" or self.validation_fraction == 0:
             splits = [batch.split if batch.split != "auto" else "train"] * len(batch.docs)
         else:  # each document's content key, hashed once
@@ -479,15 +479,20 @@ def mask_table(
     keys: np.ndarray,
     ids: np.ndarray,
     lengths: np.ndarray,
-    word_start_table: np.ndarray,
+    word_start_table: np.ndarray | None,
     vocab_size: int,
     spec: MaskSpec,
 ) -> pa.Table:
     """Padded rows → the shard schema's table: ids, word starts and `dupe_factor` maskings (pure).
+    The word starts come from `word_start_table` (by id), or where it is None from the flags
+    on the ids (`hf_tokenizer.CONTINUES`), which are stripped.
 
     Vectorised over the rows, no per-row Python; the shard writer masks each chunk it writes.
     """
-    word_start = word_start_table[ids]
+    if word_start_table is None:
+        ids, word_start = hf_tokenizer.word_starts(ids)
+    else:
+        word_start = word_start_table[ids]
     masks = masking.mask_batch(
         ids,
         lengths,

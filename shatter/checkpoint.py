@@ -33,6 +33,7 @@ import safetensors.torch
 from torch import nn
 
 from pipeline.format.reader import sha256_file
+from pipeline.format.tokenizer import TOKENIZER_JSON
 from shatter.config import ModelConfig
 from shatter.heads import build_head
 from shatter.model import ShatterForMaskedLM
@@ -44,6 +45,9 @@ WEIGHTS, CONFIG, HEAD, TOKENIZER, CHECKSUMS = (
     "tokenizer.model",
     "checksums.json",
 )
+# an export's tokenizer is one of two files: a sentencepiece model, or a Hugging Face `tokenizers`
+# tokenizer.json (a dataset built with `shatter-data build --hf-tokenizer`)
+TOKENIZER_FILES = (TOKENIZER, TOKENIZER_JSON)
 log = logging.getLogger(__name__)  # unconfigured, Python prints warnings as one stderr line
 
 
@@ -64,7 +68,8 @@ def _write_text(path: Path, text: str) -> None:
 def save_pretrained(model: nn.Module, path: str | Path, tokenizer: Any = None) -> Path:
     """Write `model` (the MLM model or a head) to directory `path`; return the path.
 
-    `tokenizer` may be the path of a sentencepiece `tokenizer.model` (copied) or a loaded
+    `tokenizer` may be the path of a sentencepiece `tokenizer.model` or of a Hugging Face
+    `tokenizer.json` (copied under its own name, the other one removed), or a loaded
     `SentencePieceProcessor` (its serialized proto is written).
     """
     path = Path(path)
@@ -82,13 +87,34 @@ def save_pretrained(model: nn.Module, path: str | Path, tokenizer: Any = None) -
     elif (path / HEAD).exists():
         (path / HEAD).unlink()  # the directory used to hold a head; it now holds an MLM model
     if tokenizer is not None:
-        if hasattr(tokenizer, "serialized_model_proto"):
-            _write_bytes(path / TOKENIZER, tokenizer.serialized_model_proto())
-        elif Path(tokenizer).resolve() != (path / TOKENIZER).resolve():
-            if not Path(tokenizer).is_file():
-                raise CheckpointError(f"tokenizer file {tokenizer} does not exist")
-            _write_bytes(path / TOKENIZER, Path(tokenizer).read_bytes())
+        _save_tokenizer(tokenizer, path)
     return path
+
+
+def _save_tokenizer(tokenizer: Any, path: Path) -> None:
+    """The export's one tokenizer file (see save_pretrained)."""
+    if hasattr(tokenizer, "serialized_model_proto"):
+        name, data = TOKENIZER, tokenizer.serialized_model_proto()
+    else:
+        name = TOKENIZER_JSON if str(tokenizer).endswith(".json") else TOKENIZER
+        if Path(tokenizer).resolve() == (path / name).resolve():
+            return
+        if not Path(tokenizer).is_file():
+            raise CheckpointError(f"tokenizer file {tokenizer} does not exist")
+        data = Path(tokenizer).read_bytes()
+    _write_bytes(path / name, data)
+    for other in TOKENIZER_FILES:
+        if other != name and (path / other).exists():
+            (path / other).unlink()
+
+
+def tokenizer_path(directory: str | Path) -> Path | None:
+    """The tokenizer file of an export (or dataset) directory: `tokenizer.model` or
+    `tokenizer.json`, or None where it has neither."""
+    for name in TOKENIZER_FILES:
+        if (Path(directory) / name).is_file():
+            return Path(directory) / name
+    return None
 
 
 def _read_json(file: Path) -> dict:

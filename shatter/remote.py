@@ -20,9 +20,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from shatter.checkpoint import CHECKSUMS, CONFIG, HEAD, TOKENIZER, WEIGHTS, CheckpointError
+from shatter.checkpoint import (
+    CHECKSUMS,
+    CONFIG,
+    HEAD,
+    TOKENIZER,
+    TOKENIZER_JSON,
+    WEIGHTS,
+    CheckpointError,
+)
 
-EXPORT_FILES = (CONFIG, CHECKSUMS, HEAD, TOKENIZER, WEIGHTS)
+EXPORT_FILES = (CONFIG, CHECKSUMS, HEAD, TOKENIZER, TOKENIZER_JSON, WEIGHTS)
 
 
 def is_remote(path: str | Path) -> bool:
@@ -65,10 +73,11 @@ def local_export(path: str | Path) -> Path:
     node's cache (`pipeline.format.store`: `$TMPDIR/shatter-cache-<user>`), `exports/<digest of its small
     files>/`. Its weights are fetched once per node through the shard cache (a lock, a temporary
     name, their sha256 in `checksums.json` checked on download); `config.json`, `checksums.json`,
-    `head.json` and `tokenizer.model` are read on every call, so a changed export is a new copy.
-    Credentials and the endpoint are the store's (`pipeline.format.store`: the AWS environment); a
-    missing bucket, prefix or object, or a store that fails after its retries, is one
-    CheckpointError line. The cached weights (`keep/<sha256>.safetensors`) are never evicted."""
+    `head.json` and the tokenizer (`tokenizer.model` or `.json`) are read on every call, so a
+    changed export is a new copy. Credentials and the endpoint are the store's
+    (`pipeline.format.store`: the AWS environment); a missing bucket, prefix or object, or a store
+    that fails after its retries, is one CheckpointError line. The cached weights
+    (`keep/<sha256>.safetensors`) are never evicted."""
     if not is_remote(path):
         return Path(path)
     from pipeline.format import DatasetError
@@ -78,7 +87,7 @@ def local_export(path: str | Path) -> Path:
     try:
         check(remote)  # credentials, bucket, prefix: one line each, before any download
         files = {}
-        for name in (CONFIG, CHECKSUMS, HEAD, TOKENIZER):
+        for name in (CONFIG, CHECKSUMS, HEAD, TOKENIZER, TOKENIZER_JSON):
             data = _read_object(fs.join(remote, name), name in (CONFIG, CHECKSUMS), remote)
             if data is not None:
                 files[name] = data

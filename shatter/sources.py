@@ -1,7 +1,7 @@
 """Reading a model from an export or a DeepSpeed checkpoint, and writing an export atomically.
 
-- An export directory (docs/format.md): `model.safetensors` + `config.json` (+ `tokenizer.model`,
-  + `head.json`), loaded with `shatter.from_pretrained`.
+- An export directory (docs/format.md): `model.safetensors` + `config.json` (+ `tokenizer.model`
+  or `tokenizer.json`, + `head.json`), loaded with `shatter.from_pretrained`.
 - A DeepSpeed checkpoint directory: the run's `checkpoints/` folder (with DeepSpeed's `latest`
   file), or one tag folder inside it (`global_step100/`). ZeRO partitions are consolidated to
   fp32 with `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`; a ZeRO-0
@@ -26,12 +26,12 @@ from torch import nn
 
 from shatter.checkpoint import (
     CONFIG,
-    TOKENIZER,
     WEIGHTS,
     CheckpointError,
     from_pretrained,
     load_config,
     save_pretrained,
+    tokenizer_path,
 )
 from shatter.config import ModelConfig, preset_config
 from shatter.model import ShatterForMaskedLM
@@ -56,6 +56,17 @@ def _deepspeed_tag_dir(path: Path) -> Path | None:
     return None
 
 
+def dataset_dirs(path) -> list[Path]:
+    """The dataset directories of a run config's data.path: one, or a mixture's "DIR:WEIGHT"
+    each (train/config.py `data_sources`), local ones only."""
+    values = [path] if isinstance(path, str) else list(path or ())
+    dirs = []
+    for value in (v for v in values if isinstance(v, str) and "://" not in v):
+        head, sep, _ = value.rpartition(":")
+        dirs.append(Path(head) if sep and not Path(value).is_dir() else Path(value))
+    return dirs
+
+
 def _trained_length(tag_dir: Path, run_config: dict) -> int | None:
     """The length a trainer run built its model for: RUN/config.json's `seq_len`, else the run
     config's data.seq_len, else its dataset's index.json seq_len; None when none says."""
@@ -69,10 +80,13 @@ def _trained_length(tag_dir: Path, run_config: dict) -> int | None:
     data = run_config.get("data") or {}
     if data.get("seq_len"):
         return int(data["seq_len"])
-    try:
-        return int(json.loads((Path(data["path"]) / "index.json").read_text())["seq_len"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    lengths = []
+    for directory in dataset_dirs(data.get("path")):
+        try:
+            lengths.append(int(json.loads((directory / "index.json").read_text())["seq_len"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return min(lengths, default=None)  # mixed datasets: the trainer's default length
 
 
 def _config_for(tag_dir: Path, client_state: dict, state: dict) -> ModelConfig:
@@ -183,13 +197,12 @@ def describe_non_export(path: str | Path, option: str = "--checkpoint") -> str |
 
 
 def load_model(path: str | Path) -> tuple[nn.Module, Path | None]:
-    """(model, its tokenizer.model or None) from an export or a DeepSpeed checkpoint directory."""
+    """(model, its tokenizer file or None) from an export or a DeepSpeed checkpoint directory."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if is_export(path):
-        tokenizer = path / TOKENIZER
-        return from_pretrained(path), tokenizer if tokenizer.is_file() else None
+        return from_pretrained(path), tokenizer_path(path)
     tag_dir = _deepspeed_tag_dir(path)
     if tag_dir is None:
         raise CheckpointError(
@@ -197,17 +210,13 @@ def load_model(path: str | Path) -> tuple[nn.Module, Path | None]:
             f"(a 'latest' file or {MODEL_STATES})"
         )
     model, client_state = load_deepspeed(tag_dir)
-    candidates = [
-        tag_dir / TOKENIZER,
-        tag_dir.parent / TOKENIZER,
-        tag_dir.parent.parent / "export" / TOKENIZER,
-    ]
+    candidates = [tag_dir, tag_dir.parent, tag_dir.parent.parent / "export"]
     data_path = ((client_state.get("config") or {}).get("data") or {}).get("path")
-    if data_path:  # the trainer's run config names the shard dataset, which holds the tokenizer
-        candidates.append(Path(data_path) / TOKENIZER)
+    # the trainer's run config names the shard datasets, which hold the tokenizer
+    candidates += dataset_dirs(data_path)
     for candidate in candidates:
-        if candidate.is_file():
-            return model, candidate
+        if found := tokenizer_path(candidate):
+            return model, found
     return model, None
 
 

@@ -27,7 +27,7 @@ import torch
 import shatter
 from pipeline.format import DatasetError, Index, read_index, sha256_file
 from pipeline.format.store import open_store
-from shatter.checkpoint import TOKENIZER, CheckpointError
+from shatter.checkpoint import CheckpointError, tokenizer_path
 from shatter.remote import local_export
 from shatter.sources import describe_non_export
 from train.config import DataArgs, check_output
@@ -89,12 +89,13 @@ def checked_index(checkpoint: Path, data: Path, split: str) -> Index:
             f"{index.path}: the {split} split has no rows, so there is nothing to evaluate; "
             "rebuild the shards with `shatter-data build ... --validation-fraction 0.01`"
         )
-    model_tokenizer = checkpoint / TOKENIZER
-    if model_tokenizer.is_file() and sha256_file(model_tokenizer) != index.tokenizer_sha256:
+    model_tokenizer = tokenizer_path(checkpoint)
+    if model_tokenizer and sha256_file(model_tokenizer) != index.tokenizer_sha256:
         raise DatasetError(
             f"{index.tokenizer} (the data's tokenizer, recorded in {index.path}) differs from "
             f"{model_tokenizer} (the model's): token ids would mean other words; evaluate on data "
-            f"built with `shatter-data build --tokenizer {model_tokenizer}`"
+            f"built with `shatter-data build "
+            f"--{'hf-' if model_tokenizer.suffix == '.json' else ''}tokenizer {model_tokenizer}`"
         )
     return index
 

@@ -61,7 +61,8 @@ from shatter.extend import INITS, ExtendError, extend_model
     "--tokenizer",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
-    help="tokenizer.model to bundle when the checkpoint has none (e.g. a DeepSpeed checkpoint).",
+    help="tokenizer.model (or tokenizer.json) to bundle when the checkpoint has none (e.g. a "
+    "DeepSpeed checkpoint).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing non-empty --output.")
 def main(
@@ -85,9 +86,9 @@ def main(
         tokenizer = tokenizer or found_tokenizer
         if tokenizer is None or not Path(tokenizer).is_file():
             raise CheckpointError(
-                f"{checkpoint}: no tokenizer.model found"
+                f"{checkpoint}: no tokenizer.model found (nor a tokenizer.json)"
                 + (f" ({tokenizer} does not exist)" if tokenizer else "")
-                + "; pass --tokenizer PATH (the dataset's tokenizer.model)"
+                + "; pass --tokenizer PATH (the dataset's tokenizer file)"
             )
         if max_len == model.config.max_len:
             extended, described = (

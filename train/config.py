@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from pipeline.options import flag_fields, option
+from pipeline.options import declared, flag_fields, option
 from train.schedule import DECAYS, lr_factor
 
 OPTIMIZER_IMPLS = ("torch", "deepspeed")
@@ -48,17 +48,22 @@ class ModelArgs:
 
 @dataclass(frozen=True)
 class DataArgs:
-    path: str | None = option(
+    # several datasets, "DIR:WEIGHT" each (a list in the config file), are mixed by weight
+    # (`data_sources`, train/loader/mix.py)
+    path: str | tuple[str, ...] | None = option(
         None,
-        "Shard dataset directory (OUT of `shatter-data build`).",
+        "Shard dataset directory (OUT of `shatter-data build`); repeat as DIR:WEIGHT to mix "
+        "datasets by weight.",
         flag="--data",
-        doc="shard dataset (has `index.json`)",
+        multiple=True,
+        doc="shard dataset (has `index.json`); repeated, `DIR:WEIGHT` each, datasets mixed by "
+        "weight (below)",
     )
     seq_len: int | None = option(
         None,
         "Train at this length (at most the data's); L/k of the data's L cuts each row into k.",
         doc="train at this length: L/k of the data's L cuts each stored row into k rows "
-        "(below); longer than L is an error; unset: the data's",
+        "(below); longer than L is an error; unset: the data's (mixed: the shortest)",
     )
     masking: str = option(
         "static",
@@ -272,6 +277,7 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        data_sources(d.path)  # each weight a positive number
         from shatter.config import (
             ARCHS,
             SIZES,
@@ -423,11 +429,32 @@ SECTIONS = {"model": ModelArgs, "data": DataArgs, "optim": OptimArgs, "run": Run
 
 # {click parameter: config field} of the command-line flags (a contract, docs/training.md)
 FLAGS = flag_fields(SECTIONS)
+# the repeatable flags (--data): none given is not given, one is its value, several a tuple
+REPEATABLE = {d.param for d in declared(SECTIONS) if d.how.multiple}
+
+
+def data_sources(path: str | Sequence[str] | None) -> list[tuple[str, float]]:
+    """(dataset, weight) of each dataset of data.path: "DIR" (weight 1) or "DIR:WEIGHT"; a
+    suffix that is not a positive number is part of the path."""
+    values = [path] if isinstance(path, str) else list(path or ())
+    sources = []
+    for value in values:
+        head, _, tail = str(value).rpartition(":")
+        try:
+            weight = float(tail) if head and not tail.startswith("/") else None
+        except ValueError:
+            weight = None
+        if weight is not None and not (0 < weight < float("inf")):
+            raise ConfigError(f"--data {value}: the weight must be a positive number")
+        sources.append((head, weight) if weight is not None else (str(value), 1.0))
+    return sources
 
 
 def _coerce(cls, name: str, value: Any, where: str) -> Any:
     """YAML gives lists where the dataclass wants tuples; keep everything else as written."""
     default = next(f for f in fields(cls) if f.name == name)
+    if name == "path" and isinstance(value, list):
+        return tuple(value)
     if name == "betas" or (isinstance(value, list) and default.type.startswith("tuple")):
         return tuple(value)
     if name == "overrides" and not isinstance(value, Mapping):
@@ -488,6 +515,8 @@ def with_overrides(config: TrainConfig, flags: Mapping[str, Any]) -> TrainConfig
     """Apply command-line flags (None = not given) over a config, per `FLAGS`."""
     sections = {name: {} for name in SECTIONS}
     for flag, value in flags.items():
+        if flag in REPEATABLE and isinstance(value, tuple):
+            value = value[0] if len(value) == 1 else value or None
         if value is None:
             continue
         if flag not in FLAGS:

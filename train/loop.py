@@ -28,8 +28,14 @@ from train.engine import LossScaleStall, loss_scale, skipped_steps
 from train.evaluate import evaluate
 from train.guard import StepGuard, TrainingError, step_guard
 from train.lifecycle import StopFlag, ignore_stop_signals
-from train.loader import ShardStream, StreamPosition, train_loader, validation_stream
-from train.loader.order import cut_factor
+from train.loader import (
+    ShardStream,
+    StreamPosition,
+    source_epochs,
+    stream_shape,
+    train_loader,
+    validation_stream,
+)
 from train.loader.stream import STORE_ERROR
 from train.metrics import MetricsWriter, Progress, RunClock, device_word, gpu_memory
 
@@ -54,6 +60,7 @@ class RunContext:
     final_save: bool = True  # checkpoint and export at max_steps (a benchmark's run skips them)
     store_failure: str | None = None  # a loader's store failure (STORE_ERROR): why it stopped
     budget: Budget | None = None  # run.budget_hours: re-plans the run's length (train/budget.py)
+    mix: list | None = None  # several --data: (index, weight) of each (`train.loader.mix`)
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -95,13 +102,17 @@ def _log_line(
         "tokens_per_s": tokens_per_s,
         **cost,  # tokens_per_s_per_gpu, mfu, hours_to_max_steps, gpu_hours (train/cost.py)
         "samples": state.samples,
-        "epoch": state.samples / epoch_rows(ctx.index, ctx.seq_len),
+        "epoch": state.samples / stream_shape(ctx.index, ctx.mix, ctx.seq_len)[0],
         "tokens": state.tokens,
         "skipped_nonfinite": state.skipped_nonfinite,
         "grad_norm": _grad_norm(ctx.engine),
         "skipped_steps": skipped_steps(ctx.engine),  # non-finite gradients or an fp16 overflow
         **gpu_memory(ctx.engine.device),
     }
+    if ctx.mix:  # each mixed dataset's own epochs
+        record["source_epochs"] = source_epochs(
+            ctx.mix, ctx.cfg.run.seed, state.samples, ctx.seq_len
+        )
     scale = loss_scale(ctx.engine)
     if scale is not None:
         record["loss_scale"] = scale
@@ -120,7 +131,8 @@ def _grad_norm(engine) -> float | None:
 def save_and_export(
     ctx: RunContext, state: checkpoint.TrainState, export: bool, epoch_size: int
 ) -> str:
-    position = StreamPosition(state.samples, epoch_size).to_dict()
+    shape = stream_shape(ctx.index, ctx.mix, ctx.seq_len)[1]
+    position = StreamPosition(state.samples, epoch_size, shape).to_dict()
     name = checkpoint.save(
         ctx.engine, ctx.run_dir, state, ctx.cfg.to_dict(), position, ctx.cfg.run.keep_checkpoints
     )
@@ -132,7 +144,7 @@ def save_and_export(
 def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
     """Run until max_steps or a stop request; returns "complete" or "stopped"."""
     cfg, engine, run = ctx.cfg, ctx.engine, ctx.cfg.run
-    epoch_size = epoch_rows(ctx.index, ctx.seq_len)
+    epoch_size = stream_shape(ctx.index, ctx.mix, ctx.seq_len)[0]
     loader = train_loader(
         ctx.index,
         cfg.data,
@@ -144,6 +156,7 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
         start=state.samples,
         grad_accum=run.grad_accum,
         pin_memory=engine.device.type == "cuda",
+        mix=ctx.mix,
     )
     loader.worker_init_fn = ignore_stop_signals
     validation = validation_stream(
@@ -327,8 +340,3 @@ def _replan(ctx: RunContext, step: int):
         scheduler = ctx.engine.lr_scheduler  # the next step's lr, from a new plan
         scheduler.step(scheduler.last_batch_iteration)
     return ctx.cfg.run
-
-
-def epoch_rows(index: Index, seq_len: int) -> int:
-    """Rows of a training epoch: the train split's, each cut into k at a shorter length."""
-    return index.rows("train") * cut_factor(index.seq_len, seq_len)

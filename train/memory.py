@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.config import TrainConfig, model_overrides
+from train.config import TrainConfig, data_sources, model_overrides
 
 GIB = 1024**3
 PROBE_BATCH = 4  # larger micro-batches are measured at this size and scaled linearly
@@ -158,12 +158,13 @@ def dry_run_report(cfg: TrainConfig, target: str = "auto") -> str:
 
     index = None
     if cfg.data.path:
+        path = data_sources(cfg.data.path)[0][0]  # mixed datasets share the first's vocabulary
         try:
-            index = read_index(cfg.data.path, verify_tokenizer=False)
+            index = read_index(path, verify_tokenizer=False)
         except DatasetError as err:
             note = f"(data not read: {err})"
         else:
-            note = f"(data: {cfg.data.path}, seq_len {index.seq_len}, vocab {index.vocab_size})"
+            note = f"(data: {path}, seq_len {index.seq_len}, vocab {index.vocab_size})"
     else:
         note = "(no --data: vocabulary and length from the config and the preset)"
     seq_len = cfg.data.seq_len or (index.seq_len if index else 256)

@@ -34,6 +34,7 @@ from train.config import (  # noqa: E402
     PresetError,
     TrainConfig,
     check_output,
+    data_sources,
     model_overrides,
     resolve,
     schedule_problem,
@@ -68,16 +69,26 @@ def _check_same_arch(cfg: TrainConfig) -> None:
 def start_up_checks(cfg: TrainConfig) -> tuple:
     """Everything that can be refused before a process group, a model or a byte of output exists:
     the paths, the data's files and length, a resumed run's arch; the schedule is warned about.
-    Returns (the checked index, the training length)."""
+    Returns (the checked index of the first --data, the training length, and with several
+    --data the (index, weight) of each, else None)."""
     if not cfg.data.path or not cfg.run.output:
         raise ConfigError(
             "--data and --output are required (or data.path and run.output in --config)"
         )
     check_output(cfg.run.output, directory=True)
     d = cfg.data
-    open_store(d.path, d.cache_dir, d.cache_limit_gb, d.store_retry_seconds)
-    index = read_index(cfg.data.path)
-    index.check_files()
+    sources = data_sources(d.path)
+    indexes = []
+    for path, _ in sources:
+        open_store(path, d.cache_dir, d.cache_limit_gb, d.store_retry_seconds)
+        indexes.append(read_index(path))
+        indexes[-1].check_files()
+        if indexes[-1].rows("train") == 0:
+            raise DatasetError(
+                f"{indexes[-1].path}: the train split has 0 rows; rebuild with more text"
+            )
+    check_one_vocabulary(indexes)
+    index = indexes[0]  # its tokenizer goes into the exports, its validation split is the run's
     if is_remote(index.tokenizer):  # exports copy it: its node-local copy, never evicted
         local = local_path(index.tokenizer, index.tokenizer_sha256, keep=True)
         index = dataclasses.replace(index, tokenizer=local)
@@ -85,14 +96,15 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
         # stop that a store failure asks for, then never waits on a store that stopped answering
         for info in index.shards("validation"):
             local_path(index.shard_path(info), info.sha256, keep=True)
-    seq_len = cfg.data.seq_len or index.seq_len
-    if seq_len > index.seq_len:
-        raise ConfigError(
-            f"--seq-len {seq_len} is longer than the data's seq_len {index.seq_len} "
-            f"({index.path}); rebuild the shards with --seq-len {seq_len}"
-        )
-    if index.rows("train") == 0:
-        raise DatasetError(f"{index.path}: the train split has 0 rows; rebuild with more text")
+    # the shortest build's length by default; a longer build's rows are cut to it (each mixed
+    # dataset by its own L // l, `train.loader.mix`)
+    seq_len = cfg.data.seq_len or min(ix.seq_len for ix in indexes)
+    for ix in indexes:
+        if seq_len > ix.seq_len:
+            raise ConfigError(
+                f"--seq-len {seq_len} is longer than the data's seq_len {ix.seq_len} "
+                f"({ix.path}); rebuild the shards with --seq-len {seq_len}"
+            )
     _check_same_arch(cfg)
     if cfg.run.init_from:
         init_from.check(cfg, index, seq_len)
@@ -106,7 +118,26 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
     problem = schedule_problem(cfg)
     if problem and rank0:
         click.echo(f"warning: {problem}", err=True)
-    return index, seq_len
+    mix = [(ix, w) for ix, (_, w) in zip(indexes, sources)] if len(indexes) > 1 else None
+    return index, seq_len, mix
+
+
+def check_one_vocabulary(indexes: list) -> None:
+    """Datasets mixed in one run must share their tokenizer: the same id is the same token."""
+    first = indexes[0]
+    for other in indexes[1:]:
+        if other.tokenizer_sha256 != first.tokenizer_sha256:
+            raise DatasetError(
+                f"{other.path}: its tokenizer (vocab {other.vocab_size}, sha256 "
+                f"{other.tokenizer_sha256[:12]}) is not {first.path}'s (vocab {first.vocab_size}, "
+                f"sha256 {first.tokenizer_sha256[:12]}): datasets mixed by --data share one "
+                f"vocabulary; rebuild it with `shatter-data build --tokenizer {first.tokenizer}`"
+                + (
+                    " (or --hf-tokenizer for a tokenizer.json)"
+                    if first.tokenizer.endswith(".json")
+                    else ""
+                )
+            )
 
 
 def _initial_model(cfg: TrainConfig, index, seq_len: int):
@@ -161,13 +192,13 @@ def _run(cfg: TrainConfig) -> int:
         resolved_deepspeed_config,
     )
     from train.lifecycle import ProgressWatchdog, StopFlag, hold_run_directory
-    from train.loader import StreamPosition
-    from train.loop import RunContext, epoch_rows
+    from train.loader import StreamPosition, stream_shape
+    from train.loop import RunContext
     from train.metrics import MetricsWriter, log_to_run
     from train.node_env import check_nodes_env
     from train.schedule import Plan
 
-    index, seq_len = start_up_checks(cfg)
+    index, seq_len, mix = start_up_checks(cfg)
     cfg = budget.planned_config(cfg, Path(cfg.run.output))  # a resumed budgeted run's length
     stop = StopFlag().install()
     rank, world = init_distributed(cfg.run.collective_timeout_s)
@@ -194,15 +225,13 @@ def _run(cfg: TrainConfig) -> int:
     progress = ProgressWatchdog(ProgressWatchdog.limit_for(cfg.run.collective_timeout_s))
     engine.module.register_forward_pre_hook(progress.pet)  # a rank stuck between forwards ends
     state, position, saved_config = checkpoint.resume(engine, run_dir, found.tag, universal)
-    if position is not None:
-        StreamPosition.from_dict(
-            position, epoch_rows(index, seq_len)
-        )  # refuses a position on different data
+    if position is not None:  # refuses a position on different data
+        StreamPosition.from_dict(position, *stream_shape(index, mix, seq_len))
     if rank == 0:
         _record_start(cfg, run_dir, state, saved_config, ds_config, world, seq_len)
     writer = MetricsWriter(run_dir, rank, cfg.run.tensorboard, resumed_step=state.step)
     ctx = RunContext(
-        cfg, index, engine, rank, world, run_dir, seq_len, writer, stop, budget=run_budget
+        cfg, index, engine, rank, world, run_dir, seq_len, writer, stop, budget=run_budget, mix=mix
     )
     try:
         if state.step >= cfg.run.max_steps and not (run_dir / checkpoint.EXPORT).is_dir():

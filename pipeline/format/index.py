@@ -158,20 +158,22 @@ def build_index(
     counters: Mapping[str, int] | None = None,
     counters_unavailable: Sequence[str] | None = None,
     record_batch_rows: int | None = None,
+    tokenizer_file: str = TOKENIZER_FILE,
 ) -> dict:
     """The content of index.json: format and version, the tokenizer, and each split's shards
     (`ShardInfo`s, or mappings with at least its fields) with the split's row and token totals.
 
     `counters_unavailable` names the counters a runner without metrics could not give;
     `record_batch_rows` the most rows a shard's record batch holds (the loader shuffles rows by
-    such blocks; without it the loader assumes `writer.record_batch_rows(seq_len)`)."""
+    such blocks; without it the loader assumes `writer.record_batch_rows(seq_len)`);
+    `tokenizer_file` the tokenizer's name in the dataset (tokenizer.model, or tokenizer.json)."""
     index = {
         "format": FORMAT,
         "version": VERSION,
         "seq_len": seq_len,
         "dupe_factor": dupe_factor,
         "tokenizer": {
-            "file": TOKENIZER_FILE,
+            "file": tokenizer_file,
             "sha256": tokenizer_sha256,
             "vocab_size": vocab_size,
             "special_ids": dict(special_ids),

@@ -16,7 +16,10 @@ from pathlib import Path
 
 from torch import nn
 
+from shatter.checkpoint import tokenizer_path
+from shatter.hf.tokenizer import describe
 from shatter.model import count_parameters
+from shatter.sources import dataset_dirs
 
 CITATION = """@inproceedings{tian2021shatter,
   title     = {Shatter: An Efficient Transformer Encoder with Single-Headed Self-Attention
@@ -40,9 +43,11 @@ def run_facts(run: Path | None) -> dict:
         return facts
     try:
         data = json.loads((run / "config.json").read_text())["config"]["data"]["path"]
-        index = Path(data) / "index.json"
-        facts["data_index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
-        facts["data"] = str(data)
+        indexes = [directory / "index.json" for directory in dataset_dirs(data)]
+        facts["data_index_sha256"] = ", ".join(
+            hashlib.sha256(index.read_bytes()).hexdigest() for index in indexes
+        )
+        facts["data"] = data if isinstance(data, str) else ", ".join(data)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     try:
@@ -127,7 +132,7 @@ def model_card(
         ("class", f"`{report.hf_class}`" + ("" if report.native else " (remote code)")),
         ("parameters", f"{count_parameters(model, exclude_word_embeddings=False):,}"),
         ("hidden / layers / heads or parts", f"{config.hidden} / {config.layers} / {config.heads}"),
-        ("vocabulary", f"{config.vocab_size} (sentencepiece unigram, lower-cased)"),
+        ("vocabulary", f"{config.vocab_size} ({describe(tokenizer_path(source.export))})"),
         ("max length", f"{config.max_len} tokens"),
         ("max logit difference to the toolkit's model", f"{report.max_abs_diff:.1e} (fp32)"),
     ]

@@ -1,14 +1,16 @@
 """`shatter-export SRC --format hf --output DIR`: an export, a training run or a finetuned model
 as a Hugging Face transformers directory, checked against our model before it is written.
 
-SRC may be an export directory (`model.safetensors` + `config.json` + `tokenizer.model`), a
+SRC may be an export directory (`model.safetensors` + `config.json` + `tokenizer.model` or
+`tokenizer.json`), a
 pretraining run (its `export/`), or a finetuning run (its `best/` export with `head.json`; the
 run's `config.json` gives the label names). DIR gets:
 
 - `config.json` + `model.safetensors` (transformers' `save_pretrained`); for remote-code archs
   also `configuration_shatter.py` + `modeling_shatter.py` and `auto_map` (shatter/hf/convert.py
   says which archs are native);
-- `tokenizer.json` + `tokenizer_config.json` (shatter/hf/tokenizer.py);
+- `tokenizer.json` + `tokenizer_config.json` (shatter/hf/tokenizer.py: converted from the
+  sentencepiece model, or the dataset's own tokenizer.json, WordPiece, BPE or any other);
 - `README.md`, the model card (shatter/hf/card.py).
 
 Before DIR appears, the written directory is loaded back with transformers' Auto class and its
@@ -27,7 +29,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shatter.checkpoint import TOKENIZER, CheckpointError, from_pretrained
+from shatter.checkpoint import (
+    TOKENIZER,
+    TOKENIZER_JSON,
+    CheckpointError,
+    from_pretrained,
+    tokenizer_path,
+)
 from shatter.hf import card
 from shatter.hf.convert import (
     CLASSES,
@@ -165,10 +173,11 @@ def export_hf(
     source = resolve(Path(src))
     model = from_pretrained(source.export).float().eval()
     check_convertible(model.config)
-    tokenizer = source.export / TOKENIZER
-    if not tokenizer.is_file():
+    tokenizer = tokenizer_path(source.export)
+    if tokenizer is None:
         raise ExportError(
-            f"{source.export} has no {TOKENIZER}: copy the dataset's tokenizer.model into it"
+            f"{source.export} has no {TOKENIZER} or {TOKENIZER_JSON}: copy the dataset's "
+            "tokenizer file into it"
         )
     kind, head = head_kind(model)
     converted = hf_model(model, source.labels)

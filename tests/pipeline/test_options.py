@@ -3,12 +3,15 @@ click option, its flag-to-field entry and its docs row; `shatter-data build`'s o
 BuildConfig's fields."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import click
 import pytest
 
 from pipeline.config import BuildConfig, InputSpec
 from pipeline.options import click_options, declared, docs_table, flag_fields, option
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,8 @@ def test_shatter_data_build_declares_build_configs_fields_once():
 
     params = {p.name: p for p in build.params}
     fields = {d.param: d for d in declared(BuildConfig)}
-    assert len(fields) == 20 and set(fields) <= set(params)
-    assert len(params) == 27  # and --corpus, --input, --wiki-index, --validation-input, ...
+    assert len(fields) == 22 and set(fields) <= set(params)
+    assert len(params) == 29  # and --corpus, --input, --wiki-index, --validation-input, ...
     for name, d in fields.items():
         assert d.how.required or params[name].default == d.default, name
     args = ["--input", "x", "--output", "o", "--seq-len", "64", "--no-cross-document"]
@@ -69,3 +72,30 @@ def test_shatter_data_build_declares_build_configs_fields_once():
     inputs = (InputSpec("text", "x"),)
     config = BuildConfig(inputs=inputs, **{k: parsed[k] for k in fields})
     assert config == BuildConfig(inputs, "o", seq_len=64, cross_document=False)
+    # an alias is the same option; a flag's docs row names it
+    given = ["--input", "x", "--output", "o", "--text-column", "body"]
+    aliased = build.make_context("build", given).params
+    assert aliased["text_field"] == "body"
+    table = docs_table(BuildConfig)
+    assert "| `--text-field`, `--text-column` | `text_field` |" in table
+    assert table in (REPO / "docs" / "pipeline.md").read_text(), (
+        "docs/pipeline.md's option table is not the declared one: paste the output of "
+        "python -c 'from pipeline.options import docs_table; from pipeline.config import "
+        "BuildConfig; print(docs_table(BuildConfig))'"
+    )
+
+
+def test_a_repeatable_option_gives_a_tuple():
+    @dataclass(frozen=True)
+    class Mixed:
+        data: tuple = option((), "Datasets.", multiple=True)
+
+    @click.command()
+    @click_options(Mixed, defaults=False)
+    def command(**kw):
+        pass
+
+    assert command.make_context("m", ["--data", "a:3", "--data", "b:1"]).params == {
+        "data": ("a:3", "b:1")
+    }
+    assert command.make_context("m", []).params == {"data": ()}

@@ -4,14 +4,15 @@
   as BERT (Devlin et al., 2019) and the paper (§3.4) feed classifiers.
 - SQuAD: `[CLS] question [SEP] context-window [SEP]`; a context longer than the window is covered
   by windows whose starts are `doc_stride` tokens apart (BERT's `run_squad.py`). The gold
-  character span becomes a token span through sentencepiece's piece offsets
-  (`encode_as_proto`: UTF-8 byte begin/end of each piece, mapped to characters); a window that
+  character span becomes a token span through the tokenizer's offsets (sentencepiece's
+  `encode_as_proto`: UTF-8 byte begin/end of each piece, mapped to characters); a window that
   does not contain the whole answer points both ends at `[CLS]`. At prediction time the best
   span over all windows wins (start logit + end logit, start <= end, at most max_answer_len
   tokens, both ends inside the context), and the answer is the context's original characters.
 
-The tokenizer is the export's sentencepiece model with the project's special ids
-([PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4) on lower-cased text.
+The tokenizer is the export's own, with the project's special ids ([PAD]=0 [UNK]=1 [CLS]=2
+[SEP]=3 [MASK]=4): its sentencepiece model (on lower-cased text unless the model is cased) or
+its Hugging Face tokenizer.json (WordPiece, BPE, ...).
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ import numpy as np
 
 from pipeline.format.tokenizer import (
     CLS_ID as CLS,  # noqa: F401
+    NORMALIZATION,
     PAD_ID as PAD,
     SEP_ID as SEP,
     load as load_sentencepiece,
+    load_json as load_hf_tokenizer,
+    vocab_size as hf_vocab_size,
 )
 from shatter.checkpoint import CheckpointError
+from shatter.hf.tokenizer import normalizer_spec
 
 
 def _lower_same_length(text: str) -> str:
@@ -39,26 +44,63 @@ def _lower_same_length(text: str) -> str:
     return "".join(c if len(c.lower()) != 1 else c.lower() for c in text)
 
 
-class Tokenizer:
-    """The export's sentencepiece model, loaded and checked for the special ids by the pipeline's
-    own loader (`pipeline.format.tokenizer.load`)."""
+def Tokenizer(path: str | Path):
+    """The export's tokenizer, whatever its kind: a Hugging Face tokenizer.json
+    (`HFTokenizer`) or a sentencepiece model (`SentencePieceTokenizer`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: tokenizer model not found")
+    return HFTokenizer(path) if path.suffix == ".json" else SentencePieceTokenizer(path)
 
-    def __init__(self, path: str | Path):
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: tokenizer model not found")
+
+class HFTokenizer:
+    """The export's tokenizer.json (`shatter-data build --hf-tokenizer`), checked for the special
+    ids by the format's loader (`pipeline.format.tokenizer.load_json`); its own normalizer decides case."""
+
+    def __init__(self, path: Path):
         try:
-            self.sp = load_sentencepiece(path.read_bytes())
+            self.tokenizer = load_hf_tokenizer(path.read_bytes(), str(path))
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
+        self.tokenizer.encode_special_tokens = True  # "[SEP]" in a text is text, as in pretraining
+        self.vocab_size = hf_vocab_size(self.tokenizer)
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Ids and each token's [begin, end) character span in `text` (whitespace trimmed)."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        begins, ends = [], []
+        for begin, end in encoding.offsets:
+            while begin < end and text[begin].isspace():  # "Ġword" spans its leading space
+                begin += 1
+            begins.append(begin)
+            ends.append(end)
+        return encoding.ids, np.asarray(begins, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+
+
+class SentencePieceTokenizer:
+    """The export's sentencepiece model, loaded and checked for the special ids by the pipeline's
+    own loader (`pipeline.format.tokenizer.load`). Text is lower-cased first for a case-folding model
+    (the pipeline's default) so that offsets stay those of the text; a cased one sees it as is."""
+
+    def __init__(self, path: Path):
+        data = path.read_bytes()
+        try:
+            self.sp = load_sentencepiece(data)
         except (RuntimeError, ValueError) as err:  # not a sentencepiece model, or other special ids
             raise CheckpointError(f"{path}: {err}") from None
         self.vocab_size = self.sp.get_piece_size()
+        folds = normalizer_spec(data)["name"] == NORMALIZATION
+        self.lower = _lower_same_length if folds else str
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.sp.encode([_lower_same_length(t) for t in texts])
+        return self.sp.encode([self.lower(t) for t in texts])
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], np.ndarray, np.ndarray]:
         """Ids and each piece's [begin, end) character span in `text` (whitespace trimmed)."""
-        lowered = _lower_same_length(text)
+        lowered = self.lower(text)
         proto = self.sp.encode_as_proto(lowered)
         # sentencepiece reports UTF-8 byte offsets; map them to character offsets.
         widths = [len(c.encode("utf-8")) for c in lowered]

@@ -138,7 +138,7 @@ def prepare(cfg: FinetuneConfig) -> Prepared:
     the step count (`epochs` passes unless `max_steps`) and the warm-up (`warmup_ratio` of them
     unless `optim.warmup_steps`)."""
     import shatter
-    from shatter.checkpoint import CheckpointError
+    from shatter.checkpoint import CheckpointError, tokenizer_path
     from shatter.remote import local_export
     from shatter.sources import describe_non_export
     from train.finetuning.features import Tokenizer
@@ -148,10 +148,10 @@ def prepare(cfg: FinetuneConfig) -> Prepared:
     if problem:
         raise CheckpointError(problem)
     check_output(Path(cfg.run.output), directory=True)
-    tokenizer_file = checkpoint / "tokenizer.model"
-    if not tokenizer_file.is_file():
+    tokenizer_file = tokenizer_path(checkpoint)
+    if tokenizer_file is None:
         raise FileNotFoundError(
-            f"{tokenizer_file}: the export has no tokenizer (re-export with one)"
+            f"{checkpoint / 'tokenizer.model'}: the export has no tokenizer (re-export with one)"
         )
     tokenizer = Tokenizer(tokenizer_file)
     backbone = shatter.from_pretrained(checkpoint)

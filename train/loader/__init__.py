@@ -1,15 +1,18 @@
 """The pretraining loader: the shard dataset streamed as masked-LM batches with an exact position.
 
-Three jobs, one module each:
+Four jobs, one module each:
 - `order`: which global rows make step s, slot k on any world size (`EpochOrder`, `Slots`,
   `StreamPosition`, the one integer a checkpoint saves);
 - `stream`: one rank's `ShardStream`, reading record batches through `pipeline.format` with
   prefetch and, for a store, the node's cache; `train_loader` and `validation_stream`;
 - `collate`: rows become `Piece`s, one masker chosen at construction masks them, and they are
-  laid out as a named batch.
+  laid out as a named batch;
+- `mix`: several datasets in one stream, a global position mapped to (dataset, its position)
+  by weight (`MixedOrder`, `Mixture`).
 """
 
 from train.loader.collate import MaskingSpec, Piece, make_masker, masking_spec
+from train.loader.mix import MixedOrder, Mixture, source_epochs, stream_shape
 from train.loader.order import SHUFFLE_WINDOW, EpochOrder, Slots, StreamPosition
 from train.loader.stream import ShardStream, train_loader, validation_stream
 
@@ -17,12 +20,16 @@ __all__ = [
     "SHUFFLE_WINDOW",
     "EpochOrder",
     "MaskingSpec",
+    "MixedOrder",
+    "Mixture",
     "Piece",
     "ShardStream",
     "Slots",
     "StreamPosition",
     "make_masker",
     "masking_spec",
+    "source_epochs",
+    "stream_shape",
     "train_loader",
     "validation_stream",
 ]

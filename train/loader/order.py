@@ -44,6 +44,14 @@ def cut(q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return q // k, q % k
 
 
+def cut_by_shard(order: EpochOrder, q: np.ndarray, k: int) -> Iterator[tuple]:
+    """(epoch, indices into q, shard, rows, piece numbers, k) for each (epoch, shard) that the
+    positions q of `order`'s stream cut by k touch (`cut`; the epoch is the stored rows')."""
+    stored, piece = cut(q, k)
+    for epoch, where, s, rows in order.by_shard(stored):
+        yield epoch, where, s, rows, piece[where], k
+
+
 SHUFFLE_WINDOW = 4  # record batches whose rows are shuffled together (blocks.CACHE_BLOCKS is twice)
 
 
@@ -52,7 +60,8 @@ class StreamPosition:
     """Where the training stream stands: `samples` consumed since the run began, all ranks together."""
 
     samples: int
-    epoch_size: int  # rows of the train split
+    epoch_size: int  # rows of the train split (of every mixed dataset together)
+    mix: tuple[tuple[int, float], ...] | None = None  # mixed datasets: (rows, weight) of each
 
     @property
     def epoch(self) -> int:
@@ -63,21 +72,32 @@ class StreamPosition:
         return self.samples % self.epoch_size
 
     def to_dict(self) -> dict:
-        return {
+        state = {
             "samples": self.samples,
             "epoch": self.epoch,
             "in_epoch": self.in_epoch,
             "epoch_size": self.epoch_size,
         }
+        if self.mix is not None:
+            state["mix"] = [[rows, weight] for rows, weight in self.mix]
+        return state
 
     @classmethod
-    def from_dict(cls, state: dict, epoch_size: int) -> StreamPosition:
+    def from_dict(cls, state: dict, epoch_size: int, mix=None) -> StreamPosition:
         if state["epoch_size"] != epoch_size:
             raise DatasetError(
                 f"the checkpoint's data position is for a train split of {state['epoch_size']} rows, "
                 f"the data now has {epoch_size}: resuming on different data cannot be exact"
             )
-        return cls(samples=int(state["samples"]), epoch_size=epoch_size)
+        mix = None if mix is None else tuple((int(r), float(w)) for r, w in mix)
+        saved = state.get("mix")
+        saved = None if saved is None else tuple((int(r), float(w)) for r, w in saved)
+        if saved != mix:
+            raise DatasetError(
+                f"the checkpoint's data position is for datasets of (rows, weight) {saved}, the "
+                f"run now mixes {mix}: resuming on other datasets or weights cannot be exact"
+            )
+        return cls(samples=int(state["samples"]), epoch_size=epoch_size, mix=mix)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ sample-space partitioning and a resumable position.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -29,7 +30,8 @@ from train.loader.collate import (
     masking_spec,
     validation_masking,
 )
-from train.loader.order import EpochOrder, Slots, cut, cut_factor
+from train.loader.mix import MixedOrder
+from train.loader.order import EpochOrder, Slots, cut_by_shard, cut_factor
 from train.masking import IGNORE
 
 # a batch's key, present when a download from the object store failed for good (its one-line
@@ -58,25 +60,48 @@ class ShardStream(IterableDataset):
         finite: bool = False,
         max_samples: int | None = None,
         verify: bool = True,
+        mix: Sequence[tuple[Index, float]] | None = None,
     ):
-        if seq_len > index.seq_len:
-            raise DatasetError(
-                f"--seq-len {seq_len} exceeds the data's seq_len {index.seq_len} ({index.path})"
-            )
-        self.k = cut_factor(index.seq_len, seq_len)  # each stored row: k rows of the stream
-        self.index, self.shards = index, index.shards(split)
+        indexes = [index] if mix is None else [ix for ix, _ in mix]
+        for ix in indexes:
+            if seq_len > ix.seq_len:
+                raise DatasetError(
+                    f"--seq-len {seq_len} exceeds the data's seq_len {ix.seq_len} ({ix.path})"
+                )
+        # each stored row: k rows of the stream (mixed: each dataset's own, `MixedOrder.cuts`)
+        self.k = cut_factor(index.seq_len, seq_len)
+        self.index = index
+        self.shards = tuple(info for ix in indexes for info in ix.shards(split))
+        self.paths = [ix.shard_path(info) for ix in indexes for info in ix.shards(split)]
+        self.remote = any(is_remote(ix.root) for ix in indexes)
         self.batch_size, self.seq_len, self.masking = batch_size, seq_len, masking
         self.seed, self.rank, self.world, self.start = seed, rank, world_size, start
         self.grad_accum = grad_accum
         self.finite, self.verify = finite, verify
-        block_rows = index.raw.get("record_batch_rows") or record_batch_rows(index.seq_len)
-        self.order = EpochOrder([s.rows for s in self.shards], seed, shuffle, int(block_rows))
-        size = self.order.size * self.k
+        orders = [
+            EpochOrder(
+                [s.rows for s in ix.shards(split)],
+                seed,
+                shuffle,
+                int(ix.raw.get("record_batch_rows") or record_batch_rows(ix.seq_len)),
+            )
+            for ix in indexes
+        ]
+        # several datasets: global positions drawn from them by weight, each cut by its own
+        # k (`train.loader.mix`)
+        cuts = [cut_factor(ix.seq_len, seq_len) for ix in indexes]
+        self.order = (
+            orders[0] if mix is None else MixedOrder(orders, [w for _, w in mix], seed, cuts)
+        )
+        size = self.order.size * self.k if mix is None else self.order.size
         total = size if max_samples is None else min(max_samples, size)
         self.end = start + total if finite else None  # finite streams stop after one pass
         self.slots = Slots(rank, world_size, batch_size, grad_accum, start, self.end)
-        masker = make_masker(
-            masking, seed=seed, dupe_factor=index.dupe_factor, vocab_size=index.vocab_size
+        masker = make_masker(  # stored masks: the copies every source has
+            masking,
+            seed=seed,
+            dupe_factor=min(ix.dupe_factor for ix in indexes),
+            vocab_size=index.vocab_size,
         )
         self.collate = Collator(masker)
         self._reader, self._pid = None, None
@@ -88,8 +113,7 @@ class ShardStream(IterableDataset):
     def reader(self) -> BlockReader:
         """This process's reader: a forked DataLoader worker starts its own (and its threads)."""
         if self._pid != os.getpid():
-            paths = [self.index.shard_path(info) for info in self.shards]
-            self._reader, self._pid = BlockReader(paths, self.shards, self.verify), os.getpid()
+            self._reader, self._pid = BlockReader(self.paths, self.shards, self.verify), os.getpid()
         return self._reader
 
     def local_batches(self):
@@ -114,11 +138,11 @@ class ShardStream(IterableDataset):
     def prefetch(self, q: np.ndarray) -> None:
         """Start decoding what the batch of positions q needs, and opening the shard after it
         (from a store: the two after it; one that fails for good is named in the next batch)."""
-        for epoch, _, s, rows in self.order.by_shard(cut(q, self.k)[0]):
+        for epoch, _, s, rows, _, _ in self.by_shard(q):
             self.reader.prefetch(s, rows)
             ahead = self.order.next_shard(epoch, s)
             self.reader.open_ahead(ahead)
-            if is_remote(self.index.root):
+            if self.remote:
                 self.reader.open_ahead(self.order.next_shard(epoch, ahead))
 
     def padding_batch(self) -> dict[str, torch.Tensor]:
@@ -132,14 +156,20 @@ class ShardStream(IterableDataset):
 
     def pieces(self, q: np.ndarray):
         """The unmasked `Piece`s of the rows at global positions q, one per record batch read."""
-        stored, piece = cut(q, self.k)
-        for epoch, where, s, shard_rows in self.order.by_shard(stored):
+        for epoch, where, s, shard_rows, piece, k in self.by_shard(q):
             for block, rows, hit in self.reader.rows(s, shard_rows):
                 uid, at = self.order.base[s] + shard_rows[hit], where[hit]
                 yield gather(
                     block, rows, self.seq_len, where=at, uid=uid, epoch=epoch,
-                    piece=piece[at], k=self.k,
+                    piece=piece[hit], k=k,
                 )  # fmt: skip
+
+    def by_shard(self, q: np.ndarray):
+        """(epoch, indices into q, shard, rows, piece numbers, k) for each (epoch, shard)
+        that global positions q touch: one dataset's stream cut by k, or the mixture's."""
+        if isinstance(self.order, MixedOrder):
+            return self.order.by_shard(q)
+        return cut_by_shard(self.order, q, self.k)
 
     def batch(self, q: np.ndarray) -> dict[str, torch.Tensor]:
         """The batch of global stream positions q: padded to its longest row."""
@@ -158,10 +188,11 @@ def train_loader(
     start: int,
     grad_accum: int = 1,
     pin_memory: bool = False,
+    mix: Sequence[tuple[Index, float]] | None = None,
 ) -> DataLoader:
     """The endless training DataLoader of one rank, starting at global stream position `start`,
     `grad_accum` micro-batches a step (`pin_memory` on a GPU: page-locked batches, copied with
-    `non_blocking=True`)."""
+    `non_blocking=True`); with `mix`, of several datasets drawn by weight (`train.loader.mix`)."""
     stream = ShardStream(
         index,
         "train",
@@ -175,6 +206,7 @@ def train_loader(
         grad_accum=grad_accum,
         shuffle=data_args.shuffle,
         verify=data_args.verify_shards,
+        mix=mix,
     )
     workers = data_args.num_workers
     return DataLoader(
