@@ -62,6 +62,13 @@ def client_scheduler(optim, plan: Plan):
         def _get_gamma(self):
             return plan.factor(self.last_batch_iteration)
 
+        def get_lr(self):
+            # WarmupLR's constructor asks for the lr before step 0, and its get_lr warns of that
+            # on every rank of every run; the answer there is the start of the warm-up
+            if self.last_batch_iteration < 0:
+                return self.min_lrs
+            return super().get_lr()
+
     def build(optimizer):
         return PlannedLR(
             optimizer,

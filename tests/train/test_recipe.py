@@ -5,6 +5,7 @@ resume, `shatter-extend`, `--init-from` at 64), a compiled BERT; --init-from's a
 refusals."""
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -52,6 +53,31 @@ def test_the_decays_shapes():
     assert f["1-sqrt"] == pytest.approx([0.5, 1.0, 1.0, 1 - 0.5**0.5, 0.0])
     assert lr_factor("cosine", 55, 10, 100, 0.2) == pytest.approx(0.5)
     assert lr_factor("linear", 55, 10, 100, 0.2) == pytest.approx(0.5)
+
+
+def test_the_planned_scheduler_starts_at_the_warm_up_without_a_warning(caplog):
+    """DeepSpeed's WarmupLR asks itself for the lr in its constructor and warns of it; ours
+    answers the start of the warm-up, silently, then follows the plan."""
+    import torch
+
+    from train.schedule import Plan, client_scheduler
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    build = client_scheduler(OptimArgs(lr=1e-3), Plan("linear", 10, 100, 0.1))
+    deepspeed_logger = logging.getLogger("DeepSpeed")  # its own handler; it does not propagate
+    deepspeed_logger.addHandler(caplog.handler)
+    try:
+        scheduler = build(optimizer)
+    finally:
+        deepspeed_logger.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if "before it has started" in r.getMessage()]
+    assert optimizer.param_groups[0]["lr"] == 0.0
+    scheduler.step()  # iteration 0 of the plan, then 5: half the warm-up
+    for _ in range(5):
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(
+        1e-3 * lr_factor("linear", 5, 10, 100, 0.1)
+    )
 
 
 @pytest.mark.slow
