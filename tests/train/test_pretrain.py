@@ -58,8 +58,11 @@ def command(
     ]
 
 
-def run_to_end(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+def run_to_end(
+    cmd: list[str], timeout: int = 240, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`cmd` run to its end (in `env`, default this process's): exit 0, no shared memory left."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert not shm_left(cmd)
     return done
