@@ -83,12 +83,11 @@ def metrics(run: Path) -> tuple[dict[int, float], dict[int, dict]]:
     return train, val
 
 
-def kill_9_after_a_checkpoint(cmd: list[str], run: Path) -> str:
-    """Start `cmd`, kill -9 the launcher and both ranks once a checkpoint exists and 12 steps are
-    logged; return the tag of the newest checkpoint."""
-    job = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+def kill_9_after_a_checkpoint(cmd: list[str], run: Path, env: dict | None = None) -> str:
+    """Start `cmd` (in `env`), kill -9 the launcher and both ranks once a checkpoint exists and
+    12 steps are logged; return the tag of the newest checkpoint."""
+    out = subprocess.DEVNULL
+    job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, start_new_session=True, env=env)
     try:
         deadline = time.time() + 180
         while time.time() < deadline and job.poll() is None:

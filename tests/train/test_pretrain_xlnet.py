@@ -21,6 +21,7 @@ from test_pretrain import (
 
 import shatter
 from pipeline.format import read_index
+from tests import background
 from tests.jobs import Outcome, side_by_side
 from train.config import DataArgs
 from train.evaluate import evaluate
@@ -34,25 +35,33 @@ ARGS = (*FP32_ARGS, "--preset", "xlnet-tiny", "--max-steps", "40", "--eval-every
 
 def _killed_and_restarted(data, run) -> tuple[str, str]:
     """A run killed -9 after a checkpoint, then restarted: (the checkpoint, the restart's stderr)."""
-    cmd = command(data, run, *ARGS)
-    killed_at = kill_9_after_a_checkpoint(cmd, run)
-    return killed_at, run_to_end(cmd).stderr
+    cmd, env = command(data, run, *ARGS), background.SESSION_ENV or None
+    killed_at = kill_9_after_a_checkpoint(cmd, run, env=env)
+    return killed_at, run_to_end(cmd, env=env).stderr
 
 
-@pytest.fixture(scope="module")
-def plm_runs(books_data, tmp_path_factory) -> tuple[Path, Path, Outcome]:
+def run_plm(books_data, tmp_path_factory) -> tuple[Path, Path, Outcome]:
     """The uninterrupted run and the killed one, side by side (tests/jobs.py): the reference's
     path, the killed run's, and the killed run's outcome."""
     tmp = tmp_path_factory.mktemp("xlnet")
     reference, killed = tmp / "run", tmp / "killed"
+    env = background.SESSION_ENV or None
     both = side_by_side(
         {
-            "reference": lambda: run_to_end(command(books_data, reference, *ARGS)),
+            "reference": lambda: run_to_end(command(books_data, reference, *ARGS), env=env),
             "killed": lambda: _killed_and_restarted(books_data, killed),
         }
     )
     both["reference"].get()
     return reference, killed, both["killed"]
+
+
+BACKGROUND = {"plm_runs": run_plm}  # started with the session (tests/background.py)
+
+
+@pytest.fixture(scope="module")
+def plm_runs(books_data, tmp_path_factory) -> tuple[Path, Path, Outcome]:
+    return background.result("plm_runs", lambda: run_plm(books_data, tmp_path_factory))
 
 
 @pytest.fixture(scope="module")

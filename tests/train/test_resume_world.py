@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from test_pretrain import command, metrics, run_to_end
 
+from tests import background
 from tests.jobs import Outcome, side_by_side
 from train.config import OptimArgs, lr_at
 
@@ -40,9 +41,12 @@ def _segment(data: Path, run: Path, config: Path, ranks: int, zero: int, max_ste
     args += ("--grad-accum", str(2 // ranks), "--max-steps", str(max_steps), "--lr", "2e-3")
     args += ("--save-every", str(SEGMENT), "--eval-every", "0", "--log-every", "1")
     args += ("--num-workers", "0", "--no-progress")
+    env = background.SESSION_ENV or None  # not what a test running meanwhile set
     if ranks == 1:
-        return run_to_end(command(data, run, *args, launcher=[sys.executable]), timeout=300)
-    return run_to_end(command(data, run, *args, ranks=ranks), timeout=300)
+        cmd = command(data, run, *args, launcher=[sys.executable])
+    else:
+        cmd = command(data, run, *args, ranks=ranks)
+    return run_to_end(cmd, timeout=300, env=env)
 
 
 def _at_step(run: Path, step: int, to: Path) -> Path:
@@ -90,8 +94,7 @@ def _longer(data: Path, run: Path, config: Path) -> str:
     return _segment(data, run, config, ranks=1, zero=1, max_steps=8).stderr
 
 
-@pytest.fixture(scope="module")
-def chains(books_data, tmp_path_factory) -> dict[str, Outcome]:
+def run_chains(books_data, tmp_path_factory) -> dict[str, Outcome]:
     """The four independent chains of runs below, side by side (tests/jobs.py)."""
     tmp = {k: tmp_path_factory.mktemp(k) for k in ("zero1", "zero2", "zero3", "longer")}
     constant = _config(tmp["zero1"], "constant")  # each segment's --max-steps leaves the lr alone
@@ -107,6 +110,14 @@ def chains(books_data, tmp_path_factory) -> dict[str, Outcome]:
             ),
         }
     )
+
+
+BACKGROUND = {"chains": run_chains}  # started with the session (tests/background.py)
+
+
+@pytest.fixture(scope="module")
+def chains(books_data, tmp_path_factory) -> dict[str, Outcome]:
+    return background.result("chains", lambda: run_chains(books_data, tmp_path_factory))
 
 
 def test_zero1_and_zero2_resume_on_another_world_size_as_if_never_stopped(chains):
