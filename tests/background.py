@@ -11,14 +11,15 @@ started computes it in the foreground, as any fixture.
 
 Why: a pipeline of subprocesses (the tutorial's commands, the reproduction studies) keeps about
 one of the machine's two cores busy; run beside the in-process tests, which keep the other, the
-suite takes about that much less time, and every check still runs.
+suite takes about that much less time, and every check still runs. The background runs one
+job at a time (tests/jobs.py side_by_side): more jobs than cores slow every process many times.
 """
 
 import inspect
 import threading
 from collections.abc import Callable
 
-from tests.jobs import Outcome
+from tests.jobs import BACKGROUND_THREAD, Outcome
 
 SESSION_ENV: dict[str, str] = {}  # os.environ as the session began (tests/conftest.py)
 RESULTS: dict[str, Outcome] = {}
@@ -49,7 +50,7 @@ def start(work: dict[str, tuple[Callable, dict]]) -> None:
 
     if work:
         SCHEDULED.update(work)
-        THREAD.append(threading.Thread(target=run, name="background fixtures", daemon=True))
+        THREAD.append(threading.Thread(target=run, name=BACKGROUND_THREAD, daemon=True))
         THREAD[0].start()
 
 

@@ -35,6 +35,7 @@ def free_port() -> int:
 
 
 RUNNING: list["Job"] = []
+BACKGROUND_THREAD = "background fixtures"  # tests/background.py's thread
 
 
 def end_jobs() -> None:
@@ -139,6 +140,9 @@ def side_by_side(calls: dict[str, Callable[[], object]]) -> dict[str, Outcome]:
         except BaseException as err:  # noqa: BLE001 (an assert or pytest.fail: the test's own)
             return Outcome(error=err)
 
-    with ThreadPoolExecutor(len(calls)) as pool:
+    # in the background thread (tests/background.py) one at a time: the foreground's tests run
+    # meanwhile, and more jobs than cores slow every process's threaded kernels many times over
+    at_once = 1 if threading.current_thread().name == BACKGROUND_THREAD else len(calls)
+    with ThreadPoolExecutor(at_once) as pool:
         futures = {name: pool.submit(outcome, call) for name, call in calls.items()}
     return {name: future.result() for name, future in futures.items()}
