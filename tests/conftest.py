@@ -31,9 +31,13 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
 
 REPO = Path(__file__).resolve().parents[1]
 pytest_plugins = ("tests.s3server",)
+from tests import background  # noqa: E402
 from tests.jobs import jobs_end_with_their_test  # noqa: E402, F401 (autouse)  # `s3_server`: a real S3 server on loopback
 
 SHARED_DATA = Path(os.environ.get("SHATTER_SHARED_DATA", REPO.parent / "shared" / "data"))
+# The environment as the session found it (with the settings above): what background work
+# (tests/background.py) gives its subprocesses, whatever a test running meanwhile sets here.
+background.SESSION_ENV.update(os.environ)
 
 
 @pytest.fixture(scope="session")
@@ -88,6 +92,22 @@ def books_data(shared_data, tmp_path_factory) -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def started(request):
+    """The BACKGROUND fixtures of the selected tests, started now (tests/background.py). A
+    producer whose session fixtures skip (no ../shared/data) is left to its fixture."""
+    work = {}
+    for name, producer in background.declared(request.session.items).items():
+        try:
+            kwargs = {arg: request.getfixturevalue(arg) for arg in background.arguments(producer)}
+        except pytest.skip.Exception:
+            continue
+        work[name] = (producer, kwargs)
+    background.start(work)
+    yield
+    background.finish()
 
 
 RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -7,6 +7,8 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,7 @@ def free_port() -> int:
 
 
 RUNNING: list["Job"] = []
+BACKGROUND_THREAD = "background fixtures"  # tests/background.py's thread
 
 
 def end_jobs() -> None:
@@ -110,3 +113,36 @@ def finish_soon(job: Job, timeout: float, after_last_line_s: float = 30) -> str:
     last = job.lines[-1][0] if job.lines else ended
     assert ended - last < after_last_line_s, f"exit {ended - last:.0f} s after the last line"
     return job.text
+
+
+class Outcome:
+    """What one of `side_by_side`'s calls returned, or the exception it raised, raised again
+    by `get()` in the test that reads it."""
+
+    def __init__(self, value=None, error: BaseException | None = None):
+        self.value, self.error = value, error
+
+    def get(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def side_by_side(calls: dict[str, Callable[[], object]]) -> dict[str, Outcome]:
+    """Run independent jobs at once, each call in its own thread: a launch keeps about one of
+    the machine's two cores busy (imports, start-up, waits on a peer or a timeout), so two or
+    three of them side by side take little more than the longest. Every call runs to its end;
+    each test then reads (and fails on) its own call's outcome."""
+
+    def outcome(call: Callable[[], object]) -> Outcome:
+        try:
+            return Outcome(call())
+        except BaseException as err:  # noqa: BLE001 (an assert or pytest.fail: the test's own)
+            return Outcome(error=err)
+
+    # in the background thread (tests/background.py) one at a time: the foreground's tests run
+    # meanwhile, and more jobs than cores slow every process's threaded kernels many times over
+    at_once = 1 if threading.current_thread().name == BACKGROUND_THREAD else len(calls)
+    with ThreadPoolExecutor(at_once) as pool:
+        futures = {name: pool.submit(outcome, call) for name, call in calls.items()}
+    return {name: future.result() for name, future in futures.items()}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import background
 from tests.docs_commands import REPO, SHELL_LANGS, blocks, commands
 
 TUTORIAL = REPO / "docs" / "tutorial.md"
@@ -21,14 +22,13 @@ def tutorial_commands() -> list[list[str]]:
     return [argv for b in blocks([TUTORIAL]) if b.lang in SHELL_LANGS for argv in commands(b.text)]
 
 
-@pytest.fixture(scope="module")
-def tutorial(tmp_path_factory):
+def run_tutorial(tmp_path_factory) -> Path:
     """The tutorial's commands run in a directory whose entries link to the repository's."""
     root = tmp_path_factory.mktemp("repo")
     for entry in REPO.iterdir():
         if entry.name not in {".git", "tutorial"}:
             (root / entry.name).symlink_to(entry)
-    env = dict(os.environ)
+    env = dict(background.SESSION_ENV or os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     timings = []
     for argv in tutorial_commands():
@@ -43,6 +43,14 @@ def tutorial(tmp_path_factory):
         )
     print("\n".join(f"{secs:6.1f} s  {cmd}" for cmd, secs in timings))
     return root / "tutorial"
+
+
+BACKGROUND = {"tutorial": run_tutorial}  # started with the session (tests/background.py)
+
+
+@pytest.fixture(scope="module")
+def tutorial(tmp_path_factory):
+    return background.result("tutorial", lambda: run_tutorial(tmp_path_factory))
 
 
 def test_the_tutorial_covers_every_stage():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import background
 from tools.reproduce import PAPER_NAMES, verdict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +58,8 @@ def reproduce(study: str, out: Path, data: Path, *extra: str) -> subprocess.Comp
         str(config),
         *extra,
     ]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    env = background.SESSION_ENV or None  # not what a test running meanwhile set
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
 
 
 def table_rows(markdown: str, first_cell: str) -> list[list[str]]:
@@ -72,8 +74,7 @@ def assert_png(path: Path) -> None:
     assert image.shape[0] > 100 and image.shape[1] > 100
 
 
-@pytest.fixture(scope="module")
-def studies(books_data, tmp_path_factory):
+def run_studies(books_data, tmp_path_factory):
     """Both studies in one directory (the extension reuses the ablation's runs), then both again,
     with one evaluation result (LOST) deleted in between."""
     out = tmp_path_factory.mktemp("study") / "out"
@@ -87,6 +88,14 @@ def studies(books_data, tmp_path_factory):
     for done in second:
         assert done.returncode == 0, done.stderr[-3000:]
     return out, first, second, stamps, lost
+
+
+BACKGROUND = {"studies": run_studies}  # started with the session (tests/background.py)
+
+
+@pytest.fixture(scope="module")
+def studies(books_data, tmp_path_factory):
+    return background.result("studies", lambda: run_studies(books_data, tmp_path_factory))
 
 
 @pytest.mark.slow

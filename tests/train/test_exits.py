@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_pretrain import SCRIPT, command, free_port
 
-from tests.jobs import Job
+from tests.jobs import Job, Outcome, side_by_side
 from train.lifecycle import one_line
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,15 +41,20 @@ def launch(data: Path, run: Path, *extra: str, launcher: list[str] | None = None
     return command(data, run, *flags, *extra, launcher=launcher)
 
 
-def _fails_soon(job: Job, marker: str) -> float:
+def _failure(job: Job, marker: str) -> tuple[Job, int, float]:
+    """Wait for the job's failure line and its exit: (job, exit code, seconds between them)."""
     failed_at = job.wait_for(marker, timeout=300)
     code, ended = job.finish(timeout=300)
-    took = ended - failed_at
+    return job, code, ended - failed_at
+
+
+def _fails_soon(outcome: Outcome) -> Job:
+    job, code, took = outcome.get()
     print(f"exit {code} {took:.1f} s after the failure line")  # the report's figures (-s)
     assert code != 0, job.text[-3000:]
     assert took < EXIT_WITHIN_S, f"{took:.0f} s from the failure to the exit\n" + job.text[-3000:]
     assert "Traceback" not in job.text, job.text[-4000:]
-    return took
+    return job
 
 
 # ---- fast: the pieces --------------------------------------------------------------------------
@@ -152,63 +157,84 @@ print("still alive", flush=True)
 # ---- slow: real failures under the launcher ----------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.shared_data
-def test_every_train_shard_corrupted(books_data, tmp_path):
-    data = _copy(books_data, tmp_path)
-    for shard in data.glob("train-*.arrow"):
+def _corrupted(books_data: Path, tmp: Path, split: str, *extra: str) -> Job:
+    """A launch on a copy of the data whose `split` shards are all corrupted."""
+    data = _copy(books_data, tmp)
+    for shard in data.glob(f"{split}-*.arrow"):
         _corrupt(shard)
-    job = Job(launch(data, tmp_path / "run", "--max-steps", "5"))
-    _fails_soon(job, "is corrupted")
-    assert "train-0000" in job.text
+    return Job(launch(data, tmp / "run", *extra))
 
 
-@pytest.mark.slow
-@pytest.mark.shared_data
-def test_a_corrupted_validation_shard(books_data, tmp_path):
-    data = _copy(books_data, tmp_path)
-    for shard in data.glob("validation-*.arrow"):
-        _corrupt(shard)
-    job = Job(launch(data, tmp_path / "run", "--max-steps", "6", "--eval-every", "2"))
-    _fails_soon(job, "is corrupted")
-    assert "validation-0000" in job.text
-
-
-@pytest.mark.slow
-@pytest.mark.shared_data
-def test_a_checkpoint_that_cannot_be_written(books_data, tmp_path):
+def _unwritable_checkpoint(books_data: Path, tmp: Path) -> Job:
     """Root ignores permissions: a file where the first checkpoint's folder goes."""
-    run = tmp_path / "run"
+    run = tmp / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "step00000002").write_text("in the way\n")
-    job = Job(launch(books_data, run, "--max-steps", "6", "--save-every", "2"))
-    _fails_soon(job, "step00000002")
+    return Job(launch(books_data, run, "--max-steps", "6", "--save-every", "2"))
 
 
-@pytest.mark.slow
-@pytest.mark.shared_data
-def test_sigterm_during_checkpoints_saves_and_exits(books_data, tmp_path):
-    run = tmp_path / "run"
-    job = Job(
-        launch(
-            books_data,
-            run,
-            "--max-steps",
-            "400",
-            "--save-every",
-            "1",
-            "--eval-every",
-            "0",
-        )
-    )
+def _sigterm_during_checkpoints(books_data: Path, tmp: Path) -> tuple[Job, float, Path]:
+    """A run saving every step, SIGTERMed (its whole process group) after its second
+    checkpoint: (job, seconds from the signal to the end of its output, run directory)."""
+    run = tmp / "run"
+    extra = ("--max-steps", "400", "--save-every", "1", "--eval-every", "0")
+    job = Job(launch(books_data, run, *extra))
     job.wait_for("checkpoint step00000002", timeout=300)
     sent = time.monotonic()
     # as a scheduler or a terminal does: the whole process group (the `deepspeed` runner does not
     # forward a SIGTERM to its launcher on one node; the launcher's own forward is an echo)
     os.killpg(job.proc.pid, signal.SIGTERM)
     job.reader.join(EXIT_WITHIN_S)  # end of output: every process of the job has exited
-    ended = time.monotonic()
-    print(f"all processes gone {ended - sent:.1f} s after SIGTERM")
+    return job, time.monotonic() - sent, run
+
+
+@pytest.fixture(scope="module")
+def failures(books_data, tmp_path_factory) -> dict[str, Outcome]:
+    """The four failing launches of the tests below, side by side (tests/jobs.py)."""
+    tmp = {k: tmp_path_factory.mktemp(k) for k in ("train", "validation", "save", "sigterm")}
+    validation = ("--max-steps", "6", "--eval-every", "2")
+    return side_by_side(
+        {
+            "train": lambda: _failure(
+                _corrupted(books_data, tmp["train"], "train", "--max-steps", "5"), "is corrupted"
+            ),
+            "validation": lambda: _failure(
+                _corrupted(books_data, tmp["validation"], "validation", *validation),
+                "is corrupted",
+            ),
+            "save": lambda: _failure(
+                _unwritable_checkpoint(books_data, tmp["save"]), "step00000002"
+            ),
+            "sigterm": lambda: _sigterm_during_checkpoints(books_data, tmp["sigterm"]),
+        }
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_every_train_shard_corrupted(failures):
+    job = _fails_soon(failures["train"])
+    assert "train-0000" in job.text
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_a_corrupted_validation_shard(failures):
+    job = _fails_soon(failures["validation"])
+    assert "validation-0000" in job.text
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_a_checkpoint_that_cannot_be_written(failures):
+    _fails_soon(failures["save"])
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_sigterm_during_checkpoints_saves_and_exits(failures):
+    job, gone, run = failures["sigterm"].get()
+    print(f"all processes gone {gone:.1f} s after SIGTERM")
     assert not job.reader.is_alive(), "the ranks outlived the SIGTERM by a minute"
     code = job.proc.wait(timeout=5)
     assert code != 0, job.text[-3000:]
@@ -267,21 +293,19 @@ FAULTY = str(REPO / "tests" / "train" / "faulty_pretrain.py")
 TIMEOUT_S = 8  # run.collective_timeout_s of the fault runs: a blocked peer is noticed this soon
 
 
-@pytest.mark.slow
-@pytest.mark.shared_data
-@pytest.mark.parametrize("kind", ["raise", "block", "kill"])
-def test_a_fault_on_one_rank_ends_every_rank_within_a_minute(books_data, tmp_path, kind):
-    """Rank 1 fails in step 3's backward: raises (its process-group destroy blocking for ever),
-    blocks in a collective (rank 0's collective times out), or is SIGKILLed. Every process of the
-    job (launcher, ranks, loader workers) is gone within EXIT_WITHIN_S of the fault, each failed
-    rank says one line, and the exit is non-zero."""
-    config = tmp_path / "fault.yaml"
+KINDS = ("raise", "block", "kill")
+
+
+def _fault(books_data: Path, tmp: Path, kind: str) -> tuple[Job, int, float]:
+    """A launch whose rank 1 fails with `kind` in step 3's backward: (job, exit code, seconds
+    from the fault's line to the end of the job's output)."""
+    config = tmp / "fault.yaml"
     config.write_text(
         (REPO / "configs" / "cpu-tiny.yaml")
         .read_text()
         .replace("run:\n", f"run:\n  collective_timeout_s: {TIMEOUT_S}\n")
     )
-    cmd = launch(books_data, tmp_path / "run", "--max-steps", "20", "--config", str(config))
+    cmd = launch(books_data, tmp / "run", "--max-steps", "20", "--config", str(config))
     cmd[cmd.index(SCRIPT)] = FAULTY
     job = Job(cmd, env={"SHATTER_TEST_FAULT": f"{kind}:1:3"})
     try:
@@ -292,6 +316,26 @@ def test_a_fault_on_one_rank_ends_every_rank_within_a_minute(books_data, tmp_pat
     finally:
         if job.proc.poll() is None or job.reader.is_alive():
             os.killpg(job.proc.pid, signal.SIGKILL)
+    return job, code, gone
+
+
+@pytest.fixture(scope="module")
+def faults(books_data, tmp_path_factory) -> dict[str, Outcome]:
+    """The three fault launches side by side (tests/jobs.py): `block` spends most of its time
+    waiting for the collective timeout, the other two run meanwhile."""
+    tmp = {kind: tmp_path_factory.mktemp(f"fault-{kind}") for kind in KINDS}
+    return side_by_side({kind: (lambda k=kind: _fault(books_data, tmp[k], k)) for kind in KINDS})
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_fault_on_one_rank_ends_every_rank_within_a_minute(faults, kind):
+    """Rank 1 fails in step 3's backward: raises (its process-group destroy blocking for ever),
+    blocks in a collective (rank 0's collective times out), or is SIGKILLed. Every process of the
+    job (launcher, ranks, loader workers) is gone within EXIT_WITHIN_S of the fault, each failed
+    rank says one line, and the exit is non-zero."""
+    job, code, gone = faults[kind].get()
     print(f"{kind}: exit {code}, every process gone {gone:.1f} s after the fault")  # report (-s)
     assert not job.reader.is_alive() and gone < EXIT_WITHIN_S, job.text[-3000:]
     assert code != 0, job.text[-3000:]

@@ -1,6 +1,7 @@
 """End to end under the deepspeed launcher (two CPU ranks, gloo) on real text built by the real
-`shatter-data build`: the loss falls; kill -9 then restart reproduces the uninterrupted losses
-exactly (fp32); bf16 with ZeRO-2; SIGTERM saves before exit; the export is the engine's model."""
+`shatter-data build`: the loss falls; kill -9 at each point of a save then restart, reading the
+data from object storage, reproduces the uninterrupted losses exactly (fp32); bf16 with ZeRO-2;
+SIGTERM saves before exit; the export is the engine's model."""
 
 import json
 import os
@@ -57,8 +58,11 @@ def command(
     ]
 
 
-def run_to_end(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+def run_to_end(
+    cmd: list[str], timeout: int = 240, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`cmd` run to its end (in `env`, default this process's): exit 0, no shared memory left."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert not shm_left(cmd)
     return done
@@ -79,12 +83,11 @@ def metrics(run: Path) -> tuple[dict[int, float], dict[int, dict]]:
     return train, val
 
 
-def kill_9_after_a_checkpoint(cmd: list[str], run: Path) -> str:
-    """Start `cmd`, kill -9 the launcher and both ranks once a checkpoint exists and 12 steps are
-    logged; return the tag of the newest checkpoint."""
-    job = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+def kill_9_after_a_checkpoint(cmd: list[str], run: Path, env: dict | None = None) -> str:
+    """Start `cmd` (in `env`), kill -9 the launcher and both ranks once a checkpoint exists and
+    12 steps are logged; return the tag of the newest checkpoint."""
+    out = subprocess.DEVNULL
+    job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, start_new_session=True, env=env)
     try:
         deadline = time.time() + 180
         while time.time() < deadline and job.poll() is None:
@@ -223,43 +226,6 @@ def test_fp32_zero1_two_ranks_loss_falls_and_exports_the_engines_model(books_dat
     assert mine["predictions"] == val[60]["predictions"]
     assert mine["loss"] == pytest.approx(val[60]["loss"], rel=1e-6)
     assert mine["accuracy"] == pytest.approx(val[60]["accuracy"], abs=1e-9)
-
-
-def test_kill_9_after_a_checkpoint_then_restart_gives_the_same_losses(
-    books_data, reference, tmp_path, s3_server, monkeypatch
-):
-    """... with the data on object storage (s3://, a loopback server): both ranks read it through
-    one node-local cache, each shard fetched once for both runs."""
-    remote = s3_server.upload(books_data, "books-train")
-    gets = count_requests("GET /shards/books-train/train-")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the cache: $TMPDIR/shatter-cache-<user>
-    run = tmp_path / "run"
-    cmd = command(remote, run, *FP32_ARGS)
-    killed_at = kill_9_after_a_checkpoint(cmd, run)
-    assert killed_at != "step00000060"
-    assert not shm_left(cmd)  # 64 MiB of RAM per rank, unlinked while the job ran
-    done = run_to_end(cmd)
-    node_cache = next(tmp_path.glob("shatter-cache-*"))
-    cached = {p.name for p in node_cache.rglob("*.arrow")}
-    index = read_index(books_data)
-    shards = {f"{s.sha256}.arrow" for s in index.shards("train") + index.shards("validation")}
-    assert cached and cached <= shards and not list(node_cache.rglob(".tmp-*"))
-    assert gets and len(gets) == len(set(gets)), gets  # once per node, both runs, both ranks
-    # tools/evaluate.py on the remote dataset: the scores of the local one
-    scores = [
-        evaluate_export(run / "export", data, max_samples=64) for data in (remote, books_data)
-    ]
-    assert scores[0]["loss"] == scores[1]["loss"] and scores[0]["predictions"] > 0
-    assert f"resuming from step {int(killed_at[4:])}" in done.stderr
-    ref_train, ref_val = metrics(reference[0])
-    train, val = metrics(run)
-    assert (
-        train == ref_train
-    )  # bit for bit, every step, the steps redone after the checkpoint included
-    assert {s: v["loss"] for s, v in val.items()} == {s: v["loss"] for s, v in ref_val.items()}
-    lines = [r for r in map(json.loads, (run / "metrics.jsonl").open()) if "split" not in r]
-    hours = [r["gpu_hours"] for r in lines]  # the resumed session adds to the killed one's
-    assert hours == sorted(hours), hours
 
 
 def test_bf16_zero2_dynamic_whole_word_masking(books_data, tmp_path):
@@ -451,16 +417,22 @@ def _killed_at(cmd: list[str], kill: str, log: Path) -> int:
 
 
 def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
-    books_data, reference, tmp_path
+    books_data, reference, tmp_path, s3_server, monkeypatch
 ):
     """kill -9 of the whole job at each point of a save; each restart resumes from the newest
     complete checkpoint (the save's own after `latest`, the one before otherwise), and the
-    final losses are the unbroken run's, bit for bit. While the first job is held at its kill
-    point, a second launch on the same --output stops in one line."""
+    final losses are the unbroken run's, bit for bit, the steps redone after each kill
+    included. While the first job is held at its kill point, a second launch on the same
+    --output stops in one line. The data is on object storage (s3://, a loopback server): both
+    ranks read it through one node-local cache, each shard fetched once for all four jobs."""
+    remote = s3_server.upload(books_data, "books-train")
+    gets = count_requests("GET /shards/books-train/train-")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the cache: $TMPDIR/shatter-cache-<user>
     run = tmp_path / "run"
-    cmd = command(books_data, run, *FP32_ARGS)
+    cmd = command(remote, run, *FP32_ARGS)
     cmd[cmd.index(SCRIPT)] = FAULTY
     assert _killed_at(cmd, "before:20", tmp_path / "1.log") == -9
+    assert not shm_left(cmd)  # 64 MiB of RAM per rank, unlinked while the job ran
     assert (run / "checkpoints" / "latest").read_text() == "step00000010"
     assert _killed_at(cmd, "between:30", tmp_path / "2.log") == -9
     second = (tmp_path / "2.log").read_text()
@@ -472,15 +444,29 @@ def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
     skipped = f"checkpoint {run / 'checkpoints' / 'step00000030'} is incomplete (no manifest"
     assert skipped in third and "resuming from step 20" in third, third[-3000:]
     assert "run.lock: the lock of a run that is gone" in third
-    done = run_to_end(command(books_data, run, *FP32_ARGS))
+    done = run_to_end(command(remote, run, *FP32_ARGS))
     assert "resuming from step 40" in done.stderr, done.stderr[-3000:]
     manifest = json.loads((run / "checkpoints" / "step00000060" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["zero_stage"] == 1
     assert len([f for f in manifest["files"] if "optim_states" in f]) == 2
+    node_cache = next(tmp_path.glob("shatter-cache-*"))
+    cached = {p.name for p in node_cache.rglob("*.arrow")}
+    index = read_index(books_data)
+    shards = {f"{s.sha256}.arrow" for s in index.shards("train") + index.shards("validation")}
+    assert cached and cached <= shards and not list(node_cache.rglob(".tmp-*"))
+    assert gets and len(gets) == len(set(gets)), gets  # once per node, all jobs, both ranks
+    # tools/evaluate.py on the remote dataset: the scores of the local one
+    scores = [
+        evaluate_export(run / "export", data, max_samples=64) for data in (remote, books_data)
+    ]
+    assert scores[0]["loss"] == scores[1]["loss"] and scores[0]["predictions"] > 0
     ref_train, ref_val = metrics(reference[0])
     train, val = metrics(run)
     assert train == ref_train  # bit for bit, the steps redone after each kill included
     assert {s: v["loss"] for s, v in val.items()} == {s: v["loss"] for s, v in ref_val.items()}
+    lines = [r for r in map(json.loads, (run / "metrics.jsonl").open()) if "split" not in r]
+    hours = [r["gpu_hours"] for r in lines]  # each resumed session adds to the killed one's
+    assert hours == sorted(hours), hours
 
 
 def test_a_skipped_micro_batch_keeps_the_step_boundary(books_data, tmp_path):

@@ -1,11 +1,12 @@
 """xlnet-tiny through `deepspeed --num_gpus 2 train/pretrain.py` on CPU ranks with its default
 objective, the permutation LM: the PLM loss falls, validation is labelled plm, kill -9 then
-restart reproduces the uninterrupted losses exactly, and the export loads single-stream; a
-checkpoint missing weights is refused in one line."""
+restart reproduces the uninterrupted losses exactly (the two runs side by side), and the export
+loads single-stream; a checkpoint missing weights is refused in one line."""
 
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from test_pretrain import (
 
 import shatter
 from pipeline.format import read_index
+from tests import background
+from tests.jobs import Outcome, side_by_side
 from train.config import DataArgs
 from train.evaluate import evaluate
 from train.loader import validation_stream
@@ -30,11 +33,40 @@ pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 ARGS = (*FP32_ARGS, "--preset", "xlnet-tiny", "--max-steps", "40", "--eval-every", "20")
 
 
+def _killed_and_restarted(data, run) -> tuple[str, str]:
+    """A run killed -9 after a checkpoint, then restarted: (the checkpoint, the restart's stderr)."""
+    cmd, env = command(data, run, *ARGS), background.SESSION_ENV or None
+    killed_at = kill_9_after_a_checkpoint(cmd, run, env=env)
+    return killed_at, run_to_end(cmd, env=env).stderr
+
+
+def run_plm(books_data, tmp_path_factory) -> tuple[Path, Path, Outcome]:
+    """The uninterrupted run and the killed one, side by side (tests/jobs.py): the reference's
+    path, the killed run's, and the killed run's outcome."""
+    tmp = tmp_path_factory.mktemp("xlnet")
+    reference, killed = tmp / "run", tmp / "killed"
+    env = background.SESSION_ENV or None
+    both = side_by_side(
+        {
+            "reference": lambda: run_to_end(command(books_data, reference, *ARGS), env=env),
+            "killed": lambda: _killed_and_restarted(books_data, killed),
+        }
+    )
+    both["reference"].get()
+    return reference, killed, both["killed"]
+
+
+BACKGROUND = {"plm_runs": run_plm}  # started with the session (tests/background.py)
+
+
 @pytest.fixture(scope="module")
-def plm_run(books_data, tmp_path_factory):
-    run = tmp_path_factory.mktemp("xlnet") / "run"
-    run_to_end(command(books_data, run, *ARGS))
-    return run
+def plm_runs(books_data, tmp_path_factory) -> tuple[Path, Path, Outcome]:
+    return background.result("plm_runs", lambda: run_plm(books_data, tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def plm_run(plm_runs) -> Path:
+    return plm_runs[0]
 
 
 def test_plm_loss_falls_and_validation_is_labelled_plm(books_data, plm_run):
@@ -60,13 +92,11 @@ def test_plm_loss_falls_and_validation_is_labelled_plm(books_data, plm_run):
     assert mine["loss"] == pytest.approx(val[40]["loss"], rel=1e-5)
 
 
-def test_kill_9_then_restart_gives_the_same_plm_losses(books_data, plm_run, tmp_path):
-    run = tmp_path / "run"
-    cmd = command(books_data, run, *ARGS)
-    killed_at = kill_9_after_a_checkpoint(cmd, run)
+def test_kill_9_then_restart_gives_the_same_plm_losses(plm_runs):
+    plm_run, run, killed = plm_runs
+    killed_at, stderr = killed.get()
     assert killed_at != "step00000040"
-    done = run_to_end(cmd)
-    assert f"resuming from step {int(killed_at[4:])}" in done.stderr
+    assert f"resuming from step {int(killed_at[4:])}" in stderr
     ref_train, ref_val = metrics(plm_run)
     train, val = metrics(run)
     assert train == ref_train

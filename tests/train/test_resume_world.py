@@ -2,7 +2,7 @@
 and of 1 resumed on 2, through DeepSpeed's universal checkpoint, trains on at the next global sample: with
 the same global batch (2 ranks × 1 micro-batch = 1 rank × 2) the losses are those of a run that
 never stopped, to the reduction order. And a resume with another --max-steps follows the new
-run's schedule."""
+run's schedule. The four chains of runs are independent and run side by side."""
 
 import json
 import shutil
@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from test_pretrain import command, metrics, run_to_end
 
+from tests import background
+from tests.jobs import Outcome, side_by_side
 from train.config import OptimArgs, lr_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
@@ -39,9 +41,12 @@ def _segment(data: Path, run: Path, config: Path, ranks: int, zero: int, max_ste
     args += ("--grad-accum", str(2 // ranks), "--max-steps", str(max_steps), "--lr", "2e-3")
     args += ("--save-every", str(SEGMENT), "--eval-every", "0", "--log-every", "1")
     args += ("--num-workers", "0", "--no-progress")
+    env = background.SESSION_ENV or None  # not what a test running meanwhile set
     if ranks == 1:
-        return run_to_end(command(data, run, *args, launcher=[sys.executable]), timeout=300)
-    return run_to_end(command(data, run, *args, ranks=ranks), timeout=300)
+        cmd = command(data, run, *args, launcher=[sys.executable])
+    else:
+        cmd = command(data, run, *args, ranks=ranks)
+    return run_to_end(cmd, timeout=300, env=env)
 
 
 def _at_step(run: Path, step: int, to: Path) -> Path:
@@ -64,24 +69,63 @@ def _check(chain: dict[int, float], reference: dict[int, float], label: str) -> 
     return worst
 
 
-def test_zero1_and_zero2_resume_on_another_world_size_as_if_never_stopped(books_data, tmp_path):
-    config = _config(tmp_path, "constant")  # each segment's --max-steps leaves the lr alone
-    reference = tmp_path / "reference"
-    _segment(books_data, reference, config, ranks=1, zero=1, max_steps=3 * SEGMENT)
-    ref_losses, _ = metrics(reference)
-
-    # ZeRO-1, 1 -> 2 -> 1: the reference's own step-2 checkpoint, resumed on 2 ranks, then on 1
-    chain = _at_step(reference, SEGMENT, tmp_path / "zero1")
-    done = _segment(books_data, chain, config, ranks=2, zero=1, max_steps=2 * SEGMENT)
+def _reference_and_zero1(data: Path, tmp: Path, config: Path) -> tuple[dict, dict]:
+    """The reference (1 rank, no stop) and ZeRO-1 1 -> 2 -> 1: the reference's own step-2
+    checkpoint, resumed on 2 ranks, then on 1. Returns both runs' training losses."""
+    reference = tmp / "reference"
+    _segment(data, reference, config, ranks=1, zero=1, max_steps=3 * SEGMENT)
+    chain = _at_step(reference, SEGMENT, tmp / "zero1")
+    done = _segment(data, chain, config, ranks=2, zero=1, max_steps=2 * SEGMENT)
     assert "written by 1 ranks, this run has 2: converting" in done.stderr, done.stderr[-3000:]
-    done = _segment(books_data, chain, config, ranks=1, zero=1, max_steps=3 * SEGMENT)
+    done = _segment(data, chain, config, ranks=1, zero=1, max_steps=3 * SEGMENT)
     assert "written by 2 ranks, this run has 1: converting" in done.stderr, done.stderr[-3000:]
-    _check(metrics(chain)[0], ref_losses, "zero-1 1->2->1")
+    return metrics(reference)[0], metrics(chain)[0]
+
+
+def _two_one_two(data: Path, chain: Path, config: Path, zero: int) -> Path:
+    for step, ranks in enumerate((2, 1, 2), start=1):
+        _segment(data, chain, config, ranks=ranks, zero=zero, max_steps=step * SEGMENT)
+    return chain
+
+
+def _longer(data: Path, run: Path, config: Path) -> str:
+    """A finished 4-step run, then the same run to 8 steps: the second run's stderr."""
+    _segment(data, run, config, ranks=1, zero=1, max_steps=4)
+    return _segment(data, run, config, ranks=1, zero=1, max_steps=8).stderr
+
+
+def run_chains(books_data, tmp_path_factory) -> dict[str, Outcome]:
+    """The four independent chains of runs below, side by side (tests/jobs.py)."""
+    tmp = {k: tmp_path_factory.mktemp(k) for k in ("zero1", "zero2", "zero3", "longer")}
+    constant = _config(tmp["zero1"], "constant")  # each segment's --max-steps leaves the lr alone
+    linear = _config(tmp["longer"], "linear")
+    return side_by_side(
+        {
+            "zero1": lambda: _reference_and_zero1(books_data, tmp["zero1"], constant),
+            "zero2": lambda: _two_one_two(books_data, tmp["zero2"] / "run", constant, 2),
+            "zero3": lambda: _two_one_two(books_data, tmp["zero3"] / "run", constant, 3),
+            "longer": lambda: (
+                tmp["longer"] / "run",
+                _longer(books_data, tmp["longer"] / "run", linear),
+            ),
+        }
+    )
+
+
+BACKGROUND = {"chains": run_chains}  # started with the session (tests/background.py)
+
+
+@pytest.fixture(scope="module")
+def chains(books_data, tmp_path_factory) -> dict[str, Outcome]:
+    return background.result("chains", lambda: run_chains(books_data, tmp_path_factory))
+
+
+def test_zero1_and_zero2_resume_on_another_world_size_as_if_never_stopped(chains):
+    ref_losses, zero1 = chains["zero1"].get()
+    _check(zero1, ref_losses, "zero-1 1->2->1")
 
     # ZeRO-2, 2 -> 1 -> 2, against the same (ZeRO-1) reference: fp32, the same arithmetic
-    chain = tmp_path / "zero2"
-    for step, ranks in enumerate((2, 1, 2), start=1):
-        _segment(books_data, chain, config, ranks=ranks, zero=2, max_steps=step * SEGMENT)
+    chain = chains["zero2"].get()
     logged = [json.loads(x) for x in (chain / "metrics.jsonl").read_text().splitlines()]
     samples = [x["samples"] for x in logged if "lr" in x]
     assert samples == [8 * s for s in range(1, 3 * SEGMENT + 1)]  # no sample repeated or skipped
@@ -90,20 +134,15 @@ def test_zero1_and_zero2_resume_on_another_world_size_as_if_never_stopped(books_
 
     # ZeRO-3, 2 -> 1 -> 2: DeepSpeed's universal load shares one Adam step between sub-groups
     # and gives biases and LayerNorm weights weight decay (train/zero3_fix.py repairs both)
-    chain = tmp_path / "zero3"
-    for step, ranks in enumerate((2, 1, 2), start=1):
-        _segment(books_data, chain, config, ranks=ranks, zero=3, max_steps=step * SEGMENT)
-    worst = _check(metrics(chain)[0], ref_losses, "zero-3 2->1->2")
+    worst = _check(metrics(chains["zero3"].get())[0], ref_losses, "zero-3 2->1->2")
     assert worst <= ZERO3_TOLERANCE, worst
 
 
-def test_a_resume_with_another_max_steps_follows_the_new_schedule(books_data, tmp_path):
+def test_a_resume_with_another_max_steps_follows_the_new_schedule(chains):
     """Linear decay: a finished 4-step run (lr 0 at step 4) extended to 8 steps trains steps 5-8
     at the lr of an 8-step run, reaching 0 again at step 8, and says so."""
-    config, run = _config(tmp_path, "linear"), tmp_path / "run"
-    _segment(books_data, run, config, ranks=1, zero=1, max_steps=4)
-    done = _segment(books_data, run, config, ranks=1, zero=1, max_steps=8)
-    assert "--max-steps 4 -> 8: from step 4 the lr follows the schedule of a 8-step" in done.stderr
+    run, stderr = chains["longer"].get()
+    assert "--max-steps 4 -> 8: from step 4 the lr follows the schedule of a 8-step" in stderr
     logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     lrs = {x["step"]: x["lr"] for x in logged if "lr" in x}
     optim = OptimArgs(lr=2e-3, warmup_steps=2)

@@ -5,6 +5,7 @@ and exits with one line naming the object; an object replaced by different bytes
 its sha256. (The 2-rank run from s3:// with an exact resume: tests/train/test_pretrain.py, the
 kill -9 test.)"""
 
+import os
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import pytest
 
 from pipeline.format import DatasetError, read_index
 from pipeline.format.store import NodeCache, configure, current
-from tests.jobs import Job
+from tests.jobs import Job, side_by_side
 from tests.s3server import BUCKET
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
@@ -72,13 +73,19 @@ def test_a_dataset_three_times_the_cache_trains_two_epochs_as_from_local_disk(
     args += ["--eval-every", str(steps // 3), "--save-every", "0", "--log-every", "1"]
     args += ["--warmup-steps", "5", "--lr", "2e-3", "--seq-len", "32"]
     runs = {"local": tmp_path / "local", "s3": tmp_path / "s3"}
-    run_to_end(command(local, runs["local"], *args))
     # a training node without Beam: in the S3 run's ranks, `import apache_beam` fails
     no_beam = tmp_path / "no-beam" / "apache_beam"
     no_beam.mkdir(parents=True)
     (no_beam / "__init__.py").write_text('raise ImportError("Beam is not installed here")\n')
-    monkeypatch.setenv("PYTHONPATH", f"{no_beam.parent}:{REPO}")
-    run_to_end(command(remote, runs["s3"], *args))
+    s3_env = {**os.environ, "PYTHONPATH": f"{no_beam.parent}:{REPO}"}
+    both = side_by_side(  # two independent runs (tests/jobs.py)
+        {
+            "local": lambda: run_to_end(command(local, runs["local"], *args)),
+            "s3": lambda: run_to_end(command(remote, runs["s3"], *args), env=s3_env),
+        }
+    )
+    for outcome in both.values():
+        outcome.get()
     fetched = {name: gets.count(name) for name in set(gets)}
     assert len(fetched) == len(index.shards("train")) and max(fetched.values()) > 1, fetched
     cache = next(tmp_path.glob("shatter-cache-*"))
