@@ -42,5 +42,6 @@ def test_make_setup_runs_it_first_and_prints_its_steps():
     )
     lines = dry.stdout.splitlines()
     torch_step = lines.index("/nonexistent-venv/bin/python tools/setup_torch.py")
-    install = next(i for i, line in enumerate(lines) if "pip install -e" in line)
+    install = next(i for i, line in enumerate(lines) if "pip install" in line and " -e " in line)
     assert torch_step < install and " -q" not in dry.stdout
+    assert "-c constraints.txt" in lines[install]  # the tested versions, no fresh resolve
