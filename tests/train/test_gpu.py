@@ -118,19 +118,25 @@ def test_exact_resume_after_sigkill_in_bf16(books_data, tmp_path):
 def test_extend_to_1024_and_evaluate_at_1024(shared_data, books_data, tmp_path):
     run = tmp_path / "run"
     finish_soon(Job(pretrain(books_data, run, "--precision", "bf16", "--max-steps", "4")), 300)
-    long_data = tmp_path / "l1024"
-    build_books(shared_data, long_data, "--seq-len", "1024", "--num-shards", "1",
+    result = extend_and_evaluate(shared_data, books_data, run / "export", 1024, tmp_path)
+    assert result["seq_len"] == 1024 and math.isfinite(result["loss"])
+    assert result["device"] == DEVICE  # a GPU node evaluates on its GPU
+
+
+def extend_and_evaluate(shared_data, books_data, export, length: int, tmp_path) -> dict:
+    """shatter-extend `export` to `length`, then tools/evaluate.py's figures on books rows of
+    that length (the pretraining dataset's tokenizer)."""
+    long_data = tmp_path / f"l{length}"
+    build_books(shared_data, long_data, "--seq-len", str(length), "--num-shards", "1",
                 "--tokenizer", str(books_data / "tokenizer.model"))  # fmt: skip
     extended = tmp_path / "extended"
-    extend = [str(BIN / "shatter-extend"), str(run / "export"), "--max-len", "1024"]
+    extend = [str(BIN / "shatter-extend"), str(export), "--max-len", str(length)]
     finish_soon(Job(extend + ["--output", str(extended)]), timeout=300)
     out = tmp_path / "eval.json"
     evaluate = [sys.executable, str(REPO / "tools" / "evaluate.py"), "--checkpoint", str(extended)]
     evaluate += ["--data", str(long_data), "--max-samples", "64", "--output", str(out)]
     finish_soon(Job(evaluate), timeout=300)
-    result = json.loads(out.read_text())
-    assert result["seq_len"] == 1024 and math.isfinite(result["loss"])
-    assert result["device"] == DEVICE  # a GPU node evaluates on its GPU
+    return json.loads(out.read_text())
 
 
 @needs_gpu
@@ -153,15 +159,5 @@ def test_the_v100_path_fp16_loss_scaling_and_chunked_attention(shared_data, book
     assert lines[-1]["loss_scale"] < 2**32, lines  # and the scale lowered
     exported = json.loads((run / "export" / "config.json").read_text())
     assert exported["attention_impl"] == "chunked", exported
-    long_data = tmp_path / "l128"
-    build_books(shared_data, long_data, "--seq-len", "128", "--num-shards", "1",
-                "--tokenizer", str(books_data / "tokenizer.model"))  # fmt: skip
-    extended = tmp_path / "extended"
-    extend = [str(BIN / "shatter-extend"), str(run / "export"), "--max-len", "128"]
-    finish_soon(Job(extend + ["--output", str(extended)]), timeout=300)
-    out = tmp_path / "eval.json"
-    evaluate = [sys.executable, str(REPO / "tools" / "evaluate.py"), "--checkpoint", str(extended)]
-    evaluate += ["--data", str(long_data), "--max-samples", "64", "--output", str(out)]
-    finish_soon(Job(evaluate), timeout=300)
-    result = json.loads(out.read_text())
+    result = extend_and_evaluate(shared_data, books_data, run / "export", 128, tmp_path)
     assert result["seq_len"] == 128 and math.isfinite(result["loss"]), result
