@@ -26,7 +26,7 @@ $(STAMP): setup.cfg pyproject.toml $(CONSTRAINTS)
 	@echo "==> installing shatter and its extras at the tested versions ($(or $(CONSTRAINTS),unpinned))"
 	$(PY) -m pip install $(PIN) -e '.[pipeline,train,test,demo,pipeline-dask,pipeline-hf,s3]'
 	@echo "==> building DeepSpeed's CPU communication op (once)"
-	$(PY) -c "from train.engine import build_extensions; build_extensions()"
+	$(PY) -c "from shatter.train.engine import build_extensions; build_extensions()"
 	@touch $(STAMP)
 	@echo "==> set-up done: $(VENV) ($$($(PY) -c 'import torch; print("torch", torch.__version__)'))"
 

@@ -4,10 +4,10 @@
 Beam starts each such worker as `python -m apache_beam.runners.worker.sdk_worker_main`, whose
 stderr is the build's: importing Beam there logs "apitools not found ..." through the root
 logger (which `logging.warning` configures on the spot) and the harness logs "Logging handler
-created." at INFO before it reads any option. `pipeline.runners` starts this module instead, with
+created." at INFO before it reads any option. `shatter.pipeline.runners` starts this module instead, with
 the driver's levels as its arguments (its root logger's and its "apache_beam" logger's): the
 worker's loggers get the same levels and format, and Beam's import warning is dropped, as in the
-driver (`pipeline.cli.configure_logging`).
+driver (`shatter.pipeline.cli.configure_logging`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 
 
 def configure(level: str, beam_level: str) -> None:
-    from pipeline.cli import _DropBeamImportNoise
+    from shatter.pipeline.cli import _DropBeamImportNoise
 
     logging.basicConfig(
         stream=sys.stderr, level=level, format="%(levelname)s %(name)s: %(message)s", force=True

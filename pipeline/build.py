@@ -11,7 +11,7 @@ and no branch beside the build reads them (Dask keeps a task's output until all 
 run), so a worker's memory does not grow with the corpus. With a given tokenizer, a build that
 held out no document by hash (a corpus of a few documents) is followed by a pass for the hold-out
 key and, if that document has to move, a build with it held out.
-Any Beam runner works (`pipeline.runners`: the options beyond ours become `PipelineOptions`;
+Any Beam runner works (`shatter.pipeline.runners`: the options beyond ours become `PipelineOptions`;
 without `--runner` the in-process FnApiRunner). A runner without metrics (Dask) gets the counts
 that the written shards give. `--overwrite` builds beside the old dataset and swaps on success.
 """
@@ -32,16 +32,16 @@ from dataclasses import dataclass
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline import hf_tokenizer, progress, readers, runners, store, tokenizer
-from pipeline.config import BuildConfig
-from pipeline.format import INDEX_FILE, TOKENIZER_FILE, build_index, write_index
-from pipeline.format.store import fs
-from pipeline.format.tokenizer import TOKENIZER_JSON
-from pipeline.format.writer import record_batch_rows
-from pipeline.inspect import validation_warnings
-from pipeline.sharding import ShardSize
-from pipeline.sink import ShardAndWrite, read_manifest
-from pipeline.transforms import (
+from shatter.pipeline import hf_tokenizer, progress, readers, runners, store, tokenizer
+from shatter.pipeline.config import BuildConfig
+from shatter.pipeline.format import INDEX_FILE, TOKENIZER_FILE, build_index, write_index
+from shatter.pipeline.format.store import fs
+from shatter.pipeline.format.tokenizer import TOKENIZER_JSON
+from shatter.pipeline.format.writer import record_batch_rows
+from shatter.pipeline.inspect import validation_warnings
+from shatter.pipeline.sharding import ShardSize
+from shatter.pipeline.sink import ShardAndWrite, read_manifest
+from shatter.pipeline.transforms import (
     NAMESPACE,
     CacheFn,
     Clean,
@@ -92,7 +92,7 @@ class BuildError(Exception):
 
 def run_and_report(pipeline: beam.Pipeline, stage: str, report=print) -> dict | None:
     """Run to completion, reporting the "shatter" counters every `--progress_seconds` meanwhile
-    (`pipeline.progress`: the live tally of a local runner, or Beam's metrics of a running job)
+    (`shatter.pipeline.progress`: the live tally of a local runner, or Beam's metrics of a running job)
     and Beam's committed counters at the end; None if the runner has no metrics (Dask)."""
     start = time.time()
     seconds = pipeline.options.view_as(progress.ProgressOptions).progress_seconds

@@ -1,5 +1,5 @@
 """Pure text cleaning: byte decoding with counted repairs, binary detection, Project Gutenberg
-boilerplate, paragraphs. (Wikitext has its own module, `pipeline.wikitext`.)
+boilerplate, paragraphs. (Wikitext has its own module, `shatter.pipeline.wikitext`.)
 
 The Gutenberg markers follow the conventions handled by Gutenberg's own `gutenbergpy`/`gutenberg`
 cleaners ("*** START OF THE PROJECT GUTENBERG EBOOK ..." / "*** END OF ...", and the older

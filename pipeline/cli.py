@@ -3,7 +3,7 @@
 Options that click does not know are handed to Beam as `PipelineOptions`, so
 `--runner DataflowRunner --project P --region R --temp_location gs://B/tmp --setup_file ./setup.py`
 or `--direct_num_workers 2 --direct_running_mode multi_processing` work unchanged. Each must be one
-that Beam declares (a typo is an error with a did-you-mean, `pipeline.runners.check_options`);
+that Beam declares (a typo is an error with a did-you-mean, `shatter.pipeline.runners.check_options`);
 what follows `--` goes to the runner unchecked.
 """
 
@@ -16,9 +16,9 @@ import sys
 
 import click
 
-from pipeline import process
-from pipeline.config import CORPORA, BuildConfig, InputSpec
-from pipeline.options import click_options
+from shatter.pipeline import process
+from shatter.pipeline.config import CORPORA, BuildConfig, InputSpec
+from shatter.pipeline.options import click_options
 
 
 class _DropBeamImportNoise(logging.Filter):
@@ -144,10 +144,10 @@ def build(
     """Build OUT from corpora. Extra options (e.g. --runner, --direct_num_workers) go to Beam;
     options that only the runner knows go after `--` (passed on unchecked)."""
     configure_logging(verbose)
-    from pipeline.build import BuildError, build as run_build
-    from pipeline.format import DatasetError
-    from pipeline.runners import OptionError, check_options
-    from pipeline.wiki import InputError
+    from shatter.pipeline.build import BuildError, build as run_build
+    from shatter.pipeline.format import DatasetError
+    from shatter.pipeline.runners import OptionError, check_options
+    from shatter.pipeline.wiki import InputError
 
     try:
         check_options(
@@ -162,7 +162,7 @@ def build(
             validation_inputs=_inputs(validation_inputs, corpus, None),
             **fields,
         )
-        beam_args = [  # --progress_seconds is a Beam option (pipeline.progress)
+        beam_args = [  # --progress_seconds is a Beam option (shatter.pipeline.progress)
             f"--progress_seconds={progress_seconds}",
             *ctx.args,
             *ctx.meta.get("runner_args", ()),
@@ -178,7 +178,7 @@ def build(
         if verbose:
             raise
         # anything else (a runner that cannot start, a worker crash): one line; -v shows the traceback
-        from pipeline.store import failure
+        from shatter.pipeline.store import failure
 
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         kept = " (the dataset already there is unchanged)" if overwrite else ""
@@ -195,11 +195,11 @@ def build(
 def _open_store(ctx, out: str) -> None:
     """A remote OUT: Beam's filesystems get the extra options (`--s3_endpoint_url`, ...; else the
     environment's), and OUT is checked (credentials, bucket, prefix) before it is read."""
-    from pipeline.format.store import fs
+    from shatter.pipeline.format.store import fs
 
     if fs.is_remote(out):
-        from pipeline import store
-        from pipeline.runners import OptionError, check_options
+        from shatter.pipeline import store
+        from shatter.pipeline.runners import OptionError, check_options
 
         try:
             check_options(list(ctx.args))
@@ -219,8 +219,8 @@ _STORE_ARGS = dict(ignore_unknown_options=True, allow_extra_args=True)
 @click.pass_context
 def inspect(ctx, out, rows, split):
     """Stats, a length histogram and decoded sample rows with their masks."""
-    from pipeline.format import DatasetError
-    from pipeline.inspect import inspect_dataset
+    from shatter.pipeline.format import DatasetError
+    from shatter.pipeline.inspect import inspect_dataset
 
     try:
         _open_store(ctx, out)
@@ -234,8 +234,8 @@ def inspect(ctx, out, rows, split):
 @click.pass_context
 def verify(ctx, out):
     """Check checksums, schema and counts; exit non-zero naming the first bad file."""
-    from pipeline.format import DatasetError
-    from pipeline.inspect import verify_dataset
+    from shatter.pipeline.format import DatasetError
+    from shatter.pipeline.inspect import verify_dataset
 
     try:
         _open_store(ctx, out)
@@ -250,8 +250,8 @@ def verify(ctx, out):
 
 
 def entry() -> None:
-    """The `shatter-data` program (its console script, and `python -m pipeline.cli`): `main`,
-    with the two workarounds of `pipeline.process` (a build without pandas, no teardown); on an
+    """The `shatter-data` program (its console script, and `python -m shatter.pipeline.cli`): `main`,
+    with the two workarounds of `shatter.pipeline.process` (a build without pandas, no teardown); on an
     install without Apache Beam (a training node's), one line naming the extra to install."""
     if importlib.util.find_spec("apache_beam") is None:  # a training node's install has none
         sys.exit(

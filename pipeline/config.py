@@ -1,18 +1,18 @@
 """The build configuration: one frozen dataclass, saved whole in every index.json; a field
-declared with `option(...)` is also an option of `shatter-data build` (`pipeline.options`)."""
+declared with `option(...)` is also an option of `shatter-data build` (`shatter.pipeline.options`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from pipeline.options import option
+from shatter.pipeline.options import option
 
 CORPORA = ("wiki", "books", "text")
-# `--runner` names with a meaning of ours (`pipeline.runners`; here, Beam-free, for the CLI too):
+# `--runner` names with a meaning of ours (`shatter.pipeline.runners`; here, Beam-free, for the CLI too):
 # names that make Beam's SwitchingDirectRunner try Prism first, which it downloads (and which
 # cannot be downloaded offline; for this batch pipeline it would then pick the FnApiRunner anyway),
-# and Beam's Dask runner, which we run fixed (`pipeline.dask_runner`)
+# and Beam's Dask runner, which we run fixed (`shatter.pipeline.dask_runner`)
 SWITCHING_RUNNERS = ("DirectRunner", "SwitchingDirectRunner")
 DASK_RUNNERS = ("DaskRunner", "apache_beam.runners.dask.dask_runner.DaskRunner")
 
@@ -109,7 +109,9 @@ class BuildConfig:
             )
         if not 0 < self.mask_rate <= 1:
             raise ValueError(f"--mask-rate {self.mask_rate} must be in (0, 1]")
-        if not 0 <= self.seed < 2**64:  # masking seeds are uint64 (pipeline.masking.row_seeds)
+        if (
+            not 0 <= self.seed < 2**64
+        ):  # masking seeds are uint64 (shatter.pipeline.masking.row_seeds)
             raise ValueError(f"--seed {self.seed} must be in [0, 2**64)")
         if not 0 <= self.validation_fraction < 1:
             raise ValueError("--validation-fraction must be in [0, 1)")

@@ -24,13 +24,13 @@ and GroupByKey and its options (`--dask_client_address`, `--dask_npartitions`, .
    share into each reader's chain, so their work ran more than once.
 7. Filesystem options: Beam's Dask runner never gives its worker processes the pipeline's
    options, so their `FileSystems` have none (`s3://` fails: "Must provide one of client or
-   options"). Here every bundle carries them and sets them first (`pipeline.store.use`).
+   options"). Here every bundle carries them and sets them first (`shatter.pipeline.store.use`).
 
 Also: a Create is split into one element per partition unless `--dask_npartitions` or
 `--dask_partition_size` says otherwise (Beam's default of 128 elements per partition puts a
 build's few dozen input ranges on one worker; Reshuffle is a no-op on Dask), and the client is
 closed when the job ends. The runner reports no metrics (`PipelineResult.metrics()` raises
-NotImplementedError): `pipeline.build` takes what it can from the written shards instead.
+NotImplementedError): `shatter.pipeline.build` takes what it can from the written shards instead.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from apache_beam.transforms.sideinputs import SideInputMap
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
-from pipeline import store
+from shatter.pipeline import store
 
 
 def _run_bundle(items, packed: bytes, *side_values):

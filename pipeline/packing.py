@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.masking import CLS_ID, PAD_ID, SEP_ID
+from shatter.pipeline.masking import CLS_ID, PAD_ID, SEP_ID
 
 
 def pack_stream_padded(

@@ -1,5 +1,5 @@
 """Two process-level workarounds of the `shatter-data` program, each for a measured cost of the
-libraries it runs on; `pipeline.cli.entry` applies both. Nothing else in the project does this.
+libraries it runs on; `shatter.pipeline.cli.entry` applies both. Nothing else in the project does this.
 
 1. A build runs as if pandas were not installed (`hide_pandas`).
    Why: `apache_beam.typehints` imports pandas whenever it is importable, for its pandas batch
@@ -27,7 +27,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from pipeline.config import DASK_RUNNERS, SWITCHING_RUNNERS
+from shatter.pipeline.config import DASK_RUNNERS, SWITCHING_RUNNERS
 
 # the runners (None: the in-process default) on which the build is tested with a driver that has no
 # pandas (the core install: tests/pipeline/test_core_install.py)

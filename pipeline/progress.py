@@ -3,7 +3,7 @@
 Beam's in-process FnApiRunner (the default, also with `--direct_num_workers N` in either running
 mode) runs a whole pipeline inside `Pipeline.run()` and exposes its metrics only at the end, so a
 long local build would print nothing for minutes. Hence every increment of a "shatter" counter
-(`pipeline.transforms.counter`) is also added to a tally of its process:
+(`shatter.pipeline.transforms.counter`) is also added to a tally of its process:
 
 - lock-free: each thread adds to its own dict (only that thread writes it); a reader sums copies;
 - the driver reads its own tally (in-process and `multi_threading` workers run there);

@@ -28,10 +28,10 @@ import pyarrow.parquet as pq
 import zstandard
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline import wiki
-from pipeline.cleaning import decode, is_binary
-from pipeline.config import InputSpec
-from pipeline.wiki import InputError
+from shatter.pipeline import wiki
+from shatter.pipeline.cleaning import decode, is_binary
+from shatter.pipeline.config import InputSpec
+from shatter.pipeline.wiki import InputError
 
 log = logging.getLogger(__name__)
 Count = Callable[[str, int], None]

@@ -35,11 +35,11 @@ from apache_beam.runners.portability.fn_api_runner.fn_runner import ExtendedProv
 from apache_beam.runners.portability.portable_runner import JobServiceHandle
 from apache_beam.transforms.environments import SubprocessSDKEnvironment
 
-from pipeline import (
+from shatter.pipeline import (
     progress,  # noqa: F401  (registers --progress_seconds with Beam's options)
     store,
 )
-from pipeline.config import DASK_RUNNERS, SWITCHING_RUNNERS
+from shatter.pipeline.config import DASK_RUNNERS, SWITCHING_RUNNERS
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def _fn_api_runner(options: PipelineOptions) -> FnApiRunner:
 
 
 class _FnApiRunner(FnApiRunner):
-    """Beam's FnApiRunner, whose `multi_processing` workers start as `pipeline.beam_worker` (Beam's
+    """Beam's FnApiRunner, whose `multi_processing` workers start as `shatter.pipeline.beam_worker` (Beam's
     harness with the driver's logging level) instead of Beam's bare harness module."""
 
     BEAM_WORKER = "-m apache_beam.runners.worker.sdk_worker_main"
@@ -179,7 +179,7 @@ class _FnApiRunner(FnApiRunner):
                 for name in ("", "apache_beam")
             ]
             environment = SubprocessSDKEnvironment.from_command_string(
-                f"{sys.executable} -m pipeline.beam_worker {' '.join(levels)}"
+                f"{sys.executable} -m shatter.pipeline.beam_worker {' '.join(levels)}"
             )
         self._environment = environment
 
@@ -222,10 +222,10 @@ def check_dask_fork(version: str = beam.__version__) -> None:
 
 
 def make_dask_runner():
-    """Beam's DaskRunner with this pipeline's fixes (an instance; `pipeline.dask_runner` lists them)."""
+    """Beam's DaskRunner with this pipeline's fixes (an instance; `shatter.pipeline.dask_runner` lists them)."""
     check_dask_fork()
     try:
-        from pipeline import dask_runner
+        from shatter.pipeline import dask_runner
     except ImportError as e:
         raise OptionError(_no_dask(e)) from None
     _dask_logging_follows_the_driver()
@@ -244,7 +244,7 @@ def _dask_logging_follows_the_driver() -> None:
         {
             "version": 1,
             "disable_existing_loggers": False,
-            "filters": {"beam_import": {"()": "pipeline.cli._DropBeamImportNoise"}},
+            "filters": {"beam_import": {"()": "shatter.pipeline.cli._DropBeamImportNoise"}},
             "formatters": {"plain": {"format": "%(levelname)s %(name)s: %(message)s"}},
             "handlers": {
                 "stderr": {

@@ -1,7 +1,7 @@
 """The shard sink: Packed rows → balanced, key-sorted, masked Arrow shards (the shard, mask and write steps).
 
 Workers spill key-sorted rows (key, length and padded ids only) to temporary Arrow IPC files with
-a histogram of their keys; the summed histograms give balanced key ranges (`pipeline.sharding`); each shard's
+a histogram of their keys; the summed histograms give balanced key ranges (`shatter.pipeline.sharding`); each shard's
 writer reads its range of every spill, sorts it, adds the `dupe_factor` static maskings chunk by
 chunk (`transforms.mask_table`) and writes one file through `pipeline.ShardWriter` (temp +
 rename). Masking last keeps the sorts and spills cheap: until it is written, a row is a key, a
@@ -26,10 +26,10 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline import sharding, tokenizer
-from pipeline.format import schema, shard_name
-from pipeline.format.writer import ROWS_PER_RECORD_BATCH, ShardWriter
-from pipeline.transforms import MaskSpec, Packed, counter, mask_table
+from shatter.pipeline import sharding, tokenizer
+from shatter.pipeline.format import schema, shard_name
+from shatter.pipeline.format.writer import ROWS_PER_RECORD_BATCH, ShardWriter
+from shatter.pipeline.transforms import MaskSpec, Packed, counter, mask_table
 
 
 @dataclass(frozen=True)

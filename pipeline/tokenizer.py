@@ -4,7 +4,7 @@ Training is deterministic: the sample is the `n` lines with the smallest content
 does not depend on reading order or worker count), fed in hash order, with a fixed random seed,
 no input shuffling and one thread. Text is lower-cased: NFKC + case folding (`nmt_nfkc_cf`),
 unless the build asks for a cased model (`--cased`: NFKC alone, `nmt_nfkc`).
-Special ids (pipeline.format.tokenizer): [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4.
+Special ids (shatter.pipeline.format.tokenizer): [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import io
 import numpy as np
 import sentencepiece as spm
 
-from pipeline.format.tokenizer import (  # noqa: F401  (load, SPECIAL_PIECES: the pipeline's names)
+from shatter.pipeline.format.tokenizer import (  # noqa: F401  (load, SPECIAL_PIECES: the pipeline's names)
     CASED_NORMALIZATION,
     NORMALIZATION,
     PAD_ID,
@@ -113,10 +113,10 @@ class SentencePieceEncoder:
 
 def encoder(name: str, data: bytes):
     """The encoder of a dataset's tokenizer file `name` with bytes `data`: a Hugging Face
-    tokenizer.json (`pipeline.hf_tokenizer.Encoder`, word starts flagged on the ids, its
+    tokenizer.json (`shatter.pipeline.hf_tokenizer.Encoder`, word starts flagged on the ids, its
     `word_start_table()` None) or a sentencepiece model."""
     if name.endswith(".json"):
-        from pipeline.hf_tokenizer import Encoder
+        from shatter.pipeline.hf_tokenizer import Encoder
 
         return Encoder(data)
     return SentencePieceEncoder(data)

@@ -1,6 +1,6 @@
-"""The Beam PTransforms of `shatter-data build`: read → clean → tokenize → pack (→ `pipeline.sink`).
+"""The Beam PTransforms of `shatter-data build`: read → clean → tokenize → pack (→ `shatter.pipeline.sink`).
 
-Each transform is a thin DoFn over a pure function of `pipeline.readers`, `cleaning`, `wikitext`,
+Each transform is a thin DoFn over a pure function of `shatter.pipeline.readers`, `cleaning`, `wikitext`,
 `tokenizer`, `packing`, `masking` and `shards` (the seqio / Beam-examples pattern). Elements are
 batches (about `batch_chars` of text, or all rows of such a batch), because Beam's cost is per
 element. Expensive state (the sentencepiece processor) is loaded in `DoFn.setup()`. Every skip or
@@ -22,10 +22,10 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
-from pipeline import cleaning, hf_tokenizer, masking, packing, progress, readers, tokenizer
-from pipeline.format.writer import rows_table
-from pipeline.wiki import InputError
-from pipeline.wikitext import clean_wikitext
+from shatter.pipeline import cleaning, hf_tokenizer, masking, packing, progress, readers, tokenizer
+from shatter.pipeline.format.writer import rows_table
+from shatter.pipeline.wiki import InputError
+from shatter.pipeline.wikitext import clean_wikitext
 
 NAMESPACE = "shatter"
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 class _Counter:
     """A Beam Metrics counter of the "shatter" namespace that also feeds the live progress tally
-    (`pipeline.progress`; display only: the build's counts are Beam's committed metrics)."""
+    (`shatter.pipeline.progress`; display only: the build's counts are Beam's committed metrics)."""
 
     __slots__ = ("name", "_beam")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline.wikitext import is_disambiguation
+from shatter.pipeline.wikitext import is_disambiguation
 
 CHUNK = 1 << 20
 _OPEN, _CLOSE = b"<page>", b"</page>"

@@ -7,42 +7,47 @@ baselines and ablations, as masked-LM models built from named presets.
     model = shatter.from_pretrained("export/")
 
 See docs/model.md and the paper (Shatter, §2-3 and the appendix).
+
+The toolkit's other parts are subpackages: `shatter.pipeline` (the data pipeline, `pipeline/` in
+a checkout), `shatter.train` (pretraining and finetuning, `train/`) and `shatter.tools` (the
+extension and export commands, `tools/`). The names above are loaded on first use (PEP 562):
+a pipeline worker imports `shatter.pipeline` without torch, which the model needs.
 """
 
-from shatter import heads, partition
-from shatter.checkpoint import CheckpointError, from_pretrained, load_config, save_pretrained
-from shatter.config import (
-    ARCHS,
-    PARTITION_ARCHS,
-    SIZES,
-    ModelConfig,
-    preset_config,
-    special_id_overrides,
-)
-from shatter.model import (
-    Encoder,
-    EncoderOutput,
-    ShatterForMaskedLM,
-    build_model,
-    count_parameters,
-)
+import importlib
 
-__all__ = [
-    "ARCHS",
-    "PARTITION_ARCHS",
-    "SIZES",
-    "CheckpointError",
-    "Encoder",
-    "EncoderOutput",
-    "ModelConfig",
-    "ShatterForMaskedLM",
-    "build_model",
-    "count_parameters",
-    "from_pretrained",
-    "heads",
-    "load_config",
-    "partition",
-    "preset_config",
-    "save_pretrained",
-    "special_id_overrides",
-]
+# each public name and the module that defines it
+_EXPORTS = {
+    "CheckpointError": "shatter.checkpoint",
+    "from_pretrained": "shatter.checkpoint",
+    "load_config": "shatter.checkpoint",
+    "save_pretrained": "shatter.checkpoint",
+    "ARCHS": "shatter.config",
+    "PARTITION_ARCHS": "shatter.config",
+    "SIZES": "shatter.config",
+    "ModelConfig": "shatter.config",
+    "preset_config": "shatter.config",
+    "special_id_overrides": "shatter.config",
+    "Encoder": "shatter.model",
+    "EncoderOutput": "shatter.model",
+    "ShatterForMaskedLM": "shatter.model",
+    "build_model": "shatter.model",
+    "count_parameters": "shatter.model",
+}
+_SUBMODULES = ("heads", "partition")
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"shatter.{name}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'shatter' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

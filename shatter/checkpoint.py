@@ -32,11 +32,11 @@ import safetensors
 import safetensors.torch
 from torch import nn
 
-from pipeline.format.reader import sha256_file
-from pipeline.format.tokenizer import TOKENIZER_JSON
 from shatter.config import ModelConfig
 from shatter.heads import build_head
 from shatter.model import ShatterForMaskedLM
+from shatter.pipeline.format.reader import sha256_file
+from shatter.pipeline.format.tokenizer import TOKENIZER_JSON
 
 WEIGHTS, CONFIG, HEAD, TOKENIZER, CHECKSUMS = (
     "model.safetensors",

@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # DeepSpeed JIT-builds its CPU comm op into this directory; subprocesses the tests start inherit
 # it, so every DeepSpeed run of the suite shares the trainer's per-environment build.
-from train.engine import extensions_dir  # noqa: E402
+from shatter.train.engine import extensions_dir  # noqa: E402
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
 

@@ -267,7 +267,7 @@ def parse_console_script(name: str) -> Callable[[list[str]], None]:
 
 
 def _check_beam_options(ctx: click.Context) -> None:
-    from pipeline.runners import OptionError, check_options
+    from shatter.pipeline.runners import OptionError, check_options
 
     ours = {o.lstrip("-") for p in ctx.command.params for o in p.opts}
     try:
@@ -281,7 +281,7 @@ def _resolve_config(resolve: Callable) -> Callable[[click.Context], None]:
     page writes first, e.g. by a heredoc, is left to the tutorial test)."""
 
     def check(ctx: click.Context) -> None:
-        from train.config import ConfigError
+        from shatter.train.config import ConfigError
 
         # the flags: what the command's main() takes as **flags (its named arguments are not)
         named = inspect.signature(ctx.command.callback).parameters
@@ -298,13 +298,13 @@ def _resolve_config(resolve: Callable) -> Callable[[click.Context], None]:
 
 
 def _pretrain_resolve(config_file, flags):
-    from train.config import resolve
+    from shatter.train.config import resolve
 
     return resolve(config_file, flags)
 
 
 def _finetune_resolve(config_file, flags):
-    from train.finetuning.config import resolve
+    from shatter.train.finetuning.config import resolve
 
     return resolve(config_file, flags)
 
@@ -353,13 +353,13 @@ def known_options() -> set[str]:
     from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
     from deepspeed.launcher.runner import parse_args
 
-    import pipeline.store  # noqa: F401  (registers --store_retry_seconds with Beam's options)
-    from pipeline.runners import _import_runner_options
+    import shatter.pipeline.store  # noqa: F401  (registers --store_retry_seconds with Beam's options)
+    from shatter.pipeline.runners import _import_runner_options
 
     names: set[str] = set()
     modules = [*console_scripts().values()]
     modules += [f"tools.{p.stem}" for p in (REPO / "tools").glob("*.py") if p.stem != "__init__"]
-    modules += ["train.pretrain", "train.finetune"]
+    modules += ["shatter.train.pretrain", "shatter.train.finetune"]
     for target in modules:
         module = importlib.import_module(target.split(":")[0])
         main = _module_main(target) if hasattr(module, "main") or ":" in target else None

@@ -8,11 +8,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("shatter", "pipeline", "train", "tools")
+SUBPACKAGES = ("pipeline", "train", "tools")  # installed as shatter.pipeline, ... (setup.py)
 
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(("shatter", *parts) if parts[0] in SUBPACKAGES else parts)
+
+
+def _model_side(module: str) -> bool:
+    """shatter/ itself: the model, not the subpackages that live in their own folders."""
+    parts = module.split(".")
+    return parts[0] == "shatter" and (len(parts) == 1 or parts[1] not in SUBPACKAGES)
 
 
 def _graph() -> dict[str, set[str]]:
@@ -76,7 +84,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_sees_real_imports():
     graph = _graph()
     assert "shatter.config" in graph["shatter.model"]
-    assert "train.finetuning.loop" in graph["train.finetune"]
+    assert "shatter.train.finetuning.loop" in graph["shatter.train.finetune"]
 
 
 def test_no_import_cycles():
@@ -97,24 +105,47 @@ def test_a_cycle_is_found():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
-# shatter.remote reaches the object store through pipeline.store, the store's Beam-side options
-MODEL_TO_PIPELINE = {"shatter.remote": {"pipeline.store"}}
+# shatter.remote reaches the object store through shatter.pipeline.store, the store's Beam-side options
+MODEL_TO_PIPELINE = {"shatter.remote": {"shatter.pipeline.store"}}
 
 
 def test_the_model_package_imports_only_the_shard_format_of_the_pipeline():
     """shatter/ (the model) needs no Beam: what it shares with the pipeline (special ids, sha256,
-    the tokenizer loader) is in pipeline.format, which imports neither Beam nor torch. Lazy
+    the tokenizer loader) is in shatter.pipeline.format, which imports neither Beam nor torch. Lazy
     imports count; `if TYPE_CHECKING:` ones do not."""
     graph = _graph()
     found = {
-        module: {d for d in deps if d.split(".")[0] == "pipeline" and not _in_format(d)}
+        module: {d for d in deps if d.startswith("shatter.pipeline") and not _in_format(d)}
         for module, deps in graph.items()
-        if module.split(".")[0] == "shatter"
+        if _model_side(module)
     }
     found = {m: deps - MODEL_TO_PIPELINE.get(m, set()) for m, deps in found.items()}
     assert not {m: d for m, d in found.items() if d}, "shatter/ imports the pipeline's Beam side"
-    assert "pipeline.format.tokenizer" in graph["shatter.hf.tokenizer"]
+    assert "shatter.pipeline.format.tokenizer" in graph["shatter.hf.tokenizer"]
 
 
 def _in_format(module: str) -> bool:
-    return module == "pipeline.format" or module.startswith("pipeline.format.")
+    return module == "shatter.pipeline.format" or module.startswith("shatter.pipeline.format.")
+
+
+def test_the_toolkit_s_modules_are_imported_by_their_installed_names():
+    """pipeline/, train/ and tools/ install as shatter.pipeline, shatter.train, shatter.tools:
+    an import of the bare folder name works only in a checkout (or finds PyPI's `tools`)."""
+    stale = []
+    for path in [
+        *REPO.glob("*.py"),
+        *(p for d in ("shatter", *SUBPACKAGES, "tests", ".ci") for p in (REPO / d).rglob("*.py")),
+    ]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            stale += [
+                f"{path.relative_to(REPO)}:{node.lineno}"
+                for n in names
+                if n.split(".")[0] in SUBPACKAGES
+            ]
+    assert not stale, "import shatter.pipeline (not pipeline) etc.: " + ", ".join(stale)

@@ -73,7 +73,7 @@ def test_the_tutorial_covers_every_stage():
 
 @pytest.mark.slow
 def test_the_tutorial_runs_verbatim(tutorial):
-    from train.config import lr_at, resolve
+    from shatter.train.config import lr_at, resolve
 
     index = json.loads((tutorial / "data-64" / "index.json").read_text())
     assert index["seq_len"] == 64 and index["splits"]["validation"]["shards"]

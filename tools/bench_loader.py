@@ -36,11 +36,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline import format as pshards  # noqa: E402
-from pipeline.format import read_index, sha256_file  # noqa: E402
-from pipeline.tokenizer import SPECIAL_PIECES  # noqa: E402
-from pipeline.transforms import MaskSpec, mask_table  # noqa: E402
-from train.loader import MaskingSpec, ShardStream  # noqa: E402
+from shatter.pipeline import format as pshards  # noqa: E402
+from shatter.pipeline.format import read_index, sha256_file  # noqa: E402
+from shatter.pipeline.tokenizer import SPECIAL_PIECES  # noqa: E402
+from shatter.pipeline.transforms import MaskSpec, mask_table  # noqa: E402
+from shatter.train.loader import MaskingSpec, ShardStream  # noqa: E402
 
 
 def synthetic_dataset(
@@ -53,7 +53,7 @@ def synthetic_dataset(
     train_shards: int = 2,
 ) -> Path:
     """Random full-length rows in the shard layout (docs/format.md), written chunk by chunk (bounded memory)
-    with pipeline.format's writer."""
+    with shatter.pipeline.format's writer."""
     rng = np.random.default_rng(seed)
     word_start_table = rng.random(vocab) < 0.7
     root.mkdir(parents=True, exist_ok=True)
@@ -94,8 +94,8 @@ def synthetic_dataset(
 WORKER = """
 import json, sys, time
 import numpy as np, torch
-from pipeline.format import read_index
-from train.loader import MaskingSpec, ShardStream
+from shatter.pipeline.format import read_index
+from shatter.train.loader import MaskingSpec, ShardStream
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -269,7 +269,7 @@ def store_main(remote: str, batch: int, seq_len: int, rounds: int) -> None:
     """`--data s3://...`: the stream from the store through the node's shard cache, cold (an
     empty cache, with and without the prefetcher) and warm (every shard cached), against the same
     shards on local disk; one epoch each, interleaved round by round."""
-    from pipeline.format.store import configure, current, fs
+    from shatter.pipeline.format.store import configure, current, fs
 
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "local"

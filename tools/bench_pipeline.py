@@ -42,8 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from pipeline import cleaning, packing, tokenizer  # noqa: E402
-from pipeline.wikitext import clean_wikitext  # noqa: E402
+from shatter.pipeline import cleaning, packing, tokenizer  # noqa: E402
+from shatter.pipeline.wikitext import clean_wikitext  # noqa: E402
 
 
 def wiki_articles(data: Path) -> list[str]:
@@ -70,7 +70,7 @@ def cleaned_documents(data: Path) -> list[str]:
 def write_corpus(docs: list[str], path: Path, megabytes: float) -> int:
     """Whole passes over `docs` as JSON lines until at least `megabytes` of text; the text bytes.
     Written pass by pass: this process never holds more than one pass (its memory would count
-    in the peak RSS of the builds it starts, `tools.bench_pipeline_memory.measure`)."""
+    in the peak RSS of the builds it starts, `shatter.tools.bench_pipeline_memory.measure`)."""
     lines = [json.dumps({"text": doc}) + "\n" for doc in docs]
     sizes = [len(doc.encode()) for doc in docs]
     size = 0
@@ -109,7 +109,7 @@ def bench_build(
     cmd = [
         sys.executable,
         "-m",
-        "pipeline.cli",
+        "shatter.pipeline.cli",
         "build",
         "--corpus",
         "text",
@@ -161,9 +161,9 @@ def stage_breakdown(
     """Seconds per stage of the build's own pure functions on one core, without Beam: what limits (b)."""
     import numpy as np
 
-    from pipeline import format as shards, packing, sharding
-    from pipeline.format.writer import ROWS_PER_RECORD_BATCH
-    from pipeline.transforms import MaskSpec, mask_table, row_keys
+    from shatter.pipeline import format as shards, packing, sharding
+    from shatter.pipeline.format.writer import ROWS_PER_RECORD_BATCH
+    from shatter.pipeline.transforms import MaskSpec, mask_table, row_keys
 
     sp = tokenizer.load(model)
     word_start, vocab = tokenizer.word_start_table(sp), sp.get_piece_size()

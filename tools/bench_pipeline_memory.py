@@ -31,11 +31,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.bench_pipeline import cleaned_documents, write_corpus  # noqa: E402
+from shatter.tools.bench_pipeline import cleaned_documents, write_corpus  # noqa: E402
 
 
 def build_command(corpus: Path, out: Path, args, shards: int, tokenizer: Path | None) -> list[str]:
-    cmd = [sys.executable, "-m", "pipeline.cli", "build", "--corpus", "text"]
+    cmd = [sys.executable, "-m", "shatter.pipeline.cli", "build", "--corpus", "text"]
     cmd += ["--input", str(corpus), "--output", str(out), "--text-mode", "line"]
     cmd += ["--seq-len", str(args.seq_len), "--num-shards", str(shards)]
     cmd += ["--progress-seconds", "0"]
@@ -121,7 +121,7 @@ def main():
     docs = cleaned_documents(args.data)
     tokenizer = None
     if args.tokenizer_given:
-        from pipeline import cleaning, tokenizer as tok
+        from shatter.pipeline import cleaning, tokenizer as tok
 
         lines = [line for d in docs for line in cleaning.sample_lines(d)]
         tokenizer = work / "tokenizer.model"

@@ -36,11 +36,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import shatter  # noqa: E402
-from pipeline.format import read_index  # noqa: E402
-from tools.bench_loader import synthetic_dataset  # noqa: E402
-from train.config import resolve  # noqa: E402
-from train.engine import build_engine, deepspeed_config, init_distributed  # noqa: E402
-from train.loader import MaskingSpec, ShardStream  # noqa: E402
+from shatter.pipeline.format import read_index  # noqa: E402
+from shatter.tools.bench_loader import synthetic_dataset  # noqa: E402
+from shatter.train.config import resolve  # noqa: E402
+from shatter.train.engine import build_engine, deepspeed_config, init_distributed  # noqa: E402
+from shatter.train.loader import MaskingSpec, ShardStream  # noqa: E402
 
 INPUTS = ("input_ids", "attention_mask", "labels")
 
@@ -181,10 +181,10 @@ def trainer_tokens_per_s(model, index, data_dir: Path, run_dir: Path, args) -> d
     """The real loop for 2 x --steps steps; tokens/s of its second metrics window."""
     import json
 
-    from train import checkpoint
-    from train.lifecycle import StopFlag
-    from train.loop import RunContext, train
-    from train.metrics import MetricsWriter
+    from shatter.train import checkpoint
+    from shatter.train.lifecycle import StopFlag
+    from shatter.train.loop import RunContext, train
+    from shatter.train.metrics import MetricsWriter
 
     flags = {
         "data": str(data_dir),

@@ -18,8 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shatter.config import preset_config  # noqa: E402
-from train.config import resolve  # noqa: E402
-from train.cost import DEVICE_PEAK_TFLOPS, training_flops_per_token  # noqa: E402
+from shatter.train.config import resolve  # noqa: E402
+from shatter.train.cost import DEVICE_PEAK_TFLOPS, training_flops_per_token  # noqa: E402
 
 GPUS = ("H100", "A100", "L4", "V100")
 PAPER_V100_MFU = 0.047  # 52.4B tokens x 0.520 GFLOP in 161 h on 8 x 125 TFLOP/s

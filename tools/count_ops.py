@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import shatter  # noqa: E402
-from train.config import resolve  # noqa: E402
-from train.engine import build_engine, deepspeed_config, init_distributed, merge  # noqa: E402
+from shatter.train.config import resolve  # noqa: E402
+from shatter.train.engine import build_engine, deepspeed_config, init_distributed, merge  # noqa: E402
 
 HOST_READS = {"aten::_local_scalar_dense"}
 ROW_MARK = "count_ops row: "

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import click
 
-from pipeline.format import sha256_file
-from tools.plot_metrics import read_metrics
+from shatter.pipeline.format import sha256_file
+from shatter.tools.plot_metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -25,15 +25,15 @@ import click
 import torch
 
 import shatter
-from pipeline.format import DatasetError, Index, read_index, sha256_file
-from pipeline.format.store import open_store
 from shatter.checkpoint import CheckpointError, tokenizer_path
+from shatter.pipeline.format import DatasetError, Index, read_index, sha256_file
+from shatter.pipeline.format.store import open_store
 from shatter.remote import local_export
 from shatter.sources import describe_non_export
-from train.config import DataArgs, check_output
-from train.evaluate import default_device, evaluate
-from train.loader import validation_stream
-from train.plm import default_objective
+from shatter.train.config import DataArgs, check_output
+from shatter.train.evaluate import default_device, evaluate
+from shatter.train.loader import validation_stream
+from shatter.train.plm import default_objective
 
 
 def evaluate_export(
@@ -79,7 +79,7 @@ def evaluate_exports(
 
 def checked_index(checkpoint: Path, data: Path, split: str) -> Index:
     """`data`'s index once its files, its `split` rows and its tokenizer (the model's) check out.
-    A remote `data` is checked first (credentials, bucket, prefix: `pipeline.format.store`)."""
+    A remote `data` is checked first (credentials, bucket, prefix: `shatter.pipeline.format.store`)."""
     open_store(str(data), None, DataArgs.cache_limit_gb, DataArgs.store_retry_seconds)
     index = read_index(data)
     index.check_files()
@@ -178,7 +178,7 @@ def main(
     outputs: tuple[Path, ...],
 ) -> None:
     """Masked-LM loss and accuracy of an export on a shard dataset's validation split."""
-    from train.lifecycle import process_exit
+    from shatter.train.lifecycle import process_exit
 
     if outputs and len(outputs) != len(datas):
         raise click.BadParameter(
@@ -206,6 +206,6 @@ def report(result: dict, output: Path | None, several: bool) -> None:
 
 
 if __name__ == "__main__":
-    from train.lifecycle import run_cli
+    from shatter.train.lifecycle import run_cli
 
     run_cli(main)

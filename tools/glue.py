@@ -97,7 +97,7 @@ def run_inline(job: Job, args: dict) -> None:
     the suite, not once a run."""
     import contextlib
 
-    from train.finetune import main as finetune_main
+    from shatter.train.finetune import main as finetune_main
 
     if job.out.exists():  # an interrupted run: started again from scratch
         shutil.rmtree(job.out)
@@ -172,9 +172,9 @@ def mismatched_score(job: Job, args: dict) -> float:
     if cache.is_file():
         return json.loads(cache.read_text())["accuracy"]
     import shatter
-    from train.finetuning.data import DataConfig, build_task_data
-    from train.finetuning.features import Tokenizer
-    from train.finetuning.loop import predict
+    from shatter.train.finetuning.data import DataConfig, build_task_data
+    from shatter.train.finetuning.features import Tokenizer
+    from shatter.train.finetuning.loop import predict
 
     best = job.out / "best"
     model = shatter.from_pretrained(best)
@@ -228,7 +228,7 @@ def row(result: dict) -> str:
 
 def hub_to_tsv(target: Path, tasks: list[str]) -> None:
     """The Hub's `nyu-mll/glue` written as the GLUE distribution's TSVs (online only)."""
-    from tools.glue_hub import write_task
+    from shatter.tools.glue_hub import write_task
 
     for task in tasks:
         write_task(task, target / TASKS[task][0])

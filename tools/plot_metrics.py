@@ -21,7 +21,7 @@ if __package__ in (None, ""):
 
 import click  # noqa: E402
 
-from tools.extras import require  # noqa: E402
+from shatter.tools.extras import require  # noqa: E402
 
 
 def read_metrics(run: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:

@@ -46,9 +46,9 @@ import click  # noqa: E402
 import yaml  # noqa: E402
 
 from shatter.attention import ATTENTIONS  # noqa: E402
-from tools.extras import require  # noqa: E402
-from tools.plot_metrics import read_metrics  # noqa: E402
-from train.plm import default_objective  # noqa: E402
+from shatter.tools.extras import require  # noqa: E402
+from shatter.tools.plot_metrics import read_metrics  # noqa: E402
+from shatter.train.plm import default_objective  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

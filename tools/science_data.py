@@ -31,7 +31,7 @@ def inputs(cache: Path) -> list[str]:
     """CORPUS=PATH items: the wiki sample (shared, or the demo's), the books when present."""
     wiki = SHARED / "wiki" / "enwiki-sample-pages-articles.xml.bz2"
     if not wiki.is_file():
-        from tools.demo import WIKI_SAMPLE, fetch_sample
+        from shatter.tools.demo import WIKI_SAMPLE, fetch_sample
 
         wiki = fetch_sample(WIKI_SAMPLE, cache)
     items = [f"wiki={wiki}"]
@@ -41,7 +41,7 @@ def inputs(cache: Path) -> list[str]:
 
 
 def build(out: Path, seq_len: int, items: list[str], extra: list[str]) -> None:
-    cmd = [sys.executable, "-m", "pipeline.cli", "build", "--output", str(out)]
+    cmd = [sys.executable, "-m", "shatter.pipeline.cli", "build", "--output", str(out)]
     for item in items:
         cmd += ["--input", item]
     cmd += ["--seq-len", str(seq_len), "--dupe-factor", "1", "--validation-fraction", "0.05"]

@@ -57,8 +57,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.attention_cost import GPUS  # noqa: E402
-from tools.step_trace import build_meta, records, trace_step  # noqa: E402
+from shatter.tools.attention_cost import GPUS  # noqa: E402
+from shatter.tools.step_trace import build_meta, records, trace_step  # noqa: E402
 
 # The one efficiency table, every arch and GPU alike (docs/benchmarks.md states it). gemm, memory,
 # efficient and launch_us were set once from the H100 measurement that --calibrate replays (the
@@ -147,7 +147,7 @@ def model_flops(rows: list[dict]) -> float:
 def cost_py_flops(arch: str, length: int, rows_per_step: int, size: str, vocab: int) -> float:
     """train/cost.py's training FLOPs per token for this arch and run (MLM, 15% predicted)."""
     from shatter.config import preset_config
-    from train.cost import training_flops_per_token
+    from shatter.train.cost import training_flops_per_token
 
     config = preset_config(f"{arch}-{size}", max_len=max(length, 512), vocab_size=vocab)
     return training_flops_per_token(config, length, 0.15, micro_batch=rows_per_step)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from train.config import TrainConfig
-from train.schedule import Plan
+from shatter.train.config import TrainConfig
+from shatter.train.schedule import Plan
 
 FILE = "budget.json"
 MEASURE = 5  # optimizer steps timed before the schedule's length is set

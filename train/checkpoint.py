@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 import shatter
-from train.engine import skipped_steps
+from shatter.train.engine import skipped_steps
 
 CHECKPOINTS = "checkpoints"
 EXPORT = "export"
@@ -69,7 +69,7 @@ def check_shared(run_dir: Path) -> None:
     0 writes `latest`, config.json and the export (reading every rank's ZeRO shards), so on
     node-local disks the other nodes would start afresh while node 0 resumes. Rank 0 writes a
     nonce there; after a broadcast (a barrier) every rank reads it back; all stop on any miss."""
-    from train.config import ConfigError
+    from shatter.train.config import ConfigError
 
     dist = torch.distributed
     if dist.get_world_size() == 1:
@@ -295,7 +295,7 @@ def resume(
     try:
         path, client = engine.load_checkpoint(str(load_dir), tag=load_tag)
     except (RuntimeError, KeyError, ValueError) as err:  # e.g. weights of another shape
-        from train.config import ConfigError
+        from shatter.train.config import ConfigError
 
         where = run_dir / CHECKPOINTS / name
         lines = [line.strip() for line in str(err).strip().splitlines()] or [type(err).__name__]
@@ -309,7 +309,7 @@ def resume(
             f"{run_dir / CHECKPOINTS / name}: DeepSpeed could not load this checkpoint"
         )
     if universal and engine.zero_optimization_stage() == 3:
-        from train.zero3_fix import repair_universal_load
+        from shatter.train.zero3_fix import repair_universal_load
 
         repair_universal_load(engine.optimizer, load_dir / load_tag)
     scheduler = engine.lr_scheduler

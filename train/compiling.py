@@ -15,7 +15,7 @@ import shutil
 import torch
 from torch import nn
 
-from train.config import ConfigError
+from shatter.train.config import ConfigError
 
 
 def compile_problem(device_type: str) -> str | None:

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from train.config import ConfigError, EngineArgs, TrainConfig
-from train.lifecycle import COLLECTIVE_TIMEOUT
-from train.schedule import DEEPSPEED_DECAYS, Plan, client_scheduler
+from shatter.train.config import ConfigError, EngineArgs, TrainConfig
+from shatter.train.lifecycle import COLLECTIVE_TIMEOUT
+from shatter.train.schedule import DEEPSPEED_DECAYS, Plan, client_scheduler
 
 
 def on_cpu() -> bool:

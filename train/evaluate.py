@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from train.masking import IGNORE
+from shatter.train.masking import IGNORE
 
 
 def default_device() -> torch.device:

@@ -29,9 +29,9 @@ if __package__ in (None, ""):
 
 import click  # noqa: E402
 
-from pipeline.options import click_options  # noqa: E402
-from train.config import ConfigError  # noqa: E402
-from train.finetuning.config import SECTIONS, resolve  # noqa: E402
+from shatter.pipeline.options import click_options  # noqa: E402
+from shatter.train.config import ConfigError  # noqa: E402
+from shatter.train.finetuning.config import SECTIONS, resolve  # noqa: E402
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -53,10 +53,10 @@ from train.finetuning.config import SECTIONS, resolve  # noqa: E402
 def main(config_file, local_rank, **flags):
     """Finetune an export on a task; writes RUN/metrics.json and RUN/predictions.json."""
     from shatter.checkpoint import CheckpointError
-    from train.finetuning.loop import finetune
-    from train.finetuning.tasks import TaskDataError
-    from train.guard import TrainingError
-    from train.lifecycle import process_exit
+    from shatter.train.finetuning.loop import finetune
+    from shatter.train.finetuning.tasks import TaskDataError
+    from shatter.train.guard import TrainingError
+    from shatter.train.lifecycle import process_exit
 
     known = (ConfigError, CheckpointError, TaskDataError, FileNotFoundError, TrainingError)
     with process_exit(known=known):
@@ -72,6 +72,6 @@ def main(config_file, local_rank, **flags):
 
 
 if __name__ == "__main__":
-    from train.lifecycle import run_cli
+    from shatter.train.lifecycle import run_cli
 
     run_cli(main)

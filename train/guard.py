@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from train.checkpoint import TrainState
+    from shatter.train.checkpoint import TrainState
 
 
 class TrainingError(RuntimeError):

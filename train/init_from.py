@@ -14,9 +14,9 @@ from pathlib import Path
 
 from torch import nn
 
-from pipeline.format import Index
-from pipeline.format.reader import sha256_file
-from train.config import ConfigError, TrainConfig
+from shatter.pipeline.format import Index
+from shatter.pipeline.format.reader import sha256_file
+from shatter.train.config import ConfigError, TrainConfig
 
 SHAPE_FIELDS = ("arch", "hidden", "layers", "heads", "ffn", "rpe_max_distance", "rab_buckets")
 

@@ -391,7 +391,7 @@ def hold_run_directory(run_dir, rank: int) -> RunLock | None:
     holds it, every rank stops with one line naming that run. Returns rank 0's lock."""
     import torch.distributed as dist
 
-    from train.config import ConfigError
+    from shatter.train.config import ConfigError
 
     lock = RunLock(run_dir) if rank == 0 else None
     verdict = [None]

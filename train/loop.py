@@ -18,17 +18,17 @@ from pathlib import Path
 
 import torch
 
-from pipeline.format import Index
-from pipeline.masking import mix64
-from train import checkpoint
-from train.budget import Budget
-from train.config import TrainConfig
-from train.cost import cost_model
-from train.engine import LossScaleStall, loss_scale, skipped_steps
-from train.evaluate import evaluate
-from train.guard import StepGuard, TrainingError, step_guard
-from train.lifecycle import StopFlag, ignore_stop_signals
-from train.loader import (
+from shatter.pipeline.format import Index
+from shatter.pipeline.masking import mix64
+from shatter.train import checkpoint
+from shatter.train.budget import Budget
+from shatter.train.config import TrainConfig
+from shatter.train.cost import cost_model
+from shatter.train.engine import LossScaleStall, loss_scale, skipped_steps
+from shatter.train.evaluate import evaluate
+from shatter.train.guard import StepGuard, TrainingError, step_guard
+from shatter.train.lifecycle import StopFlag, ignore_stop_signals
+from shatter.train.loader import (
     ShardStream,
     StreamPosition,
     source_epochs,
@@ -36,8 +36,8 @@ from train.loader import (
     train_loader,
     validation_stream,
 )
-from train.loader.stream import STORE_ERROR
-from train.metrics import MetricsWriter, Progress, RunClock, device_word, gpu_memory
+from shatter.train.loader.stream import STORE_ERROR
+from shatter.train.metrics import MetricsWriter, Progress, RunClock, device_word, gpu_memory
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "perm_rank")  # perm_rank: plm only
 
@@ -60,7 +60,7 @@ class RunContext:
     final_save: bool = True  # checkpoint and export at max_steps (a benchmark's run skips them)
     store_failure: str | None = None  # a loader's store failure (STORE_ERROR): why it stopped
     budget: Budget | None = None  # run.budget_hours: re-plans the run's length (train/budget.py)
-    mix: list | None = None  # several --data: (index, weight) of each (`train.loader.mix`)
+    mix: list | None = None  # several --data: (index, weight) of each (`shatter.train.loader.mix`)
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -186,7 +186,7 @@ class Loop:
     guard: StepGuard
     clock: RunClock  # training time apart from validation and checkpoints; GPU-hours
     stall: LossScaleStall  # fp16: stops the run before DeepSpeed's minimum loss scale
-    cost: object  # train.cost's model: tokens/s and MFU per log line
+    cost: object  # shatter.train.cost's model: tokens/s and MFU per log line
     validation: ShardStream
     epoch_size: int
     sample_log: object | None  # a file (run.sample_log), or None

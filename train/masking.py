@@ -2,7 +2,7 @@
 
 Dynamic masking is RoBERTa's per-epoch re-masking (Liu et al. 2019, §4.1) with BERT's recipe
 (Devlin et al. 2019, §3.1: 15% of the non-special tokens, 80% [MASK] / 10% random / 10% kept,
-optionally whole words): the pipeline's own pure function `pipeline.masking.mask_batch`, the one
+optionally whole words): the pipeline's own pure function `shatter.pipeline.masking.mask_batch`, the one
 that wrote the static masks, seeded per sample and epoch (splitmix64). Its draws are
 counter-based hashes (MurmurHash3's 32-bit finaliser) of the seed and the position, so a
 sample's mask depends on (seed, epoch, sample id) only, whatever the ranks, workers, batch
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.format.tokenizer import (  # noqa: F401  (the trainer's special ids, from here)
+from shatter.pipeline.format.tokenizer import (  # noqa: F401  (the trainer's special ids, from here)
     CLS_ID as CLS,
     MASK_ID as MASK,
     PAD_ID as PAD,
     SEP_ID as SEP,
 )
-from pipeline.masking import mask_batch, mix64, row_seeds
+from shatter.pipeline.masking import mask_batch, mix64, row_seeds
 
 IGNORE = -100  # label at positions that are not predicted (torch's cross-entropy ignore_index)
 

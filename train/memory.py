@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.config import TrainConfig, data_sources, model_overrides
+from shatter.train.config import TrainConfig, data_sources, model_overrides
 
 GIB = 1024**3
 PROBE_BATCH = 4  # larger micro-batches are measured at this size and scaled linearly
@@ -153,8 +153,8 @@ def estimate(
 def dry_run_report(cfg: TrainConfig, target: str = "auto") -> str:
     """`target`: "gpu" estimates for a GPU from any box, "auto" for this machine's kind."""
     import shatter
-    from pipeline.format import DatasetError, read_index
-    from train.engine import resolved_deepspeed_config
+    from shatter.pipeline.format import DatasetError, read_index
+    from shatter.train.engine import resolved_deepspeed_config
 
     index = None
     if cfg.data.path:

@@ -6,7 +6,7 @@ variables, plus what `.deepspeed_env` holds (in the launch directory or the home
 `DS_ENV_FILE` names another file). The object store's settings (AWS_*), TMPDIR (the node cache's
 place) and HF_* reach rank 0's node only, unless the nodes' own shells set them.
 
-`python -m train.node_env`, run in the launch directory before a launch, appends this shell's
+`python -m shatter.train.node_env`, run in the launch directory before a launch, appends this shell's
 settings to `.deepspeed_env` (secrets excepted). `check_nodes_env` (collective, at start-up)
 compares them across ranks: where a rank lacks a setting another has (a node whose shell profile
 sets it, another's not), rank 0 adds it to `.deepspeed_env` in the launch directory (secrets
@@ -67,7 +67,7 @@ def check_nodes_env() -> None:
     `.deepspeed_env`)."""
     import torch.distributed as dist
 
-    from train.config import ConfigError
+    from shatter.train.config import ConfigError
 
     if dist.get_world_size() == 1:
         return

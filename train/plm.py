@@ -24,9 +24,9 @@ import dataclasses
 
 import numpy as np
 
-from pipeline.format.tokenizer import SPECIAL_IDS
-from train.config import ConfigError, TrainConfig
-from train.masking import IGNORE, static_mask
+from shatter.pipeline.format.tokenizer import SPECIAL_IDS
+from shatter.train.config import ConfigError, TrainConfig
+from shatter.train.masking import IGNORE, static_mask
 
 OBJECTIVES = ("mlm", "plm")
 TARGETS = ("spans", "static")

@@ -24,11 +24,11 @@ if __package__ in (None, ""):
 
 import click  # noqa: E402
 
-from pipeline.format import DatasetError, read_index  # noqa: E402
-from pipeline.format.store import is_remote, local_path, open_store  # noqa: E402
-from pipeline.options import click_options  # noqa: E402
-from train import init_from  # noqa: E402
-from train.config import (  # noqa: E402
+from shatter.pipeline.format import DatasetError, read_index  # noqa: E402
+from shatter.pipeline.format.store import is_remote, local_path, open_store  # noqa: E402
+from shatter.pipeline.options import click_options  # noqa: E402
+from shatter.train import init_from  # noqa: E402
+from shatter.train.config import (  # noqa: E402
     SECTIONS,
     ConfigError,
     PresetError,
@@ -39,7 +39,7 @@ from train.config import (  # noqa: E402
     resolve,
     schedule_problem,
 )
-from train.init_from import SHAPE_FIELDS  # noqa: E402
+from shatter.train.init_from import SHAPE_FIELDS  # noqa: E402
 
 
 def _check_same_arch(cfg: TrainConfig) -> None:
@@ -97,7 +97,7 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
         for info in index.shards("validation"):
             local_path(index.shard_path(info), info.sha256, keep=True)
     # the shortest build's length by default; a longer build's rows are cut to it (each mixed
-    # dataset by its own L // l, `train.loader.mix`)
+    # dataset by its own L // l, `shatter.train.loader.mix`)
     seq_len = cfg.data.seq_len or min(ix.seq_len for ix in indexes)
     for ix in indexes:
         if seq_len > ix.seq_len:
@@ -156,7 +156,7 @@ def _initial_model(cfg: TrainConfig, index, seq_len: int):
     if export is not None:
         init_from.load_weights(model, export)
     if cfg.run.compile:
-        from train.compiling import compile_model
+        from shatter.train.compiling import compile_model
 
         compile_model(model)
     return model
@@ -166,8 +166,8 @@ def compiled_run(ctx, state) -> str:
     """train(), with a failure of torch.compile's first compilation as one line."""
     from torch._dynamo.exc import TorchDynamoException
 
-    from train.compiling import one_line
-    from train.loop import TrainingError, train
+    from shatter.train.compiling import one_line
+    from shatter.train.loop import TrainingError, train
 
     try:
         return train(ctx, state)
@@ -184,19 +184,19 @@ class UsageError(click.ClickException):
 def _run(cfg: TrainConfig) -> int:
     import torch
 
-    from train import budget, checkpoint
-    from train.engine import (
+    from shatter.train import budget, checkpoint
+    from shatter.train.engine import (
         build_engine,
         deepspeed_schedule,
         init_distributed,
         resolved_deepspeed_config,
     )
-    from train.lifecycle import ProgressWatchdog, StopFlag, hold_run_directory
-    from train.loader import StreamPosition, stream_shape
-    from train.loop import RunContext
-    from train.metrics import MetricsWriter, log_to_run
-    from train.node_env import check_nodes_env
-    from train.schedule import Plan
+    from shatter.train.lifecycle import ProgressWatchdog, StopFlag, hold_run_directory
+    from shatter.train.loader import StreamPosition, stream_shape
+    from shatter.train.loop import RunContext
+    from shatter.train.metrics import MetricsWriter, log_to_run
+    from shatter.train.node_env import check_nodes_env
+    from shatter.train.schedule import Plan
 
     index, seq_len, mix = start_up_checks(cfg)
     cfg = budget.planned_config(cfg, Path(cfg.run.output))  # a resumed budgeted run's length
@@ -254,12 +254,12 @@ def _universal_if_resharded(run_dir: Path, rank: int, world: int, ds_config: dic
     """The newest complete checkpoint (`found`, its manifest), when written by another number of
     ranks, is converted to a universal one (ZeRO's partitions re-cut for this world,
     train/checkpoint.py) and loaded as such; True if so."""
-    from train import checkpoint
+    from shatter.train import checkpoint
 
     if found.world_size is None or found.world_size == world:
         return False
     if ds_config["zero_optimization"]["stage"] == 3:
-        from train.zero3_fix import check_version
+        from shatter.train.zero3_fix import check_version
 
         check_version()
     if rank == 0:
@@ -276,7 +276,7 @@ def _universal_if_resharded(run_dir: Path, rank: int, world: int, ds_config: dic
 def _record_start(cfg, run_dir: Path, state, saved_config, ds_config, world, seq_len) -> None:
     """Rank 0: what a resume changes (the config, the schedule), metrics.jsonl cut back to the
     checkpoint's step, and RUN/config.json."""
-    from train import checkpoint
+    from shatter.train import checkpoint
 
     if saved_config is not None:
         changes = checkpoint.config_changes(saved_config, cfg.to_dict())
@@ -310,8 +310,8 @@ def _record_start(cfg, run_dir: Path, state, saved_config, ds_config, world, seq
 def _say_how_it_ended(status: str, state, run_dir: Path, device) -> None:
     """Rank 0's last line: complete or stopped, at which step, the skips, the GPU memory peak,
     and where the export or the checkpoint is."""
-    from train import checkpoint
-    from train.metrics import gpu_memory
+    from shatter.train import checkpoint
+    from shatter.train.metrics import gpu_memory
 
     where = (
         f"export in {run_dir / checkpoint.EXPORT}"
@@ -361,15 +361,15 @@ def _say_how_it_ended(status: str, state, run_dir: Path, device) -> None:
 )
 def main(config_file, dry_run, target, local_rank, **flags):
     """Pretrain a masked-LM encoder on a shard dataset with DeepSpeed."""
-    from train.guard import TrainingError
-    from train.lifecycle import process_exit
-    from train.plm import with_objective
+    from shatter.train.guard import TrainingError
+    from shatter.train.lifecycle import process_exit
+    from shatter.train.plm import with_objective
 
     with process_exit(known=(ConfigError, DatasetError, TrainingError)):
         try:
             cfg = with_objective(resolve(config_file, flags))
             if dry_run:
-                from train.memory import dry_run_report
+                from shatter.train.memory import dry_run_report
 
                 click.echo(
                     "dry run: building the model and measuring one micro-batch's activations on "
@@ -386,6 +386,6 @@ def main(config_file, dry_run, target, local_rank, **flags):
 
 
 if __name__ == "__main__":
-    from train.lifecycle import run_cli
+    from shatter.train.lifecycle import run_cli
 
     run_cli(main)

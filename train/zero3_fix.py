@@ -7,7 +7,7 @@ DeepSpeed's `DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpo
   `step` in place, so after the resume the shared count grows once per sub-group per optimizer
   step and the bias corrections of every later step are wrong;
 - it copies the saved hyper-parameters of param group 0 into every param group, so the group
-  that §A.2 exempts from weight decay (biases, LayerNorm weights: `train.engine.param_groups`)
+  that §A.2 exempts from weight decay (biases, LayerNorm weights: `shatter.train.engine.param_groups`)
   gets group 0's 0.01 from then on.
 
 `repair_universal_load` undoes both on the loaded optimizer: one `step` tensor per sub-group, and
@@ -30,7 +30,7 @@ def check_version() -> None:
     import deepspeed
 
     if deepspeed.__version__ not in WRITTEN_FOR:
-        from train.config import ConfigError
+        from shatter.train.config import ConfigError
 
         raise ConfigError(
             f"a ZeRO-3 resume on another world size needs train/zero3_fix.py's repair of "

@@ -11,7 +11,7 @@ import sys
 NAMES = (
     "torch", "triton", "apache_beam", "deepspeed", "datasets", "pydantic", "zstandard",
     "mwparserfromhell", "pyarrow", "numpy", "sentencepiece", "transformers", "matplotlib",
-    "xdist", "pytest_timeout", "pipeline.cli", "train.engine", "shatter",
+    "xdist", "pytest_timeout", "shatter.pipeline.cli", "shatter.train.engine", "shatter",
 )  # fmt: skip
 
 
@@ -40,7 +40,7 @@ def main() -> int:
             bad = 1
             print(f"{name}: import failed: {type(e).__name__}: {e}")
     if not bad and os.environ.get("GPU_BUILD_OPS") == "1":
-        from train.engine import build_extensions
+        from shatter.train.engine import build_extensions
 
         build_extensions()  # a no-op on a GPU
     return bad

@@ -15,7 +15,7 @@ VENV=${GPU_REHEARSE_VENV:-$HOME/.cache/shatter/gpu-rehearse-py312}
 # beside the requirements' share of the image: its test tools, plot library and Hugging Face
 # stack (the export's parity tests), at the image's versions where they are known
 TOOLS=(pytest pytest-xdist pytest-timeout matplotlib transformers==5.17.0 tokenizers==0.23.2
-  accelerate==1.15.0)
+  accelerate==1.15.0 'setuptools>=64' wheel)
 [ -f .whl/image.txt ] || { echo "rehearse_env.sh: error: no .whl/image.txt (bash .ci/gpu/wheels.sh writes it)" >&2; exit 1; }
 INTERPRETER_NUMPY='numpy<2.4'
 want=$( (cat .whl/image.txt; printf '%s\n' "${TOOLS[@]}" "$INTERPRETER_NUMPY") | sort | sha256sum | cut -c1-16)

@@ -19,7 +19,8 @@
 #
 # Every call starts with `env`: .whl/*.whl installed into /tmp/site, which every interpreter
 # the lane starts sees (PYTHONPATH, and a .pth file in the interpreter's site directory), the
-# console scripts the tests call put beside the interpreter, the GPU and versions printed.
+# checkout installed (editable: `shatter.pipeline` is pipeline/, setup.py), the console scripts
+# the tests call put beside the interpreter, the GPU and versions printed.
 # A step runs in a time box; when it is up, the step's processes end, those in sessions of their
 # own included (each carries LANE_STEP in its environment), before the next step starts. Pytest
 # steps give each test a timeout below the box. $OUT (runs/gpu/CALL/ by default) gets one log
@@ -137,7 +138,19 @@ install_wheels() {
     wheel_list >"$SITE/.lane-wheels"
     site_pth || return 1
   fi
+  install_checkout || return 1
   scripts
+}
+
+# The checkout as the package `shatter` (pipeline/, train/ and tools/ are its subpackages
+# shatter.pipeline, shatter.train and shatter.tools: setup.py), editable so the lane runs this
+# tree's code. Built by the interpreter's own setuptools; nothing is fetched.
+install_checkout() {
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e . || {
+    echo "run.sh: error: installing the checkout (pip install -e .) failed: $PY needs setuptools >= 64" >&2
+    return 1
+  }
+  echo "run.sh: installed the checkout $PWD into $PY (editable)"
 }
 
 wheel_list() { (cd .whl && ls -l -- *.whl | sha256sum); }

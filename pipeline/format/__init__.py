@@ -17,8 +17,8 @@
 Beam-free: the trainer imports it, local or remote, without Apache Beam.
 """
 
-from pipeline.format.index import Index, build_index, read_index, write_index
-from pipeline.format.reader import (
+from shatter.pipeline.format.index import Index, build_index, read_index, write_index
+from shatter.pipeline.format.reader import (
     Shard,
     ShardFile,
     load_shard,
@@ -26,7 +26,7 @@ from pipeline.format.reader import (
     read_shard,
     sha256_file,
 )
-from pipeline.format.schema import (
+from shatter.pipeline.format.schema import (
     FORMAT,
     INDEX_FILE,
     TOKENIZER_FILE,
@@ -37,7 +37,7 @@ from pipeline.format.schema import (
     schema,
     shard_name,
 )
-from pipeline.format.writer import ShardWriter, record_batch_rows, write_shard
+from shatter.pipeline.format.writer import ShardWriter, record_batch_rows, write_shard
 
 __all__ = [
     "FORMAT",

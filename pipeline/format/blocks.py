@@ -26,9 +26,9 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from pipeline.format.reader import ShardFile, open_shard
-from pipeline.format.schema import ShardInfo
-from pipeline.format.store.errors import StoreError
+from shatter.pipeline.format.reader import ShardFile, open_shard
+from shatter.pipeline.format.schema import ShardInfo
+from shatter.pipeline.format.store.errors import StoreError
 
 CACHE_BLOCKS = 8  # decoded record batches kept per worker: twice the loader's shuffle window
 OPEN_SHARDS = 4  # the shard being read, the two opened ahead, and one a batch may straddle

@@ -9,8 +9,8 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, is_dataclass
 
-from pipeline.format.reader import sha256_file
-from pipeline.format.schema import (
+from shatter.pipeline.format.reader import sha256_file
+from shatter.pipeline.format.schema import (
     FORMAT,
     INDEX_FILE,
     TOKENIZER_FILE,
@@ -18,7 +18,7 @@ from pipeline.format.schema import (
     DatasetError,
     ShardInfo,
 )
-from pipeline.format.store import fs
+from shatter.pipeline.format.store import fs
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from pipeline.format.schema import REQUIRED_COLUMNS, DatasetError, ShardInfo
-from pipeline.format.store import fs
+from shatter.pipeline.format.schema import REQUIRED_COLUMNS, DatasetError, ShardInfo
+from shatter.pipeline.format.store import fs
 
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
@@ -87,7 +87,7 @@ def _check(path: str, info: ShardInfo, verify: bool) -> None:
     if fs.is_remote(path):
         matches = sha256_file(path) == info.sha256
     else:
-        from pipeline.format.store.verified import sha256_matches
+        from shatter.pipeline.format.store.verified import sha256_matches
 
         matches = sha256_matches(path, info.sha256, sha256_file)
     if not matches:
@@ -247,7 +247,7 @@ def _open(path: str, info: ShardInfo, verify: bool) -> tuple[str, int]:
     """(local path, open descriptor) of a shard; a remote one is its node-local copy, whose
     sha256 was checked on download, pinned in the node cache while the descriptor is open."""
     if fs.is_remote(path):
-        from pipeline.format.store.cache import NodeCache
+        from shatter.pipeline.format.store.cache import NodeCache
 
         return NodeCache().open(path, info.sha256)
     _check(path, info, verify)

@@ -12,11 +12,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.format.schema import ShardInfo, id_type, schema
-from pipeline.format.store import fs
+from shatter.pipeline.format.schema import ShardInfo, id_type, schema
+from shatter.pipeline.format.store import fs
 
 if TYPE_CHECKING:
-    from pipeline.masking import MaskedBatch
+    from shatter.pipeline.masking import MaskedBatch
 
 ROWS_PER_RECORD_BATCH = (
     1024  # at most; fixed per seq_len, so bytes never depend on how rows arrived

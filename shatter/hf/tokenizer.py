@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.format.tokenizer import (
+from shatter.pipeline.format.tokenizer import (
     NORMALIZATION,
     HFTokenizerError,
     load as load_sentencepiece,

@@ -29,8 +29,8 @@ from shatter.heads import SequenceClassificationModel, SpanExtractionModel  # no
 from shatter.hf import card, convert  # noqa: E402
 from shatter.hf.export import outputs, sample_batch as batch  # noqa: E402
 from shatter.hf.remote import configuration_shatter, modeling_shatter  # noqa: E402
-from tools.export import main  # noqa: E402
-from tools.hf_parity import fill_mask, perturbed  # noqa: E402
+from shatter.tools.export import main  # noqa: E402
+from shatter.tools.hf_parity import fill_mask, perturbed  # noqa: E402
 
 TOL = 1e-5
 
@@ -39,7 +39,7 @@ TOL = 1e-5
 def tokenizer_file(tmp_path_factory) -> Path:
     """A sentencepiece model trained by the pipeline's own trainer: on the real books when
     ../shared/data is there, else on generated sentences."""
-    from pipeline.tokenizer import train
+    from shatter.pipeline.tokenizer import train
     from tests.conftest import SHARED_DATA
 
     books = sorted((SHARED_DATA / "books").glob("*.txt"))
@@ -169,8 +169,8 @@ def test_a_finetuning_run_exports_with_its_labels(tokenizer_file, tmp_path, monk
         monkeypatch.delenv(key)
     import csv
 
+    from shatter.train.finetune import main as finetune
     from tests.finetune.conftest import sentiment_rows
-    from train.finetune import main as finetune
 
     export = tmp_path / "export"
     shatter.save_pretrained(
@@ -271,8 +271,8 @@ def test_tokenizer_ids_equal_ours_on_real_text(shared_data, tokenizer_file, tmp_
     differently (a run of dashes in the wiki sample); any other difference fails."""
     import bz2
 
-    from pipeline.tokenizer import load
-    from train.finetuning.features import Tokenizer
+    from shatter.pipeline.tokenizer import load
+    from shatter.train.finetuning.features import Tokenizer
 
     export(tiny("bert", tokenizer_file), tokenizer_file, tmp_path / "e", tmp_path / "hf")
     fast = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")

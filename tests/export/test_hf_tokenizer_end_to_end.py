@@ -21,13 +21,13 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 
 import shatter  # noqa: E402
-from pipeline import hf_tokenizer  # noqa: E402
-from pipeline.build import build  # noqa: E402
-from pipeline.config import InputSpec  # noqa: E402
+from shatter.pipeline import hf_tokenizer  # noqa: E402
+from shatter.pipeline.build import build  # noqa: E402
+from shatter.pipeline.config import InputSpec  # noqa: E402
+from shatter.tools.evaluate import evaluate_export  # noqa: E402
+from shatter.tools.export import main as export_main  # noqa: E402
 from tests.hf_vocab import wordpiece  # noqa: E402
 from tests.pipeline.conftest import generated_documents, quiet, small_config  # noqa: E402
-from tools.evaluate import evaluate_export  # noqa: E402
-from tools.export import main as export_main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def shard_ids(data: Path) -> collections.Counter:
 
 
 def finetune(export: Path, tmp_path: Path) -> Path:
-    from train.finetune import main as finetune_main
+    from shatter.train.finetune import main as finetune_main
 
     rows = "".join(
         json.dumps({"text": t, "label": ["neg", "pos"][i % 2]}) + "\n"
@@ -108,7 +108,7 @@ def test_a_cased_sentencepiece_build_keeps_case_end_to_end(tmp_path):
     transformers and the finetuning features (which no longer lower-case its text)."""
     import sentencepiece as spm
 
-    from train.finetuning.features import Tokenizer
+    from shatter.train.finetuning.features import Tokenizer
 
     docs = generated_documents(200, seed=6)
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -137,8 +137,8 @@ def test_a_cased_sentencepiece_build_keeps_case_end_to_end(tmp_path):
 def test_a_sentencepiece_bpe_model_converts_to_the_same_ids(cased, tmp_path):
     """`--tokenizer-model-type bpe`: its tokenizer.json (BPE, merges ranked by the merged piece's
     score) encodes as sentencepiece does, unknown characters and case included."""
-    from pipeline.tokenizer import load, train
     from shatter.hf.tokenizer import save_tokenizer
+    from shatter.pipeline.tokenizer import load, train
 
     lines = [x for d in generated_documents(300, seed=11) for x in d.split("\n")]
     model = tmp_path / "tokenizer.model"

@@ -16,7 +16,7 @@ os.environ.update(
     MASTER_PORT=os.environ.get("MASTER_PORT", "29561"),
 )
 
-from train.engine import extensions_dir  # noqa: E402
+from shatter.train.engine import extensions_dir  # noqa: E402
 
 # Per-environment JIT cache (the trainer's choice): venvs sharing torch's default one rebuild
 # each other's shm_comm op, and a build killed midway leaves a lock that hangs the next user.

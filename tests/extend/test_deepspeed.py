@@ -10,8 +10,8 @@ import torch
 from click.testing import CliRunner
 
 import shatter
+from shatter.tools.extend import main
 from tests.jobs import child_env
-from tools.extend import main
 
 from .test_cli import tokenizer_file  # noqa: F401  (fixture)
 from .test_extend import inputs

@@ -2,8 +2,8 @@
 
 import pytest
 
-from train.config import ConfigError
-from train.finetuning.config import resolve
+from shatter.train.config import ConfigError
+from shatter.train.finetuning.config import resolve
 
 BASE = {"task": "sst2", "train_file": "t.tsv", "checkpoint": "ck", "output": "run"}
 
@@ -44,7 +44,7 @@ def test_rejects_unknown_keys_and_bad_values(tmp_path):
 
 
 def test_yaml_problems_are_config_errors_like_pretraining(tmp_path):
-    """The finetuning YAML is read by train.config.read_yaml, as the pretraining one."""
+    """The finetuning YAML is read by shatter.train.config.read_yaml, as the pretraining one."""
     path = tmp_path / "ft.yaml"
     path.write_text("run: 8\n")  # used to be a bare ValueError from dict(8)
     with pytest.raises(ConfigError, match=r"ft.yaml: section 'run' must be a mapping"):
@@ -64,15 +64,15 @@ def test_each_flag_is_declared_once_on_its_config_field():
     fields: a flag given on the command line lands in its field."""
     from pathlib import Path
 
-    from pipeline.options import docs_table
-    from train.finetune import main
-    from train.finetuning.config import FLAGS, SECTIONS
+    from shatter.pipeline.options import docs_table
+    from shatter.train.finetune import main
+    from shatter.train.finetuning.config import FLAGS, SECTIONS
 
     table = docs_table(SECTIONS)
     docs = Path(__file__).resolve().parents[2] / "docs" / "finetune.md"
     assert table in docs.read_text(), (
         "docs/finetune.md's flag table is not the declared one: paste the output of python -c "
-        "'from pipeline.options import docs_table; from train.finetuning.config import SECTIONS; "
+        "'from shatter.pipeline.options import docs_table; from shatter.train.finetuning.config import SECTIONS; "
         "print(docs_table(SECTIONS))'"
     )
     params = {p.name: p for p in main.params}

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from train.finetuning.features import (
+from shatter.train.finetuning.features import (
     CLS,
     PAD,
     SEP,
@@ -110,7 +110,7 @@ def test_windows_cover_the_context_and_find_the_answer(tokenizer_model, max_len,
 
 
 def test_best_span_respects_order_and_length():
-    from train.finetuning.features import SpanWindow
+    from shatter.train.finetuning.features import SpanWindow
 
     context = "alpha beta gamma delta"
     begins, ends = np.array([0, 6, 11, 17]), np.array([5, 10, 16, 22])

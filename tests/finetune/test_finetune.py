@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 import shatter
-from train.finetune import main
+from shatter.train.finetune import main
 
 from .conftest import sentiment_rows, squad_json
 
@@ -292,7 +292,7 @@ def test_global_batches_cut_one_stream_of_epoch_permutations(n, batch, world):
 
     import numpy as np
 
-    from train.finetuning.loop import global_batches
+    from shatter.train.finetuning.loop import global_batches
 
     steps = 3 * n // batch + 3
     per_rank = [

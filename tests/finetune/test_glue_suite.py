@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import shatter
-from tools.glue import COLUMNS, TASKS
-from tools.glue_hub import FORMATS, write_split
+from shatter.tools.glue import COLUMNS, TASKS
+from shatter.tools.glue_hub import FORMATS, write_split
 
 from .conftest import sentiment_rows
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from train.finetuning.config import scaled_lr
+from shatter.train.finetuning.config import scaled_lr
 
 from .conftest import FILLER, NEGATIVE, POSITIVE
 from .test_finetune import run, write_csv

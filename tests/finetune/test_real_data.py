@@ -16,7 +16,7 @@ import sentencepiece as spm
 from click.testing import CliRunner
 
 import shatter
-from train.finetune import main
+from shatter.train.finetune import main
 
 RT = "finetune/rotten_tomatoes_corpus.csv.bz2"
 

@@ -7,9 +7,9 @@ import json
 from click.testing import CliRunner
 
 import shatter
-from pipeline.format.store import configure, current
+from shatter.pipeline.format.store import configure, current
+from shatter.tools.extend import main as extend
 from tests.s3server import BUCKET
-from tools.extend import main as extend
 
 from .conftest import sentiment_rows
 from .test_errors import one_line_error
@@ -77,8 +77,8 @@ def test_extend_and_finetune_read_an_export_from_s3(s3_server, tmp_path, export)
 
 def test_evaluate_reads_an_export_from_s3(s3_server, tmp_path):
     """tools/evaluate.py --checkpoint s3://...: the scores of the same export on local disk."""
+    from shatter.tools.evaluate import main as evaluate
     from tests.train.shardutil import write_dataset
-    from tools.evaluate import main as evaluate
 
     data = write_dataset(tmp_path / "data", vocab=100, seq_len=32)
     model = shatter.build_model("shatter-tiny", vocab_size=100, max_len=32, hidden=32, ffn=64)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from train.finetuning import metrics as m
+from shatter.train.finetuning import metrics as m
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from train.finetuning.tasks import (
+from shatter.train.finetuning.tasks import (
     TASKS,
     TaskDataError,
     read_boolq,

@@ -9,8 +9,8 @@ import torch
 from click.testing import CliRunner
 
 import shatter
-from tools.extend import main as extend_main
-from train.finetune import main as finetune_main
+from shatter.tools.extend import main as extend_main
+from shatter.train.finetune import main as finetune_main
 
 from .conftest import sentiment_rows, squad_json
 from .test_finetune import multirc_rows, sts_tsv, write_csv

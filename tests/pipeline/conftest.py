@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from pipeline.build import build
-from pipeline.config import BuildConfig, InputSpec
+from shatter.pipeline.build import build
+from shatter.pipeline.config import BuildConfig, InputSpec
 
 SYLLABLES = "ka lo mi ne ru sa ti vo be da fe gu hi jo pe qu".split()
 

@@ -7,8 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from pipeline import format as shards
-from pipeline.cli import main
+from shatter.pipeline import format as shards
+from shatter.pipeline.cli import main
 
 from .conftest import generated_documents
 

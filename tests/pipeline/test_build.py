@@ -10,12 +10,12 @@ import sentencepiece as spm
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from click.testing import CliRunner
 
-from pipeline import format as shards
-from pipeline.build import build
-from pipeline.cli import main
-from pipeline.config import InputSpec
-from pipeline.inspect import verify_dataset
-from pipeline.sharding import ShardSize
+from shatter.pipeline import format as shards
+from shatter.pipeline.build import build
+from shatter.pipeline.cli import main
+from shatter.pipeline.config import InputSpec
+from shatter.pipeline.inspect import verify_dataset
+from shatter.pipeline.sharding import ShardSize
 
 from .conftest import generated_documents, quiet, small_config
 
@@ -273,7 +273,7 @@ def test_wiki_sample_end_to_end_via_cli(shared_data, tmp_path):
 def test_unknown_options_reach_the_pipeline_and_its_runner():
     from apache_beam.options.pipeline_options import DirectOptions, GoogleCloudOptions
 
-    from pipeline.runners import make_pipeline
+    from shatter.pipeline.runners import make_pipeline
 
     p = make_pipeline(
         ["--direct_num_workers", "2", "--project", "proj", "--temp_location", "gs://b/t"]
@@ -320,7 +320,7 @@ def test_cli_passes_beam_options_through(built, corpus_dir, tmp_path):
 def test_a_shard_too_large_for_arrow_offsets_stops_with_advice(
     built, corpus_dir, tmp_path, monkeypatch
 ):
-    from pipeline import sink
+    from shatter.pipeline import sink
 
     out, _ = built
     monkeypatch.setattr(sink, "MAX_SHARD_IDS", 1000)  # the real limit, 2**31 - 1 ids, scaled down
@@ -348,14 +348,14 @@ def test_a_shard_too_large_for_arrow_offsets_stops_with_advice(
 
 
 def test_a_runner_failure_is_one_line_and_v_shows_the_traceback(tmp_path, monkeypatch):
-    import pipeline.build
+    import shatter.pipeline.build
 
     def fail(
         *args, **kwargs
     ):  # e.g. FlinkRunner offline: "Unable to fetch remote job server jar ..."
         raise RuntimeError("job server failed\nUnable to fetch remote job server jar")
 
-    monkeypatch.setattr(pipeline.build, "build", fail)
+    monkeypatch.setattr(shatter.pipeline.build, "build", fail)
     args = ["build", "--input", "x", "--output", str(tmp_path / "o")]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and "Traceback" not in result.output
@@ -429,14 +429,16 @@ def test_commands_print_no_import_noise(built):
 
     out, _ = built
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "verify", str(out)], capture_output=True, text=True
+        [sys.executable, "-m", "shatter.pipeline.cli", "verify", str(out)],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0 and proc.stdout.startswith("OK ")
     assert "apitools" not in proc.stderr and "WARNING" not in proc.stderr
 
 
 def test_the_program_keeps_exit_statuses_and_output_when_it_skips_teardown(built, tmp_path):
-    """`shatter-data` ends without the interpreter's teardown (`pipeline.process`): the exit
+    """`shatter-data` ends without the interpreter's teardown (`shatter.pipeline.process`): the exit
     status is still the command's, every line it wrote arrives, and the exit handlers run."""
     import subprocess
     import sys
@@ -445,7 +447,7 @@ def test_the_program_keeps_exit_statuses_and_output_when_it_skips_teardown(built
 
     def run(*args):
         return subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True
+            [sys.executable, "-m", "shatter.pipeline.cli", *args], capture_output=True, text=True
         )
 
     shown = run("inspect", str(out), "--rows", "40")
@@ -468,11 +470,11 @@ def test_the_program_keeps_exit_statuses_and_output_when_it_skips_teardown(built
 def test_a_build_process_runs_without_pandas_as_the_core_install_does(corpus_dir, tmp_path):
     """Beam imports pandas, where installed, for converters the build never uses (0.5 s of every
     build): `shatter-data build` runs as where pandas is not installed, on the runners that are
-    tested so (`pipeline.process.hide_pandas`); any other runner keeps it."""
+    tested so (`shatter.pipeline.process.hide_pandas`); any other runner keeps it."""
     import subprocess
     import sys
 
-    from pipeline.process import RUNNERS_WITHOUT_PANDAS, runner_named
+    from shatter.pipeline.process import RUNNERS_WITHOUT_PANDAS, runner_named
 
     seen = tmp_path / "pandas-modules"
     out = tmp_path / "out"
@@ -496,9 +498,9 @@ def test_a_build_process_runs_without_pandas_as_the_core_install_does(corpus_dir
 def test_a_shard_the_runner_did_not_report_fails_the_build(corpus_dir, tmp_path, monkeypatch):
     """Each writer leaves its shard's entry in the work directory (`sink.read_manifest`); one
     missing (a runner that dropped a write) fails the build before any index.json is written."""
-    import pipeline.build as build_module
-    from pipeline.build import BuildError
-    from pipeline.sink import read_manifest
+    import shatter.pipeline.build as build_module
+    from shatter.pipeline.build import BuildError
+    from shatter.pipeline.sink import read_manifest
 
     def lose_one(work_dir):
         return [e for e in read_manifest(work_dir) if (e["split"], e["shard"]) != ("train", 1)]

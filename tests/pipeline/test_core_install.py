@@ -14,7 +14,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
-OURS = {"pipeline", "shatter", "train", "tools"}  # the sdist's own packages (`--setup_file`)
+OURS = {"shatter"}  # the sdist's own package (`--setup_file`)
 # what the training stack and the extras bring, named so that the test says what it guards against
 MUST_BLOCK = {"pandas", "torch", "datasets", "deepspeed", "scipy", "sklearn", "safetensors"}
 MUST_BLOCK |= {"tqdm", "tensorboard", "matplotlib", "dask", "distributed"}
@@ -84,7 +84,7 @@ RUN = textwrap.dedent(
         pass
     else:
         sys.exit("the blocker let pandas through")
-    from pipeline.cli import entry
+    from shatter.pipeline.cli import entry
 
     sys.argv = ["shatter-data", *sys.argv[2:]]
     entry()
@@ -102,7 +102,7 @@ def test_a_training_node_pulls_no_beam():
 
 def test_shatter_data_without_beam_is_one_line():
     """On a training node's install, `shatter-data` names the extra to install."""
-    run = "import sys; sys.modules['apache_beam'] = None; from pipeline.cli import entry; entry()"
+    run = "import sys; sys.modules['apache_beam'] = None; from shatter.pipeline.cli import entry; entry()"
     done = subprocess.run(
         [sys.executable, "-c", run, "inspect", "x"], capture_output=True, text=True, cwd=REPO
     )

@@ -2,7 +2,7 @@
 
 import hashlib
 
-from pipeline.format import INDEX_FILE, ShardInfo, build_index, read_index, write_index
+from shatter.pipeline.format import INDEX_FILE, ShardInfo, build_index, read_index, write_index
 
 
 def test_build_index_records_shards_totals_and_tokenizer_and_reads_back(tmp_path):

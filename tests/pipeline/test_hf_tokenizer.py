@@ -13,11 +13,11 @@ pytest.importorskip("tokenizers")
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from pipeline import hf_tokenizer  # noqa: E402
-from pipeline.build import build  # noqa: E402
-from pipeline.cli import main  # noqa: E402
-from pipeline.config import InputSpec  # noqa: E402
-from pipeline.inspect import inspect_dataset, verify_dataset  # noqa: E402
+from shatter.pipeline import hf_tokenizer  # noqa: E402
+from shatter.pipeline.build import build  # noqa: E402
+from shatter.pipeline.cli import main  # noqa: E402
+from shatter.pipeline.config import InputSpec  # noqa: E402
+from shatter.pipeline.inspect import inspect_dataset, verify_dataset  # noqa: E402
 from tests.hf_vocab import byte_level_bpe, wordpiece  # noqa: E402
 from tests.pipeline.conftest import generated_documents, quiet, small_config  # noqa: E402
 

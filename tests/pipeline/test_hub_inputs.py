@@ -12,11 +12,11 @@ from click.testing import CliRunner
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline import readers
-from pipeline.build import build
-from pipeline.cli import main
-from pipeline.config import InputSpec
-from pipeline.wiki import InputError
+from shatter.pipeline import readers
+from shatter.pipeline.build import build
+from shatter.pipeline.cli import main
+from shatter.pipeline.config import InputSpec
+from shatter.pipeline.wiki import InputError
 from tests.pipeline.conftest import generated_documents, quiet, small_config
 
 

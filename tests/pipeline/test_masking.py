@@ -3,7 +3,15 @@
 import numpy as np
 import pytest
 
-from pipeline.masking import CLS_ID, MASK_ID, SEP_ID, SPECIAL_IDS, mask_batch, mask_row, row_seeds
+from shatter.pipeline.masking import (
+    CLS_ID,
+    MASK_ID,
+    SEP_ID,
+    SPECIAL_IDS,
+    mask_batch,
+    mask_row,
+    row_seeds,
+)
 
 VOCAB = 1000
 

@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from pipeline import cleaning, tokenizer as tok
-from tools.bench_pipeline import cleaned_documents, write_corpus
-from tools.bench_pipeline_memory import build_command, measure
+from shatter.pipeline import cleaning, tokenizer as tok
+from shatter.tools.bench_pipeline import cleaned_documents, write_corpus
+from shatter.tools.bench_pipeline_memory import build_command, measure
 
 
 def assert_flat(docs, tmp_path, tokenizer=None):

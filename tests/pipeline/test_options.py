@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 import pytest
 
-from pipeline.config import BuildConfig, InputSpec
-from pipeline.options import click_options, declared, docs_table, flag_fields, option
+from shatter.pipeline.config import BuildConfig, InputSpec
+from shatter.pipeline.options import click_options, declared, docs_table, flag_fields, option
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def test_a_declared_field_gives_its_option_its_field_and_its_docs_row():
 
 
 def test_shatter_data_build_declares_build_configs_fields_once():
-    from pipeline.cli import build
+    from shatter.pipeline.cli import build
 
     params = {p.name: p for p in build.params}
     fields = {d.param: d for d in declared(BuildConfig)}
@@ -80,7 +80,7 @@ def test_shatter_data_build_declares_build_configs_fields_once():
     assert "| `--text-field`, `--text-column` | `text_field` |" in table
     assert table in (REPO / "docs" / "pipeline.md").read_text(), (
         "docs/pipeline.md's option table is not the declared one: paste the output of "
-        "python -c 'from pipeline.options import docs_table; from pipeline.config import "
+        "python -c 'from shatter.pipeline.options import docs_table; from shatter.pipeline.config import "
         "BuildConfig; print(docs_table(BuildConfig))'"
     )
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from pipeline.masking import CLS_ID, SEP_ID
-from pipeline.packing import content_tokens, pack_documents, pack_documents_padded, padded
+from shatter.pipeline.masking import CLS_ID, SEP_ID
+from shatter.pipeline.packing import content_tokens, pack_documents, pack_documents_padded, padded
 
 
 def _docs(seed=0, n=30):

@@ -1,4 +1,4 @@
-"""Live progress (`pipeline.progress`): the tally, its formatting, and real builds on every local runner."""
+"""Live progress (`shatter.pipeline.progress`): the tally, its formatting, and real builds on every local runner."""
 
 import json
 import re
@@ -11,11 +11,11 @@ import pytest
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from click.testing import CliRunner
 
-from pipeline import progress
-from pipeline.build import build
-from pipeline.cli import main
-from pipeline.config import InputSpec
-from pipeline.runners import make_pipeline
+from shatter.pipeline import progress
+from shatter.pipeline.build import build
+from shatter.pipeline.cli import main
+from shatter.pipeline.config import InputSpec
+from shatter.pipeline.runners import make_pipeline
 
 from .conftest import generated_documents, small_config
 from .test_build import _files

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from pipeline import cleaning, readers, wiki
-from pipeline.config import InputSpec
-from pipeline.wiki import InputError
+from shatter.pipeline import cleaning, readers, wiki
+from shatter.pipeline.config import InputSpec
+from shatter.pipeline.wiki import InputError
 
 from .conftest import generated_documents
 
@@ -203,7 +203,7 @@ def test_a_large_wiki_file_without_index_warns_that_one_worker_reads_it(tmp_path
     with open(big, "wb") as f:  # sparse: only the size matters here
         f.truncate(readers.ONE_WORKER_WARNING_BYTES + 1)
     (tmp_path / "small.xml.bz2").write_bytes(b"x")
-    with caplog.at_level("WARNING", logger="pipeline.readers"):
+    with caplog.at_level("WARNING", logger="shatter.pipeline.readers"):
         specs = readers.expand_inputs((InputSpec("wiki", str(tmp_path)),), 1 << 20, "paragraph")
     assert len(specs) == 2
     warned = [r.getMessage() for r in caplog.records]

@@ -11,9 +11,9 @@ import apache_beam as beam
 import pytest
 from click.testing import CliRunner
 
-from pipeline import format as shards
-from pipeline.cli import main
-from pipeline.runners import OptionError, check_options, make_pipeline
+from shatter.pipeline import format as shards
+from shatter.pipeline.cli import main
+from shatter.pipeline.runners import OptionError, check_options, make_pipeline
 
 from .test_build import _files
 
@@ -52,7 +52,7 @@ def dask_cluster():
 @pytest.mark.slow  # two worker processes start and import Beam: ~20 s on the loaded 2-core box
 def test_dask_runner_writes_the_bytes_of_the_fn_api_runner(corpus_dir, tmp_path, dask_cluster):
     """The whole build (tokenizer sample, training, build) on 2 Dask worker processes, run as the
-    `shatter-data` program (so its driver runs without pandas, `pipeline.cli.entry`), and the
+    `shatter-data` program (so its driver runs without pandas, `shatter.pipeline.cli.entry`), and the
     build with that tokenizer given."""
     args = [
         "build",
@@ -68,7 +68,10 @@ def test_dask_runner_writes_the_bytes_of_the_fn_api_runner(corpus_dir, tmp_path,
         dask_cluster.scheduler_address,
     ]
     program = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "shatter.pipeline.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert program.returncode == 0, program.stderr[-3000:]
     assert "DaskRunner reports no counters" in program.stderr
@@ -240,7 +243,7 @@ class _CountAdds(beam.CombineFn):
 def test_the_dask_fork_refuses_a_beam_it_was_not_written_for():
     """pipeline/dask_runner.py patches Beam's private Dask-runner API: another Beam series is one
     line naming the installed version and the one to install, before any private import."""
-    from pipeline.runners import DASK_FORK_BEAM, OptionError, check_dask_fork
+    from shatter.pipeline.runners import DASK_FORK_BEAM, OptionError, check_dask_fork
 
     check_dask_fork(beam.__version__)  # the installed Beam is the tested one
     with pytest.raises(OptionError) as e:

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from pipeline.build import build
-from pipeline.cli import main
-from pipeline.config import InputSpec
-from pipeline.format import read_index
+from shatter.pipeline.build import build
+from shatter.pipeline.cli import main
+from shatter.pipeline.config import InputSpec
+from shatter.pipeline.format import read_index
 from tests.jobs import child_env
 from tests.pipeline.conftest import quiet, small_config
 from tests.s3server import BUCKET
@@ -194,7 +194,7 @@ def test_dask_workers_sharing_no_disk_write_the_bytes_of_a_local_build(
             [
                 sys.executable,
                 "-m",
-                "pipeline.cli",
+                "shatter.pipeline.cli",
                 *args,
                 "--output",
                 remote,

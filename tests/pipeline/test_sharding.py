@@ -6,8 +6,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline import sharding
-from pipeline.sink import SPILL_BATCH_ROWS, read_piece, spill_table
+from shatter.pipeline import sharding
+from shatter.pipeline.sink import SPILL_BATCH_ROWS, read_piece, spill_table
 
 
 def _sizes(sorted_keys, edges):
@@ -58,7 +58,7 @@ def test_id_type_follows_design_md():
     """uint16 ids, or int32 when the vocabulary exceeds 65535 (DESIGN.md, shard layout)."""
     import pyarrow as pa
 
-    from pipeline.format import id_type
+    from shatter.pipeline.format import id_type
 
     assert id_type(32000) == id_type(65535) == pa.uint16() and id_type(65536) == pa.int32()
 

@@ -8,12 +8,12 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline import format as shards, packing, tokenizer
-from pipeline.config import BuildConfig, InputSpec
-from pipeline.masking import SPECIAL_IDS
-from pipeline.readers import ReadSpec
-from pipeline.sink import ShardAndWrite
-from pipeline.transforms import (
+from shatter.pipeline import format as shards, packing, tokenizer
+from shatter.pipeline.config import BuildConfig, InputSpec
+from shatter.pipeline.masking import SPECIAL_IDS
+from shatter.pipeline.readers import ReadSpec
+from shatter.pipeline.sink import ShardAndWrite
+from shatter.pipeline.transforms import (
     Clean,
     DocBatch,
     MaskSpec,

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from pipeline.wikitext import clean_wikitext, is_disambiguation
+from shatter.pipeline.wikitext import clean_wikitext, is_disambiguation
 
 
 def test_markup_goes_and_prose_stays():

@@ -17,7 +17,7 @@ os.environ.update(
     MASTER_PORT=os.environ.get("MASTER_PORT", "29563"),
 )
 
-from train.engine import extensions_dir  # noqa: E402
+from shatter.train.engine import extensions_dir  # noqa: E402
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
 

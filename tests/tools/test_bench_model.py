@@ -3,7 +3,7 @@
 import pytest
 from click.testing import CliRunner
 
-from tools.bench_model import main
+from shatter.tools.bench_model import main
 
 
 @pytest.mark.slow  # ~14 s on the loaded 2-core box

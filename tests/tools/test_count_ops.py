@@ -6,9 +6,9 @@ import argparse
 
 import torch
 
-from tools.count_ops import OpCounter, count_engine
-from train.engine import init_distributed
-from train.guard import DeviceWindow, LaggedStop
+from shatter.tools.count_ops import OpCounter, count_engine
+from shatter.train.engine import init_distributed
+from shatter.train.guard import DeviceWindow, LaggedStop
 
 
 def test_a_step_that_does_not_log_reads_nothing_on_the_host():

@@ -6,7 +6,7 @@ import hashlib
 import click
 import pytest
 
-from tools.demo import WIKI_SAMPLE, fetch_sample
+from shatter.tools.demo import WIKI_SAMPLE, fetch_sample
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@
 import torch
 from click.testing import CliRunner
 
-from tools.evaluate import main
-from train.evaluate import default_device
+from shatter.tools.evaluate import main
+from shatter.train.evaluate import default_device
 
 
 def test_outputs_must_pair_with_the_datasets(tmp_path):

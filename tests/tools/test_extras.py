@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.extras import MissingExtra, require
+from shatter.tools.extras import MissingExtra, require
 
 REPO = Path(__file__).resolve().parents[2]
 

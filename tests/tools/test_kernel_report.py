@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from shatter.tools.kernel_report import Row
 from tests.jobs import child_env
-from tools.kernel_report import Row
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from shatter.tools.reproduce import PAPER_NAMES, verdict
 from tests import background
-from tools.reproduce import PAPER_NAMES, verdict
 
 REPO = Path(__file__).resolve().parents[2]
 # 2 archs, 20 steps at l = 32 on a 1-layer width-32 model, one process: each run takes seconds.
@@ -169,7 +169,7 @@ def test_second_invocation_skips_every_finished_step(studies):
 def test_each_model_is_evaluated_at_all_its_lengths_in_one_process(studies, books_data):
     """One tools/evaluate.py process per model, one progress step each (16 steps planned and
     made), giving each length exactly the figures of an evaluation at that length alone."""
-    from tools.evaluate import evaluate_export
+    from shatter.tools.evaluate import evaluate_export
 
     out, first, _, _, _ = studies
     progress = [x for x in first[1].stderr.splitlines() if x.startswith("[")]
@@ -205,7 +205,7 @@ def test_evaluate_checks_every_dataset_before_writing_a_result(studies, tmp_path
     datasets before it are scored or written."""
     from click.testing import CliRunner
 
-    from tools.evaluate import main
+    from shatter.tools.evaluate import main
 
     out, _, _, _, _ = studies
     results = [tmp_path / "at-32.json", tmp_path / "at-128.json"]
@@ -245,7 +245,7 @@ def test_ablation_defaults_to_the_masked_lm_archs_and_refuses_plm(tmp_path):
     """Figure 3 compares MLM losses: xlnet (a permutation LM) is neither a default nor accepted."""
     from click.testing import CliRunner
 
-    from tools.reproduce import main
+    from shatter.tools.reproduce import main
 
     result = CliRunner().invoke(main, ["ablation", "--archs", "xlnet", "--output", str(tmp_path)])
     assert result.exit_code == 2 and "permutation LM" in result.output

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.setup_torch import CPU_INDEX, CPU_VERSION, plan, torch_requirement
+from shatter.tools.setup_torch import CPU_INDEX, CPU_VERSION, plan, torch_requirement
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,8 +9,8 @@ import torch
 from click.testing import CliRunner
 
 import shatter
-from tools.step_cost import EFFICIENCY, cost_py_flops, gpus, main, model_flops, price
-from tools.step_trace import build_meta, records, trace_step
+from shatter.tools.step_cost import EFFICIENCY, cost_py_flops, gpus, main, model_flops, price
+from shatter.tools.step_trace import build_meta, records, trace_step
 
 ROWS, LENGTH, VOCAB = 4, 64, 1000
 

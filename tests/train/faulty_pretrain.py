@@ -32,9 +32,9 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from train import checkpoint  # noqa: E402
-from train.lifecycle import run_cli  # noqa: E402
-from train.pretrain import main  # noqa: E402
+from shatter.train import checkpoint  # noqa: E402
+from shatter.train.lifecycle import run_cli  # noqa: E402
+from shatter.train.pretrain import main  # noqa: E402
 
 KIND, RANK, STEP = os.environ.get("SHATTER_TEST_FAULT", "none:-1:0").split(":")
 KILL = os.environ.get("SHATTER_TEST_KILL_SAVE", "none:0").split(":")

@@ -1,6 +1,6 @@
 """Helpers of the loader's tests (test_loader_*.py): a train stream with small defaults."""
 
-from train.loader import MaskingSpec, ShardStream
+from shatter.train.loader import MaskingSpec, ShardStream
 
 
 def stream(index, **kw) -> ShardStream:

@@ -24,19 +24,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import shatter  # noqa: E402
-from pipeline.format import read_index  # noqa: E402
-from train import checkpoint  # noqa: E402
-from train.config import model_overrides, resolve  # noqa: E402
-from train.engine import (  # noqa: E402
+from shatter.pipeline.format import read_index  # noqa: E402
+from shatter.train import checkpoint  # noqa: E402
+from shatter.train.config import model_overrides, resolve  # noqa: E402
+from shatter.train.engine import (  # noqa: E402
     build_engine,
     init_distributed,
     loss_scale,
     resolved_deepspeed_config,
     skipped_steps,
 )
-from train.evaluate import evaluate  # noqa: E402
-from train.loader import ShardStream, masking_spec, validation_stream  # noqa: E402
-from train.loop import MODEL_INPUTS  # noqa: E402
+from shatter.train.evaluate import evaluate  # noqa: E402
+from shatter.train.loader import ShardStream, masking_spec, validation_stream  # noqa: E402
+from shatter.train.loop import MODEL_INPUTS  # noqa: E402
 
 MICRO = 2
 STEPS, NAN_STEP = 4, 2

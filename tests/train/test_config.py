@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.config import ConfigError, TrainConfig, load_yaml, resolve
-from train.engine import deepspeed_config, param_groups, resolved_deepspeed_config
+from shatter.train.config import ConfigError, TrainConfig, load_yaml, resolve
+from shatter.train.engine import deepspeed_config, param_groups, resolved_deepspeed_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -52,14 +52,14 @@ def test_flags_override_the_file(tmp_path):
 def test_each_flag_is_declared_once_on_its_config_field(tmp_path):
     """The flags of train/pretrain.py, FLAGS and docs/training.md's table all come from the
     `option(...)` fields of the config: a flag given on the command line lands in its field."""
-    from pipeline.options import docs_table
-    from train.config import FLAGS, SECTIONS
-    from train.pretrain import main
+    from shatter.pipeline.options import docs_table
+    from shatter.train.config import FLAGS, SECTIONS
+    from shatter.train.pretrain import main
 
     table = docs_table(SECTIONS)
     assert table in (REPO / "docs" / "training.md").read_text(), (
         "docs/training.md's flag table is not the declared one: paste the output of "
-        "python -c 'from pipeline.options import docs_table; from train.config import SECTIONS; "
+        "python -c 'from shatter.pipeline.options import docs_table; from shatter.train.config import SECTIONS; "
         "print(docs_table(SECTIONS))'"
     )
     params = {p.name: p for p in main.params}
@@ -91,7 +91,7 @@ def test_shipped_configs_load(path):
 def test_one_gpu_config_serves_every_arch(arch):
     """One config plus --preset gives every row of the paper's GPU table; the objective follows
     the arch (plm for xlnet) unless the config or a flag sets it."""
-    from train.plm import with_objective
+    from shatter.train.plm import with_objective
 
     cfg = with_objective(
         resolve(str(REPO / "configs" / "v100x8-base-256.yaml"), {"preset": f"{arch}-base"})
@@ -126,7 +126,7 @@ def test_fp16_config_validated_by_deepspeed():
 def test_the_optimizer_implementation_flag(monkeypatch):
     import torch
 
-    from train.engine import client_optimizer, cuda_arch_list_for_jit, param_groups
+    from shatter.train.engine import client_optimizer, cuda_arch_list_for_jit, param_groups
 
     gpu = resolve(None, {})
     fused = resolve(None, {"optim_impl": "deepspeed"})
@@ -182,7 +182,7 @@ def test_no_weight_decay_on_biases_and_layernorm():
 
 
 def test_the_default_warm_up_scales_with_a_short_run_but_a_set_one_is_kept(tmp_path):
-    from train.config import lr_at, resolve, schedule_problem
+    from shatter.train.config import lr_at, resolve, schedule_problem
 
     short = resolve(None, {"max_steps": 20})
     assert short.optim.warmup_steps == 2 and schedule_problem(short) is None
@@ -202,7 +202,7 @@ def test_the_default_warm_up_scales_with_a_short_run_but_a_set_one_is_kept(tmp_p
 
 
 def test_outputs_under_a_file_or_of_the_wrong_kind_are_refused(tmp_path):
-    from train.config import ConfigError, check_output
+    from shatter.train.config import ConfigError, check_output
 
     afile = tmp_path / "afile"
     afile.write_text("x")

@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import shatter
 from shatter.config import ARCHS, preset_config
-from train.cost import CostModel, device_peak_tflops, training_flops_per_token
+from shatter.train.cost import CostModel, device_peak_tflops, training_flops_per_token
 
 
 def test_bert_base_and_shatter_base_match_the_hand_count():
@@ -83,7 +83,7 @@ def test_device_names_match_exactly():
 
 
 def test_time_left_reads_as_hours_and_minutes_and_devices_by_kind():
-    from train.metrics import device_word, h_mm, postfix
+    from shatter.train.metrics import device_word, h_mm, postfix
 
     assert [h_mm(h) for h in (0, 0.0204, 1.5, 26.01)] == ["0:00", "0:02", "1:30", "26:01"]
     assert device_word("cuda") == "GPU" and device_word("cpu") == "device"

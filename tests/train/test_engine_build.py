@@ -3,7 +3,7 @@ before its silent minute of gcc."""
 
 from pathlib import Path
 
-from train.engine import CPU_OP, announce_cpu_build, extensions_dir
+from shatter.train.engine import CPU_OP, announce_cpu_build, extensions_dir
 
 REPO = Path(__file__).resolve().parents[2]
 

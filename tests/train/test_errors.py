@@ -14,7 +14,7 @@ import pyarrow.ipc as ipc
 import pytest
 from click.testing import CliRunner
 
-from pipeline.format import read_shard
+from shatter.pipeline.format import read_shard
 
 pytestmark = [pytest.mark.shared_data]
 
@@ -31,19 +31,19 @@ def one_line_error(result, *parts, code=1):
 
 
 def pretrain(*args):
-    from train.pretrain import main
+    from shatter.train.pretrain import main
 
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def evaluate(*args):
-    from tools.evaluate import main
+    from shatter.tools.evaluate import main
 
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def extend(*args):
-    from tools.extend import main
+    from shatter.tools.extend import main
 
     return CliRunner().invoke(main, [str(a) for a in args])
 

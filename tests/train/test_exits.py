@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from test_pretrain import SCRIPT, command, free_port
 
+from shatter.train.lifecycle import one_line
 from tests.jobs import Job, Outcome, side_by_side
-from train.lifecycle import one_line
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -67,7 +67,7 @@ def test_a_loader_worker_failure_is_said_in_one_line_with_the_worker_s_place():
     text = (
         "Caught DatasetError in DataLoader worker process 1.\nOriginal Traceback (most recent "
         'call last):\n  File "/src/data.py", line 12, in batch\n    load()\n'
-        "pipeline.format.schema.DatasetError: shard /d/train-0.arrow is corrupted: rebuild it"
+        "shatter.pipeline.format.schema.DatasetError: shard /d/train-0.arrow is corrupted: rebuild it"
     )
     try:
         raise DatasetError(text)
@@ -81,7 +81,7 @@ def test_a_loader_worker_failure_is_said_in_one_line_with_the_worker_s_place():
 SIGNALS_TWICE = """
 import os, signal, sys, time
 sys.path.insert(0, {repo!r})
-from train.lifecycle import StopFlag
+from shatter.train.lifecycle import StopFlag
 flag = StopFlag().install()
 os.kill(os.getpid(), signal.{sig})
 os.kill(os.getpid(), signal.SIGTERM)  # at once: the same request (the launcher's echo)
@@ -110,7 +110,7 @@ def test_the_exit_watchdog_ends_a_process_whose_exit_hangs():
     code = f"""
 import multiprocessing as mp, os, signal, sys, time
 sys.path.insert(0, {str(REPO)!r})
-import train.lifecycle as lc
+import shatter.train.lifecycle as lc
 def child(parent, ready):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a loader worker: ends when its parent does
     ready.set()
@@ -135,7 +135,7 @@ def test_the_progress_watchdog_ends_a_process_without_progress_and_spares_a_stop
     code = f"""
 import sys, time
 sys.path.insert(0, {str(REPO)!r})
-from train.lifecycle import ProgressWatchdog
+from shatter.train.lifecycle import ProgressWatchdog
 done = ProgressWatchdog(1.0)
 done.pet()
 done.stop()  # the run ended: an in-process caller goes on

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shatter
-from train.engine import first_nonfinite_output, init_distributed
+from shatter.train.engine import first_nonfinite_output, init_distributed
 
 
 def test_the_loss_scaler_at_its_minimum_skips_instead_of_raising():

@@ -8,10 +8,10 @@ import pytest
 import torch
 from loaderutil import stream, take
 
-from pipeline.format import read_index
-from train.loader import MaskingSpec, Piece, make_masker
-from train.loader.collate import DynamicMasker, SpanPlmMasker, StaticMasker, StaticPlmMasker
-from train.masking import IGNORE, MASK, PAD, SEP
+from shatter.pipeline.format import read_index
+from shatter.train.loader import MaskingSpec, Piece, make_masker
+from shatter.train.loader.collate import DynamicMasker, SpanPlmMasker, StaticMasker, StaticPlmMasker
+from shatter.train.masking import IGNORE, MASK, PAD, SEP
 
 
 def test_batches_are_named_padded_to_their_longest_row(dataset):

@@ -9,7 +9,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tools.bench_loader import synthetic_dataset, worker_run  # noqa: E402
+from shatter.tools.bench_loader import synthetic_dataset, worker_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def two_sizes(tmp_path_factory):
 
 
 def test_worker_peak_rss_does_not_grow_with_the_shard_size(two_sizes):
-    from pipeline.format import read_index
+    from shatter.pipeline.format import read_index
 
     peak = {}
     for mb, root in two_sizes.items():

@@ -7,8 +7,8 @@ import torch
 from loaderutil import stream, take
 from torch.utils.data import DataLoader
 
-from pipeline.format import DatasetError, read_index
-from train.loader import SHUFFLE_WINDOW, EpochOrder, Slots, StreamPosition
+from shatter.pipeline.format import DatasetError, read_index
+from shatter.train.loader import SHUFFLE_WINDOW, EpochOrder, Slots, StreamPosition
 
 
 @pytest.mark.parametrize("world,workers", [(1, 0), (3, 2)])

@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from train.checkpoint import TrainState
-from train.guard import DeviceWindow, LaggedStop
+from shatter.train.checkpoint import TrainState
+from shatter.train.guard import DeviceWindow, LaggedStop
 
 
 def test_device_window_matches_a_host_count_of_losses_skips_and_runs():
@@ -37,9 +37,9 @@ def test_host_and_device_guards_skip_count_and_stop_alike():
     ends with the caller's advice (the host guard at once, the device guard when it settles)."""
     import pytest
 
-    from train.config import RunArgs, TrainConfig
-    from train.engine import build_engine, init_distributed, resolved_deepspeed_config
-    from train.guard import DeviceGuard, HostGuard, TrainingError
+    from shatter.train.config import RunArgs, TrainConfig
+    from shatter.train.engine import build_engine, init_distributed, resolved_deepspeed_config
+    from shatter.train.guard import DeviceGuard, HostGuard, TrainingError
 
     init_distributed()
     cfg = TrainConfig(run=RunArgs(micro_batch=1, max_steps=20, zero_stage=0))

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 import shatter
-from train.memory import measure_activations, model_states
+from shatter.train.memory import measure_activations, model_states
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def test_activations_are_measured_linear_in_batch_and_halved_in_16_bit():
 
 
 def test_dry_run_prints_configs_counts_and_verdict():
-    from train.pretrain import main
+    from shatter.train.pretrain import main
 
     result = CliRunner().invoke(
         main,
@@ -79,7 +79,7 @@ def test_dry_run_prints_configs_counts_and_verdict():
 
 
 def test_plot_metrics_draws_runs_and_names_a_bad_one(tmp_path):
-    from tools.plot_metrics import main
+    from shatter.tools.plot_metrics import main
 
     runs = []
     for i in range(2):
@@ -108,7 +108,7 @@ def test_plot_metrics_draws_runs_and_names_a_bad_one(tmp_path):
 
 
 def test_plot_metrics_draws_tokens_per_s_and_mfu(tmp_path):
-    from tools.plot_metrics import main
+    from shatter.tools.plot_metrics import main
 
     run = tmp_path / "run"
     run.mkdir()
@@ -131,7 +131,7 @@ def test_plot_metrics_draws_tokens_per_s_and_mfu(tmp_path):
 
 
 def test_plot_metrics_names_each_run_apart(tmp_path):
-    from tools.plot_metrics import run_names
+    from shatter.tools.plot_metrics import run_names
 
     a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
     assert run_names([a, b]) == ["a/run", "b/run"]

@@ -14,13 +14,13 @@ import torch
 from click.testing import CliRunner
 from test_pretrain import command, metrics, run_to_end
 
-from pipeline.build import build
-from pipeline.config import InputSpec
-from pipeline.format import DatasetError, read_index
+from shatter.pipeline.build import build
+from shatter.pipeline.config import InputSpec
+from shatter.pipeline.format import DatasetError, read_index
+from shatter.train.config import ConfigError, data_sources, resolve
+from shatter.train.loader import MaskingSpec, Mixture, ShardStream, source_epochs, stream_shape
+from shatter.train.pretrain import main, start_up_checks
 from tests.pipeline.conftest import generated_documents, quiet, small_config
-from train.config import ConfigError, data_sources, resolve
-from train.loader import MaskingSpec, Mixture, ShardStream, source_epochs, stream_shape
-from train.pretrain import main, start_up_checks
 
 TOLERANCE = 1e-4  # relative, fp32: a sum over 2 ranks against a sum over 2 micro-batches
 

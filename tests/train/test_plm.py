@@ -10,12 +10,12 @@ import torch
 from shardutil import write_dataset
 
 import shatter
-from pipeline.format import read_index
-from pipeline.masking import SPECIAL_IDS
-from train.config import ConfigError, DataArgs, ModelArgs, TrainConfig, model_overrides
-from train.loader import MaskingSpec, ShardStream, validation_stream
-from train.masking import IGNORE
-from train.plm import plm_batch, with_objective
+from shatter.pipeline.format import read_index
+from shatter.pipeline.masking import SPECIAL_IDS
+from shatter.train.config import ConfigError, DataArgs, ModelArgs, TrainConfig, model_overrides
+from shatter.train.loader import MaskingSpec, ShardStream, validation_stream
+from shatter.train.masking import IGNORE
+from shatter.train.plm import plm_batch, with_objective
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import shatter
-from pipeline.format import read_index
-from tools.evaluate import evaluate_export
-from train.config import DataArgs
-from train.evaluate import evaluate
-from train.loader import validation_stream
+from shatter.pipeline.format import read_index
+from shatter.tools.evaluate import evaluate_export
+from shatter.train.config import DataArgs
+from shatter.train.evaluate import evaluate
+from shatter.train.loader import validation_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
@@ -352,7 +352,7 @@ def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
 def test_clear_errors_for_bad_data(books_data, tmp_path, extra, message):
     from click.testing import CliRunner
 
-    from train.pretrain import main
+    from shatter.train.pretrain import main
 
     args = ["--output", str(tmp_path / "run"), "--preset", "shatter-tiny"]
     args += [a.format(tmp=tmp_path, books=books_data) for a in extra]

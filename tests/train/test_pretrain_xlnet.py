@@ -20,12 +20,12 @@ from test_pretrain import (
 )
 
 import shatter
-from pipeline.format import read_index
+from shatter.pipeline.format import read_index
+from shatter.train.config import DataArgs
+from shatter.train.evaluate import evaluate
+from shatter.train.loader import validation_stream
 from tests import background
 from tests.jobs import Outcome, side_by_side
-from train.config import DataArgs
-from train.evaluate import evaluate
-from train.loader import validation_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 

@@ -15,12 +15,12 @@ import pytest
 from test_pretrain import command, run_to_end
 from test_resume_world import _at_step
 
-from pipeline.format import read_index
-from train import budget
-from train.compiling import compile_problem
-from train.config import ConfigError, OptimArgs, TrainConfig, lr_at, resolve
-from train.init_from import check
-from train.schedule import lr_factor
+from shatter.pipeline.format import read_index
+from shatter.train import budget
+from shatter.train.compiling import compile_problem
+from shatter.train.config import ConfigError, OptimArgs, TrainConfig, lr_at, resolve
+from shatter.train.init_from import check
+from shatter.train.schedule import lr_factor
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -60,7 +60,7 @@ def test_the_planned_scheduler_starts_at_the_warm_up_without_a_warning(caplog):
     answers the start of the warm-up, silently, then follows the plan."""
     import torch
 
-    from train.schedule import Plan, client_scheduler
+    from shatter.train.schedule import Plan, client_scheduler
 
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
     build = client_scheduler(OptimArgs(lr=1e-3), Plan("linear", 10, 100, 0.1))

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from test_pretrain import command, metrics, run_to_end
 
+from shatter.train.config import OptimArgs, lr_at
 from tests import background
 from tests.jobs import Outcome, side_by_side
-from train.config import OptimArgs, lr_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from train import lifecycle
-from train.config import ConfigError
-from train.lifecycle import RUN_LOCK, RunLock, hold_run_directory
-from train.metrics import MetricsWriter, RunClock
+from shatter.train import lifecycle
+from shatter.train.config import ConfigError
+from shatter.train.lifecycle import RUN_LOCK, RunLock, hold_run_directory
+from shatter.train.metrics import MetricsWriter, RunClock
 
-HOLD = "import sys, time; from train.lifecycle import RunLock; RunLock(sys.argv[1]).acquire(); "
+HOLD = "import sys, time; from shatter.train.lifecycle import RunLock; RunLock(sys.argv[1]).acquire(); "
 HOLD += "print('held', flush=True); time.sleep(60)"
 
 
@@ -129,7 +129,7 @@ def test_validation_and_checkpoint_time_are_not_training_time():
     assert clock.gpu_hours() > 0  # from the process's start, start-up included
 
 
-WARN = "import warnings; from train.engine import quiet_other_ranks; quiet_other_ranks(); "
+WARN = "import warnings; from shatter.train.engine import quiet_other_ranks; quiet_other_ranks(); "
 WARN += "warnings.simplefilter('always'); warnings.warn('said once per node', FutureWarning)"
 
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.options import flag_fields, option
-from train.config import ConfigError, OptimArgs, _section, default_zero_stage, read_yaml
-from train.finetuning.data import DataConfig
-from train.finetuning.tasks import TASKS
+from shatter.pipeline.options import flag_fields, option
+from shatter.train.config import ConfigError, OptimArgs, _section, default_zero_stage, read_yaml
+from shatter.train.finetuning.data import DataConfig
+from shatter.train.finetuning.tasks import TASKS
 
 STRATEGIES = ("modified", "cls")
 TASK_LR = {"cola": 5e-6, "sst2": 5e-6}  # §4.2.1; every other task 1e-5

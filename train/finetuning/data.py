@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.options import option
-from train.finetuning import metrics as M
-from train.finetuning.features import (
+from shatter.pipeline.options import option
+from shatter.train.finetuning import metrics as M
+from shatter.train.finetuning.features import (
     SpanWindow,
     Tokenizer,
     best_span,
@@ -30,7 +30,7 @@ from train.finetuning.features import (
     pad_batch,
     span_windows,
 )
-from train.finetuning.tasks import (
+from shatter.train.finetuning.tasks import (
     TASKS,
     Examples,
     TaskDataError,

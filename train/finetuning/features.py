@@ -23,7 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.format.tokenizer import (
+from shatter.checkpoint import CheckpointError
+from shatter.hf.tokenizer import normalizer_spec
+from shatter.pipeline.format.tokenizer import (
     CLS_ID as CLS,  # noqa: F401
     NORMALIZATION,
     PAD_ID as PAD,
@@ -32,8 +34,6 @@ from pipeline.format.tokenizer import (
     load_json as load_hf_tokenizer,
     vocab_size as hf_vocab_size,
 )
-from shatter.checkpoint import CheckpointError
-from shatter.hf.tokenizer import normalizer_spec
 
 
 def _lower_same_length(text: str) -> str:
@@ -55,7 +55,7 @@ def Tokenizer(path: str | Path):
 
 class HFTokenizer:
     """The export's tokenizer.json (`shatter-data build --hf-tokenizer`), checked for the special
-    ids by the format's loader (`pipeline.format.tokenizer.load_json`); its own normalizer decides case."""
+    ids by the format's loader (`shatter.pipeline.format.tokenizer.load_json`); its own normalizer decides case."""
 
     def __init__(self, path: Path):
         try:
@@ -82,7 +82,7 @@ class HFTokenizer:
 
 class SentencePieceTokenizer:
     """The export's sentencepiece model, loaded and checked for the special ids by the pipeline's
-    own loader (`pipeline.format.tokenizer.load`). Text is lower-cased first for a case-folding model
+    own loader (`shatter.pipeline.format.tokenizer.load`). Text is lower-cased first for a case-folding model
     (the pipeline's default) so that offsets stay those of the text; a cased one sees it as is."""
 
     def __init__(self, path: Path):

@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.checkpoint import TrainState, fp32_masters
-from train.config import ConfigError, EngineArgs, OptimArgs, check_output
-from train.finetuning.config import FinetuneConfig, default_steps, scaled_lr
-from train.finetuning.data import SpanData, build_task_data
-from train.finetuning.metrics import learned_nothing
-from train.guard import StepGuard, step_guard
+from shatter.train.checkpoint import TrainState, fp32_masters
+from shatter.train.config import ConfigError, EngineArgs, OptimArgs, check_output
+from shatter.train.finetuning.config import FinetuneConfig, default_steps, scaled_lr
+from shatter.train.finetuning.data import SpanData, build_task_data
+from shatter.train.finetuning.metrics import learned_nothing
+from shatter.train.guard import StepGuard, step_guard
 
 
 def global_batches(
@@ -141,7 +141,7 @@ def prepare(cfg: FinetuneConfig) -> Prepared:
     from shatter.checkpoint import CheckpointError, tokenizer_path
     from shatter.remote import local_export
     from shatter.sources import describe_non_export
-    from train.finetuning.features import Tokenizer
+    from shatter.train.finetuning.features import Tokenizer
 
     checkpoint = local_export(cfg.run.checkpoint)  # s3://, gs://: fetched once per node
     problem = describe_non_export(checkpoint)
@@ -225,8 +225,8 @@ class Run:
     engine: object
     rank: int
     world: int
-    writer: object  # train.metrics.MetricsWriter
-    progress: object  # train.metrics.Progress
+    writer: object  # shatter.train.metrics.MetricsWriter
+    progress: object  # shatter.train.metrics.Progress
     guard: StepGuard
     state: TrainState = dataclasses.field(default_factory=TrainState)
     best: dict | None = None
@@ -235,8 +235,8 @@ class Run:
 
 def finetune(cfg: FinetuneConfig) -> dict | None:
     """Run one finetuning; return metrics.json's content on rank 0 (None elsewhere)."""
-    from train.engine import build_engine, init_distributed, resolved_deepspeed_config
-    from train.metrics import MetricsWriter, Progress, log_to_run
+    from shatter.train.engine import build_engine, init_distributed, resolved_deepspeed_config
+    from shatter.train.metrics import MetricsWriter, Progress, log_to_run
 
     prepared = prepare(cfg)
     r, data = cfg.run, prepared.data

@@ -3,7 +3,7 @@
 Four jobs, one module each:
 - `order`: which global rows make step s, slot k on any world size (`EpochOrder`, `Slots`,
   `StreamPosition`, the one integer a checkpoint saves);
-- `stream`: one rank's `ShardStream`, reading record batches through `pipeline.format` with
+- `stream`: one rank's `ShardStream`, reading record batches through `shatter.pipeline.format` with
   prefetch and, for a store, the node's cache; `train_loader` and `validation_stream`;
 - `collate`: rows become `Piece`s, one masker chosen at construction masks them, and they are
   laid out as a named batch;
@@ -11,10 +11,10 @@ Four jobs, one module each:
   by weight (`MixedOrder`, `Mixture`).
 """
 
-from train.loader.collate import MaskingSpec, Piece, make_masker, masking_spec
-from train.loader.mix import MixedOrder, Mixture, source_epochs, stream_shape
-from train.loader.order import SHUFFLE_WINDOW, EpochOrder, Slots, StreamPosition
-from train.loader.stream import ShardStream, train_loader, validation_stream
+from shatter.train.loader.collate import MaskingSpec, Piece, make_masker, masking_spec
+from shatter.train.loader.mix import MixedOrder, Mixture, source_epochs, stream_shape
+from shatter.train.loader.order import SHUFFLE_WINDOW, EpochOrder, Slots, StreamPosition
+from shatter.train.loader.stream import ShardStream, train_loader, validation_stream
 
 __all__ = [
     "SHUFFLE_WINDOW",

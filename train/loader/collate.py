@@ -17,9 +17,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from pipeline.format import Shard
-from train.masking import CLS, IGNORE, PAD, SEP, dynamic_mask, ragged_gather, static_mask
-from train.plm import plm_batch, static_plm_batch
+from shatter.pipeline.format import Shard
+from shatter.train.masking import CLS, IGNORE, PAD, SEP, dynamic_mask, ragged_gather, static_mask
+from shatter.train.plm import plm_batch, static_plm_batch
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def gather(
     k: int = 1,
 ) -> Piece:
     """The piece of `rows` of `block`, truncated to `seq_len`: [CLS] … and a final [SEP] kept;
-    cut by k > 1 (`train.loader.order.cut`): piece number `piece` of each row instead."""
+    cut by k > 1 (`shatter.train.loader.order.cut`): piece number `piece` of each row instead."""
     if k > 1:
         return gather_cut(block, rows, seq_len, where=where, uid=uid, epoch=epoch, piece=piece, k=k)
     idx, valid = ragged_gather(block.ids_off, rows)

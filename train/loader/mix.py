@@ -1,6 +1,6 @@
 """Mixing: several datasets in one training stream, drawn by weight (`--data DIR:WEIGHT ...`).
 
-Global stream position q (`train.loader.order`) is mapped to (source i, position t in source
+Global stream position q (`shatter.train.loader.order`) is mapped to (source i, position t in source
 i's own stream): each source is an endless stream of its own epochs (its own `EpochOrder`), and
 the mixture decides which source each global position draws from. The positions come in blocks of
 `BLOCK`: every block holds c_i positions of source i, the weights apportioned to the block by
@@ -11,7 +11,7 @@ proportion to within a few rows, a source's position t is arithmetic on q
 (t = (q div BLOCK)·c_i + j), and the mapping depends on (seed, q) alone: a run resumes exactly,
 also on another world size, from the one integer it saves.
 
-Training below a source's stored length cuts its rows (`train.loader.order.cut`): source i's
+Training below a source's stored length cuts its rows (`shatter.train.loader.order.cut`): source i's
 stream is then its own cut stream, k_i = L_i // l rows per stored row, so t is a position in it,
 t div k_i its stored position and t mod k_i the piece; its epoch is t div (rows_i·k_i). Datasets
 built at 1024 and 512 mix at 256 with k = 4 and 2, each drawn by its weight in rows of the stream.
@@ -25,8 +25,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from pipeline.format import Index
-from train.loader.order import EpochOrder, cut_by_shard, cut_factor
+from shatter.pipeline.format import Index
+from shatter.train.loader.order import EpochOrder, cut_by_shard, cut_factor
 
 BLOCK = 4096  # positions per block of the schedule: shares are exact to 1/BLOCK
 _PHASE_SALT = 0x4D4958  # the seed's stream for the sources' phases

@@ -1,10 +1,10 @@
-"""The stream: one rank's share of a split read as batches, through `pipeline.format`.
+"""The stream: one rank's share of a split read as batches, through `shatter.pipeline.format`.
 
-`ShardStream` asks the order (`train.loader.order`) which rows its next batches hold, reads
-their record batches one at a time (`pipeline.format.blocks`: a worker's memory does not grow
+`ShardStream` asks the order (`shatter.train.loader.order`) which rows its next batches hold, reads
+their record batches one at a time (`shatter.pipeline.format.blocks`: a worker's memory does not grow
 with the shard size) while the next batch's blocks and the next shards are read ahead, and
-hands the rows to the collate (`train.loader.collate`). A dataset in an object store is read
-through the node's cache (`pipeline.format.store`); a download that fails for good reaches the
+hands the rows to the collate (`shatter.train.loader.collate`). A dataset in an object store is read
+through the node's cache (`shatter.pipeline.format.store`); a download that fails for good reaches the
 trainer in-band, in the next batch under STORE_ERROR. Like MosaicML streaming: deterministic
 sample-space partitioning and a resumable position.
 """
@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.format import DatasetError, Index
-from pipeline.format.blocks import BlockReader
-from pipeline.format.store import is_remote
-from pipeline.format.writer import record_batch_rows
-from train.loader.collate import (
+from shatter.pipeline.format import DatasetError, Index
+from shatter.pipeline.format.blocks import BlockReader
+from shatter.pipeline.format.store import is_remote
+from shatter.pipeline.format.writer import record_batch_rows
+from shatter.train.loader.collate import (
     Collator,
     MaskingSpec,
     gather,
@@ -30,9 +30,9 @@ from train.loader.collate import (
     masking_spec,
     validation_masking,
 )
-from train.loader.mix import MixedOrder
-from train.loader.order import EpochOrder, Slots, cut_by_shard, cut_factor
-from train.masking import IGNORE
+from shatter.train.loader.mix import MixedOrder
+from shatter.train.loader.order import EpochOrder, Slots, cut_by_shard, cut_factor
+from shatter.train.masking import IGNORE
 
 # a batch's key, present when a download from the object store failed for good (its one-line
 # message): the step loop stops at the next step boundary, with a checkpoint, and reports it
@@ -40,7 +40,7 @@ STORE_ERROR = "store_error"
 
 
 class ShardStream(IterableDataset):
-    """Batches (named dicts of tensors) of one rank's share of a split; see `train.loader.order`
+    """Batches (named dicts of tensors) of one rank's share of a split; see `shatter.train.loader.order`
     for which rows each batch holds."""
 
     def __init__(
@@ -88,7 +88,7 @@ class ShardStream(IterableDataset):
             for ix in indexes
         ]
         # several datasets: global positions drawn from them by weight, each cut by its own
-        # k (`train.loader.mix`)
+        # k (`shatter.train.loader.mix`)
         cuts = [cut_factor(ix.seq_len, seq_len) for ix in indexes]
         self.order = (
             orders[0] if mix is None else MixedOrder(orders, [w for _, w in mix], seed, cuts)
@@ -192,7 +192,7 @@ def train_loader(
 ) -> DataLoader:
     """The endless training DataLoader of one rank, starting at global stream position `start`,
     `grad_accum` micro-batches a step (`pin_memory` on a GPU: page-locked batches, copied with
-    `non_blocking=True`); with `mix`, of several datasets drawn by weight (`train.loader.mix`)."""
+    `non_blocking=True`); with `mix`, of several datasets drawn by weight (`shatter.train.loader.mix`)."""
     stream = ShardStream(
         index,
         "train",

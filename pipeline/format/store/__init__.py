@@ -1,7 +1,7 @@
 """Object storage, in one place: how the format, the trainer and exports reach `s3://`, `gs://`,
 `hf://` and local paths, and the node-local cache of what they fetch. No Apache Beam: a training
 node needs fsspec and the store's package only (s3fs, gcsfs, huggingface_hub). The build's Beam
-side (`pipeline.store`) hands its options to `configure`.
+side (`shatter.pipeline.store`) hands its options to `configure`.
 
     settings.py   `StoreSettings` (endpoint, credentials, retry bound, cache directory and bound),
                   `configure`, `current`: one per process, inherited by forked loader workers
@@ -15,11 +15,11 @@ side (`pipeline.store`) hands its options to `configure`.
 
 from __future__ import annotations
 
-from pipeline.format.store.cache import REPLACED_FIX, NodeCache, local_path
-from pipeline.format.store.check import check
-from pipeline.format.store.errors import StoreError
-from pipeline.format.store.fs import is_remote
-from pipeline.format.store.settings import StoreSettings, configure, current
+from shatter.pipeline.format.store.cache import REPLACED_FIX, NodeCache, local_path
+from shatter.pipeline.format.store.check import check
+from shatter.pipeline.format.store.errors import StoreError
+from shatter.pipeline.format.store.fs import is_remote
+from shatter.pipeline.format.store.settings import StoreSettings, configure, current
 
 
 def open_store(

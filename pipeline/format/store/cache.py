@@ -27,10 +27,10 @@ import os
 import time
 import uuid
 
-from pipeline.format.store import fs
-from pipeline.format.store.errors import StoreError, disk_full
-from pipeline.format.store.locks import Locked, lock
-from pipeline.format.store.settings import StoreSettings, current
+from shatter.pipeline.format.store import fs
+from shatter.pipeline.format.store.errors import StoreError, disk_full
+from shatter.pipeline.format.store.locks import Locked, lock
+from shatter.pipeline.format.store.settings import StoreSettings, current
 
 CHUNK = 1 << 22
 KEEP = "keep"

@@ -3,9 +3,9 @@ endpoint, a missing bucket or prefix, a refusal. One try, short timeouts."""
 
 from __future__ import annotations
 
-from pipeline.format.store import fs
-from pipeline.format.store.errors import StoreError
-from pipeline.format.store.settings import current
+from shatter.pipeline.format.store import fs
+from shatter.pipeline.format.store.errors import StoreError
+from shatter.pipeline.format.store.settings import current
 
 CREDENTIALS_HINT = (
     "check the credentials (--s3_access_key_id and --s3_secret_access_key, or AWS_ACCESS_KEY_ID "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.format.schema import DatasetError
+from shatter.pipeline.format.schema import DatasetError
 
 
 class StoreError(DatasetError):

@@ -14,8 +14,8 @@ import os
 import shutil
 import time
 
-from pipeline.format.store.errors import StoreError, store_failed
-from pipeline.format.store.settings import current
+from shatter.pipeline.format.store.errors import StoreError, store_failed
+from shatter.pipeline.format.store.settings import current
 
 NOT_RETRIED = (FileNotFoundError, PermissionError, IsADirectoryError, StoreError, ImportError)
 PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import fcntl
 
-from pipeline.format.store.errors import StoreError
+from shatter.pipeline.format.store.errors import StoreError
 
 UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 

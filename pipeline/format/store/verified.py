@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 
-from pipeline.format.store.cache import NodeCache
-from pipeline.format.store.errors import StoreError
-from pipeline.format.store.locks import Locked
-from pipeline.format.store.settings import current
+from shatter.pipeline.format.store.cache import NodeCache
+from shatter.pipeline.format.store.errors import StoreError
+from shatter.pipeline.format.store.locks import Locked
+from shatter.pipeline.format.store.settings import current
 
 
 def sha256_matches(path: str, sha256: str, digest) -> bool:

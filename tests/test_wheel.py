@@ -1,0 +1,53 @@
+"""The wheel puts one top-level package in site-packages, `shatter`: the checkout's pipeline/,
+train/ and tools/ install as shatter.pipeline, shatter.train and shatter.tools (setup.py). So it
+installs beside PyPI's unrelated `tools` (and `pipeline`, `train`) without shadowing them."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYPI_TOOLS = "tools==1.0.38"  # PyPI's `tools` distribution, pure Python, stdlib only
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*cmd, "-w", str(out), str(REPO)], check=True, capture_output=True)
+    (path,) = out.glob("shatter_toolkit-*.whl")
+    return path
+
+
+def test_the_wheel_has_one_top_level_package_with_the_three_subpackages(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert top == {"shatter", wheel.name.split("-py3")[0] + ".dist-info"}, top
+    for module in ("pipeline/cli.py", "train/pretrain.py", "tools/extend.py", "kernels"):
+        assert any(n.startswith(f"shatter/{module}") for n in names), module
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if "entry_points" in n))
+    assert b"shatter-data = shatter.pipeline.cli:entry" in entry_points
+
+
+def test_installed_beside_pypi_s_tools_both_import(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    install = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
+    proc = subprocess.run([*install, str(wheel), PYPI_TOOLS], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    probe = (
+        "import importlib.util as u, shatter, tools; "
+        "print(tools.__version__, tools.__file__); "
+        "print(*(u.find_spec(f'shatter.{s}').origin for s in ('pipeline', 'train', 'tools')))"
+    )
+    # run from an empty directory: the checkout's own folders are not on the path
+    proc = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    pypi_line, ours_line = proc.stdout.splitlines()
+    site = str(venv / "lib")
+    assert pypi_line.startswith("1.0.38 ") and site in pypi_line, pypi_line
+    assert all(site in origin and "/shatter/" in origin for origin in ours_line.split())
