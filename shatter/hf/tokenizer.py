@@ -1,25 +1,32 @@
 """The export's tokenizer as a Hugging Face fast tokenizer (`tokenizer.json`): a dataset's own
 tokenizer.json (`shatter-data build --hf-tokenizer`) as it is, or the sentencepiece model converted.
 
-transformers' own converter (`SpmConverter`) parses the model with sentencepiece's bundled
-`sentencepiece_model_pb2`, which needs protobuf >= 7, while apache-beam pins protobuf < 7: in
-the toolkit's one environment that parse fails. So the pieces, scores and ids come from
-`sentencepiece.SentencePieceProcessor` (no protobuf), and the few normalizer fields the
-`tokenizers` pipeline needs (the precompiled NFKC + case-folding charsmap of `nmt_nfkc_cf`, and
-the whitespace flags) are read off the model's protobuf wire format by `normalizer_spec`.
+The converted tokenizer's model (Unigram over the same pieces and scores, or BPE over the same
+pieces with every split of a piece into two as a merge, in sentencepiece's score order) comes
+from transformers' converter (`SpmConverter`, which parses the model with sentencepiece's bundled
+`sentencepiece_model_pb2`) where that module loads: it needs protobuf >= 7, which an install
+without apache-beam can have. Where apache-beam pins protobuf < 7 (the toolkit's dev environment)
+the module does not load, and the same model is built from `sentencepiece.SentencePieceProcessor`
+(no protobuf), the model's fields read off its protobuf wire format by `normalizer_spec`.
+`build_tokenizer` says which path ran; both write the same tokenizer.json.
 
-The tokenizer mirrors sentencepiece's encoding: Unigram over the same pieces and scores, the
-precompiled normalizer, sentencepiece's whitespace handling (strip, collapse runs of spaces,
-escape to '▁', a dummy prefix), then the toolkit's conventions (the format's special ids
-[PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4): `[CLS] a [SEP]` and `[CLS] a [SEP] b [SEP]`, as
-pretraining rows and finetuning features are built. There are no token type ids (no arch has
-segment embeddings).
+On either model the toolkit sets the rest: the precompiled normalizer (NFKC, plus case folding
+for `nmt_nfkc_cf`) and sentencepiece's whitespace handling as the model's own flags set it
+(strip, collapse runs of spaces, escape to '▁', a dummy prefix; the converter's normalizer
+assumes the default flags), the decoder, and the toolkit's conventions (the format's special
+ids [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4): `[CLS] a [SEP]` and `[CLS] a [SEP] b [SEP]`, as
+pretraining rows and finetuning features are built. The control pieces ([PAD], [CLS], [SEP],
+[MASK]) are special added tokens, as the converter makes them: spelt in a text ("[MASK]" in a
+fill-mask input), each is its token, where sentencepiece encodes the characters. There are no
+token type ids (no arch has segment embeddings).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 from shatter.pipeline.format.tokenizer import (
     NORMALIZATION,
@@ -29,7 +36,12 @@ from shatter.pipeline.format.tokenizer import (
     special_tokens,
 )
 
+log = logging.getLogger(__name__)
+
 SPIECE_UNDERLINE = "\u2581"
+# which path built a converted tokenizer's model (`build_tokenizer`)
+CONVERTER = "transformers' SpmConverter"
+BY_HAND = "sentencepiece's processor (no protobuf parse)"
 UNIGRAM, BPE = 1, 2  # sentencepiece TrainerSpec.ModelType
 SPECIAL_TOKENS = {
     "pad_token": "[PAD]",
@@ -95,7 +107,8 @@ def normalizer_spec(model: bytes) -> dict:
 def _model(sp, model_type: int):
     """The `tokenizers` model of the processor's pieces: Unigram over the same scores, or BPE
     whose merges are every split of a piece into two pieces, ranked by the merged piece's score
-    (sentencepiece's BPE merges the best-scoring pair first; transformers' SpmConverter alike)."""
+    (sentencepiece's BPE merges the best-scoring pair first), the splits of one piece in
+    transformers' order (shorter left part first): the converter's tokenizer.json exactly."""
     from tokenizers.models import BPE as BPEModel, Unigram
 
     size = sp.get_piece_size()
@@ -112,32 +125,96 @@ def _model(sp, model_type: int):
         for cut in range(1, len(piece)):
             left, right = piece[:cut], piece[cut:]
             if left in vocab and right in vocab:
-                ranked.append((-sp.get_score(i), i, vocab[left], vocab[right], left, right))
+                ranked.append((-sp.get_score(i), i, cut, left, right))
     merges = [(left, right) for *_, left, right in sorted(ranked)]
     unk = sp.id_to_piece(sp.unk_id())
     return BPEModel(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=byte_fallback)
 
 
-def build_tokenizer(path: Path):
-    """A `tokenizers.Tokenizer` encoding like the sentencepiece model at `path`, plus our
-    [CLS]/[SEP] template."""
-    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
-
-    data = path.read_bytes()
+def proto_module():
+    """sentencepiece's bundled `sentencepiece_model_pb2`, or None where it cannot load: no
+    protobuf, or a runtime older than the module's generated code (protobuf < 7, as apache-beam
+    pins it), which the import itself reports as protobuf's VersionError."""
     try:
-        sp = load_sentencepiece(data)
-        spec = normalizer_spec(data)
-    except (RuntimeError, ValueError, OSError) as e:
-        raise TokenizerError(
-            f"{path} is not a sentencepiece model with the toolkit's special ids ({e}); "
-            "export a model trained with `shatter-data build`, whose tokenizer.model is one"
-        ) from None
-    if spec["model_type"] not in (UNIGRAM, BPE):
-        raise TokenizerError(
-            f"{path} is a sentencepiece model of type {spec['model_type']} (not unigram, 1, or "
-            "bpe, 2); only unigram and bpe models (shatter-data's) convert to tokenizer.json"
+        from google.protobuf.runtime_version import VersionError
+    except ImportError:
+        return None
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except (ImportError, VersionError):
+        return None
+    return sentencepiece_model_pb2
+
+
+def _parsed(pb2, data: bytes):
+    """The ModelProto of serialized model bytes; ValueError where they are not one."""
+    from google.protobuf.message import DecodeError
+
+    proto = pb2.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except DecodeError as e:
+        raise ValueError(f"not a sentencepiece ModelProto: {e}") from None
+    return proto
+
+
+def _proto_spec(proto) -> dict:
+    """`normalizer_spec`'s fields, from a parsed ModelProto."""
+    norm = proto.normalizer_spec
+    return {
+        "model_type": proto.trainer_spec.model_type,
+        "name": norm.name,
+        "precompiled_charsmap": norm.precompiled_charsmap,
+        "add_dummy_prefix": norm.add_dummy_prefix,
+        "remove_extra_whitespaces": norm.remove_extra_whitespaces,
+        "escape_whitespaces": norm.escape_whitespaces,
+    }
+
+
+def _converted(path: Path, proto):
+    """The `tokenizers` model over the pieces (and the control pieces as special added tokens)
+    by transformers' converter, which parses the model with sentencepiece's protobuf module."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE as BPEModel
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor, SpmConverter
+
+    converter = SpmConverter(SimpleNamespace(vocab_file=str(path)))
+    if proto.trainer_spec.model_type == UNIGRAM:
+        converter.handle_byte_fallback = proto.trainer_spec.byte_fallback
+        return converter.tokenizer(converter.proto)
+    # SpmConverter.tokenizer's own BPE branch hands the piece scores to the extractor where it
+    # takes a model class (an AttributeError in transformers 5.17 to 5.24); the extractor gives
+    # the vocabulary and the merges (every split of a piece into two, ranked by piece id, which
+    # is sentencepiece's BPE score order) and the control pieces
+    parts = SentencePieceExtractor(str(path)).extract(None)
+    tokenizer = Tokenizer(
+        BPEModel(
+            parts["vocab"],
+            parts["merges"],
+            unk_token=proto.trainer_spec.unk_piece,
+            fuse_unk=True,
+            byte_fallback=proto.trainer_spec.byte_fallback,
         )
-    tokenizer = Tokenizer(_model(sp, spec["model_type"]))
+    )
+    tokenizer.add_tokens(parts["additional_special_tokens"])
+    return tokenizer
+
+
+def _by_hand(sp, model_type: int):
+    """`_converted` without protobuf: the model from the processor, the same added tokens."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer(_model(sp, model_type))
+    control = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.is_control(i)]
+    tokenizer.add_tokens([AddedToken(p, normalized=False, special=True) for p in control])
+    return tokenizer
+
+
+def _conventions(tokenizer, spec: dict, sp) -> None:
+    """sentencepiece's normalization and whitespace handling as the model's spec sets them, the
+    toolkit's [CLS]/[SEP] template and the decoder, on a tokenizer over the model's pieces."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
+
     steps = []  # sentencepiece's order: charsmap, whitespace, escape, dummy prefix
     if spec["precompiled_charsmap"]:
         steps.append(normalizers.Precompiled(spec["precompiled_charsmap"]))
@@ -164,7 +241,34 @@ def build_tokenizer(path: Path):
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    return tokenizer
+
+
+def build_tokenizer(path: Path):
+    """(`tokenizers.Tokenizer` encoding like the sentencepiece model at `path` plus our
+    [CLS]/[SEP] template, the path that built its model: CONVERTER or BY_HAND)."""
+    data = path.read_bytes()
+    pb2 = proto_module()
+    try:
+        sp = load_sentencepiece(data)
+        proto = None if pb2 is None else _parsed(pb2, data)
+        spec = normalizer_spec(data) if proto is None else _proto_spec(proto)
+    except (RuntimeError, ValueError, OSError) as e:
+        raise TokenizerError(
+            f"{path} is not a sentencepiece model with the toolkit's special ids ({e}); "
+            "export a model trained with `shatter-data build`, whose tokenizer.model is one"
+        ) from None
+    if spec["model_type"] not in (UNIGRAM, BPE):
+        raise TokenizerError(
+            f"{path} is a sentencepiece model of type {spec['model_type']} (not unigram, 1, or "
+            "bpe, 2); only unigram and bpe models (shatter-data's) convert to tokenizer.json"
+        )
+    if proto is None:
+        tokenizer, how = _by_hand(sp, spec["model_type"]), BY_HAND
+    else:
+        tokenizer, how = _converted(path, proto), CONVERTER
+    _conventions(tokenizer, spec, sp)
+    log.debug("%s: tokenizer.json's model built by %s", path, how)
+    return tokenizer, how
 
 
 def hf_tokenizer(path: Path):
@@ -172,7 +276,7 @@ def hf_tokenizer(path: Path):
     sentencepiece model converted (`build_tokenizer`), or a dataset's own tokenizer.json (from
     `shatter-data build --hf-tokenizer`: the toolkit's special ids and template already)."""
     if path.suffix != ".json":
-        return build_tokenizer(path), SPECIAL_TOKENS
+        return build_tokenizer(path)[0], SPECIAL_TOKENS
     try:
         tokenizer = load_hf_tokenizer(path.read_bytes(), str(path))
     except HFTokenizerError as e:
