@@ -2,6 +2,7 @@
 train/ and tools/ install as shatter.pipeline, shatter.train and shatter.tools (setup.py). So it
 installs beside PyPI's unrelated `tools` (and `pipeline`, `train`) without shadowing them."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -15,9 +16,16 @@ PYPI_TOOLS = "tools==1.0.38"  # PyPI's `tools` distribution, pure Python, stdlib
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """The wheel of the committed tree plus the working changes, built in a copy: the build's
+    `build/` and `*.egg-info` stay out of the checkout."""
+    tree, out = tmp_path_factory.mktemp("tree"), tmp_path_factory.mktemp("wheel")
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True)
+    for name in filter(None, files.stdout.decode().split("\0")):
+        if (REPO / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, tree / name)
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    subprocess.run([*cmd, "-w", str(out), str(REPO)], check=True, capture_output=True)
+    subprocess.run([*cmd, "-w", str(out), str(tree)], check=True, capture_output=True)
     (path,) = out.glob("shatter_toolkit-*.whl")
     return path
 
