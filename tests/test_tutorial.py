@@ -59,7 +59,7 @@ def test_the_tutorial_covers_every_stage():
         "python tools/demo.py --fetch-to",
         "shatter-data build",
         "shatter-data inspect",
-        "deepspeed --num_gpus 2 train/pretrain.py",
+        "deepspeed --num_gpus 2 --log_level warning train/pretrain.py",
         "python tools/plot_metrics.py",
         "shatter-extend tutorial/run/export",
         "python tools/evaluate.py",

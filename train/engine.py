@@ -11,12 +11,17 @@ LayerNorm weights, 10k steps of linear warm-up then linear decay to 0 at the las
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
+import io
 import json
+import logging
 import os
+import re
 import socket
 import sys
 import tempfile
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -107,17 +112,49 @@ def build_extensions() -> None:
         )
 
 
+# Lines of DeepSpeed 0.19.8 under torch 2.13 that ask nothing of the user. WarmupDecayLR asks for
+# its lr before step 0 and warns of it, and repeats the warm-up warning the config check says
+# first (train/config.py); its CPU comm op prints "built successfully" from each rank at every
+# start (it was loaded, not built); its ZeRO gather calls a torch collective that torch deprecates.
+DEEPSPEED_NOISE = (
+    "Attempting to get learning rate from scheduler before it has started",
+    "is less than warmup_num_steps",
+)
+SHM_OP_LOADED = re.compile(r"^DeepSpeed \S+ built successfully$")
+TORCH_DEPRECATION = r"`torch\.distributed\.all_gather_into_tensor` is deprecated"
+
+
+class _DropDeepSpeedNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in DEEPSPEED_NOISE)
+
+
+@contextlib.contextmanager
+def _without_op_loaded_lines():
+    """What the block prints to stdout, less DeepSpeed's "built successfully" lines."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        kept = [x for x in printed.getvalue().splitlines() if not SHM_OP_LOADED.match(x)]
+        if kept:
+            print("\n".join(kept), flush=True)
+
+
 def quiet_other_ranks() -> None:
-    """Warnings once per node: its local rank 0 says Python's and DeepSpeed's warnings, the
-    node's other ranks (which would repeat them word for word) keep only DeepSpeed's errors."""
+    """Warnings once per node, and none that ask nothing of the user (`DEEPSPEED_NOISE`): its
+    local rank 0 says Python's and DeepSpeed's warnings, the node's other ranks (which would
+    repeat them word for word) keep only DeepSpeed's errors."""
+    deepspeed_log = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _DropDeepSpeedNoise) for f in deepspeed_log.filters):
+        deepspeed_log.addFilter(_DropDeepSpeedNoise())
+    warnings.filterwarnings("ignore", TORCH_DEPRECATION, FutureWarning)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         return
-    import logging
-    import warnings
-
     warnings.simplefilter("ignore")
     warnings.showwarning = lambda *args, **kwargs: None  # filters added later by libraries too
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    deepspeed_log.setLevel(logging.ERROR)
 
 
 def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
@@ -136,11 +173,12 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     if on_cpu():
         announce_cpu_build()
     rendezvous = {"init_method": _file_store(), "rank": 0, "world_size": 1} if alone else {}
-    deepspeed.init_distributed(
-        dist_backend="gloo" if on_cpu() else "nccl",
-        timeout=COLLECTIVE_TIMEOUT if timeout_s is None else timedelta(seconds=timeout_s),
-        **rendezvous,
-    )
+    with _without_op_loaded_lines():
+        deepspeed.init_distributed(
+            dist_backend="gloo" if on_cpu() else "nccl",
+            timeout=COLLECTIVE_TIMEOUT if timeout_s is None else timedelta(seconds=timeout_s),
+            **rendezvous,
+        )
     if on_cpu():
         release_shm_names()
     if on_cpu() and "OMP_NUM_THREADS" not in os.environ:

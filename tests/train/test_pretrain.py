@@ -187,8 +187,12 @@ def test_fp32_zero1_two_ranks_loss_falls_and_exports_the_engines_model(books_dat
     # a job's log, piped: plain lines (no bar's carriage returns or cursor escapes), no line
     # twice (one copy of each warning per job), and the same lines time-stamped in RUN/train.log
     assert "\x1b" not in done.stderr and "\r" not in done.stderr
-    repeated = [x for x, n in Counter(done.stderr.splitlines()).items() if n > 1 and x.strip()]
-    assert not repeated, repeated
+    for stream in (done.stderr, done.stdout):
+        repeated = [x for x, n in Counter(stream.splitlines()).items() if n > 1 and x.strip()]
+        assert not repeated, repeated
+    # and none of DeepSpeed's lines that ask nothing of the user (train/engine.py)
+    for noise in ("built successfully", "before it has started", "all_gather_into_tensor"):
+        assert noise not in done.stdout + done.stderr, noise
     assert "pretrain 60/60 loss=" in done.stderr and "left=0:00" in done.stderr
     logged = (run / "train.log").read_text()
     assert "pretrain 60/60 loss=" in logged and "checkpoint" in logged
