@@ -203,6 +203,8 @@ def main(
             env_bin("deepspeed"),
             "--num_gpus",
             2,
+            "--log_level",  # the launcher's INFO lines (its command, the world) left out
+            "warning",
             "train/pretrain.py",
             "--data",
             data,

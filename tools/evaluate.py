@@ -18,6 +18,7 @@ extension study scores each model at all its lengths so.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,8 +125,13 @@ def score(model, index: Index, split: str, batch_size: int, max_samples: int | N
     from tqdm import tqdm
 
     rows = index.rows(split) if max_samples is None else min(index.rows(split), max_samples)
-    stream = tqdm(  # on stderr, gone when done: the result line stays alone on stdout
-        stream, total=-(-rows // batch_size), desc=f"evaluate {split}", unit="batch", leave=False
+    stream = tqdm(  # on a terminal's stderr, gone when done: the result line stays on stdout
+        stream,
+        total=-(-rows // batch_size),
+        desc=f"evaluate {split}",
+        unit="batch",
+        leave=False,
+        disable=not sys.stderr.isatty(),  # no carriage returns in a log
     )
     device = next(model.parameters()).device
     result = evaluate(model, stream, device, distributed=False)

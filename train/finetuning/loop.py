@@ -63,7 +63,8 @@ def predict(
     outputs: dict[str, list[np.ndarray]] = {}
     features = data.eval_features
     starts = range(0, len(features), batch_size)
-    for start in tqdm(starts, desc="evaluate", unit="batch", leave=False, disable=not show):
+    bar = show and sys.stderr.isatty()  # a log gets no carriage returns
+    for start in tqdm(starts, desc="evaluate", unit="batch", leave=False, disable=not bar):
         chunk = features[start : start + batch_size]
         batch = data.collate(chunk)
         out = model(
