@@ -88,7 +88,10 @@ def share_s3_clients() -> None:
     """Beam's S3 filesystem makes a new boto3 session and client for every call (exists, open,
     match, ...), each loading botocore's service models again: 0.4 s a call, most of a small
     build's time. Here its clients of the same options share one boto3 client (thread-safe); each
-    keeps its own download state."""
+    keeps its own download state. That client tries each call once: Beam's backoff, bounded by
+    `bound_retries`, is the one retry loop (botocore's own beneath it, 5 tries a call with waits
+    of up to 8 s, made a build whose store had stopped report it after about a minute with
+    `--store_retry_seconds 1`)."""
     from apache_beam.io.aws.clients.s3 import boto3_client
 
     cls = boto3_client.Client
@@ -97,20 +100,39 @@ def share_s3_clients() -> None:
     original = cls.__init__
 
     def init(self, options):
-        s3 = options.view_as(S3Options) if isinstance(options, PipelineOptions) else None
-        key = tuple(sorted(vars(s3._visible_options).items())) if s3 else None
-        shared = _SHARED_CLIENTS.get(key) if key else None
-        if shared is None:
+        if not isinstance(options, PipelineOptions):
             original(self, options)
-            if key:
-                _SHARED_CLIENTS[key] = self.client
             return
-        self.client = shared
+        s3 = options.view_as(S3Options)
+        key = tuple(sorted(vars(s3._visible_options).items()))
+        if key not in _SHARED_CLIENTS:
+            _SHARED_CLIENTS[key] = _one_try_client(s3)
+        self.client = _SHARED_CLIENTS[key]
         self._download_request = self._download_stream = None
         self._download_pos = 0
 
     cls.__init__ = init
     cls._shatter_shared = True
+
+
+def _one_try_client(s3: S3Options):
+    """The boto3 client that Beam's would make for `s3`
+    (apache_beam.io.aws.clients.s3.boto3_client), trying each call once."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session().client(
+        service_name="s3",
+        region_name=s3.s3_region_name,
+        api_version=s3.s3_api_version,
+        use_ssl=not s3.s3_disable_ssl,
+        verify=s3.s3_verify,
+        endpoint_url=s3.s3_endpoint_url,
+        aws_access_key_id=s3.s3_access_key_id,
+        aws_secret_access_key=s3.s3_secret_access_key,
+        aws_session_token=s3.s3_session_token,
+        config=Config(retries={"total_max_attempts": 1}),
+    )
 
 
 def use(options: PipelineOptions) -> None:

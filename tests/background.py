@@ -19,7 +19,7 @@ import inspect
 import threading
 from collections.abc import Callable
 
-from tests.jobs import BACKGROUND_THREAD, Outcome
+from tests.jobs import BACKGROUND_THREAD, Outcome, end_jobs
 
 SESSION_ENV: dict[str, str] = {}  # os.environ as the session began (tests/conftest.py)
 RESULTS: dict[str, Outcome] = {}
@@ -47,6 +47,7 @@ def start(work: dict[str, tuple[Callable, dict]]) -> None:
                 RESULTS[name] = Outcome(producer(**kwargs))
             except BaseException as err:  # noqa: BLE001 (raised again in the fixture's test)
                 RESULTS[name] = Outcome(error=err)
+            end_jobs()  # a job its producer left running (an assert mid-job)
 
     if work:
         SCHEDULED.update(work)

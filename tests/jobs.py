@@ -34,15 +34,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-RUNNING: list["Job"] = []
-BACKGROUND_THREAD = "background fixtures"  # tests/background.py's thread
+BACKGROUND_THREAD = "background fixtures"  # tests/background.py's thread, and its pool's
+# the jobs started and not yet ended: the foreground's (the tests and their fixtures) and the
+# background's (tests/background.py), apart: a test's end must not kill the background's jobs
+RUNNING: dict[bool, list["Job"]] = {False: [], True: []}
+
+
+def in_background() -> bool:
+    """Whether this thread does tests/background.py's work (its thread, or side_by_side's pool
+    started there)."""
+    return threading.current_thread().name.startswith(BACKGROUND_THREAD)
 
 
 def end_jobs() -> None:
-    """Kill every job still running with its ranks and workers: a test that failed or ran out of
-    its time (pytest-timeout) mid-job must not leave one busy (tests/conftest.py, per test)."""
-    while RUNNING:
-        job = RUNNING.pop()
+    """Kill every job this side (foreground or background) started that still runs, with its
+    ranks and workers: a test that failed or ran out of its time (pytest-timeout) mid-job must
+    not leave one busy (tests/conftest.py, per test; tests/background.py, per producer)."""
+    running = RUNNING[in_background()]
+    while running:
+        job = running.pop()
         if job.proc.poll() is None:
             try:
                 os.killpg(job.proc.pid, signal.SIGKILL)
@@ -60,9 +70,14 @@ def jobs_end_with_their_test():
 
 
 class Job:
-    """A launched command whose output lines are time-stamped as they come."""
+    """A launched command whose output lines are time-stamped as they come. In the background
+    (tests/background.py) its environment is the session's, not what a test running meanwhile
+    set in os.environ (an in-process engine's RANK and MASTER_PORT, a TMPDIR)."""
 
     def __init__(self, cmd: list[str], env: dict | None = None):
+        from tests.background import SESSION_ENV  # here: tests/background.py imports this module
+
+        background = in_background()
         self.lines: list[tuple[float, str]] = []
         self.proc = subprocess.Popen(
             cmd,
@@ -70,12 +85,12 @@ class Job:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=child_env(**(env or {})),
+            env=child_env(SESSION_ENV if background and SESSION_ENV else None, **(env or {})),
             start_new_session=True,
         )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
-        RUNNING.append(self)
+        RUNNING[background].append(self)
 
     def _read(self):
         for line in self.proc.stdout:
@@ -142,7 +157,8 @@ def side_by_side(calls: dict[str, Callable[[], object]]) -> dict[str, Outcome]:
 
     # in the background thread (tests/background.py) one at a time: the foreground's tests run
     # meanwhile, and more jobs than cores slow every process's threaded kernels many times over
-    at_once = 1 if threading.current_thread().name == BACKGROUND_THREAD else len(calls)
-    with ThreadPoolExecutor(at_once) as pool:
+    background = in_background()
+    at_once = 1 if background else len(calls)
+    with ThreadPoolExecutor(at_once, BACKGROUND_THREAD if background else "") as pool:
         futures = {name: pool.submit(outcome, call) for name, call in calls.items()}
     return {name: future.result() for name, future in futures.items()}

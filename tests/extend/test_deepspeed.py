@@ -1,4 +1,5 @@
-"""`shatter-extend` on a real DeepSpeed checkpoint (ZeRO-2, one rank, in a subprocess)."""
+"""`shatter-extend` on a real DeepSpeed checkpoint (ZeRO-0 and ZeRO-2, one rank each, in
+subprocesses run side by side)."""
 
 import socket
 import subprocess
@@ -11,7 +12,7 @@ from click.testing import CliRunner
 
 import shatter
 from shatter.tools.extend import main
-from tests.jobs import child_env
+from tests.jobs import Outcome, child_env, side_by_side
 
 from .test_cli import tokenizer_file  # noqa: F401  (fixture)
 from .test_extend import inputs
@@ -26,15 +27,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 2])
-def test_extends_a_deepspeed_checkpoint(tmp_path, tokenizer_file, stage):  # noqa: F811
+STAGES = (0, 2)
+
+
+def _checkpoint(root: Path, stage: int) -> Path:
+    """One DeepSpeed step and its checkpoint at ZeRO `stage` (deepspeed_checkpoint.py) under
+    `root`: root/checkpoints, and root/reference the model the engine trained."""
     env = child_env(MASTER_PORT=str(free_port()))
     done = subprocess.run(
         [
             sys.executable,
             str(Path(__file__).with_name("deepspeed_checkpoint.py")),
-            str(tmp_path / "checkpoints"),
+            str(root / "checkpoints"),
             str(stage),
             "fp32",
         ],
@@ -44,9 +48,24 @@ def test_extends_a_deepspeed_checkpoint(tmp_path, tokenizer_file, stage):  # noq
         timeout=900,  # a first JIT build under load is slow
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[int, Outcome]:
+    """Both stages' checkpoints, written side by side (tests/jobs.py): each is one process that
+    mostly imports and starts DeepSpeed on about one core."""
+    roots = {stage: tmp_path_factory.mktemp(f"zero{stage}") for stage in STAGES}
+    return side_by_side({s: (lambda s=s: _checkpoint(roots[s], s)) for s in STAGES})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+def test_extends_a_deepspeed_checkpoint(checkpoints, tmp_path, tokenizer_file, stage):  # noqa: F811
+    written = checkpoints[stage].get()
     out = tmp_path / "extended"
     result = CliRunner().invoke(
-        main, [str(tmp_path / "checkpoints"), "--max-len", "32", "--output", str(out)]
+        main, [str(written / "checkpoints"), "--max-len", "32", "--output", str(out)]
     )
     assert (
         result.exit_code != 0 and "no tokenizer.model found" in result.output and not out.exists()
@@ -54,7 +73,7 @@ def test_extends_a_deepspeed_checkpoint(tmp_path, tokenizer_file, stage):  # noq
     result = CliRunner().invoke(
         main,
         [
-            str(tmp_path / "checkpoints"),
+            str(written / "checkpoints"),
             "--max-len",
             "32",
             "--output",
@@ -66,7 +85,7 @@ def test_extends_a_deepspeed_checkpoint(tmp_path, tokenizer_file, stage):  # noq
     assert result.exit_code == 0, result.output
     assert f"total parameters added: {16 * 64:,}" in result.output
     reference, extended = (
-        shatter.from_pretrained(tmp_path / "reference"),
+        shatter.from_pretrained(written / "reference"),
         shatter.from_pretrained(out),
     )
     assert extended.config.max_len == 32

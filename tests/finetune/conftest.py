@@ -69,7 +69,12 @@ def squad_json(n_paragraphs: int, seed: int = 0) -> dict:
 @pytest.fixture(scope="session")
 def tokenizer_model(tmp_path_factory) -> Path:
     """A sentencepiece model with the project's special ids, trained on the synthetic corpus."""
-    root = tmp_path_factory.mktemp("spm")
+    return train_tokenizer(tmp_path_factory.mktemp("spm"))
+
+
+def train_tokenizer(root: Path) -> Path:
+    """`tokenizer_model`'s model, trained in `root`: root/tokenizer.model."""
+    root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(1)
     lines = [r["review"] for r in sentiment_rows(400)]
     lines += [

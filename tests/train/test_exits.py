@@ -16,6 +16,7 @@ import pytest
 from test_pretrain import SCRIPT, command, free_port
 
 from shatter.train.lifecycle import one_line
+from tests import background
 from tests.jobs import Job, Outcome, side_by_side
 
 REPO = Path(__file__).resolve().parents[2]
@@ -188,9 +189,8 @@ def _sigterm_during_checkpoints(books_data: Path, tmp: Path) -> tuple[Job, float
     return job, time.monotonic() - sent, run
 
 
-@pytest.fixture(scope="module")
-def failures(books_data, tmp_path_factory) -> dict[str, Outcome]:
-    """The four failing launches of the tests below, side by side (tests/jobs.py)."""
+def run_failures(books_data, tmp_path_factory) -> dict[str, Outcome]:
+    """The four failing launches of the tests below (tests/jobs.py side_by_side)."""
     tmp = {k: tmp_path_factory.mktemp(k) for k in ("train", "validation", "save", "sigterm")}
     validation = ("--max-steps", "6", "--eval-every", "2")
     return side_by_side(
@@ -208,6 +208,11 @@ def failures(books_data, tmp_path_factory) -> dict[str, Outcome]:
             "sigterm": lambda: _sigterm_during_checkpoints(books_data, tmp["sigterm"]),
         }
     )
+
+
+@pytest.fixture(scope="module")
+def failures(books_data, tmp_path_factory) -> dict[str, Outcome]:
+    return background.result("failures", lambda: run_failures(books_data, tmp_path_factory))
 
 
 @pytest.mark.slow
@@ -319,12 +324,20 @@ def _fault(books_data: Path, tmp: Path, kind: str) -> tuple[Job, int, float]:
     return job, code, gone
 
 
-@pytest.fixture(scope="module")
-def faults(books_data, tmp_path_factory) -> dict[str, Outcome]:
-    """The three fault launches side by side (tests/jobs.py): `block` spends most of its time
-    waiting for the collective timeout, the other two run meanwhile."""
+def run_faults(books_data, tmp_path_factory) -> dict[str, Outcome]:
+    """The three fault launches (tests/jobs.py side_by_side): in the foreground side by side,
+    `block` spending most of its time waiting for the collective timeout."""
     tmp = {kind: tmp_path_factory.mktemp(f"fault-{kind}") for kind in KINDS}
     return side_by_side({kind: (lambda k=kind: _fault(books_data, tmp[k], k)) for kind in KINDS})
+
+
+# started with the session (tests/background.py): launches only, each one alone there
+BACKGROUND = {"failures": run_failures, "faults": run_faults}
+
+
+@pytest.fixture(scope="module")
+def faults(books_data, tmp_path_factory) -> dict[str, Outcome]:
+    return background.result("faults", lambda: run_faults(books_data, tmp_path_factory))
 
 
 @pytest.mark.slow

@@ -21,9 +21,11 @@ from shatter.train.compiling import compile_problem
 from shatter.train.config import ConfigError, OptimArgs, TrainConfig, lr_at, resolve
 from shatter.train.init_from import check
 from shatter.train.schedule import lr_factor
+from tests import background
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+BUDGET_S = 30.0  # the budget run's budget_hours, in seconds
 
 
 def _logged(run: Path) -> dict[int, dict]:
@@ -41,7 +43,9 @@ def _single(data: Path, run: Path, *args: str, preset: str = "shatter-tiny", tim
     base = ("--eval-every", "0", "--save-every", "0", "--log-every", "1", "--num-workers", "0")
     cmd = command(data, run, *base, "--no-progress", *args, launcher=[sys.executable])
     cmd[cmd.index("--preset") + 1] = preset
-    return run_to_end(cmd, timeout=timeout)
+    # in the background (tests/background.py) the session's environment, not what a test running
+    # meanwhile set (an in-process engine's RANK and MASTER_PORT)
+    return run_to_end(cmd, timeout=timeout, env=background.SESSION_ENV or None)
 
 
 def test_the_decays_shapes():
@@ -80,25 +84,54 @@ def test_the_planned_scheduler_starts_at_the_warm_up_without_a_warning(caplog):
     )
 
 
-@pytest.mark.slow
-@pytest.mark.shared_data
-def test_a_budget_of_seconds_plans_the_wsd_schedule_and_ends_with_an_export(books_data, tmp_path):
-    """budget_hours = 30 s: the run times its steps, sets its length from them, follows wsd over
-    that length (the cooldown in its last half) and ends with its export inside the budget."""
-    config = _config(tmp_path, "")
+def run_budget(books_data, tmp_path_factory) -> tuple[Path, dict, float]:
+    """A run given budget_hours = BUDGET_S: (its run directory, its plan, its wall seconds)."""
+    tmp = tmp_path_factory.mktemp("budget")
+    config = _config(tmp, "")
     config.write_text(
         config.read_text().replace("  warmup_steps: 20\n", "  warmup_steps: 2\n  cooldown: 0.5\n")
     )
-    run, seconds, started = tmp_path / "run", 30.0, time.time()
+    run, started = tmp / "run", time.time()
     args = ("--config", str(config), "--decay", "wsd", "--max-steps", "100000")
     args += ("--micro-batch", "4", "--seq-len", "32")
-    done = _single(books_data, run, *args, "--budget-hours", str(seconds / 3600), timeout=560)
-    planned = json.loads((run / budget.FILE).read_text())
-    lrs, last = {s: r["lr"] for s, r in _logged(run).items()}, max(_logged(run))
-    print(
-        f"budget {seconds} s: planned {planned}, ran {last} steps in {time.time() - started:.1f} s"
-    )
+    done = _single(books_data, run, *args, "--budget-hours", str(BUDGET_S / 3600), timeout=560)
     assert "complete: step" in done.stderr and (run / "export" / "model.safetensors").is_file()
+    return run, json.loads((run / budget.FILE).read_text()), time.time() - started
+
+
+def run_compiled(books_data, tmp_path_factory) -> tuple[Path, str]:
+    """bert-tiny with run.compile (inductor on CPU), 3 steps: (its run directory, its stderr)."""
+    tmp = tmp_path_factory.mktemp("compiled")
+    run = tmp / "compiled"
+    args = ("--config", str(_config(tmp, "")), "--max-steps", "3", "--seq-len", "32")
+    done = _single(books_data, run, *args, "--micro-batch", "8", "--compile", preset="bert-tiny",
+                   timeout=840)  # fmt: skip
+    return run, done.stderr
+
+
+# subprocess-only runs, started with the session (tests/background.py)
+BACKGROUND = {"budget_run": run_budget, "compiled": run_compiled}
+
+
+@pytest.fixture(scope="module")
+def budget_run(books_data, tmp_path_factory) -> tuple[Path, dict, float]:
+    return background.result("budget_run", lambda: run_budget(books_data, tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def compiled(books_data, tmp_path_factory) -> tuple[Path, str]:
+    return background.result("compiled", lambda: run_compiled(books_data, tmp_path_factory))
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_a_budget_of_seconds_plans_the_wsd_schedule_and_ends_with_an_export(budget_run):
+    """budget_hours = 30 s: the run times its steps, sets its length from them, follows wsd over
+    that length (the cooldown in its last half) and ends with its export inside the budget."""
+    run, planned, took = budget_run
+    seconds = BUDGET_S
+    lrs, last = {s: r["lr"] for s, r in _logged(run).items()}, max(_logged(run))
+    print(f"budget {seconds} s: planned {planned}, ran {last} steps in {took:.1f} s")
     assert last == (planned["ended_at"] or planned["planned_steps"]) and last < 100000
     assert planned["spent_s"] < seconds * 2  # the plan's estimate, plus the last step
     optim = OptimArgs(lr=1e-3, warmup_steps=2, decay="wsd", cooldown=0.5)
@@ -165,15 +198,12 @@ def test_one_build_at_128_serves_32_then_64_resumes_exactly_and_init_from_contin
 @pytest.mark.slow
 @pytest.mark.shared_data
 @pytest.mark.timeout(900)  # inductor's first compile: about a CPU-minute
-def test_run_compile_trains_bert_on_cpu(books_128, tmp_path):
-    run = tmp_path / "compiled"
-    args = ("--config", str(_config(tmp_path, "")), "--max-steps", "3", "--seq-len", "32")
-    done = _single(books_128, run, *args, "--micro-batch", "8", "--compile", preset="bert-tiny",
-                   timeout=840)  # fmt: skip
+def test_run_compile_trains_bert_on_cpu(compiled):
+    run, stderr = compiled
     losses = [r["loss"] for r in _logged(run).values()]
     print(f"compiled bert-tiny on CPU: losses {losses}")
     assert len(losses) == 3 and all(x == x and x < 9 for x in losses)
-    assert "complete: step 3" in done.stderr and (run / "export" / "model.safetensors").is_file()
+    assert "complete: step 3" in stderr and (run / "export" / "model.safetensors").is_file()
     assert json.loads((run / "config.json").read_text())["config"]["run"]["compile"] is True
 
 
