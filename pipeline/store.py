@@ -82,6 +82,8 @@ class _DropS3ReadErrors(logging.Filter):
 
 
 _SHARED_CLIENTS: dict = {}
+# the methods of Beam's S3 client (2.77) that its s3io calls without its retry decorator
+UNRETRIED = ("get_range", "create_multipart_upload", "upload_part", "complete_multipart_upload")
 
 
 def share_s3_clients() -> None:
@@ -91,7 +93,8 @@ def share_s3_clients() -> None:
     keeps its own download state. That client tries each call once: Beam's backoff, bounded by
     `bound_retries`, is the one retry loop (botocore's own beneath it, 5 tries a call with waits
     of up to 8 s, made a build whose store had stopped report it after about a minute with
-    `--store_retry_seconds 1`)."""
+    `--store_retry_seconds 1`). The calls Beam does not retry itself (`UNRETRIED`: its
+    downloads' ranges, its uploads' parts) get that same backoff here."""
     from apache_beam.io.aws.clients.s3 import boto3_client
 
     cls = boto3_client.Client
@@ -110,6 +113,11 @@ def share_s3_clients() -> None:
         self.client = _SHARED_CLIENTS[key]
         self._download_request = self._download_stream = None
         self._download_pos = 0
+        backoff = retry.with_exponential_backoff(
+            retry_filter=retry.retry_on_server_errors_and_timeout_filter
+        )
+        for name in UNRETRIED:
+            setattr(self, name, backoff(getattr(self, name)))
 
     cls.__init__ = init
     cls._shatter_shared = True

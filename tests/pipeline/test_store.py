@@ -211,3 +211,21 @@ with fs.open_read({remote!r}) as f:
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, cwd=root)
     assert done.stdout.split() == ["3456", "10", "False"], done.stderr[-2000:]
     assert fs.is_remote(remote) and open_store  # the trainer's entry point exists
+
+
+def test_beam_s_s3_calls_without_a_retry_of_their_own_get_the_bounded_one():
+    """Beam's S3 client, shared and one try a call (botocore's retries off): the calls Beam's
+    s3io makes without its retry decorator (its downloads' ranges, its uploads' parts) are
+    wrapped in Beam's backoff, which `--store_retry_seconds` bounds; the others keep Beam's."""
+    from apache_beam.io.aws.clients.s3.boto3_client import Client
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from shatter.pipeline.store import UNRETRIED, share_s3_clients
+
+    share_s3_clients()
+    opts = ["--s3_endpoint_url=http://127.0.0.1:9", "--s3_region_name=us-east-1"]
+    client = Client(PipelineOptions([*opts, "--s3_access_key_id=a", "--s3_secret_access_key=b"]))
+    for name in UNRETRIED:
+        assert getattr(client, name).__wrapped__.__name__ == name, name
+    assert not hasattr(client.list, "__wrapped__")  # s3io retries list itself
+    assert client.client.meta.config.retries["total_max_attempts"] == 1
