@@ -27,6 +27,7 @@ import csv
 import gzip
 import json
 import lzma
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,6 +157,19 @@ def _check_json(path: Path) -> None:
                 ) from None
 
 
+def _quietly(loader, *args, **kwargs) -> datasets.Dataset:
+    """`loader(*args, **kwargs)`, its "Generating train split" bar shown on a terminal only: in a
+    log it is a line of carriage-return redraws."""
+    shown = datasets.is_progress_bar_enabled()
+    if not sys.stderr.isatty():
+        datasets.disable_progress_bars()
+    try:
+        return loader(*args, **kwargs)
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+
+
 def _load(loader, path: Path, **kwargs) -> datasets.Dataset:
     """`loader` (datasets' from_csv or from_json) on `path`, with the cause of every failure
     named: no file, an empty file, a header without rows, a JSON parse error and its position."""
@@ -171,7 +185,7 @@ def _load(loader, path: Path, **kwargs) -> datasets.Dataset:
                 f"{path}: only a header line ({lines[0].strip()[:80]!r}), no data rows"
             )
     try:
-        data = loader(str(path), **kwargs)
+        data = _quietly(loader, str(path), **kwargs)
     except Exception as e:  # datasets wraps parser errors in several types; name the file
         if loader is datasets.Dataset.from_json:
             _check_json(path)  # a parse error: its position, said plainly
