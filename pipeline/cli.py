@@ -16,9 +16,9 @@ import sys
 
 import click
 
+from shatter.options import click_options
 from shatter.pipeline import process
 from shatter.pipeline.config import CORPORA, BuildConfig, InputSpec
-from shatter.pipeline.options import click_options
 
 
 class _DropBeamImportNoise(logging.Filter):
@@ -145,9 +145,9 @@ def build(
     options that only the runner knows go after `--` (passed on unchecked)."""
     configure_logging(verbose)
     from shatter.pipeline.build import BuildError, build as run_build
-    from shatter.pipeline.format import DatasetError
     from shatter.pipeline.runners import OptionError, check_options
     from shatter.pipeline.wiki import InputError
+    from shatter.shards import DatasetError
 
     try:
         check_options(
@@ -195,7 +195,7 @@ def build(
 def _open_store(ctx, out: str) -> None:
     """A remote OUT: Beam's filesystems get the extra options (`--s3_endpoint_url`, ...; else the
     environment's), and OUT is checked (credentials, bucket, prefix) before it is read."""
-    from shatter.pipeline.format.store import fs
+    from shatter.shards.store import fs
 
     if fs.is_remote(out):
         from shatter.pipeline import store
@@ -219,8 +219,8 @@ _STORE_ARGS = dict(ignore_unknown_options=True, allow_extra_args=True)
 @click.pass_context
 def inspect(ctx, out, rows, split):
     """Stats, a length histogram and decoded sample rows with their masks."""
-    from shatter.pipeline.format import DatasetError
     from shatter.pipeline.inspect import inspect_dataset
+    from shatter.shards import DatasetError
 
     try:
         _open_store(ctx, out)
@@ -234,8 +234,8 @@ def inspect(ctx, out, rows, split):
 @click.pass_context
 def verify(ctx, out):
     """Check checksums, schema and counts; exit non-zero naming the first bad file."""
-    from shatter.pipeline.format import DatasetError
     from shatter.pipeline.inspect import verify_dataset
+    from shatter.shards import DatasetError
 
     try:
         _open_store(ctx, out)

@@ -1,12 +1,12 @@
 """The build configuration: one frozen dataclass, saved whole in every index.json; a field
-declared with `option(...)` is also an option of `shatter-data build` (`shatter.pipeline.options`)."""
+declared with `option(...)` is also an option of `shatter-data build` (`shatter.options`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from shatter.pipeline.options import option
+from shatter.options import option
 
 CORPORA = ("wiki", "books", "text")
 # `--runner` names with a meaning of ours (`shatter.pipeline.runners`; here, Beam-free, for the CLI too):

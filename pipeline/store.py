@@ -1,6 +1,6 @@
 """The build's side of object storage (`s3://`, `gs://`, any scheme that Beam's `FileSystems`
 knows): the command line's options reach Beam's filesystems and the format's store
-(`shatter.pipeline.format.store`, which the trainer uses without Beam), a check of each remote path before
+(`shatter.shards.store`, which the trainer uses without Beam), a check of each remote path before
 any work starts, and a bound on how long a Beam call retries a store that is gone.
 
 Credentials and the endpoint come from the command line's Beam options (`--s3_endpoint_url`,
@@ -149,7 +149,7 @@ def use(options: PipelineOptions) -> None:
     from apache_beam.io.filesystems import FileSystems
 
     if FileSystems._pipeline_options is not options:
-        from shatter.pipeline.format import store as format_store
+        from shatter.shards import store as format_store
 
         FileSystems.set_options(options)
         format_store.configure(_settings(options))
@@ -167,7 +167,7 @@ def configure(args=()) -> PipelineOptions:
 
 def _settings(options: PipelineOptions):
     """The format's store settings of Beam's S3 options and `--store_retry_seconds`."""
-    from shatter.pipeline.format.store import StoreSettings
+    from shatter.shards.store import StoreSettings
 
     s3 = options.view_as(S3Options)
     return StoreSettings.from_env(
@@ -183,7 +183,7 @@ def _settings(options: PipelineOptions):
 def check(path: str, options: PipelineOptions | None = None, must_exist: bool = True) -> None:
     """Raise StoreError (one line) unless `path` can be reached with `options`' credentials:
     its bucket exists and, with `must_exist`, something is stored under it. A local path passes."""
-    from shatter.pipeline.format import store as format_store
+    from shatter.shards import store as format_store
 
     if "://" not in str(path):
         return

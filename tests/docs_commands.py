@@ -358,7 +358,11 @@ def known_options() -> set[str]:
 
     names: set[str] = set()
     modules = [*console_scripts().values()]
-    modules += [f"tools.{p.stem}" for p in (REPO / "tools").glob("*.py") if p.stem != "__init__"]
+    modules += [
+        "shatter." + ".".join(p.relative_to(REPO).with_suffix("").parts)
+        for p in (REPO / "tools").rglob("*.py")
+        if p.stem != "__init__"
+    ]
     modules += ["shatter.train.pretrain", "shatter.train.finetune"]
     for target in modules:
         module = importlib.import_module(target.split(":")[0])

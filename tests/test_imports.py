@@ -111,7 +111,7 @@ MODEL_TO_PIPELINE = {"shatter.remote": {"shatter.pipeline.store"}}
 
 def test_the_model_package_imports_only_the_shard_format_of_the_pipeline():
     """shatter/ (the model) needs no Beam: what it shares with the pipeline (special ids, sha256,
-    the tokenizer loader) is in shatter.pipeline.format, which imports neither Beam nor torch. Lazy
+    the tokenizer loader) is in shatter.shards, which imports neither Beam nor torch. Lazy
     imports count; `if TYPE_CHECKING:` ones do not."""
     graph = _graph()
     found = {
@@ -121,11 +121,11 @@ def test_the_model_package_imports_only_the_shard_format_of_the_pipeline():
     }
     found = {m: deps - MODEL_TO_PIPELINE.get(m, set()) for m, deps in found.items()}
     assert not {m: d for m, d in found.items() if d}, "shatter/ imports the pipeline's Beam side"
-    assert "shatter.pipeline.format.tokenizer" in graph["shatter.hf.tokenizer"]
+    assert "shatter.shards.tokenizer" in graph["shatter.hf.tokenizer"]
 
 
 def _in_format(module: str) -> bool:
-    return module == "shatter.pipeline.format" or module.startswith("shatter.pipeline.format.")
+    return module == "shatter.shards" or module.startswith("shatter.shards.")
 
 
 def test_the_toolkit_s_modules_are_imported_by_their_installed_names():

@@ -5,7 +5,7 @@ overriding the one before: the dataclass defaults (the paper's §A.2 settings), 
 (`--config`, sections `model:`, `data:`, `optim:`, `run:`), and the command-line flags. Unknown
 keys are rejected with the file name and the key, as in academic-budget-bert's argument groups
 (one dataclass per concern) and torchtitan's job config. A field declared with `option(...)` is
-also a flag of `train/pretrain.py` and a row of docs/training.md's table (`shatter.pipeline.options`).
+also a flag of `train/pretrain.py` and a row of docs/training.md's table (`shatter.options`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from shatter.pipeline.options import declared, flag_fields, option
+from shatter.options import declared, flag_fields, option
 from shatter.train.schedule import DECAYS, lr_factor
 
 OPTIMIZER_IMPLS = ("torch", "deepspeed")

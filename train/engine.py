@@ -451,7 +451,7 @@ def guard_nonfinite_steps(engine) -> None:
       tests it. The norm is NaN or inf (or its helpers' -1) whenever any gradient is, so the
       norm's test alone decides: the per-tensor pass is made a no-op on this one optimizer.
       (With the check off in the config, DeepSpeed skips the norm's test too and applies a NaN
-      step.) tests/train/test_ranks.py injects a NaN at every stage; tools/count_ops.py counts.
+      step.) tests/train/test_ranks.py injects a NaN at every stage; tools/bench/count_ops.py counts.
     """
     if engine.zero_optimization_stage() == 0 and engine.optimizer is engine.basic_optimizer:
         FiniteStepGuard(engine.optimizer)

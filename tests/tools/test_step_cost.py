@@ -1,4 +1,4 @@
-"""tools/step_cost.py: the traced step's FLOPs against train/cost.py, the pricing of a hand-made
+"""tools/bench/step_cost.py: the traced step's FLOPs against train/cost.py, the pricing of a hand-made
 trace, SDPA's kernel with and without padding, and the --json figures' shape (tiny models on meta
 tensors: seconds)."""
 
@@ -9,8 +9,8 @@ import torch
 from click.testing import CliRunner
 
 import shatter
-from shatter.tools.step_cost import EFFICIENCY, cost_py_flops, gpus, main, model_flops, price
-from shatter.tools.step_trace import build_meta, records, trace_step
+from shatter.tools.bench.step_cost import EFFICIENCY, cost_py_flops, gpus, main, model_flops, price
+from shatter.tools.bench.step_trace import build_meta, records, trace_step
 
 ROWS, LENGTH, VOCAB = 4, 64, 1000
 

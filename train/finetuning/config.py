@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shatter.pipeline.options import flag_fields, option
+from shatter.options import flag_fields, option
 from shatter.train.config import ConfigError, OptimArgs, _section, default_zero_stage, read_yaml
 from shatter.train.finetuning.data import DataConfig
 from shatter.train.finetuning.tasks import TASKS
