@@ -46,6 +46,7 @@ $(STAMP): setup.cfg setup.py pyproject.toml $(CONSTRAINTS) $(MODULES)
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/basedpyright --pythonpath $(PY)
 	$(PY) -m pytest -q
 
 # The tests marked gpu: the compiled Triton kernels against the references, and the GPU lane of
