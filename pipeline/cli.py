@@ -16,7 +16,7 @@ import sys
 
 import click
 
-from shatter.options import click_options
+from shatter.options import click_options, group
 from shatter.pipeline import process
 from shatter.pipeline.config import CORPORA, BuildConfig, InputSpec
 
@@ -84,7 +84,7 @@ def _clean_message(e: BaseException) -> str:
     )
 
 
-@click.group()
+@group()
 def main():
     """Shard datasets for pretraining: build (Apache Beam), inspect, verify."""
     configure_logging(verbose=False)

@@ -226,3 +226,29 @@ def _repeatable(known: Mapping[str, type]) -> set[str]:
 def built(known: Mapping[str, type], parts: Mapping[str, Mapping], where: str) -> dict[str, Any]:
     """Each section's dataclass from its values (`section`), by name."""
     return {name: section(cls, parts[name], f"{where} [{name}]") for name, cls in known.items()}
+
+
+# Every command of the toolkit: `-h` beside `--help`, and `--version` (the installed
+# distribution's), as `@command()` in place of `@click.command()`.
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
+DISTRIBUTION = "shatter-toolkit"
+
+
+def command(**settings: Any) -> Callable:
+    import click
+
+    def decorate(fn: Callable) -> Any:
+        versioned = click.version_option(package_name=DISTRIBUTION)(fn)
+        return click.command(context_settings=HELP_OPTIONS, **settings)(versioned)
+
+    return decorate
+
+
+def group(**settings: Any) -> Callable:
+    import click
+
+    def decorate(fn: Callable) -> Any:
+        versioned = click.version_option(package_name=DISTRIBUTION)(fn)
+        return click.group(context_settings=HELP_OPTIONS, **settings)(versioned)
+
+    return decorate

@@ -25,6 +25,7 @@ from pathlib import Path
 import click
 import torch
 
+from shatter.options import command
 from shatter.shards import DatasetError, Index, read_index, sha256_file
 from shatter.shards.store import open_store
 from shatter.sources import open_export
@@ -142,7 +143,7 @@ def score(model, index: Index, split: str, batch_size: int, max_samples: int | N
     }
 
 
-@click.command()
+@command()
 @click.option(
     "--checkpoint",
     required=True,
