@@ -56,7 +56,7 @@ test-gpu: setup
 	$(PY) -m pytest -q -m gpu -s
 
 # The GPU lane (.ci/gpu/run.sh) rehearsed on this CPU machine in an interpreter like the GPU
-# image's: every call, where what could fail is not the GPU (docs/benchmarks.md).
+# image's: every call, where what could fail is not the GPU (docs/internals/gpu-runbook.md).
 rehearse-gpu:
 	bash .ci/gpu/run.sh rehearse
 

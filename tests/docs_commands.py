@@ -1,4 +1,4 @@
-"""The shell commands and Python snippets of README.md and docs/*.md, and a parser for each command.
+"""The shell commands and Python snippets of README.md, docs/*.md and docs/internals/*.md, and a parser for each command.
 
 Every fenced block labelled `bash` (or `sh`, `shell`) is a list of commands; each command is parsed
 by its own program's parser, never run: click's `make_context` (the console scripts of setup.cfg,
@@ -30,6 +30,7 @@ import click
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES += sorted((REPO / "docs" / "internals").glob("*.md"))  # the maintainers' pages too
 SHELL_LANGS = {"bash", "sh", "shell"}
 MARKER = re.compile(r"<!--\s*docs-test:\s*(\w+)\s*(.*?)\s*-->")
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU lane and the GPU figures, one call of a GPU machine without network access at a time
-# (docs/benchmarks.md, "Running the GPU figures"). From the repository root, with .whl/ built by
+# (docs/internals/gpu-runbook.md). From the repository root, with .whl/ built by
 # .ci/gpu/wheels.sh beside it:
 #
 #   bash .ci/gpu/run.sh CALL [pytest arguments...]
