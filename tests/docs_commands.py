@@ -203,7 +203,15 @@ def parse_python(args: list[str]) -> None:
     script = Path(args[0])
     if not (REPO / script).is_file() or script.is_absolute():
         raise DocsCommandError(f"{script} is not a script of this repository")
-    parse_module(".".join(script.with_suffix("").parts), f"python {script}", args[1:])
+    parse_module(script_module(script), f"python {script}", args[1:])
+
+
+def script_module(script: Path) -> str:
+    """The module a checkout script runs as: `train/pretrain.py` is `shatter.train.pretrain` (the
+    checkout's pipeline/, train/ and tools/ are linked under shatter/, never packages of their own)."""
+    parts = script.with_suffix("").parts
+    linked = (REPO / "shatter" / parts[0]).is_symlink()
+    return ".".join(("shatter", *parts) if linked else parts)
 
 
 def parse_deepspeed(args: list[str]) -> None:
