@@ -22,7 +22,9 @@ from shatter.pipeline.config import CORPORA, BuildConfig, InputSpec
 
 
 class _DropBeamImportNoise(logging.Filter):
-    """Importing Beam warns "apitools not found ..." (its optional BigQuery client) on every command."""
+    """Importing Beam warns "apitools not found ..." (its optional BigQuery client) on every command.
+    Upstream: no apache/beam issue as of 2026-11-27; the open move of Beam's BigQuery off apitools
+    would end it: https://github.com/apache/beam/pull/39087."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
