@@ -11,9 +11,9 @@ have shapes, dtypes and strides but no values, so a base-size step traces in sec
     optimizer  `fused`: torch's fused AdamW over the fp32 parameters (the model fp32 under
                bf16 autocast); `zero1`: DeepSpeed's ZeRO-1 step on one of `world` ranks (the
                model in bf16 or fp16; each gradient copied into the flat bucket, whole, as its
-               hook fires; then, on the rank's 1/world partition only: the cast to fp32, its norm
-               and finiteness, the unscale, AdamW on the fp32 master, the master cast back to the
-               low-precision parameters). The collectives between (the gradients'
+               hook fires; then, on the rank's 1/world partition only: its gradients flattened
+               into one tensor and cast to fp32, their norm and finiteness, the unscale, AdamW on
+               the fp32 master, the master cast back to the low-precision parameters). The collectives between (the gradients'
                reduce-scatter, the parameters' all-gather) are communication: not traced, not
                priced.
 
@@ -327,7 +327,8 @@ def zero1_step(params: list[torch.Tensor], world: int = 1) -> None:
     for p in params:  # each gradient into the flat bucket as its hook fires
         bucket[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
         offset += p.numel()
-    grad = bucket[:part].float()  # the fp32 partition's gradient (after the reduce-scatter)
+    # after the reduce-scatter: the partition's gradients flattened into one tensor, then fp32
+    grad = bucket[:part].clone().float()
     norm = torch.linalg.vector_norm(grad)
     torch.isfinite(norm).logical_not()  # the overflow test on the norm
     grad.mul_(1.0)  # unscale and clip by the combined scale
