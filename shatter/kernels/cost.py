@@ -110,7 +110,8 @@ def mixing_fwd_cost(args, kwargs, outputs) -> list[Kernel]:
         _mask_cast(a),
         Kernel("row statistics", "memory", 0.0, float(z)),
         Kernel(  # Z per group of parts, V, X̄ written
-            "mixing forward", "custom", mixing_dot_flops(B, L, d), float(_z_reads(n, d, "fwd") * z + 2 * x)
+            "mixing forward", "custom", mixing_dot_flops(B, L, d),
+            float(_z_reads(n, d, "fwd") * z + 2 * x),
         ),
     ]  # fmt: skip
 

@@ -2,14 +2,14 @@
 real code and calibrated on the one H100 measurement.
 
     python tools/bench/step_cost.py                         # bert and shatter, l = 256 and 1024
-    python tools/bench/step_cost.py --config configs/v100x8-base-256.yaml --gpus V100   # a run's GPUs
+    python tools/bench/step_cost.py --config configs/v100x8-base-256.yaml --gpus V100  # 8 V100s
     python tools/bench/step_cost.py --archs bert,shatter,part-mask --lengths 512 --json out.json
     python tools/bench/step_cost.py --calibrate             # replay commit ccce3e8's measurement
     python tools/bench/step_cost.py --calibrate --fit --gpus H100   # and the tables that fit it best
 
 Each (GPU, arch, length) is one training step on one GPU of `shatter.build_model(f"{arch}-base")`
-traced on meta tensors (tools/bench/step_trace.py): the forward, the backward, and DeepSpeed's ZeRO-1
-optimizer step (an fp32 master update of the rank's 1/world share of the parameters), in bf16
+traced on meta tensors (tools/bench/step_trace.py): the forward, the backward, and DeepSpeed's
+ZeRO-1 optimizer step (an fp32 master update of the rank's 1/world share of the parameters), in bf16
 (fp16 on the V100). The run: 16,384 tokens a step of full rows on one GPU, or, with `--config`,
 a training config's micro-batch x length tokens per GPU, its gradient accumulation, its
 `run.num_gpus` as the world size ZeRO-1 partitions the update over, its precision, size, and
@@ -34,9 +34,9 @@ FLOPs and its bytes, plus one launch each.
 Two modes, both printed and in the JSON: `eager`, one kernel per ATen op, and `compiled`, the
 model under torch.compile as inductor runs it: in the forward and the backward, each chain of
 consecutive pointwise ops between two GEMMs, reductions or other kernels is one kernel that reads
-its inputs once and writes its outputs once (tools/bench/step_trace.py: fuse_pointwise); GEMMs, SDPA,
-the custom ops, reductions and the DeepSpeed optimizer step are as in eager. `--compiled` (or the
-config's `run.compile: true`) makes the compiled figures the main ones.
+its inputs once and writes its outputs once (tools/bench/step_trace.py: fuse_pointwise); GEMMs,
+SDPA, the custom ops, reductions and the DeepSpeed optimizer step are as in eager. `--compiled`
+(or the config's `run.compile: true`) makes the compiled figures the main ones.
 
 The GPU's choices are the real ones: bf16 on sm_80+ (fp16 and no flash kernel on the V100),
 Shatter's `auto` attention impl (`triton` on sm_80+, `chunked` on the V100), SDPA on the flash

@@ -1,10 +1,11 @@
-"""The ops of one training step of a model, traced on meta tensors: what tools/bench/step_cost.py prices.
+"""The ops of one training step of a model, traced on meta tensors: what
+tools/bench/step_cost.py prices.
 
 `trace_step(model, ...)` runs one step of a masked-LM model built by `shatter.build_model` (this
 checkout's, or an older commit's: the module imports no project module at load time, and
-`shatter` itself only in `main`, so tools/bench/step_cost.py runs it by path under another checkout's
-PYTHONPATH) on meta tensors, which
-have shapes, dtypes and strides but no values, so a base-size step traces in seconds on a CPU:
+`shatter` itself only in `main`, so tools/bench/step_cost.py runs it by path under another
+checkout's PYTHONPATH) on meta tensors, which have shapes, dtypes and strides but no values, so a
+base-size step traces in seconds on a CPU:
 
     forward    model(input_ids, attention_mask, labels)["loss"]
     backward   loss.backward()
@@ -13,9 +14,9 @@ have shapes, dtypes and strides but no values, so a base-size step traces in sec
                model in bf16 or fp16; each gradient copied into the flat bucket, whole, as its
                hook fires; then, on the rank's 1/world partition only: its gradients flattened
                into one tensor and cast to fp32, their norm and finiteness, the unscale, AdamW on
-               the fp32 master, the master cast back to the low-precision parameters). The collectives between (the gradients'
-               reduce-scatter, the parameters' all-gather) are communication: not traced, not
-               priced.
+               the fp32 master, the master cast back to the low-precision parameters). The
+               collectives between (the gradients' reduce-scatter, the parameters' all-gather)
+               are communication: not traced, not priced.
 
 A TorchDispatchMode records every ATen op (and every custom op) with its executed FLOPs and the
 HBM bytes it reads and writes (a tensor's bytes over its dimensions of non-zero stride, so a
