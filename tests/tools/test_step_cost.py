@@ -1,9 +1,10 @@
-"""tools/bench/step_cost.py: the traced step's FLOPs against train/cost.py, the pricing of a hand-made
-trace (a custom op per kernel), SDPA's kernel with and without padding, ZeRO-1's share of the
-optimizer per rank, the compiled step's fused pointwise chains, --config, and the --json figures'
-shape (tiny models on meta tensors: seconds)."""
+"""tools/bench/step_cost.py: the traced step's FLOPs against train/cost.py, the pricing of a
+hand-made trace (a custom op per kernel), SDPA's kernel with and without padding, ZeRO-1's share of
+the optimizer per rank, the compiled step's fused pointwise chains, --config, and the --json
+figures' shape (tiny models on meta tensors: seconds)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,7 +191,8 @@ def test_config_sets_tokens_world_and_precision(tmp_path):
     """configs/v100x8-base-256.yaml: 16 x 256 = 4,096 tokens per GPU, ZeRO-1 over 8, fp16, eager;
     `--compiled` makes the compiled figures the main ones."""
     out = tmp_path / "cost.json"
-    args = ["--config", "configs/v100x8-base-256.yaml", "--gpus", "V100", "--archs", "bert"]
+    config = Path(__file__).resolve().parents[2] / "configs" / "v100x8-base-256.yaml"
+    args = ["--config", str(config), "--gpus", "V100", "--archs", "bert"]
     args += ["--lengths", "64", "--size", "tiny", "--compiled", "--json", str(out)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
