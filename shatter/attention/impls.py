@@ -11,14 +11,20 @@ l x l score matrix.
 
     triton   hybrid: cuBLAS GEMMs for Q X^T, dQ, dX around Triton mixing kernels
              (shatter/attention/triton_kernel.py), sm_80+ GPUs; refused below sm_80
+    rows     every product a cuBLAS GEMM (Q X^T, the n parts' W_h V[h], dV, dW_h, dQ, dX)
+             around two Triton row kernels without dots (shatter/attention/rows.py): for GPUs
+             below sm_80 in fp16; W = A ⊙ N recomputed in the backward
+    rows-keep  rows with W kept from the forward: faster, n l² more saved elements a layer
     chunked  row blocks through cuBLAS matmuls, recomputing backward (shatter/attention/chunked.py)
     lean     saves the l x l pre-activation Z0 and recomputes the rest (shatter/attention/lean.py)
     naive    the reference: autograd through A ⊙ N as [B, n, l, l]
 
 `auto` decides per call from the input's device and dtype, without a host sync: `triton` on CUDA
-devices of compute capability >= 8.0 for bf16/fp16 when triton imports; `chunked` on CUDA for fp32
-(the kernels' IEEE fp32 dots are slow) and below sm_80 (V100, T4: Triton has no tensor-core code
-there); `lean` on the CPU.
+devices of compute capability >= 8.0 for bf16/fp16 when triton imports; `rows` below sm_80 (V100,
+T4: Triton has no tensor-core code there, cuBLAS has) for fp16 when triton imports (about 40
+launches a layer where `chunked` has about 290, and no fp32 copies of l x l tensors:
+docs/model.md); `chunked` on CUDA otherwise (fp32: the kernels' IEEE fp32 dots are slow; no
+triton); `lean` on the CPU.
 """
 
 from __future__ import annotations
@@ -82,6 +88,28 @@ def _triton_kernel() -> Impl:
     return partition_attention_triton
 
 
+def rows(Q, X, V, c, mask_BL, table, sigmoid: bool):
+    """The `rows` impl (W recomputed in the backward), imported on first use only."""
+    return _rows_module().partition_attention_rows(Q, X, V, c, mask_BL, table, sigmoid)
+
+
+def rows_keep(Q, X, V, c, mask_BL, table, sigmoid: bool):
+    """The `rows` impl keeping W = A ⊙ N from the forward for the backward."""
+    return _rows_module().partition_attention_rows(Q, X, V, c, mask_BL, table, sigmoid, keep=True)
+
+
+@lru_cache(maxsize=1)
+def _rows_module():
+    try:
+        from shatter.attention import rows as module
+    except ImportError as e:
+        raise RuntimeError(
+            f"attention_impl: rows is unavailable ({e}); shatter/attention/rows.py needs triton; "
+            "fix: set attention_impl to auto or chunked in the model config"
+        ) from None
+    return module
+
+
 Layer = Callable[..., torch.Tensor]
 
 
@@ -104,11 +132,27 @@ def _triton_layer(P, X, mask_BL, table, v_part, sigmoid: bool):
     return partition_attention_layer(P, X, mask_BL, table, v_part, sigmoid)
 
 
+def _rows_layer(P, X, mask_BL, table, v_part, sigmoid: bool):
+    """The rows impl on the layer's P itself: dV, dQ and dc written into dP's columns."""
+    return _rows_module().rows_layer(P, X, mask_BL, table, v_part, sigmoid)
+
+
+def _rows_keep_layer(P, X, mask_BL, table, v_part, sigmoid: bool):
+    return _rows_module().rows_layer(P, X, mask_BL, table, v_part, sigmoid, keep=True)
+
+
 IMPLS: dict[str, Impl] = {
     "triton": triton,
+    "rows": rows,
+    "rows-keep": rows_keep,
     "chunked": partition_attention_chunked,
     "lean": lean,
     "naive": naive,
+}
+LAYERS: dict[str, Layer] = {  # impls with a layer-level form of their own (dP back whole)
+    "triton": _triton_layer,
+    "rows": _rows_layer,
+    "rows-keep": _rows_keep_layer,
 }
 
 
@@ -116,6 +160,11 @@ IMPLS: dict[str, Impl] = {
 def _triton_available() -> bool:
     find = importlib.util.find_spec
     return find("triton") is not None and find("shatter.attention.triton_kernel") is not None
+
+
+@cache
+def _rows_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @cache
@@ -131,6 +180,8 @@ def auto_impl(device: torch.device, dtype: torch.dtype) -> str:
     low = dtype in (torch.bfloat16, torch.float16)
     if low and _capability(index) >= (8, 0) and _triton_available():
         return "triton"
+    if dtype == torch.float16 and _rows_available():
+        return "rows"
     return "chunked"
 
 
@@ -143,4 +194,4 @@ def resolve_layer(name: str, device: torch.device, dtype: torch.dtype) -> Layer:
     """The layer-level function (P, X, mask, table, v_part, sigmoid) -> context for
     config.attention_impl `name` (single_head.py)."""
     chosen = auto_impl(device, dtype) if name == "auto" else name
-    return _triton_layer if chosen == "triton" else _through(IMPLS[chosen])
+    return LAYERS[chosen] if chosen in LAYERS else _through(IMPLS[chosen])

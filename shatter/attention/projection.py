@@ -21,6 +21,30 @@ def projection_views(P: torch.Tensor, d: int, n: int):
     return Q, V.unflatten(-1, (n, d // n)).transpose(1, 2), c[0][..., :n] if c else None
 
 
+def gather_projections(Q: torch.Tensor, V: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+    """P = [Q | V | c | 0] [B, L, projection_width] from separate Q [B, L, d], V [B, n, L, d/n]
+    and c [B, L, n] or None (a copy): for the impls that work on the layer's P, called with the
+    impls' common signature."""
+    B, L, d = Q.shape
+    columns = [Q, V.transpose(1, 2).reshape(B, L, d)]
+    if c is not None:
+        pad = projection_width(d, c.shape[-1]) - 2 * d - c.shape[-1]
+        columns += [c, c.new_zeros(B, L, pad)]
+    return torch.cat(columns, -1)
+
+
+def padded(L: int) -> int:
+    """A row length of l x l score buffers: the keys rounded up to a multiple of 16 (aligned rows
+    for cuBLAS's tensor-core GEMMs and the kernels' vector loads)."""
+    return -(-L // 16) * 16
+
+
+def parts_layout(B: int, L: int, n: int, k: int, like: torch.Tensor) -> torch.Tensor:
+    """A new [B, n, L, k] tensor stored as [B, L, n, k]: X̄ (and dV) in the layout of the
+    [B, L, d] context (and of V as single_head.py views it), so that no transpose copies it."""
+    return like.new_empty(B, L, n, k).transpose(1, 2)
+
+
 def context(x_bar: torch.Tensor, a_part: torch.Tensor, v_part: torch.Tensor | None):
     """The layer's context [B, L, d]: X̄'s parts side by side (eq. 3; a view when X̄ is stored
     in that layout), plus A_part V_part (§3.3) when `v_part` [n, d] is given."""
@@ -29,4 +53,11 @@ def context(x_bar: torch.Tensor, a_part: torch.Tensor, v_part: torch.Tensor | No
     return out if v_part is None else out + a_part @ v_part
 
 
-__all__ = ["context", "projection_views", "projection_width"]
+__all__ = [
+    "context",
+    "gather_projections",
+    "padded",
+    "parts_layout",
+    "projection_views",
+    "projection_width",
+]

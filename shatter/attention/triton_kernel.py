@@ -28,7 +28,13 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from shatter.attention.projection import context, projection_views, projection_width
+from shatter.attention.projection import (
+    context,
+    gather_projections,
+    padded,
+    parts_layout,
+    projection_views,
+)
 from shatter.kernels.cost import register_costs
 from shatter.kernels.partition_mixing import (
     INTERPRET,
@@ -86,21 +92,9 @@ def _grid(L, block, per_batch, half=0):
     return grid
 
 
-def padded(L: int) -> int:
-    """Z's row length: the keys rounded up to a multiple of 16 (aligned rows for the GEMMs and the
-    kernels' vector loads)."""
-    return -(-L // 16) * 16
-
-
 def _unit(t: torch.Tensor) -> torch.Tensor:
     """t itself when its last dimension is contiguous (the kernels take every other stride)."""
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _parts_layout(B: int, L: int, n: int, k: int, like: torch.Tensor) -> torch.Tensor:
-    """A new [B, n, L, k] tensor stored as [B, L, n, k]: X̄ (and dV) in the layout of the
-    [B, L, d] context (and of V as single_head.py views it), so that no transpose copies it."""
-    return like.new_empty(B, L, n, k).transpose(1, 2)
 
 
 def _scores(Q: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
@@ -134,7 +128,7 @@ def mixing_fwd(
     )  # fmt: skip
     zs = (Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), table.stride(0))
     row_stats_kernel[_grid(L, "BLOCK_M", B)](Z, cc, mask32, table, stat[0], stat[1], *zs, **shared)
-    out = _parts_layout(B, L, n, d // n, X)
+    out = parts_layout(B, L, n, d // n, X)
     part = torch.empty(B, L, n, device=X.device, dtype=X.dtype)
     mix_fwd_kernel[_grid(L, "BLOCK_M", B, n // 2)](  # batch x side x group of parts
         Z, cc, mask32, table, V, stat[0], stat[1], out, part, *zs,
@@ -150,7 +144,7 @@ def _(P, X, mask, table, sigmoid):
     B, L, d = X.shape
     n = table.shape[0]
     return (
-        _parts_layout(B, L, n, d // n, X),
+        parts_layout(B, L, n, d // n, X),
         X.new_empty(B, L, n),
         X.new_empty(B, L, padded(L)),
         X.new_empty(2, B, L, dtype=torch.float32),
@@ -246,12 +240,7 @@ def partition_attention_triton(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, tab
     signature: Q, V and c are gathered into one P (a copy); the layer passes its P itself
     (`partition_attention_layer`)."""
     _check(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table)
-    B, L, d = Q_BLD.shape
-    columns = [Q_BLD, V_BnLk.transpose(1, 2).reshape(B, L, d)]
-    if c_BLn_or_None is not None:
-        pad = projection_width(d, table.shape[0]) - 2 * d - c_BLn_or_None.shape[-1]
-        columns += [c_BLn_or_None, c_BLn_or_None.new_zeros(B, L, pad)]
-    P = torch.cat(columns, -1)
+    P = gather_projections(Q_BLD, V_BnLk, c_BLn_or_None)
     out, part, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
     return out, part
 

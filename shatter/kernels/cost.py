@@ -34,6 +34,11 @@ dense A V that model FLOPs count (train/cost.py, l·d per token); `model_flops` 
 convention. Z is read once per group of parts by the forward and dV kernels (`_z_reads`, the
 GROUP of sm_90's configurations); tensors of B·L·n elements and smaller (c, A_part, the mask, the
 row statistics) move too few bytes to count, but their kernels count their launches.
+
+The `rows` impl's two ops (shatter/attention/rows.py) are one Triton row kernel each, with no
+product inside ("memory"): the GEMMs around them are aten ops that a trace prices as GEMMs of
+their own. `rows_kernels` lists a whole `rows` layer's kernels, GEMMs included, for the
+per-kernel table of docs/model.md and tests/shatter/test_rows.py.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ OP_SCHEMA = {  # the ops' argument names, to read args and kwargs alike
     "shatter::mixing_bwd": (
         "P", "X", "mask", "table", "Z", "stat", "out", "part", "g_out", "g_part", "sigmoid",
     ),
+    "shatter::rows_fwd": ("Z", "c", "mask", "table", "sigmoid"),
+    "shatter::rows_bwd": ("Z", "c", "mask", "table", "dW", "g_part", "sigmoid", "scale"),
 }  # fmt: skip
 
 
@@ -137,9 +144,61 @@ def mixing_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
     ]
 
 
+def _row_dims(a: dict) -> tuple[int, int, int, int]:
+    """(B, L, n, element bytes) of a row op: Z is [B, L, Lp]."""
+    B, L, _ = a["Z"].shape
+    return B, L, a["table"].shape[0], a["Z"].element_size()
+
+
+def rows_fwd_kernel(B: int, L: int, n: int, e: int) -> Kernel:
+    """The forward row kernel: Z's rows read once, W's n rows written (A_part, c, the mask and
+    the table are B·L·n and smaller: left out)."""
+    return Kernel("rows_fwd: W, A_part", "memory", 0.0, float((1 + n) * B * L * L * e))
+
+
+def rows_bwd_kernel(B: int, L: int, n: int, e: int) -> Kernel:
+    """The backward row kernel: Z's rows and dW's n rows read, dZ's rows written."""
+    return Kernel("rows_bwd: dA, δ, dZ, dc", "memory", 0.0, float((n + 2) * B * L * L * e))
+
+
+def rows_fwd_cost(args, kwargs, outputs) -> list[Kernel]:
+    return [rows_fwd_kernel(*_row_dims(_bind("shatter::rows_fwd", args, kwargs)))]
+
+
+def rows_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
+    return [rows_bwd_kernel(*_row_dims(_bind("shatter::rows_bwd", args, kwargs)))]
+
+
+def rows_kernels(B: int, L: int, d: int, n: int, e: int = 2, keep: bool = False) -> list[Kernel]:
+    """Every kernel of one `rows` layer's forward and backward, in order: the cuBLAS GEMMs (2 FLOPs
+    a multiply-add over their dense shapes, the parts' zero halves included) and the row ops;
+    bytes as each kernel reads its operands and writes its result once (tensors of B·L·n
+    elements and smaller left out, but dc's copy into dP and dP's zeroed alignment columns
+    counted as launches). `keep`: W kept from the forward (`rows-keep`)."""
+    T = B * L
+    z, x, pair = T * L * e, T * d * e, 2.0 * T * L * d  # an l x l matrix; a [B, L, d]; a GEMM
+    part = (pair / n, float(z + 2 * T * d // n * e))  # one part's GEMM: W_h with V[h] or dX̄[h]
+    out = [Kernel("Z = Q Xᵀ/√d", "gemm", pair, float(2 * x + z)), rows_fwd_kernel(B, L, n, e)]
+    out += [Kernel(f"X̄[{h}] = W_{h} V[{h}]", "gemm", *part) for h in range(n)]
+    if not keep:
+        out.append(rows_fwd_kernel(B, L, n, e)._replace(name="rows_fwd: W again"))
+    for h in range(n):
+        out.append(Kernel(f"dV[{h}] = W_{h}ᵀ dX̄[{h}]", "gemm", *part))
+        out.append(Kernel(f"dW_{h} = dX̄[{h}] V[{h}]ᵀ", "gemm", *part))
+    return out + [
+        rows_bwd_kernel(B, L, n, e),
+        Kernel("dc into dP", "memory", 0.0, 0.0),
+        Kernel("dP's alignment columns", "memory", 0.0, 0.0),
+        Kernel("dQ = dZ X", "gemm", pair, float(z + 2 * x)),
+        Kernel("dX = dZᵀ Q", "gemm", pair, float(z + 2 * x)),
+    ]
+
+
 OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {
     "shatter::mixing_fwd": mixing_fwd_cost,
     "shatter::mixing_bwd": mixing_bwd_cost,
+    "shatter::rows_fwd": rows_fwd_cost,
+    "shatter::rows_bwd": rows_bwd_cost,
 }
 
 
@@ -147,6 +206,8 @@ def model_flops(name: str, args, kwargs) -> float:
     """The op's FLOPs in train/cost.py's convention (dense over the n parts: Q Xᵀ and A V, each
     l·d multiply-adds per token; the backward two products per forward one), for comparing a
     trace's total with the model count."""
+    if name.startswith("shatter::rows_"):
+        return 0.0  # no product inside: the GEMMs around the row kernels carry the FLOPs
     a = _bind(name, args, kwargs)
     B, L, _, d, _, _ = _dims(a)
     forward = 2 * 2.0 * B * L * L * d
