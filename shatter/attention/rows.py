@@ -15,9 +15,10 @@ row sums in fp32 registers). Per layer, with P = [Q | V | c] the layer's project
               dA, δ, dS, dc; dZ = dS/√d           `shatter::rows_bwd`: one row kernel
               dQ = dZ X into dP, dX = dZᵀ Q       two GEMMs
 
-That is 2n + 5 launches a layer's forward and backward take beside the 2n part GEMMs' n: 3n + 5
-(41 at n = 12), where `chunked` launches about 290 small ops; and the l x l tensors move in fp16
-only, never through fp32 copies (docs/model.md has the per-kernel bytes).
+With dc's copy into dP and dP's zeroed alignment columns, a layer's forward and backward launch
+3n + 8 kernels (44 at n = 12: 39 GEMMs, 3 row kernels), where `chunked` launches about 300 at
+l = 256 and 930 at l = 1024; and the l x l tensors move in fp16 only, never through fp32 copies
+(docs/model.md has the per-kernel FLOPs and bytes).
 
 W (n x l x l in the input dtype) is recomputed in the backward by default (`rows`): the forward
 then keeps only Z (l x l, less than BERT's saved Q, K, V, O up to l = 4d), so the memory of a step

@@ -92,9 +92,15 @@ BF16 = pytest.param(
 def test_kernel_equals_naive(kernel, case, dtype):
     """fp32 against naive within 1e-5; fp16 and bf16 against naive in fp32 on the same rounded
     inputs within a relative L2 error of 5e-3 and 3e-2 per output and gradient."""
+    assert_equals_naive(kernel, case, dtype)
+
+
+def assert_equals_naive(impl, case: str, dtype: torch.dtype) -> None:
+    """`impl` (the impls' common signature) on CASES[case] in `dtype` against the naive
+    reference: values and gradients (see test_kernel_equals_naive)."""
     B, L, d, n, bias, lengths, sigmoid = CASES[case]
     inputs = _inputs(B, L, d, n, bias, lengths, dtype=dtype, device=DEVICE)
-    got = _values_and_grads(lambda *a: kernel(*a, sigmoid=sigmoid), *inputs)
+    got = _values_and_grads(lambda *a: impl(*a, sigmoid=sigmoid), *inputs)
     if dtype != torch.float32:
         leaves = [
             t.detach().float().requires_grad_() if t is not None else None for t in inputs[:4]

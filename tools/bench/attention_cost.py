@@ -15,6 +15,10 @@ kernels. It is the best case each design can reach, to read a GPU measurement ag
                 dX = dZᵀ Q on cuBLAS
     chunked     row blocks through cuBLAS, A ⊙ N materialised per block as [B, n, r, l] (fwd, and
                 twice in the recomputing backward), dZ into one [B, l, l] buffer
+    rows        `rows`: every product a cuBLAS GEMM (Z, the n parts' X̄[h] = W_h V[h], dV, dW_h, dQ,
+                dX), W = A ⊙ N written in the input dtype by a Triton row kernel (again in the
+                backward: `rows-keep` keeps it), dA, δ, dZ, dc by a second
+                (shatter.kernels.cost.rows_kernels); runs on V100s
     sdpa-flash  BERT's n heads of d/n through FlashAttention-2 (no mask); the memory-efficient
                 kernel with a padding mask has the same FLOPs and reads the [B, 1, 1, l] mask
                 broadcast per tile
@@ -33,7 +37,7 @@ import click
 
 GPUS = {"H100": (989e12, 3.35e12), "A100": (312e12, 2.039e12), "V100": (125e12, 0.9e12)}
 TRITON_GPUS = ("H100", "A100")  # sm_80+
-IMPLS = ("fused-old", "hybrid", "chunked", "sdpa-flash")
+IMPLS = ("fused-old", "hybrid", "chunked", "rows", "rows-keep", "sdpa-flash")
 E = 2  # bytes per bf16/fp16 element
 F32 = 4
 
@@ -48,6 +52,11 @@ def kernels(impl: str, B: int, L: int, d: int, n: int) -> list[tuple[str, float,
             ("fwd: QKᵀ, PV", 4 * pair_dot, (4 * Td) * E + T * n * F32),
             ("bwd: QKᵀ again, dV, dP, dQ, dK", 10 * pair_dot, 8 * Td * E + 2 * Td * F32),
         ]
+    if impl in ("rows", "rows-keep"):
+        from shatter.kernels.cost import rows_kernels
+
+        rows = rows_kernels(B, L, d, n, E, keep=impl == "rows-keep")
+        return [(f"{name} ({k} launch{'es' * (k > 1)})", f, b) for name, k, f, b in rows]
     if impl == "hybrid":
         groups = n // 2 // (2 if (n // 2) % 2 == 0 else n // 2)  # Z read once per group and side
         return [
