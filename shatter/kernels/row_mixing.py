@@ -38,8 +38,10 @@ MAX_ROW = 4096  # keys a program holds in registers (the longest max_len)
 
 
 def row_warps(block_l: int) -> int:
-    """Warps per row program: 8 elements of a row per thread up to 1024 keys, then more warps."""
-    return 4 if block_l <= 1024 else 8
+    """Warps per row program: at most 4 keys of the row per thread (the backward holds about
+    six fp32 values per key; 8 keys a thread took 255 registers on sm_70 and 16 spilled), at
+    least 4 warps, at most 32 (1,024 threads)."""
+    return max(4, min(32, block_l // 128))
 
 
 @triton.jit
@@ -54,7 +56,7 @@ def _row_scores(
     s = tl.load(Z + b * sz_b + i * sz_l + offs, mask=ok, other=0.0).to(tl.float32)
     f_row = T + T_CENTRE - i + offs  # f_h(j − i) is table column j − i + m − 1
     if HAS_C:  # the partition bias, §3.3
-        for h in tl.static_range(N_PARTS):
+        for h in range(N_PARTS):
             c_h = tl.load(C + b * sc_b + i * sc_l + h).to(tl.float32)
             s += c_h * tl.load(f_row + h * st_h, mask=ok, other=0.0)
     m = tl.load(Mk + b * sm_b + offs, mask=ok, other=0).to(tl.float32)
@@ -95,7 +97,7 @@ def rows_fwd_kernel(
     )  # fmt: skip
     a, _ = _row_weights(s, m, ok, SIGMOID)
     w_row = W + b * sw_b + i * sw_l + tl.arange(0, BLOCK_L)
-    for h in tl.static_range(N_PARTS):
+    for h in range(N_PARTS):
         w = a * tl.load(f_row + h * st_h, mask=ok, other=0.0)
         tl.store(w_row + h * sw_h, w.to(W.dtype.element_ty), mask=ok)
         tl.store(AP + b * sa_b + i * sa_l + h, tl.sum(w, 0).to(AP.dtype.element_ty))
@@ -119,7 +121,7 @@ def rows_bwd_kernel(
     offs = tl.arange(0, BLOCK_L)
     dw_row = DW + b * sw_b + i * sw_l + offs
     da = tl.zeros([BLOCK_L], dtype=tl.float32)
-    for h in tl.static_range(N_PARTS):  # dA = Σ_h f_h ⊙ (dW_h + dA_part[:, h])
+    for h in range(N_PARTS):  # dA = Σ_h f_h ⊙ (dW_h + dA_part[:, h])
         f = tl.load(f_row + h * st_h, mask=ok, other=0.0)
         dw = tl.load(dw_row + h * sw_h, mask=ok, other=0.0).to(tl.float32)
         dap = tl.load(DAP + b * sp_b + i * sp_l + h).to(tl.float32)
@@ -132,6 +134,6 @@ def rows_bwd_kernel(
     ds = tl.where(ok, ds, 0.0)
     tl.store(DZ + b * sz_b + i * sz_l + offs, (ds * scale).to(DZ.dtype.element_ty), mask=ok)
     if HAS_C:  # dc_ih = Σ_j dS_ij f_h(j − i)
-        for h in tl.static_range(N_PARTS):
+        for h in range(N_PARTS):
             f = tl.load(f_row + h * st_h, mask=ok, other=0.0)
             tl.store(DC + b * sdc_b + i * sdc_l + h, tl.sum(ds * f, 0).to(DC.dtype.element_ty))

@@ -1,5 +1,6 @@
-"""Ahead-of-time compile report for the Triton mixing kernels of the hybrid partition attention
-(no GPU needed).
+"""Ahead-of-time compile report for the Triton kernels of the partition attention: the mixing
+kernels of the hybrid `triton` impl (sm_80, sm_90) and the row kernels of the `rows` impl (sm_70
+and up; no GPU needed).
 
 For every kernel (stats and fwd of the forward; delta, dv and dz of the backward), every autotune
 configuration and every variant it is compiled for (the partition bias HAS_C on and off, the
@@ -12,8 +13,14 @@ one table row per compile and exits non-zero when a configuration exceeds the ar
 per block, spills, or (a kernel with dots, in bf16/fp16) has no tensor-core instruction: such
 configurations must leave the autotune lists of shatter/kernels/partition_mixing.py.
 
+The row kernels (rows_fwd, rows_bwd: shatter/kernels/row_mixing.py) hold a whole row of l keys a
+program, with row_mixing.row_warps(l) warps: they have no dot and no autotune list, and are
+compiled at each --length (up to row_mixing.MAX_ROW = 4096 keys). sm_70 (V100) gets only them:
+the mixing kernels are refused below sm_80.
+
     python tools/bench/kernel_report.py --arch 80,90
     python tools/bench/kernel_report.py --arch 90 --shape base --dtype bf16 --first-config   # CI subset
+    python tools/bench/kernel_report.py --arch 70 --dtype fp16 --length 256,509,1024,4096  # V100
 
 Compiles run in parallel (--jobs, the CPU count by default); the table keeps the order above.
 """
@@ -32,11 +39,13 @@ from pathlib import Path
 
 import click
 
-SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # usable shared memory per block (A100, H100)
+SMEM_LIMIT = {70: 96 * 1024, 80: 163 * 1024, 90: 227 * 1024}  # per block (V100, A100, H100)
 SHAPES = {"base": (768, 12), "large": (1024, 16)}  # (d, n), the paper's sizes
 DTYPES = ("bf16", "fp16", "fp32")  # fp32 runs IEEE dots: no tensor cores expected
-KERNELS = ("stats", "fwd", "delta", "dv", "dz")
-DOT_KERNELS = ("fwd", "dv", "dz")  # stats and delta are elementwise sweeps: no dot to expect
+KERNELS = ("stats", "fwd", "delta", "dv", "dz", "rows_fwd", "rows_bwd")
+DOT_KERNELS = ("fwd", "dv", "dz")  # stats, delta and the row kernels: no dot to expect
+ROW_KERNELS = ("rows_fwd", "rows_bwd")
+ROWS_ONLY = (70,)  # archs below sm_80: the `rows` impl's kernels only
 LENGTHS = (512, 509)  # a multiple of 16 and not: sets which int arguments are multiples of 16
 MAX_LEN = 512
 
@@ -76,16 +85,18 @@ def _args(d: int, n: int, dtype: str, L: int) -> dict[str, tuple[str, object]]:
     of [B, L, d] tensors; V, c, dV and dc views of the projections P [B, L, w] and of dP."""
     from shatter.attention.projection import projection_width
 
-    k, m, Lp = d // n, MAX_LEN, -(-L // 16) * 16
+    k, m, Lp = d // n, max(MAX_LEN, L), -(-L // 16) * 16
     w = projection_width(d, n)  # V, c and their gradients are columns of the projections P
     ptrs = {name: dtype for name in ("Z", "C", "V", "OUT", "AP", "DO", "DV", "DAP", "DZ", "DC")}
     ptrs.update({name: "fp32" for name in ("Mk", "T", "STAT", "STAT2", "DELTA")})
+    ptrs.update(W=dtype, DW=dtype)  # the row kernels' n parts' weights [B, n, L, Lp]
     ints = {
         "sz_b": L * Lp, "sz_l": Lp, "sc_b": L * w, "sc_l": w, "st_h": 2 * m - 1,
         "sv_b": L * w, "sv_h": k, "sv_l": w, "so_b": L * d, "so_h": k, "so_l": d,
         "sd_b": L * d, "sd_h": k, "sd_l": d, "sg_b": L * w, "sg_h": k, "sg_l": w,
         "sa_b": L * n, "sa_l": n, "sp_b": L * n, "sp_l": n, "sdc_b": L * w, "sdc_l": w,
         "L": L, "L_KEY": 1 << (L - 1).bit_length(), "K_PART": k, "T_CENTRE": m - 1,
+        "sm_b": L, "sw_b": n * L * Lp, "sw_h": L * Lp, "sw_l": Lp,
     }  # fmt: skip
     out = {name: (f"*{t}", None) for name, t in ptrs.items()}
     out.update({name: ("i32", val) for name, val in ints.items()})
@@ -104,7 +115,7 @@ def _cuobjdump(*args: str) -> str:
 
 
 def tuned_kernels() -> dict:
-    from shatter.kernels import partition_mixing as pm
+    from shatter.kernels import partition_mixing as pm, row_mixing as rm
 
     return {
         "stats": (pm.row_stats_kernel, pm.STATS_CONFIGS),
@@ -112,7 +123,19 @@ def tuned_kernels() -> dict:
         "delta": (pm.delta_kernel, pm.DELTA_CONFIGS),
         "dv": (pm.mix_bwd_dv_kernel, pm.DV_CONFIGS),
         "dz": (pm.mix_bwd_dz_kernel, pm.DZ_CONFIGS),
+        "rows_fwd": (rm.rows_fwd_kernel, None),
+        "rows_bwd": (rm.rows_bwd_kernel, None),
     }
+
+
+def row_config(L: int):
+    """The one launch configuration of the row kernels at length L (shatter/attention/rows.py)."""
+    import triton
+
+    from shatter.kernels.row_mixing import row_warps
+
+    block = triton.next_power_of_2(L)
+    return triton.Config({"BLOCK_L": block}, num_warps=row_warps(block), num_stages=1)
 
 
 def compile_one(
@@ -125,13 +148,16 @@ def compile_one(
 
     from shatter.attention.triton_kernel import kernel_meta
 
-    fn = tuned_kernels()[kernel][0].fn
+    jit = tuned_kernels()[kernel][0]
+    fn = jit.fn if hasattr(jit, "configs") else jit  # an autotuner's kernel, or the kernel
     d, n = SHAPES[shape]
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     values = {**kernel_meta(d, n, torch_dtype), **config.kwargs}
     values.update(HAS_C=has_c, SIGMOID=activation == "sigmoid")
     constexprs = {name: values[name] for name in fn.arg_names if name in values}
     args = _args(d, n, dtype, L)
+    if kernel in ROW_KERNELS:
+        args["Mk"] = ("*i1", None)  # the row kernels read the bool key mask as it is
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -149,10 +175,13 @@ def compile_one(
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
         usage = _cuobjdump("--dump-resource-usage", cubin)
-        sass = _cuobjdump("-sass", cubin)
+        # no dot, no tensor-core instruction to count: and CUDA 13's disassembler (Triton 3.9's
+        # cuobjdump) refuses sm_70 code, where the row kernels are what is compiled
+        sass = _cuobjdump("-sass", cubin) if kernel in DOT_KERNELS else ""
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    cfg = "M{BLOCK_M} N{BLOCK_N}".format(**config.kwargs)
+    cfg = "M{BLOCK_M} N{BLOCK_N}" if "BLOCK_M" in config.kwargs else "L{BLOCK_L}"
+    cfg = cfg.format(**config.kwargs)
     cfg += f" w{config.num_warps} s{config.num_stages}"
     cfg += f" G{config.kwargs['GROUP']}" if "GROUP" in config.kwargs else ""
     return Row(
@@ -169,6 +198,8 @@ def jobs(archs, kernels, activations, has_cs, shapes, dtypes, lengths, first_con
 
     tuned = tuned_kernels()
     for cap, kernel in itertools.product(archs, kernels):
+        if cap in ROWS_ONLY and kernel not in ROW_KERNELS:
+            continue
         if kernel == "delta":  # it reads neither the bias nor the activation
             activations_, has_cs_ = activations[:1], has_cs[:1]
         else:
@@ -177,6 +208,9 @@ def jobs(archs, kernels, activations, has_cs, shapes, dtypes, lengths, first_con
             activations_, has_cs_, shapes, dtypes, lengths
         ):
             d, n = SHAPES[shape]
+            if kernel in ROW_KERNELS:
+                yield cap, kernel, act, has_c, shape, dtype, L, row_config(L)
+                continue
             configs = usable(tuned[kernel][1], n, max(16, 1 << (d // n - 1).bit_length()), cap)
             for config in configs[:1] if first_config else configs:
                 yield cap, kernel, act, has_c, shape, dtype, L, config
@@ -249,9 +283,16 @@ def main(arch, kernels, activations, has_cs, shapes, dtypes, lengths, first_conf
         bad = [v for v in values if v not in known]
         if bad:
             raise SystemExit(f"kernel_report: {name} {bad} unknown; choose from {list(known)}")
-    bad_len = [v for v in ls if not 16 < v <= MAX_LEN]
+    from shatter.kernels.row_mixing import MAX_ROW
+
+    mixing = not set(archs) <= set(ROWS_ONLY) and set(_split(kernels)) - set(ROW_KERNELS)
+    longest = MAX_LEN if mixing else MAX_ROW
+    bad_len = [v for v in ls if not 16 < v <= longest]
     if bad_len:
-        raise SystemExit(f"kernel_report: --length {bad_len} outside 17..{MAX_LEN}")
+        raise SystemExit(
+            f"kernel_report: --length {bad_len} outside 17..{longest} (the mixing kernels' "
+            f"{MAX_LEN}, the row kernels' {MAX_ROW} alone)"
+        )
     import triton
 
     print(f"triton {triton.__version__} (python {sys.version.split()[0]})")
