@@ -1,4 +1,4 @@
-"""tools/bench/kernel_report.py compiles the Triton mixing kernels ahead of time (no GPU) and its checks
+"""tools/bench/kernel_report.py compiles the Triton mixing and row kernels ahead of time (no GPU) and its checks
 catch what would make an autotune configuration unfit."""
 
 import os
@@ -53,3 +53,24 @@ def test_every_kernel_compiles_for_sm90_without_spills():
             assert int(row[-2]) > 0, row  # HGMMA
         if row[1] == "dv":
             assert int(row[-3]) > 0, row  # HMMA
+
+
+@pytest.mark.slow
+def test_the_row_kernels_compile_for_sm70_without_spills():
+    """The `rows` impl's kernels for a V100 (sm_70, fp16), with the partition bias, at a ragged
+    length and at the longest row a program holds: registers reported, 0 spill bytes, and no
+    mixing kernel compiled for sm_70 (the `triton` impl is refused below sm_80)."""
+    pytest.importorskip("triton", reason="triton has no wheel for this platform")
+    env = child_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    cmd = [sys.executable, "tools/bench/kernel_report.py", "--arch", "70", "--shape", "base"]
+    cmd += ["--dtype", "fp16", "--has-c", "true", "--activation", "sigmoid"]
+    cmd += ["--length", "509,4096", "--jobs", "2"]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line.split() for line in res.stdout.splitlines() if line.startswith("sm_70 ")]
+    rows = [row for row in rows if len(row) > 12]  # the table, not the summary
+    assert [(row[1], row[6]) for row in rows] == [
+        (kernel, length) for kernel in ("rows_fwd", "rows_bwd") for length in ("509", "4096")
+    ]
+    for row in rows:
+        assert row[-1] == "ok" and row[-4] == "0" and 0 < int(row[-5]) <= 128, row  # spill, regs
