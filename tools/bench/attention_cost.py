@@ -27,6 +27,7 @@ Peaks (dense bf16/fp16 tensor FLOP/s, HBM bytes/s) are the vendors' datasheet fi
 parts: H100 989 TFLOP/s and 3.35 TB/s, A100-80GB 312 TFLOP/s and 2.04 TB/s, V100 125 TFLOP/s and
 0.90 TB/s. Triton emits no tensor-core code below sm_80: fused-old and hybrid have no V100 column.
 
+    python tools/bench/attention_cost.py --rows-table V100 --lengths 256,1024   # modelled, frozen table
     python tools/bench/attention_cost.py                       # base width, l = 128..1024, 16k tokens
     python tools/bench/attention_cost.py --lengths 512 --batch-tokens 32768 --markdown
 """
@@ -121,6 +122,40 @@ def table(lengths, batch_tokens: int, d: int, n: int) -> list[str]:
     return lines
 
 
+def rows_table(gpu: str, lengths, batch_tokens: int, d: int, n: int) -> list[str]:
+    """Per kernel of `rows` (fwd+bwd of one layer): launches, GFLOP, MB and its time on `gpu`
+    priced as tools/bench/step_cost.py prices a kernel with its frozen efficiency table:
+    max(FLOPs / (gemm x peak), bytes / (memory x bandwidth)) + launches x launch_us."""
+    from shatter.kernels.cost import rows_kernels
+    from shatter.tools.bench.step_cost import EFFICIENCY as EFF
+
+    peak, bw = GPUS[gpu]
+    lines = [
+        f"| l | kernel | launches | GFLOP | MB | {gpu} µs (modelled) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for L in lengths:
+        B = max(1, batch_tokens // L)
+        total = 0.0
+        for keep in (False, True):
+            for name, k, f, b in rows_kernels(B, L, d, n, E, keep=keep):
+                t = (
+                    max(f / (EFF["gemm"] * peak), b / (EFF["memory"] * bw))
+                    + k * EFF["launch_us"] * 1e-6
+                )
+                if not keep:
+                    total += t
+                    lines.append(
+                        f"| {L} | {name} | {k} | {f / 1e9:.1f} | {b / 1e6:.0f} | {1e6 * t:.0f} |"
+                    )
+            if not keep:
+                lines.append(f"| {L} | **rows, one layer** | | | | **{1e6 * total:.0f}** |")
+            else:
+                kept = sum(max(f / (EFF["gemm"] * peak), b / (EFF["memory"] * bw)) + k * EFF["launch_us"] * 1e-6 for _, k, f, b in rows_kernels(B, L, d, n, E, keep=True))  # fmt: skip
+                lines.append(f"| {L} | **rows-keep, one layer** | | | | **{1e6 * kept:.0f}** |")
+    return lines
+
+
 @click.command()
 @click.option("--lengths", default="128,256,512,1024", show_default=True)
 @click.option("--batch-tokens", default=16384, show_default=True, help="tokens per batch")
@@ -129,7 +164,8 @@ def table(lengths, batch_tokens: int, d: int, n: int) -> list[str]:
 @click.option(
     "--kernels", "show_kernels", is_flag=True, help="also each impl's kernels at the first length"
 )
-def main(lengths, batch_tokens, hidden, heads, show_kernels):
+@click.option("--rows-table", "rows_gpu", type=click.Choice(list(GPUS)), help="the rows impl's kernels priced on this GPU by the step model's frozen efficiencies")  # fmt: skip
+def main(lengths, batch_tokens, hidden, heads, show_kernels, rows_gpu):
     """Print the cost model's table (see module doc)."""
     try:
         ls = [int(v) for v in lengths.split(",")]
@@ -141,6 +177,10 @@ def main(lengths, batch_tokens, hidden, heads, show_kernels):
         raise SystemExit(
             f"attention_cost: --hidden {hidden} must split into an even --heads {heads}"
         )
+    if rows_gpu:
+        print(f"rows: one layer's fwd+bwd, d = {hidden}, n = {heads}, {batch_tokens} tokens")
+        print("\n".join(rows_table(rows_gpu, ls, batch_tokens, hidden, heads)))
+        return
     print(f"attention fwd+bwd, d = {hidden}, n = {heads}, bf16, {batch_tokens} tokens per batch")
     print("\n".join(table(ls, batch_tokens, hidden, heads)))
     if show_kernels:
