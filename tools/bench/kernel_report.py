@@ -15,8 +15,8 @@ configurations must leave the autotune lists of shatter/kernels/partition_mixing
 
 The row kernels (rows_fwd, rows_bwd: shatter/kernels/row_mixing.py) hold a whole row of l keys a
 program, with row_mixing.row_warps(l) warps: they have no dot and no autotune list, and are
-compiled at each --length (up to row_mixing.MAX_ROW = 4096 keys). sm_70 (V100) gets only them:
-the mixing kernels are refused below sm_80.
+compiled at each --length (up to row_mixing.MAX_ROW = 4096 keys). Each arch gets the kernels
+`auto` runs there: sm_70 and sm_75 (V100, T4) the row kernels, sm_80 and sm_90 the mixing ones.
 
     python tools/bench/kernel_report.py --arch 80,90
     python tools/bench/kernel_report.py --arch 90 --shape base --dtype bf16 --first-config   # CI subset
@@ -39,13 +39,18 @@ from pathlib import Path
 
 import click
 
-SMEM_LIMIT = {70: 96 * 1024, 80: 163 * 1024, 90: 227 * 1024}  # per block (V100, A100, H100)
+SMEM_LIMIT = {
+    70: 96 * 1024,
+    75: 64 * 1024,
+    80: 163 * 1024,
+    90: 227 * 1024,
+}  # per block (V100, T4, A100, H100)
 SHAPES = {"base": (768, 12), "large": (1024, 16)}  # (d, n), the paper's sizes
 DTYPES = ("bf16", "fp16", "fp32")  # fp32 runs IEEE dots: no tensor cores expected
 KERNELS = ("stats", "fwd", "delta", "dv", "dz", "rows_fwd", "rows_bwd")
 DOT_KERNELS = ("fwd", "dv", "dz")  # stats, delta and the row kernels: no dot to expect
 ROW_KERNELS = ("rows_fwd", "rows_bwd")
-ROWS_ONLY = (70,)  # archs below sm_80: the `rows` impl's kernels only
+ROWS_ONLY = (70, 75)  # archs below sm_80 run the `rows` impl's kernels, sm_80+ the mixing ones
 LENGTHS = (512, 509)  # a multiple of 16 and not: sets which int arguments are multiples of 16
 MAX_LEN = 512
 
@@ -198,7 +203,7 @@ def jobs(archs, kernels, activations, has_cs, shapes, dtypes, lengths, first_con
 
     tuned = tuned_kernels()
     for cap, kernel in itertools.product(archs, kernels):
-        if cap in ROWS_ONLY and kernel not in ROW_KERNELS:
+        if (cap in ROWS_ONLY) != (kernel in ROW_KERNELS):  # each arch: what `auto` runs there
             continue
         if kernel == "delta":  # it reads neither the bias nor the activation
             activations_, has_cs_ = activations[:1], has_cs[:1]
@@ -251,7 +256,7 @@ def summary(rows: list[Row]) -> list[str]:
 
 
 @click.command()
-@click.option("--arch", default="80,90", help="compute capabilities, comma-separated (80, 90)")
+@click.option("--arch", default="80,90", help="compute capabilities, comma-separated (70-90)")
 @click.option("--kernel", "kernels", default=",".join(KERNELS), help="kernels to compile")
 @click.option("--activation", "activations", default="sigmoid,softmax", help="sigmoid, softmax")
 @click.option("--has-c", "has_cs", default="true,false", help="the partition bias: true, false")
