@@ -24,9 +24,9 @@ W (n x l x l in the input dtype) is recomputed in the backward by default (`rows
 then keeps only Z (l x l, less than BERT's saved Q, K, V, O up to l = 4d), so the memory of a step
 grows with l as the other impls' and an extension to a longer l at finetune time fits where BERT
 fits. `rows-keep` keeps W from the forward instead: one row kernel and (1 + n) l² elements of
-traffic a layer fewer in the backward (about 1-2% of a V100 step, docs/model.md), at n l² more
-saved elements a layer (1.2 GB at l = 1024 for 4,096 tokens over 12 layers): for when memory
-allows.
+traffic a layer fewer in the backward (10-13% of the layer's attention time, modelled in
+docs/model.md), at n l² more saved elements a layer (1.2 GB at l = 1024 for 4,096 tokens over
+12 layers): for when memory allows.
 
 Inputs as the impls' common signature (impls.py); fp16, bf16 or fp32 (the GEMMs in that dtype,
 the row work in fp32); L ≤ row_mixing.MAX_ROW keys. CUDA tensors of any capability Triton
@@ -73,7 +73,13 @@ def _interpreted() -> bool:
 
 def _keys(mask: torch.Tensor) -> torch.Tensor:
     """The key mask as the kernels read it: bool as is (no copy), anything else != 0."""
-    return mask if mask.dtype == torch.bool else mask != 0
+    return _unit(mask if mask.dtype == torch.bool else mask != 0)
+
+
+def _unit(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dimension is contiguous (the kernels take every other stride);
+    autograd hands in expanded gradients (all strides 0) for a loss such as part.sum()."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _shared(Z, c, mask, table, sigmoid: bool) -> tuple[list, list, dict]:
@@ -191,6 +197,7 @@ class RowsAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, P, X, mask, table, sigmoid: bool, keep: bool):
         d, n = X.shape[-1], table.shape[0]
+        P = _unit(P)  # c's columns are read by the row kernels
         Q, V, c = projection_views(P, d, n)
         with torch.autocast(X.device.type, enabled=False):
             Z = _scores(Q, X)
@@ -208,7 +215,7 @@ class RowsAttention(torch.autograd.Function):
         n = table.shape[0]
         Q, V, c = projection_views(P, d, n)
         g_out = torch.zeros_like(V) if g_out is None else g_out.to(X.dtype)
-        g_part = X.new_zeros(B, L, n) if g_part is None else g_part.to(X.dtype)
+        g_part = X.new_zeros(B, L, n) if g_part is None else _unit(g_part.to(X.dtype))
         dP = torch.empty_like(P, memory_format=torch.contiguous_format)
         dQ, dV, dc = projection_views(dP, d, n)
         with torch.autocast(X.device.type, enabled=False):

@@ -51,6 +51,20 @@ def test_rows_equals_naive(rows, case, dtype):
 
 
 @pytest.mark.gpu
+def test_expanded_output_gradients_are_read_right(rows):
+    """A loss such as out.sum() + part.sum() hands the backward expanded gradients (strides 0):
+    the gradients still equal the reference's."""
+    inputs = _inputs(1, 18, 64, 8, True, [13], device=DEVICE)
+    leaves = [t for t in inputs[:4] if t is not None]
+    grads = []
+    for fn in (rows.partition_attention_rows, _reference):
+        out, part = fn(*inputs, sigmoid=True)
+        grads.append(torch.autograd.grad(out.sum() + part.sum(), leaves))
+    for name, a, b in zip(NAMES[2:], *grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["shatter n=8", "1h-softmax, one sequence all padding"])
 def test_kept_weights_give_the_recomputed_results_and_are_saved(rows, case):
     """rows-keep saves W [B, n, L, Lp] for the backward, rows saves no n x l x l tensor; both
