@@ -22,7 +22,7 @@ from test_triton_kernel import (
     assert_equals_naive,
 )
 
-from shatter.kernels.cost import OP_COSTS, OP_LAUNCHES, rows_kernels
+from shatter.kernels.cost import OP_COSTS, rows_kernels
 
 pytest.importorskip("triton", reason="triton has no wheel for this platform")
 NAMES = ["X_bar", "A_part", "dQ", "dX", "dV", "dc"]
@@ -156,12 +156,13 @@ def test_the_costs_price_each_row_kernel_as_traced(rows):
             out, part = rows.RowsAttention.apply(P, X, mask, table, True, False)
             torch.autograd.backward((out, part), (torch.empty_like(out), torch.empty_like(part)))
     listed = rows_kernels(B, L, d, n)
-    gemms = sum(k for name, k, _, _ in listed if "GEMM" in name)
+    gemms = sum(k.kind == "gemm" for k in listed)
     assert trace.ops["aten::baddbmm"] + trace.ops["aten::bmm"] == gemms == 3 * n + 3
     assert trace.ops["shatter::rows_fwd"] == 2 and trace.ops["shatter::rows_bwd"] == 1
-    assert sum(trace.ops.values()) == sum(k for _, k, _, _ in listed) + 2, trace.ops
-    by_name = {name.split(":")[0]: b for name, _, _, b in listed}
-    fwd, bwd = by_name["fwd row kernel rows_fwd"], by_name["bwd row kernel rows_bwd"]
-    assert trace.costs["shatter::rows_fwd"] == [(0.0, fwd)] * 2
-    assert trace.costs["shatter::rows_bwd"] == [(0.0, bwd)]
-    assert fwd == (1 + n) * B * L * L * 2 and OP_LAUNCHES["shatter::rows_bwd"] == 1
+    assert sum(trace.ops.values()) == len(listed) == 3 * n + 8, trace.ops
+    by_name = {k.name: k for k in listed}
+    fwd, bwd = by_name["rows_fwd: W, A_part"], by_name["rows_bwd: dA, δ, dZ, dc"]
+    assert trace.costs["shatter::rows_fwd"] == [[fwd]] * 2
+    assert trace.costs["shatter::rows_bwd"] == [[bwd]]
+    assert fwd.bytes == (1 + n) * B * L * L * 2 and fwd.kind == bwd.kind == "memory"
+    assert len(rows_kernels(B, L, d, n, keep=True)) == len(listed) - 1  # no W again

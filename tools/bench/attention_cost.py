@@ -34,6 +34,8 @@ parts: H100 989 TFLOP/s and 3.35 TB/s, A100-80GB 312 TFLOP/s and 2.04 TB/s, V100
 
 from __future__ import annotations
 
+import re
+
 import click
 
 GPUS = {"H100": (989e12, 3.35e12), "A100": (312e12, 2.039e12), "V100": (125e12, 0.9e12)}
@@ -56,8 +58,9 @@ def kernels(impl: str, B: int, L: int, d: int, n: int) -> list[tuple[str, float,
     if impl in ("rows", "rows-keep"):
         from shatter.kernels.cost import rows_kernels
 
-        rows = rows_kernels(B, L, d, n, E, keep=impl == "rows-keep")
-        return [(f"{name} ({k} launch{'es' * (k > 1)})", f, b) for name, k, f, b in rows]
+        return [
+            (k.name, k.flops, k.bytes) for k in rows_kernels(B, L, d, n, E, impl == "rows-keep")
+        ]
     if impl == "hybrid":
         groups = n // 2 // (2 if (n // 2) % 2 == 0 else n // 2)  # Z read once per group and side
         return [
@@ -122,37 +125,36 @@ def table(lengths, batch_tokens: int, d: int, n: int) -> list[str]:
     return lines
 
 
-def rows_table(gpu: str, lengths, batch_tokens: int, d: int, n: int) -> list[str]:
-    """Per kernel of `rows` (fwd+bwd of one layer): launches, GFLOP, MB and its time on `gpu`
-    priced as tools/bench/step_cost.py prices a kernel with its frozen efficiency table:
-    max(FLOPs / (gemm x peak), bytes / (memory x bandwidth)) + launches x launch_us."""
+def rows_table(gpu_name: str, lengths, batch_tokens: int, d: int, n: int) -> list[str]:
+    """The kernels of one `rows` layer's fwd+bwd (shatter.kernels.cost.rows_kernels; the n part
+    GEMMs of a product on one line), each priced on `gpu_name` as tools/bench/step_cost.py prices
+    a kernel, with its frozen efficiency table: kernel_seconds + one launch each."""
     from shatter.kernels.cost import rows_kernels
-    from shatter.tools.bench.step_cost import EFFICIENCY as EFF
+    from shatter.tools.bench.step_cost import EFFICIENCY, gpus, kernel_seconds
 
-    peak, bw = GPUS[gpu]
-    lines = [
-        f"| l | kernel | launches | GFLOP | MB | {gpu} µs (modelled) |",
-        "|---|---|---|---|---|---|",
-    ]
+    gpu = gpus()[gpu_name]
+    head = f"| l | kernel | launches | GFLOP | MB | {gpu_name} µs (modelled) |"
+    lines = [head, "|---|---|---|---|---|---|"]
     for L in lengths:
         B = max(1, batch_tokens // L)
-        total = 0.0
         for keep in (False, True):
-            for name, k, f, b in rows_kernels(B, L, d, n, E, keep=keep):
-                t = (
-                    max(f / (EFF["gemm"] * peak), b / (EFF["memory"] * bw))
-                    + k * EFF["launch_us"] * 1e-6
+            groups: dict[str, list] = {}
+            for k in rows_kernels(B, L, d, n, E, keep=keep):
+                key = re.sub(r"\d+", "h", k.name)  # the n part GEMMs of a product together
+                seconds = (
+                    kernel_seconds(k.kind, k.flops, k.bytes, gpu) + EFFICIENCY["launch_us"] * 1e-6
                 )
-                if not keep:
-                    total += t
-                    lines.append(
-                        f"| {L} | {name} | {k} | {f / 1e9:.1f} | {b / 1e6:.0f} | {1e6 * t:.0f} |"
-                    )
+                g = groups.setdefault(key, [0, 0.0, 0.0, 0.0])
+                g[0], g[1], g[2], g[3] = g[0] + 1, g[1] + k.flops, g[2] + k.bytes, g[3] + seconds
+            total = sum(g[3] for g in groups.values())
+            name = "rows-keep" if keep else "rows"
             if not keep:
-                lines.append(f"| {L} | **rows, one layer** | | | | **{1e6 * total:.0f}** |")
-            else:
-                kept = sum(max(f / (EFF["gemm"] * peak), b / (EFF["memory"] * bw)) + k * EFF["launch_us"] * 1e-6 for _, k, f, b in rows_kernels(B, L, d, n, E, keep=True))  # fmt: skip
-                lines.append(f"| {L} | **rows-keep, one layer** | | | | **{1e6 * kept:.0f}** |")
+                for key, (count, f, b, t) in groups.items():
+                    lines.append(f"| {L} | {key} | {count} | {f / 1e9:.1f} | {b / 1e6:.0f} | {1e6 * t:.0f} |")  # fmt: skip
+            launches = sum(g[0] for g in groups.values())
+            lines.append(
+                f"| {L} | **{name}, one layer** | {launches} | | | **{1e6 * total:.0f}** |"
+            )
     return lines
 
 
