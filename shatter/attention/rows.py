@@ -7,16 +7,17 @@ row sums in fp32 registers). Per layer, with P = [Q | V | c] the layer's project
 
     forward   Z = Q Xᵀ/√d                         one GEMM, the 1/√d in its α; kept
               W_h = A ⊙ N[h], A_part              `shatter::rows_fwd`: one row kernel
-              X̄[h] = W_h V[h]                     n strided-batched GEMMs, V read in place from P,
-                                                  X̄ written in the context's [B, L, d] layout
+              X̄[h] = W_h V[h]                     min(B, n) strided-batched GEMMs (one a part, or
+                                                  one a sequence), V read in place from P, X̄
+                                                  written in the context's [B, L, d] layout
     backward  W recomputed from Z (or kept)       `shatter::rows_fwd` again
-              dV[h] = W_hᵀ dX̄[h]                  n GEMMs, written once into dP's V columns
-              dW_h = dX̄[h] V[h]ᵀ                  n GEMMs, into W's own buffer when recomputed
+              dV[h] = W_hᵀ dX̄[h]                  min(B, n) GEMMs, written once into dP's V columns
+              dW_h = dX̄[h] V[h]ᵀ                  min(B, n) GEMMs, into W's buffer when recomputed
               dA, δ, dS, dc; dZ = dS/√d           `shatter::rows_bwd`: one row kernel
               dQ = dZ X into dP, dX = dZᵀ Q       two GEMMs
 
 With dc's copy into dP and dP's zeroed alignment columns, a layer's forward and backward launch
-3n + 8 kernels (44 at n = 12: 39 GEMMs, 3 row kernels), where `chunked` launches about 300 at
+3 min(B, n) + 8 kernels (44 at n = 12 and 12 sequences or more: 39 GEMMs, 3 row kernels), where `chunked` launches about 300 at
 l = 256 and 930 at l = 1024; and the l x l tensors move in fp16 only, never through fp32 copies
 (docs/model.md has the per-kernel FLOPs and bytes).
 
@@ -168,12 +169,20 @@ def _scores(Q: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     return Z
 
 
+def batches(B: int, n: int) -> list[tuple]:
+    """The [B, n, ...] index of each strided-batched GEMM of a product over the parts: one GEMM
+    per part batched over the B sequences, or one per sequence batched over the n parts, whichever
+    launches fewer. Both read V and X̄ in place: P's V columns of a sequence are its n parts at a
+    stride of d/n, a part's are the sequences at a stride of L·w, and a GEMM takes one stride."""
+    return [(slice(None), h) for h in range(n)] if n <= B else [(b,) for b in range(B)]
+
+
 def _mix(W: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-    """X̄[h] = W_h V[h] for each part, batched over the sequences, in the context's layout."""
+    """X̄[h] = W_h V[h] for each part, in the context's layout."""
     B, n, L, k = V.shape
     out = parts_layout(B, L, n, k, V)
-    for h in range(n):
-        torch.bmm(W[:, h, :, :L], V[:, h], out=out[:, h])
+    for i in batches(B, n):
+        torch.bmm(W[i][..., :L], V[i], out=out[i])
     return out
 
 
@@ -181,12 +190,12 @@ def part_grads(
     W: torch.Tensor, V: torch.Tensor, g_out: torch.Tensor, dV: torch.Tensor, reuse: bool
 ):
     """dV[h] = W_hᵀ dX̄[h] into dV (dP's V columns), then dW_h = dX̄[h] V[h]ᵀ [B, n, L, Lp]:
-    into W's own buffer (part by part, after its dV) when `reuse`, else a new one."""
-    L = V.shape[2]
+    into W's own buffer (each batch of `batches` after its dV) when `reuse`, else a new one."""
+    B, n, L, _ = V.shape
     dW = W if reuse else torch.empty_like(W)
-    for h in range(V.shape[1]):
-        torch.bmm(W[:, h, :, :L].transpose(1, 2), g_out[:, h], out=dV[:, h])
-        torch.bmm(g_out[:, h], V[:, h].transpose(1, 2), out=dW[:, h, :, :L])
+    for i in batches(B, n):
+        torch.bmm(W[i][..., :L].transpose(-1, -2), g_out[i], out=dV[i])
+        torch.bmm(g_out[i], V[i].transpose(-1, -2), out=dW[i][..., :L])
     return dW
 
 

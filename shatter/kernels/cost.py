@@ -171,20 +171,22 @@ def rows_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
 
 def rows_kernels(B: int, L: int, d: int, n: int, e: int = 2, keep: bool = False) -> list[Kernel]:
     """Every kernel of one `rows` layer's forward and backward, in order: the cuBLAS GEMMs (2 FLOPs
-    a multiply-add over their dense shapes, the parts' zero halves included) and the row ops;
-    bytes as each kernel reads its operands and writes its result once (tensors of B·L·n
-    elements and smaller left out, but dc's copy into dP and dP's zeroed alignment columns
-    counted as launches). `keep`: W kept from the forward (`rows-keep`)."""
+    a multiply-add over their dense shapes, the parts' zero halves included; a product over the
+    parts in min(B, n) strided-batched GEMMs, as rows.batches) and the row ops; bytes as each
+    kernel reads its operands and writes its result once (tensors of B·L·n elements and smaller
+    left out, but dc's copy into dP and dP's zeroed alignment columns counted as launches).
+    `keep`: W kept from the forward (`rows-keep`)."""
     T = B * L
     z, x, pair = T * L * e, T * d * e, 2.0 * T * L * d  # an l x l matrix; a [B, L, d]; a GEMM
-    part = (pair / n, float(z + 2 * T * d // n * e))  # one part's GEMM: W_h with V[h] or dX̄[h]
+    g = min(B, n)  # GEMMs a product over the parts takes
+    part = (pair / g, float(n * z + 2 * x) / g)  # W with V or dX̄, X̄ or dV or dW: 1/g each
     out = [Kernel("Z = Q Xᵀ/√d", "gemm", pair, float(2 * x + z)), rows_fwd_kernel(B, L, n, e)]
-    out += [Kernel(f"X̄[{h}] = W_{h} V[{h}]", "gemm", *part) for h in range(n)]
+    out += [Kernel(f"X̄ = W V, batch {i}", "gemm", *part) for i in range(g)]
     if not keep:
         out.append(rows_fwd_kernel(B, L, n, e)._replace(name="rows_fwd: W again"))
-    for h in range(n):
-        out.append(Kernel(f"dV[{h}] = W_{h}ᵀ dX̄[{h}]", "gemm", *part))
-        out.append(Kernel(f"dW_{h} = dX̄[{h}] V[{h}]ᵀ", "gemm", *part))
+    for i in range(g):
+        out.append(Kernel(f"dV = Wᵀ dX̄, batch {i}", "gemm", *part))
+        out.append(Kernel(f"dW = dX̄ Vᵀ, batch {i}", "gemm", *part))
     return out + [
         rows_bwd_kernel(B, L, n, e),
         Kernel("dc into dP", "memory", 0.0, 0.0),

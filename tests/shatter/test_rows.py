@@ -51,6 +51,19 @@ def test_rows_equals_naive(rows, case, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("keep", [False, True], ids=["rows", "rows-keep"])
+def test_part_gemms_batched_over_the_sequences_equal_naive(rows, keep):
+    """With more sequences than parts (B = 5, n = 4) the part GEMMs run one a part, batched over
+    the sequences (rows.batches; CASES have B < n: one a sequence): values and gradients."""
+    assert len(rows.batches(5, 4)) == 4 and len(rows.batches(3, 4)) == 3
+    inputs = _inputs(5, 18, 32, 4, True, [18, 13, 0, 18, 7], device=DEVICE)
+    got = values_and_grads(lambda *a: rows.partition_attention_rows(*a, sigmoid=True, keep=keep), *inputs)  # fmt: skip
+    want = values_and_grads(lambda *a: _reference(*a, sigmoid=True), *inputs)
+    for name, a, b in zip(NAMES, got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
 def test_expanded_output_gradients_are_read_right(rows):
     """A loss such as out.sum() + part.sum() hands the backward expanded gradients (strides 0):
     the gradients still equal the reference's."""
@@ -120,7 +133,8 @@ def test_fp16_gradients_stay_finite_under_loss_scaling(rows, loss_scale, monkeyp
         assert _rel_err(a.float() / loss_scale, b) < 1e-2, f"{name}: {_rel_err(a.float() / loss_scale, b):.2e}"  # fmt: skip
 
 
-def test_the_costs_price_each_row_kernel_as_traced(rows):
+@pytest.mark.parametrize("B", [4, 16], ids=["a GEMM a sequence", "a GEMM a part"])
+def test_the_costs_price_each_row_kernel_as_traced(rows, B):
     """On fake tensors (no kernel runs): one layer's forward and backward launch exactly the
     kernels shatter.kernels.cost.rows_kernels lists (cuBLAS GEMMs and the two row ops, plus dc's
     copy and the zeroed alignment columns of dP), and OP_COSTS prices each row op by its bytes."""
@@ -146,7 +160,7 @@ def test_the_costs_price_each_row_kernel_as_traced(rows):
                 self.costs.setdefault(name, []).append(OP_COSTS[name](args, kwargs or {}, out))
             return out
 
-    B, L, d, n = 4, 256, 768, 12
+    L, d, n = 256, 768, 12
     table = partition_table(n, 1, 3, max_len=L)
     with FakeTensorMode(allow_non_fake_inputs=True):
         P = torch.empty(B, L, projection_width(d, n), dtype=torch.float16, requires_grad=True)
@@ -157,9 +171,9 @@ def test_the_costs_price_each_row_kernel_as_traced(rows):
             torch.autograd.backward((out, part), (torch.empty_like(out), torch.empty_like(part)))
     listed = rows_kernels(B, L, d, n)
     gemms = sum(k.kind == "gemm" for k in listed)
-    assert trace.ops["aten::baddbmm"] + trace.ops["aten::bmm"] == gemms == 3 * n + 3
+    assert trace.ops["aten::baddbmm"] + trace.ops["aten::bmm"] == gemms == 3 * min(B, n) + 3
     assert trace.ops["shatter::rows_fwd"] == 2 and trace.ops["shatter::rows_bwd"] == 1
-    assert sum(trace.ops.values()) == len(listed) == 3 * n + 8, trace.ops
+    assert sum(trace.ops.values()) == len(listed) == 3 * min(B, n) + 8, trace.ops
     by_name = {k.name: k for k in listed}
     fwd, bwd = by_name["rows_fwd: W, A_part"], by_name["rows_bwd: dA, δ, dZ, dc"]
     assert trace.costs["shatter::rows_fwd"] == [[fwd]] * 2
