@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_plan_per_machine():
     wanted = torch_requirement()
-    assert str(wanted) == "torch<2.15,>=2.2"  # setup.cfg's train extra
+    assert str(wanted) == "torch<2.15,>=2.4"  # setup.cfg's train extra
     assert plan("2.12.0", wanted, None, gpu=False) == []  # in range: kept, never replaced
     assert plan("2.13.0+cpu", wanted, "https://example.org/cu126", gpu=True) == []
     assert wanted.contains(CPU_VERSION) and not wanted.contains("2.15.0")
@@ -39,7 +39,7 @@ def test_the_installed_torch_is_kept_and_said_so():
         [sys.executable, "tools/setup_torch.py"], cwd=REPO, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    assert "is installed and in the project's range torch<2.15,>=2.2: kept" in result.stdout
+    assert "is installed and in the project's range torch<2.15,>=2.4: kept" in result.stdout
 
 
 def test_make_setup_runs_it_first_and_prints_its_steps():
