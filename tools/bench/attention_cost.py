@@ -27,14 +27,11 @@ Peaks (dense bf16/fp16 tensor FLOP/s, HBM bytes/s) are the vendors' datasheet fi
 parts: H100 989 TFLOP/s and 3.35 TB/s, A100-80GB 312 TFLOP/s and 2.04 TB/s, V100 125 TFLOP/s and
 0.90 TB/s. Triton emits no tensor-core code below sm_80: fused-old and hybrid have no V100 column.
 
-    python tools/bench/attention_cost.py --rows-table V100 --lengths 256,1024   # modelled, frozen table
     python tools/bench/attention_cost.py                       # base width, l = 128..1024, 16k tokens
     python tools/bench/attention_cost.py --lengths 512 --batch-tokens 32768 --markdown
 """
 
 from __future__ import annotations
-
-import re
 
 import click
 
@@ -125,39 +122,6 @@ def table(lengths, batch_tokens: int, d: int, n: int) -> list[str]:
     return lines
 
 
-def rows_table(gpu_name: str, lengths, batch_tokens: int, d: int, n: int) -> list[str]:
-    """The kernels of one `rows` layer's fwd+bwd (shatter.kernels.cost.rows_kernels; the n part
-    GEMMs of a product on one line), each priced on `gpu_name` as tools/bench/step_cost.py prices
-    a kernel, with its frozen efficiency table: kernel_seconds + one launch each."""
-    from shatter.kernels.cost import rows_kernels
-    from shatter.tools.bench.step_cost import EFFICIENCY, gpus, kernel_seconds
-
-    gpu = gpus()[gpu_name]
-    head = f"| l | kernel | launches | GFLOP | MB | {gpu_name} µs (modelled) |"
-    lines = [head, "|---|---|---|---|---|---|"]
-    for L in lengths:
-        B = max(1, batch_tokens // L)
-        for keep in (False, True):
-            groups: dict[str, list] = {}
-            for k in rows_kernels(B, L, d, n, E, keep=keep):
-                key = re.sub(r"\d+", "h", k.name)  # the n part GEMMs of a product together
-                seconds = (
-                    kernel_seconds(k.kind, k.flops, k.bytes, gpu) + EFFICIENCY["launch_us"] * 1e-6
-                )
-                g = groups.setdefault(key, [0, 0.0, 0.0, 0.0])
-                g[0], g[1], g[2], g[3] = g[0] + 1, g[1] + k.flops, g[2] + k.bytes, g[3] + seconds
-            total = sum(g[3] for g in groups.values())
-            name = "rows-keep" if keep else "rows"
-            if not keep:
-                for key, (count, f, b, t) in groups.items():
-                    lines.append(f"| {L} | {key} | {count} | {f / 1e9:.1f} | {b / 1e6:.0f} | {1e6 * t:.0f} |")  # fmt: skip
-            launches = sum(g[0] for g in groups.values())
-            lines.append(
-                f"| {L} | **{name}, one layer** | {launches} | | | **{1e6 * total:.0f}** |"
-            )
-    return lines
-
-
 @click.command()
 @click.option("--lengths", default="128,256,512,1024", show_default=True)
 @click.option("--batch-tokens", default=16384, show_default=True, help="tokens per batch")
@@ -166,8 +130,7 @@ def rows_table(gpu_name: str, lengths, batch_tokens: int, d: int, n: int) -> lis
 @click.option(
     "--kernels", "show_kernels", is_flag=True, help="also each impl's kernels at the first length"
 )
-@click.option("--rows-table", "rows_gpu", type=click.Choice(list(GPUS)), help="the rows impl's kernels priced on this GPU by the step model's frozen efficiencies")  # fmt: skip
-def main(lengths, batch_tokens, hidden, heads, show_kernels, rows_gpu):
+def main(lengths, batch_tokens, hidden, heads, show_kernels):
     """Print the cost model's table (see module doc)."""
     try:
         ls = [int(v) for v in lengths.split(",")]
@@ -179,10 +142,6 @@ def main(lengths, batch_tokens, hidden, heads, show_kernels, rows_gpu):
         raise SystemExit(
             f"attention_cost: --hidden {hidden} must split into an even --heads {heads}"
         )
-    if rows_gpu:
-        print(f"rows: one layer's fwd+bwd, d = {hidden}, n = {heads}, {batch_tokens} tokens")
-        print("\n".join(rows_table(rows_gpu, ls, batch_tokens, hidden, heads)))
-        return
     print(f"attention fwd+bwd, d = {hidden}, n = {heads}, bf16, {batch_tokens} tokens per batch")
     print("\n".join(table(ls, batch_tokens, hidden, heads)))
     if show_kernels:
