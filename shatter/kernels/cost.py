@@ -64,6 +64,10 @@ OP_SCHEMA = {  # the ops' argument names, to read args and kwargs alike
     "shatter::mixing_bwd": (
         "P", "X", "mask", "table", "Z", "stat", "out", "part", "g_out", "g_part", "sigmoid",
     ),
+    "shatter::fused_fwd": ("P", "X", "mask", "table", "sigmoid"),
+    "shatter::fused_bwd": (
+        "P", "X", "mask", "table", "stat", "out", "part", "g_out", "g_part", "sigmoid",
+    ),
 }  # fmt: skip
 
 
@@ -77,15 +81,17 @@ def _dims(a: dict) -> tuple[int, int, int, int, int, int]:
     return B, L, -(-L // 16) * 16, d, a["table"].shape[0], a["X"].element_size()
 
 
-def _z_reads(n: int, d: int, kernel: str) -> int:
-    """Reads of Z by the mixing forward or dV kernel: each side's keys once per group of parts,
-    the two sides together once per group, with the GROUP of the kernel's sm_90 configurations
-    for n (partition_mixing.usable)."""
+def _z_reads(n: int, d: int, kernel: str, recompute: bool = False, family: int = 90) -> int:
+    """Sweeps of the scores by the mixing forward or dV kernel (reads of Z, or with `recompute`
+    Q Xᵀ made again): each side's keys once per group of parts, the two sides together once per
+    group, with the GROUP of the kernel's configurations for n on the arch family (sm_90 unless
+    told; partition_mixing.usable)."""
     from shatter.kernels import partition_mixing as pm
 
     configs = {"fwd": pm.FWD_CONFIGS, "dv": pm.DV_CONFIGS}[kernel]
     block_k = max(16, 1 << (d // n - 1).bit_length())
-    return n // 2 // pm.usable(configs, n, block_k, family=90)[0].kwargs["GROUP"]
+    best = pm.usable(configs, n, block_k, family=family, recompute=recompute)[0]
+    return n // 2 // best.kwargs["GROUP"]
 
 
 def mixing_dot_flops(B: int, L: int, d: int) -> float:
@@ -100,7 +106,7 @@ def _mask_cast(a: dict) -> Kernel:
     return Kernel("mask to fp32", "memory", 0.0, float(m.numel() * (m.element_size() + 4)))
 
 
-def mixing_fwd_cost(args, kwargs, outputs) -> list[Kernel]:
+def mixing_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     a = _bind("shatter::mixing_fwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
     z, x, xp = B * L * Lp * e, B * L * d * e, B * Lp * d * e  # Z, a [B, L, d], the padded keys
@@ -111,12 +117,12 @@ def mixing_fwd_cost(args, kwargs, outputs) -> list[Kernel]:
         Kernel("row statistics", "memory", 0.0, float(z)),
         Kernel(  # Z per group of parts, V, X̄ written
             "mixing forward", "custom", mixing_dot_flops(B, L, d),
-            float(_z_reads(n, d, "fwd") * z + 2 * x),
+            float(_z_reads(n, d, "fwd", False, family) * z + 2 * x),
         ),
     ]  # fmt: skip
 
 
-def mixing_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
+def mixing_bwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     a = _bind("shatter::mixing_bwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
     z, x, s = B * L * Lp * e, B * L * d * e, B * L * L * e  # Z, a [B, L, d], dS = dZ[:, :, :L]
@@ -129,7 +135,7 @@ def mixing_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
     sweep = mixing_dot_flops(B, L, d)
     return kernels + [
         _mask_cast(a),
-        Kernel("dV", "custom", sweep, float(_z_reads(n, d, "dv") * z + 2 * x)),  # Z/group, dX̄, dV
+        Kernel("dV", "custom", sweep, float(_z_reads(n, d, "dv", False, family) * z + 2 * x)),
         Kernel("δ", "memory", 0.0, float(2 * x)),  # X̄ and dX̄
         Kernel("dZ", "custom", sweep, float(2 * z + 2 * x)),  # Z, V, dX̄ in, dZ out
         Kernel("dQ = dZ X", "gemm", 2.0 * B * L * L * d, float(s + 2 * x)),
@@ -137,10 +143,93 @@ def mixing_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
     ]
 
 
+def fused_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
+    """The fused forward: the row statistics sweep Q Xᵀ once (made on chip from Q and X), the
+    mixing forward again per group of parts (each side its own keys: one l x l per group)."""
+    a = _bind("shatter::fused_fwd", args, kwargs)
+    B, L, _, d, n, e = _dims(a)
+    x, sweep = B * L * d * e, mixing_dot_flops(B, L, d)
+    groups = _z_reads(n, d, "fwd", True, family)
+    return [
+        _mask_cast(a),
+        Kernel("row statistics (Q Xᵀ on chip)", "custom", 2.0 * B * L * L * d, float(2 * x)),
+        Kernel(  # Q and X per group of parts, V, X̄ written
+            "mixing forward (Q Xᵀ on chip)", "custom", (2 * groups + 1) * sweep,
+            float((2 * groups + 2) * x),
+        ),
+    ]  # fmt: skip
+
+
+def fused_bwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
+    """The fused backward: dV and dS (with dc) recompute Q Xᵀ; dS/√d [B, L, Lp] is written for
+    the two cuBLAS GEMMs, as in the hybrid."""
+    a = _bind("shatter::fused_bwd", args, kwargs)
+    B, L, Lp, d, n, e = _dims(a)
+    z, x, s = B * L * Lp * e, B * L * d * e, B * L * L * e
+    sweep, groups = mixing_dot_flops(B, L, d), _z_reads(n, d, "dv", True, family)
+    kernels = []
+    if a["g_out"].stride(-1) != 1:  # dX̄ made contiguous in its last dimension
+        kernels.append(Kernel("dX̄ contiguous", "memory", 0.0, float(2 * x)))
+    if a["P"].shape[-1] > 2 * d + n:  # c's alignment columns of dP zeroed
+        kernels.append(Kernel("dP's alignment columns", "memory", 0.0, 0.0))
+    return kernels + [
+        _mask_cast(a),  # Q and X per group, dX̄ in, dV out
+        Kernel("dV (Q Xᵀ on chip)", "custom", (2 * groups + 1) * sweep, float((2 * groups + 2) * x)),
+        Kernel("δ", "memory", 0.0, float(2 * x)),  # X̄ and dX̄
+        Kernel("dS (Q Xᵀ on chip)", "custom", 2.0 * B * L * L * d + sweep, float(4 * x + z)),
+        Kernel("dQ = dS X", "gemm", 2.0 * B * L * L * d, float(s + 2 * x)),
+        Kernel("dX = dSᵀ Q", "gemm", 2.0 * B * L * L * d, float(s + 2 * x)),
+    ]  # fmt: skip
+
+
 OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {
     "shatter::mixing_fwd": mixing_fwd_cost,
     "shatter::mixing_bwd": mixing_bwd_cost,
+    "shatter::fused_fwd": fused_fwd_cost,
+    "shatter::fused_bwd": fused_bwd_cost,
 }
+
+
+# The step model's frozen efficiency table (tools/bench/step_cost.py EFFICIENCY: gemm, custom,
+# memory, launch_us) at the datasheet peaks (dense bf16 FLOP/s, HBM bytes/s) of the sm_90 and
+# sm_80 parts it models (H100 SXM, A100-80GB SXM): what `auto` prices the two Triton impls with.
+EFFICIENCY = {"gemm": 0.70, "custom": 0.50, "memory": 0.60}
+LAUNCH_S = 6e-6
+PEAKS = {90: (989e12, 3.35e12), 80: (312e12, 2.039e12)}
+IMPL_OPS = {"triton": (mixing_fwd_cost, mixing_bwd_cost), "fused": (fused_fwd_cost, fused_bwd_cost)}
+
+
+def layer_kernels(
+    impl: str, shape: tuple[int, int, int, int], dtype, family: int = 90
+) -> list[Kernel]:
+    """The kernels of one layer's forward and backward under `impl` ("triton" or "fused") for
+    `dtype` inputs of `shape` = (B, l, d, n) with the partition bias, on meta tensors."""
+    import torch
+
+    from shatter.attention.projection import projection_width
+
+    B, L, d, n = shape
+    like = dict(device="meta", dtype=dtype)
+    a = dict(
+        P=torch.empty(B, L, projection_width(d, n), **like), X=torch.empty(B, L, d, **like),
+        mask=torch.empty(B, L, device="meta", dtype=torch.bool), table=torch.empty(n, 1),
+        g_out=torch.empty(B, L, n, d // n, **like).transpose(1, 2),  # as autograd hands it
+    )  # fmt: skip
+    forward, backward = IMPL_OPS[impl]
+    return forward((), a, None, family) + backward((), a, None, family)
+
+
+def modelled_seconds(impl: str, shape, dtype, family: int = 90) -> float:
+    """One layer's forward and backward under `impl` on the family's GPU, as the step model
+    prices it: each kernel the slower of its FLOPs at its kind's rate and its bytes at the
+    memory rate, plus its launch."""
+    peak, bandwidth = PEAKS[family]
+    total = 0.0
+    for k in layer_kernels(impl, shape, dtype, family):
+        memory = k.bytes / (EFFICIENCY["memory"] * bandwidth)
+        compute = k.flops / (EFFICIENCY[k.kind] * peak) if k.kind != "memory" else 0.0
+        total += max(compute, memory) + LAUNCH_S
+    return total
 
 
 def model_flops(name: str, args, kwargs) -> float:
@@ -150,7 +239,7 @@ def model_flops(name: str, args, kwargs) -> float:
     a = _bind(name, args, kwargs)
     B, L, _, d, _, _ = _dims(a)
     forward = 2 * 2.0 * B * L * L * d
-    return forward if name == "shatter::mixing_fwd" else 2 * forward
+    return forward if name.endswith("_fwd") else 2 * forward
 
 
 def register_costs(names: Iterable[str]) -> None:
