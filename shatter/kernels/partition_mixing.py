@@ -80,7 +80,8 @@ FWD_CONFIGS = [
     _cfg(64, 32, 4, 2, group=1),
 ]
 DV_CONFIGS = [
-    _cfg(64, 32, 8, 2, archs=(90,), group=6),
+    _cfg(64, 32, 8, 2, archs=(90,), group=6, sources=(False,)),
+    _cfg(32, 64, 8, 2, archs=(90,), group=6, sources=(True,)),  # M64 N32 spilled recomputing
     _cfg(64, 32, 8, 2, archs=(90,), group=3),
     _cfg(64, 64, 8, 2, group=2),
     _cfg(32, 64, 4, 2, archs=(80,), group=2),
