@@ -34,6 +34,12 @@ dense A V that model FLOPs count (train/cost.py, l·d per token); `model_flops` 
 convention. Z is read once per group of parts by the forward and dV kernels (`_z_reads`, the
 GROUP of sm_90's configurations); tensors of B·L·n elements and smaller (c, A_part, the mask, the
 row statistics) move too few bytes to count, but their kernels count their launches.
+
+The `fused` impl's two ops (shatter/kernels/fused_attention.py) run the same Triton kernels with
+Q Xᵀ/√d recomputed on chip wherever a score is needed: no Z GEMM and no Z; each kernel that makes
+scores executes 2d FLOPs per score (the row statistics over every key, the forward and dV kernels
+once per group of parts, the dS kernel once) and reads Q and X instead of Z. dS/√d is written for
+the dQ and dX GEMMs as in the hybrid. `modelled_seconds` prices either impl's layer for `auto`.
 """
 
 from __future__ import annotations

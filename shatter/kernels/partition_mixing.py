@@ -31,6 +31,11 @@ dA_ij = Σ_h f_h(j−i) (⟨dX̄[h]_i, V[h]_j⟩ + dA_part_ih):
 block) gives dc and writes dZ = dS/√d in the input dtype: the 1/√d of Z's GEMM applied before the
 rounding keeps fp16 values no larger than the dQ and dX that the GEMMs make from them.
 
+Every kernel that reads scores takes them from one of two sources (the compile-time RECOMPUTE,
+`_score_tile`): the saved Z (the hybrid `triton` impl), or tiles of Q Xᵀ/√d made on chip from Q
+and the keys X over d in BLOCK_D steps (`_qx_tile`; the `fused` impl,
+shatter/kernels/fused_attention.py, in which Z never reaches HBM and dZ holds dS/√d).
+
 n ∈ {4, 6, ..., 16} (at most 8 unrolled accumulators). `tools/bench/kernel_report.py` compiles every
 autotune configuration ahead of time for sm_80/sm_90 and checks shared memory, spills and tensor
 cores. Under TRITON_INTERPRET=1 (CPU tests) one small configuration is tuned over.
@@ -90,17 +95,7 @@ DV_CONFIGS = [
 DELTA_CONFIGS = [_cfg(64, 16, 4, 1)]
 DZ_CONFIGS = [_cfg(64, 64, 8, 2)]  # sm_90's M64 N64 w4 and M64 N128 w8 spilled under 3.6
 # every compile-time constant that changes the code: a kernel is keyed on those it takes
-AUTOTUNE_KEY = [
-    "L_KEY",
-    "N_PARTS",
-    "HAS_C",
-    "SIGMOID",
-    "BLOCK_K",
-    "PREC",
-    "NP",
-    "RECOMPUTE",
-    "BLOCK_D",
-]
+AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID", "BLOCK_K", "PREC", "NP", "RECOMPUTE", "BLOCK_D"]  # fmt: skip
 ACC_COLUMNS = 384  # fp32 accumulator columns of a program's group: 6 parts of 64
 
 
