@@ -156,8 +156,9 @@ def kernel_choice(capability: tuple[int, int], shape: tuple, dtype: torch.dtype)
     from shatter.kernels.cost import modelled_seconds
 
     family = 90 if capability[0] >= 9 else 80
-    hybrid = modelled_seconds("triton", shape, dtype, family)
-    return "fused" if modelled_seconds("fused", shape, dtype, family) < hybrid else "triton"
+    element = dtype.itemsize
+    hybrid = modelled_seconds("triton", shape, element, family)
+    return "fused" if modelled_seconds("fused", shape, element, family) < hybrid else "triton"
 
 
 def auto_impl(device: torch.device, dtype: torch.dtype, shape: tuple | None = None) -> str:

@@ -44,6 +44,7 @@ the dQ and dX GEMMs as in the hybrid. `modelled_seconds` prices either impl's la
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -205,33 +206,47 @@ PEAKS = {90: (989e12, 3.35e12), 80: (312e12, 2.039e12)}
 IMPL_OPS = {"triton": (mixing_fwd_cost, mixing_bwd_cost), "fused": (fused_fwd_cost, fused_bwd_cost)}
 
 
-def layer_kernels(
-    impl: str, shape: tuple[int, int, int, int], dtype, family: int = 90
-) -> list[Kernel]:
-    """The kernels of one layer's forward and backward under `impl` ("triton" or "fused") for
-    `dtype` inputs of `shape` = (B, l, d, n) with the partition bias, on meta tensors."""
-    import torch
+class _Spec(NamedTuple):
+    """A tensor's shape, element size and last stride: all the cost formulas read of it."""
 
+    shape: tuple[int, ...]
+    element: int
+    last_stride: int = 1
+
+    def element_size(self) -> int:
+        return self.element
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def stride(self, dim: int) -> int:
+        assert dim == -1, dim
+        return self.last_stride
+
+
+def layer_kernels(impl: str, shape: tuple[int, int, int, int], element: int, family: int = 90) -> list[Kernel]:  # fmt: skip
+    """The kernels of one layer's forward and backward under `impl` ("triton" or "fused") for
+    `element`-byte inputs of `shape` = (B, l, d, n) with the partition bias: plain arithmetic on
+    the shapes (no tensor is made, so `auto` can call it inside a compiled forward)."""
     from shatter.attention.projection import projection_width
 
     B, L, d, n = shape
-    like = dict(device="meta", dtype=dtype)
     a = dict(
-        P=torch.empty(B, L, projection_width(d, n), **like), X=torch.empty(B, L, d, **like),
-        mask=torch.empty(B, L, device="meta", dtype=torch.bool), table=torch.empty(n, 1),
-        g_out=torch.empty(B, L, n, d // n, **like).transpose(1, 2),  # as autograd hands it
+        P=_Spec((B, L, projection_width(d, n)), element), X=_Spec((B, L, d), element),
+        mask=_Spec((B, L), 1), table=_Spec((n, 1), 4),
+        g_out=_Spec((B, n, L, d // n), element),  # dX̄ row-major, as autograd hands it
     )  # fmt: skip
     forward, backward = IMPL_OPS[impl]
     return forward((), a, None, family) + backward((), a, None, family)
 
 
-def modelled_seconds(impl: str, shape, dtype, family: int = 90) -> float:
+def modelled_seconds(impl: str, shape, element: int, family: int = 90) -> float:
     """One layer's forward and backward under `impl` on the family's GPU, as the step model
     prices it: each kernel the slower of its FLOPs at its kind's rate and its bytes at the
     memory rate, plus its launch."""
     peak, bandwidth = PEAKS[family]
     total = 0.0
-    for k in layer_kernels(impl, shape, dtype, family):
+    for k in layer_kernels(impl, shape, element, family):
         memory = k.bytes / (EFFICIENCY["memory"] * bandwidth)
         compute = k.flops / (EFFICIENCY[k.kind] * peak) if k.kind != "memory" else 0.0
         total += max(compute, memory) + LAUNCH_S

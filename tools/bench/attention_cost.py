@@ -54,7 +54,7 @@ def kernels(impl: str, B: int, L: int, d: int, n: int) -> list[tuple[str, float,
     if impl == "fused":
         from shatter.kernels.cost import layer_kernels
 
-        return layer_kernels("fused", B, L, d, n, E)
+        return [(k.name, k.flops, k.bytes) for k in layer_kernels("fused", (B, L, d, n), E)]
     if impl == "hybrid":
         groups = n // 2 // (2 if (n // 2) % 2 == 0 else n // 2)  # Z read once per group and side
         return [
