@@ -76,7 +76,11 @@ def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None, sources=(F
 # n = 12 (the side's Z tiles read once) and, in the forward, 4 at n = 16 (the dV kernel 2: 4
 # spilled 8 bytes under Triton 3.9); sm_80 (mma.sync, more registers per accumulator) 2;
 # GROUP 1 serves any n.
-STATS_CONFIGS = [_cfg(128, 64, 8, 2)]  # sm_90's M64 N128 w4 spilled 96-128 bytes under 3.6
+STATS_CONFIGS = [  # sm_90's M64 N128 w4 spilled 96-128 bytes under 3.6
+    _cfg(128, 64, 8, 2, archs=(90,)),
+    _cfg(128, 64, 8, 2, archs=(80,), sources=(False,)),
+    _cfg(128, 32, 8, 2, archs=(80,), sources=(True,)),  # recomputing, N64 spilled 8 bytes (3.6)
+]
 FWD_CONFIGS = [
     _cfg(64, 16, 8, 2, archs=(90,), group=6),
     _cfg(64, 32, 8, 2, archs=(90,), group=4),
