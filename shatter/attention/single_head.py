@@ -81,7 +81,8 @@ class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
         X = x_BLD.to(_matmul_dtype(x_BLD))  # the keys (K = X), cast once: bf16 under autocast
         P = self.projections(X)  # [Q | V | c]
         v_part = F.linear(self.partition_embeddings, self.value.weight) if self.partition_value else None  # fmt: skip
-        attend = resolve_layer(self.impl, x_BLD.device, P.dtype)  # scores Q X^T / sqrt(d) inside
+        shape = (*x_BLD.shape, self.n)  # (B, l, d, n): auto's choice of kernel
+        attend = resolve_layer(self.impl, x_BLD.device, P.dtype, shape)  # Q X^T / sqrt(d) inside
         return attend(P, X, mask_BL, self.exact_partition(), v_part, self.sigmoid)  # eq. 3, §3.3
 
     def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:

@@ -39,10 +39,17 @@ The `rows` impl's two ops (shatter/attention/rows.py) are one Triton row kernel 
 product inside ("memory"): the GEMMs around them are aten ops that a trace prices as GEMMs of
 their own. `rows_kernels` lists a whole `rows` layer's kernels, GEMMs included, for the
 per-kernel table of docs/model.md and tests/shatter/test_rows.py.
+
+The `fused` impl's two ops (shatter/kernels/fused_attention.py) run the same Triton kernels with
+Q Xᵀ/√d recomputed on chip wherever a score is needed: no Z GEMM and no Z; each kernel that makes
+scores executes 2d FLOPs per score (the row statistics over every key, the forward and dV kernels
+once per group of parts, the dS kernel once) and reads Q and X instead of Z. dS/√d is written for
+the dQ and dX GEMMs as in the hybrid. `modelled_seconds` prices either impl's layer for `auto`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -71,6 +78,10 @@ OP_SCHEMA = {  # the ops' argument names, to read args and kwargs alike
     ),
     "shatter::rows_fwd": ("Z", "c", "mask", "table", "sigmoid"),
     "shatter::rows_bwd": ("Z", "c", "mask", "table", "dW", "g_part", "sigmoid", "scale"),
+    "shatter::fused_fwd": ("P", "X", "mask", "table", "sigmoid"),
+    "shatter::fused_bwd": (
+        "P", "X", "mask", "table", "stat", "out", "part", "g_out", "g_part", "sigmoid",
+    ),
 }  # fmt: skip
 
 
@@ -84,15 +95,17 @@ def _dims(a: dict) -> tuple[int, int, int, int, int, int]:
     return B, L, -(-L // 16) * 16, d, a["table"].shape[0], a["X"].element_size()
 
 
-def _z_reads(n: int, d: int, kernel: str) -> int:
-    """Reads of Z by the mixing forward or dV kernel: each side's keys once per group of parts,
-    the two sides together once per group, with the GROUP of the kernel's sm_90 configurations
-    for n (partition_mixing.usable)."""
+def _z_reads(n: int, d: int, kernel: str, recompute: bool = False, family: int = 90) -> int:
+    """Sweeps of the scores by the mixing forward or dV kernel (reads of Z, or with `recompute`
+    Q Xᵀ made again): each side's keys once per group of parts, the two sides together once per
+    group, with the GROUP of the kernel's configurations for n on the arch family (sm_90 unless
+    told; partition_mixing.usable)."""
     from shatter.kernels import partition_mixing as pm
 
     configs = {"fwd": pm.FWD_CONFIGS, "dv": pm.DV_CONFIGS}[kernel]
     block_k = max(16, 1 << (d // n - 1).bit_length())
-    return n // 2 // pm.usable(configs, n, block_k, family=90)[0].kwargs["GROUP"]
+    best = pm.usable(configs, n, block_k, family=family, recompute=recompute)[0]
+    return n // 2 // best.kwargs["GROUP"]
 
 
 def mixing_dot_flops(B: int, L: int, d: int) -> float:
@@ -107,7 +120,7 @@ def _mask_cast(a: dict) -> Kernel:
     return Kernel("mask to fp32", "memory", 0.0, float(m.numel() * (m.element_size() + 4)))
 
 
-def mixing_fwd_cost(args, kwargs, outputs) -> list[Kernel]:
+def mixing_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     a = _bind("shatter::mixing_fwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
     z, x, xp = B * L * Lp * e, B * L * d * e, B * Lp * d * e  # Z, a [B, L, d], the padded keys
@@ -118,12 +131,12 @@ def mixing_fwd_cost(args, kwargs, outputs) -> list[Kernel]:
         Kernel("row statistics", "memory", 0.0, float(z)),
         Kernel(  # Z per group of parts, V, X̄ written
             "mixing forward", "custom", mixing_dot_flops(B, L, d),
-            float(_z_reads(n, d, "fwd") * z + 2 * x),
+            float(_z_reads(n, d, "fwd", False, family) * z + 2 * x),
         ),
     ]  # fmt: skip
 
 
-def mixing_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
+def mixing_bwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     a = _bind("shatter::mixing_bwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
     z, x, s = B * L * Lp * e, B * L * d * e, B * L * L * e  # Z, a [B, L, d], dS = dZ[:, :, :L]
@@ -136,7 +149,7 @@ def mixing_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
     sweep = mixing_dot_flops(B, L, d)
     return kernels + [
         _mask_cast(a),
-        Kernel("dV", "custom", sweep, float(_z_reads(n, d, "dv") * z + 2 * x)),  # Z/group, dX̄, dV
+        Kernel("dV", "custom", sweep, float(_z_reads(n, d, "dv", False, family) * z + 2 * x)),
         Kernel("δ", "memory", 0.0, float(2 * x)),  # X̄ and dX̄
         Kernel("dZ", "custom", sweep, float(2 * z + 2 * x)),  # Z, V, dX̄ in, dZ out
         Kernel("dQ = dZ X", "gemm", 2.0 * B * L * L * d, float(s + 2 * x)),
@@ -196,12 +209,109 @@ def rows_kernels(B: int, L: int, d: int, n: int, e: int = 2, keep: bool = False)
     ]
 
 
+def fused_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
+    """The fused forward: the row statistics sweep Q Xᵀ once (made on chip from Q and X), the
+    mixing forward again per group of parts (each side its own keys: one l x l per group)."""
+    a = _bind("shatter::fused_fwd", args, kwargs)
+    B, L, _, d, n, e = _dims(a)
+    x, sweep = B * L * d * e, mixing_dot_flops(B, L, d)
+    groups = _z_reads(n, d, "fwd", True, family)
+    return [
+        _mask_cast(a),
+        Kernel("row statistics (Q Xᵀ on chip)", "custom", 2.0 * B * L * L * d, float(2 * x)),
+        Kernel(  # Q and X per group of parts, V, X̄ written
+            "mixing forward (Q Xᵀ on chip)", "custom", (2 * groups + 1) * sweep,
+            float((2 * groups + 2) * x),
+        ),
+    ]  # fmt: skip
+
+
+def fused_bwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
+    """The fused backward: dV and dS (with dc) recompute Q Xᵀ; dS/√d [B, L, Lp] is written for
+    the two cuBLAS GEMMs, as in the hybrid."""
+    a = _bind("shatter::fused_bwd", args, kwargs)
+    B, L, Lp, d, n, e = _dims(a)
+    z, x, s = B * L * Lp * e, B * L * d * e, B * L * L * e
+    sweep, groups = mixing_dot_flops(B, L, d), _z_reads(n, d, "dv", True, family)
+    kernels = []
+    if a["g_out"].stride(-1) != 1:  # dX̄ made contiguous in its last dimension
+        kernels.append(Kernel("dX̄ contiguous", "memory", 0.0, float(2 * x)))
+    if a["P"].shape[-1] > 2 * d + n:  # c's alignment columns of dP zeroed
+        kernels.append(Kernel("dP's alignment columns", "memory", 0.0, 0.0))
+    return kernels + [
+        _mask_cast(a),  # Q and X per group, dX̄ in, dV out
+        Kernel("dV (Q Xᵀ on chip)", "custom", (2 * groups + 1) * sweep, float((2 * groups + 2) * x)),
+        Kernel("δ", "memory", 0.0, float(2 * x)),  # X̄ and dX̄
+        Kernel("dS (Q Xᵀ on chip)", "custom", 2.0 * B * L * L * d + sweep, float(4 * x + z)),
+        Kernel("dQ = dS X", "gemm", 2.0 * B * L * L * d, float(s + 2 * x)),
+        Kernel("dX = dSᵀ Q", "gemm", 2.0 * B * L * L * d, float(s + 2 * x)),
+    ]  # fmt: skip
+
+
 OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {
     "shatter::mixing_fwd": mixing_fwd_cost,
     "shatter::mixing_bwd": mixing_bwd_cost,
     "shatter::rows_fwd": rows_fwd_cost,
     "shatter::rows_bwd": rows_bwd_cost,
+    "shatter::fused_fwd": fused_fwd_cost,
+    "shatter::fused_bwd": fused_bwd_cost,
 }
+
+
+# The step model's frozen efficiency table (tools/bench/step_cost.py EFFICIENCY: gemm, custom,
+# memory, launch_us) at the datasheet peaks (dense bf16 FLOP/s, HBM bytes/s) of the sm_90 and
+# sm_80 parts it models (H100 SXM, A100-80GB SXM): what `auto` prices the two Triton impls with.
+EFFICIENCY = {"gemm": 0.70, "custom": 0.50, "memory": 0.60}
+LAUNCH_S = 6e-6
+PEAKS = {90: (989e12, 3.35e12), 80: (312e12, 2.039e12)}
+IMPL_OPS = {"triton": (mixing_fwd_cost, mixing_bwd_cost), "fused": (fused_fwd_cost, fused_bwd_cost)}
+
+
+class _Spec(NamedTuple):
+    """A tensor's shape, element size and last stride: all the cost formulas read of it."""
+
+    shape: tuple[int, ...]
+    element: int
+    last_stride: int = 1
+
+    def element_size(self) -> int:
+        return self.element
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def stride(self, dim: int) -> int:
+        assert dim == -1, dim
+        return self.last_stride
+
+
+def layer_kernels(impl: str, shape: tuple[int, int, int, int], element: int, family: int = 90) -> list[Kernel]:  # fmt: skip
+    """The kernels of one layer's forward and backward under `impl` ("triton" or "fused") for
+    `element`-byte inputs of `shape` = (B, l, d, n) with the partition bias: plain arithmetic on
+    the shapes (no tensor is made, so `auto` can call it inside a compiled forward)."""
+    from shatter.attention.projection import projection_width
+
+    B, L, d, n = shape
+    a = dict(
+        P=_Spec((B, L, projection_width(d, n)), element), X=_Spec((B, L, d), element),
+        mask=_Spec((B, L), 1), table=_Spec((n, 1), 4),
+        g_out=_Spec((B, n, L, d // n), element),  # dX̄ row-major, as autograd hands it
+    )  # fmt: skip
+    forward, backward = IMPL_OPS[impl]
+    return forward((), a, None, family) + backward((), a, None, family)
+
+
+def modelled_seconds(impl: str, shape, element: int, family: int = 90) -> float:
+    """One layer's forward and backward under `impl` on the family's GPU, as the step model
+    prices it: each kernel the slower of its FLOPs at its kind's rate and its bytes at the
+    memory rate, plus its launch."""
+    peak, bandwidth = PEAKS[family]
+    total = 0.0
+    for k in layer_kernels(impl, shape, element, family):
+        memory = k.bytes / (EFFICIENCY["memory"] * bandwidth)
+        compute = k.flops / (EFFICIENCY[k.kind] * peak) if k.kind != "memory" else 0.0
+        total += max(compute, memory) + LAUNCH_S
+    return total
 
 
 def model_flops(name: str, args, kwargs) -> float:
@@ -213,7 +323,7 @@ def model_flops(name: str, args, kwargs) -> float:
     a = _bind(name, args, kwargs)
     B, L, _, d, _, _ = _dims(a)
     forward = 2 * 2.0 * B * L * L * d
-    return forward if name == "shatter::mixing_fwd" else 2 * forward
+    return forward if name.endswith("_fwd") else 2 * forward
 
 
 def register_costs(names: Iterable[str]) -> None:

@@ -150,6 +150,16 @@ def test_auto_picks_lean_on_cpu_and_triton_is_imported_lazily(monkeypatch):
         ]
     monkeypatch.setattr(impls, "_triton_available", lambda: False)
     assert impls.auto_impl(cuda, bf16) == "chunked"
+    monkeypatch.setattr(impls, "_triton_available", lambda: True)
+    # with the call's (B, l, d, n): the Triton impl the roofline prices faster
+    base, small = (64, 256, 768, 12), (16, 1024, 256, 4)
+    assert impls.auto_impl(cuda, bf16, base) == "triton"  # d = 768: Q Xᵀ dearer than Z's bytes
+    assert impls.auto_impl(cuda, bf16, small) == "fused"  # sm_90, d = 256, l = 1024
+    assert impls.auto_impl(cuda, fp32, small) == "chunked"
+    assert impls.resolve_layer("auto", cuda, bf16, small) is impls._fused_layer
+    assert impls.resolve_layer("fused", cuda, bf16) is impls._fused_layer
+    monkeypatch.setattr(impls, "_capability", lambda index: (8, 0))
+    assert impls.auto_impl(cuda, bf16, small) == "triton"  # the A100: fewer FLOPs per byte
     # forced below sm_80: refused in one line naming the fix
     impls.require_triton_capability(cuda)  # sm_90 passes
     monkeypatch.setattr(impls, "_capability", lambda index: (7, 5))
@@ -157,6 +167,8 @@ def test_auto_picks_lean_on_cpu_and_triton_is_imported_lazily(monkeypatch):
         ValueError, match=r"^attention_impl: triton .* sm_75; fix: set attention_impl"
     ):
         impls.require_triton_capability(cuda)
+    with pytest.raises(ValueError, match=r"^attention_impl: fused .* sm_75"):
+        impls.require_triton_capability(cuda, "fused")
 
 
 def test_missing_triton_kernel_names_the_setting(monkeypatch):
