@@ -190,9 +190,9 @@ def compile_one(
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
         usage = _cuobjdump("--dump-resource-usage", cubin)
-        # no dot, no tensor-core instruction to count: and CUDA 13's disassembler (Triton 3.9's
+        # the row kernels: no dot, no tensor-core instruction to count, and CUDA 13's disassembler (Triton 3.9's
         # cuobjdump) refuses sm_70 code, where the row kernels are what is compiled
-        sass = _cuobjdump("-sass", cubin) if kernel in DOT_KERNELS else ""
+        sass = _cuobjdump("-sass", cubin) if kernel not in ROW_KERNELS else ""
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     cfg = "M{BLOCK_M} N{BLOCK_N}" if "BLOCK_M" in config.kwargs else "L{BLOCK_L}"
@@ -216,12 +216,11 @@ def jobs(archs, kernels, sources, activations, has_cs, shapes, dtypes, lengths, 
     for cap, kernel in itertools.product(archs, kernels):
         if (cap in ROWS_ONLY) != (kernel in ROW_KERNELS):  # each arch: what `auto` runs there
             continue
-        if kernel == "delta" or kernel in ROW_KERNELS:  # they read no scores of either source
-            sources_ = ["z"]
         if kernel == "delta":  # it reads neither the scores, the bias nor the activation
             sources_, activations_, has_cs_ = ["z"], activations[:1], has_cs[:1]
-        else:
-            sources_, activations_, has_cs_ = sources, activations, has_cs
+        else:  # the row kernels read Z: they have no recomputing variant
+            sources_ = ["z"] if kernel in ROW_KERNELS else sources
+            activations_, has_cs_ = activations, has_cs
         for source, act, has_c, shape, dtype, L in itertools.product(
             sources_, activations_, has_cs_, shapes, dtypes, lengths
         ):
