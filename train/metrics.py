@@ -241,7 +241,7 @@ class Progress:
         rank: int,
         enabled: bool,
         start: int,
-        total: int,
+        total: int | None,
         desc: str = "pretrain",
         device=None,
     ):
@@ -273,12 +273,18 @@ class Progress:
         record = {"loss": loss, "tokens_per_s": tokens_per_s, **(cost or {})}
         numbers = postfix(record, lr, self.per)
         self.step += steps
+        line = f"{self.desc} {self.step}/{self.total or '?'} {numbers}"  # ?: not planned yet
         if self.speaks:
-            log.info("%s %d/%d %s", self.desc, self.step, self.total, numbers)
+            log.info("%s", line)
         if self.lines:
-            print(f"{self.desc} {self.step}/{self.total} {numbers}", file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
         self.bar.set_postfix_str(numbers, refresh=False)
         self.bar.update(steps)
+
+    def plan(self, total: int) -> None:
+        """The run's last step, planned (a budgeted run's, train/budget.py)."""
+        self.total = self.bar.total = total
+        self.bar.refresh()
 
     def write(self, text: str) -> None:
         """An event line on rank 0 (stderr, above the bar), with or without the bar; also in

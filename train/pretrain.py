@@ -194,6 +194,7 @@ def _run(cfg: TrainConfig) -> int:
     from shatter.train.schedule import Plan
 
     index, seq_len, mix = start_up_checks(cfg)
+    ceiling = cfg.run.max_steps  # a budgeted run's plan never goes past --max-steps
     cfg = budget.planned_config(cfg, Path(cfg.run.output))  # a resumed budgeted run's length
     stop = StopFlag().install()
     rank, world = init_distributed(cfg.run.collective_timeout_s)
@@ -226,8 +227,9 @@ def _run(cfg: TrainConfig) -> int:
         _record_start(cfg, run_dir, state, saved_config, ds_config, world, seq_len)
     writer = MetricsWriter(run_dir, rank, cfg.run.tensorboard, resumed_step=state.step)
     ctx = RunContext(
-        cfg, index, engine, rank, world, run_dir, seq_len, writer, stop, budget=run_budget, mix=mix
-    )
+        cfg, index, engine, rank, world, run_dir, seq_len, writer, stop, budget=run_budget, mix=mix,
+        budget_ceiling=ceiling,
+    )  # fmt: skip
     try:
         if state.step >= cfg.run.max_steps and not (run_dir / checkpoint.EXPORT).is_dir():
             checkpoint.export(engine, run_dir, found.tag, index.tokenizer)
