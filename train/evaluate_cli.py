@@ -18,7 +18,6 @@ extension study scores each model at all its lengths so.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,17 +115,11 @@ def score(model, index: Index, split: str, batch_size: int, max_samples: int | N
         rank=0,
         world_size=1,
     )
-    from tqdm import tqdm
+    from shatter.train.metrics import counted
 
     rows = index.rows(split) if max_samples is None else min(index.rows(split), max_samples)
-    stream = tqdm(  # on a terminal's stderr, gone when done: the result line stays on stdout
-        stream,
-        total=-(-rows // batch_size),
-        desc=f"evaluate {split}",
-        unit="batch",
-        leave=False,
-        disable=not sys.stderr.isatty(),  # no carriage returns in a log
-    )
+    # a bar on a terminal's stderr (the result line stays on stdout), a line every 30 s in a log
+    stream = counted(stream, -(-rows // batch_size), f"evaluate {split}")
     device = next(model.parameters()).device
     result = evaluate(model, stream, device, distributed=False)
     if result["predictions"] == 0:

@@ -184,7 +184,9 @@ class SpanData:
                 self.max_answer_len,
             )
         golds = {x["id"]: x["golds"] for x in self.eval_examples}
-        return M.squad_metrics(predictions, golds), predictions
+        contexts = {x["id"]: x["context"] for x in self.eval_examples}
+        scores = M.squad_metrics(predictions, golds)
+        return {**scores, **M.question_blind(predictions, golds, contexts)}, predictions
 
 
 def _label_set(cfg: DataConfig, spec: TaskSpec, train: Examples) -> tuple[str, ...] | None:
