@@ -6,6 +6,7 @@ spread over two device slots (two processes at once)."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ def glue_dir(root: Path) -> Path:
 # the background thread, building a model here would draw from torch's RNG beside a test's)
 EXPORT = """
 import sys
+import time
 from pathlib import Path
 import shatter
 from tests.finetune.conftest import train_tokenizer
@@ -153,3 +155,26 @@ def test_the_table_marks_a_column_with_a_run_that_learned_nothing_and_counts_the
     assert cells["SST-2"].strip() == "65.0" + NOTHING_MARK and NOTHING_MARK not in cells["RTE"]
     assert summary.startswith(f"{NOTHING_MARK} learned nothing in 1 of 4 runs")
     assert "sst2/lr-default-seed1" in summary
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"HF_DATASETS_OFFLINE": "1"},
+        {"HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"},  # a dead proxy
+    ],
+    ids=["offline", "dead-proxy"],
+)
+def test_glue_without_data_dir_and_no_hub_is_one_line_naming_data_dir(tmp_path, env):
+    """No --data-dir and no Hub (offline, or a proxy that answers nothing): one line naming
+    --data-dir and the folders it must hold, in seconds, never a traceback."""
+    cmd = [sys.executable, "-m", "shatter.train.finetuning.glue_suite", "--tasks", "rte"]
+    cmd += ["--checkpoint", str(tmp_path), "--output", str(tmp_path / "out")]
+    environment = child_env(None, HF_HOME=str(tmp_path / "hf"), **env)
+    started = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env=environment)  # fmt: skip
+    took = time.monotonic() - started
+    assert done.returncode == 1 and done.stderr.strip().count("\n") == 0, done.stderr[-2000:]
+    assert "--data-dir GLUE_DIR" in done.stderr and "MNLI/dev_matched.tsv" in done.stderr
+    assert "Traceback" not in done.stderr and took < 30, took

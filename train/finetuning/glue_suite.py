@@ -266,12 +266,23 @@ def row(result: dict) -> str:
     return "\n".join(lines)
 
 
-def hub_to_tsv(target: Path, tasks: list[str]) -> None:
-    """The Hub's `nyu-mll/glue` written as the GLUE distribution's TSVs (online only)."""
-    from shatter.train.finetuning.glue_hub import write_task
+LAYOUT = (
+    "download GLUE and give --data-dir GLUE_DIR, a folder of the GLUE distribution's folders "
+    "(CoLA/train.tsv, CoLA/dev.tsv, SST-2/..., MRPC/, QQP/, STS-B/, QNLI/, RTE/, "
+    "MNLI/train.tsv, MNLI/dev_matched.tsv, MNLI/dev_mismatched.tsv)"
+)
 
-    for task in tasks:
-        write_task(task, target / TASKS[task][0])
+
+def hub_to_tsv(target: Path, tasks: list[str]) -> None:
+    """The Hub's `nyu-mll/glue` written as the GLUE distribution's TSVs (online, or offline from
+    `datasets`' cache); out of reach, one line naming --data-dir and its layout."""
+    from shatter.train.finetuning.glue_hub import HUB_NAME, HubUnreachable, write_task
+
+    try:
+        for task in tasks:
+            write_task(task, target / TASKS[task][0])
+    except HubUnreachable as e:
+        raise SuiteError(f"{HUB_NAME} on the Hub is out of reach ({e}): {LAYOUT}") from None
 
 
 def _floats(text: str | None) -> list[float] | None:
@@ -314,8 +325,8 @@ def main(
         missing = [str(p) for p in needed if not p.is_file()]
         if missing:
             raise SuiteError(
-                f"{task}: {', '.join(missing)} not found; --data-dir must hold the GLUE folders "
-                "(CoLA/train.tsv, ..., MNLI/dev_matched.tsv), or leave it out to read the Hub's"
+                f"{task}: {', '.join(missing)} not found; {LAYOUT}, or leave --data-dir out to "
+                "read the Hub's"
             )
     jobs = jobs_of(args)
     run_all(jobs, args)
