@@ -34,7 +34,7 @@ from apache_beam.io.filesystems import FileSystems
 
 from shatter.pipeline import hf_tokenizer, progress, readers, runners, store, tokenizer
 from shatter.pipeline.config import BuildConfig
-from shatter.pipeline.inspect import validation_warnings
+from shatter.pipeline.inspect import held_out_share, validation_warnings
 from shatter.pipeline.sharding import ShardSize
 from shatter.pipeline.sink import ShardAndWrite, read_manifest
 from shatter.pipeline.transforms import (
@@ -350,8 +350,14 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
     build_counters = _shards_stage(plan, beam_args, report)
     shards = _written_shards(plan)
     index = _index(config, tok, shards, build_counters, plan.batch_rows)
-    for warning in validation_warnings(index):
+    warnings = validation_warnings(index)
+    for warning in warnings:
         log.warning("%s", warning)
+    if warnings:  # in index.json too, where a later reader of the dataset sees them
+        index["counters"]["warnings"] = warnings
+        share = held_out_share(index)
+        if share is not None:
+            index["counters"]["validation_fraction_obtained"] = round(share, 6)
     write_index(out, index)
     return json.loads(json.dumps(index))  # exactly what index.json holds (lists, not tuples)
 
