@@ -195,7 +195,10 @@ def test_one_build_at_128_serves_32_then_64_resumes_exactly_and_init_from_contin
     done = subprocess.run(ext + ["--output", str(extended)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     two = ("--max-steps", "4", "--decay", "1-sqrt", "--seq-len", "64")
-    _single(books_128, phase2, *common, *two, "--init-from", str(extended), preset="bert-tiny")
+    done = _single(
+        books_128, phase2, *common, *two, "--init-from", str(extended), preset="bert-tiny"
+    )
+    assert f"--init-from: weights from {extended}" in done.stderr
     p2 = _logged(phase2)
     print(f"phase 1 at 32: loss {p1[1]['loss']:.3f} -> {p1[16]['loss']:.3f}; resumed from step 8: "
           f"the same 8 losses; phase 2 at 64 from the extended export: {p2[1]['loss']:.3f} -> "
@@ -265,3 +268,18 @@ def test_compile_is_refused_in_one_line_without_a_compiler(monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     assert compile_problem("cpu").startswith("run.compile on a CPU needs a C++ compiler")
     assert compile_problem("cpu").count("\n") == 0
+
+
+def test_init_from_is_announced_or_said_unused_on_a_resume(tmp_path, capsys):
+    """A fresh run says where its weights came from; a resumed one that --init-from is not used."""
+    import shatter
+    from shatter.train.checkpoint import TrainState
+    from shatter.train.pretrain import _say_init_from
+
+    export = tmp_path / "export"
+    shatter.save_pretrained(shatter.build_model("bert-tiny", vocab_size=50, max_len=16), export)
+    cfg = resolve(None, {"data": "unused", "output": "unused", "init_from": str(tmp_path)})
+    _say_init_from(cfg, TrainState())
+    assert f"--init-from: weights from {export}; the optimizer" in capsys.readouterr().err
+    _say_init_from(cfg, TrainState(step=8))
+    assert "not used, resuming this run's checkpoint at step 8" in capsys.readouterr().err
