@@ -529,6 +529,16 @@ def _written_shards(plan: BuildPlan) -> dict[str, list[dict]]:
     return {split: [r for r in infos if r["split"] == split] for split in counts}
 
 
+# the options of the sentencepiece model a build trains: not recorded for a given tokenizer
+TRAINING_ONLY = (
+    "vocab_size",
+    "cased",
+    "tokenizer_sample",
+    "tokenizer_sample_mb",
+    "tokenizer_model_type",
+)
+
+
 def _index(
     config: BuildConfig,
     tok: TokenizerStage,
@@ -541,6 +551,9 @@ def _index(
     recorded = config.to_dict()
     if tok.trained:
         recorded["requested_vocab_size"] = config.vocab_size  # tokenizer.vocab_size: what it has
+    else:  # a given tokenizer: the options of training one were not used (its own size is
+        for key in TRAINING_ONLY:  # tokenizer.vocab_size, its case its own normalization's)
+            recorded.pop(key, None)
     unavailable = None
     if tok.counters is None or build_counters is None:  # a runner without metrics (Dask)
         every = [r for split in shards.values() for r in split]
