@@ -110,3 +110,5 @@ def test_the_tutorial_runs_verbatim(tutorial):
     assert set(labels) == {"negative", "positive"}
     printed = next(out for cmd, out in PRINTED.items() if cmd.startswith("python -c"))
     assert "'label': 'positive'" in printed or "'label': 'negative'" in printed, printed
+    score = float(printed.split("'score':")[1].split("}")[0])
+    assert 0.5 <= score < 0.9, printed  # the range the tutorial tells the reader to expect
