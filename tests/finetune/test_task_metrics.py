@@ -91,10 +91,10 @@ def test_a_question_blind_span_model_is_warned_of():
     preds, golds, contexts = _paragraphs(lambda qid, gold: f"answer{qid[1]}0")
     scores = {**m.squad_metrics(preds, golds), **m.question_blind(preds, golds, contexts)}
     assert scores["same_answer_share"] == 1.0
-    assert scores["question_blind_f1"] == pytest.approx(scores["f1"])
+    assert scores["question_blind_f1"] == pytest.approx(scores["f1"]) == scores["shared_f1"]
     warning = m.learned_nothing({**scores, "step": 7}, "f1")
     assert warning and "answering every question of a paragraph the same" in warning
-    assert "100% of the questions" in warning and "step 7" in warning
+    assert "100% of those questions" in warning and "step 7" in warning
 
 
 def test_a_span_model_that_reads_the_questions_is_not_warned_of():
@@ -110,3 +110,14 @@ def test_the_learned_nothing_warning_names_at_most_ten_labels():
     best = {"accuracy": 0.001, "majority_accuracy": 0.002, "step": 3, "per_class": per_class}
     warning = m.learned_nothing(best, "accuracy")
     assert "and 1371 more" in warning and len(warning) < 500, len(warning)
+
+
+def test_one_question_per_paragraph_has_no_question_blind_baseline():
+    """Each paragraph asked once: answering blind is answering, so there is nothing to compare
+    and no warning (the F1 alone says how it did)."""
+    golds = {f"q{i}": [f"word{i}"] for i in range(4)}
+    contexts = {q: f"paragraph {q}" for q in golds}
+    preds = {q: "nothing" for q in golds}
+    assert m.question_blind(preds, golds, contexts) == {}
+    scores = {**m.squad_metrics(preds, golds), "step": 1}
+    assert m.learned_nothing(scores, "f1") is None

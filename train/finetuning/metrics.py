@@ -71,24 +71,30 @@ def squad_metrics(predictions: Mapping[str, str], golds: Mapping[str, Sequence[s
 def question_blind(
     predictions: Mapping[str, str], golds: Mapping[str, Sequence[str]], contexts: Mapping[str, str]
 ) -> dict:
-    """SQuAD's question-blind baseline: the F1 of answering every question of a paragraph (its
-    `contexts` entry) with the paragraph's most frequent prediction, and the share of questions
-    on paragraphs of several questions that got that same answer. A model that reads the
-    questions beats it; one that learned only where answers tend to sit does not."""
+    """SQuAD's question-blind baseline, over the questions that share their paragraph (its
+    `contexts` entry) with others: `question_blind_f1`, the F1 of answering each with its
+    paragraph's most frequent prediction; `shared_f1`, the model's own F1 on them; and
+    `same_answer_share`, the share of them that got that same answer. A model that reads the
+    questions beats the baseline; one that learned only where answers tend to sit does not.
+    Empty when no paragraph has two questions (nothing to compare)."""
     by_paragraph: dict = collections.defaultdict(list)
     for qid in golds:
         by_paragraph[contexts[qid]].append(qid)
-    blind, same, shared = {}, 0, 0
-    for qids in by_paragraph.values():
+    shared = [qids for qids in by_paragraph.values() if len(qids) > 1]
+    if not shared:
+        return {}
+    blind, own, same = {}, {}, 0
+    for qids in shared:
         answers = collections.Counter(normalize_answer(predictions.get(q, "")) for q in qids)
         common = answers.most_common(1)[0][0]
         blind.update({q: common for q in qids})
-        if len(qids) > 1:
-            shared += len(qids)
-            same += sum(normalize_answer(predictions.get(q, "")) == common for q in qids)
+        own.update({q: predictions.get(q, "") for q in qids})
+        same += sum(normalize_answer(predictions.get(q, "")) == common for q in qids)
+    asked = {q: golds[q] for q in blind}
     return {
-        "question_blind_f1": squad_metrics(blind, golds)["f1"],
-        "same_answer_share": same / shared if shared else 0.0,
+        "question_blind_f1": squad_metrics(blind, asked)["f1"],
+        "shared_f1": squad_metrics(own, asked)["f1"],
+        "same_answer_share": same / len(blind),
     }
 
 
@@ -176,14 +182,15 @@ def learned_nothing(best: Mapping, main: str) -> str | None:
 
 
 def _span_learned_nothing(best: Mapping, main: str) -> str | None:
-    baseline = best[f"question_blind_{main}"]
-    if best[main] >= baseline + SPAN_MARGIN:
+    baseline, own = best[f"question_blind_{main}"], best[f"shared_{main}"]
+    if own >= baseline + SPAN_MARGIN:
         return None
     return (
-        f"warning: the best {main} {best[main]:.1f} (step {best['step']}) is no better than "
-        f"answering every question of a paragraph the same ({baseline:.1f}; "
-        f"{best.get('same_answer_share', 0.0):.0%} of the questions on paragraphs of several got "
-        "their paragraph's common answer): the model learned nothing from the questions; "
+        f"warning: the best {main} {best[main]:.1f} (step {best['step']}; {own:.1f} on the "
+        f"questions that share a paragraph) is no better than answering every question of a "
+        f"paragraph the same ({baseline:.1f}; {best.get('same_answer_share', 0.0):.0%} of those "
+        "questions got their paragraph's common answer): the model learned nothing from the "
+        "questions; "
         "raise --lr (docs/finetune.md: the lr rule for small models) or train longer"
     )
 
