@@ -34,7 +34,7 @@ from apache_beam.io.filesystems import FileSystems
 
 from shatter.pipeline import hf_tokenizer, progress, readers, runners, store, tokenizer
 from shatter.pipeline.config import BuildConfig
-from shatter.pipeline.inspect import validation_warnings
+from shatter.pipeline.inspect import held_out_share, validation_warnings
 from shatter.pipeline.sharding import ShardSize
 from shatter.pipeline.sink import ShardAndWrite, read_manifest
 from shatter.pipeline.transforms import (
@@ -350,8 +350,14 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
     build_counters = _shards_stage(plan, beam_args, report)
     shards = _written_shards(plan)
     index = _index(config, tok, shards, build_counters, plan.batch_rows)
-    for warning in validation_warnings(index):
+    warnings = validation_warnings(index)
+    for warning in warnings:
         log.warning("%s", warning)
+    if warnings:  # in index.json too, where a later reader of the dataset sees them
+        index["counters"]["warnings"] = warnings
+        share = held_out_share(index)
+        if share is not None:
+            index["counters"]["validation_fraction_obtained"] = round(share, 6)
     write_index(out, index)
     return json.loads(json.dumps(index))  # exactly what index.json holds (lists, not tuples)
 
@@ -523,6 +529,16 @@ def _written_shards(plan: BuildPlan) -> dict[str, list[dict]]:
     return {split: [r for r in infos if r["split"] == split] for split in counts}
 
 
+# the options of the sentencepiece model a build trains: not recorded for a given tokenizer
+TRAINING_ONLY = (
+    "vocab_size",
+    "cased",
+    "tokenizer_sample",
+    "tokenizer_sample_mb",
+    "tokenizer_model_type",
+)
+
+
 def _index(
     config: BuildConfig,
     tok: TokenizerStage,
@@ -535,6 +551,9 @@ def _index(
     recorded = config.to_dict()
     if tok.trained:
         recorded["requested_vocab_size"] = config.vocab_size  # tokenizer.vocab_size: what it has
+    else:  # a given tokenizer: the options of training one were not used (its own size is
+        for key in TRAINING_ONLY:  # tokenizer.vocab_size, its case its own normalization's)
+            recorded.pop(key, None)
     unavailable = None
     if tok.counters is None or build_counters is None:  # a runner without metrics (Dask)
         every = [r for split in shards.values() for r in split]

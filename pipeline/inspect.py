@@ -111,7 +111,31 @@ def validation_warnings(index: dict) -> list[str]:
             f"the validation split has {rows} rows for {shards} shards: some are empty; {fix} "
             f"or fewer --num-validation-shards"
         )
+    obtained = held_out_share(index)
+    asked = config.get("validation_fraction") or 0.0
+    if obtained is not None and asked > 0 and not asked / 2 <= obtained <= 2 * asked:
+        documents = index.get("counters", {}).get("documents_tokenized")
+        few = f"{documents} documents" if documents else "few or long documents"
+        out.append(
+            f"the validation split holds {obtained:.1%} of the rows, --validation-fraction asked "
+            f"{asked:.1%}: the hold-out is by whole document and the corpus has {few}; give "
+            "--validation-input FILE (text you hold out), or split the documents smaller (a "
+            "chapter or a few paragraphs each) so that whole documents make up the fraction"
+        )
     return out
+
+
+def held_out_share(index: dict) -> float | None:
+    """The share of the rows in a hash-held-out validation split (None: a --validation-input's
+    split, or no rows)."""
+    if index.get("config", {}).get("validation_inputs"):
+        return None
+    rows = {
+        split: sum(s["rows"] for s in index["splits"].get(split, {"shards": []})["shards"])
+        for split in ("train", "validation")
+    }
+    total = rows["train"] + rows["validation"]
+    return rows["validation"] / total if total else None
 
 
 def _histogram(lengths: np.ndarray, seq_len: int, bins: int = 8, width: int = 40) -> list[str]:

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import tempfile
@@ -131,10 +133,16 @@ def load_deepspeed(tag_dir: Path) -> tuple[ShatterForMaskedLM, dict]:
     if any(tag_dir.glob("*zero_pp_rank_*optim_states.pt")):
         # ZeRO: the fp32 master weights live partitioned in the optimizer states (and under
         # stage 3 `module` is empty); bf16/fp16 `module` weights would lose precision.
+        if not torch.cuda.is_available():  # said, so DeepSpeed prints no guess about it
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        said = io.StringIO()  # its progress lines and bars: internals, and \r in a log
         try:
-            state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                state = get_fp32_state_dict_from_zero_checkpoint(
+                    str(tag_dir.parent), tag=tag_dir.name
+                )
         except Exception as e:  # a missing rank file or a foreign layout surfaces as many types
             raise CheckpointError(
                 f"{tag_dir}: cannot consolidate the ZeRO checkpoint: {e}"

@@ -29,6 +29,7 @@ from pathlib import Path
 import click
 
 from shatter.shards import sha256_file
+from shatter.tools.reproduce import free_port
 from shatter.train.plot_metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,13 +131,25 @@ def run_stage(name: str, cmd: list[str], timings: dict[str, float]) -> None:
     help="--fresh deletes the previous demo outputs; --resume continues a killed run.",
 )
 @click.option(
+    "--master-port",
+    type=int,
+    default=None,
+    help="The launcher's rendezvous port (default: one free now, never the shared 29500).",
+)
+@click.option(
     "--fetch-to",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
     help="Only fetch the sample (checked, cached) and copy it to this file (docs/tutorial.md).",
 )
 def main(
-    workdir: Path, cache: Path, steps: int, preset: str, fresh: bool, fetch_to: Path | None
+    workdir: Path,
+    cache: Path,
+    steps: int,
+    preset: str,
+    fresh: bool,
+    master_port: int | None,
+    fetch_to: Path | None,
 ) -> None:
     """Run the shatter pipeline end to end on a real Wikipedia sample, on CPU."""
     if fetch_to is not None:
@@ -144,6 +157,8 @@ def main(
         shutil.copyfile(fetch_sample(WIKI_SAMPLE, cache / "samples"), fetch_to)
         click.echo(f"sample: {fetch_to} (a {WIKI_SAMPLE.requirement} test file, sha256 ok)")
         return
+    # the demo's ranks run on this CPU: said, so the launcher prints no guess about it
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if fresh and workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -203,6 +218,8 @@ def main(
             env_bin("deepspeed"),
             "--num_gpus",
             2,
+            "--master_port",  # a job beside this one on the launcher's default would join it
+            master_port or free_port(),
             "--log_level",  # the launcher's INFO lines (its command, the world) left out
             "warning",
             "train/pretrain.py",

@@ -21,6 +21,7 @@ import re
 import socket
 import sys
 import tempfile
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -58,6 +59,41 @@ def single_process_env() -> bool:
     return True
 
 
+LAUNCHER_PORT = "29500"  # the deepspeed launcher's default --master_port
+
+
+def _launch_file() -> Path:
+    """A file named by this launch on the host: its launcher's (the ranks' parent's) pid and
+    start time, so no other launch, then or later, shares it."""
+    parent = os.getppid()
+    try:
+        started = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "0"
+    return Path(tempfile.gettempdir()) / f"shatter-port-{os.getuid()}-{parent}-{started}"
+
+
+def own_port_on_one_host(path: Path | None = None, env: dict | None = None) -> None:
+    """A launch on one host left on the launcher's default port (29500, which every job on the
+    host shares: two at once would join each other's rendezvous and /dev/shm segments) moves to
+    a port free now, which rank 0 picks and the ranks agree on through a file of their launch.
+    A port given with --master_port, or a launch over several hosts, is kept. (`path`, `env`:
+    the file and the environment, the launch's and os.environ by default.)"""
+    env = os.environ if env is None else env
+    if env.get("MASTER_PORT") != LAUNCHER_PORT or env.get("CROSS_SIZE") != "1":
+        return
+    world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+    store = torch.distributed.FileStore(str(path or _launch_file()), world)
+    store.set_timeout(timedelta(seconds=120))
+    if rank == 0:
+        store.set("port", str(_free_port()))
+    env["MASTER_PORT"] = store.get("port").decode()
+    store.add("read", 1)
+    if rank == 0:  # the file goes with the last store: kept until every rank has read it
+        while store.add("read", 0) < world:
+            time.sleep(0.01)
+
+
 def _file_store() -> str:
     """A world of one rendezvous through a file: no TCP port to race other jobs for."""
     fd, path = tempfile.mkstemp(prefix="shatter-pg-")
@@ -84,26 +120,76 @@ def extensions_dir(checkout: Path = CHECKOUT) -> str:
     return str(Path.home() / ".cache" / "torch_extensions" / f"env-{tag}")
 
 
-def announce_cpu_build() -> None:
-    """Say so before DeepSpeed's silent minute of gcc, when its CPU op is not built yet."""
-    built = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir())) / CPU_OP
-    if os.environ.get("LOCAL_RANK", "0") == "0" and not any(built.glob("*.so")):
+def build_key() -> str:
+    """The versions a JIT-built op depends on: torch's, DeepSpeed's and Python's."""
+    from importlib.metadata import version
+
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return f"torch{version('torch')}-deepspeed{version('deepspeed')}-py{python}"
+
+
+def use_extensions_dir() -> str:
+    """TORCH_EXTENSIONS_DIR for this process and its children: unset, our own cache per
+    environment and checkout (`extensions_dir`); set by the user, a subdirectory of theirs named
+    by `build_key`: an op built by one torch and loaded by another crashes the second one with
+    `undefined symbol`, so two torch versions never share a build."""
+    given = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not given:
+        os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()
+    elif given != extensions_dir() and Path(given).name != build_key():
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(given) / build_key())
+    return os.environ["TORCH_EXTENSIONS_DIR"]
+
+
+def announce_build(name: str, what: str) -> None:
+    """Say so before a JIT build's silent minute of the compiler, when op `name` is not built yet
+    (local rank 0 only: the other ranks wait on its lock)."""
+    built = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir())) / name
+    # ninja compiles again where its log is gone (a build killed midway), .so or not
+    unbuilt = not any(built.glob("*.so")) or not (built / ".ninja_log").is_file()
+    if os.environ.get("LOCAL_RANK", "0") == "0" and unbuilt:
         print(
-            f"building DeepSpeed's CPU communication op into {built.parent} (once per "
-            "environment and checkout; about 1 minute on 2 cores)...",
+            f"building {what} into {built.parent} (once per environment and checkout; about "
+            "1 minute on 2 cores)...",
             file=sys.stderr,
             flush=True,
         )
 
 
+def announce_cpu_build() -> None:
+    announce_build(CPU_OP, "DeepSpeed's CPU communication op")
+
+
+def announce_jit_builds() -> None:
+    """Every DeepSpeed op JIT-built in this process (its CPU comm op, an optimizer's fused
+    kernel on a GPU) says so before its compiler starts."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    original = OpBuilder.jit_load
+    if getattr(original, "announces", False):
+        return
+
+    def jit_load(self, verbose=True):
+        what = (
+            "DeepSpeed's CPU communication op"
+            if self.name == CPU_OP
+            else f"DeepSpeed's {self.name} op"
+        )
+        announce_build(self.name, what)
+        return original(self, verbose)
+
+    jit_load.announces = True
+    OpBuilder.jit_load = jit_load
+
+
 def build_extensions() -> None:
     """JIT-build DeepSpeed's CPU shared-memory comm op now (`make setup` calls this), so the first
     training run or test does not spend a minute in gcc, or hang on a lock a killed build left."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    use_extensions_dir()
     if not on_cpu():
         return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    announce_cpu_build()
+    announce_jit_builds()
     from deepspeed.comm.torch import build_shm_op
 
     if build_shm_op() is None:
@@ -164,7 +250,7 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     """(rank, world_size) after joining the process group (gloo on CPU, nccl on GPUs). A
     collective that waits on a peer for `timeout_s` (`run.collective_timeout_s`) fails: gloo
     raises, and NCCL's watchdog aborts the communicator and the process."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    use_extensions_dir()
     # NCCL: a timed-out collective tears the process down instead of leaving it blocked
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if on_cpu():  # said, not guessed: no "Setting accelerator to CPU" warning from each rank
@@ -173,8 +259,9 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
 
     quiet_other_ranks()
     alone = single_process_env()
-    if on_cpu():
-        announce_cpu_build()
+    announce_jit_builds()
+    if not alone:
+        own_port_on_one_host()
     rendezvous = {"init_method": _file_store(), "rank": 0, "world_size": 1} if alone else {}
     with _without_op_loaded_lines():
         deepspeed.init_distributed(

@@ -18,7 +18,6 @@ extension study scores each model at all its lengths so.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,9 +40,11 @@ def evaluate_export(
     split: str = "validation",
     batch_size: int = 8,
     max_samples: int | None = None,
+    seq_len: int | None = None,
 ) -> dict:
-    """{"loss", "accuracy", "predictions", "seq_len", ...} of the export on `split` of `data`."""
-    (result,) = evaluate_exports(checkpoint, [data], split, batch_size, max_samples)
+    """{"loss", "accuracy", "predictions", "seq_len", ...} of the export on `split` of `data`
+    (its rows cut to `seq_len` as training cuts them; default: their stored length)."""
+    (result,) = evaluate_exports(checkpoint, [data], split, batch_size, max_samples, seq_len)
     return result
 
 
@@ -53,6 +54,7 @@ def evaluate_exports(
     split: str = "validation",
     batch_size: int = 8,
     max_samples: int | None = None,
+    seq_len: int | None = None,
 ) -> Iterator[dict]:
     """`evaluate_export`'s result on each of `datas` in turn, the model loaded once. Every dataset
     is checked before the first is evaluated, so a bad one refuses the call before any result
@@ -65,11 +67,11 @@ def evaluate_exports(
     indexes = [checked_index(export.tokenizer, data, split) for data in datas]
     model = export.model.to(default_device())
     for data, index in zip(datas, indexes):
-        check_length(model, checkpoint, data, index)
+        check_length(model, checkpoint, data, index, seq_len)
     for data, index in zip(datas, indexes):
         # each dataset from the RNG state right after the load, as in a process of its own
         with torch.random.fork_rng(devices=[]):
-            result = score(model, index, split, batch_size, max_samples)
+            result = score(model, index, split, batch_size, max_samples, seq_len)
         yield {**result, "checkpoint": str(checkpoint), "data": str(data)}
 
 
@@ -95,38 +97,50 @@ def checked_index(model_tokenizer: Path | None, data: Path, split: str) -> Index
     return index
 
 
-def check_length(model, checkpoint: Path, data: Path, index: Index) -> None:
-    """Refuse rows longer than the model's positions (the fix: extend it)."""
-    if index.seq_len > model.config.max_len:
+def check_length(model, checkpoint: Path, data: Path, index: Index, seq_len: int | None) -> None:
+    """Refuse rows longer than the model's positions (the fix: extend it, or cut the rows), and
+    a --seq-len longer than the data's rows."""
+    if seq_len is not None and seq_len > index.seq_len:
         raise click.ClickException(
-            f"{data} has rows of length {index.seq_len}, longer than the model's max_len {model.config.max_len}: "
-            f"extend it first (shatter-extend {checkpoint} --max-len {index.seq_len} --output DIR)"
+            f"--seq-len {seq_len} is longer than the rows of {data} ({index.seq_len}): give "
+            f"--seq-len {index.seq_len} or less (rows are cut, as training cuts them)"
+        )
+    length = seq_len or index.seq_len
+    if length > model.config.max_len:
+        raise click.ClickException(
+            f"{data} has rows of length {length}, longer than the model's max_len {model.config.max_len}: "
+            f"extend it first (shatter-extend {checkpoint} --max-len {length} --output DIR), "
+            f"or cut the rows with --seq-len {model.config.max_len}"
         )
 
 
-def score(model, index: Index, split: str, batch_size: int, max_samples: int | None) -> dict:
-    """The model on a fresh validation stream of `index`, on the model's device (a GPU when
-    there is one): nothing carries over from another dataset scored by the same process."""
+def score(
+    model,
+    index: Index,
+    split: str,
+    batch_size: int,
+    max_samples: int | None,
+    seq_len: int | None = None,
+) -> dict:
+    """The model on a fresh validation stream of `index` (its rows cut to `seq_len`), on the
+    model's device (a GPU when there is one): nothing carries over from another dataset scored
+    by the same process."""
     objective = default_objective(model.config.arch)
+    length = seq_len or index.seq_len
     stream = validation_stream(
         index,
         DataArgs(eval_samples=max_samples, objective=objective),
         batch_size=batch_size,
-        seq_len=index.seq_len,
+        seq_len=length,
         rank=0,
         world_size=1,
     )
-    from tqdm import tqdm
+    from shatter.train.metrics import counted
 
-    rows = index.rows(split) if max_samples is None else min(index.rows(split), max_samples)
-    stream = tqdm(  # on a terminal's stderr, gone when done: the result line stays on stdout
-        stream,
-        total=-(-rows // batch_size),
-        desc=f"evaluate {split}",
-        unit="batch",
-        leave=False,
-        disable=not sys.stderr.isatty(),  # no carriage returns in a log
-    )
+    rows = index.rows(split) * max(1, index.seq_len // length)  # a cut row is k pieces
+    rows = rows if max_samples is None else min(rows, max_samples)
+    # a bar on a terminal's stderr (the result line stays on stdout), a line every 30 s in a log
+    stream = counted(stream, -(-rows // batch_size), f"evaluate {split}")
     device = next(model.parameters()).device
     result = evaluate(model, stream, device, distributed=False)
     if result["predictions"] == 0:
@@ -138,7 +152,7 @@ def score(model, index: Index, split: str, batch_size: int, max_samples: int | N
         **result,
         "split": split,
         "objective": objective,
-        "seq_len": index.seq_len,
+        "seq_len": length,
         "device": device.type,
     }
 
@@ -163,6 +177,12 @@ def score(model, index: Index, split: str, batch_size: int, max_samples: int | N
 @click.option("--batch-size", default=8, show_default=True)
 @click.option("--max-samples", type=int, default=None, help="Evaluate only the first N rows.")
 @click.option(
+    "--seq-len",
+    type=click.IntRange(min=8),
+    default=None,
+    help="Cut the data's rows to this length, as training at it does (default: the rows' own).",
+)
+@click.option(
     "--output",
     "outputs",
     multiple=True,
@@ -175,6 +195,7 @@ def main(
     split: str,
     batch_size: int,
     max_samples: int | None,
+    seq_len: int | None,
     outputs: tuple[Path, ...],
 ) -> None:
     """Masked-LM loss and accuracy of an export on a shard dataset's validation split."""
@@ -189,7 +210,7 @@ def main(
     with process_exit(known=(DatasetError, FileNotFoundError, ValueError)):
         for output in outputs:
             check_output(output, directory=False)
-        results = evaluate_exports(checkpoint, list(datas), split, batch_size, max_samples)
+        results = evaluate_exports(checkpoint, list(datas), split, batch_size, max_samples, seq_len)
         for i, result in enumerate(results):
             report(result, outputs[i] if outputs else None, several=len(datas) > 1)
 

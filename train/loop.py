@@ -61,6 +61,10 @@ class RunContext:
     store_failure: str | None = None  # a loader's store failure (STORE_ERROR): why it stopped
     budget: Budget | None = None  # run.budget_hours: re-plans the run's length (train/budget.py)
     mix: list | None = None  # several --data: (index, weight) of each (`shatter.train.loader.mix`)
+    budget_ceiling: int = 0  # a budgeted run's --max-steps, the most its plan may hold
+
+    def __post_init__(self):
+        self.budget_ceiling = self.budget_ceiling or self.cfg.run.max_steps
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -221,7 +225,9 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
 
 def _start_loop(ctx: RunContext, state, validation, epoch_size: int) -> Loop:
     engine, run = ctx.engine, ctx.cfg.run
-    progress = Progress(ctx.rank, run.progress, state.step, run.max_steps, device=engine.device)
+    unplanned = ctx.budget is not None and ctx.budget.planned is None  # its length not yet set
+    total = None if unplanned else run.max_steps
+    progress = Progress(ctx.rank, run.progress, state.step, total, device=engine.device)
     advice = f"lower the lr or resume from an earlier checkpoint in {ctx.run_dir / 'checkpoints'}"
     guard = step_guard(engine.device, ctx.world, run.max_nonfinite, progress.write, advice)
     clock = RunClock(ctx.world, ctx.writer.hours_before, ctx.writer.hours_lost)
@@ -278,7 +284,7 @@ def _micro_batch(ctx: RunContext, loop: Loop, state, batch: dict) -> float:
 def _step_boundary(ctx: RunContext, loop: Loop, state, lr: float) -> bool:
     """After optimizer step `state.step`: metrics, validation, checkpoint, export; True when the
     run stops here (after saving)."""
-    run = ctx.cfg.run if ctx.budget is None else _replan(ctx, state.step)
+    run = ctx.cfg.run if ctx.budget is None else _replan(ctx, loop, state.step)
     stop_seen = loop.guard.stop(ctx.stop.requested)
     log_now = _due(state.step, run.log_every, run.max_steps)
     last = run.max_steps if ctx.final_save else 0  # 0: no step is the last one to save at
@@ -316,6 +322,8 @@ def _log(ctx: RunContext, loop: Loop, state, lr: float) -> None:
     s_per_step = lap["training_s"] / max(state.step - loop.steps_shown, 1)
     costs = loop.cost.fields(tokens_per_s, s_per_step, state.step, loop.clock.gpu_hours())
     costs.update(lap, gpu_hours_lost=loop.clock.hours_lost)
+    if ctx.budget is not None:  # a budgeted run's time left is its budget's, whatever its plan
+        costs["hours_to_max_steps"] = ctx.budget.left() / 3600
     record = _log_line(ctx, state, lr, tokens_per_s, costs)
     loop.progress.update(state.step - loop.steps_shown, record["loss"], lr, tokens_per_s, costs)
     loop.tokens_at, loop.steps_shown = state.tokens, state.step
@@ -331,12 +339,17 @@ def _stop(ctx: RunContext, loop: Loop, state, save: bool) -> None:
     )
 
 
-def _replan(ctx: RunContext, step: int):
-    """The run's settings after its budget's check at `step`: a new last step once the step time
-    is measured, or this step when the budget is spent (it then saves and exports here)."""
-    last = ctx.budget.check(step, ctx.cfg.run.max_steps)
+def _replan(ctx: RunContext, loop: Loop, step: int):
+    """The run's settings after its budget's check at `step`: a new last step as the step time
+    is measured, or this step when the budget is spent (it then saves and exports here); the
+    progress counts to the planned step."""
+    last = ctx.budget.check(step, ctx.budget_ceiling)
+    if ctx.budget.note:
+        loop.progress.write(ctx.budget.note)
     if last is not None and last != ctx.cfg.run.max_steps:
         ctx.cfg = replace(ctx.cfg, run=replace(ctx.cfg.run, max_steps=last))
         scheduler = ctx.engine.lr_scheduler  # the next step's lr, from a new plan
         scheduler.step(scheduler.last_batch_iteration)
+        loop.progress.plan(last)
+        loop.cost = replace(loop.cost, max_steps=last)
     return ctx.cfg.run

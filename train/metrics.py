@@ -233,6 +233,28 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     log.warning(text)
 
 
+LINE_EVERY_S = 30.0  # a piped evaluation's progress line, every this many seconds
+
+
+def counted(items, total: int, desc: str, show: bool = True):
+    """`items` with their progress on stderr: a tqdm bar on a terminal (gone when done), else a
+    plain line every LINE_EVERY_S seconds (also in RUN/train.log when a run logs there), so a
+    long evaluation in a job's log shows it is alive and how far it got."""
+    if sys.stderr.isatty():
+        yield from tqdm(items, total=total, desc=desc, unit="batch", leave=False, disable=not show)
+        return
+    start = last = time.monotonic()
+    for done, item in enumerate(items, 1):
+        yield item
+        now = time.monotonic()
+        if show and now - last >= LINE_EVERY_S:
+            last = now
+            line = f"{desc}: {done}/{total} batches, {now - start:.0f} s"
+            print(line, file=sys.stderr, flush=True)
+            if log.handlers:
+                log.info("%s", line)
+
+
 class Progress:
     """tqdm bar on rank 0 (loss, lr, tokens/s; tqdm's own ETA); silent elsewhere."""
 
@@ -241,7 +263,7 @@ class Progress:
         rank: int,
         enabled: bool,
         start: int,
-        total: int,
+        total: int | None,
         desc: str = "pretrain",
         device=None,
     ):
@@ -273,12 +295,18 @@ class Progress:
         record = {"loss": loss, "tokens_per_s": tokens_per_s, **(cost or {})}
         numbers = postfix(record, lr, self.per)
         self.step += steps
+        line = f"{self.desc} {self.step}/{self.total or '?'} {numbers}"  # ?: not planned yet
         if self.speaks:
-            log.info("%s %d/%d %s", self.desc, self.step, self.total, numbers)
+            log.info("%s", line)
         if self.lines:
-            print(f"{self.desc} {self.step}/{self.total} {numbers}", file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
         self.bar.set_postfix_str(numbers, refresh=False)
         self.bar.update(steps)
+
+    def plan(self, total: int) -> None:
+        """The run's last step, planned (a budgeted run's, train/budget.py)."""
+        self.total = self.bar.total = total
+        self.bar.refresh()
 
     def write(self, text: str) -> None:
         """An event line on rank 0 (stderr, above the bar), with or without the bar; also in

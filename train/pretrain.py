@@ -194,6 +194,7 @@ def _run(cfg: TrainConfig) -> int:
     from shatter.train.schedule import Plan
 
     index, seq_len, mix = start_up_checks(cfg)
+    ceiling = cfg.run.max_steps  # a budgeted run's plan never goes past --max-steps
     cfg = budget.planned_config(cfg, Path(cfg.run.output))  # a resumed budgeted run's length
     stop = StopFlag().install()
     rank, world = init_distributed(cfg.run.collective_timeout_s)
@@ -226,8 +227,9 @@ def _run(cfg: TrainConfig) -> int:
         _record_start(cfg, run_dir, state, saved_config, ds_config, world, seq_len)
     writer = MetricsWriter(run_dir, rank, cfg.run.tensorboard, resumed_step=state.step)
     ctx = RunContext(
-        cfg, index, engine, rank, world, run_dir, seq_len, writer, stop, budget=run_budget, mix=mix
-    )
+        cfg, index, engine, rank, world, run_dir, seq_len, writer, stop, budget=run_budget, mix=mix,
+        budget_ceiling=ceiling,
+    )  # fmt: skip
     try:
         if state.step >= cfg.run.max_steps and not (run_dir / checkpoint.EXPORT).is_dir():
             checkpoint.export(engine, run_dir, found.tag, index.tokenizer)
@@ -273,6 +275,8 @@ def _record_start(cfg, run_dir: Path, state, saved_config, ds_config, world, seq
     checkpoint's step, and RUN/config.json."""
     from shatter.train import checkpoint
 
+    if cfg.run.init_from:
+        _say_init_from(cfg, state)
     if saved_config is not None:
         changes = checkpoint.config_changes(saved_config, cfg.to_dict())
         click.echo(
@@ -300,6 +304,22 @@ def _record_start(cfg, run_dir: Path, state, saved_config, ds_config, world, seq
         )
         + "\n"
     )
+
+
+def _say_init_from(cfg: TrainConfig, state) -> None:
+    """Rank 0's line (stderr and RUN/train.log) on what --init-from did: the weights it loaded,
+    or nothing when a checkpoint of this run is resumed instead."""
+    from shatter.train.metrics import log
+
+    export = init_from.export_dir(cfg.run.init_from)
+    line = (
+        f"--init-from: weights from {export}; the optimizer and the {cfg.optim.decay} schedule "
+        "start fresh"
+        if state.step == 0
+        else f"--init-from {export}: not used, resuming this run's checkpoint at step {state.step}"
+    )
+    click.echo(line, err=True)
+    log.info("%s", line)
 
 
 def _say_how_it_ended(status: str, state, run_dir: Path, device) -> None:

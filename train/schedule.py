@@ -44,13 +44,33 @@ def lr_factor(decay: str, iteration: int, warmup: int, total: int, cooldown: flo
 
 class Plan:
     """The schedule's length and warm-up, which a budgeted run sets once it has timed its steps
-    (train/budget.py); the scheduler reads them at every step."""
+    and re-plans as their time changes (train/budget.py); the scheduler reads them at every step.
+
+    `squeeze` (iteration, factor, end): a budgeted run found late inside its decay decays from
+    `factor` at `iteration` linearly to 0 at `end` (its new `total`), so it still ends annealed."""
 
     def __init__(self, decay: str, warmup: int, total: int, cooldown: float):
         self.decay, self.warmup, self.total, self.cooldown = decay, warmup, total, cooldown
+        self.squeeze: tuple[int, float, int] | None = None
 
     def factor(self, iteration: int) -> float:
+        if self.squeeze is not None and iteration >= self.squeeze[0]:
+            start, factor, end = self.squeeze
+            return factor * max(0.0, (end - iteration) / max(1, end - start))
         return lr_factor(self.decay, iteration, self.warmup, self.total, self.cooldown)
+
+    def decay_start(self, total: int | None = None) -> int:
+        """The first iteration below the peak lr for good in a `total`-step plan (this one's by
+        default): from it on, a longer or shorter plan would move the lr (a re-plan then only
+        squeezes the rest of the decay)."""
+        if total is None and self.squeeze is not None:
+            return self.squeeze[0]
+        total = self.total if total is None else total
+        if self.decay == "constant":
+            return total
+        if self.decay in ("wsd", "1-sqrt"):
+            return total - max(1, round(total * self.cooldown))
+        return self.warmup  # linear, cosine: the decay is the run
 
 
 def client_scheduler(optim, plan: Plan):

@@ -168,11 +168,14 @@ def model_card(
         f"model = {auto}.from_pretrained(PATH{remote})",
         "```",
         "",
-        f"Inputs longer than {config.max_len} tokens are refused or truncated. "
-        + (
-            "Position is relative in this arch, so the model extends with no new weights: "
+        (
+            f"Inputs longer than {config.max_len} tokens run (position is relative in this "
+            "arch), at lengths it was not trained at and with memory growing as the length "
+            "squared; to train or finetune at a longer length, extend it with no new weights: "
             if config.arch not in ("bert", "bert-rab")
-            else "Extending adds rows to the absolute position table: "
+            else f"Inputs longer than {config.max_len} tokens are refused (truncate them with "
+            "the tokenizer's `truncation=True`); extending adds rows to the absolute position "
+            "table: "
         )
         + "`shatter-extend EXPORT --max-len 1024 --output EXT` on the toolkit export, then "
         "export EXT again.",

@@ -433,3 +433,52 @@ def test_push_to_hub_offline_is_one_line_after_the_export(tokenizer_file, tmp_pa
     assert (
         "cannot push" in error and "HF_HUB_OFFLINE" in error and "huggingface-cli upload" in error
     )
+
+
+def test_longer_inputs_work_with_relative_positions_and_are_one_line_with_absolute(
+    tokenizer_file, tmp_path
+):
+    """Past max_position_embeddings: a Shatter export (relative positions) runs, as the card
+    says; bert-rab's absolute table refuses in one line that says how to go longer."""
+    for arch in ("shatter", "bert-rab"):
+        model = tiny(arch, tokenizer_file, max_len=16)
+        out = tmp_path / arch
+        export(model, tokenizer_file, tmp_path / f"{arch}-export", out)
+        loaded = transformers.AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True)
+        inputs = batch(model.config.vocab_size, (40,))
+        if arch == "shatter":
+            with torch.no_grad():
+                assert loaded.eval()(**inputs).logits.shape[1] == 40
+            card = (out / "README.md").read_text()
+            assert "longer than 16 tokens run" in card, card
+            continue
+        with pytest.raises(ValueError, match="exceeds max_position_embeddings 16") as refused:
+            loaded(**inputs)
+        assert "\n" not in str(refused.value) and "truncation=True" in str(refused.value)
+
+
+def test_auto_model_on_a_native_bert_export_has_no_random_pooler_when_asked(
+    tokenizer_file, tmp_path
+):
+    """A bert export is transformers' own BertForMaskedLM, which has no pooler: AutoModel's
+    BertModel reports the pooler missing (random) beside the masked-LM head's keys it leaves
+    out; with add_pooling_layer=False (the FAQ's advice) nothing is missing, nothing random."""
+    model = tiny("bert", tokenizer_file, max_len=64)
+    out = tmp_path / "hf"
+    export(model, tokenizer_file, tmp_path / "export", out)
+    logging = transformers.utils.logging
+    logging.set_verbosity_warning()
+    said = {}
+    for pooler in (True, False):
+        records = []
+        handler = _Collect(records)
+        logging.get_logger().addHandler(handler)
+        try:
+            transformers.AutoModel.from_pretrained(out, add_pooling_layer=pooler)
+        finally:
+            logging.get_logger().removeHandler(handler)
+        said[pooler] = "\n".join(records)
+    assert "pooler" in said[True] and "MISSING" in said[True], said[True]
+    assert "pooler" not in said[False] and "MISSING" not in said[False], said[False]
+    faq = (Path(__file__).resolve().parents[2] / "docs" / "faq.md").read_text()
+    assert "add_pooling_layer=False" in faq

@@ -84,6 +84,11 @@ def test_extends_a_deepspeed_checkpoint(checkpoints, tmp_path, tokenizer_file, s
     )
     assert result.exit_code == 0, result.output
     assert f"total parameters added: {16 * 64:,}" in result.output
+    # quiet: no DeepSpeed internals (zero_to_fp32's lines, its accelerator guess), no \r bar
+    internals = ("Processing zero checkpoint", "Reconstructed fp32", "Setting accelerator")
+    assert not [x for x in internals if x in result.output] and "\r" not in result.output, (
+        result.output
+    )
     reference, extended = (
         shatter.from_pretrained(written / "reference"),
         shatter.from_pretrained(out),

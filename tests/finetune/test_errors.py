@@ -112,3 +112,18 @@ def test_an_output_under_a_regular_file_is_refused_before_any_work(tmp_path, exp
         classify(export(), good_csv, good_csv, afile / "run"), f"under {afile}, which is a file"
     )
     assert afile.read_text() == "keep"
+
+
+def test_float_labels_without_regression_stop_with_a_hint_at_it(tmp_path, export, good_csv):  # noqa: F811
+    """A score column (every label a distinct float) read as classes: one line naming the file
+    and --regression, before any training; a few numeric classes (1-5 stars) stay classes."""
+    rows = [{**r, "sentiment": f"{i * 0.37:.2f}"} for i, r in enumerate(sentiment_rows(30))]
+    scores = write_csv(tmp_path / "scores.csv", rows)
+    out = tmp_path / "ft"
+    line = one_line_error(classify(export(), scores, good_csv, out), scores, "--regression")
+    assert "30 labels all read as numbers" in line and len(line) < 400, line
+    assert not out.exists()
+    stars = [{**r, "sentiment": str(1 + i % 5)} for i, r in enumerate(sentiment_rows(30))]
+    stars_csv = write_csv(tmp_path / "stars.csv", stars)
+    done = classify(export(), stars_csv, stars_csv, out)
+    assert done.exit_code == 0, done.output

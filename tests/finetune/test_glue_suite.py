@@ -6,12 +6,13 @@ spread over two device slots (two processes at once)."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from shatter.train.finetuning.glue_hub import FORMATS, write_split
-from shatter.train.finetuning.glue_suite import COLUMNS, TASKS
+from shatter.train.finetuning.glue_suite import COLUMNS, NOTHING_MARK, TASKS, Job, row, table
 from tests import background
 from tests.jobs import child_env
 
@@ -40,6 +41,7 @@ def glue_dir(root: Path) -> Path:
 # the background thread, building a model here would draw from torch's RNG beside a test's)
 EXPORT = """
 import sys
+import time
 from pathlib import Path
 import shatter
 from tests.finetune.conftest import train_tokenizer
@@ -93,11 +95,13 @@ def suite(tmp_path_factory):
 def test_the_suite_runs_the_eight_tasks_prints_the_row_and_resumes(suite):
     done, first, again = suite
     print(done.stdout)
-    header, values = done.stdout.strip().splitlines()[-2:]
+    lines = done.stdout.strip().splitlines()
+    at = next(i for i, x in enumerate(lines) if x.split("|")[0].strip() == COLUMNS[0])
+    header, values = lines[at : at + 2]
     assert [h.strip() for h in header.split("|")] == COLUMNS + ["Avg"]
     result = json.loads(first)
     assert list(result["columns"]) == COLUMNS and set(result["tasks"]) == set(TASKS)
-    numbers = [float(v) for v in values.split(" | ")]
+    numbers = [float(v.strip(" " + NOTHING_MARK)) for v in values.split(" | ")]
     assert numbers[-1] == pytest.approx(sum(numbers[:-1]) / 9, abs=0.06)
     assert result["tasks"]["cola"]["runs"][0]["lr"] == 1e-3  # the default, scaled (and capped)
     assert done.stderr.count("start: ") == 8
@@ -106,7 +110,7 @@ def test_the_suite_runs_the_eight_tasks_prints_the_row_and_resumes(suite):
     assert again.stderr.count("start: ") == 2
     assert "start: mrpc/lr-default-seed0 on GPU none0" in again.stderr
     assert "start: rte/lr-default-seed0 on GPU none1" in again.stderr
-    assert again.stdout.strip().splitlines()[-1] == values
+    assert values in again.stdout.strip().splitlines()
 
 
 def test_missing_glue_files_are_one_line(tmp_path):
@@ -125,3 +129,52 @@ def test_missing_glue_files_are_one_line(tmp_path):
         and "cola:" in done.stderr
         and "not found" in done.stderr
     )
+
+
+def _fake_run(out: Path, accuracy: float, warnings: list[str]) -> None:
+    out.mkdir(parents=True)
+    evaluations = [{"step": 1, "accuracy": accuracy}]
+    metrics = {"evaluations": evaluations, **({"warnings": warnings} if warnings else {})}
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    (out / "config.json").write_text(json.dumps({"lr": 1e-5}))
+
+
+def test_the_table_marks_a_column_with_a_run_that_learned_nothing_and_counts_them(tmp_path):
+    """SST-2's seed 1 learned nothing (its metrics.json warns): the SST-2 column is marked and
+    the summary line counts and names that run; RTE's runs are unmarked."""
+    jobs = [Job(t, None, seed, tmp_path / t / f"lr-default-seed{seed}")
+            for t in ("sst2", "rte") for seed in (0, 1)]  # fmt: skip
+    for job in jobs:
+        nothing = job.task == "sst2" and job.seed == 1
+        warning = ["warning: the best accuracy ... : the model learned nothing; raise --lr"]
+        _fake_run(job.out, 0.5 if nothing else 0.8, warning if nothing else [])
+    result = table(jobs, {"checkpoint": "x", "tasks": ["sst2", "rte"]})
+    assert result["learned_nothing"] == [str(jobs[1].out)] and result["runs"] == 4
+    head, values, summary = row(result).splitlines()
+    cells = dict(zip([h.strip() for h in head.split("|")], values.split("|"), strict=True))
+    assert cells["SST-2"].strip() == "65.0" + NOTHING_MARK and NOTHING_MARK not in cells["RTE"]
+    assert summary.startswith(f"{NOTHING_MARK} learned nothing in 1 of 4 runs")
+    assert "sst2/lr-default-seed1" in summary
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"HF_DATASETS_OFFLINE": "1"},
+        {"HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"},  # a dead proxy
+    ],
+    ids=["offline", "dead-proxy"],
+)
+def test_glue_without_data_dir_and_no_hub_is_one_line_naming_data_dir(tmp_path, env):
+    """No --data-dir and no Hub (offline, or a proxy that answers nothing): one line naming
+    --data-dir and the folders it must hold, in seconds, never a traceback."""
+    cmd = [sys.executable, "-m", "shatter.train.finetuning.glue_suite", "--tasks", "rte"]
+    cmd += ["--checkpoint", str(tmp_path), "--output", str(tmp_path / "out")]
+    environment = child_env(None, HF_HOME=str(tmp_path / "hf"), **env)
+    started = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env=environment)  # fmt: skip
+    took = time.monotonic() - started
+    assert done.returncode == 1 and done.stderr.strip().count("\n") == 0, done.stderr[-2000:]
+    assert "--data-dir GLUE_DIR" in done.stderr and "MNLI/dev_matched.tsv" in done.stderr
+    assert "Traceback" not in done.stderr and took < 30, took

@@ -76,3 +76,48 @@ def test_every_task_has_a_main_metric_its_scorer_reports():
         else:
             out = fn([0, 1], [0, 1])
         assert m.MAIN_METRIC[task] in out, task
+
+
+def _paragraphs(answer_of):
+    """Two paragraphs of three questions each; `answer_of(qid, gold)` is the prediction."""
+    golds = {f"p{p}q{q}": [f"answer{p}{q}"] for p in range(2) for q in range(3)}
+    contexts = {qid: f"paragraph {qid[1]}" for qid in golds}
+    return {qid: answer_of(qid, g[0]) for qid, g in golds.items()}, golds, contexts
+
+
+def test_a_question_blind_span_model_is_warned_of():
+    """Every question of a paragraph answered the same (one right, two wrong): F1 no better than
+    the question-blind baseline, so the run learned nothing from the questions."""
+    preds, golds, contexts = _paragraphs(lambda qid, gold: f"answer{qid[1]}0")
+    scores = {**m.squad_metrics(preds, golds), **m.question_blind(preds, golds, contexts)}
+    assert scores["same_answer_share"] == 1.0
+    assert scores["question_blind_f1"] == pytest.approx(scores["f1"]) == scores["shared_f1"]
+    warning = m.learned_nothing({**scores, "step": 7}, "f1")
+    assert warning and "answering every question of a paragraph the same" in warning
+    assert "100% of those questions" in warning and "step 7" in warning
+
+
+def test_a_span_model_that_reads_the_questions_is_not_warned_of():
+    preds, golds, contexts = _paragraphs(lambda qid, gold: gold)
+    scores = {**m.squad_metrics(preds, golds), **m.question_blind(preds, golds, contexts)}
+    assert scores["f1"] == 100.0 and scores["question_blind_f1"] < 50.0
+    assert scores["same_answer_share"] == pytest.approx(1 / 3)
+    assert m.learned_nothing({**scores, "step": 1}, "f1") is None
+
+
+def test_the_learned_nothing_warning_names_at_most_ten_labels():
+    per_class = {f"{i / 7:.4f}": {"predicted": 0} for i in range(1381)}
+    best = {"accuracy": 0.001, "majority_accuracy": 0.002, "step": 3, "per_class": per_class}
+    warning = m.learned_nothing(best, "accuracy")
+    assert "and 1371 more" in warning and len(warning) < 500, len(warning)
+
+
+def test_one_question_per_paragraph_has_no_question_blind_baseline():
+    """Each paragraph asked once: answering blind is answering, so there is nothing to compare
+    and no warning (the F1 alone says how it did)."""
+    golds = {f"q{i}": [f"word{i}"] for i in range(4)}
+    contexts = {q: f"paragraph {q}" for q in golds}
+    preds = {q: "nothing" for q in golds}
+    assert m.question_blind(preds, golds, contexts) == {}
+    scores = {**m.squad_metrics(preds, golds), "step": 1}
+    assert m.learned_nothing(scores, "f1") is None

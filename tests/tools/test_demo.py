@@ -35,3 +35,37 @@ def test_wrong_checksum_is_refused(tmp_path):
     assert not list(tmp_path.glob("*.bz2")), (
         "a file that failed its check must not be left in the cache"
     )
+
+
+class Stopped(Exception):
+    pass
+
+
+@pytest.mark.parametrize("given", [None, "29999"])
+def test_the_demo_launches_on_a_free_port_or_the_one_given(tmp_path, monkeypatch, given):
+    """The pretraining stage names its --master_port: a free one, never the launcher's shared
+    default 29500, or --master-port's."""
+    from click.testing import CliRunner
+
+    from shatter.tools import demo
+
+    launched = []
+
+    def stage(name, cmd, timings):
+        if name == "pretrain":
+            launched.append([str(x) for x in cmd])
+            raise Stopped
+
+    monkeypatch.setattr(demo, "fetch_sample", lambda *a: tmp_path / "dump.xml.bz2")
+    monkeypatch.setattr(demo, "run_stage", stage)
+    args = ["--workdir", str(tmp_path / "demo")]
+    for name in ("data-128", "data-512"):
+        (tmp_path / "demo" / name).mkdir(parents=True)
+        (tmp_path / "demo" / name / "index.json").write_text("{}")
+    result = CliRunner().invoke(
+        demo.main, args + ["--resume"] + (["--master-port", given] if given else [])
+    )
+    assert isinstance(result.exception, Stopped), result.output
+    cmd = launched[0]
+    port = cmd[cmd.index("--master_port") + 1]
+    assert port == given if given else port != "29500" and int(port) > 0

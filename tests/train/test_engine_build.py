@@ -21,5 +21,79 @@ def test_a_build_is_announced_only_when_there_is_none(tmp_path, monkeypatch, cap
     assert "building DeepSpeed's CPU communication op" in said and "1 minute" in said
     (tmp_path / CPU_OP).mkdir()
     (tmp_path / CPU_OP / f"{CPU_OP}.so").write_bytes(b"")
+    announce_cpu_build()  # a .so without ninja's log: ninja compiles again, so it is said
+    assert "building DeepSpeed's CPU communication op" in capsys.readouterr().err
+    (tmp_path / CPU_OP / ".ninja_log").write_text("# ninja log v5\n")
     announce_cpu_build()
     assert capsys.readouterr().err == ""
+
+
+def test_a_user_s_extensions_dir_is_keyed_by_the_torch_version(tmp_path, monkeypatch):
+    """TORCH_EXTENSIONS_DIR set outside: the build goes to a subdirectory named by torch's,
+    DeepSpeed's and Python's versions (a second torch would crash on the first one's op), once
+    (a child process inheriting it keeps it); unset: our own cache."""
+    import torch
+
+    from shatter.train.engine import build_key, use_extensions_dir
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    keyed = use_extensions_dir()
+    assert keyed == str(tmp_path / build_key()) and f"torch{torch.__version__}" in keyed
+    assert use_extensions_dir() == keyed  # a child's call keeps its parent's
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert use_extensions_dir() == extensions_dir()
+
+
+def test_every_jit_build_is_announced_before_it_starts(tmp_path, monkeypatch, capsys):
+    """Any DeepSpeed op JIT-built (not only the CPU comm op) prints a line before its compiler
+    runs, and none when it is built already."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from shatter.train.engine import announce_jit_builds
+
+    said_before = []
+    monkeypatch.setattr(OpBuilder, "jit_load", lambda self, verbose=True: said_before.append(
+        capsys.readouterr().err) or "loaded")  # fmt: skip
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    announce_jit_builds()
+    announce_jit_builds()  # once wrapped, not twice
+
+    class FusedAdam:
+        name = "fused_adam"
+
+    assert OpBuilder.jit_load(FusedAdam()) == "loaded"
+    assert said_before[0].count("building DeepSpeed's fused_adam op") == 1, said_before
+    (tmp_path / "fused_adam").mkdir()
+    (tmp_path / "fused_adam" / "fused_adam.so").write_bytes(b"")
+    (tmp_path / "fused_adam" / ".ninja_log").write_text("# ninja log v5\n")
+    OpBuilder.jit_load(FusedAdam())
+    assert said_before[1] == ""
+
+
+def test_ranks_on_one_host_leave_the_launcher_s_default_port(tmp_path, monkeypatch):
+    """Two ranks launched on the default port 29500 agree on one free port (rank 0's pick,
+    through a file of their launch); a port the user gave is kept."""
+    import threading
+
+    from shatter.train import engine
+
+    ports = {}
+    envs = [
+        {"MASTER_PORT": "29500", "CROSS_SIZE": "1", "WORLD_SIZE": "2", "RANK": str(r)}
+        for r in (0, 1)
+    ]
+
+    def agree(env: dict) -> None:
+        engine.own_port_on_one_host(tmp_path / "launch", env)
+        ports[env["RANK"]] = env["MASTER_PORT"]
+
+    threads = [threading.Thread(target=agree, args=(e,)) for e in envs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert ports["0"] == ports["1"] != "29500", ports
+    given = {"MASTER_PORT": "29533", "CROSS_SIZE": "1", "WORLD_SIZE": "2", "RANK": "0"}
+    engine.own_port_on_one_host(tmp_path / "other", given)
+    assert given["MASTER_PORT"] == "29533"

@@ -184,7 +184,9 @@ class SpanData:
                 self.max_answer_len,
             )
         golds = {x["id"]: x["golds"] for x in self.eval_examples}
-        return M.squad_metrics(predictions, golds), predictions
+        contexts = {x["id"]: x["context"] for x in self.eval_examples}
+        scores = M.squad_metrics(predictions, golds)
+        return {**scores, **M.question_blind(predictions, golds, contexts)}, predictions
 
 
 def _label_set(cfg: DataConfig, spec: TaskSpec, train: Examples) -> tuple[str, ...] | None:
@@ -195,7 +197,29 @@ def _label_set(cfg: DataConfig, spec: TaskSpec, train: Examples) -> tuple[str, .
     labels = cfg.labels or tuple(sorted(set(train.dataset["label"])))
     if len(labels) < 2:
         raise TaskDataError(f"{cfg.train_file}: needs at least two labels, found {list(labels)}")
+    if not cfg.labels and _looks_numeric(labels, len(train.dataset)):
+        shown = ", ".join(labels[:: max(1, len(labels) // 4)][:4])
+        raise TaskDataError(
+            f"{cfg.train_file}: its {len(labels)} labels all read as numbers and most rows have "
+            f"their own ({len(labels)} distinct in {len(train.dataset)} rows: {shown}, ...): a "
+            "score, not classes; add --regression (or name the classes with --labels)"
+        )
     return labels
+
+
+NUMERIC_CLASSES = 10  # more distinct numeric labels than this, half the rows or more: a score
+
+
+def _looks_numeric(labels: Sequence[str], rows: int) -> bool:
+    """Labels that all parse as floats and are mostly distinct (more than NUMERIC_CLASSES, and
+    at least half as many as rows): a regression target read as classes."""
+    if len(labels) <= NUMERIC_CLASSES or len(labels) < rows / 2:
+        return False
+    try:
+        [float(x) for x in labels]
+    except ValueError:
+        return False
+    return True
 
 
 def _classification_features(

@@ -7,6 +7,7 @@ and label strings of the GLUE distribution, tabs and line breaks in the text mad
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -78,11 +79,55 @@ def write_split(task: str, path: Path, rows: Iterable[Mapping]) -> Path:
     return path
 
 
+HUB_NAME = "nyu-mll/glue"
+PROBE_TIMEOUT_S = 10.0  # one bounded request before `datasets`' own retries (about 30 s offline)
+
+
+class HubUnreachable(Exception):
+    """The Hub's GLUE cannot be read: offline, or no answer; the message says which."""
+
+
+def _offline() -> bool:
+    return any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+        for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    )
+
+
+def probe() -> None:
+    """One bounded request for the dataset's page: HubUnreachable when it gets no answer."""
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().dataset_info(HUB_NAME, timeout=PROBE_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 (httpx's, huggingface_hub's: any means no Hub here)
+        cause = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise HubUnreachable(
+            f"{cause}; with a cached copy set HF_DATASETS_OFFLINE=1 to read it offline"
+        ) from None
+
+
 def write_task(task: str, folder: Path) -> None:
-    """The Hub's `nyu-mll/glue` task as GLUE TSVs in `folder` (skipped when already there)."""
+    """The Hub's `nyu-mll/glue` task as GLUE TSVs in `folder` (skipped when already there).
+    Online, the Hub is probed once with a bounded timeout first; offline (HF_DATASETS_OFFLINE,
+    HF_HUB_OFFLINE), `datasets`' cache is read. HubUnreachable when neither gives the rows."""
+    paths = {name: folder / f"{name}.tsv" for name in FORMATS[task][3]}
+    if all(p.is_file() for p in paths.values()):
+        return
+    if not _offline():
+        probe()
     import datasets
 
     for name, split in FORMATS[task][3].items():
-        path = folder / f"{name}.tsv"
-        if not path.is_file():
-            write_split(task, path, datasets.load_dataset("nyu-mll/glue", task, split=split))
+        if paths[name].is_file():
+            continue
+        try:
+            rows = datasets.load_dataset(HUB_NAME, task, split=split)
+        except (ConnectionError, OSError, ValueError) as e:
+            if _offline():
+                raise HubUnreachable(
+                    "HF_DATASETS_OFFLINE or HF_HUB_OFFLINE is set and `datasets`' cache has no "
+                    f"copy of {HUB_NAME}/{task}"
+                ) from None
+            raise HubUnreachable(str(e).splitlines()[0][:200]) from None
+        write_split(task, paths[name], rows)

@@ -113,7 +113,7 @@ def run_inline(job: Job, args: dict) -> None:
             code = e.code
     if code or not done(job):
         fail(job, code, log)
-    click.echo(f"done: {job.out.parent.name}/{job.out.name}", err=True)
+    say_done(job)
 
 
 def fail(job: Job, code, log: Path) -> None:
@@ -146,7 +146,7 @@ def run_all(jobs: list[Job], args: dict) -> None:
                 for _, (_, other) in running.items():
                     other.terminate()  # their runs start again on the next call
                 fail(job, process.returncode, job.out / "finetune.log")
-            click.echo(f"done: {job.out.parent.name}/{job.out.name}", err=True)
+            say_done(job)
 
 
 def start(job: Job, gpu: str, args: dict) -> tuple[Job, subprocess.Popen]:
@@ -165,6 +165,18 @@ def best_score(job: Job, metric: str) -> tuple[float, float]:
     evaluations = json.loads((job.out / "metrics.json").read_text())["evaluations"]
     lr = json.loads((job.out / "config.json").read_text())["lr"]
     return max(e[metric] for e in evaluations), lr
+
+
+def learned_nothing(job: Job) -> bool:
+    """The run's metrics.json warns that it learned nothing (train/finetuning/metrics.py)."""
+    warnings = json.loads((job.out / "metrics.json").read_text()).get("warnings", [])
+    return any("learned nothing" in w for w in warnings)
+
+
+def say_done(job: Job) -> None:
+    nothing = learned_nothing(job)
+    note = " (learned nothing: see its metrics.json's warnings)" if nothing else ""
+    click.echo(f"done: {job.out.parent.name}/{job.out.name}{note}", err=True)
 
 
 def mismatched_score(job: Job, args: dict) -> float:
@@ -197,7 +209,8 @@ def table(jobs: list[Job], args: dict) -> dict:
         scored = []
         for j in runs:
             score, lr = best_score(j, metric)
-            scored.append({"lr": lr, "seed": j.seed, metric: score, "dir": str(j.out)})
+            scored.append({"lr": lr, "seed": j.seed, metric: score, "dir": str(j.out),
+                           "learned_nothing": learned_nothing(j)})  # fmt: skip
         if task == "mnli":
             for j, s in zip(runs, scored, strict=True):
                 s["mismatched_accuracy"] = mismatched_score(j, args)
@@ -215,24 +228,61 @@ def table(jobs: list[Job], args: dict) -> dict:
         lr = max(means, key=lambda k: means[k][column])
         result["tasks"][task] = {"metric": metric, "lr": lr, "means": means, "runs": scored}
         result["columns"].update(means[lr])
+        if any(s["learned_nothing"] for s in scored if s["lr"] == lr):
+            result["learned_nothing_columns"] = [
+                *result.get("learned_nothing_columns", []),
+                *means[lr],
+            ]
     present = [c for c in COLUMNS if c in result["columns"]]
     result["average"] = sum(result["columns"][c] for c in present) / len(present)
+    runs = [s for t in result["tasks"].values() for s in t["runs"]]
+    result["learned_nothing"] = [s["dir"] for s in runs if s["learned_nothing"]]
+    result["runs"] = len(runs)
     return result
 
 
+NOTHING_MARK = "!"  # a column whose mean takes in a run that learned nothing
+
+
 def row(result: dict) -> str:
+    """Table 1's row under its header; a column with a run that learned nothing is marked, and
+    a last line counts those runs."""
     present = [c for c in COLUMNS if c in result["columns"]]
+    marked = set(result.get("learned_nothing_columns", []))
     head = " | ".join(f"{c:>7}" for c in present + ["Avg"])
-    values = [100 * result["columns"][c] for c in present] + [100 * result["average"]]
-    return head + "\n" + " | ".join(f"{v:7.1f}" for v in values)
+    values = [
+        f"{100 * result['columns'][c]:6.1f}" + (NOTHING_MARK if c in marked else " ")
+        for c in present
+    ] + [f"{100 * result['average']:6.1f} "]
+    lines = [head, " | ".join(values)]
+    nothing = result.get("learned_nothing", [])
+    if nothing:
+        names = ", ".join("/".join(Path(d).parts[-2:]) for d in nothing[:10])
+        more = f" and {len(nothing) - 10} more" if len(nothing) > 10 else ""
+        lines.append(
+            f"{NOTHING_MARK} learned nothing in {len(nothing)} of {result['runs']} runs (no "
+            f"better than the majority class; see their metrics.json): {names}{more}"
+        )
+    return "\n".join(lines)
+
+
+LAYOUT = (
+    "download GLUE and give --data-dir GLUE_DIR, a folder of the GLUE distribution's folders "
+    "(CoLA/train.tsv, CoLA/dev.tsv, SST-2/..., MRPC/, QQP/, STS-B/, QNLI/, RTE/, "
+    "MNLI/train.tsv, MNLI/dev_matched.tsv, MNLI/dev_mismatched.tsv)"
+)
 
 
 def hub_to_tsv(target: Path, tasks: list[str]) -> None:
-    """The Hub's `nyu-mll/glue` written as the GLUE distribution's TSVs (online only)."""
-    from shatter.train.finetuning.glue_hub import write_task
+    """The Hub's `nyu-mll/glue` written as the GLUE distribution's TSVs (online, or offline from
+    `datasets`' cache); out of reach, one line naming --data-dir and its layout."""
+    from shatter.train.finetuning.glue_hub import HUB_NAME, HubUnreachable, write_task
 
-    for task in tasks:
-        write_task(task, target / TASKS[task][0])
+    try:
+        for task in tasks:
+            write_task(task, target / TASKS[task][0])
+    except HubUnreachable as e:
+        raise SuiteError(f"{HUB_NAME} on the Hub is out of reach ({e}): {LAYOUT}") from None
 
 
 def _floats(text: str | None) -> list[float] | None:
@@ -275,8 +325,8 @@ def main(
         missing = [str(p) for p in needed if not p.is_file()]
         if missing:
             raise SuiteError(
-                f"{task}: {', '.join(missing)} not found; --data-dir must hold the GLUE folders "
-                "(CoLA/train.tsv, ..., MNLI/dev_matched.tsv), or leave it out to read the Hub's"
+                f"{task}: {', '.join(missing)} not found; {LAYOUT}, or leave --data-dir out to "
+                "read the Hub's"
             )
     jobs = jobs_of(args)
     run_all(jobs, args)

@@ -54,8 +54,9 @@ def predict(
     model: torch.nn.Module, data, batch_size: int, show: bool = False
 ) -> dict[str, list[np.ndarray]]:
     """Head outputs for every evaluation feature, each trimmed to its own length; with `show`, a
-    progress bar of its own below the training bar (gone when done)."""
-    from tqdm import tqdm
+    progress bar of its own below the training bar (gone when done), or a line every
+    half-minute in a log."""
+    from shatter.train.metrics import counted
 
     was_training = model.training
     model.eval()
@@ -63,8 +64,7 @@ def predict(
     outputs: dict[str, list[np.ndarray]] = {}
     features = data.eval_features
     starts = range(0, len(features), batch_size)
-    bar = show and sys.stderr.isatty()  # a log gets no carriage returns
-    for start in tqdm(starts, desc="evaluate", unit="batch", leave=False, disable=not bar):
+    for start in counted(starts, len(starts), "evaluate", show):
         chunk = features[start : start + batch_size]
         batch = data.collate(chunk)
         out = model(

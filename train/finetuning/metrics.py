@@ -68,6 +68,36 @@ def squad_metrics(predictions: Mapping[str, str], golds: Mapping[str, Sequence[s
     return {"exact_match": 100.0 * em / n, "f1": 100.0 * f1 / n, "examples": n}
 
 
+def question_blind(
+    predictions: Mapping[str, str], golds: Mapping[str, Sequence[str]], contexts: Mapping[str, str]
+) -> dict:
+    """SQuAD's question-blind baseline, over the questions that share their paragraph (its
+    `contexts` entry) with others: `question_blind_f1`, the F1 of answering each with its
+    paragraph's most frequent prediction; `shared_f1`, the model's own F1 on them; and
+    `same_answer_share`, the share of them that got that same answer. A model that reads the
+    questions beats the baseline; one that learned only where answers tend to sit does not.
+    Empty when no paragraph has two questions (nothing to compare)."""
+    by_paragraph: dict = collections.defaultdict(list)
+    for qid in golds:
+        by_paragraph[contexts[qid]].append(qid)
+    shared = [qids for qids in by_paragraph.values() if len(qids) > 1]
+    if not shared:
+        return {}
+    blind, own, same = {}, {}, 0
+    for qids in shared:
+        answers = collections.Counter(normalize_answer(predictions.get(q, "")) for q in qids)
+        common = answers.most_common(1)[0][0]
+        blind.update({q: common for q in qids})
+        own.update({q: predictions.get(q, "") for q in qids})
+        same += sum(normalize_answer(predictions.get(q, "")) == common for q in qids)
+    asked = {q: golds[q] for q in blind}
+    return {
+        "question_blind_f1": squad_metrics(blind, asked)["f1"],
+        "shared_f1": squad_metrics(own, asked)["f1"],
+        "same_answer_share": same / len(blind),
+    }
+
+
 def accuracy(labels: Sequence[int], preds: Sequence[int]) -> dict:
     return {"accuracy": float(skm.accuracy_score(labels, preds))}
 
@@ -126,18 +156,42 @@ def class_report(labels: Sequence[int], preds: Sequence[int], names: Sequence[st
     return {"per_class": per_class, "confusion": confusion.tolist()}
 
 
+MAX_NAMED = 10  # the labels a learned-nothing warning names at most
+SPAN_MARGIN = 1.0  # F1 points (of 100) a span model must beat its question-blind baseline by
+
+
 def learned_nothing(best: Mapping, main: str) -> str | None:
     """A warning when the best evaluation's `main` score is no better than always predicting
-    the training set's majority class (its `majority_{main}`), else None."""
+    the training set's majority class (its `majority_{main}`), or, for span tasks, than giving
+    every question of a paragraph the same answer (its `question_blind_{main}`), else None."""
+    if f"question_blind_{main}" in best:
+        return _span_learned_nothing(best, main)
     baseline = best.get(f"majority_{main}")
     if baseline is None or best[main] > baseline + 1e-9:
         return None
     never = [k for k, v in best.get("per_class", {}).items() if v["predicted"] == 0]
+    named = ", ".join(never[:MAX_NAMED]) + (
+        f" and {len(never) - MAX_NAMED} more" if len(never) > MAX_NAMED else ""
+    )
     return (
         f"warning: the best {main} {best[main]:.4f} (step {best['step']}) is no better than "
         f"always predicting the majority class ({baseline:.4f}): the model learned nothing"
-        + (f" (never predicted: {', '.join(never)})" if never else "")
+        + (f" (never predicted: {named})" if never else "")
         + "; raise --lr (docs/finetune.md: the lr rule for small models) or train longer"
+    )
+
+
+def _span_learned_nothing(best: Mapping, main: str) -> str | None:
+    baseline, own = best[f"question_blind_{main}"], best[f"shared_{main}"]
+    if own >= baseline + SPAN_MARGIN:
+        return None
+    return (
+        f"warning: the best {main} {best[main]:.1f} (step {best['step']}; {own:.1f} on the "
+        f"questions that share a paragraph) is no better than answering every question of a "
+        f"paragraph the same ({baseline:.1f}; {best.get('same_answer_share', 0.0):.0%} of those "
+        "questions got their paragraph's common answer): the model learned nothing from the "
+        "questions; "
+        "raise --lr (docs/finetune.md: the lr rule for small models) or train longer"
     )
 
 

@@ -300,7 +300,14 @@ class Embeddings(nn.Module):
     def forward(self, input_ids_BL: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(input_ids_BL)
         if hasattr(self, "position_embeddings"):
-            x = x + self.position_embeddings.weight[: input_ids_BL.shape[1]]
+            table = self.position_embeddings.weight
+            if input_ids_BL.shape[1] > table.shape[0]:  # an absolute table has no row for it
+                raise ValueError(
+                    f"input length {input_ids_BL.shape[1]} exceeds max_position_embeddings "
+                    f"{table.shape[0]} of this model: truncate (the tokenizer's truncation=True), "
+                    "or extend the toolkit export (shatter-extend --max-len N) and export it again"
+                )
+            x = x + table[: input_ids_BL.shape[1]]
         return self.dropout(self.layer_norm(x))
 
 

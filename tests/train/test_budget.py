@@ -1,0 +1,85 @@
+"""A budgeted run's plan on a simulated clock (train/budget.py): steps that slow down after the
+plan is made are re-planned for, so the last planned step, its decay included, fits the budget;
+a run late inside its decay squeezes the rest of it; one that still runs over says so."""
+
+import pytest
+
+from shatter.train import budget as budget_module
+from shatter.train.budget import Budget
+from shatter.train.config import OptimArgs, RunArgs, TrainConfig
+from shatter.train.schedule import Plan
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(tmp_path, monkeypatch, seconds: float, step_s, decay="wsd", ceiling=100_000):
+    """A one-rank run of `seconds` whose step `s` takes `step_s(s)` seconds: (its last step, the
+    lr factor each step ran at, the budget, the seconds spent at its end)."""
+    clock = Clock()
+    monkeypatch.setattr(budget_module.time, "perf_counter", clock)
+    cfg = TrainConfig(
+        run=RunArgs(budget_hours=seconds / 3600, max_steps=ceiling, log_every=10),
+        optim=OptimArgs(decay=decay, warmup_steps=2, cooldown=0.5),
+    )
+    plan = Plan(decay, 2, ceiling, 0.5)
+    run = Budget(cfg, plan, tmp_path, rank=0, world=1)
+    last, step, factors, notes = ceiling, 0, {}, []
+    while step < last:
+        step += 1
+        factors[step] = plan.factor(step - 2)  # optimizer step s runs at iteration s - 2
+        clock.now += step_s(step)
+        planned = run.check(step, ceiling)
+        notes += [run.note] if run.note else []
+        last = planned if planned is not None else last
+    return step, factors, run, clock.now, notes
+
+
+def test_steps_that_slow_down_are_re_planned_so_the_decay_ends_inside_the_budget(
+    tmp_path, monkeypatch
+):
+    """1 s a step while the first plan is made, 2 s from step 30: the plan shrinks as the steps
+    slow, and the run ends at its planned step with its lr decayed, inside 100 s."""
+    last, factors, run, spent, notes = simulate(
+        tmp_path, monkeypatch, 100.0, lambda s: 1.0 if s < 30 else 2.0
+    )
+    assert spent <= 100.0, (last, spent)
+    assert run.ended is None and last == run.planned
+    assert factors[last] <= 0.1 and max(factors.values()) == 1.0
+    assert any("steps planned (was" in n for n in notes), notes
+
+
+def test_a_run_late_inside_its_decay_squeezes_the_rest_of_it(tmp_path, monkeypatch):
+    """Steps 3x slower from step 70 (inside wsd's decay): the rest of the decay runs from its lr
+    to 0 at the step the time left holds, without a jump up."""
+    last, factors, run, spent, notes = simulate(
+        tmp_path, monkeypatch, 100.0, lambda s: 1.0 if s < 70 else 3.0
+    )
+    assert spent <= 100.0 and run.plan.squeeze is not None, (last, spent, run.plan.squeeze)
+    assert factors[last] <= 0.2
+    assert all(factors[s + 1] <= factors[s] + 1e-12 for s in range(60, last))
+    assert any("its decay now runs from" in n for n in notes), notes
+
+
+def test_a_run_that_still_runs_over_says_how_far_from_annealed(tmp_path, monkeypatch):
+    """A step of 60 s at step 40 spends the budget at once: the run ends there and its log
+    says the export is not annealed."""
+    last, factors, run, spent, notes = simulate(
+        tmp_path, monkeypatch, 100.0, lambda s: 60.0 if s == 40 else 1.0
+    )
+    assert run.ended == last < 100 and "not annealed" in notes[-1], notes
+
+
+@pytest.mark.parametrize("decay", ["linear", "cosine", "1-sqrt", "constant"])
+def test_every_decay_ends_inside_its_budget(tmp_path, monkeypatch, decay):
+    last, factors, run, spent, _ = simulate(
+        tmp_path, monkeypatch, 60.0, lambda s: 0.5 if s < 20 else 0.8, decay=decay
+    )
+    assert spent <= 60.0 and last == run.planned, (last, spent)
+    if decay != "constant":
+        assert factors[last] <= 0.15, factors[last]
