@@ -280,6 +280,8 @@ def _step_boundary(ctx: RunContext, loop: Loop, state, lr: float) -> bool:
     run stops here (after saving)."""
     run = ctx.cfg.run if ctx.budget is None else _replan(ctx, state.step)
     stop_seen = loop.guard.stop(ctx.stop.requested)
+    if stop_seen:
+        ctx.stop.agreed()  # this rank's own cause, in its line of train.log
     log_now = _due(state.step, run.log_every, run.max_steps)
     last = run.max_steps if ctx.final_save else 0  # 0: no step is the last one to save at
     export_now = _due(state.step, run.export_every, last)
@@ -326,9 +328,9 @@ def _stop(ctx: RunContext, loop: Loop, state, save: bool) -> None:
     if save:
         save_and_export(ctx, state, False, loop.epoch_size)
     loop.status = "stopped"
-    loop.progress.write(
-        f"{ctx.stop.name or 'stop'}: checkpoint saved at step {state.step}; exiting"
-    )
+    line = f"{ctx.stop.name or 'stop'}: checkpoint saved at step {state.step}; exiting"
+    ctx.stop.note(line)
+    loop.progress.write(line)
 
 
 def _replan(ctx: RunContext, step: int):

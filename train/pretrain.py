@@ -186,7 +186,12 @@ def _run(cfg: TrainConfig, restart: bool = False) -> int:
         init_distributed,
         resolved_deepspeed_config,
     )
-    from shatter.train.lifecycle import ProgressWatchdog, StopFlag, hold_run_directory
+    from shatter.train.lifecycle import (
+        ProgressWatchdog,
+        StopFlag,
+        hold_run_directory,
+        watch_launcher,
+    )
     from shatter.train.loader import StreamPosition, stream_shape
     from shatter.train.loop import RunContext
     from shatter.train.metrics import MetricsWriter, log_to_run
@@ -196,12 +201,14 @@ def _run(cfg: TrainConfig, restart: bool = False) -> int:
     index, seq_len, mix = start_up_checks(cfg)
     cfg = budget.planned_config(cfg, Path(cfg.run.output))  # a resumed budgeted run's length
     stop = StopFlag().install()
+    watch_launcher(stop)  # the runner's death (docker stop, Kubernetes) stops with a save
     rank, world = init_distributed(cfg.run.collective_timeout_s)
     check_nodes_env()  # the store's settings, TMPDIR and HF_* on every node
     run_dir = Path(cfg.run.output)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = hold_run_directory(run_dir, rank)  # noqa: F841 (held until the process ends)
     log_to_run(run_dir, rank)  # RUN/train.log
+    stop.log_to(run_dir / "train.log")  # every rank's stop cause
     checkpoint.check_shared(run_dir)  # every node must see the same run directory
     ds_config = resolved_deepspeed_config(cfg, world)
     say = lambda line: click.echo(line, err=True)  # noqa: E731

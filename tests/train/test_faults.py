@@ -4,14 +4,17 @@ partially copied run directory is refused in one line and left as it was, and no
 deleted to make a resume work."""
 
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from shardutil import write_dataset
 from test_pretrain import command
 
-from tests.jobs import child_env
+from tests.jobs import child_env, side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -89,3 +92,73 @@ def test_a_damaged_checkpoint_is_never_loaded_and_never_deleted(data, tmp_path):
     assert sorted(p.name for p in (aside / "checkpoints").glob("step*")) == kept
     assert (aside / "metrics.jsonl").read_text() == history
     assert sorted(p.name for p in checkpoints.glob("step*")) == ["step00000002"]
+
+
+def _processes_of(run: Path) -> list[int]:
+    """The pids whose command line names `run` (the ranks of its job, their loader workers)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(run) in (proc / "cmdline").read_text():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _stopped(data: Path, run: Path, stop) -> tuple[str, float]:
+    """Launch a long run, `stop(job)` it once 3 steps are logged; wait until none of its
+    processes is left: (RUN/train.log, seconds from the stop to the last process's end)."""
+    cmd = command(data, run, *FLAGS, "--max-steps", "400", "--num-workers", "1")
+    job = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 400
+        log = run / "metrics.jsonl"
+        while not (log.exists() and log.read_text().count('"lr"') >= 3):
+            assert job.poll() is None and time.monotonic() < deadline, "no 3 steps logged"
+            time.sleep(0.2)
+        stopped = time.monotonic()
+        stop(job)
+        while _processes_of(run) and time.monotonic() < stopped + 120:
+            time.sleep(0.2)
+        took = time.monotonic() - stopped
+        assert not _processes_of(run), f"still running 120 s after the stop: {_processes_of(run)}"
+    finally:
+        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+        for pid in _processes_of(run):
+            os.kill(pid, signal.SIGKILL)
+    return (run / "train.log").read_text(), took
+
+
+def test_a_lost_runner_and_a_hang_up_each_save_then_exit(data, tmp_path):
+    """SIGTERM to the `deepspeed` runner only (docker stop, Kubernetes, systemd: the runner
+    exits at once, its orphaned launcher keeps the ranks) and SIGHUP to the job's group (an ssh
+    drop): every rank writes the cause to train.log, saves at the next step boundary and exits;
+    the run lock is released."""
+    cases = {
+        "runner": lambda job: os.kill(job.pid, signal.SIGTERM),
+        "hangup": lambda job: os.killpg(job.pid, signal.SIGHUP),
+    }
+    outcomes = side_by_side(
+        {
+            name: lambda s=stop, n=name: _stopped(data, tmp_path / n, s)
+            for name, stop in cases.items()
+        }
+    )
+    for name, cause in (("runner", "lost the deepspeed runner"), ("hangup", "SIGHUP")):
+        log, took = outcomes[name].get()
+        print(f"{name}: every process gone {took:.1f} s after the stop")
+        run = tmp_path / name
+        for rank in (0, 1):
+            assert f"rank {rank}: {cause}" in log, log[-3000:]
+        assert f"{cause}" in log and "checkpoint saved at step" in log, log[-3000:]
+        step = int((run / "checkpoints" / "latest").read_text().strip()[4:])
+        assert step >= 3 and f"checkpoint saved at step {step}; exiting" in log
+        assert (run / "run.lock").read_text() == ""  # released
