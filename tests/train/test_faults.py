@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from shardutil import write_dataset
-from test_pretrain import command
+from test_pretrain import SCRIPT, command
 
 from tests.jobs import child_env, side_by_side
 
@@ -162,3 +162,34 @@ def test_a_lost_runner_and_a_hang_up_each_save_then_exit(data, tmp_path):
         step = int((run / "checkpoints" / "latest").read_text().strip()[4:])
         assert step >= 3 and f"checkpoint saved at step {step}; exiting" in log
         assert (run / "run.lock").read_text() == ""  # released
+
+
+def test_a_finite_divergence_stops_in_one_line_keeping_the_checkpoint_before_it(data, tmp_path):
+    """From step 13 on every loss is 100 times larger (tests/train/faulty_pretrain.py): three log
+    lines above 3 × the running median stop the run at step 15, in one line a rank; step 12's
+    checkpoint, from before the spike, survived the pruning of saves 13 and 14 (keep 2), which
+    are moved aside, so the same command resumes from it."""
+    run = tmp_path / "run"
+    cmd = command(data, run, *FLAGS, "--max-steps", "40", "--save-every", "1")
+    cmd[cmd.index(SCRIPT)] = str(REPO / "tests" / "train" / "faulty_pretrain.py")
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=480,
+        cwd=REPO,
+        env=child_env(SHATTER_TEST_SPIKE="12"),
+    )
+    assert done.returncode != 0, done.stderr[-3000:]
+    errors = [x for x in (done.stdout + done.stderr).splitlines() if x.startswith("Error: ")]
+    assert 1 <= len(errors) <= 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    for line in errors:
+        assert "at step 15 is above 3 × its running median" in line, line
+        assert "healthy until step 12" in line and "step00000012, is the one a resume" in line
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step00000012"
+    assert sorted(p.name for p in checkpoints.glob("step*")) == ["step00000012"]
+    assert sorted(p.name for p in checkpoints.glob("diverged-*")) == [
+        "diverged-step00000013",
+        "diverged-step00000014",
+    ]

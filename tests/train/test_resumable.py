@@ -10,6 +10,7 @@ import pytest
 
 from shatter.train import checkpoint
 from shatter.train.config import ConfigError
+from shatter.train.guard import LossSpike
 from shatter.train.resumable import choose, set_aside
 
 FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
@@ -84,3 +85,16 @@ def test_no_usable_checkpoint_is_refused_and_restart_moves_the_run_aside(tmp_pat
     assert (aside / "checkpoints" / "step00000002").is_dir()
     assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert choose(tmp_path, lambda line: None).tag is None  # now a fresh start
+
+
+def test_a_loss_spike_is_judged_against_the_median_of_healthy_lines():
+    spike = LossSpike(factor=3.0, lines=3)
+    for step, loss in enumerate([9.0, 7.0, 6.0, 5.5, 5.0, 4.8], start=1):
+        assert spike.check(step, loss) is None  # falling: healthy
+    assert spike.check(7, 20.0) == "spike" and spike.healthy_step == 6
+    assert spike.check(8, 4.7) == "over"  # back under 3 × the median: a blip
+    assert [spike.check(s, 50.0) for s in (9, 10, 11)] == ["spike", None, "diverged"]
+    line = str(spike.error(11, 50.0, "step00000008"))
+    assert "above 3 × its running median 5.5" in line and "healthy until step 8" in line
+    assert spike.check(12, float("nan")) is None  # NaN/inf: the non-finite guard's
+    assert LossSpike(factor=0, lines=1).check(1, 1e9) is None  # 0: no check
