@@ -66,7 +66,7 @@ def _rank() -> str:
 
 
 class StopFlag:
-    """Set by SIGTERM, SIGHUP or SIGINT, or by the loss of the launcher (`watch_launcher`); the
+    """Set by SIGTERM, SIGHUP or SIGINT, or by the loss of the launcher (train/launcher_watch.py); the
     loop saves a checkpoint at the next step boundary and exits. Repeated SIGTERMs and SIGHUPs
     are the same request (the deepspeed launcher forwards one to each rank after the job's
     group got its own, and again when a rank exits first); a second Ctrl-C (SIGINT, more than
@@ -118,6 +118,8 @@ class StopFlag:
         """The ranks agreed to stop (one rank's request suffices): this rank's own cause, the
         lost launcher when it sees that now (before its next poll), else a peer's request."""
         if not self.requested and self.launcher is not None:
+            from shatter.train.launcher_watch import lost_launcher
+
             lost = lost_launcher(*self.launcher)
             if lost:
                 self.request(lost, 143)
@@ -163,69 +165,6 @@ def _say(line: str) -> None:
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
-
-
-LAUNCHER_POLL_S = 1.0  # how often a rank looks for its launcher and the deepspeed runner
-
-
-def _parent_of(pid: int) -> int | None:
-    """The parent pid of `pid` (/proc), None when `pid` is gone."""
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return (
-            open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-        )
-    except OSError:
-        return ""
-
-
-def launcher_pids() -> tuple[int, int | None] | None:
-    """(the per-node deepspeed launcher, the `deepspeed` runner above it or None) of this rank,
-    captured at start; None when this process was not started by the deepspeed launcher."""
-    launcher = os.getppid()
-    if "deepspeed.launcher.launch" not in _cmdline(launcher):
-        return None
-    runner = _parent_of(launcher)
-    return launcher, runner if runner and "deepspeed" in _cmdline(runner) else None
-
-
-def lost_launcher(launcher: int, runner: int | None) -> str | None:
-    """Which of them is gone: a dead process's children are re-parented, so a changed parent
-    (never a reused pid) says it."""
-    if os.getppid() != launcher:
-        return f"lost the deepspeed launcher (pid {launcher})"
-    if runner is not None and _parent_of(launcher) != runner:
-        return f"lost the deepspeed runner (pid {runner})"
-    return None
-
-
-def watch_launcher(stop: StopFlag) -> threading.Thread | None:
-    """A daemon thread that asks `stop` for a checkpoint and an exit when the launcher or the
-    `deepspeed` runner dies (what Kubernetes, `docker stop` and systemd signal: on one node the
-    runner exits at once and its launcher, orphaned, keeps the ranks running)."""
-    pids = launcher_pids()
-    if pids is None:
-        return None
-    stop.launcher = pids
-
-    def watch():
-        while not stop.requested:
-            cause = lost_launcher(*pids)
-            if cause:
-                stop.request(cause, 143)
-                return
-            time.sleep(LAUNCHER_POLL_S)
-
-    thread = threading.Thread(target=watch, name="shatter-launcher-watch", daemon=True)
-    thread.start()
-    return thread
 
 
 def ignore_stop_signals(worker_id: int) -> None:

@@ -186,12 +186,8 @@ def _run(cfg: TrainConfig, restart: bool = False) -> int:
         init_distributed,
         resolved_deepspeed_config,
     )
-    from shatter.train.lifecycle import (
-        ProgressWatchdog,
-        StopFlag,
-        hold_run_directory,
-        watch_launcher,
-    )
+    from shatter.train.launcher_watch import watch_launcher
+    from shatter.train.lifecycle import ProgressWatchdog, StopFlag, hold_run_directory
     from shatter.train.loader import StreamPosition, stream_shape
     from shatter.train.loop import RunContext
     from shatter.train.metrics import MetricsWriter, log_to_run
@@ -213,6 +209,7 @@ def _run(cfg: TrainConfig, restart: bool = False) -> int:
     ds_config = resolved_deepspeed_config(cfg, world)
     say = lambda line: click.echo(line, err=True)  # noqa: E731
     found = resumable.find_resumable(run_dir, say, restart)
+    resumable.check_same_setup(run_dir, found, cfg, ds_config, seq_len)  # before DeepSpeed's load
     universal = _universal_if_resharded(run_dir, rank, world, ds_config, found)
     torch.manual_seed(cfg.run.seed)
     # The model is built for the length it is trained at (the paper pretrains BERT_GPU and

@@ -177,3 +177,54 @@ def find_resumable(run_dir: Path, say=print, restart: bool = False) -> Resumable
     if dist.get_rank() == 0 and found.tag is not None and latest_tag(run_dir) != found.tag:
         write_atomic(run_dir / CHECKPOINTS / LATEST, found.tag)  # DeepSpeed's tools read it
     return found
+
+
+def _saved_setup(run_dir: Path, tag: str) -> dict:
+    """The settings checkpoint `tag` was written under: its manifest's ZeRO stage, and the
+    precision, length and seed of RUN/config.json (the session that wrote it)."""
+    saved = {}
+    try:
+        saved["zero_stage"] = json.loads((run_dir / CHECKPOINTS / tag / MANIFEST).read_text())[
+            "zero_stage"
+        ]
+    except (OSError, ValueError, KeyError):
+        pass
+    try:
+        record = json.loads((run_dir / "config.json").read_text())
+        saved["precision"] = record["config"]["run"]["precision"]
+        saved["seq_len"] = record["seq_len"]
+        saved["seed"] = record["config"]["run"]["seed"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return saved
+
+
+SETUP_FLAGS = {"zero_stage": "--zero-stage", "precision": "--precision", "seq_len": "--seq-len"}
+SETUP_FLAGS["seed"] = "--seed"
+
+
+def check_same_setup(run_dir: Path, found: Resumable, cfg, ds_config: dict, seq_len: int) -> None:
+    """A resume keeps the settings its checkpoint's files and stream depend on: the ZeRO stage
+    and the precision (the optimizer's files differ: DeepSpeed failed with an AttributeError or
+    a bare AssertionError), the sequence length (the stream's rows and positions) and the seed
+    (the stream's order and masks): one line naming each change."""
+    if found.tag is None:
+        return
+    now = {
+        "zero_stage": ds_config["zero_optimization"]["stage"],
+        "precision": cfg.run.precision,
+        "seq_len": seq_len,
+        "seed": cfg.run.seed,
+    }
+    saved = _saved_setup(run_dir, found.tag)
+    changed = [
+        f"{SETUP_FLAGS[k]} {saved[k]} -> {now[k]}"
+        for k in SETUP_FLAGS
+        if k in saved and saved[k] != now[k]
+    ]
+    if changed:
+        raise _refusal(
+            f"{run_dir / CHECKPOINTS / found.tag} was written with other settings than this "
+            f"resume's ({'; '.join(changed)}): its optimizer files and data stream depend on "
+            "them; resume with the run's own settings, or start a new run with another --output"
+        )

@@ -93,6 +93,14 @@ def test_a_damaged_checkpoint_is_never_loaded_and_never_deleted(data, tmp_path):
     assert (aside / "metrics.jsonl").read_text() == history
     assert sorted(p.name for p in checkpoints.glob("step*")) == ["step00000002"]
 
+    # a resume with the settings its files and stream depend on changed: one line (DeepSpeed's
+    # own load failed with an AttributeError, and another seed silently broke the exact stream)
+    fifth = launch(data, run, "--max-steps", "4", "--zero-stage", "0", "--seed", "7")
+    assert fifth.returncode != 0 and "Traceback" not in fifth.stdout + fifth.stderr
+    errors = [x for x in our_lines(fifth) if x.startswith("Error: ")]
+    assert errors and "was written with other settings" in errors[-1], fifth.stderr[-3000:]
+    assert "--zero-stage 1 -> 0; --seed 0 -> 7" in errors[-1]
+
 
 def _processes_of(run: Path) -> list[int]:
     """The pids whose command line names `run` (the ranks of its job, their loader workers)."""

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from shatter.train import checkpoint
-from shatter.train.config import ConfigError
+from shatter.train.config import ConfigError, resolve
 from shatter.train.guard import LossSpike
-from shatter.train.resumable import choose, set_aside
+from shatter.train.resumable import check_same_setup, choose, set_aside
 
 FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
 
@@ -98,3 +98,19 @@ def test_a_loss_spike_is_judged_against_the_median_of_healthy_lines():
     assert "above 3 × its running median 5.5" in line and "healthy until step 8" in line
     assert spike.check(12, float("nan")) is None  # NaN/inf: the non-finite guard's
     assert LossSpike(factor=0, lines=1).check(1, 1e9) is None  # 0: no check
+
+
+def test_a_resume_with_another_zero_stage_precision_length_or_seed_is_refused(tmp_path):
+    fake_checkpoint(tmp_path, 2)  # its manifest: ZeRO-1
+    run = {"precision": "fp32", "seed": 0}
+    (tmp_path / "config.json").write_text(json.dumps({"config": {"run": run}, "seq_len": 64}))
+    cfg = resolve(None, {"precision": "fp32", "seed": 0})
+    found = choose(tmp_path, lambda line: None)
+    check_same_setup(tmp_path, found, cfg, {"zero_optimization": {"stage": 1}}, 64)  # the same
+    other = resolve(None, {"precision": "bf16", "seed": 3})
+    with pytest.raises(ConfigError) as err:
+        check_same_setup(tmp_path, found, other, {"zero_optimization": {"stage": 0}}, 32)
+    line = str(err.value)
+    assert (
+        "--zero-stage 1 -> 0; --precision fp32 -> bf16; --seq-len 64 -> 32; --seed 0 -> 3" in line
+    )
