@@ -37,6 +37,7 @@ files, so the export needs no other node's shards.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -170,9 +171,15 @@ def save(
         "model_config": engine.module.config.to_dict(),  # shatter-extend reads the length here
     }
     skipped_steps(engine)  # its device-side count into engine.skipped_steps, which is saved
-    engine.save_checkpoint(
-        str(run_dir / CHECKPOINTS), tag=name, client_state=client, save_latest=False
-    )
+    try:
+        engine.save_checkpoint(
+            str(run_dir / CHECKPOINTS), tag=name, client_state=client, save_latest=False
+        )
+    except (OSError, RuntimeError) as err:
+        full = disk_full(err, step_dir, latest_tag(run_dir))
+        if full is None:
+            raise
+        raise full from None
     owned = [None] * dist.get_world_size()
     dist.all_gather_object(owned, _own_files(step_dir, dist.get_rank()))  # also the barrier
     if dist.get_rank() == 0:
@@ -189,6 +196,23 @@ def save(
             prune(run_dir / CHECKPOINTS, keep)
     dist.barrier()
     return name
+
+
+def disk_full(err: BaseException, step_dir: Path, newest: str | None) -> Exception | None:
+    """`err`, raised while writing `step_dir`, as one line when the disk is full (an ENOSPC, or
+    torch's `unexpected pos` from a zip writer that met one); None when it is something else."""
+    from shatter.train.config import ConfigError
+
+    usage = shutil.disk_usage(step_dir.parent)
+    nospace = getattr(err, "errno", None) == errno.ENOSPC
+    if not nospace and usage.free > max(1 << 20, usage.total // 200):
+        return None
+    return ConfigError(
+        f"disk full (ENOSPC) while saving checkpoint {step_dir.name} in {step_dir.parent} "
+        f"({usage.free / 2**20:.0f} MiB free of {usage.total / 2**30:.1f} GiB); the newest "
+        f"complete checkpoint is still {newest or 'none'}: free space there (or lower "
+        "run.keep_checkpoints) and run the same command again to resume"
+    )
 
 
 PROTECTED = ".protected"  # RUN/checkpoints/stepN/.protected: never pruned; the file says why

@@ -190,6 +190,12 @@ def one_line(err: BaseException, known: bool = False) -> str:
     text = " ".join(text.split()) or "(no message)"
     if known:
         return text
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        where = os.path.dirname(str(err.filename)) if err.filename else "its disk"
+        return (
+            f"disk full (ENOSPC) writing {err.filename or '?'}: free space in {where} and run "
+            "the same command again"
+        )
     return f"{type(err).__name__}: {text}" + (f" ({where})" if where else "")
 
 

@@ -79,6 +79,16 @@ def test_a_loader_worker_failure_is_said_in_one_line_with_the_worker_s_place():
         assert one_line(err, known=True) == "shard /d/train-0.arrow is corrupted: rebuild it"
 
 
+def test_a_full_disk_is_said_as_such_naming_the_directory():
+    import errno
+
+    err = OSError(errno.ENOSPC, "No space left on device", "/runs/a/.shared-check-1f")
+    assert one_line(err) == (
+        "disk full (ENOSPC) writing /runs/a/.shared-check-1f: free space in /runs/a and run the "
+        "same command again"
+    )
+
+
 SIGNALS_TWICE = """
 import os, signal, sys, time
 sys.path.insert(0, {repo!r})

@@ -201,3 +201,27 @@ def test_a_finite_divergence_stops_in_one_line_keeping_the_checkpoint_before_it(
         "diverged-step00000013",
         "diverged-step00000014",
     ]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (two checkpoints of the tiny model fit, a third does not), or a skip."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)])
+    if done.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)])
+
+
+def test_a_full_disk_during_a_save_stops_in_one_line_naming_it(data, small_disk):
+    run = small_disk / "run"
+    done = launch(data, run, "--max-steps", "20")
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    errors = [x for x in our_lines(done) if x.startswith("Error: ")]
+    full = [x for x in errors if "disk full (ENOSPC) while saving checkpoint" in x]
+    assert full, errors or done.stderr[-3000:]  # (a rank whose peer ended first: its own line)
+    assert str(run / "checkpoints") in full[0]
+    newest = (run / "checkpoints" / "latest").read_text()
+    assert f"the newest complete checkpoint is still {newest}" in full[0]
