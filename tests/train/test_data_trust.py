@@ -67,8 +67,12 @@ def test_a_node_cache_not_owned_or_open_to_others_is_refused(tmp_path, monkeypat
     with pytest.raises(StoreError, match="belongs to .*: only a directory of this user's own"):
         NodeCache(settings).prepare()
     shutil.rmtree(cache)
-    cache.symlink_to(tmp_path)
-    with pytest.raises(StoreError, match="is a symbolic link"):
+    own = tmp_path / "scratch"
+    own.mkdir(mode=0o700)
+    cache.symlink_to(own)  # this user's link to this user's 0700 directory: used
+    assert NodeCache(settings).prepare()
+    os.lchown(cache, 65534, 65534)  # a link planted by another user
+    with pytest.raises(StoreError, match="is a symbolic link of"):
         NodeCache(settings).prepare()
 
 

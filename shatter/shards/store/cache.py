@@ -254,14 +254,24 @@ def _evict(path: str, directory: str) -> bool:
 
 def _untrusted(directory: str) -> str | None:
     """Why `directory` is not this user's own, with mode 0700 (None when it is)."""
-    st = os.lstat(directory)
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link"
+    link = os.lstat(directory)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != os.getuid():  # planted on a shared /tmp
+        return f"is a symbolic link of {_owner_id(link.st_uid)}"
+    st = os.stat(directory)  # a link of this user's own (a scratch disk): its target decides
     if st.st_uid != os.getuid():
         return f"belongs to {_owner(directory)}"
     if st.st_mode & 0o077:
         return f"has mode {stat.S_IMODE(st.st_mode):04o}"
     return None
+
+
+def _owner_id(uid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"uid {uid}"
 
 
 def _owner(path: str) -> str:
