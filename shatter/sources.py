@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shatter import safe_load
 from shatter.checkpoint import (
     CONFIG,
     WEIGHTS,
@@ -125,7 +126,9 @@ def _config_for(tag_dir: Path, client_state: dict, state: dict) -> ModelConfig:
 def load_deepspeed(tag_dir: Path) -> tuple[ShatterForMaskedLM, dict]:
     """Consolidate a DeepSpeed checkpoint tag folder: (fp32 masked-LM model, its client state)."""
     try:
-        states = torch.load(tag_dir / MODEL_STATES, map_location="cpu", weights_only=False)
+        states = safe_load.load(tag_dir / MODEL_STATES)
+    except safe_load.UnsafeCheckpointError as e:
+        raise CheckpointError(str(e)) from None
     except Exception as e:  # torch raises several types for a truncated or foreign file
         raise CheckpointError(f"{tag_dir / MODEL_STATES} cannot be read: {e}") from None
     if not isinstance(states, dict):
@@ -139,10 +142,13 @@ def load_deepspeed(tag_dir: Path) -> tuple[ShatterForMaskedLM, dict]:
 
         said = io.StringIO()  # its progress lines and bars: internals, and \r in a log
         try:
-            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-                state = get_fp32_state_dict_from_zero_checkpoint(
-                    str(tag_dir.parent), tag=tag_dir.name
-                )
+            with safe_load.only_weights(), contextlib.redirect_stdout(said):
+                with contextlib.redirect_stderr(said):
+                    state = get_fp32_state_dict_from_zero_checkpoint(
+                        str(tag_dir.parent), tag=tag_dir.name
+                    )
+        except safe_load.UnsafeCheckpointError as e:
+            raise CheckpointError(str(e)) from None
         except Exception as e:  # a missing rank file or a foreign layout surfaces as many types
             raise CheckpointError(
                 f"{tag_dir}: cannot consolidate the ZeRO checkpoint: {e}"

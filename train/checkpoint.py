@@ -12,12 +12,19 @@ RUN/checkpoints/stepN/universal/), and every rank loads that with `load_universa
 re-partitions for the new world. The trainer state and the stream position are global (samples
 consumed by all ranks together), so the data continues at the next global sample.
 
-A checkpoint is complete or ignored: every rank writes its files (`latest` is not written by
-DeepSpeed), then after a barrier rank 0 writes stepN/manifest.json (world size, ZeRO stage, every
-file with its size) and only then `latest`, both atomically (written beside, then renamed). A
-resume takes the newest checkpoint whose manifest matches its files; a newer one without (a kill
-during its save) is said in one line and removed. The manifest, not a count of files, gives the
-world size the partitions were written for.
+A checkpoint is complete or skipped, never deleted to make a resume work: every rank writes its
+files and their sha256 (`latest` is not written by DeepSpeed), then after a barrier rank 0 writes
+stepN/manifest.json (world size, ZeRO stage, every file with its size and sha256) and only then
+`latest`, both atomically (written beside, then renamed). A resume verifies the newest
+checkpoint against its manifest, sizes and checksums. Saves are sequential, so only the newest
+can be legitimately incomplete (a kill during its save): it is said in one line and skipped (a
+checkpoint whose files disagree with its own manifest, e.g. a bit flip, is moved aside as
+RUN/checkpoints/damaged-stepN), and the run resumes from the one before, which is then never
+pruned (`PROTECTED`). An older checkpoint that does not match its manifest is damage, not a
+kill (a partial copy of the run directory, a bad disk): the run refuses in one line naming the
+file. With no usable checkpoint in a run directory that has some, the run refuses to start from
+scratch unless `--restart` (which moves the old run's files aside, `set_aside`). The manifest,
+not a count of files, gives the world size the partitions were written for.
 
 The export (RUN/export/) is the format of docs/format.md, written by `shatter.save_pretrained`:
 consolidated fp32 weights. Under ZeRO (and bf16/fp16) the fp32 master weights live in the
@@ -30,6 +37,7 @@ files, so the export needs no other node's shards.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -43,6 +51,7 @@ from pathlib import Path
 import torch
 
 import shatter
+from shatter import safe_load
 from shatter.train.engine import skipped_steps
 
 CHECKPOINTS = "checkpoints"
@@ -127,16 +136,19 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _own_files(step_dir: Path, rank: int) -> dict[str, int]:
-    """{name: size} of the files of `step_dir` that `rank` wrote: its ZeRO partitions
-    (`*zero_pp_rank_R_*`); rank 0 also the rest (model states)."""
+def _own_files(step_dir: Path, rank: int) -> dict[str, dict]:
+    """{name: {"bytes", "sha256"}} of the files of `step_dir` that `rank` wrote: its ZeRO
+    partitions (`*zero_pp_rank_R_*`); rank 0 also the rest (model states). Each rank hashes its
+    own files, side by side with the others."""
+    from shatter.shards.reader import sha256_file
+
     files = {}
     for path in step_dir.iterdir():
         if not path.is_file() or path.name.startswith("."):
             continue
         owner = re.search(r"zero_pp_rank_(\d+)_", path.name)
         if (int(owner.group(1)) if owner else 0) == rank:
-            files[path.name] = path.stat().st_size
+            files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_file(str(path))}
     return files
 
 
@@ -159,9 +171,15 @@ def save(
         "model_config": engine.module.config.to_dict(),  # shatter-extend reads the length here
     }
     skipped_steps(engine)  # its device-side count into engine.skipped_steps, which is saved
-    engine.save_checkpoint(
-        str(run_dir / CHECKPOINTS), tag=name, client_state=client, save_latest=False
-    )
+    try:
+        engine.save_checkpoint(
+            str(run_dir / CHECKPOINTS), tag=name, client_state=client, save_latest=False
+        )
+    except (OSError, RuntimeError) as err:
+        full = disk_full(err, step_dir, latest_tag(run_dir))
+        if full is None:
+            raise
+        raise full from None
     owned = [None] * dist.get_world_size()
     dist.all_gather_object(owned, _own_files(step_dir, dist.get_rank()))  # also the barrier
     if dist.get_rank() == 0:
@@ -180,73 +198,61 @@ def save(
     return name
 
 
+def disk_full(err: BaseException, step_dir: Path, newest: str | None) -> Exception | None:
+    """`err`, raised while writing `step_dir`, as one line when the disk is full (an ENOSPC, or
+    torch's `unexpected pos` from a zip writer that met one); None when it is something else."""
+    from shatter.train.config import ConfigError
+
+    usage = shutil.disk_usage(step_dir.parent)
+    nospace = getattr(err, "errno", None) == errno.ENOSPC
+    if not nospace and usage.free > max(1 << 20, usage.total // 200):
+        return None
+    return ConfigError(
+        f"disk full (ENOSPC) while saving checkpoint {step_dir.name} in {step_dir.parent} "
+        f"({usage.free / 2**20:.0f} MiB free of {usage.total / 2**30:.1f} GiB); the newest "
+        f"complete checkpoint is still {newest or 'none'}: free space there (or lower "
+        "run.keep_checkpoints) and run the same command again to resume"
+    )
+
+
+PROTECTED = ".protected"  # RUN/checkpoints/stepN/.protected: never pruned; the file says why
+
+
+def step_dirs(directory: Path) -> list[Path]:
+    """The checkpoint folders (stepNNNNNNNN) of RUN/checkpoints, oldest first."""
+    return sorted(
+        p for p in directory.glob("step*") if p.is_dir() and re.fullmatch(r"step\d+", p.name)
+    )
+
+
+def protect(step_dir: Path, why: str) -> None:
+    """`step_dir` outlives `keep_checkpoints`: the newest intact checkpoint from before a fault."""
+    write_atomic(step_dir / PROTECTED, why + "\n")
+
+
+def newest_complete(directory: Path, at_most: int) -> Path | None:
+    """The newest checkpoint with a manifest whose step is at most `at_most`."""
+    done = [p for p in step_dirs(directory) if (p / MANIFEST).is_file()]
+    return next((p for p in reversed(done) if int(p.name[4:]) <= at_most), None)
+
+
+def set_aside_after(directory: Path, step: int, prefix: str) -> None:
+    """Checkpoints after `step` renamed `prefix`stepN (kept for a look, never resumed from)."""
+    for newer in step_dirs(directory):
+        if int(newer.name[4:]) > step:
+            os.replace(newer, newer.with_name(prefix + newer.name))
+
+
 def prune(directory: Path, keep: int) -> None:
-    tags = sorted(p for p in directory.glob("step*") if p.is_dir())
-    for old in tags[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    """Remove complete checkpoints older than the newest `keep` complete ones; protected ones
+    and any without a manifest (an interrupted save, or one to be looked at) stay."""
+    complete = [p for p in step_dirs(directory) if (p / MANIFEST).is_file()]
+    for old in complete[:-keep]:
+        if not (old / PROTECTED).exists():
+            shutil.rmtree(old, ignore_errors=True)
 
 
 UNIVERSAL = "universal"  # RUN/checkpoints/stepN/universal: stepN re-partitionable
-
-
-def manifest_problem(step_dir: Path) -> str | None:
-    """Why `step_dir` is not a complete checkpoint (None when it is)."""
-    try:
-        manifest = json.loads((step_dir / MANIFEST).read_text())
-    except OSError:
-        return "no manifest: its save was interrupted"
-    except ValueError:
-        return f"{MANIFEST} is not readable"
-    for name, size in manifest["files"].items():
-        path = step_dir / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, its manifest says {size}"
-    return None
-
-
-@dataclass(frozen=True)
-class Resumable:
-    """The checkpoint a run resumes from (`tag` None: none, a fresh start)."""
-
-    tag: str | None = None
-    world_size: int | None = None  # of its ZeRO partitions; None: ZeRO-0, or unknown
-
-
-def _legacy_world(step_dir: Path) -> int | None:
-    """The world size of a checkpoint written before manifests: its optimizer files."""
-    return len(list(step_dir.glob("*zero_pp_rank_*_optim_states.pt"))) or None
-
-
-def _choose(run_dir: Path, say) -> Resumable:
-    """Rank 0: the newest complete checkpoint; newer incomplete ones are said and removed."""
-    directory = run_dir / CHECKPOINTS
-    tags = sorted((p for p in directory.glob("step*") if p.is_dir()), reverse=True)
-    latest = latest_tag(run_dir)
-    for step_dir in tags:
-        problem = manifest_problem(step_dir)
-        if problem is None:
-            manifest = json.loads((step_dir / MANIFEST).read_text())
-            zero = manifest["zero_stage"] > 0
-            return Resumable(step_dir.name, manifest["world_size"] if zero else None)
-        if step_dir.name == latest and not (step_dir / MANIFEST).exists():
-            if not any((p / MANIFEST).exists() for p in tags):  # written by an older trainer
-                return Resumable(step_dir.name, _legacy_world(step_dir))
-        say(f"checkpoint {step_dir} is incomplete ({problem}): skipped and removed")
-        shutil.rmtree(step_dir, ignore_errors=True)
-    return Resumable()
-
-
-def find_resumable(run_dir: Path, say=print) -> Resumable:
-    """Collective: the checkpoint every rank resumes from, chosen by rank 0 (`say`s its lines)."""
-    dist = torch.distributed
-    choice = [_choose(run_dir, say) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(choice, src=0)
-    found = choice[0]
-    if dist.get_rank() == 0 and found.tag is not None and latest_tag(run_dir) != found.tag:
-        write_atomic(run_dir / CHECKPOINTS / LATEST, found.tag)  # DeepSpeed's tools read it
-    return found
 
 
 def to_universal(run_dir: Path, name: str) -> Path:
@@ -273,7 +279,8 @@ def to_universal(run_dir: Path, name: str) -> Path:
         )
         quiet = io.StringIO()  # its progress prints and bars
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            ds_to_universal(args)
+            with safe_load.only_weights():
+                ds_to_universal(args)
         for extra in (step_dir / "latest_universal",):  # written beside `out`, unused here
             extra.unlink(missing_ok=True)
         (out / "DONE").write_text("")
@@ -293,7 +300,12 @@ def resume(
     if universal:
         load_dir, load_tag = run_dir / CHECKPOINTS / name, UNIVERSAL
     try:
-        path, client = engine.load_checkpoint(str(load_dir), tag=load_tag)
+        with safe_load.only_weights():  # DeepSpeed's loads: weights only, its classes allowed
+            path, client = engine.load_checkpoint(str(load_dir), tag=load_tag)
+    except safe_load.UnsafeCheckpointError as err:
+        from shatter.train.config import ConfigError
+
+        raise ConfigError(str(err)) from None
     except (RuntimeError, KeyError, ValueError) as err:  # e.g. weights of another shape
         from shatter.train.config import ConfigError
 

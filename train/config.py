@@ -195,6 +195,22 @@ class RunArgs:
         100  # consecutive NaN/inf micro-batches (each skipped and counted) before the run stops
     )
     keep_checkpoints: int = 2  # newest checkpoints kept under RUN/checkpoints (0 = keep all)
+    diverge_factor: float = option(
+        3.0,
+        "A loss above this times its running median is a spike (0: no divergence check).",
+        flag="",
+        min=0,
+        doc="a log line's loss above this × the running median of the last 50 is a spike; "
+        "`diverge_lines` spikes in a row stop the run as diverged (0 = never)",
+    )
+    diverge_lines: int = option(
+        3,
+        "Log lines in a row with a spike that stop the run as diverged.",
+        flag="",
+        min=1,
+        doc="log lines in a row with a loss spike that stop the run as diverged, keeping the "
+        "checkpoint from before the spike",
+    )
     num_gpus: int = option(
         1,
         "World size the config is written for (--dry-run).",

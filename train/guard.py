@@ -16,6 +16,9 @@ The pretraining loop (train/loop.py) and the finetuning loop (train/finetuning/l
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,6 +30,53 @@ if TYPE_CHECKING:
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (e.g. a diverged loss); the message says what to do."""
+
+
+class LossSpike:
+    """Finite divergence, read at log lines (the window's loss, the same on every rank): a loss
+    above `factor` × the median of the last `MEDIAN_OF` healthy log lines is a spike, and
+    `lines` spikes in a row are a divergence. `check` returns what changed: "spike" (the first
+    of a run: the checkpoint from before it is kept from pruning), "over" (the loss is back),
+    "diverged", or None."""
+
+    MEDIAN_OF = 50  # healthy log lines the median is taken over
+    WARM = 5  # healthy log lines before anything is judged (the first losses fall fast)
+
+    def __init__(self, factor: float, lines: int):
+        self.factor, self.lines = factor, lines
+        self.healthy: deque[float] = deque(maxlen=self.MEDIAN_OF)
+        self.spikes = 0  # spike lines in a row
+        self.healthy_step = 0  # the step of the last healthy log line
+        self.median = float("nan")
+
+    def check(self, step: int, loss: float) -> str | None:
+        if self.factor <= 0 or not math.isfinite(loss):  # NaN/inf: the non-finite guard's
+            return None
+        if len(self.healthy) >= self.WARM:
+            self.median = statistics.median(self.healthy)
+            if loss > self.factor * self.median:
+                self.spikes += 1
+                if self.spikes >= self.lines:
+                    return "diverged"
+                return "spike" if self.spikes == 1 else None
+        over = self.spikes > 0
+        self.spikes, self.healthy_step = 0, step
+        self.healthy.append(loss)
+        return "over" if over else None
+
+    def error(self, step: int, loss: float, kept: str | None) -> TrainingError:
+        where = (
+            f"the checkpoint from before the spike, {kept}, is the one a resume takes (newer "
+            "ones moved aside as diverged-stepN)"
+            if kept
+            else "no checkpoint from before the spike exists"
+        )
+        return TrainingError(
+            f"loss {loss:.4g} at step {step} is above {self.factor:g} × its running median "
+            f"{self.median:.4g} for {self.spikes} log lines in a row (healthy until step "
+            f"{self.healthy_step}): the run diverged; {where}; lower the lr (or raise "
+            "run.diverge_factor) and run the same command again"
+        )
 
 
 class DeviceWindow:

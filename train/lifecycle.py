@@ -66,37 +66,105 @@ def _rank() -> str:
 
 
 class StopFlag:
-    """Set by SIGTERM or SIGINT; the loop saves a checkpoint at the next step boundary and exits.
-    A second signal (more than SAME_REQUEST_S later) exits at once, without a checkpoint."""
+    """Set by SIGTERM, SIGHUP or SIGINT, or by the loss of the launcher (train/launcher_watch.py); the
+    loop saves a checkpoint at the next step boundary and exits. Repeated SIGTERMs and SIGHUPs
+    are the same request (the deepspeed launcher forwards one to each rank after the job's
+    group got its own, and again when a rank exits first); a second Ctrl-C (SIGINT, more than
+    SAME_REQUEST_S after the first) exits at once, without a checkpoint. Each rank writes the
+    cause to RUN/train.log (`log_to`), where a lost terminal cannot swallow it."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
     def __init__(self):
         self.requested = False
         self.name: str | None = None
         self.exit_code = 143  # 128 + the signal: SIGTERM's, or SIGINT's (130) after a Ctrl-C
         self._at = 0.0
+        self._notes: list[str] = []  # said before the run directory was known
+        self.launcher: tuple[int, int | None] | None = None  # pids `watch_launcher` watches
 
     def install(self) -> StopFlag:
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
         return self
 
+    def log_to(self, path) -> None:
+        """Every rank appends its stop and failure lines to `path` (RUN/train.log) from now on."""
+        _RUN_LOG["path"] = str(path)
+        for line in self._notes:
+            self.note(line)
+        self._notes.clear()
+
+    def note(self, line: str) -> None:
+        """`line` in the run's log, by this rank."""
+        if _RUN_LOG["path"] is None:
+            self._notes.append(line)
+            return
+        note_in_run_log(line)
+
+    def request(self, cause: str, code: int) -> None:
+        """A stop for `cause`: a checkpoint at the next step boundary, then exit `code`."""
+        if self.requested:
+            return
+        self.requested, self.name, self._at, self.exit_code = True, cause, time.monotonic(), code
+        self.note(f"{cause}: a checkpoint is saved at the next step boundary, then the run exits")
+        if _rank() == "0":
+            _say(
+                f"{cause}: a checkpoint is saved at the next step boundary, then the run exits "
+                "(Ctrl-C again exits at once)"
+            )
+
+    def agreed(self) -> str:
+        """The ranks agreed to stop (one rank's request suffices): this rank's own cause, the
+        lost launcher when it sees that now (before its next poll), else a peer's request."""
+        if not self.requested and self.launcher is not None:
+            from shatter.train.launcher_watch import lost_launcher
+
+            lost = lost_launcher(*self.launcher)
+            if lost:
+                self.request(lost, 143)
+        if not self.requested:
+            self.request("another rank's stop request", self.exit_code)
+        return self.name
+
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested:
-            if time.monotonic() - self._at < SAME_REQUEST_S:
-                return
+            if signum != signal.SIGINT or time.monotonic() - self._at < SAME_REQUEST_S:
+                return  # the same request, forwarded or repeated: the save goes on
+            self.note(f"second {name}: exiting at once, no checkpoint")
             hard_exit(
                 128 + signum, f"rank {_rank()}: second {name}: exiting at once, no checkpoint"
             )
-        self.requested, self.name, self._at = True, name, time.monotonic()
-        self.exit_code = 128 + signum
-        if _rank() == "0":
-            sys.stderr.write(
-                f"{name}: a checkpoint is saved at the next step boundary, then the run exits "
-                f"({name} again exits at once)\n"
-            )
+        self.request(name, 128 + signum)
+
+
+_RUN_LOG = {"path": None}  # RUN/train.log once the run directory is known (`StopFlag.log_to`)
+
+
+def note_in_run_log(line: str) -> None:
+    """`line` appended to RUN/train.log by this rank, in one write (ranks do not interleave):
+    the cause of a stop or a failure stays where a lost terminal or a dead pipe cannot take it."""
+    if _RUN_LOG["path"] is None:
+        return
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        fd = os.open(_RUN_LOG["path"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{stamp} rank {_rank()}: {line}\n".encode())
+        finally:
+            os.close(fd)
+    except OSError:  # the run directory is gone: stderr still says it
+        pass
+
+
+def _say(line: str) -> None:
+    """A line on stderr, unless stderr is gone (a closed terminal after SIGHUP, a dead pipe)."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def ignore_stop_signals(worker_id: int) -> None:
@@ -122,6 +190,12 @@ def one_line(err: BaseException, known: bool = False) -> str:
     text = " ".join(text.split()) or "(no message)"
     if known:
         return text
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        where = os.path.dirname(str(err.filename)) if err.filename else "its disk"
+        return (
+            f"disk full (ENOSPC) writing {err.filename or '?'}: free space in {where} and run "
+            "the same command again"
+        )
     return f"{type(err).__name__}: {text}" + (f" ({where})" if where else "")
 
 
@@ -167,6 +241,7 @@ def fail_now(code: int, line: str) -> None:
         sys.stderr.flush()
     except Exception:  # a closed stderr must not keep the process
         pass
+    note_in_run_log(f"Error: {line.removeprefix(f'rank {_rank()}: ')}")
     close_process_group(FAILED_DESTROY_S)
     hard_exit(code)
 

@@ -26,7 +26,7 @@ from shatter.train.config import TrainConfig
 from shatter.train.cost import cost_model
 from shatter.train.engine import LossScaleStall, loss_scale, skipped_steps
 from shatter.train.evaluate import evaluate
-from shatter.train.guard import StepGuard, TrainingError, step_guard
+from shatter.train.guard import LossSpike, StepGuard, TrainingError, step_guard
 from shatter.train.lifecycle import StopFlag, ignore_stop_signals
 from shatter.train.loader import (
     ShardStream,
@@ -198,6 +198,8 @@ class Loop:
     steps_shown: int  # state.step then
     last: tuple[dict, dict] = ({}, {})  # the last micro-batch: (its inputs, its batch)
     status: str = "complete"
+    spike: LossSpike | None = None  # divergence: loss spikes at log lines
+    spike_kept: Path | None = None  # the checkpoint protected at a spike's start
 
 
 def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
@@ -245,6 +247,7 @@ def _start_loop(ctx: RunContext, state, validation, epoch_size: int) -> Loop:
         log or None,
         state.tokens,
         state.step,
+        spike=LossSpike(run.diverge_factor, run.diverge_lines),
     )
 
 
@@ -286,6 +289,8 @@ def _step_boundary(ctx: RunContext, loop: Loop, state, lr: float) -> bool:
     run stops here (after saving)."""
     run = ctx.cfg.run if ctx.budget is None else _replan(ctx, loop, state.step)
     stop_seen = loop.guard.stop(ctx.stop.requested)
+    if stop_seen:
+        ctx.stop.agreed()  # this rank's own cause, in its line of train.log
     log_now = _due(state.step, run.log_every, run.max_steps)
     last = run.max_steps if ctx.final_save else 0  # 0: no step is the last one to save at
     export_now = _due(state.step, run.export_every, last)
@@ -327,6 +332,36 @@ def _log(ctx: RunContext, loop: Loop, state, lr: float) -> None:
     record = _log_line(ctx, state, lr, tokens_per_s, costs)
     loop.progress.update(state.step - loop.steps_shown, record["loss"], lr, tokens_per_s, costs)
     loop.tokens_at, loop.steps_shown = state.tokens, state.step
+    _watch_divergence(ctx, loop, state.step, record["loss"])
+
+
+def _watch_divergence(ctx: RunContext, loop: Loop, step: int, loss: float) -> None:
+    """A loss spike keeps the checkpoint from before it from pruning; `run.diverge_lines` of them
+    in a row stop the run (train/guard.py's `LossSpike`), with that checkpoint the newest."""
+    spike = loop.spike
+    event = spike.check(step, loss)
+    if event is None:
+        return
+    directory = ctx.run_dir / checkpoint.CHECKPOINTS
+    before = checkpoint.newest_complete(directory, spike.healthy_step)
+    if event == "spike":
+        loop.progress.write(
+            f"step {step}: loss {loss:.4g} above {spike.factor:g} × its running median "
+            f"{spike.median:.4g}: a spike" + (f"; {before.name} kept" if before else "")
+        )
+        if ctx.rank == 0 and before is not None and not (before / checkpoint.PROTECTED).exists():
+            checkpoint.protect(before, "the newest checkpoint from before a loss spike")
+            loop.spike_kept = before
+    elif event == "over":
+        if ctx.rank == 0 and loop.spike_kept is not None:
+            (loop.spike_kept / checkpoint.PROTECTED).unlink(missing_ok=True)
+        loop.spike_kept = None
+    else:
+        if ctx.rank == 0:
+            checkpoint.set_aside_after(directory, spike.healthy_step, "diverged-")
+            if before is not None:
+                checkpoint.write_atomic(directory / checkpoint.LATEST, before.name)
+        raise spike.error(step, loss, before.name if before else None)
 
 
 def _stop(ctx: RunContext, loop: Loop, state, save: bool) -> None:
@@ -334,9 +369,9 @@ def _stop(ctx: RunContext, loop: Loop, state, save: bool) -> None:
     if save:
         save_and_export(ctx, state, False, loop.epoch_size)
     loop.status = "stopped"
-    loop.progress.write(
-        f"{ctx.stop.name or 'stop'}: checkpoint saved at step {state.step}; exiting"
-    )
+    line = f"{ctx.stop.name or 'stop'}: checkpoint saved at step {state.step}; exiting"
+    ctx.stop.note(line)
+    loop.progress.write(line)
 
 
 def _replan(ctx: RunContext, loop: Loop, step: int):

@@ -56,7 +56,10 @@ def truncate_after(path: Path, step: int) -> int:
             kept.append(line)
         else:
             dropped += 1
-    path.write_text("".join(f"{line}\n" for line in kept))
+    if dropped:  # a kill mid-rewrite must not cost the run its history: beside, then renamed
+        from shatter.train.checkpoint import write_atomic
+
+        write_atomic(path, "".join(f"{line}\n" for line in kept))
     return dropped
 
 
@@ -312,7 +315,10 @@ class Progress:
         """An event line on rank 0 (stderr, above the bar), with or without the bar; also in
         RUN/train.log."""
         if self.speaks:
-            tqdm.write(text, file=sys.stderr)
+            try:
+                tqdm.write(text, file=sys.stderr)
+            except (OSError, ValueError):  # a hung-up terminal, a dead pipe: train.log has it
+                pass
             log.info("%s", text)
 
     def close(self) -> None:

@@ -23,7 +23,15 @@ from pathlib import Path
 
 PREFIXES = ("AWS_", "HF_")
 NAMES = ("TMPDIR",)
-SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN")  # never written to a file
+SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN")
+# any name with one of these words is a credential too (AWS_SECURITY_TOKEN,
+# AWS_CONTAINER_AUTHORIZATION_TOKEN, ...): never written to a file, which pdsh would put on the
+# ssh command line of every node
+SECRET_WORDS = ("SECRET", "TOKEN", "PASSWORD", "AUTHORIZATION", "PRIVATE")
+
+
+def is_secret(name: str) -> bool:
+    return name in SECRETS or any(word in name.upper() for word in SECRET_WORDS)
 
 
 def node_settings(environ=None) -> dict[str, str]:
@@ -45,7 +53,7 @@ def add_to_env_file(path: Path, settings: dict[str, str]) -> list[str]:
     new = [
         k
         for k in sorted(settings)
-        if k not in present and k not in SECRETS and "\n" not in settings[k]
+        if k not in present and not is_secret(k) and "\n" not in settings[k]
     ]
     if new:
         lines += [f"{k}={settings[k]}" for k in new]  # the launcher quotes them itself
@@ -85,8 +93,8 @@ def check_nodes_env() -> None:
     path = env_file()
     if dist.get_rank() == 0:
         add_to_env_file(path, {k: known[k][0] for k in missing})
-    secrets = [k for k in missing if k in SECRETS]
-    written = [k for k in missing if k not in SECRETS]
+    secrets = [k for k in missing if is_secret(k)]
+    written = [k for k in missing if not is_secret(k)]
     fix = f"{', '.join(written)} written to {path}, " if written else ""
     if secrets:
         fix += f"add {', '.join(secrets)} there (or use AWS_PROFILE or an instance role), "

@@ -176,16 +176,17 @@ class UsageError(click.ClickException):
     exit_code = 2
 
 
-def _run(cfg: TrainConfig) -> int:
+def _run(cfg: TrainConfig, restart: bool = False) -> int:
     import torch
 
-    from shatter.train import budget, checkpoint
+    from shatter.train import budget, checkpoint, resumable
     from shatter.train.engine import (
         build_engine,
         deepspeed_schedule,
         init_distributed,
         resolved_deepspeed_config,
     )
+    from shatter.train.launcher_watch import watch_launcher
     from shatter.train.lifecycle import ProgressWatchdog, StopFlag, hold_run_directory
     from shatter.train.loader import StreamPosition, stream_shape
     from shatter.train.loop import RunContext
@@ -197,15 +198,19 @@ def _run(cfg: TrainConfig) -> int:
     ceiling = cfg.run.max_steps  # a budgeted run's plan never goes past --max-steps
     cfg = budget.planned_config(cfg, Path(cfg.run.output))  # a resumed budgeted run's length
     stop = StopFlag().install()
+    watch_launcher(stop)  # the runner's death (docker stop, Kubernetes) stops with a save
     rank, world = init_distributed(cfg.run.collective_timeout_s)
     check_nodes_env()  # the store's settings, TMPDIR and HF_* on every node
     run_dir = Path(cfg.run.output)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = hold_run_directory(run_dir, rank)  # noqa: F841 (held until the process ends)
     log_to_run(run_dir, rank)  # RUN/train.log
+    stop.log_to(run_dir / "train.log")  # every rank's stop cause
     checkpoint.check_shared(run_dir)  # every node must see the same run directory
     ds_config = resolved_deepspeed_config(cfg, world)
-    found = checkpoint.find_resumable(run_dir, say=lambda line: click.echo(line, err=True))
+    say = lambda line: click.echo(line, err=True)  # noqa: E731
+    found = resumable.find_resumable(run_dir, say, restart)
+    resumable.check_same_setup(run_dir, found, cfg, ds_config, seq_len)  # before DeepSpeed's load
     universal = _universal_if_resharded(run_dir, rank, world, ds_config, found)
     torch.manual_seed(cfg.run.seed)
     # The model is built for the length it is trained at (the paper pretrains BERT_GPU and
@@ -292,7 +297,8 @@ def _record_start(cfg, run_dir: Path, state, saved_config, ds_config, world, seq
                 f"({cfg.optim.decay} after warm-up)",
                 err=True,
             )
-    (run_dir / "config.json").write_text(
+    checkpoint.write_atomic(  # a full disk or a kill leaves the old one, never half of it
+        run_dir / "config.json",
         json.dumps(
             {
                 "config": cfg.to_dict(),
@@ -302,7 +308,7 @@ def _record_start(cfg, run_dir: Path, state, saved_config, ds_config, world, seq
             },
             indent=2,
         )
-        + "\n"
+        + "\n",
     )
 
 
@@ -367,6 +373,11 @@ def _say_how_it_ended(status: str, state, run_dir: Path, device) -> None:
     help="--dry-run for a GPU from any box (its DeepSpeed config and buffers); auto: this one.",
 )
 @click.option(
+    "--restart",
+    is_flag=True,
+    help="Start again from step 0 where --output holds a run (its files are moved aside).",
+)
+@click.option(
     "--local_rank",
     "--local-rank",
     "local_rank",
@@ -374,7 +385,7 @@ def _say_how_it_ended(status: str, state, run_dir: Path, device) -> None:
     hidden=True,
     help="Set by the deepspeed launcher.",
 )
-def main(config_file, dry_run, target, local_rank, **flags):
+def main(config_file, dry_run, target, restart, local_rank, **flags):
     """Pretrain a masked-LM encoder on a shard dataset with DeepSpeed."""
     from shatter.train.guard import TrainingError
     from shatter.train.lifecycle import process_exit
@@ -393,7 +404,7 @@ def main(config_file, dry_run, target, local_rank, **flags):
                 )
                 click.echo(dry_run_report(cfg, target))
                 return
-            code = _run(cfg)
+            code = _run(cfg, restart)
         except PresetError as err:
             raise UsageError(str(err)) from None
         if code:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from shatter import safe_load
+
 WRITTEN_FOR = ("0.19.8",)  # DeepSpeed versions whose ZeRO-3 universal load this repairs
 
 
@@ -55,7 +57,7 @@ def repair_universal_load(zero3, universal: Path) -> None:
         state = base.state.get(flat)
         if state is not None and torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()  # its own count, advanced by its own step
-    saved = torch.load(universal / "zero" / "optimizer_state.pt", weights_only=False)
+    saved = safe_load.load(universal / "zero" / "optimizer_state.pt")
     groups = saved[OPTIMIZER_STATE_DICT]["param_groups"]
     if len(groups) != len(base.param_groups):
         raise RuntimeError(

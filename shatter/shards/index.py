@@ -5,6 +5,7 @@ version checked before anything else in it is trusted (as MosaicML streaming's i
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, is_dataclass
@@ -132,6 +133,7 @@ def read_index(root: str, verify_tokenizer: bool = True) -> Index:
         )
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise DatasetError(f"{path}: malformed index ({type(err).__name__}: {err})") from None
+    check_entries(raw, path)
     if verify_tokenizer:
         if not fs.exists(index.tokenizer):
             raise DatasetError(f"{index.tokenizer}: tokenizer listed in {path} is missing")
@@ -141,6 +143,34 @@ def read_index(root: str, verify_tokenizer: bool = True) -> Index:
                 "the shards were built with"
             )
     return index
+
+
+SHA256 = re.compile(r"[0-9a-f]{64}")
+FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")  # a flat dataset's file: no / or ..
+
+
+def check_entries(raw: dict, path: str) -> None:
+    """Every `file` of index.json `path` a plain name inside the dataset and every `sha256` 64 hex
+    digits: an index is data, and its fields become paths (the files read, the node cache's
+    names), so one crafted index must not reach outside the dataset or the cache."""
+    tok = raw["tokenizer"]
+    entries = [("tokenizer", tok.get("file", TOKENIZER_FILE), tok.get("sha256"))]
+    for name, split in raw["splits"].items():
+        for i, shard in enumerate(split["shards"]):
+            entries.append((f"{name} shard {i}", shard["file"], shard["sha256"]))
+    for what, file, sha256 in entries:
+        if not isinstance(file, str) or not FILE_NAME.fullmatch(file):
+            raise DatasetError(
+                f"{path}: {what}'s file {file!r} is not a plain file name inside the dataset "
+                "(no directory, no '..'); this index was not written by `shatter-data build`: "
+                "rebuild the dataset or restore its index.json"
+            )
+        if not isinstance(sha256, str) or not SHA256.fullmatch(sha256):
+            raise DatasetError(
+                f"{path}: {what}'s sha256 {str(sha256)[:80]!r} is not 64 hex digits; this index "
+                "was not written by `shatter-data build`: rebuild the dataset or restore its "
+                "index.json"
+            )
 
 
 SHARD_FIELDS = tuple(f.name for f in fields(ShardInfo))  # what index.json records per shard

@@ -17,6 +17,9 @@ that lands during a save:
 
 SHATTER_TEST_NAN=MICRO: the loss of the run's micro-batch MICRO (counted from 0, on every rank)
 is NaN, with a gradient.
+
+SHATTER_TEST_SPIKE=MICRO: from the run's micro-batch MICRO on, every loss is 100 times larger (a
+finite divergence), with its gradient.
 """
 
 import os
@@ -45,10 +48,15 @@ forward = deepspeed.DeepSpeedEngine.forward
 NAN_MICRO = int(os.environ.get("SHATTER_TEST_NAN", "-1"))
 
 
+SPIKE_MICRO = int(os.environ.get("SHATTER_TEST_SPIKE", "-1"))
+
+
 def nan_forward(engine, *args, **kwargs):
     out = forward(engine, *args, **kwargs)
     if engine.training and engine.micro_steps == NAN_MICRO:
         out["loss"] = out["loss"] * float("nan")
+    if engine.training and 0 <= SPIKE_MICRO <= engine.micro_steps:
+        out["loss"] = out["loss"] * 100.0  # a finite divergence from there on
     return out
 
 

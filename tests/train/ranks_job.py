@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import shatter  # noqa: E402
+from shatter import safe_load  # noqa: E402
 from shatter.shards import read_index  # noqa: E402
 from shatter.train import checkpoint  # noqa: E402
 from shatter.train.config import model_overrides, resolve  # noqa: E402
@@ -105,6 +106,17 @@ def train_with_a_nan(engine, index, cfg, rank: int, world: int) -> dict:
     }
 
 
+def refused_files(step_dir: Path) -> list[str]:
+    """The files of checkpoint `step_dir` that `shatter.safe_load` refuses (none may be)."""
+    refused = []
+    for path in sorted(step_dir.glob("*.pt")):
+        try:
+            safe_load.load(path)
+        except safe_load.UnsafeCheckpointError as err:
+            refused.append(str(err))
+    return refused
+
+
 def check_export(engine, index, run: Path, rank: int, stage: int, batch: dict) -> dict:
     name = checkpoint.save(engine, run, checkpoint.TrainState(step=STEPS), {}, {}, keep=1)
     checkpoint.export(engine, run, name, index.tokenizer)
@@ -127,10 +139,12 @@ def check_export(engine, index, run: Path, rank: int, stage: int, batch: dict) -
             if v.is_floating_point()
         )
         result["tensors_finer_than_module_dtype"] = below
+        result["refused_weights_only"] = refused_files(run / "checkpoints" / name)
         if stage > 0:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            files = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag=name)
+            with safe_load.only_weights():  # DeepSpeed's own loads, restricted as the trainer's
+                files = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag=name)
             result["zero_to_fp32_equal"] = all(
                 torch.equal(files[k].float(), masters[k]) for k in files
             )

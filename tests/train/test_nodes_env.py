@@ -65,3 +65,23 @@ def test_the_store_settings_reach_every_node(books_data, tmp_path):
     assert "export AWS_ENDPOINT_URL" not in recorded[0]["command"]
     assert "export AWS_ENDPOINT_URL=http://127.0.0.1:9" in recorded[1]["command"]
     assert f"export TMPDIR={tmp_path / 'tmp'}" in recorded[1]["command"]
+
+
+def test_no_credential_is_written_to_the_launchers_env_file(tmp_path):
+    """.deepspeed_env's lines end up on pdsh's ssh command line: no secret of any name."""
+    from shatter.train.node_env import add_to_env_file
+
+    settings = {
+        "AWS_ENDPOINT_URL": "http://store:9000",
+        "AWS_SHARED_CREDENTIALS_FILE": "/home/me/.aws/credentials",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_SESSION_TOKEN": "t",
+        "AWS_SECURITY_TOKEN": "t",
+        "AWS_CONTAINER_AUTHORIZATION_TOKEN": "a",
+        "HF_TOKEN": "h",
+        "HF_HUB_TOKEN_PATH": "/x",
+    }
+    path = tmp_path / ".deepspeed_env"
+    written = add_to_env_file(path, settings)
+    assert written == ["AWS_ENDPOINT_URL", "AWS_SHARED_CREDENTIALS_FILE"]
+    assert path.read_text().count("=") == 2 and (path.stat().st_mode & 0o777) == 0o600

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import shatter
+from shatter import safe_load
 from shatter.shards import read_index
 from shatter.train.config import DataArgs
 from shatter.train.evaluate import evaluate
@@ -338,9 +339,7 @@ def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
     assert f"SIGTERM: checkpoint saved at step {int(saved[4:])}" in err
     assert "export in" not in err, "a stopped run writes no export and must not claim one"
     assert "run the same command again to resume" in err
-    state = torch.load(
-        run / "checkpoints" / saved / "mp_rank_00_model_states.pt", weights_only=False
-    )
+    state = safe_load.load(run / "checkpoints" / saved / "mp_rank_00_model_states.pt")
     assert state["train_state"]["step"] == int(saved[4:]) >= 3
     assert state["data_position"]["samples"] == 4 * state["train_state"]["step"]
 
@@ -496,9 +495,8 @@ def test_a_skipped_micro_batch_keeps_the_step_boundary(books_data, tmp_path):
             steps == 4
         ), done.stderr[-3000:]
     for step in (4, 6):  # step 2 is pruned (keep_checkpoints: 2)
-        state = torch.load(
-            run / "checkpoints" / f"step{step:08d}" / "mp_rank_00_model_states.pt",
-            weights_only=False,
+        state = safe_load.load(
+            run / "checkpoints" / f"step{step:08d}" / "mp_rank_00_model_states.pt"
         )
         assert state["data_position"]["samples"] == 8 * step, state["data_position"]
     micro = [json.loads(x) for x in (tmp_path / "rows.rank0.jsonl").read_text().splitlines()]

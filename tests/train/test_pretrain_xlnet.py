@@ -20,7 +20,9 @@ from test_pretrain import (
 )
 
 import shatter
+from shatter import safe_load
 from shatter.shards import read_index
+from shatter.shards.reader import sha256_file
 from shatter.train.config import DataArgs
 from shatter.train.evaluate import evaluate
 from shatter.train.loader import validation_stream
@@ -110,13 +112,15 @@ def test_a_checkpoint_missing_weights_is_refused_in_one_line(books_data, plm_run
     run = tmp_path / "run"
     shutil.copytree(plm_run, run)
     tag = run / "checkpoints" / "step00000040"
-    states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
+    states = safe_load.load(tag / "mp_rank_00_model_states.pt")
     states["module"] = {k: v for k, v in states["module"].items() if "segment_" not in k}
     torch.save(states, tag / "mp_rank_00_model_states.pt")
     manifest = json.loads((tag / "manifest.json").read_text())  # a complete checkpoint, of
-    manifest["files"]["mp_rank_00_model_states.pt"] = (
-        (tag / "mp_rank_00_model_states.pt").stat().st_size
-    )
+    states_file = tag / "mp_rank_00_model_states.pt"
+    manifest["files"][states_file.name] = {
+        "bytes": states_file.stat().st_size,
+        "sha256": sha256_file(str(states_file)),
+    }
     (tag / "manifest.json").write_text(json.dumps(manifest))  # another model's weights
     before = sorted(p.name for p in run.rglob("*"))
     # on the run's own 2 ranks (another world size would first convert the checkpoint)

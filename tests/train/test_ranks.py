@@ -49,6 +49,7 @@ def check_exports(report: dict, keys: list[str]) -> None:
     for key in keys:
         case = report["export"][key]
         assert case["masters_equal"], key  # the export is what the optimizer holds
+        assert case["refused_weights_only"] == [], key  # DeepSpeed's files: weights only
         assert case.get("zero_to_fp32_equal", True), key  # and what DeepSpeed's files hold
         if key.startswith(("bf16", "fp16")):
             # fp32 values, not the 16-bit module weights; logits as the engine's up to rounding

@@ -3,7 +3,8 @@ shard, tokenizer or export's weights resolves to a local file, fetched once per 
 against its sha256 there, and never deleted while a reader uses it.
 
 The directory (`StoreSettings.directory`: `$TMPDIR/shatter-cache-<user>`, made 0700, so a second
-user of the node gets their own) holds:
+user of the node gets their own) is used only when it is this user's with mode 0700: one squatted
+on a shared /tmp by another user, or left open to others, is refused. It holds:
 
     <sha256>.arrow         a training shard: evicted least recently used first
     keep/<sha256>.<ext>    never evicted: the validation split, tokenizers, an export's weights
@@ -24,6 +25,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import stat
 import time
 import uuid
 
@@ -69,6 +71,14 @@ class NodeCache:
             raise StoreError(
                 f"the node cache {self.directory} is not writable by this user (it belongs to "
                 f"{_owner(self.directory)}): set data.cache_dir (or TMPDIR) to a directory of your own"
+            )
+        problem = _untrusted(self.directory)
+        if problem:
+            raise StoreError(
+                f"the node cache {self.directory} {problem}: only a directory of this user's own "
+                "with mode 0700 is trusted (another user could plant shards in it); set "
+                "data.cache_dir (or TMPDIR) to a directory of your own"
+                + (f", or `chmod 700 {self.directory}` if it is yours" if "mode" in problem else "")
             )
         self.sweep()
         return self
@@ -240,6 +250,28 @@ def _evict(path: str, directory: str) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def _untrusted(directory: str) -> str | None:
+    """Why `directory` is not this user's own, with mode 0700 (None when it is)."""
+    link = os.lstat(directory)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != os.getuid():  # planted on a shared /tmp
+        return f"is a symbolic link of {_owner_id(link.st_uid)}"
+    st = os.stat(directory)  # a link of this user's own (a scratch disk): its target decides
+    if st.st_uid != os.getuid():
+        return f"belongs to {_owner(directory)}"
+    if st.st_mode & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}"
+    return None
+
+
+def _owner_id(uid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"uid {uid}"
 
 
 def _owner(path: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from shatter.shards.store import fs
 from shatter.shards.store.errors import StoreError
-from shatter.shards.store.settings import current
+from shatter.shards.store.settings import call_timeouts, current
 
 CREDENTIALS_HINT = (
     "check the credentials (--s3_access_key_id and --s3_secret_access_key, or AWS_ACCESS_KEY_ID "
@@ -20,6 +20,7 @@ def _s3_client():
     from botocore.config import Config
 
     s = current()
+    connect, read = call_timeouts(min(s.retry_seconds, 20.0))  # a start-up check: fails fast
     return botocore.session.get_session().create_client(
         "s3",
         region_name=s.region or "us-east-1",
@@ -27,7 +28,7 @@ def _s3_client():
         aws_access_key_id=s.key,
         aws_secret_access_key=s.secret,
         aws_session_token=s.token,
-        config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 1}),
+        config=Config(connect_timeout=connect, read_timeout=read, retries={"max_attempts": 1}),
     )
 
 

@@ -15,7 +15,7 @@ import shutil
 import time
 
 from shatter.shards.store.errors import StoreError, store_failed
-from shatter.shards.store.settings import current
+from shatter.shards.store.settings import call_timeouts, current
 
 NOT_RETRIED = (FileNotFoundError, PermissionError, IsADirectoryError, StoreError, ImportError)
 PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub"}
@@ -33,6 +33,7 @@ def _filesystem(protocol: str):
     s = current()
     kwargs: dict = {}
     if protocol == "s3":
+        connect, read = call_timeouts(s.retry_seconds)
         kwargs = dict(
             endpoint_url=s.endpoint_url,
             key=s.key,
@@ -40,11 +41,11 @@ def _filesystem(protocol: str):
             token=s.token,
             use_listings_cache=False,
             client_kwargs={"region_name": s.region} if s.region else {},
-            # one try per call, short timeouts: `_retrying` bounds the retries in time
+            # one try per call, timeouts from the bound: `_retrying` bounds the retries in time
             config_kwargs={
                 "retries": {"max_attempts": 1},
-                "connect_timeout": 5,
-                "read_timeout": 60,
+                "connect_timeout": connect,
+                "read_timeout": read,
             },
         )
     try:

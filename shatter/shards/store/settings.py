@@ -35,6 +35,14 @@ def default_cache_dir() -> str:
     return os.path.join(os.environ.get("TMPDIR", "/tmp"), f"shatter-cache-{user}")
 
 
+def call_timeouts(retry_seconds: float) -> tuple[float, float]:
+    """(connect, read) timeouts of one store call, from the bound of its retries: a store that
+    accepts and never answers ends one call within about half of `retry_seconds` (botocore's
+    own 60 s read timeout made one call of a silent store take 120 s, its retry included), and
+    a call can be tried at least twice within the bound."""
+    return min(5.0, max(1.0, retry_seconds / 4)), min(60.0, max(2.0, retry_seconds / 2))
+
+
 @dataclass(frozen=True)
 class StoreSettings:
     endpoint_url: str | None = None

@@ -1,0 +1,55 @@
+"""Bounded store calls: against a store that accepts connections and never answers, one call
+ends within about `store_retry_seconds` (botocore's 60 s read timeout, tried twice, made it take
+120 s whatever the bound), with one line naming the object."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from shatter.shards.store import configure, current, fs
+from shatter.shards.store.errors import StoreError
+from shatter.shards.store.settings import call_timeouts
+
+
+@pytest.fixture
+def silent_store():
+    """A loopback server that accepts every connection, reads, and never answers."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held = []
+
+    def accept():
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+    for conn in held:
+        conn.close()
+
+
+def test_the_call_timeouts_follow_the_bound():
+    assert call_timeouts(4.0) == (1.0, 2.0)
+    assert call_timeouts(120.0) == (5.0, 60.0)  # the default bound: botocore's own read timeout
+
+
+def test_a_silent_store_fails_within_its_bound_in_one_line(silent_store, monkeypatch):
+    monkeypatch.setattr("shatter.shards.store.settings._current", None)
+    before = current()
+    configure(before.replace(endpoint_url=silent_store, key="k", secret="s", retry_seconds=4.0))
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreError) as err:
+            fs.size("s3://bucket/data/train-00000-of-00001.arrow")
+        took = time.monotonic() - started
+    finally:
+        configure(before)
+    assert took < 4.0 + 2 * 2.0 + 1.0, f"{took:.1f} s"  # the bound, and the call begun at its end
+    assert "train-00000-of-00001.arrow" in str(err.value) and "\n" not in str(err.value)
