@@ -1,6 +1,7 @@
 """The single-head layer's projections P = x [W^Q; W^V; R W^Q]^T (one GEMM: c = Q R^T exactly,
-since K = X, §3.2-3.3), the views every impl takes of P's columns, and the context it returns.
-Their own module: the impls registry and the Triton layer both use them."""
+since K = X, §3.2-3.3), the views every impl takes of P's columns, and the layer's context
+[X̄ | A_part] that the block's folded W^O reads (shatter/attention/layer_weights.py). Their own
+module: the impls registry and the Triton layer both use them."""
 
 from __future__ import annotations
 
@@ -21,12 +22,31 @@ def projection_views(P: torch.Tensor, d: int, n: int):
     return Q, V.unflatten(-1, (n, d // n)).transpose(1, 2), c[0][..., :n] if c else None
 
 
-def context(x_bar: torch.Tensor, a_part: torch.Tensor, v_part: torch.Tensor | None):
-    """The layer's context [B, L, d]: X̄'s parts side by side (eq. 3; a view when X̄ is stored
-    in that layout), plus A_part V_part (§3.3) when `v_part` [n, d] is given."""
-    B, n, L, k = x_bar.shape
-    out = x_bar.transpose(1, 2).reshape(B, L, n * k)
-    return out if v_part is None else out + a_part @ v_part
+def new_context(X: torch.Tensor, n: int) -> torch.Tensor:
+    """An empty context [B, L, d + n] for X [B, L, d]: X̄'s parts side by side, then A_part."""
+    return X.new_empty(*X.shape[:-1], X.shape[-1] + n)
 
 
-__all__ = ["context", "projection_views", "projection_width"]
+def context_views(out: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X̄ [B, n, L, d/n], A_part [B, L, n]): views of the context out = [X̄ | A_part] (eq. 3:
+    X̄'s part h in columns h d/n .. (h + 1) d/n)."""
+    d = out.shape[-1] - n
+    return out[..., :d].unflatten(-1, (n, d // n)).transpose(1, 2), out[..., d:]
+
+
+def write_context(out: torch.Tensor, x_bar: torch.Tensor, a_part: torch.Tensor):
+    """X̄ and A_part copied into the context `out` (autograd records the copies): for the impls
+    that compute them elsewhere. Returns their views in `out`."""
+    n = a_part.shape[-1]
+    for i, value in enumerate((x_bar, a_part)):
+        context_views(out, n)[i].copy_(value)  # a view made after the previous copy
+    return context_views(out, n)
+
+
+__all__ = [
+    "context_views",
+    "new_context",
+    "projection_views",
+    "projection_width",
+    "write_context",
+]

@@ -12,9 +12,11 @@ mask, the sigmoid (or 1h-softmax's softmax), the partition bias c·f(j−i), the
 with 64-wide dots, ‖p‖, and the outputs normalised in the input dtype; the backward pass takes δ
 from the saved outputs, then dV and dZ (with dc).
 
-The layer calls `partition_attention_layer(P, X, mask, table, v_part, sigmoid)` on its projections
-P = [Q | V | c] (projection.projection_views) and gets dP back whole; the impls' common signature
-`partition_attention_triton(Q, X, V, c, mask, table, sigmoid)` computes what
+The layer calls `partition_attention_layer(P, X, mask, table, sigmoid)` on its projections
+P = [Q | V | c] (projection.projection_views) and gets dP back whole, and the kernels write X̄
+and A_part side by side into the layer's context [X̄ | A_part] (the block's folded W^O reads it,
+layer_weights.py); the impls' common signature
+`partition_attention_triton(Q, X, V, c, mask, table, sigmoid, out=None)` computes what
 `lean.partition_mix_lean(Q Xᵀ/√d, c, V, mask, table, sigmoid)` computes. Inputs: Q, X [B, L, d];
 V [B, n, L, d/n]; c = Q Rᵀ [B, L, n] or None (1h-sigmoid, 1h-softmax); mask [B, L] (1 token,
 0 padding); table [n, 2 max_len − 1] fp32 (shatter/partition.py). bf16 or fp16 on sm_80+ (auto's
@@ -28,7 +30,13 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from shatter.attention.projection import context, projection_views, projection_width
+from shatter.attention.projection import (
+    context_views,
+    new_context,
+    projection_views,
+    projection_width,
+    write_context,
+)
 from shatter.kernels.cost import register_costs
 from shatter.kernels.partition_mixing import (
     INTERPRET,
@@ -97,12 +105,6 @@ def _unit(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _parts_layout(B: int, L: int, n: int, k: int, like: torch.Tensor) -> torch.Tensor:
-    """A new [B, n, L, k] tensor stored as [B, L, n, k]: X̄ (and dV) in the layout of the
-    [B, L, d] context (and of V as single_head.py views it), so that no transpose copies it."""
-    return like.new_empty(B, L, n, k).transpose(1, 2)
-
-
 def _scores(Q: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """Z = Q Xᵀ/√d on cuBLAS [B, L, Lp], the 1/√d applied to the fp32 accumulator (no fp16
     overflow, no scaled copy of Q); keys that are not a multiple of 16 are padded with zeros so
@@ -116,10 +118,11 @@ def _scores(Q: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("shatter::mixing_fwd", mutates_args=())
 def mixing_fwd(
     P: torch.Tensor, X: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, sigmoid: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(X̄ [B, n, L, d/n] stored as [B, L, n, d/n], A_part [B, L, n], Z [B, L, Lp], stat [2, B, L]
-    fp32) from the layer's projections P = [Q | V | c] (projection.projection_views): the scores
-    GEMM, the row statistics and the mixing forward; Z and stat are kept for `mixing_bwd`."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the context [X̄ | A_part] [B, L, d + n] (projection.context_views), Z [B, L, Lp],
+    stat [2, B, L] fp32) from the layer's projections P = [Q | V | c]
+    (projection.projection_views): the scores GEMM, the row statistics and the mixing forward;
+    Z and stat are kept for `mixing_bwd`."""
     B, L, d = X.shape
     n = table.shape[0]
     Q, V, c = projection_views(P, d, n)
@@ -134,24 +137,22 @@ def mixing_fwd(
     )  # fmt: skip
     zs = (Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), table.stride(0))
     row_stats_kernel[_grid(L, "BLOCK_M", B)](Z, cc, mask32, table, stat[0], stat[1], *zs, **shared)
-    out = _parts_layout(B, L, n, d // n, X)
-    part = torch.empty(B, L, n, device=X.device, dtype=X.dtype)
+    wide = new_context(X, n)
+    out, part = context_views(wide, n)
     mix_fwd_kernel[_grid(L, "BLOCK_M", B, n // 2)](  # batch x side x group of parts
         Z, cc, mask32, table, V, stat[0], stat[1], out, part, *zs,
         V.stride(0), V.stride(1), V.stride(2), out.stride(0), out.stride(1), out.stride(2),
         part.stride(0), part.stride(1), K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
         PREC=meta["PREC"], **shared,
     )  # fmt: skip
-    return out, part, Z, stat
+    return wide, Z, stat
 
 
 @mixing_fwd.register_fake
 def _(P, X, mask, table, sigmoid):
     B, L, d = X.shape
-    n = table.shape[0]
     return (
-        _parts_layout(B, L, n, d // n, X),
-        X.new_empty(B, L, n),
+        new_context(X, table.shape[0]),
         X.new_empty(B, L, padded(L)),
         X.new_empty(2, B, L, dtype=torch.float32),
     )
@@ -221,18 +222,19 @@ def _(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmoid):
 
 def _setup_context(ctx, inputs, output):
     P, X, mask, table, sigmoid = inputs
-    out, part, Z, stat = output
-    ctx.save_for_backward(P, X, mask, table, Z, stat, out, part)
+    wide, Z, stat = output
+    ctx.save_for_backward(P, X, mask, table, Z, stat, wide)
     ctx.mark_non_differentiable(Z, stat)  # kept for the backward only
     ctx.set_materialize_grads(False)  # no zero gradients made for Z and stat
     ctx.sigmoid = sigmoid
 
 
-def _backward(ctx, g_out, g_part, _g_z, _g_stat):
-    saved = ctx.saved_tensors
-    g_out = torch.zeros_like(saved[6]) if g_out is None else g_out
-    g_part = torch.zeros_like(saved[7]) if g_part is None else g_part
-    dP, dX = torch.ops.shatter.mixing_bwd(*saved, g_out, g_part, ctx.sigmoid)
+def _backward(ctx, g_wide, _g_z, _g_stat):
+    *saved, wide = ctx.saved_tensors
+    n = saved[3].shape[0]
+    g_wide = torch.zeros_like(wide) if g_wide is None else g_wide
+    grads = context_views(g_wide, n)
+    dP, dX = torch.ops.shatter.mixing_bwd(*saved, *context_views(wide, n), *grads, ctx.sigmoid)
     return dP, dX, None, None, None
 
 
@@ -240,10 +242,13 @@ mixing_fwd.register_autograd(_backward, setup_context=_setup_context)
 register_costs(("shatter::mixing_fwd", "shatter::mixing_bwd"))
 
 
-def partition_attention_triton(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, sigmoid: bool):
+def partition_attention_triton(
+    Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, sigmoid: bool, out=None
+):
     """(X_bar [B, n, L, d/n], A_part [B, L, n]) as `lean.partition_mix_lean` gives them for
     Z0 = Q Xᵀ/√d; the 1h-sigmoid and 1h-softmax archs pass c = None. The impls' common
-    signature: Q, V and c are gathered into one P (a copy); the layer passes its P itself
+    signature: Q, V and c are gathered into one P (a copy), and a given context `out` is
+    written by a copy; the layer passes its P itself and takes the kernels' own context
     (`partition_attention_layer`)."""
     _check(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table)
     B, L, d = Q_BLD.shape
@@ -252,15 +257,16 @@ def partition_attention_triton(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, tab
         pad = projection_width(d, table.shape[0]) - 2 * d - c_BLn_or_None.shape[-1]
         columns += [c_BLn_or_None, c_BLn_or_None.new_zeros(B, L, pad)]
     P = torch.cat(columns, -1)
-    out, part, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
-    return out, part
+    wide, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
+    views = context_views(wide, table.shape[0])
+    return views if out is None else write_context(out, *views)
 
 
-def partition_attention_layer(P, X_BLD, mask_BL, table, v_part, sigmoid: bool):
-    """The layer's context [B, L, d] from its projections P = [Q | V | c] (no copy of them):
-    X̄ in the context's layout, plus A_part V_part when `v_part` [n, d] is given (§3.3)."""
+def partition_attention_layer(P, X_BLD, mask_BL, table, sigmoid: bool):
+    """The layer's context [X̄ | A_part] ([B, L, d + n]) from its projections P = [Q | V | c]
+    (no copy of them), written by the kernels."""
     B, L, d = X_BLD.shape
     Q, V, c = projection_views(P, d, table.shape[0])
     _check(Q, X_BLD, V, c, mask_BL, table)
-    out, part, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
-    return context(out, part, v_part)
+    wide, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
+    return wide

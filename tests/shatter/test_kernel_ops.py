@@ -17,7 +17,7 @@ from shatter_tiny import ids, tiny
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from shatter.attention.projection import projection_width
+from shatter.attention.projection import context_views, projection_width
 from shatter.partition import partition_table
 
 pytest.importorskip("triton", reason="triton has no wheel for this platform")
@@ -55,7 +55,8 @@ def test_ops_pass_torch_opcheck(bias):
         (P, X, mask, table, True),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )
-    out, part, Z, stat = torch.ops.shatter.mixing_fwd(P, X, mask, table, True)
+    wide, Z, stat = torch.ops.shatter.mixing_fwd(P, X, mask, table, True)
+    out, part = context_views(wide, 4)
     g_out, g_part = torch.randn_like(out).transpose(1, 2).contiguous().transpose(1, 2), part
     torch.library.opcheck(
         torch.ops.shatter.mixing_bwd.default,
