@@ -68,6 +68,20 @@ def _stack(modules, name: str) -> torch.Tensor:
     return torch.stack([module.get_parameter(name) for module in modules])
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose gradient is made contiguous in one op: R's gradient sums products
+    that leave it transposed, and each layer's slice of it would otherwise be copied into its
+    parameter's .grad on its own."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
 def projection_weights(attention: list, bias: bool):
     """(W^P [K, p, d], b^P [K, p], W^V [K, d, d], R [K, n, d] or None) of K single-head layers
     (module docstring; p = projection_width), in the parameters' dtype: call with autocast
@@ -76,13 +90,13 @@ def projection_weights(attention: list, bias: bool):
     b_Q, b_V = _stack(attention, "query.bias"), _stack(attention, "value.bias")  # [K, d]
     weights, biases, R = [W_Q, W_V], [b_Q, b_V], None
     if hasattr(attention[0], "partition_embeddings"):
-        R = _stack(attention, "partition_embeddings")  # [K, n, d]
+        R = _ContiguousGrad.apply(_stack(attention, "partition_embeddings"))  # [K, n, d]
     if bias:  # c = Q Rᵀ = X (R W^Q)ᵀ + R b^Q (§3.3)
         K, n, d = R.shape
         zero = R.new_zeros(())
         pad = projection_width(d, n) - 2 * d - n
         weights += [R @ W_Q, zero.expand(K, pad, d)]
-        biases += [(R @ b_Q[..., None])[..., 0], zero.expand(K, pad)]
+        biases += [(R @ b_Q[..., None]).squeeze(-1), zero.expand(K, pad)]
     return torch.cat(weights, 1), torch.cat(biases, 1), W_V, R
 
 

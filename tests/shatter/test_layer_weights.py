@@ -3,6 +3,9 @@ per forward for every layer (shatter/attention/layer_weights.py), equal the laye
 written before: X̄̄ = X̄ + A_part V_part, then W^O, with R W^Q and R W^V made in every layer.
 `_unfolded_block` below keeps that formulation as the reference."""
 
+import importlib.util
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +14,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shatter.attention import impls
 from shatter.attention.layer_weights import folded_output, layer_weights
-from shatter.attention.projection import projection_views, projection_width
+from shatter.attention.projection import (
+    context_views,
+    new_context,
+    projection_views,
+    projection_width,
+)
+from shatter.partition import partition_table
 
 SINGLE_HEAD = ["1h-softmax", "1h-sigmoid", "part-bias", "shatter"]
 # fp32: the two formulations round differently (one sum of d + n products against two)
@@ -175,3 +184,42 @@ def test_weight_products_are_made_once_per_step_and_no_a_part_gemm():
         return [o for o in ops if o[0] in ("stack", "cat", "bmm") and o[2][0] == layers]
 
     assert prep(two, 2) and len(prep(two, 2)) == len(prep(three, 3))
+
+
+def _impl_inputs(dtype=torch.float32, B=2, L=9, d=16, n=4):
+    g = torch.Generator().manual_seed(5)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
+
+    Q, X, c = leaf(B, L, d), leaf(B, L, d), leaf(B, L, n)
+    V = leaf(B, L, d).unflatten(-1, (n, d // n)).transpose(1, 2)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, 6:] = False
+    return Q, X, V, c, mask, partition_table(n, 1, 3, max_len=16, dtype=dtype)
+
+
+IMPL_NAMES = ["naive", "lean", "chunked"]
+if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1":
+    IMPL_NAMES.append("triton")  # Triton's interpreter on CPU tensors (tests/conftest.py)
+
+
+@pytest.mark.parametrize("impl", IMPL_NAMES)
+def test_every_impl_writes_the_context_it_is_given(impl):
+    """impl(..., out=context): X̄ and A_part in the context's columns, as views of it, and the
+    gradients through the context equal those of the two returned tensors."""
+    Q, X, V, c, mask, table = _impl_inputs()
+    leaves = (Q, X, V, c)
+    fn = impls.IMPLS[impl]
+    x_bar, a_part = fn(Q, X, V, c, mask, table, True)
+    out = new_context(X, 4)
+    views = fn(Q, X, V, c, mask, table, True, out)
+    got_x, got_a = context_views(out, 4)
+    torch.testing.assert_close(got_x, x_bar)
+    torch.testing.assert_close(got_a, a_part)
+    assert all(v.data_ptr() == w.data_ptr() for v, w in zip(views, (got_x, got_a), strict=True))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    gx, ga = context_views(g, 4)
+    want = torch.autograd.grad((x_bar * gx).sum() + (a_part * ga).sum(), leaves)
+    for name, a, b in zip("QXVc", torch.autograd.grad((out * g).sum(), leaves), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
