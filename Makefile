@@ -16,15 +16,28 @@ PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
 setup: $(STAMP)
 
+# The editable install is setuptools' strict mode: a tree of links (build/__editable__.*) that
+# static readers (pyright, mypy, an IDE) follow, as they do not run import hooks. It links the
+# files present at install time, so a module added or removed re-runs the install: MODULES
+# changes only when the list of package files does.
+MODULES := $(VENV)/.modules
+$(MODULES): FORCE
+	@mkdir -p $(VENV)
+	@find shatter pipeline train tools -name '*.py' -not -path '*/__pycache__/*' | sort > $@.new
+	@cmp -s $@.new $@ && rm $@.new || mv $@.new $@
+
+.PHONY: FORCE
+
 # Idempotent: re-runs only when the package metadata changes. torch is installed first (or an
 # installed one in the project's range kept), so pip never resolves the range to a multi-GB CUDA
 # build on a CPU machine. DeepSpeed's CPU comm op is JIT-built once here rather than in the first
 # run or test. Every step prints what it does (pip's own progress included).
-$(STAMP): setup.cfg pyproject.toml $(CONSTRAINTS)
+$(STAMP): setup.cfg setup.py pyproject.toml $(CONSTRAINTS) $(MODULES)
 	@test -x $(PY) || { echo "==> creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@$(PY) tools/setup_torch.py
 	@echo "==> installing shatter and its extras at the tested versions ($(or $(CONSTRAINTS),unpinned))"
-	$(PY) -m pip install $(PIN) -e '.[pipeline,train,test,demo,pipeline-dask,pipeline-hf,s3]'
+	$(PY) -m pip install $(PIN) --config-settings editable_mode=strict -e \
+		'.[pipeline,train,test,demo,pipeline-dask,pipeline-hf,s3]'
 	@echo "==> building DeepSpeed's CPU communication op (once)"
 	$(PY) -c "from shatter.train.engine import build_extensions; build_extensions()"
 	@touch $(STAMP)
@@ -33,6 +46,7 @@ $(STAMP): setup.cfg pyproject.toml $(CONSTRAINTS)
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/basedpyright --pythonpath $(PY)
 	$(PY) -m pytest -q
 
 # The tests marked gpu: the compiled Triton kernels against the references, and the GPU lane of
@@ -42,7 +56,7 @@ test-gpu: setup
 	$(PY) -m pytest -q -m gpu -s
 
 # The GPU lane (.ci/gpu/run.sh) rehearsed on this CPU machine in an interpreter like the GPU
-# image's: every call, where what could fail is not the GPU (docs/benchmarks.md).
+# image's: every call, where what could fail is not the GPU (docs/internals/gpu-runbook.md).
 rehearse-gpu:
 	bash .ci/gpu/run.sh rehearse
 

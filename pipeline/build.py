@@ -34,10 +34,6 @@ from apache_beam.io.filesystems import FileSystems
 
 from shatter.pipeline import hf_tokenizer, progress, readers, runners, store, tokenizer
 from shatter.pipeline.config import BuildConfig
-from shatter.pipeline.format import INDEX_FILE, TOKENIZER_FILE, build_index, write_index
-from shatter.pipeline.format.store import fs
-from shatter.pipeline.format.tokenizer import TOKENIZER_JSON
-from shatter.pipeline.format.writer import record_batch_rows
 from shatter.pipeline.inspect import validation_warnings
 from shatter.pipeline.sharding import ShardSize
 from shatter.pipeline.sink import ShardAndWrite, read_manifest
@@ -55,6 +51,10 @@ from shatter.pipeline.transforms import (
     Tokenize,
     batch_smallest_key,
 )
+from shatter.shards import INDEX_FILE, TOKENIZER_FILE, build_index, write_index
+from shatter.shards.store import fs
+from shatter.shards.tokenizer import TOKENIZER_JSON
+from shatter.shards.writer import record_batch_rows
 
 log = logging.getLogger(__name__)
 SAMPLE_FILE, WORK_DIR = ".tokenizer-sample.txt", ".work"

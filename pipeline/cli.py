@@ -16,13 +16,15 @@ import sys
 
 import click
 
+from shatter.options import click_options, group
 from shatter.pipeline import process
 from shatter.pipeline.config import CORPORA, BuildConfig, InputSpec
-from shatter.pipeline.options import click_options
 
 
 class _DropBeamImportNoise(logging.Filter):
-    """Importing Beam warns "apitools not found ..." (its optional BigQuery client) on every command."""
+    """Importing Beam warns "apitools not found ..." (its optional BigQuery client) on every command.
+    Upstream: no apache/beam issue as of 2026-11-27; the open move of Beam's BigQuery off apitools
+    would end it: https://github.com/apache/beam/pull/39087."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -84,7 +86,7 @@ def _clean_message(e: BaseException) -> str:
     )
 
 
-@click.group()
+@group()
 def main():
     """Shard datasets for pretraining: build (Apache Beam), inspect, verify."""
     configure_logging(verbose=False)
@@ -145,9 +147,9 @@ def build(
     options that only the runner knows go after `--` (passed on unchecked)."""
     configure_logging(verbose)
     from shatter.pipeline.build import BuildError, build as run_build
-    from shatter.pipeline.format import DatasetError
     from shatter.pipeline.runners import OptionError, check_options
     from shatter.pipeline.wiki import InputError
+    from shatter.shards import DatasetError
 
     try:
         check_options(
@@ -195,7 +197,7 @@ def build(
 def _open_store(ctx, out: str) -> None:
     """A remote OUT: Beam's filesystems get the extra options (`--s3_endpoint_url`, ...; else the
     environment's), and OUT is checked (credentials, bucket, prefix) before it is read."""
-    from shatter.pipeline.format.store import fs
+    from shatter.shards.store import fs
 
     if fs.is_remote(out):
         from shatter.pipeline import store
@@ -219,8 +221,8 @@ _STORE_ARGS = dict(ignore_unknown_options=True, allow_extra_args=True)
 @click.pass_context
 def inspect(ctx, out, rows, split):
     """Stats, a length histogram and decoded sample rows with their masks."""
-    from shatter.pipeline.format import DatasetError
     from shatter.pipeline.inspect import inspect_dataset
+    from shatter.shards import DatasetError
 
     try:
         _open_store(ctx, out)
@@ -234,8 +236,8 @@ def inspect(ctx, out, rows, split):
 @click.pass_context
 def verify(ctx, out):
     """Check checksums, schema and counts; exit non-zero naming the first bad file."""
-    from shatter.pipeline.format import DatasetError
     from shatter.pipeline.inspect import verify_dataset
+    from shatter.shards import DatasetError
 
     try:
         _open_store(ctx, out)

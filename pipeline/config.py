@@ -1,18 +1,20 @@
 """The build configuration: one frozen dataclass, saved whole in every index.json; a field
-declared with `option(...)` is also an option of `shatter-data build` (`shatter.pipeline.options`)."""
+declared with `option(...)` is also an option of `shatter-data build` (`shatter.options`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from shatter.pipeline.options import option
+from shatter.options import option
 
 CORPORA = ("wiki", "books", "text")
 # `--runner` names with a meaning of ours (`shatter.pipeline.runners`; here, Beam-free, for the CLI too):
 # names that make Beam's SwitchingDirectRunner try Prism first, which it downloads (and which
 # cannot be downloaded offline; for this batch pipeline it would then pick the FnApiRunner anyway),
-# and Beam's Dask runner, which we run fixed (`shatter.pipeline.dask_runner`)
+# and Beam's Dask runner, which we run fixed (`shatter.pipeline.dask_runner`). Prism: no
+# apache/beam issue as of 2026-11-27; the fallback is visible in a log quoted by
+# https://github.com/apache/beam/pull/36219 (Prism fails, then "Falling back to DirectRunner").
 SWITCHING_RUNNERS = ("DirectRunner", "SwitchingDirectRunner")
 DASK_RUNNERS = ("DaskRunner", "apache_beam.runners.dask.dask_runner.DaskRunner")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shatter.pipeline.format.tokenizer import (  # noqa: F401  (TOKENIZER_JSON, HFTokenizerError: the pipeline's names)
+from shatter.shards.tokenizer import (  # noqa: F401  (TOKENIZER_JSON, HFTokenizerError: the pipeline's names)
     CLS_ID,
     CONTINUES,
     ROLES,

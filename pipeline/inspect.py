@@ -12,9 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from shatter.pipeline.format import read_index, read_shard, schema, sha256_file
-from shatter.pipeline.format.store import fs
 from shatter.pipeline.masking import CLS_ID, SEP_ID
+from shatter.shards import read_index, read_shard, schema, sha256_file
+from shatter.shards.store import fs
 
 MIN_VALIDATION_ROWS = 100  # fewer: the validation loss is too noisy to compare runs by
 
@@ -158,7 +158,7 @@ def inspect_dataset(out: str, sample_rows: int = 3, split: str = "train") -> str
     with fs.open_read(index.tokenizer) as f:
         data = f.read()
     if index.tokenizer.endswith(".json"):  # a Hugging Face tokenizer (--hf-tokenizer)
-        from shatter.pipeline.format.tokenizer import load_json
+        from shatter.shards.tokenizer import load_json
 
         piece = load_json(data).id_to_token
     else:

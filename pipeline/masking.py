@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shatter.pipeline.format.tokenizer import (  # noqa: F401  (the masking's special ids, used from here)
+from shatter.shards.tokenizer import (  # noqa: F401  (the masking's special ids, used from here)
     CLS_ID,
     MASK_ID,
     PAD_ID,

@@ -27,9 +27,9 @@ import pyarrow as pa
 from apache_beam.io.filesystems import FileSystems
 
 from shatter.pipeline import sharding, tokenizer
-from shatter.pipeline.format import schema, shard_name
-from shatter.pipeline.format.writer import ROWS_PER_RECORD_BATCH, ShardWriter
 from shatter.pipeline.transforms import MaskSpec, Packed, counter, mask_table
+from shatter.shards import schema, shard_name
+from shatter.shards.writer import ROWS_PER_RECORD_BATCH, ShardWriter
 
 
 @dataclass(frozen=True)

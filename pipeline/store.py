@@ -1,6 +1,6 @@
 """The build's side of object storage (`s3://`, `gs://`, any scheme that Beam's `FileSystems`
 knows): the command line's options reach Beam's filesystems and the format's store
-(`shatter.pipeline.format.store`, which the trainer uses without Beam), a check of each remote path before
+(`shatter.shards.store`, which the trainer uses without Beam), a check of each remote path before
 any work starts, and a bound on how long a Beam call retries a store that is gone.
 
 Credentials and the endpoint come from the command line's Beam options (`--s3_endpoint_url`,
@@ -64,7 +64,8 @@ def bound_retries(seconds: float) -> None:
     """Scale Beam's exponential backoff so that one store call waits at most `seconds` in all
     (its default would wait up to ten minutes per call, which reads as a hang). Beam's retrying
     calls share one default clock (`with_exponential_backoff`'s `clock` argument), whose sleep
-    this replaces in this process."""
+    this replaces in this process. Upstream: no apache/beam issue for the filesystems' backoff as
+    of 2026-11-27; closest, for BigQuery's: https://github.com/apache/beam/issues/19876."""
     clock = retry.with_exponential_backoff.__defaults__[4]
     scale = max(seconds, 0.0) / BEAM_BACKOFF_SECONDS
     clock.sleep = lambda value: time.sleep(value * scale)
@@ -94,7 +95,8 @@ def share_s3_clients() -> None:
     `bound_retries`, is the one retry loop (botocore's own beneath it, 5 tries a call with waits
     of up to 8 s, made a build whose store had stopped report it after about a minute with
     `--store_retry_seconds 1`). The calls Beam does not retry itself (`UNRETRIED`: its
-    downloads' ranges, its uploads' parts) get that same backoff here."""
+    downloads' ranges, its uploads' parts) get that same backoff here. Upstream: no apache/beam
+    issue for either (a client per call, the unretried calls) as of 2026-11-27."""
     from apache_beam.io.aws.clients.s3 import boto3_client
 
     cls = boto3_client.Client
@@ -149,7 +151,7 @@ def use(options: PipelineOptions) -> None:
     from apache_beam.io.filesystems import FileSystems
 
     if FileSystems._pipeline_options is not options:
-        from shatter.pipeline.format import store as format_store
+        from shatter.shards import store as format_store
 
         FileSystems.set_options(options)
         format_store.configure(_settings(options))
@@ -167,7 +169,7 @@ def configure(args=()) -> PipelineOptions:
 
 def _settings(options: PipelineOptions):
     """The format's store settings of Beam's S3 options and `--store_retry_seconds`."""
-    from shatter.pipeline.format.store import StoreSettings
+    from shatter.shards.store import StoreSettings
 
     s3 = options.view_as(S3Options)
     return StoreSettings.from_env(
@@ -183,7 +185,7 @@ def _settings(options: PipelineOptions):
 def check(path: str, options: PipelineOptions | None = None, must_exist: bool = True) -> None:
     """Raise StoreError (one line) unless `path` can be reached with `options`' credentials:
     its bucket exists and, with `must_exist`, something is stored under it. A local path passes."""
-    from shatter.pipeline.format import store as format_store
+    from shatter.shards import store as format_store
 
     if "://" not in str(path):
         return

@@ -4,7 +4,7 @@ Training is deterministic: the sample is the `n` lines with the smallest content
 does not depend on reading order or worker count), fed in hash order, with a fixed random seed,
 no input shuffling and one thread. Text is lower-cased: NFKC + case folding (`nmt_nfkc_cf`),
 unless the build asks for a cased model (`--cased`: NFKC alone, `nmt_nfkc`).
-Special ids (shatter.pipeline.format.tokenizer): [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4.
+Special ids (shatter.shards.tokenizer): [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import io
 import numpy as np
 import sentencepiece as spm
 
-from shatter.pipeline.format.tokenizer import (  # noqa: F401  (load, SPECIAL_PIECES: the pipeline's names)
+from shatter.shards.tokenizer import (  # noqa: F401  (load, SPECIAL_PIECES: the pipeline's names)
     CASED_NORMALIZATION,
     NORMALIZATION,
     PAD_ID,

@@ -23,9 +23,9 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
 from shatter.pipeline import cleaning, hf_tokenizer, masking, packing, progress, readers, tokenizer
-from shatter.pipeline.format.writer import rows_table
 from shatter.pipeline.wiki import InputError
 from shatter.pipeline.wikitext import clean_wikitext
+from shatter.shards.writer import rows_table
 
 NAMESPACE = "shatter"
 log = logging.getLogger(__name__)

@@ -9,12 +9,21 @@ baselines and ablations, as masked-LM models built from named presets.
 See docs/model.md and the paper (Shatter, §2-3 and the appendix).
 
 The toolkit's other parts are subpackages: `shatter.pipeline` (the data pipeline, `pipeline/` in
-a checkout), `shatter.train` (pretraining and finetuning, `train/`) and `shatter.tools` (the
-extension and export commands, `tools/`). The names above are loaded on first use (PEP 562):
-a pipeline worker imports `shatter.pipeline` without torch, which the model needs.
+a checkout), `shatter.train` (pretraining and finetuning, `train/`), `shatter.shards` (the shard
+format, object store and node cache that all sides read) and, in a checkout only,
+`shatter.tools` (set-up, reproduction and benchmark scripts, `tools/`). The names above are
+loaded on first use (PEP 562): a pipeline worker imports `shatter.pipeline` without torch, which
+the model needs.
 """
 
 import importlib
+import sys
+
+from shatter.checkout import same_checkout
+
+# a script of another checkout (a second clone sharing this venv) stops here, in one line
+same_checkout(getattr(sys.modules.get("__main__"), "__file__", None))
+del sys, same_checkout
 
 # each public name and the module that defines it
 _EXPORTS = {

@@ -7,7 +7,7 @@
   `{"head": "span-extraction"}`. `from_pretrained` then rebuilds the head around a fresh
   backbone and loads the weights of both; without it, it returns the masked-LM model.
 - `checksums.json` is `{"model.safetensors": "<sha256>"}`: every loader (`from_pretrained`, so
-  shatter-extend, finetuning and tools/evaluate.py) checks the weights against it and names the
+  shatter-extend, finetuning and train/evaluate_cli.py) checks the weights against it and names the
   file on a mismatch; an export without one (written before it existed) loads with a warning.
 - Weights added to an arch after exports existed (xlnet's relative segment encoding) load at
   zero from an export without them, with a warning: their zero leaves the saved model as it was.
@@ -35,8 +35,8 @@ from torch import nn
 from shatter.config import ModelConfig
 from shatter.heads import build_head
 from shatter.model import ShatterForMaskedLM
-from shatter.pipeline.format.reader import sha256_file
-from shatter.pipeline.format.tokenizer import TOKENIZER_JSON
+from shatter.shards.reader import sha256_file
+from shatter.shards.tokenizer import TOKENIZER_JSON
 
 WEIGHTS, CONFIG, HEAD, TOKENIZER, CHECKSUMS = (
     "model.safetensors",

@@ -38,7 +38,7 @@ class ModelConfig:
     attention_dropout: float = 0.1  # dropout on softmax attention probabilities (softmax archs)
     initializer_range: float = 0.02  # std of the normal init of weights (BERT's value)
     layer_norm_eps: float = 1e-12  # LayerNorm epsilon (BERT's value)
-    pad_id: int = 0  # [PAD] id (shatter.pipeline.format.tokenizer's special ids)
+    pad_id: int = 0  # [PAD] id (shatter.shards.tokenizer's special ids)
     sep_id: int = 3  # [SEP] id: xlnet's segments are counted from it (index.json special_ids)
     rpe_max_distance: int = 128  # bert-rpe: R has 2*128-1 rows, distances clipped to +-127 (§4)
     rab_buckets: int = 32  # bert-rab: T5 relative attention bias buckets (T5 default)

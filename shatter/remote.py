@@ -1,10 +1,10 @@
 """Exports on object storage (`s3://`, `gs://`, `hf://`: any scheme fsspec knows), through the
-store's credentials and endpoint (`shatter.pipeline.format.store`: the standard AWS environment of each
+store's credentials and endpoint (`shatter.shards.store`: the standard AWS environment of each
 machine, `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) and its bounded retries.
 
 - `local_export`: a remote export resolved to a local copy in the node's cache
-  (`shatter.pipeline.format.store`), which every reader of exports (shatter-extend, finetuning,
-  tools/evaluate.py) then opens as a local one; `from_pretrained` checks its weights again.
+  (`shatter.shards.store`), which every reader of exports (shatter-extend, finetuning,
+  train/evaluate_cli.py) then opens as a local one; `from_pretrained` checks its weights again.
 - `check_output` and `upload_export`: shatter-extend's remote `--output`, checked before any
   work and written after the export is complete locally, its `checksums.json` last.
 
@@ -38,8 +38,8 @@ def is_remote(path: str | Path) -> bool:
 
 
 def _store_failure(e: Exception, remote: str) -> CheckpointError:
-    from shatter.pipeline.format import DatasetError
-    from shatter.pipeline.format.store.errors import store_failed
+    from shatter.shards import DatasetError
+    from shatter.shards.store.errors import store_failed
 
     return CheckpointError(str(e if isinstance(e, DatasetError) else store_failed(remote, e)))
 
@@ -53,7 +53,7 @@ def _no_object(remote: str, export: str) -> CheckpointError:
 
 def _read_object(remote: str, required: bool, export: str) -> bytes | None:
     """The bytes of the object `remote` (None when absent and not `required`)."""
-    from shatter.pipeline.format.store import fs
+    from shatter.shards.store import fs
 
     try:
         if not fs.exists(remote):
@@ -70,18 +70,18 @@ def _read_object(remote: str, required: bool, export: str) -> bytes | None:
 
 def local_export(path: str | Path) -> Path:
     """A local export directory for `path`: `path` itself, or for a remote export a copy in the
-    node's cache (`shatter.pipeline.format.store`: `$TMPDIR/shatter-cache-<user>`), `exports/<digest of its small
+    node's cache (`shatter.shards.store`: `$TMPDIR/shatter-cache-<user>`), `exports/<digest of its small
     files>/`. Its weights are fetched once per node through the shard cache (a lock, a temporary
     name, their sha256 in `checksums.json` checked on download); `config.json`, `checksums.json`,
     `head.json` and the tokenizer (`tokenizer.model` or `.json`) are read on every call, so a
     changed export is a new copy. Credentials and the endpoint are the store's
-    (`shatter.pipeline.format.store`: the AWS environment); a missing bucket, prefix or object, or a store
+    (`shatter.shards.store`: the AWS environment); a missing bucket, prefix or object, or a store
     that fails after its retries, is one CheckpointError line. The cached weights
     (`keep/<sha256>.safetensors`) are never evicted."""
     if not is_remote(path):
         return Path(path)
-    from shatter.pipeline.format import DatasetError
-    from shatter.pipeline.format.store import NodeCache, check, current, fs
+    from shatter.shards import DatasetError
+    from shatter.shards.store import NodeCache, check, current, fs
 
     remote = str(path).rstrip("/")
     try:
@@ -139,8 +139,8 @@ def local_export(path: str | Path) -> Path:
 def check_output(output: str, overwrite: bool) -> None:
     """A remote `--output`: its bucket reachable (one line each: credentials, bucket), and no
     export under it unless `overwrite`. Run before any work."""
-    from shatter.pipeline.format import DatasetError
-    from shatter.pipeline.format.store import check, fs
+    from shatter.shards import DatasetError
+    from shatter.shards.store import check, fs
 
     try:
         check(output, must_exist=False)
@@ -157,7 +157,7 @@ def upload_export(local: Path, output: str) -> None:
     """Copy the export `local` to `output`, `checksums.json` last (until it lands, a reader
     refuses the copy: no checksums, or weights that do not match the old ones), and delete what
     an older export there had beyond it (a `head.json`)."""
-    from shatter.pipeline.format.store import fs
+    from shatter.shards.store import fs
 
     names = sorted((p.name for p in local.iterdir() if p.is_file()), key=lambda n: n == CHECKSUMS)
     remote = output.rstrip("/")

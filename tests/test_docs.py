@@ -84,7 +84,7 @@ def test_commands_split_like_the_shell():
         ["shatter-data", "build", "--input", "x", "--output", "y", "--direct_num_worker", "2"],
         ["python", "train/pretrain.py", "--precision", "fp8"],
         ["deepspeed", "--num_gpus", "two", "train/pretrain.py"],
-        ["python", "tools/bench_pipeline.py", "--no-such-flag"],
+        ["python", "tools/bench/bench_pipeline.py", "--no-such-flag"],
         ["make", "tutorials"],
         ["pip", "install", "shatter-toolkit[trian]"],
         ["python", "-c", "import (x"],

@@ -141,7 +141,7 @@ def test_each_call_fits_ten_minutes_with_tests_timed_out_inside_their_box(tmp_pa
         timeout = re.search(r"--timeout (\d+)", command)
         assert timeout is None or int(timeout.group(1)) < box, (box, command)
         assert " -x " not in command  # every test runs
-        tool = re.search(r"tools/(\w+)\.py", command)
+        tool = re.search(r"tools/((?:bench/)?\w+)\.py", command)
         if tool:  # options the tool has
             source = (REPO / "tools" / f"{tool.group(1)}.py").read_text()
             for option in re.findall(r" (--[a-z-]+)", command):

@@ -7,7 +7,7 @@ It is a thin script over the commands a user runs, in order:
    set with the same tokenizer for step 4;
 3. `deepspeed --num_gpus 2 train/pretrain.py` with the tiny Shatter preset (two CPU ranks);
 4. `shatter-extend --max-len 512`, then the extended model's validation MLM loss on length-512
-   rows (`tools/evaluate.py`);
+   rows (`train/evaluate_cli.py`);
 5. a summary table and where the outputs are.
 """
 
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import click
 
-from shatter.pipeline.format import sha256_file
-from shatter.tools.plot_metrics import read_metrics
+from shatter.shards import sha256_file
+from shatter.train.plot_metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -231,7 +231,7 @@ def main(
         "evaluate 512",
         [
             sys.executable,
-            "tools/evaluate.py",
+            "train/evaluate_cli.py",
             "--checkpoint",
             extended,
             "--data",

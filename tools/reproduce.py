@@ -13,7 +13,7 @@ and science.png (validation loss over tokens).
 Every step is a user-facing command run as a subprocess, so the study exercises exactly the code
 users run: `shatter-data build` (the training data at l_train, and validation data at 2x and 4x
 l_train with the same tokenizer), `train/pretrain.py` (under `deepspeed` when --ranks > 1),
-`shatter-extend` and `tools/evaluate.py` (one process per model, at all its lengths). Each run
+`shatter-extend` and `train/evaluate_cli.py` (one process per model, at all its lengths). Each run
 is an ordinary run directory under OUTPUT/runs/ with its own log (reproduce.log); running the
 same command again skips what is finished (an export at the last step and the final validation
 line) and resumes the rest from their checkpoints. The two studies share OUTPUT/runs/, so an
@@ -38,17 +38,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):
-    # Run as a script: the repository root, not tools/, goes first on sys.path (as pretrain.py).
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import click
+import yaml
 
-import click  # noqa: E402
-import yaml  # noqa: E402
-
-from shatter.attention import ATTENTIONS  # noqa: E402
-from shatter.tools.extras import require  # noqa: E402
-from shatter.tools.plot_metrics import read_metrics  # noqa: E402
-from shatter.train.plm import default_objective  # noqa: E402
+from shatter.attention import ATTENTIONS
+from shatter.extras import require
+from shatter.train.plm import default_objective
+from shatter.train.plot_metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -613,7 +609,7 @@ def evaluate_model(
     max_samples: int | None,
 ) -> None:
     """Score `model` at each length of `results` (length -> its result JSON) that has no result
-    yet, in one tools/evaluate.py process (`--data` per length): importing torch, most of a small
+    yet, in one train/evaluate_cli.py process (`--data` per length): importing torch, most of a small
     evaluation's time, once per model rather than once per length. The process gives each length
     the figures a process of its own gives; it writes each result as it is done, so a rerun after
     a failure evaluates only the lengths still without one."""
@@ -622,7 +618,7 @@ def evaluate_model(
     if not todo:
         study.progress("evaluate", f"{name} at {finished}", None)
         return
-    cmd = [sys.executable, "tools/evaluate.py", "--checkpoint", model]
+    cmd = [sys.executable, "train/evaluate_cli.py", "--checkpoint", model]
     for length in todo:
         cmd += ["--data", data[length], "--output", results[length]]
     cmd += ["--max-samples", max_samples] if max_samples else []

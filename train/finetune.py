@@ -20,21 +20,14 @@ metrics.jsonl, tensorboard/ and config.json. See docs/finetune.md.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import click
 
-if __package__ in (None, ""):
-    # Run as a script: the repository root, not train/, goes first on sys.path (as pretrain.py).
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-import click  # noqa: E402
-
-from shatter.pipeline.options import click_options  # noqa: E402
-from shatter.train.config import ConfigError  # noqa: E402
-from shatter.train.finetuning.config import SECTIONS, resolve  # noqa: E402
+from shatter.options import click_options, command
+from shatter.train.config import ConfigError
+from shatter.train.finetuning.config import SECTIONS, resolve
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command()
 @click.option(
     "--config",
     "config_file",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from torch import nn
 
-from shatter.pipeline.format import Index
-from shatter.pipeline.format.reader import sha256_file
+from shatter.shards import Index
+from shatter.shards.reader import sha256_file
 from shatter.train.config import ConfigError, TrainConfig
 
 SHAPE_FIELDS = ("arch", "hidden", "layers", "heads", "ffn", "rpe_max_distance", "rab_buckets")

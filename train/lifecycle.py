@@ -1,6 +1,6 @@
 """How a training process ends: on every path, every rank exits, soon, with one line saying why.
 
-Used by the three entry points (train/pretrain.py, train/finetune.py, tools/evaluate.py):
+Used by the three entry points (train/pretrain.py, train/finetune.py, train/evaluate_cli.py):
 
 - `StopFlag`: SIGTERM and SIGINT (Ctrl-C) ask for a checkpoint at the next step boundary and an
   exit; a second signal exits at once. A signal arriving within `SAME_REQUEST_S` of the first is

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from shatter.pipeline.format import Index
 from shatter.pipeline.masking import mix64
+from shatter.shards import Index
 from shatter.train import checkpoint
 from shatter.train.budget import Budget
 from shatter.train.config import TrainConfig

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from shatter.pipeline.format.tokenizer import (  # noqa: F401  (the trainer's special ids, from here)
+from shatter.pipeline.masking import mask_batch, mix64, row_seeds
+from shatter.shards.tokenizer import (  # noqa: F401  (the trainer's special ids, from here)
     CLS_ID as CLS,
     MASK_ID as MASK,
     PAD_ID as PAD,
     SEP_ID as SEP,
 )
-from shatter.pipeline.masking import mask_batch, mix64, row_seeds
 
 IGNORE = -100  # label at positions that are not predicted (torch's cross-entropy ignore_index)
 

@@ -153,7 +153,7 @@ def estimate(
 def dry_run_report(cfg: TrainConfig, target: str = "auto") -> str:
     """`target`: "gpu" estimates for a GPU from any box, "auto" for this machine's kind."""
     import shatter
-    from shatter.pipeline.format import DatasetError, read_index
+    from shatter.shards import DatasetError, read_index
     from shatter.train.engine import resolved_deepspeed_config
 
     index = None

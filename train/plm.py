@@ -24,7 +24,7 @@ import dataclasses
 
 import numpy as np
 
-from shatter.pipeline.format.tokenizer import SPECIAL_IDS
+from shatter.shards.tokenizer import SPECIAL_IDS
 from shatter.train.config import ConfigError, TrainConfig
 from shatter.train.masking import IGNORE, static_mask
 

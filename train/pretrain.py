@@ -17,18 +17,13 @@ import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    # Run as a script: its folder (train/) would come first on sys.path and its modules would
-    # shadow top-level names; the repository root goes there instead.
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import click
 
-import click  # noqa: E402
-
-from shatter.pipeline.format import DatasetError, read_index  # noqa: E402
-from shatter.pipeline.format.store import is_remote, local_path, open_store  # noqa: E402
-from shatter.pipeline.options import click_options  # noqa: E402
-from shatter.train import init_from  # noqa: E402
-from shatter.train.config import (  # noqa: E402
+from shatter.options import click_options, command
+from shatter.shards import DatasetError, read_index
+from shatter.shards.store import is_remote, local_path, open_store
+from shatter.train import init_from
+from shatter.train.config import (
     SECTIONS,
     ConfigError,
     PresetError,
@@ -39,7 +34,7 @@ from shatter.train.config import (  # noqa: E402
     resolve,
     schedule_problem,
 )
-from shatter.train.init_from import SHAPE_FIELDS  # noqa: E402
+from shatter.train.init_from import SHAPE_FIELDS
 
 
 def _check_same_arch(cfg: TrainConfig) -> None:
@@ -334,7 +329,7 @@ def _say_how_it_ended(status: str, state, run_dir: Path, device) -> None:
     )
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command()
 @click.option(
     "--config",
     "config_file",

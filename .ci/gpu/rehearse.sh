@@ -7,7 +7,7 @@
 #      Triton 3.6.0, numpy 2.5.2, transformers 5.17.0, pytest-xdist)
 #   3. each call (kernels, bench, jobs, science) through run.sh with GPU_REHEARSE=1, into OUT/CALL:
 #      the env step installs .whl/ into /tmp/site as on the GPU; the kernel tests run under
-#      Triton's interpreter and tools/kernel_report.py compiles for sm_80 and sm_90 under Triton
+#      Triton's interpreter and tools/bench/kernel_report.py compiles for sm_80 and sm_90 under Triton
 #      3.6; bench_model and bench_train run their CPU sizes (bench_kernel needs CUDA); the jobs
 #      run on CPU ranks (fp16 and the V100 path need a GPU); the science step at a CPU budget.
 # Every box is the GPU's times GPU_SCALE (2). OUT (runs/gpu-rehearse) gets each call's folder

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU lane and the GPU figures, one call of a GPU machine without network access at a time
-# (docs/benchmarks.md, "Running the GPU figures"). From the repository root, with .whl/ built by
+# (docs/internals/gpu-runbook.md). From the repository root, with .whl/ built by
 # .ci/gpu/wheels.sh beside it:
 #
 #   bash .ci/gpu/run.sh CALL [pytest arguments...]
@@ -8,7 +8,7 @@
 # Each CALL fits one 10-minute call: its steps' time boxes add up to at most 540 s.
 #   kernels   the compiled kernels against the references: the paper's base shape first, then
 #             every other `gpu` kernel test, in parallel (pytest-xdist)
-#   bench     tools/bench_kernel.py, then the whole-step benchmarks bench_model and bench_train
+#   bench     tools/bench/bench_kernel.py, then the whole-step benchmarks bench_model and bench_train
 #   jobs      the DeepSpeed and finetuning jobs of tests/train/test_gpu.py and
 #             tests/finetune/test_gpu.py (the V100 path among them), in parallel
 #   science   tools/reproduce.py science --scale gpu-small on the carried dataset .science/
@@ -142,9 +142,9 @@ install_wheels() {
   scripts
 }
 
-# The checkout as the package `shatter` (pipeline/, train/ and tools/ are its subpackages
-# shatter.pipeline, shatter.train and shatter.tools: setup.py), editable so the lane runs this
-# tree's code. Built by the interpreter's own setuptools; nothing is fetched.
+# The checkout as the package `shatter` (shatter/pipeline, shatter/train and shatter/tools are
+# links to the checkout's folders: setup.py), editable so the lane runs this tree's code. Built
+# by the interpreter's own setuptools; nothing is fetched.
 install_checkout() {
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e . || {
     echo "run.sh: error: installing the checkout (pip install -e .) failed: $PY needs setuptools >= 64" >&2
@@ -233,14 +233,14 @@ for item in $PLAN; do
     kernel_base) pytest_step kernel_base 100 3 -m gpu \
       tests/shatter/test_triton_kernel.py -k base_shape "$@" ;;
     kernels) pytest_step kernels 150 "$KERNEL_WORKERS" -m gpu tests/shatter -k "not base_shape" "$@" ;;
-    kernel_report) step kernel_report "$PY" tools/kernel_report.py --arch 80,90 --shape base \
+    kernel_report) step kernel_report "$PY" tools/bench/kernel_report.py --arch 80,90 --shape base \
       --dtype bf16 --length 509 ;;
     bench_kernel) if [ "$DEVICE" = cuda ]; then
-      step bench_kernel "$PY" tools/bench_kernel.py --lengths 128,256,512,1024 --dtype bf16
+      step bench_kernel "$PY" tools/bench/bench_kernel.py --lengths 128,256,512,1024 --dtype bf16
     else SUMMARY+=("bench_kernel: not rehearsed (it times CUDA kernels)"); fi ;;
-    bench_model) step bench_model "$PY" tools/bench_model.py --device "$DEVICE" "${MODEL_ARGS[@]}" \
+    bench_model) step bench_model "$PY" tools/bench/bench_model.py --device "$DEVICE" "${MODEL_ARGS[@]}" \
       --markdown ;;
-    bench_train) step bench_train "$PY" tools/bench_train.py --device "$DEVICE" --precision bf16 \
+    bench_train) step bench_train "$PY" tools/bench/bench_train.py --device "$DEVICE" --precision bf16 \
       --vs-bare --sizes "$BENCH_SIZE" --archs bert,shatter,bert-rpe,bert-rab --steps "$BENCH_STEPS" ;;
     jobs) pytest_step jobs 150 "$JOB_WORKERS" -m gpu "${JOBS[@]}" "$@" ;;
     science) if [ -f .science/l128/index.json ] || [ "$DRY" = 1 ]; then

@@ -50,7 +50,7 @@ from shatter.kernels.partition_mixing import (
 
 
 def kernel_meta(d: int, n: int, dtype: torch.dtype) -> dict:
-    """The shape-derived compile-time constants the kernels share (tools/kernel_report.py too)."""
+    """The shape-derived compile-time constants the kernels share (tools/bench/kernel_report.py too)."""
     block_k = max(16, triton.next_power_of_2(d // n))
     return {
         "N_PARTS": n,

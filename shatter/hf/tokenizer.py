@@ -28,7 +28,7 @@ import logging
 from pathlib import Path
 from types import SimpleNamespace
 
-from shatter.pipeline.format.tokenizer import (
+from shatter.shards.tokenizer import (
     NORMALIZATION,
     HFTokenizerError,
     load as load_sentencepiece,

@@ -31,7 +31,7 @@ dA_ij = Σ_h f_h(j−i) (⟨dX̄[h]_i, V[h]_j⟩ + dA_part_ih):
 block) gives dc and writes dZ = dS/√d in the input dtype: the 1/√d of Z's GEMM applied before the
 rounding keeps fp16 values no larger than the dQ and dX that the GEMMs make from them.
 
-n ∈ {4, 6, ..., 16} (at most 8 unrolled accumulators). `tools/kernel_report.py` compiles every
+n ∈ {4, 6, ..., 16} (at most 8 unrolled accumulators). `tools/bench/kernel_report.py` compiles every
 autotune configuration ahead of time for sm_80/sm_90 and checks shared memory, spills and tensor
 cores. Under TRITON_INTERPRET=1 (CPU tests) one small configuration is tuned over.
 """
@@ -60,7 +60,7 @@ def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None):
     return config
 
 
-# Checked by tools/kernel_report.py (docs/benchmarks.md) within shared memory, without spills and
+# Checked by tools/bench/kernel_report.py (docs/benchmarks.md) within shared memory, without spills and
 # with tensor-core instructions, at every configuration in every variant it serves (HAS_C,
 # sigmoid/softmax, l = 512 and 509, d = 768/n = 12 and d = 1024/n = 16, bf16 and fp16), under
 # the GPU image's Triton and the CPU's. The forward and dV kernels hold one [BLOCK, d/n] fp32

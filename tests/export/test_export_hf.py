@@ -27,10 +27,10 @@ import shatter  # noqa: E402
 from shatter.extend import extend_model  # noqa: E402
 from shatter.heads import SequenceClassificationModel, SpanExtractionModel  # noqa: E402
 from shatter.hf import card, convert  # noqa: E402
+from shatter.hf.cli import main  # noqa: E402
 from shatter.hf.export import outputs, sample_batch as batch  # noqa: E402
 from shatter.hf.remote import configuration_shatter, modeling_shatter  # noqa: E402
-from shatter.tools.export import main  # noqa: E402
-from shatter.tools.hf_parity import fill_mask, perturbed  # noqa: E402
+from shatter.tools.bench.hf_parity import fill_mask, perturbed  # noqa: E402
 
 TOL = 1e-5
 

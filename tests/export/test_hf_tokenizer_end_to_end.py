@@ -21,11 +21,11 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 
 import shatter  # noqa: E402
+from shatter.hf.cli import main as export_main  # noqa: E402
 from shatter.pipeline import hf_tokenizer  # noqa: E402
 from shatter.pipeline.build import build  # noqa: E402
 from shatter.pipeline.config import InputSpec  # noqa: E402
-from shatter.tools.evaluate import evaluate_export  # noqa: E402
-from shatter.tools.export import main as export_main  # noqa: E402
+from shatter.train.evaluate_cli import evaluate_export  # noqa: E402
 from tests.hf_vocab import wordpiece  # noqa: E402
 from tests.pipeline.conftest import generated_documents, quiet, small_config  # noqa: E402
 

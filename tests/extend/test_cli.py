@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 import shatter
-from shatter.tools.extend import main
+from shatter.extend_cli import main
 
 from .test_extend import OLD, inputs, tiny
 
@@ -135,7 +135,7 @@ def test_refuses_to_overwrite_unless_asked(export, tmp_path):
 
 def test_without_the_train_extra_it_says_what_to_install():
     """A core install (the pipeline only) has no torch: a one-line message, not a traceback."""
-    code = "import sys; sys.modules['torch'] = None; import shatter.tools.extend"
+    code = "import sys; sys.modules['torch'] = None; import shatter.extend_cli"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 1 and "pip install 'shatter-toolkit[train]'" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 import shatter
-from shatter.tools.extend import main
+from shatter.extend_cli import main
 from tests.jobs import Outcome, child_env, side_by_side
 
 from .test_cli import tokenizer_file  # noqa: F401  (fixture)

@@ -64,7 +64,7 @@ def test_each_flag_is_declared_once_on_its_config_field():
     fields: a flag given on the command line lands in its field."""
     from pathlib import Path
 
-    from shatter.pipeline.options import docs_table
+    from shatter.options import docs_table
     from shatter.train.finetune import main
     from shatter.train.finetuning.config import FLAGS, SECTIONS
 
@@ -72,7 +72,7 @@ def test_each_flag_is_declared_once_on_its_config_field():
     docs = Path(__file__).resolve().parents[2] / "docs" / "finetune.md"
     assert table in docs.read_text(), (
         "docs/finetune.md's flag table is not the declared one: paste the output of python -c "
-        "'from shatter.pipeline.options import docs_table; from shatter.train.finetuning.config import SECTIONS; "
+        "'from shatter.options import docs_table; from shatter.train.finetuning.config import SECTIONS; "
         "print(docs_table(SECTIONS))'"
     )
     params = {p.name: p for p in main.params}

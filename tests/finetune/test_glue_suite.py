@@ -1,5 +1,5 @@
-"""tools/glue.py on tiny GLUE-format files the test writes (synthetic reviews, in the Hub's
-schema through tools/glue_hub.py): all eight tasks of Table 1 in one process, MNLI-m and -mm, the
+"""train/finetuning/glue_suite.py on tiny GLUE-format files the test writes (synthetic reviews, in the Hub's
+schema through train/finetuning/glue_hub.py): all eight tasks of Table 1 in one process, MNLI-m and -mm, the
 row and its average, glue.json; the runs whose metrics.json is gone are the only ones run again,
 spread over two device slots (two processes at once)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shatter.tools.glue import COLUMNS, TASKS
-from shatter.tools.glue_hub import FORMATS, write_split
+from shatter.train.finetuning.glue_hub import FORMATS, write_split
+from shatter.train.finetuning.glue_suite import COLUMNS, TASKS
 from tests import background
 from tests.jobs import child_env
 
@@ -60,7 +60,13 @@ def run_suite(
                           text=True, cwd=REPO, timeout=300, env=child_env(env))  # fmt: skip
     assert made.returncode == 0, made.stderr[-3000:]
     out = root / "suite"
-    cmd = [sys.executable, str(REPO / "tools" / "glue.py"), "--checkpoint", str(root / "export")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shatter.train.finetuning.glue_suite",
+        "--checkpoint",
+        str(root / "export"),
+    ]
     cmd += ["--data-dir", str(glue_dir(root / "glue")), "--output", str(out)]
     cmd += ["--seeds", "0", "--max-steps", "2", "--eval-every", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900, env=env)
@@ -104,7 +110,13 @@ def test_the_suite_runs_the_eight_tasks_prints_the_row_and_resumes(suite):
 
 
 def test_missing_glue_files_are_one_line(tmp_path):
-    cmd = [sys.executable, str(REPO / "tools" / "glue.py"), "--checkpoint", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shatter.train.finetuning.glue_suite",
+        "--checkpoint",
+        str(tmp_path),
+    ]
     cmd += ["--data-dir", str(tmp_path / "none"), "--output", str(tmp_path / "out")]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 1

@@ -1,5 +1,5 @@
 """A remote export (`s3://`, a real S3 server on loopback: `tests.s3server`) read by
-`shatter-extend` (also to a remote --output), `train/finetune.py` and `tools/evaluate.py`: copied once into the node's cache, its weights checked
+`shatter-extend` (also to a remote --output), `train/finetune.py` and `train/evaluate_cli.py`: copied once into the node's cache, its weights checked
 by sha256; a missing object, or an object replaced by other bytes, is one line naming it."""
 
 import json
@@ -7,8 +7,8 @@ import json
 from click.testing import CliRunner
 
 import shatter
-from shatter.pipeline.format.store import configure, current
-from shatter.tools.extend import main as extend
+from shatter.extend_cli import main as extend
+from shatter.shards.store import configure, current
 from tests.s3server import BUCKET
 
 from .conftest import sentiment_rows
@@ -76,8 +76,8 @@ def test_extend_and_finetune_read_an_export_from_s3(s3_server, tmp_path, export)
 
 
 def test_evaluate_reads_an_export_from_s3(s3_server, tmp_path):
-    """tools/evaluate.py --checkpoint s3://...: the scores of the same export on local disk."""
-    from shatter.tools.evaluate import main as evaluate
+    """train/evaluate_cli.py --checkpoint s3://...: the scores of the same export on local disk."""
+    from shatter.train.evaluate_cli import main as evaluate
     from tests.train.shardutil import write_dataset
 
     data = write_dataset(tmp_path / "data", vocab=100, seq_len=32)

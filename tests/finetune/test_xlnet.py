@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 import shatter
-from shatter.tools.extend import main as extend_main
+from shatter.extend_cli import main as extend_main
 from shatter.train.finetune import main as finetune_main
 
 from .conftest import sentiment_rows, squad_json

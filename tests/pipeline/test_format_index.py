@@ -1,8 +1,8 @@
-"""index.json's one builder (pipeline/format/index.py): what it records, read back as written."""
+"""index.json's one builder (shatter/shards/index.py): what it records, read back as written."""
 
 import hashlib
 
-from shatter.pipeline.format import INDEX_FILE, ShardInfo, build_index, read_index, write_index
+from shatter.shards import INDEX_FILE, ShardInfo, build_index, read_index, write_index
 
 
 def test_build_index_records_shards_totals_and_tokenizer_and_reads_back(tmp_path):

@@ -12,8 +12,8 @@ import json
 import pytest
 
 from shatter.pipeline import cleaning, tokenizer as tok
-from shatter.tools.bench_pipeline import cleaned_documents, write_corpus
-from shatter.tools.bench_pipeline_memory import build_command, measure
+from shatter.tools.bench.bench_pipeline import cleaned_documents, write_corpus
+from shatter.tools.bench.bench_pipeline_memory import build_command, measure
 
 
 def assert_flat(docs, tmp_path, tokenizer=None):

@@ -1,4 +1,4 @@
-"""One declaration per option (pipeline/options.py): a config field's `option(...)` gives its
+"""One declaration per option (shatter/options.py): a config field's `option(...)` gives its
 click option, its flag-to-field entry and its docs row; `shatter-data build`'s options are
 BuildConfig's fields."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 import pytest
 
+from shatter.options import click_options, declared, docs_table, flag_fields, option
 from shatter.pipeline.config import BuildConfig, InputSpec
-from shatter.pipeline.options import click_options, declared, docs_table, flag_fields, option
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,7 +80,7 @@ def test_shatter_data_build_declares_build_configs_fields_once():
     assert "| `--text-field`, `--text-column` | `text_field` |" in table
     assert table in (REPO / "docs" / "pipeline.md").read_text(), (
         "docs/pipeline.md's option table is not the declared one: paste the output of "
-        "python -c 'from shatter.pipeline.options import docs_table; from shatter.pipeline.config import "
+        "python -c 'from shatter.options import docs_table; from shatter.pipeline.config import "
         "BuildConfig; print(docs_table(BuildConfig))'"
     )
 

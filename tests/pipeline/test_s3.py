@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from shatter.pipeline.build import build
 from shatter.pipeline.cli import main
 from shatter.pipeline.config import InputSpec
-from shatter.pipeline.format import read_index
+from shatter.shards import read_index
 from tests.jobs import child_env
 from tests.pipeline.conftest import quiet, small_config
 from tests.s3server import BUCKET

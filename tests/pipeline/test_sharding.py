@@ -58,7 +58,7 @@ def test_id_type_follows_design_md():
     """uint16 ids, or int32 when the vocabulary exceeds 65535 (DESIGN.md, shard layout)."""
     import pyarrow as pa
 
-    from shatter.pipeline.format import id_type
+    from shatter.shards import id_type
 
     assert id_type(32000) == id_type(65535) == pa.uint16() and id_type(65536) == pa.int32()
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shatter.pipeline.format.store import NodeCache, StoreError, configure, current, fs, open_store
+from shatter.shards.store import NodeCache, StoreError, configure, current, fs, open_store
 from tests.s3server import BUCKET
 
 KIB = 1024
@@ -21,7 +21,7 @@ KIB = 1024
 @pytest.fixture
 def settings(tmp_path, s3_server, monkeypatch):
     """This test's store settings (restored after): the loopback server, a cache in tmp_path."""
-    monkeypatch.setattr("shatter.pipeline.format.store.settings._current", None)
+    monkeypatch.setattr("shatter.shards.store.settings._current", None)
     return configure(current().replace(cache_dir=str(tmp_path / "cache"), retry_seconds=1.0))
 
 
@@ -109,7 +109,7 @@ def test_a_second_user_gets_a_cache_of_their_own(tmp_path, monkeypatch):
         pytest.skip("switching to a second user needs root")
     child = """
 import os, pwd, sys
-from shatter.pipeline.format.store import NodeCache, StoreError, configure, current
+from shatter.shards.store import NodeCache, StoreError, configure, current
 os.setgid(65534); os.setuid(65534)  # after the imports: the interpreter may live under /root
 os.environ["TMPDIR"] = sys.argv[1]
 own = NodeCache().prepare().directory
@@ -122,7 +122,7 @@ except StoreError as e:
     import shutil
     import tempfile
 
-    monkeypatch.setattr("shatter.pipeline.format.store.settings._current", None)
+    monkeypatch.setattr("shatter.shards.store.settings._current", None)
     shared = Path(tempfile.mkdtemp(prefix="shatter-shared-tmp-"))  # like /tmp: 01777
     os.chmod(shared, 0o1777)
     try:
@@ -161,8 +161,8 @@ def test_a_local_shard_is_hashed_once_per_node(tmp_path, settings):
     data = write_dataset(tmp_path / "data", vocab=100, seq_len=32)
     child = """
 import sys
-from shatter.pipeline.format import open_shard, read_index, reader
-from shatter.pipeline.format.store import configure, current
+from shatter.shards import open_shard, read_index, reader
+from shatter.shards.store import configure, current
 configure(current().replace(cache_dir=sys.argv[2]))
 hashed = []
 real = reader.sha256_file
@@ -202,7 +202,7 @@ def test_fs_reads_remote_objects_without_beam(s3_server, settings):
     child = f"""
 import sys
 sys.modules["apache_beam"] = None  # any import of Beam fails
-from shatter.pipeline.format.store import fs
+from shatter.shards.store import fs
 with fs.open_read({remote!r}) as f:
     f.seek(3)
     print(f.read(4).decode(), fs.size({remote!r}), fs.exists({remote!r} + "x"))

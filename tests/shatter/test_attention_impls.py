@@ -14,7 +14,7 @@ from shatter.attention import impls
 from shatter.attention.chunked import ChunkedPartitionAttention, block_rows
 from shatter.config import ModelConfig
 from shatter.partition import partition_table
-from shatter.tools.bench_model import saved_bytes
+from shatter.tools.bench.bench_model import saved_bytes
 
 SINGLE_HEAD = ["1h-softmax", "1h-sigmoid", "part-bias", "shatter"]
 # (sigmoid, partition bias) of each arch: shatter's A_part V_part term lives outside the impl

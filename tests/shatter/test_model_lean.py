@@ -7,7 +7,7 @@ from shatter_tiny import ids, tiny
 
 from shatter.attention.lean import PartitionMix, partition_mix_lean, partition_mix_naive
 from shatter.partition import partition_table
-from shatter.tools.bench_model import saved_bytes
+from shatter.tools.bench.bench_model import saved_bytes
 
 SINGLE_HEAD = ["1h-softmax", "1h-sigmoid", "part-bias", "shatter"]
 

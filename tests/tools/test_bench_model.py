@@ -1,9 +1,9 @@
-"""tools/bench_model.py runs end to end on the CPU: every contender, both timings, the memory."""
+"""tools/bench/bench_model.py runs end to end on the CPU: every contender, both timings, the memory."""
 
 import pytest
 from click.testing import CliRunner
 
-from shatter.tools.bench_model import main
+from shatter.tools.bench.bench_model import main
 
 
 @pytest.mark.slow  # ~14 s on the loaded 2-core box

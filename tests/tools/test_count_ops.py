@@ -1,4 +1,4 @@
-"""Host reads of a training step that does not log (tools/count_ops.py's counter, one process)."""
+"""Host reads of a training step that does not log (tools/bench/count_ops.py's counter, one process)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from shatter.tools.count_ops import OpCounter, count_engine
+from shatter.tools.bench.count_ops import OpCounter, count_engine
 from shatter.train.engine import init_distributed
 from shatter.train.guard import DeviceWindow, LaggedStop
 

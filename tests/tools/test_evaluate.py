@@ -1,10 +1,10 @@
-"""tools/evaluate.py's command line: several --data in one call pair with their --output in order."""
+"""train/evaluate_cli.py's command line: several --data in one call pair with their --output in order."""
 
 import torch
 from click.testing import CliRunner
 
-from shatter.tools.evaluate import main
 from shatter.train.evaluate import default_device
+from shatter.train.evaluate_cli import main
 
 
 def test_outputs_must_pair_with_the_datasets(tmp_path):
@@ -17,7 +17,7 @@ def test_outputs_must_pair_with_the_datasets(tmp_path):
 
 
 def test_the_evaluation_runs_on_a_gpu_when_there_is_one(monkeypatch):
-    """tools/evaluate.py moves the export to `default_device()` and evaluates where it lies (its
+    """train/evaluate_cli.py moves the export to `default_device()` and evaluates where it lies (its
     JSON names the device; the GPU lane checks it is cuda there)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_device() == torch.device("cpu")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shatter.tools.extras import MissingExtra, require
+from shatter.extras import MissingExtra, require
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def test_require_names_every_missing_module_and_the_extra():
 @pytest.mark.parametrize(
     "script,args,purpose",
     [
-        ("tools/plot_metrics.py", ["{tmp}", "-o", "{tmp}/c.png"], "plot_metrics needs"),
+        ("train/plot_metrics.py", ["{tmp}", "-o", "{tmp}/c.png"], "plot_metrics needs"),
         ("tools/reproduce.py", ["ablation", "--output", "{tmp}/study"], "ablation study's figure"),
     ],
 )

@@ -1,4 +1,4 @@
-"""tools/kernel_report.py compiles the Triton mixing kernels ahead of time (no GPU) and its checks
+"""tools/bench/kernel_report.py compiles the Triton mixing kernels ahead of time (no GPU) and its checks
 catch what would make an autotune configuration unfit."""
 
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shatter.tools.kernel_report import Row
+from shatter.tools.bench.kernel_report import Row
 from tests.jobs import child_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def test_every_kernel_compiles_for_sm90_without_spills():
     parts' accumulators fit) mma.sync (HMMA)."""
     pytest.importorskip("triton", reason="triton has no wheel for this platform")
     env = child_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
-    cmd = [sys.executable, "tools/kernel_report.py", "--arch", "90", "--shape", "base"]
+    cmd = [sys.executable, "tools/bench/kernel_report.py", "--arch", "90", "--shape", "base"]
     cmd += ["--dtype", "bf16", "--has-c", "true", "--length", "509", "--first-config"]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -1,6 +1,6 @@
 """tools/reproduce.py at micro scale: both studies through the real CLIs, their outputs, a resume
 that skips every finished step, a failing sub-command reported in one line, and the extension
-study's one tools/evaluate.py process per model scoring as one process per length."""
+study's one train/evaluate_cli.py process per model scoring as one process per length."""
 
 import json
 import math
@@ -167,9 +167,9 @@ def test_second_invocation_skips_every_finished_step(studies):
 
 @pytest.mark.slow
 def test_each_model_is_evaluated_at_all_its_lengths_in_one_process(studies, books_data):
-    """One tools/evaluate.py process per model, one progress step each (16 steps planned and
+    """One train/evaluate_cli.py process per model, one progress step each (16 steps planned and
     made), giving each length exactly the figures of an evaluation at that length alone."""
-    from shatter.tools.evaluate import evaluate_export
+    from shatter.train.evaluate_cli import evaluate_export
 
     out, first, _, _, _ = studies
     progress = [x for x in first[1].stderr.splitlines() if x.startswith("[")]
@@ -205,7 +205,7 @@ def test_evaluate_checks_every_dataset_before_writing_a_result(studies, tmp_path
     datasets before it are scored or written."""
     from click.testing import CliRunner
 
-    from shatter.tools.evaluate import main
+    from shatter.train.evaluate_cli import main
 
     out, _, _, _, _ = studies
     results = [tmp_path / "at-32.json", tmp_path / "at-128.json"]

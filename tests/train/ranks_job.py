@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import shatter  # noqa: E402
-from shatter.pipeline.format import read_index  # noqa: E402
+from shatter.shards import read_index  # noqa: E402
 from shatter.train import checkpoint  # noqa: E402
 from shatter.train.config import model_overrides, resolve  # noqa: E402
 from shatter.train.engine import (  # noqa: E402

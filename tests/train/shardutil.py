@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from shatter.pipeline.format import build_index, write_index
+from shatter.shards import build_index, write_index
 
 MASK = 4
 SPECIAL_IDS = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": MASK}

@@ -52,14 +52,14 @@ def test_flags_override_the_file(tmp_path):
 def test_each_flag_is_declared_once_on_its_config_field(tmp_path):
     """The flags of train/pretrain.py, FLAGS and docs/training.md's table all come from the
     `option(...)` fields of the config: a flag given on the command line lands in its field."""
-    from shatter.pipeline.options import docs_table
+    from shatter.options import docs_table
     from shatter.train.config import FLAGS, SECTIONS
     from shatter.train.pretrain import main
 
     table = docs_table(SECTIONS)
     assert table in (REPO / "docs" / "training.md").read_text(), (
         "docs/training.md's flag table is not the declared one: paste the output of "
-        "python -c 'from shatter.pipeline.options import docs_table; from shatter.train.config import SECTIONS; "
+        "python -c 'from shatter.options import docs_table; from shatter.train.config import SECTIONS; "
         "print(docs_table(SECTIONS))'"
     )
     params = {p.name: p for p in main.params}

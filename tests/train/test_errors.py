@@ -1,4 +1,4 @@
-"""Wrong inputs to the trainer, tools/evaluate.py and shatter-extend, through their command lines
+"""Wrong inputs to the trainer, train/evaluate_cli.py and shatter-extend, through their command lines
 on real data (`shatter-data build`) and a real two-step run: each ends with one line naming the
 cause and the file (exit 1; 2 for a usage error), before any work, and nothing is lost."""
 
@@ -14,7 +14,7 @@ import pyarrow.ipc as ipc
 import pytest
 from click.testing import CliRunner
 
-from shatter.pipeline.format import read_shard
+from shatter.shards import read_shard
 
 pytestmark = [pytest.mark.shared_data]
 
@@ -37,13 +37,13 @@ def pretrain(*args):
 
 
 def evaluate(*args):
-    from shatter.tools.evaluate import main
+    from shatter.train.evaluate_cli import main
 
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def extend(*args):
-    from shatter.tools.extend import main
+    from shatter.extend_cli import main
 
     return CliRunner().invoke(main, [str(a) for a in args])
 

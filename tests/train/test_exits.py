@@ -68,7 +68,7 @@ def test_a_loader_worker_failure_is_said_in_one_line_with_the_worker_s_place():
     text = (
         "Caught DatasetError in DataLoader worker process 1.\nOriginal Traceback (most recent "
         'call last):\n  File "/src/data.py", line 12, in batch\n    load()\n'
-        "shatter.pipeline.format.schema.DatasetError: shard /d/train-0.arrow is corrupted: rebuild it"
+        "shatter.shards.schema.DatasetError: shard /d/train-0.arrow is corrupted: rebuild it"
     )
     try:
         raise DatasetError(text)

@@ -4,7 +4,7 @@ rehearsal (tests/lane.py), else skipped without CUDA.
 Pretraining tiny models in fp16 and bf16 under ZeRO 0-3 (a validation pass, checkpoints, the
 export, the GPU memory figures), the export's fp32 masters and the NaN-step skip in fp16, bf16
 and fp32 at ZeRO-0/1/3 (tests/train/ranks_job.py), an exact resume after SIGKILL in bf16,
-shatter-extend to 1024 and tools/evaluate.py at 1024 (on the GPU). Each asserts the exit code,
+shatter-extend to 1024 and train/evaluate_cli.py at 1024 (on the GPU). Each asserts the exit code,
 finite losses, and an exit within 30 s of the job's last line. --sync-debug warn makes torch warn at every host sync of
 the training steps: the lane prints what remains. The V100 path (fp16, DeepSpeed's dynamic loss
 scaling, the chunked attention an sm_70 GPU runs) through pretraining with an overflow skipped,
@@ -124,7 +124,7 @@ def test_extend_to_1024_and_evaluate_at_1024(shared_data, books_data, tmp_path):
 
 
 def extend_and_evaluate(shared_data, books_data, export, length: int, tmp_path) -> dict:
-    """shatter-extend `export` to `length`, then tools/evaluate.py's figures on books rows of
+    """shatter-extend `export` to `length`, then train/evaluate_cli.py's figures on books rows of
     that length (the pretraining dataset's tokenizer)."""
     long_data = tmp_path / f"l{length}"
     build_books(shared_data, long_data, "--seq-len", str(length), "--num-shards", "1",
@@ -133,7 +133,7 @@ def extend_and_evaluate(shared_data, books_data, export, length: int, tmp_path) 
     extend = [str(BIN / "shatter-extend"), str(export), "--max-len", str(length)]
     finish_soon(Job(extend + ["--output", str(extended)]), timeout=300)
     out = tmp_path / "eval.json"
-    evaluate = [sys.executable, str(REPO / "tools" / "evaluate.py"), "--checkpoint", str(extended)]
+    evaluate = [sys.executable, "-m", "shatter.train.evaluate_cli", "--checkpoint", str(extended)]
     evaluate += ["--data", str(long_data), "--max-samples", "64", "--output", str(out)]
     finish_soon(Job(evaluate), timeout=300)
     return json.loads(out.read_text())

@@ -8,7 +8,7 @@ import pytest
 import torch
 from loaderutil import stream, take
 
-from shatter.pipeline.format import read_index
+from shatter.shards import read_index
 from shatter.train.loader import MaskingSpec, Piece, make_masker
 from shatter.train.loader.collate import DynamicMasker, SpanPlmMasker, StaticMasker, StaticPlmMasker
 from shatter.train.masking import IGNORE, MASK, PAD, SEP

@@ -1,5 +1,5 @@
 """The loader's memory does not grow with the shard size: one worker's peak RSS at shards of
-about 4 and 32 MB (tools/bench_loader.py's worker, in a fresh process each)."""
+about 4 and 32 MB (tools/bench/bench_loader.py's worker, in a fresh process each)."""
 
 import sys
 from pathlib import Path
@@ -9,7 +9,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from shatter.tools.bench_loader import synthetic_dataset, worker_run  # noqa: E402
+from shatter.tools.bench.bench_loader import synthetic_dataset, worker_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def two_sizes(tmp_path_factory):
 
 
 def test_worker_peak_rss_does_not_grow_with_the_shard_size(two_sizes):
-    from shatter.pipeline.format import read_index
+    from shatter.shards import read_index
 
     peak = {}
     for mb, root in two_sizes.items():

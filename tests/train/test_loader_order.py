@@ -7,7 +7,7 @@ import torch
 from loaderutil import stream, take
 from torch.utils.data import DataLoader
 
-from shatter.pipeline.format import DatasetError, read_index
+from shatter.shards import DatasetError, read_index
 from shatter.train.loader import SHUFFLE_WINDOW, EpochOrder, Slots, StreamPosition
 
 

@@ -1,4 +1,4 @@
-"""The loader's stream (train/loader/stream.py): reading through shatter.pipeline.format (checks, errors
+"""The loader's stream (train/loader/stream.py): reading through shatter.shards (checks, errors
 named by file, Beam-free), the finite validation stream, the bounded block cache and read-ahead."""
 
 import json
@@ -10,7 +10,7 @@ import torch
 from loaderutil import stream
 from shardutil import write_dataset
 
-from shatter.pipeline.format import DatasetError, read_index
+from shatter.shards import DatasetError, read_index
 
 
 def test_longer_seq_len_than_the_data_is_an_error(dataset):
@@ -63,13 +63,13 @@ def test_validation_stream_is_finite_and_split_between_ranks(dataset):
 
 
 def test_format_reader_is_beam_free(tmp_path):
-    """The trainer reads a local dataset through shatter.pipeline.format without importing Beam."""
+    """The trainer reads a local dataset through shatter.shards without importing Beam."""
     import subprocess
     import sys
 
     root = write_dataset(tmp_path / "data")
     code = (
-        "import sys, shatter.train.loader; from shatter.pipeline.format import read_index, load_shard; "
+        "import sys, shatter.train.loader; from shatter.shards import read_index, load_shard; "
         f"i = read_index({str(root)!r}); s = i.shards('train')[0]; load_shard(i.shard_path(s), s); "
         "assert 'apache_beam' not in sys.modules, 'the reader imported apache_beam'"
     )
@@ -85,12 +85,12 @@ def test_format_reader_is_beam_free(tmp_path):
 def test_validation_stream_can_be_iterated_again_without_rehashing(dataset, monkeypatch, tmp_path):
     """The loop builds the validation stream once and passes over it at every evaluation; another
     stream of the node (a loader worker, a rank) trusts the node's mark and hashes nothing."""
-    from shatter.pipeline.format import reader
-    from shatter.pipeline.format.store import configure, current
+    from shatter.shards import reader
+    from shatter.shards.store import configure, current
     from shatter.train.config import DataArgs
     from shatter.train.loader import validation_stream
 
-    monkeypatch.setattr("shatter.pipeline.format.store.settings._current", None)  # restored after
+    monkeypatch.setattr("shatter.shards.store.settings._current", None)  # restored after
     configure(current().replace(cache_dir=str(tmp_path / "node-cache")))
     hashed = []
     real = reader.sha256_file
@@ -119,7 +119,7 @@ def test_record_batches_are_located_by_their_headers_and_decoded_one_at_a_time(t
     """open_shard reads message headers only; a block is one record batch; damage is named."""
     import pyarrow as pa
 
-    from shatter.pipeline.format.reader import open_shard
+    from shatter.shards.reader import open_shard
 
     root = write_dataset(tmp_path / "data", shards=(11, 6))  # record batches of n // 2 rows
     index = read_index(root)
@@ -141,7 +141,7 @@ def test_record_batches_are_located_by_their_headers_and_decoded_one_at_a_time(t
 
 
 def test_a_worker_keeps_a_bounded_cache_and_opens_the_next_shard_ahead(dataset):
-    from shatter.pipeline.format.blocks import BlockReader
+    from shatter.shards.blocks import BlockReader
 
     s = stream(read_index(dataset), batch_size=3)
     it = iter(s)

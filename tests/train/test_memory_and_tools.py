@@ -1,4 +1,4 @@
-"""--dry-run's memory estimate (ZeRO formulas, measured activations) and tools/plot_metrics.py."""
+"""--dry-run's memory estimate (ZeRO formulas, measured activations) and train/plot_metrics.py."""
 
 import json
 from pathlib import Path
@@ -79,7 +79,7 @@ def test_dry_run_prints_configs_counts_and_verdict():
 
 
 def test_plot_metrics_draws_runs_and_names_a_bad_one(tmp_path):
-    from shatter.tools.plot_metrics import main
+    from shatter.train.plot_metrics import main
 
     runs = []
     for i in range(2):
@@ -108,7 +108,7 @@ def test_plot_metrics_draws_runs_and_names_a_bad_one(tmp_path):
 
 
 def test_plot_metrics_draws_tokens_per_s_and_mfu(tmp_path):
-    from shatter.tools.plot_metrics import main
+    from shatter.train.plot_metrics import main
 
     run = tmp_path / "run"
     run.mkdir()
@@ -131,7 +131,7 @@ def test_plot_metrics_draws_tokens_per_s_and_mfu(tmp_path):
 
 
 def test_plot_metrics_names_each_run_apart(tmp_path):
-    from shatter.tools.plot_metrics import run_names
+    from shatter.train.plot_metrics import run_names
 
     a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
     assert run_names([a, b]) == ["a/run", "b/run"]

@@ -16,7 +16,7 @@ from test_pretrain import command, metrics, run_to_end
 
 from shatter.pipeline.build import build
 from shatter.pipeline.config import InputSpec
-from shatter.pipeline.format import DatasetError, read_index
+from shatter.shards import DatasetError, read_index
 from shatter.train.config import ConfigError, data_sources, resolve
 from shatter.train.loader import MaskingSpec, Mixture, ShardStream, source_epochs, stream_shape
 from shatter.train.pretrain import main, start_up_checks

@@ -10,8 +10,8 @@ import torch
 from shardutil import write_dataset
 
 import shatter
-from shatter.pipeline.format import read_index
 from shatter.pipeline.masking import SPECIAL_IDS
+from shatter.shards import read_index
 from shatter.train.config import ConfigError, DataArgs, ModelArgs, TrainConfig, model_overrides
 from shatter.train.loader import MaskingSpec, ShardStream, validation_stream
 from shatter.train.masking import IGNORE

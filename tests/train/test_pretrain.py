@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import shatter
-from shatter.pipeline.format import read_index
-from shatter.tools.evaluate import evaluate_export
+from shatter.shards import read_index
 from shatter.train.config import DataArgs
 from shatter.train.evaluate import evaluate
+from shatter.train.evaluate_cli import evaluate_export
 from shatter.train.loader import validation_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
@@ -459,7 +459,7 @@ def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
     shards = {f"{s.sha256}.arrow" for s in index.shards("train") + index.shards("validation")}
     assert cached and cached <= shards and not list(node_cache.rglob(".tmp-*"))
     assert gets and len(gets) == len(set(gets)), gets  # once per node, all jobs, both ranks
-    # tools/evaluate.py on the remote dataset: the scores of the local one
+    # train/evaluate_cli.py on the remote dataset: the scores of the local one
     scores = [
         evaluate_export(run / "export", data, max_samples=64) for data in (remote, books_data)
     ]

@@ -20,7 +20,7 @@ from test_pretrain import (
 )
 
 import shatter
-from shatter.pipeline.format import read_index
+from shatter.shards import read_index
 from shatter.train.config import DataArgs
 from shatter.train.evaluate import evaluate
 from shatter.train.loader import validation_stream

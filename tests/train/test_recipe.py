@@ -15,7 +15,7 @@ import pytest
 from test_pretrain import command, run_to_end
 from test_resume_world import _at_step
 
-from shatter.pipeline.format import read_index
+from shatter.shards import read_index
 from shatter.train import budget
 from shatter.train.compiling import compile_problem
 from shatter.train.config import ConfigError, OptimArgs, TrainConfig, lr_at, resolve

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from shatter.pipeline.format import DatasetError, read_index
-from shatter.pipeline.format.store import NodeCache, configure, current
+from shatter.shards import DatasetError, read_index
+from shatter.shards.store import NodeCache, configure, current
 from tests.jobs import Job, side_by_side
 from tests.s3server import BUCKET
 
@@ -161,7 +161,7 @@ def test_a_failed_look_ahead_reaches_the_trainer_in_band(s3_server, tmp_path, mo
 
     from shatter.train.loader.stream import STORE_ERROR
 
-    monkeypatch.setattr("shatter.pipeline.format.store.settings._current", None)
+    monkeypatch.setattr("shatter.shards.store.settings._current", None)
     configure(current().replace(cache_dir=str(tmp_path / "cache"), retry_seconds=1.0))
     local = write_dataset(tmp_path / "data", shards=(40, 40))
     remote = s3_server.upload(local, "look-ahead")

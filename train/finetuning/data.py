@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shatter.pipeline.options import option
+from shatter.options import option
 from shatter.train.finetuning import metrics as M
 from shatter.train.finetuning.features import (
     SpanWindow,

@@ -25,7 +25,7 @@ import numpy as np
 
 from shatter.checkpoint import CheckpointError
 from shatter.hf.tokenizer import normalizer_spec
-from shatter.pipeline.format.tokenizer import (
+from shatter.shards.tokenizer import (
     CLS_ID as CLS,  # noqa: F401
     NORMALIZATION,
     PAD_ID as PAD,
@@ -55,7 +55,7 @@ def Tokenizer(path: str | Path):
 
 class HFTokenizer:
     """The export's tokenizer.json (`shatter-data build --hf-tokenizer`), checked for the special
-    ids by the format's loader (`shatter.pipeline.format.tokenizer.load_json`); its own normalizer decides case."""
+    ids by the format's loader (`shatter.shards.tokenizer.load_json`); its own normalizer decides case."""
 
     def __init__(self, path: Path):
         try:
@@ -82,7 +82,7 @@ class HFTokenizer:
 
 class SentencePieceTokenizer:
     """The export's sentencepiece model, loaded and checked for the special ids by the pipeline's
-    own loader (`shatter.pipeline.format.tokenizer.load`). Text is lower-cased first for a case-folding model
+    own loader (`shatter.shards.tokenizer.load`). Text is lower-cased first for a case-folding model
     (the pipeline's default) so that offsets stay those of the text; a cased one sees it as is."""
 
     def __init__(self, path: Path):

@@ -3,7 +3,7 @@
 Four jobs, one module each:
 - `order`: which global rows make step s, slot k on any world size (`EpochOrder`, `Slots`,
   `StreamPosition`, the one integer a checkpoint saves);
-- `stream`: one rank's `ShardStream`, reading record batches through `shatter.pipeline.format` with
+- `stream`: one rank's `ShardStream`, reading record batches through `shatter.shards` with
   prefetch and, for a store, the node's cache; `train_loader` and `validation_stream`;
 - `collate`: rows become `Piece`s, one masker chosen at construction masks them, and they are
   laid out as a named batch;

@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from shatter.pipeline.format import Shard
+from shatter.shards import Shard
 from shatter.train.masking import CLS, IGNORE, PAD, SEP, dynamic_mask, ragged_gather, static_mask
 from shatter.train.plm import plm_batch, static_plm_batch
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from shatter.pipeline.format import Index
+from shatter.shards import Index
 from shatter.train.loader.order import EpochOrder, cut_by_shard, cut_factor
 
 BLOCK = 4096  # positions per block of the schedule: shares are exact to 1/BLOCK

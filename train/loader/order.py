@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shatter.pipeline.format import DatasetError
+from shatter.shards import DatasetError
 
 
 def cut_factor(stored_len: int, seq_len: int) -> int:

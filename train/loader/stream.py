@@ -1,10 +1,10 @@
-"""The stream: one rank's share of a split read as batches, through `shatter.pipeline.format`.
+"""The stream: one rank's share of a split read as batches, through `shatter.shards`.
 
 `ShardStream` asks the order (`shatter.train.loader.order`) which rows its next batches hold, reads
-their record batches one at a time (`shatter.pipeline.format.blocks`: a worker's memory does not grow
+their record batches one at a time (`shatter.shards.blocks`: a worker's memory does not grow
 with the shard size) while the next batch's blocks and the next shards are read ahead, and
 hands the rows to the collate (`shatter.train.loader.collate`). A dataset in an object store is read
-through the node's cache (`shatter.pipeline.format.store`); a download that fails for good reaches the
+through the node's cache (`shatter.shards.store`); a download that fails for good reaches the
 trainer in-band, in the next batch under STORE_ERROR. Like MosaicML streaming: deterministic
 sample-space partitioning and a resumable position.
 """
@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from shatter.pipeline.format import DatasetError, Index
-from shatter.pipeline.format.blocks import BlockReader
-from shatter.pipeline.format.store import is_remote
-from shatter.pipeline.format.writer import record_batch_rows
+from shatter.shards import DatasetError, Index
+from shatter.shards.blocks import BlockReader
+from shatter.shards.store import is_remote
+from shatter.shards.writer import record_batch_rows
 from shatter.train.loader.collate import (
     Collator,
     MaskingSpec,

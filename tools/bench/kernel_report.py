@@ -1,0 +1,295 @@
+"""Ahead-of-time compile report for the Triton mixing kernels of the hybrid partition attention
+(no GPU needed).
+
+For every kernel (stats and fwd of the forward; delta, dv and dz of the backward), every autotune
+configuration and every variant it is compiled for (the partition bias HAS_C on and off, the
+sigmoid and the softmax, the base (d=768, n=12) and large (d=1024, n=16) shapes, bf16 and fp16, a
+length that is a multiple of 16 and one that is not: l = 512 and l = 509), it compiles the kernel
+for each requested arch with `triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))`,
+reads shared memory from the compiled kernel's metadata, and runs the wheel's `cuobjdump` on the
+cubin for registers, spill (stack) bytes and HMMA/HGMMA tensor-core instruction counts. It prints
+one table row per compile and exits non-zero when a configuration exceeds the arch's shared memory
+per block, spills, or (a kernel with dots, in bf16/fp16) has no tensor-core instruction: such
+configurations must leave the autotune lists of shatter/kernels/partition_mixing.py.
+
+    python tools/bench/kernel_report.py --arch 80,90
+    python tools/bench/kernel_report.py --arch 90 --shape base --dtype bf16 --first-config   # CI subset
+
+Compiles run in parallel (--jobs, the CPU count by default); the table keeps the order above.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # usable shared memory per block (A100, H100)
+SHAPES = {"base": (768, 12), "large": (1024, 16)}  # (d, n), the paper's sizes
+DTYPES = ("bf16", "fp16", "fp32")  # fp32 runs IEEE dots: no tensor cores expected
+KERNELS = ("stats", "fwd", "delta", "dv", "dz")
+DOT_KERNELS = ("fwd", "dv", "dz")  # stats and delta are elementwise sweeps: no dot to expect
+LENGTHS = (512, 509)  # a multiple of 16 and not: sets which int arguments are multiples of 16
+MAX_LEN = 512
+
+
+@dataclass
+class Row:
+    arch: int
+    kernel: str
+    activation: str
+    shape: str
+    dtype: str
+    config: str
+    smem: int
+    regs: int
+    spill: int
+    hmma: int
+    hgmma: int
+    has_c: bool = True
+    length: int = 512
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.smem > SMEM_LIMIT[self.arch]:
+            out.append(f"smem {self.smem} > {SMEM_LIMIT[self.arch]}")
+        if self.spill:
+            out.append(f"spills {self.spill} bytes")
+        dots = self.kernel in DOT_KERNELS and self.dtype != "fp32"
+        if dots and not self.hmma + self.hgmma:
+            out.append("no tensor-core instruction")
+        return out
+
+
+def _args(d: int, n: int, dtype: str, L: int) -> dict[str, tuple[str, object]]:
+    """(triton type, representative value) of every runtime argument name the kernels take, as
+    the wrapper passes them for B = 8 and length L (Z's rows padded to a multiple of 16); the
+    values only decide the runtime's divisibility-by-16 hints. X̄ and dX̄ are [B, n, L, d/n] views
+    of [B, L, d] tensors; V, c, dV and dc views of the projections P [B, L, w] and of dP."""
+    from shatter.attention.projection import projection_width
+
+    k, m, Lp = d // n, MAX_LEN, -(-L // 16) * 16
+    w = projection_width(d, n)  # V, c and their gradients are columns of the projections P
+    ptrs = {name: dtype for name in ("Z", "C", "V", "OUT", "AP", "DO", "DV", "DAP", "DZ", "DC")}
+    ptrs.update({name: "fp32" for name in ("Mk", "T", "STAT", "STAT2", "DELTA")})
+    ints = {
+        "sz_b": L * Lp, "sz_l": Lp, "sc_b": L * w, "sc_l": w, "st_h": 2 * m - 1,
+        "sv_b": L * w, "sv_h": k, "sv_l": w, "so_b": L * d, "so_h": k, "so_l": d,
+        "sd_b": L * d, "sd_h": k, "sd_l": d, "sg_b": L * w, "sg_h": k, "sg_l": w,
+        "sa_b": L * n, "sa_l": n, "sp_b": L * n, "sp_l": n, "sdc_b": L * w, "sdc_l": w,
+        "L": L, "L_KEY": 1 << (L - 1).bit_length(), "K_PART": k, "T_CENTRE": m - 1,
+    }  # fmt: skip
+    out = {name: (f"*{t}", None) for name, t in ptrs.items()}
+    out.update({name: ("i32", val) for name, val in ints.items()})
+    out["scale"] = ("fp32", None)
+    return out
+
+
+def _cuobjdump(*args: str) -> str:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    res = subprocess.run([str(tool), *args], capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"kernel_report: cuobjdump failed: {res.stderr.strip()} ({tool})")
+    return res.stdout
+
+
+def tuned_kernels() -> dict:
+    from shatter.kernels import partition_mixing as pm
+
+    return {
+        "stats": (pm.row_stats_kernel, pm.STATS_CONFIGS),
+        "fwd": (pm.mix_fwd_kernel, pm.FWD_CONFIGS),
+        "delta": (pm.delta_kernel, pm.DELTA_CONFIGS),
+        "dv": (pm.mix_bwd_dv_kernel, pm.DV_CONFIGS),
+        "dz": (pm.mix_bwd_dz_kernel, pm.DZ_CONFIGS),
+    }
+
+
+def compile_one(
+    arch: int, kernel: str, activation: str, shape: str, dtype: str, config, has_c=True, L=512
+) -> Row:
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from shatter.attention.triton_kernel import kernel_meta
+
+    fn = tuned_kernels()[kernel][0].fn
+    d, n = SHAPES[shape]
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    values = {**kernel_meta(d, n, torch_dtype), **config.kwargs}
+    values.update(HAS_C=has_c, SIGMOID=activation == "sigmoid")
+    constexprs = {name: values[name] for name in fn.arg_names if name in values}
+    args = _args(d, n, dtype, L)
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        ty, val = args[name]
+        signature[name] = ty
+        if ty.startswith("*") or (isinstance(val, int) and val % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]  # as the runtime specialises aligned args
+    src = ASTSource(fn, signature, constexprs, attrs)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = _cuobjdump("--dump-resource-usage", cubin)
+        sass = _cuobjdump("-sass", cubin)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    cfg = "M{BLOCK_M} N{BLOCK_N}".format(**config.kwargs)
+    cfg += f" w{config.num_warps} s{config.num_stages}"
+    cfg += f" G{config.kwargs['GROUP']}" if "GROUP" in config.kwargs else ""
+    return Row(
+        arch, kernel, activation, shape, dtype, cfg, compiled.metadata.shared, regs, stack,
+        len(re.findall(r"\bHMMA\b", sass)), len(re.findall(r"\bHGMMA\b", sass)), has_c, L,
+    )  # fmt: skip
+
+
+def jobs(archs, kernels, activations, has_cs, shapes, dtypes, lengths, first_config):
+    """(arch, kernel, activation, HAS_C, shape, dtype, l, config) of every compile: each
+    kernel's configurations for the arch family that serve the shape (partition_mixing.usable),
+    or the first of them."""
+    from shatter.kernels.partition_mixing import usable
+
+    tuned = tuned_kernels()
+    for cap, kernel in itertools.product(archs, kernels):
+        if kernel == "delta":  # it reads neither the bias nor the activation
+            activations_, has_cs_ = activations[:1], has_cs[:1]
+        else:
+            activations_, has_cs_ = activations, has_cs
+        for act, has_c, shape, dtype, L in itertools.product(
+            activations_, has_cs_, shapes, dtypes, lengths
+        ):
+            d, n = SHAPES[shape]
+            configs = usable(tuned[kernel][1], n, max(16, 1 << (d // n - 1).bit_length()), cap)
+            for config in configs[:1] if first_config else configs:
+                yield cap, kernel, act, has_c, shape, dtype, L, config
+
+
+def _compile_job(job) -> Row | str:
+    cap, kernel, act, has_c, shape, dtype, L, config = job
+    try:
+        return compile_one(cap, kernel, act, shape, dtype, config, has_c, L)
+    except Exception as e:
+        return str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+
+
+def _split(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def summary(rows: list[Row]) -> list[str]:
+    """Per arch and kernel, over every variant and configuration: the ranges of the columns."""
+    lines = [f"{'arch':>5} {'kernel':6} {'compiles':>8} {'regs':>9} {'spill':>5} {'smem':>13} "
+             f"{'HMMA':>9} {'HGMMA':>9}"]  # fmt: skip
+    groups: dict[tuple[int, str], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.arch, r.kernel), []).append(r)
+
+    def span(values):
+        lo, hi = min(values), max(values)
+        return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+    for (cap, kernel), rs in groups.items():
+        low = [r for r in rs if r.dtype != "fp32"] or rs
+        lines.append(
+            f"sm_{cap:<2} {kernel:6} {len(rs):>8} {span([r.regs for r in rs]):>9} "
+            f"{max(r.spill for r in rs):>5} {span([r.smem for r in rs]):>13} "
+            f"{span([r.hmma for r in low]):>9} {span([r.hgmma for r in low]):>9}"
+        )
+    return lines
+
+
+@click.command()
+@click.option("--arch", default="80,90", help="compute capabilities, comma-separated (80, 90)")
+@click.option("--kernel", "kernels", default=",".join(KERNELS), help="kernels to compile")
+@click.option("--activation", "activations", default="sigmoid,softmax", help="sigmoid, softmax")
+@click.option("--has-c", "has_cs", default="true,false", help="the partition bias: true, false")
+@click.option("--shape", "shapes", default="base,large", help="base (d=768, n=12), large")
+@click.option("--dtype", "dtypes", default="bf16,fp16", help="bf16, fp16, fp32")
+@click.option("--length", "lengths", default="512,509", help="sequence lengths (hints only)")
+@click.option("--first-config", is_flag=True, help="only each kernel's first autotune config")
+@click.option("--jobs", "n_jobs", default=os.cpu_count() or 1, help="compiles run in parallel")
+def main(arch, kernels, activations, has_cs, shapes, dtypes, lengths, first_config, n_jobs):
+    """Compile the Triton kernels ahead of time and check their resources (see module doc)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("kernel_report: unset TRITON_INTERPRET: the interpreter compiles nothing")
+    try:
+        archs = [int(a) for a in _split(arch)]
+        ls = [int(v) for v in _split(lengths)]
+    except ValueError:
+        raise SystemExit(
+            f"kernel_report: --arch and --length take numbers like 80,90 and 512,509, got "
+            f"{arch!r} and {lengths!r}"
+        ) from None
+    for name, values, known in (
+        ("--arch", archs, SMEM_LIMIT),
+        ("--kernel", _split(kernels), KERNELS),
+        ("--activation", _split(activations), ("sigmoid", "softmax")),
+        ("--has-c", _split(has_cs), ("true", "false")),
+        ("--shape", _split(shapes), SHAPES),
+        ("--dtype", _split(dtypes), DTYPES),
+    ):
+        bad = [v for v in values if v not in known]
+        if bad:
+            raise SystemExit(f"kernel_report: {name} {bad} unknown; choose from {list(known)}")
+    bad_len = [v for v in ls if not 16 < v <= MAX_LEN]
+    if bad_len:
+        raise SystemExit(f"kernel_report: --length {bad_len} outside 17..{MAX_LEN}")
+    import triton
+
+    print(f"triton {triton.__version__} (python {sys.version.split()[0]})")
+    header = f"{'arch':>5} {'kernel':6} {'act':7} {'c':1} {'shape':5} {'dtype':5} {'l':>4} "
+    header += f"{'config':21} {'smem':>7} {'regs':>4} {'spill':>5} {'HMMA':>5} {'HGMMA':>5}  check"
+    print(header)
+    has = [v == "true" for v in _split(has_cs)]
+    todo = list(jobs(archs, _split(kernels), _split(activations), has, _split(shapes),
+                     _split(dtypes), ls, first_config))  # fmt: skip
+    rows: list[Row] = []
+    failed = 0
+    with concurrent.futures.ProcessPoolExecutor(max_workers=n_jobs) as pool:
+        for job, r in zip(todo, pool.map(_compile_job, todo)):
+            if isinstance(r, str):  # a compile error: one line, then stop
+                cap, kernel, act, has_c, shape, dtype, L, config = job
+                what = f"sm_{cap} {kernel} {act} HAS_C={has_c} {shape} {dtype} l={L} {config}"
+                pool.shutdown(cancel_futures=True)
+                raise SystemExit(
+                    f"kernel_report: {what} does not compile: {r} "
+                    "(shatter/kernels/partition_mixing.py)"
+                )
+            bad = r.problems()
+            failed += bool(bad)
+            rows.append(r)
+            print(
+                f"sm_{r.arch:<2} {r.kernel:6} {r.activation:7} {'yn'[not r.has_c]} {r.shape:5} "
+                f"{r.dtype:5} {r.length:>4} {r.config:21} {r.smem:>7} {r.regs:>4} {r.spill:>5} "
+                f"{r.hmma:>5} {r.hgmma:>5}  " + ("; ".join(bad) or "ok"),
+                flush=True,
+            )
+    print("\nsummary over the variants above (ranges; HMMA/HGMMA over bf16/fp16)")
+    print("\n".join(summary(rows)))
+    if failed:
+        raise SystemExit(
+            f"kernel_report: {failed} configuration(s) fail the checks above: drop them from the "
+            "autotune lists in shatter/kernels/partition_mixing.py"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,500 @@
+"""The ops of one training step of a model, traced on meta tensors: what
+tools/bench/step_cost.py prices.
+
+`trace_step(model, ...)` runs one step of a masked-LM model built by `shatter.build_model` (this
+checkout's, or an older commit's: the module imports no project module at load time, and
+`shatter` itself only in `main`, so tools/bench/step_cost.py runs it by path under another
+checkout's PYTHONPATH) on meta tensors, which have shapes, dtypes and strides but no values, so a
+base-size step traces in seconds on a CPU:
+
+    forward    model(input_ids, attention_mask, labels)["loss"]
+    backward   loss.backward()
+    optimizer  `fused`: torch's fused AdamW over the fp32 parameters (the model fp32 under
+               bf16 autocast); `zero1`: DeepSpeed's ZeRO-1 step on one of `world` ranks (the
+               model in bf16 or fp16; each gradient copied into the flat bucket, whole, as its
+               hook fires; then, on the rank's 1/world partition only: its gradients flattened
+               into one tensor and cast to fp32, their norm and finiteness, the unscale, AdamW on
+               the fp32 master, the master cast back to the low-precision parameters). The
+               collectives between (the gradients' reduce-scatter, the parameters' all-gather)
+               are communication: not traced, not priced.
+
+A TorchDispatchMode records every ATen op (and every custom op) with its executed FLOPs and the
+HBM bytes it reads and writes (a tensor's bytes over its dimensions of non-zero stride, so a
+broadcast operand counts once; an output that aliases an input is a view: no kernel, no bytes),
+in order, with the storages it reads and writes. What a GPU would do differently from the meta
+device is emulated above the dispatcher, in a TorchFunctionMode:
+
+- CUDA autocast (torch's documented op lists: GEMMs and SDPA in the low precision; softmax, sums,
+  norms, layer_norm, losses in fp32; cat and friends to the widest), weight casts cached per
+  forward as torch caches them;
+- SDPA's backend choice on CUDA: the flash kernel when there is no mask and the GPU is sm_80+,
+  else the memory-efficient kernel (a bool mask becomes a float bias first);
+- the boolean index of the MLM head (decode only the predicted positions): a `predicted` share of
+  the tokens, as the data's masking would give.
+
+Custom ops named `shatter::...` are priced per kernel from `shatter.kernels.cost.OP_COSTS` when
+this checkout has it: a row of kind "custom" carries the op's kernels, (name, kind, FLOPs,
+bytes) each, one launch each, and its model FLOPs from `model_flops`; ops it lacks count their
+tensors' bytes, one launch.
+
+`records(rec)` is the step as eager PyTorch runs it, one kernel per op; `records(rec,
+compiled=True)` as inductor runs the compiled model (`fuse_pointwise`): in the forward and the
+backward, each chain of consecutive pointwise ops (between two GEMMs, reductions, or other
+non-pointwise kernels) is one kernel that reads its inputs once and writes once the outputs that
+are read after it (or that it writes into an older tensor); the optimizer stays eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+aten = torch.ops.aten
+
+GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation"}
+SDPA = {
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_flash_attention_backward": "flash",
+    "_scaled_dot_product_efficient_attention": "efficient",
+    "_scaled_dot_product_efficient_attention_backward": "efficient",
+}
+# Ops that launch no kernel: allocation without a fill, metadata
+NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+             "alias", "lift_fresh", "_unsafe_view", "_local_scalar_dense", "sym_size", "sym_stride", "is_same_size",
+             "_to_copy_noop"}  # fmt: skip
+
+# CUDA autocast's op lists (torch.amp's "Autocast Op Reference"), by the Python function's name
+LOW = {"__matmul__", "__rmatmul__", "addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm",
+       "chain_matmul", "multi_dot", "linear", "matmul", "mm", "mv", "einsum",
+       "scaled_dot_product_attention"}  # fmt: skip
+FP32 = {"__pow__", "__rdiv__", "__rpow__", "__rtruediv__", "acos", "asin", "cosh", "cdist",
+        "cosine_similarity", "cross_entropy", "cumprod", "cumsum", "dist", "erfinv", "exp",
+        "expm1", "group_norm", "kl_div", "l1_loss", "layer_norm", "log", "log_softmax", "log10",
+        "log1p", "log2", "mse_loss", "nll_loss", "norm", "normalize", "pdist", "pow", "prod",
+        "reciprocal", "rsqrt", "sinh", "smooth_l1_loss", "softmax", "softmin", "softplus", "sum",
+        "renorm", "tan", "vector_norm", "binary_cross_entropy_with_logits"}  # fmt: skip
+PROMOTE = {"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "index_put", "scatter_add",
+           "tensordot", "cat", "stack", "index_copy"}  # fmt: skip
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """HBM bytes of one pass over `t`: its element size times its sizes over dimensions of
+    non-zero stride (an expanded operand is read once)."""
+    span = math.prod(s for s, st in zip(t.shape, t.stride()) if st != 0) if t.dim() else 1
+    return t.element_size() * span
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _is_view(func) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in returns
+    )
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an in-place or out= op writes (its mutable arguments)."""
+    out = []
+    values = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    unscaled = values.get("grad_scale") is not None  # a fused Adam writes its grads only then
+    for arg in func._schema.arguments:
+        if arg.name == "grads" and not unscaled:
+            continue
+        if arg.alias_info is not None and arg.alias_info.is_write and arg.name in values:
+            out += _tensors(values[arg.name])
+    return out
+
+
+def _custom_costs():
+    """(OP_COSTS, model_flops) of this checkout's `shatter::` custom ops."""
+    try:
+        from shatter.kernels import cost
+    except ImportError:
+        return {}, None
+    return cost.OP_COSTS, getattr(cost, "model_flops", None)
+
+
+def _kernels(cost) -> tuple[tuple[str, str, float, float], ...]:
+    """An OP_COSTS entry's answer as (name, kind, FLOPs, bytes) per kernel; an older checkout's
+    (FLOPs, bytes) for the whole op is one custom kernel."""
+    if len(cost) == 2 and not isinstance(cost[0], tuple):
+        return (("op", "custom", float(cost[0]), float(cost[1])),)
+    return tuple((str(k[0]), str(k[1]), float(k[2]), float(k[3])) for k in cost)
+
+
+# Ops inductor fuses as pointwise beyond those torch tags so: casts, copies, fills, dropout
+POINTWISE = {"_to_copy", "copy_", "clone", "fill_", "fill", "zero_", "full", "full_like", "zeros",
+             "zeros_like", "ones", "ones_like", "new_zeros", "new_ones", "new_full", "masked_fill_",
+             "native_dropout", "native_dropout_backward", "gelu_", "floor_divide", "scalar_tensor",
+             "_masked_scale"}  # fmt: skip
+
+
+def _pointwise(func, name: str) -> bool:
+    return torch.Tag.pointwise in func.tags or name in POINTWISE
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    """A tensor as the storage it lives in and the region it spans there."""
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
+class StepTrace(TorchDispatchMode):
+    """Records, in order, each kernel-launching op: its row key (op, phase, kind, executed FLOPs,
+    model FLOPs, bytes, launches, kernels), whether it is pointwise, and the tensors (as
+    `_view_key`, bytes) it reads and writes; `phase` is set by the caller (forward, backward,
+    optimizer)."""
+
+    def __init__(self, predicted: float):
+        super().__init__()
+        self.predicted = predicted
+        self.phase = "forward"
+        self.events: list[tuple] = []  # (key, pointwise, reads, writes)
+        # every storage seen, kept so that no address is reused (the storage, not the tensor: a
+        # gradient held elsewhere would be copied by autograd instead of taken)
+        self.alive: list = []
+        self.custom, self.custom_model_flops = _custom_costs()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense":  # a host read (an old commit's mask check): no values
+            return {torch.bool: True}.get(args[0].dtype, 1)
+        if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+            args = self._bool_index(args)
+        out = func(*args, **kwargs)
+        if name not in NO_KERNEL and not _is_view(func):
+            self.record(func, name, args, kwargs, out)
+        return out
+
+    def _bool_index(self, args):
+        """A bool index of the MLM head's predicted positions -> `predicted` of its elements as
+        one long index per dimension (meta tensors have no values to count)."""
+        indices = args[1]
+        if not any(i is not None and i.dtype == torch.bool for i in indices):
+            return args
+        new = []
+        for i in indices:
+            if i is not None and i.dtype == torch.bool:
+                m = max(1, round(self.predicted * i.numel()))
+                new += [torch.empty(m, dtype=torch.long, device=i.device)] * i.dim()
+            else:
+                new.append(i)
+        return (args[0], new, *args[2:])
+
+    def _views(self, tensors) -> tuple:
+        self.alive += [t.untyped_storage() for t in tensors]
+        return tuple((_view_key(t), tensor_bytes(t)) for t in tensors)
+
+    def record(self, func, name, args, kwargs, out):
+        read_t = _tensors((args, kwargs))
+        write_t = _written(func, args, kwargs) or _tensors(out)
+        reads, writes = self._views(read_t), self._views(write_t)
+        nbytes = sum(b for _, b in reads) + sum(b for _, b in writes)
+        flops = model_flops = 0.0
+        kind, kernels, launches = "memory", (), 1
+        qualified = str(func.overloadpacket._qualified_op_name)
+        if qualified in self.custom:
+            kernels = _kernels(self.custom[qualified](args, kwargs, out))
+            kind, launches = "custom", len(kernels)
+            flops, nbytes = sum(k[2] for k in kernels), sum(k[3] for k in kernels)
+            model_flops = flops
+            if self.custom_model_flops is not None:  # the dense count train/cost.py makes
+                model_flops = self.custom_model_flops(qualified, args, kwargs)
+        elif func.overloadpacket in flop_registry and (name in GEMMS or name in SDPA):
+            flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+            kind = "gemm" if name in GEMMS else SDPA[name]
+            # the SDPA backward recomputes Q K^T: 5 products where the model count has 4
+            model_flops = flops * 0.8 if name.endswith("_backward") else flops
+        if name.startswith(("_foreach_", "_fused_")):  # multi_tensor_apply: ~110 tensors a launch
+            launches = max(1, math.ceil(len(_tensors(args[0])) / 110))
+        key = (qualified, self.phase, kind, flops, model_flops, nbytes, launches, kernels)
+        pointwise = kind == "memory" and _pointwise(func, name)
+        self.events.append((key, pointwise, reads, writes))
+
+
+class GpuEmulation(TorchFunctionMode):
+    """CUDA autocast and SDPA's backend choice on meta tensors (see the module doc)."""
+
+    def __init__(self, autocast_dtype: torch.dtype | None, flash: bool, low: torch.dtype):
+        super().__init__()
+        self.dtype, self.flash, self.low = autocast_dtype, flash, low
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def _cast(self, t, dtype):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()) or t.dtype == dtype:
+            return t
+        if t.is_leaf and t.requires_grad:  # torch caches a weight's cast within the region
+            if id(t) not in self.cache:
+                self.cache[id(t)] = t.to(dtype)
+            return self.cache[id(t)]
+        return t.to(dtype)
+
+    def _autocast(self, name, args, kwargs):
+        if self.dtype is None:
+            return args, kwargs
+        if name in LOW:
+            to = self.dtype
+        elif name in FP32:
+            to = torch.float32
+        elif name in PROMOTE:
+            floats = [t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()]
+            to = torch.float32 if torch.float32 in floats else self.dtype
+        else:
+            return args, kwargs
+        leaves, spec = tree_flatten((args, kwargs))
+        leaves = [self._cast(t, to) for t in leaves]
+        return torch.utils._pytree.tree_unflatten(leaves, spec)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        args, kwargs = self._autocast(name, args, kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self.sdpa(*args, **kwargs)
+        if func is F.dropout:  # CUDA's one fused kernel (the CPU's composite is three)
+            return self.dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def dropout(x, p=0.5, training=True, inplace=False):
+        return aten.native_dropout(x, p, True)[0] if training and p > 0 else x
+
+    def sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        """The kernel CUDA's SDPA picks: flash without a mask (sm_80+, half precision), else the
+        memory-efficient kernel with the mask as an additive float bias."""
+        half = q.dtype in (torch.bfloat16, torch.float16)
+        if attn_mask is None and self.flash and half:
+            return aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal, False, scale=scale
+            )[0]
+        bias = attn_mask
+        if bias is not None and bias.dtype == torch.bool:
+            bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill(
+                ~bias, float("-inf")
+            )
+        if bias is not None:
+            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        need_lse = q.requires_grad or k.requires_grad or v.requires_grad
+        return aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, need_lse, dropout_p, is_causal, scale=scale
+        )[0]
+
+
+class MetaAutocast:
+    """`torch.autocast` while tracing: a region on the meta device switches the emulated autocast
+    (`enabled=False`: a kernel that computes in fp32 on purpose); others are torch's own."""
+
+    real = torch.autocast
+
+    def __init__(self, emulation: GpuEmulation):
+        self.emulation = emulation
+
+    def __call__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        if device_type != "meta":
+            return self.real(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        return self._region(dtype, enabled)
+
+    @contextlib.contextmanager
+    def _region(self, dtype, enabled):
+        saved = self.emulation.dtype
+        self.emulation.dtype = (dtype or self.emulation.low) if enabled else None
+        try:
+            yield
+        finally:
+            self.emulation.dtype = saved
+
+
+def zero1_step(params: list[torch.Tensor], world: int = 1) -> None:
+    """DeepSpeed's ZeRO-1 optimizer step on one of `world` ranks, over flat buffers as it keeps
+    them: every gradient into the flat bucket (whole, as each hook fires), then the rank's
+    1/world partition (rounded up) only. The reduce-scatter of the bucket and the all-gather of
+    the updated parameters are communication, left out."""
+    numel = sum(p.numel() for p in params)
+    part = -(-numel // world)
+    dev, low = params[0].device, params[0].dtype
+    bucket = torch.empty(numel, dtype=low, device=dev)
+    offset = 0
+    for p in params:  # each gradient into the flat bucket as its hook fires
+        bucket[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        offset += p.numel()
+    # after the reduce-scatter: the partition's gradients flattened into one tensor, then fp32
+    grad = bucket[:part].clone().float()
+    norm = torch.linalg.vector_norm(grad)
+    torch.isfinite(norm).logical_not()  # the overflow test on the norm
+    grad.mul_(1.0)  # unscale and clip by the combined scale
+    master, m, v = (torch.empty(part, device=dev) for _ in range(3))
+    step = torch.empty((), device=dev)
+    adamw([master], [grad], [m], [v], [step])
+    flat = torch.empty(part, dtype=low, device=dev)
+    flat.copy_(master)  # the updated master into the partition's low-precision parameters
+
+
+def adamw(params, grads, m, v, steps) -> None:
+    torch._fused_adamw_(
+        params, grads, m, v, [], steps, lr=1e-4, beta1=0.9, beta2=0.999,
+        weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False,
+    )  # fmt: skip
+
+
+def fused_step(params: list[torch.Tensor]) -> None:
+    """torch.optim.AdamW(fused=True).step() on fp32 parameters: one fused kernel over the list."""
+    m = [torch.empty_like(p) for p in params]
+    v = [torch.empty_like(p) for p in params]
+    steps = [torch.empty((), device=p.device) for p in params]
+    adamw(params, [p.grad for p in params], m, v, steps)
+
+
+def trace_step(
+    model,
+    length: int,
+    rows: int,
+    optimizer: str,
+    low: torch.dtype = torch.bfloat16,
+    flash: bool = True,
+    padding_mask: bool = False,
+    predicted: float = 0.15,
+    world: int = 1,
+) -> StepTrace:
+    """One training step of `model` (on the meta device) at `rows` x `length` tokens; the model
+    fp32 under autocast with `optimizer="fused"`, or already in `low` with `"zero1"`.
+    `padding_mask`: pass an all-ones attention mask (as a padded batch would) instead of None;
+    `world`: the ranks ZeRO-1 partitions the optimizer over."""
+    dev = torch.device("meta")
+    ids = torch.empty(rows, length, dtype=torch.long, device=dev)
+    mask = torch.empty(rows, length, dtype=torch.long, device=dev) if padding_mask else None
+    labels = torch.empty(rows, length, dtype=torch.long, device=dev)
+    params = [p for p in model.parameters() if p.requires_grad]
+    rec = StepTrace(predicted)
+    emulate = GpuEmulation(low if optimizer == "fused" else None, flash, low)
+    model.train()
+    with emulate, rec, _patched_autocast(MetaAutocast(emulate)):
+        loss = model(ids, mask, labels)["loss"]
+        rec.phase = "backward"
+        loss.backward()
+        rec.phase = "optimizer"
+        if optimizer == "fused":
+            fused_step(params)
+        else:
+            zero1_step(params, world)
+    for p in params:
+        p.grad = None
+    return rec
+
+
+@contextlib.contextmanager
+def _patched_autocast(autocast):
+    torch.autocast = autocast
+    try:
+        yield
+    finally:
+        torch.autocast = MetaAutocast.real
+
+
+ROW_KEYS = ("op", "phase", "kind", "flops", "model_flops", "bytes", "launches", "kernels")
+
+
+def records(rec: StepTrace, compiled: bool = False) -> list[dict]:
+    """The trace as JSON-able rows: one per distinct (op, phase, kind, FLOPs, bytes), counted;
+    `compiled`: with the forward's and backward's pointwise chains fused (`fuse_pointwise`)."""
+    keys = fuse_pointwise(rec.events) if compiled else [e[0] for e in rec.events]
+    rows = []
+    for k, c in Counter(keys).items():
+        row = dict(zip(ROW_KEYS, k), count=c)
+        row["kernels"] = [list(kernel) for kernel in row["kernels"]]
+        rows.append(row)
+    return rows
+
+
+def fuse_pointwise(events: list[tuple]) -> list[tuple]:
+    """The row keys of the step as inductor runs it: each run of consecutive pointwise events of
+    the forward or the backward becomes one kernel (`_fused`); every other event stays as it is."""
+    last_read: dict[int, int] = {}
+    first_seen: dict[int, int] = {}
+    for i, (_, _, reads, writes) in enumerate(events):
+        for view, _ in reads:
+            last_read[view[0]] = i
+        for view, _ in reads + writes:
+            first_seen.setdefault(view[0], i)
+    keys, chain = [], []
+    for i, event in enumerate(events):
+        key, pointwise = event[0], event[1]
+        fusable = pointwise and key[1] in ("forward", "backward")
+        if chain and not (fusable and events[chain[0]][0][1] == key[1]):
+            keys.append(_fused(events, chain, last_read, first_seen))
+            chain = []
+        if fusable:
+            chain.append(i)
+        else:
+            keys.append(key)
+    if chain:
+        keys.append(_fused(events, chain, last_read, first_seen))
+    return keys
+
+
+def _fused(events, chain: list[int], last_read: dict, first_seen: dict) -> tuple:
+    """One kernel for the chain of events `chain`: it reads each tensor it did not write itself
+    once, and writes once each tensor read after it or older than it (one launch)."""
+    if len(chain) == 1:
+        return events[chain[0]][0]
+    start, end = chain[0], chain[-1]
+    inputs, outputs, written = {}, {}, set()
+    for i in chain:
+        _, _, reads, writes = events[i]
+        for view, nbytes in reads:
+            if view[0] not in written:
+                inputs.setdefault(view, nbytes)
+        for view, nbytes in writes:
+            written.add(view[0])
+            older = first_seen[view[0]] < start or any(v[0] == view[0] for v in inputs)
+            if older or last_read.get(view[0], -1) > end:
+                outputs[view] = nbytes
+    nbytes = sum(inputs.values()) + sum(outputs.values())
+    return ("inductor::pointwise", events[start][0][1], "memory", 0.0, 0.0, nbytes, 1, ())
+
+
+def build_meta(build_model, arch: str, size: str, vocab: int, max_len: int, dtype, impl=None):
+    """`build_model(f"{arch}-{size}", ...)` on the CPU, moved to the meta device in `dtype`."""
+    overrides = dict(vocab_size=vocab, max_len=max_len)
+    if impl:
+        overrides["attention_impl"] = impl
+    return build_model(f"{arch}-{size}", **overrides).to(device="meta", dtype=dtype)
+
+
+def main() -> None:
+    """Worker mode for another checkout: trace its `shatter.build_model` and print JSON rows."""
+    import argparse
+    import json
+
+    import shatter
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--arch", required=True)
+    p.add_argument("--size", default="base")
+    p.add_argument("--vocab", type=int, default=30000)
+    p.add_argument("--lengths", required=True, help="comma-separated")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per step")
+    p.add_argument("--optimizer", choices=("fused", "zero1"), default="fused")
+    p.add_argument("--padding-mask", action="store_true")
+    a = p.parse_args()
+    lengths = [int(x) for x in a.lengths.split(",")]
+    model = build_meta(shatter.build_model, a.arch, a.size, a.vocab, max(lengths), torch.float32)
+    out = {}
+    for L in lengths:
+        rec = trace_step(model, L, a.tokens // L, a.optimizer, padding_mask=a.padding_mask)
+        out[L] = records(rec)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
