@@ -19,7 +19,7 @@ ARCHS = tuple(ATTENTIONS)
 
 # How the single-head partition archs compute attention (shatter/attention/impls.py): every impl
 # gives the same values and gradients from the same weights; `auto` picks one by device.
-ATTENTION_IMPLS = ("auto", "triton", "chunked", "lean", "naive")
+ATTENTION_IMPLS = ("auto", "triton", "fused", "rows", "rows-keep", "chunked", "lean", "naive")
 
 # Archs whose attention multiplies by the partition mask N (§3.1): heads are the n parts.
 PARTITION_ARCHS = tuple(name for name, cls in ATTENTIONS.items() if cls.parts)

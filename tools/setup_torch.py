@@ -1,11 +1,16 @@
 """`make setup`'s first step: torch, installed right for this machine before the rest of the project.
 
-- A torch already installed in the project's range (setup.cfg's `train` extra) is kept.
+- A torch already installed in the project's range (setup.cfg's `train` extra) is kept, unless
+  its build cannot run this machine's GPU: a `+cpu` build on a machine with an NVIDIA GPU, or, on
+  a GPU below compute capability 8.0 (V100: sm_70), a build other than `+cu126` or older (PyPI's
+  default CUDA builds of torch 2.11 on carry no sm_70 kernels; docs/training.md has the table).
 - Otherwise `TORCH_INDEX` (an environment variable) says where pip gets it: a URL (e.g.
   https://download.pytorch.org/whl/cu126), or `default` for pip's own configured indexes and
   wheelhouses. Unset, it is PyTorch's CPU index on a machine without an NVIDIA GPU (no working
-  `nvidia-smi`), so pip never pulls the multi-GB CUDA build there, and `default` (PyPI's CUDA
-  build) on one.
+  `nvidia-smi`), so pip never pulls the multi-GB CUDA build there; PyTorch's `cu126` index where
+  `nvidia-smi --query-gpu=compute_cap` reports a GPU below 8.0 (the last CUDA build with sm_70);
+  and `default` (PyPI's CUDA build) on newer GPUs.
+- `--dry-run` prints the pip command it would run and installs nothing.
 - From the CPU index it installs `torch==CPU_VERSION` (the version the suite runs on), not the
   range: pip's configured find-links and extra indexes still apply, and a newer CUDA build on one
   of them would win the range. `==2.13.0` matches the CPU index's `2.13.0+cpu`, which pip prefers
@@ -19,10 +24,12 @@ anything else is installed. The torch line is a plain range (`torch>=A,<B`, clau
 
 from __future__ import annotations
 
+import argparse
 import configparser
 import importlib.metadata
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,6 +40,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 CPU_VERSION = "2.13.0"  # in the range of setup.cfg (tests/tools/test_setup_torch.py checks it)
+SM70_INDEX = "https://download.pytorch.org/whl/cu126"  # the last CUDA build with sm_70 kernels
+SM70_CUDA = 126  # +cuXYZ builds up to this one carry sm_70 (docs/training.md)
+MODERN = (8, 0)  # GPUs from this compute capability on run PyPI's default CUDA build
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -92,20 +102,64 @@ def torch_requirement(setup_cfg: Path = REPO / "setup.cfg") -> Range:
     raise SystemExit(f"make setup: {setup_cfg} has no torch requirement in its train extra")
 
 
-def has_nvidia_gpu() -> bool:
+def _smi(*args: str) -> str | None:
     smi = shutil.which("nvidia-smi")
     if smi is None:
+        return None
+    result = subprocess.run([smi, *args], capture_output=True, text=True)
+    return result.stdout if result.returncode == 0 else None
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """The lowest compute capability of this machine's NVIDIA GPUs, (0, 0) for GPUs whose
+    `nvidia-smi` cannot say (drivers before the `compute_cap` query: treated as recent), None
+    without a working `nvidia-smi` or GPU."""
+    caps = []
+    for line in (_smi("--query-gpu=compute_cap", "--format=csv,noheader") or "").splitlines():
+        m = re.fullmatch(r"\s*(\d+)\.(\d+)\s*", line)
+        if m:
+            caps.append((int(m.group(1)), int(m.group(2))))
+    if caps:
+        return min(caps)
+    return (0, 0) if "GPU" in (_smi("-L") or "") else None
+
+
+def old_gpu(capability: tuple[int, int] | None) -> bool:
+    """A GPU below sm_80 whose capability is known: only `cu126` (and older) builds run it."""
+    return capability is not None and capability != (0, 0) and capability < MODERN
+
+
+def runs_here(installed: str, capability: tuple[int, int] | None) -> bool:
+    """Whether the installed build can run this machine's GPU, by its local label: `+cpu` runs
+    no GPU; below sm_80 only `+cuXYZ` up to `+cu126` carry sm_70 (a plain PyPI version is its
+    default CUDA build, which from torch 2.11 on has none)."""
+    label = installed.partition("+")[2].lower()
+    if capability is None:
+        return True
+    if label == "cpu":
         return False
-    result = subprocess.run([smi, "-L"], capture_output=True, text=True)
-    return result.returncode == 0 and "GPU" in result.stdout
+    if old_gpu(capability):
+        cuda = re.fullmatch(r"cu(\d+)", label)
+        return cuda is not None and int(cuda.group(1)) <= SM70_CUDA
+    return True
 
 
-def plan(installed: str | None, wanted: Range, index: str | None, gpu: bool) -> list[str]:
-    """The pip arguments that install torch, or [] to keep the installed one."""
-    if installed is not None and wanted.contains(installed):
+def plan(
+    installed: str | None,
+    wanted: Range,
+    index: str | None,
+    gpu: bool,
+    capability: tuple[int, int] | None = None,
+) -> list[str]:
+    """The pip arguments that install torch, or [] to keep the installed one. `capability`:
+    the GPU's compute capability when `gpu` (gpu_capability)."""
+    fits = installed is not None and wanted.contains(installed)
+    if fits and (index is not None or runs_here(installed, capability if gpu else None)):
         return []
     if index is None and not gpu:
         return ["install", "--index-url", CPU_INDEX, f"torch=={CPU_VERSION}"]
+    if index is None and old_gpu(capability):
+        index = SM70_INDEX
     where = [] if index in (None, "default") else ["--index-url", index]
     return ["install", *where, str(wanted)]
 
@@ -120,28 +174,50 @@ def reachable(url: str, timeout: float = 8.0) -> bool:
         return False
 
 
-def main() -> int:
+def _source(index: str | None, capability: tuple[int, int] | None, args: list[str]) -> str:
+    """Where `args` take torch from, in words."""
+    if index:
+        return index
+    if SM70_INDEX in args:
+        return (
+            f"{SM70_INDEX} (a GPU of compute capability {capability[0]}.{capability[1]}: only "
+            "the cu126 builds carry its kernels)"
+        )
+    if capability is not None:
+        return "pip's default index (an NVIDIA GPU is present: the CUDA build)"
+    return f"{CPU_INDEX} (no NVIDIA GPU: the CPU build of {CPU_VERSION})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Install torch right for this machine.")
+    parser.add_argument("--dry-run", action="store_true", help="print the pip command only")
+    dry = parser.parse_args(argv).dry_run
     wanted = torch_requirement()
     try:
         installed = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         installed = None
-    index, gpu = os.environ.get("TORCH_INDEX") or None, has_nvidia_gpu()
-    args = plan(installed, wanted, index, gpu)
-    if CPU_INDEX in args and not reachable(CPU_INDEX + "/torch/"):
+    index, capability = os.environ.get("TORCH_INDEX") or None, gpu_capability()
+    args = plan(installed, wanted, index, capability is not None, capability)
+    if not dry and CPU_INDEX in args and not reachable(CPU_INDEX + "/torch/"):
         print(f"==> {CPU_INDEX} is unreachable: torch=={CPU_VERSION} from pip's own indexes")
         args = ["install", f"torch=={CPU_VERSION}"]
     if not args:
         print(f"==> torch {installed} is installed and in the project's range {wanted}: kept")
         return 0
-    why = f"torch {installed} is outside {wanted}" if installed else "no torch installed"
-    source = index or (
-        "pip's default index (an NVIDIA GPU is present: the CUDA build)"
-        if gpu
-        else f"{CPU_INDEX} (no NVIDIA GPU: the CPU build of {CPU_VERSION})"
-    )
+    if installed is None:
+        why = "no torch installed"
+    elif wanted.contains(installed):
+        why = f"torch {installed} cannot run this machine's GPU"
+    else:
+        why = f"torch {installed} is outside {wanted}"
+    source = _source(index, capability, args)
     print(f"==> {why}: installing it from {source}; TORCH_INDEX=URL picks another", flush=True)
-    result = subprocess.run([sys.executable, "-m", "pip", *args])
+    command = [sys.executable, "-m", "pip", *args]
+    if dry:
+        print("==> dry run, nothing installed: " + " ".join(shlex.quote(a) for a in command))
+        return 0
+    result = subprocess.run(command)
     if result.returncode != 0:
         print(
             f"make setup: installing {wanted} failed (pip exit {result.returncode}, its output is "

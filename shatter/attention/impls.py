@@ -14,14 +14,25 @@ X̄ goes into its first d columns and A_part into its last n, the results are vi
 
     triton   hybrid: cuBLAS GEMMs for Q X^T, dQ, dX around Triton mixing kernels
              (shatter/attention/triton_kernel.py), sm_80+ GPUs; refused below sm_80
+    rows     every product a cuBLAS GEMM (Q X^T, the n parts' W_h V[h], dV, dW_h, dQ, dX)
+             around two Triton row kernels without dots (shatter/attention/rows.py): for GPUs
+             below sm_80 in fp16; W = A ⊙ N recomputed in the backward
+    rows-keep  rows with W kept from the forward: faster, n l² more saved elements a layer
+    fused    the same Triton kernels recomputing Q X^T on chip: Z never reaches HBM, only
+             dS does, for the dQ and dX GEMMs (shatter/kernels/fused_attention.py); sm_80+
     chunked  row blocks through cuBLAS matmuls, recomputing backward (shatter/attention/chunked.py)
     lean     saves the l x l pre-activation Z0 and recomputes the rest (shatter/attention/lean.py)
     naive    the reference: autograd through A ⊙ N as [B, n, l, l]
 
-`auto` decides per call from the input's device and dtype, without a host sync: `triton` on CUDA
-devices of compute capability >= 8.0 for bf16/fp16 when triton imports; `chunked` on CUDA for fp32
-(the kernels' IEEE fp32 dots are slow) and below sm_80 (V100, T4: Triton has no tensor-core code
-there); `lean` on the CPU.
+`auto` decides per call from the input's device, dtype and shape, without a host sync: on CUDA
+devices of compute capability >= 8.0 for bf16/fp16 when triton imports, `triton` or `fused`,
+whichever the step model's roofline prices faster for the call's (B, l, d, n) on that GPU family
+(`kernel_choice`: recomputing Q X^T costs 2d FLOPs a score where reading the saved Z costs 2
+bytes, so `fused` wins at small d and `triton` at the paper's d = 768 and 1024); `rows` below
+sm_80 (V100, T4: Triton has no tensor-core code there, cuBLAS has) for fp16 when triton imports
+(about 40 launches a layer where `chunked` has about 290, and no fp32 copies of l x l tensors:
+docs/model.md); `chunked` on CUDA otherwise (fp32: the kernels' IEEE fp32 dots are slow; no
+triton); `lean` on the CPU.
 """
 
 from __future__ import annotations
@@ -59,8 +70,19 @@ def triton(Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
     return _triton_kernel()(Q, X, V, c, mask_BL, table, sigmoid, out)
 
 
-def require_triton_capability(device: torch.device) -> None:
-    """Refuse `triton` forced on a GPU below sm_80 (Triton emits no tensor-core code there)."""
+def fused(Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
+    """The fused Triton impl (Z recomputed on chip), imported on first use only."""
+    require_triton_capability(Q.device, "fused")
+    _triton_kernel()  # the hybrid's module first: one line naming the fix without triton
+    from shatter.kernels.fused_attention import partition_attention_fused
+
+    x_bar, a_part = partition_attention_fused(Q, X, V, c, mask_BL, table, sigmoid)
+    return (x_bar, a_part) if out is None else write_context(out, x_bar, a_part)
+
+
+def require_triton_capability(device: torch.device, impl: str = "triton") -> None:
+    """Refuse `triton` or `fused` forced on a GPU below sm_80 (Triton emits no tensor-core code
+    there)."""
     if device.type != "cuda":
         return
     major, minor = _capability(
@@ -68,7 +90,7 @@ def require_triton_capability(device: torch.device) -> None:
     )
     if (major, minor) < (8, 0):
         raise ValueError(
-            f"attention_impl: triton needs a GPU of compute capability >= 8.0, this one is "
+            f"attention_impl: {impl} needs a GPU of compute capability >= 8.0, this one is "
             f"sm_{major}{minor}; fix: set attention_impl to auto or chunked in the model config"
         )
 
@@ -84,6 +106,31 @@ def _triton_kernel() -> Impl:
             "attention_impl to auto, chunked or lean in the model config"
         ) from None
     return partition_attention_triton
+
+
+def rows(Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
+    """The `rows` impl (W recomputed in the backward), imported on first use only."""
+    x_bar, a_part = _rows_module().partition_attention_rows(Q, X, V, c, mask_BL, table, sigmoid)
+    return (x_bar, a_part) if out is None else write_context(out, x_bar, a_part)
+
+
+def rows_keep(Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
+    """The `rows` impl keeping W = A ⊙ N from the forward for the backward."""
+    rows_ = _rows_module().partition_attention_rows
+    x_bar, a_part = rows_(Q, X, V, c, mask_BL, table, sigmoid, keep=True)
+    return (x_bar, a_part) if out is None else write_context(out, x_bar, a_part)
+
+
+@lru_cache(maxsize=1)
+def _rows_module():
+    try:
+        from shatter.attention import rows as module
+    except ImportError as e:
+        raise RuntimeError(
+            f"attention_impl: rows is unavailable ({e}); shatter/attention/rows.py needs triton; "
+            "fix: set attention_impl to auto or chunked in the model config"
+        ) from None
+    return module
 
 
 Layer = Callable[..., torch.Tensor]
@@ -110,11 +157,38 @@ def _triton_layer(P, X, mask_BL, table, sigmoid: bool):
     return partition_attention_layer(P, X, mask_BL, table, sigmoid)
 
 
+def _rows_layer(P, X, mask_BL, table, sigmoid: bool):
+    """The rows impl on the layer's P itself: dV, dQ and dc written into dP's columns."""
+    return _rows_module().rows_layer(P, X, mask_BL, table, sigmoid)
+
+
+def _rows_keep_layer(P, X, mask_BL, table, sigmoid: bool):
+    return _rows_module().rows_layer(P, X, mask_BL, table, sigmoid, keep=True)
+
+
+def _fused_layer(P, X, mask_BL, table, sigmoid: bool):
+    """The fused impl on the layer's P itself, as `_triton_layer`."""
+    require_triton_capability(P.device, "fused")
+    _triton_kernel()
+    from shatter.kernels.fused_attention import fused_attention_layer
+
+    return fused_attention_layer(P, X, mask_BL, table, sigmoid)
+
+
 IMPLS: dict[str, Impl] = {
     "triton": triton,
+    "rows": rows,
+    "rows-keep": rows_keep,
+    "fused": fused,
     "chunked": partition_attention_chunked,
     "lean": lean,
     "naive": naive,
+}
+LAYERS: dict[str, Layer] = {  # impls with a layer-level form of their own (dP back whole)
+    "triton": _triton_layer,
+    "rows": _rows_layer,
+    "rows-keep": _rows_keep_layer,
+    "fused": _fused_layer,
 }
 
 
@@ -125,28 +199,52 @@ def _triton_available() -> bool:
 
 
 @cache
+def _rows_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)  # a driver query, cached: no sync per call
 
 
-def auto_impl(device: torch.device, dtype: torch.dtype) -> str:
-    """`auto`'s choice for `dtype` inputs on `device` (see the module docstring)."""
+@lru_cache(maxsize=256)
+def kernel_choice(capability: tuple[int, int], shape: tuple, dtype: torch.dtype) -> str:
+    """`triton` or `fused`, whichever shatter/kernels/cost.py prices faster (the step model's
+    per-kernel roofline) for one layer's forward and backward of `shape` = (B, l, d, n) in
+    `dtype` on a GPU of `capability` (sm_80: the A100's peaks, sm_90: the H100's)."""
+    from shatter.kernels.cost import modelled_seconds
+
+    family = 90 if capability[0] >= 9 else 80
+    element = dtype.itemsize
+    hybrid = modelled_seconds("triton", shape, element, family)
+    return "fused" if modelled_seconds("fused", shape, element, family) < hybrid else "triton"
+
+
+def auto_impl(device: torch.device, dtype: torch.dtype, shape: tuple | None = None) -> str:
+    """`auto`'s choice for `dtype` inputs on `device` (see the module docstring); `shape` =
+    (B, l, d, n) of the call, when known, chooses between the two Triton impls."""
     if device.type != "cuda":
         return "lean"
     index = device.index if device.index is not None else torch.cuda.current_device()
     low = dtype in (torch.bfloat16, torch.float16)
     if low and _capability(index) >= (8, 0) and _triton_available():
-        return "triton"
+        if shape is None:
+            return "triton"
+        return kernel_choice(_capability(index), tuple(shape), dtype)
+    if dtype == torch.float16 and _rows_available():
+        return "rows"
     return "chunked"
 
 
-def resolve(name: str, device: torch.device, dtype: torch.dtype) -> Impl:
+def resolve(name: str, device: torch.device, dtype: torch.dtype, shape=None) -> Impl:
     """The impl function for config.attention_impl `name` on `dtype` inputs on `device`."""
-    return IMPLS[auto_impl(device, dtype) if name == "auto" else name]
+    return IMPLS[auto_impl(device, dtype, shape) if name == "auto" else name]
 
 
-def resolve_layer(name: str, device: torch.device, dtype: torch.dtype) -> Layer:
+def resolve_layer(name: str, device: torch.device, dtype: torch.dtype, shape=None) -> Layer:
     """The layer-level function (P, X, mask, table, sigmoid) -> context [X̄ | A_part]
-    ([B, L, d + n]) for config.attention_impl `name` (single_head.py)."""
-    chosen = auto_impl(device, dtype) if name == "auto" else name
-    return _triton_layer if chosen == "triton" else _through(IMPLS[chosen])
+    ([B, L, d + n]) for config.attention_impl `name` (single_head.py); `shape` = (B, l, d, n)
+    for `auto`."""
+    chosen = auto_impl(device, dtype, shape) if name == "auto" else name
+    return LAYERS.get(chosen) or _through(IMPLS[chosen])

@@ -43,9 +43,45 @@ def write_context(out: torch.Tensor, x_bar: torch.Tensor, a_part: torch.Tensor):
     return context_views(out, n)
 
 
+def gather_projections(Q: torch.Tensor, V: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+    """P = [Q | V | c | 0] [B, L, projection_width] from separate Q [B, L, d], V [B, n, L, d/n]
+    and c [B, L, n] or None (a copy): for the impls that work on the layer's P, called with the
+    impls' common signature."""
+    B, L, d = Q.shape
+    columns = [Q, V.transpose(1, 2).reshape(B, L, d)]
+    if c is not None:
+        pad = projection_width(d, c.shape[-1]) - 2 * d - c.shape[-1]
+        columns += [c, c.new_zeros(B, L, pad)]
+    return torch.cat(columns, -1)
+
+
+def padded(L: int) -> int:
+    """A row length of l x l score buffers: the keys rounded up to a multiple of 16 (aligned rows
+    for cuBLAS's tensor-core GEMMs and the kernels' vector loads)."""
+    return -(-L // 16) * 16
+
+
+def parts_layout(B: int, L: int, n: int, k: int, like: torch.Tensor) -> torch.Tensor:
+    """A new [B, n, L, k] tensor stored as [B, L, n, k]: X̄ (and dV) in the layout of the
+    [B, L, d] context (and of V as single_head.py views it), so that no transpose copies it."""
+    return like.new_empty(B, L, n, k).transpose(1, 2)
+
+
+def context(x_bar: torch.Tensor, a_part: torch.Tensor) -> torch.Tensor:
+    """The layer's context [X̄ | A_part] ([B, L, d + n]) from X̄ [B, n, L, d/n] and A_part
+    [B, L, n] computed apart: one cat (its backward only views), for the ops that do not write
+    into a context of their own."""
+    B, n, L, k = x_bar.shape
+    return torch.cat([x_bar.transpose(1, 2).reshape(B, L, n * k), a_part], -1)
+
+
 __all__ = [
+    "context",
     "context_views",
+    "gather_projections",
     "new_context",
+    "padded",
+    "parts_layout",
     "projection_views",
     "projection_width",
     "write_context",

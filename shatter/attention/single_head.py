@@ -100,7 +100,8 @@ class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
         if projection is None:
             projection = self.projection()
         P = F.linear(X, *projection)  # [Q | V | c] in one GEMM (§3.2-3.3)
-        attend = resolve_layer(self.impl, x_BLD.device, P.dtype)  # scores Q X^T / sqrt(d) inside
+        shape = (*x_BLD.shape, self.n)  # (B, l, d, n): auto's choice of kernel
+        attend = resolve_layer(self.impl, x_BLD.device, P.dtype, shape)  # Q X^T / sqrt(d) inside
         return attend(P, X, mask_BL, self.exact_partition(), self.sigmoid)  # eq. 3, §3.3
 
     def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:

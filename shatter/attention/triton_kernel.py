@@ -12,11 +12,9 @@ mask, the sigmoid (or 1h-softmax's softmax), the partition bias c·f(j−i), the
 with 64-wide dots, ‖p‖, and the outputs normalised in the input dtype; the backward pass takes δ
 from the saved outputs, then dV and dZ (with dc).
 
-The layer calls `partition_attention_layer(P, X, mask, table, sigmoid)` on its projections
-P = [Q | V | c] (projection.projection_views) and gets dP back whole, and the kernels write X̄
-and A_part side by side into the layer's context [X̄ | A_part] (the block's folded W^O reads it,
-layer_weights.py); the impls' common signature
-`partition_attention_triton(Q, X, V, c, mask, table, sigmoid, out=None)` computes what
+The layer calls `partition_attention_layer(P, X, mask, table, v_part, sigmoid)` on its projections
+P = [Q | V | c] (projection.projection_views) and gets dP back whole; the impls' common signature
+`partition_attention_triton(Q, X, V, c, mask, table, sigmoid)` computes what
 `lean.partition_mix_lean(Q Xᵀ/√d, c, V, mask, table, sigmoid)` computes. Inputs: Q, X [B, L, d];
 V [B, n, L, d/n]; c = Q Rᵀ [B, L, n] or None (1h-sigmoid, 1h-softmax); mask [B, L] (1 token,
 0 padding); table [n, 2 max_len − 1] fp32 (shatter/partition.py). bf16 or fp16 on sm_80+ (auto's
@@ -24,17 +22,16 @@ choice); fp32 runs too (IEEE dots, for the tests). n even in 4..16, d/n ≤ 128,
 tensors of compute capability ≥ 8.0, or CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 import triton
 
 from shatter.attention.projection import (
-    context_views,
-    new_context,
+    context,
+    gather_projections,
+    padded,
+    parts_layout,
     projection_views,
-    projection_width,
     write_context,
 )
 from shatter.kernels.cost import register_costs
@@ -57,10 +54,11 @@ def kernel_meta(d: int, n: int, dtype: torch.dtype) -> dict:
         "BLOCK_K": block_k,
         "PREC": "ieee" if dtype == torch.float32 else "tf32",
         "NP": max(16, triton.next_power_of_2(n)),
+        "BLOCK_D": min(64, max(16, triton.next_power_of_2(d))),  # Q Xᵀ's steps over d (RECOMPUTE)
     }
 
 
-def _check(Q, X, V, c, mask, table):
+def _check(Q, X, V, c, mask, table, impl="triton"):
     B, L, d = Q.shape
     n = table.shape[0]
     max_len = (table.shape[1] + 1) // 2
@@ -79,9 +77,7 @@ def _check(Q, X, V, c, mask, table):
     ]  # fmt: skip
     for bad, what in problems:
         if bad:
-            raise ValueError(
-                f"partition_attention_triton: {what} (shatter/attention/triton_kernel.py)"
-            )
+            raise ValueError(f"attention_impl {impl}: {what} (shatter/attention/triton_kernel.py)")
 
 
 def _grid(L, block, per_batch, half=0):
@@ -92,12 +88,6 @@ def _grid(L, block, per_batch, half=0):
         return triton.cdiv(L, META[block]), per_batch * (2 * half // META["GROUP"] if half else 1)
 
     return grid
-
-
-def padded(L: int) -> int:
-    """Z's row length: the keys rounded up to a multiple of 16 (aligned rows for the GEMMs and the
-    kernels' vector loads)."""
-    return -(-L // 16) * 16
 
 
 def _unit(t: torch.Tensor) -> torch.Tensor:
@@ -115,47 +105,114 @@ def _scores(Q: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     return torch.baddbmm(Z, Q, X.transpose(-1, -2), beta=0.0, alpha=Q.shape[-1] ** -0.5, out=Z)
 
 
-@torch.library.custom_op("shatter::mixing_fwd", mutates_args=())
-def mixing_fwd(
-    P: torch.Tensor, X: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, sigmoid: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the context [X̄ | A_part] [B, L, d + n] (projection.context_views), Z [B, L, Lp],
-    stat [2, B, L] fp32) from the layer's projections P = [Q | V | c]
-    (projection.projection_views): the scores GEMM, the row statistics and the mixing forward;
-    Z and stat are kept for `mixing_bwd`."""
+def _source(Q, X, Z, dtype) -> dict:
+    """The kernels' score-source arguments: Z's own (RECOMPUTE off), or with Z None, Q in Z's
+    place and the keys X, for the tiles of Q Xᵀ/√d recomputed on chip (RECOMPUTE on)."""
+    src = Q if Z is None else Z
+    return dict(
+        Z=src, X=X, sz_b=src.stride(0), sz_l=src.stride(1), sx_b=X.stride(0), sx_l=X.stride(1),
+        D=X.shape[-1], scale=X.shape[-1] ** -0.5, RECOMPUTE=Z is None,
+        BLOCK_D=kernel_meta(X.shape[-1], 2, dtype)["BLOCK_D"],
+    )  # fmt: skip
+
+
+def forward_kernels(P, X, mask, table, sigmoid: bool, Z):
+    """(X̄ [B, n, L, d/n] stored as [B, L, n, d/n], A_part [B, L, n], stat [2, B, L] fp32) from
+    the projections P = [Q | V | c]: the row statistics, then the mixing forward, their scores
+    read from Z [B, L, Lp] or, with Z None, recomputed from Q and X tile by tile."""
     B, L, d = X.shape
     n = table.shape[0]
     Q, V, c = projection_views(P, d, n)
-    Z = _scores(Q, X)
-    cc = c if c is not None else Z  # a placeholder pointer without the bias
+    source = _source(Q, X, Z, X.dtype)
+    cc = c if c is not None else source["Z"]  # a placeholder pointer without the bias
     mask32 = mask.to(torch.float32).contiguous()
     stat = torch.empty(2, B, L, device=X.device, dtype=torch.float32)
     meta = kernel_meta(d, n, X.dtype)
     shared = dict(
+        C=cc, Mk=mask32, T=table, sc_b=cc.stride(0), sc_l=cc.stride(1), st_h=table.stride(0),
         L=L, L_KEY=triton.next_power_of_2(L), T_CENTRE=(table.shape[1] - 1) // 2,
-        HAS_C=c is not None, N_PARTS=n, SIGMOID=sigmoid,
+        HAS_C=c is not None, N_PARTS=n, SIGMOID=sigmoid, PREC=meta["PREC"], **source,
     )  # fmt: skip
-    zs = (Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), table.stride(0))
-    row_stats_kernel[_grid(L, "BLOCK_M", B)](Z, cc, mask32, table, stat[0], stat[1], *zs, **shared)
-    wide = new_context(X, n)
-    out, part = context_views(wide, n)
+    row_stats_kernel[_grid(L, "BLOCK_M", B)](STAT=stat[0], STAT2=stat[1], **shared)
+    out = parts_layout(B, L, n, d // n, X)
+    part = torch.empty(B, L, n, device=X.device, dtype=X.dtype)
     mix_fwd_kernel[_grid(L, "BLOCK_M", B, n // 2)](  # batch x side x group of parts
-        Z, cc, mask32, table, V, stat[0], stat[1], out, part, *zs,
-        V.stride(0), V.stride(1), V.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        part.stride(0), part.stride(1), K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
-        PREC=meta["PREC"], **shared,
+        V=V, STAT=stat[0], STAT2=stat[1], OUT=out, AP=part, sv_b=V.stride(0), sv_h=V.stride(1),
+        sv_l=V.stride(2), so_b=out.stride(0), so_h=out.stride(1), so_l=out.stride(2),
+        sa_b=part.stride(0), sa_l=part.stride(1), K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
+        **shared,
     )  # fmt: skip
-    return wide, Z, stat
+    return out, part, stat
+
+
+@torch.library.custom_op("shatter::mixing_fwd", mutates_args=())
+def mixing_fwd(
+    P: torch.Tensor, X: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, sigmoid: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(X̄ [B, n, L, d/n] stored as [B, L, n, d/n], A_part [B, L, n], Z [B, L, Lp], stat [2, B, L]
+    fp32) from the layer's projections P = [Q | V | c] (projection.projection_views): the scores
+    GEMM, the row statistics and the mixing forward; Z and stat are kept for `mixing_bwd`."""
+    Q, _, _ = projection_views(P, X.shape[-1], table.shape[0])
+    Z = _scores(Q, X)
+    out, part, stat = forward_kernels(P, X, mask, table, sigmoid, Z)
+    return out, part, Z, stat
 
 
 @mixing_fwd.register_fake
 def _(P, X, mask, table, sigmoid):
     B, L, d = X.shape
+    n = table.shape[0]
     return (
-        new_context(X, table.shape[0]),
+        parts_layout(B, L, n, d // n, X),
+        X.new_empty(B, L, n),
         X.new_empty(B, L, padded(L)),
         X.new_empty(2, B, L, dtype=torch.float32),
     )
+
+
+def backward_kernels(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmoid: bool):
+    """(dP, dX) from the saved statistics and outputs: dV, δ, then dS/√d (with dc) in Triton,
+    their scores read from Z or, with Z None, recomputed from Q and X; then dQ = dS X into dP
+    and dX = dSᵀ Q in cuBLAS. dX̄ is read in whatever strides autograd hands in."""
+    B, L, d = X.shape
+    n = table.shape[0]
+    Q, V, c = projection_views(P, d, n)
+    g_out, g_part = _unit(g_out.to(X.dtype)), _unit(g_part.to(X.dtype))
+    dP = torch.empty_like(P, memory_format=torch.contiguous_format)
+    dP[..., 2 * d + (n if c is not None else 0) :].zero_()  # c's alignment columns: no gradient
+    dQ, gV, dc = projection_views(dP, d, n)
+    meta = kernel_meta(d, n, X.dtype)
+    source = _source(Q, X, Z, X.dtype)
+    cc = c if c is not None else source["Z"]
+    dcc = dc if dc is not None else source["Z"]
+    mask32 = mask.to(torch.float32).contiguous()
+    shared = dict(
+        C=cc, Mk=mask32, T=table, STAT=stat[0], STAT2=stat[1], DO=g_out, sc_b=cc.stride(0),
+        sc_l=cc.stride(1), st_h=table.stride(0), sd_b=g_out.stride(0), sd_h=g_out.stride(1),
+        sd_l=g_out.stride(2), L=L, L_KEY=triton.next_power_of_2(L), HAS_C=c is not None,
+        N_PARTS=n, SIGMOID=sigmoid, K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
+        T_CENTRE=(table.shape[1] - 1) // 2, PREC=meta["PREC"], **source,
+    )  # fmt: skip
+    mix_bwd_dv_kernel[_grid(L, "BLOCK_N", B, n // 2)](
+        DV=gV, sg_b=gV.stride(0), sg_h=gV.stride(1), sg_l=gV.stride(2), **shared
+    )
+    delta = torch.empty(B, L, device=X.device, dtype=torch.float32)
+    gs = (g_out.stride(0), g_out.stride(1), g_out.stride(2))
+    delta_kernel[_grid(L, "BLOCK_M", B)](
+        out, g_out, part, g_part, delta, out.stride(0), out.stride(1), out.stride(2), *gs,
+        part.stride(0), part.stride(1), g_part.stride(0), g_part.stride(1), L=L,
+        L_KEY=shared["L_KEY"], K_PART=d // n, N_PARTS=n, BLOCK_K=meta["BLOCK_K"], NP=meta["NP"],
+    )  # fmt: skip
+    dZ = X.new_empty(B, L, padded(L))  # dS/√d; the padded keys' columns are never read
+    mix_bwd_dz_kernel[_grid(L, "BLOCK_M", B)](
+        V=V, DELTA=delta, DAP=g_part, DZ=dZ, DC=dcc, sdz_b=dZ.stride(0), sdz_l=dZ.stride(1),
+        sv_b=V.stride(0), sv_h=V.stride(1), sv_l=V.stride(2), sp_b=g_part.stride(0),
+        sp_l=g_part.stride(1), sdc_b=dcc.stride(0), sdc_l=dcc.stride(1), NP=meta["NP"], **shared,
+    )  # fmt: skip
+    dS = dZ[:, :, :L]  # dS/√d
+    torch.matmul(dS, X, out=dQ)  # cuBLAS: dQ = dS X / √d, into dP's columns
+    gX = torch.matmul(dS.transpose(-1, -2), Q)  # dX_key = dSᵀ Q / √d
+    return dP, gX
 
 
 @torch.library.custom_op("shatter::mixing_bwd", mutates_args=())
@@ -172,47 +229,8 @@ def mixing_bwd(
     g_part: torch.Tensor,
     sigmoid: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dP, dX) from the saved Z and statistics: dV, δ, then dZ (with dc), in Triton, written
-    into dP's columns, then dQ = dZ X into dP and dX = dZᵀ Q in cuBLAS. dX̄ is
-    read in whatever strides autograd hands in."""
-    B, L, d = X.shape
-    n = table.shape[0]
-    Q, V, c = projection_views(P, d, n)
-    g_out, g_part = _unit(g_out.to(X.dtype)), _unit(g_part.to(X.dtype))
-    dP = torch.empty_like(P, memory_format=torch.contiguous_format)
-    dP[..., 2 * d + (n if c is not None else 0) :].zero_()  # c's alignment columns: no gradient
-    dQ, gV, dc = projection_views(dP, d, n)
-    meta = kernel_meta(d, n, X.dtype)
-    cc = c if c is not None else Z
-    dcc = dc if dc is not None else Z
-    mask32 = mask.to(torch.float32).contiguous()
-    shared = dict(
-        L=L, L_KEY=triton.next_power_of_2(L), HAS_C=c is not None, N_PARTS=n,
-        SIGMOID=sigmoid, K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
-    )  # fmt: skip
-    tables = dict(T_CENTRE=(table.shape[1] - 1) // 2, PREC=meta["PREC"])
-    zs = (Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), table.stride(0))
-    gs = (g_out.stride(0), g_out.stride(1), g_out.stride(2))
-    mix_bwd_dv_kernel[_grid(L, "BLOCK_N", B, n // 2)](
-        Z, cc, mask32, table, stat[0], stat[1], g_out, gV, *zs, *gs,
-        gV.stride(0), gV.stride(1), gV.stride(2), **shared, **tables,
-    )  # fmt: skip
-    delta = torch.empty(B, L, device=X.device, dtype=torch.float32)
-    delta_kernel[_grid(L, "BLOCK_M", B)](
-        out, g_out, part, g_part, delta, out.stride(0), out.stride(1), out.stride(2), *gs,
-        part.stride(0), part.stride(1), g_part.stride(0), g_part.stride(1), L=L,
-        L_KEY=shared["L_KEY"], K_PART=d // n, N_PARTS=n, BLOCK_K=meta["BLOCK_K"], NP=meta["NP"],
-    )  # fmt: skip
-    dZ = torch.empty_like(Z)  # the padded keys' columns are never read
-    mix_bwd_dz_kernel[_grid(L, "BLOCK_M", B)](
-        Z, cc, mask32, table, V, stat[0], stat[1], delta, g_out, g_part, dZ, dcc, *zs,
-        V.stride(0), V.stride(1), V.stride(2), *gs, g_part.stride(0), g_part.stride(1),
-        dcc.stride(0), dcc.stride(1), scale=1.0 / math.sqrt(d), NP=meta["NP"], **shared, **tables,
-    )  # fmt: skip
-    dS = dZ[:, :, :L]  # dS/√d
-    torch.matmul(dS, X, out=dQ)  # cuBLAS: dQ = dS X / √d, into dP's columns
-    gX = torch.matmul(dS.transpose(-1, -2), Q)  # dX_key = dSᵀ Q / √d
-    return dP, gX
+    """(dP, dX) from the saved Z and statistics (`backward_kernels`)."""
+    return backward_kernels(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmoid)
 
 
 @mixing_bwd.register_fake
@@ -220,25 +238,30 @@ def _(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmoid):
     return torch.empty_like(P, memory_format=torch.contiguous_format), torch.empty_like(X)
 
 
-def _setup_context(ctx, inputs, output):
-    P, X, mask, table, sigmoid = inputs
-    wide, Z, stat = output
-    ctx.save_for_backward(P, X, mask, table, Z, stat, wide)
-    ctx.mark_non_differentiable(Z, stat)  # kept for the backward only
-    ctx.set_materialize_grads(False)  # no zero gradients made for Z and stat
-    ctx.sigmoid = sigmoid
+def register_backward(forward_op, backward_op) -> None:
+    """The autograd of a forward op (P, X, mask, table, sigmoid) -> (X̄, A_part, *kept): it saves
+    P, X, mask, table, the `kept` tensors (for the backward only) and its outputs, and its
+    backward is `backward_op`(*saved, dX̄, dA_part, sigmoid) -> (dP, dX)."""
+
+    def setup_context(ctx, inputs, output):
+        P, X, mask, table, sigmoid = inputs
+        out, part, *kept = output
+        ctx.save_for_backward(P, X, mask, table, *kept, out, part)
+        ctx.mark_non_differentiable(*kept)
+        ctx.set_materialize_grads(False)  # no zero gradients made for the kept tensors
+        ctx.sigmoid = sigmoid
+
+    def backward(ctx, g_out, g_part, *_g_kept):
+        saved = ctx.saved_tensors
+        g_out = torch.zeros_like(saved[-2]) if g_out is None else g_out
+        g_part = torch.zeros_like(saved[-1]) if g_part is None else g_part
+        dP, dX = backward_op(*saved, g_out, g_part, ctx.sigmoid)
+        return dP, dX, None, None, None
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
 
 
-def _backward(ctx, g_wide, _g_z, _g_stat):
-    *saved, wide = ctx.saved_tensors
-    n = saved[3].shape[0]
-    g_wide = torch.zeros_like(wide) if g_wide is None else g_wide
-    grads = context_views(g_wide, n)
-    dP, dX = torch.ops.shatter.mixing_bwd(*saved, *context_views(wide, n), *grads, ctx.sigmoid)
-    return dP, dX, None, None, None
-
-
-mixing_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_backward(mixing_fwd, torch.ops.shatter.mixing_bwd)
 register_costs(("shatter::mixing_fwd", "shatter::mixing_bwd"))
 
 
@@ -247,26 +270,19 @@ def partition_attention_triton(
 ):
     """(X_bar [B, n, L, d/n], A_part [B, L, n]) as `lean.partition_mix_lean` gives them for
     Z0 = Q Xᵀ/√d; the 1h-sigmoid and 1h-softmax archs pass c = None. The impls' common
-    signature: Q, V and c are gathered into one P (a copy), and a given context `out` is
-    written by a copy; the layer passes its P itself and takes the kernels' own context
+    signature: Q, V and c are gathered into one P (a copy); the layer passes its P itself
     (`partition_attention_layer`)."""
     _check(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table)
-    B, L, d = Q_BLD.shape
-    columns = [Q_BLD, V_BnLk.transpose(1, 2).reshape(B, L, d)]
-    if c_BLn_or_None is not None:
-        pad = projection_width(d, table.shape[0]) - 2 * d - c_BLn_or_None.shape[-1]
-        columns += [c_BLn_or_None, c_BLn_or_None.new_zeros(B, L, pad)]
-    P = torch.cat(columns, -1)
-    wide, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
-    views = context_views(wide, table.shape[0])
-    return views if out is None else write_context(out, *views)
+    P = gather_projections(Q_BLD, V_BnLk, c_BLn_or_None)
+    x_bar, part, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
+    return (x_bar, part) if out is None else write_context(out, x_bar, part)
 
 
 def partition_attention_layer(P, X_BLD, mask_BL, table, sigmoid: bool):
-    """The layer's context [X̄ | A_part] ([B, L, d + n]) from its projections P = [Q | V | c]
-    (no copy of them), written by the kernels."""
+    """The layer's context [X̄ | A_part] ([B, L, d + n], projection.context) from its
+    projections P = [Q | V | c] (no copy of them), for the block's folded W^O."""
     B, L, d = X_BLD.shape
     Q, V, c = projection_views(P, d, table.shape[0])
     _check(Q, X_BLD, V, c, mask_BL, table)
-    wide, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
-    return wide
+    out, part, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
+    return context(out, part)

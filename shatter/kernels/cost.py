@@ -34,10 +34,22 @@ dense A V that model FLOPs count (train/cost.py, l·d per token); `model_flops` 
 convention. Z is read once per group of parts by the forward and dV kernels (`_z_reads`, the
 GROUP of sm_90's configurations); tensors of B·L·n elements and smaller (c, A_part, the mask, the
 row statistics) move too few bytes to count, but their kernels count their launches.
+
+The `rows` impl's two ops (shatter/attention/rows.py) are one Triton row kernel each, with no
+product inside ("memory"): the GEMMs around them are aten ops that a trace prices as GEMMs of
+their own. `rows_kernels` lists a whole `rows` layer's kernels, GEMMs included, for the
+per-kernel table of docs/model.md and tests/shatter/test_rows.py.
+
+The `fused` impl's two ops (shatter/kernels/fused_attention.py) run the same Triton kernels with
+Q Xᵀ/√d recomputed on chip wherever a score is needed: no Z GEMM and no Z; each kernel that makes
+scores executes 2d FLOPs per score (the row statistics over every key, the forward and dV kernels
+once per group of parts, the dS kernel once) and reads Q and X instead of Z. dS/√d is written for
+the dQ and dX GEMMs as in the hybrid. `modelled_seconds` prices either impl's layer for `auto`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -64,6 +76,12 @@ OP_SCHEMA = {  # the ops' argument names, to read args and kwargs alike
     "shatter::mixing_bwd": (
         "P", "X", "mask", "table", "Z", "stat", "out", "part", "g_out", "g_part", "sigmoid",
     ),
+    "shatter::rows_fwd": ("Z", "c", "mask", "table", "sigmoid"),
+    "shatter::rows_bwd": ("Z", "c", "mask", "table", "dW", "g_part", "sigmoid", "scale"),
+    "shatter::fused_fwd": ("P", "X", "mask", "table", "sigmoid"),
+    "shatter::fused_bwd": (
+        "P", "X", "mask", "table", "stat", "out", "part", "g_out", "g_part", "sigmoid",
+    ),
 }  # fmt: skip
 
 
@@ -77,15 +95,17 @@ def _dims(a: dict) -> tuple[int, int, int, int, int, int]:
     return B, L, -(-L // 16) * 16, d, a["table"].shape[0], a["X"].element_size()
 
 
-def _z_reads(n: int, d: int, kernel: str) -> int:
-    """Reads of Z by the mixing forward or dV kernel: each side's keys once per group of parts,
-    the two sides together once per group, with the GROUP of the kernel's sm_90 configurations
-    for n (partition_mixing.usable)."""
+def _z_reads(n: int, d: int, kernel: str, recompute: bool = False, family: int = 90) -> int:
+    """Sweeps of the scores by the mixing forward or dV kernel (reads of Z, or with `recompute`
+    Q Xᵀ made again): each side's keys once per group of parts, the two sides together once per
+    group, with the GROUP of the kernel's configurations for n on the arch family (sm_90 unless
+    told; partition_mixing.usable)."""
     from shatter.kernels import partition_mixing as pm
 
     configs = {"fwd": pm.FWD_CONFIGS, "dv": pm.DV_CONFIGS}[kernel]
     block_k = max(16, 1 << (d // n - 1).bit_length())
-    return n // 2 // pm.usable(configs, n, block_k, family=90)[0].kwargs["GROUP"]
+    best = pm.usable(configs, n, block_k, family=family, recompute=recompute)[0]
+    return n // 2 // best.kwargs["GROUP"]
 
 
 def mixing_dot_flops(B: int, L: int, d: int) -> float:
@@ -100,7 +120,7 @@ def _mask_cast(a: dict) -> Kernel:
     return Kernel("mask to fp32", "memory", 0.0, float(m.numel() * (m.element_size() + 4)))
 
 
-def mixing_fwd_cost(args, kwargs, outputs) -> list[Kernel]:
+def mixing_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     a = _bind("shatter::mixing_fwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
     z, x, xp = B * L * Lp * e, B * L * d * e, B * Lp * d * e  # Z, a [B, L, d], the padded keys
@@ -111,12 +131,12 @@ def mixing_fwd_cost(args, kwargs, outputs) -> list[Kernel]:
         Kernel("row statistics", "memory", 0.0, float(z)),
         Kernel(  # Z per group of parts, V, X̄ written
             "mixing forward", "custom", mixing_dot_flops(B, L, d),
-            float(_z_reads(n, d, "fwd") * z + 2 * x),
+            float(_z_reads(n, d, "fwd", False, family) * z + 2 * x),
         ),
     ]  # fmt: skip
 
 
-def mixing_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
+def mixing_bwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     a = _bind("shatter::mixing_bwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
     z, x, s = B * L * Lp * e, B * L * d * e, B * L * L * e  # Z, a [B, L, d], dS = dZ[:, :, :L]
@@ -129,7 +149,7 @@ def mixing_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
     sweep = mixing_dot_flops(B, L, d)
     return kernels + [
         _mask_cast(a),
-        Kernel("dV", "custom", sweep, float(_z_reads(n, d, "dv") * z + 2 * x)),  # Z/group, dX̄, dV
+        Kernel("dV", "custom", sweep, float(_z_reads(n, d, "dv", False, family) * z + 2 * x)),
         Kernel("δ", "memory", 0.0, float(2 * x)),  # X̄ and dX̄
         Kernel("dZ", "custom", sweep, float(2 * z + 2 * x)),  # Z, V, dX̄ in, dZ out
         Kernel("dQ = dZ X", "gemm", 2.0 * B * L * L * d, float(s + 2 * x)),
@@ -137,20 +157,173 @@ def mixing_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
     ]
 
 
+def _row_dims(a: dict) -> tuple[int, int, int, int]:
+    """(B, L, n, element bytes) of a row op: Z is [B, L, Lp]."""
+    B, L, _ = a["Z"].shape
+    return B, L, a["table"].shape[0], a["Z"].element_size()
+
+
+def rows_fwd_kernel(B: int, L: int, n: int, e: int) -> Kernel:
+    """The forward row kernel: Z's rows read once, W's n rows written (A_part, c, the mask and
+    the table are B·L·n and smaller: left out)."""
+    return Kernel("rows_fwd: W, A_part", "memory", 0.0, float((1 + n) * B * L * L * e))
+
+
+def rows_bwd_kernel(B: int, L: int, n: int, e: int) -> Kernel:
+    """The backward row kernel: Z's rows and dW's n rows read, dZ's rows written."""
+    return Kernel("rows_bwd: dA, δ, dZ, dc", "memory", 0.0, float((n + 2) * B * L * L * e))
+
+
+def rows_fwd_cost(args, kwargs, outputs) -> list[Kernel]:
+    return [rows_fwd_kernel(*_row_dims(_bind("shatter::rows_fwd", args, kwargs)))]
+
+
+def rows_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
+    return [rows_bwd_kernel(*_row_dims(_bind("shatter::rows_bwd", args, kwargs)))]
+
+
+def rows_kernels(B: int, L: int, d: int, n: int, e: int = 2, keep: bool = False) -> list[Kernel]:
+    """Every kernel of one `rows` layer's forward and backward, in order: the cuBLAS GEMMs (2 FLOPs
+    a multiply-add over their dense shapes, the parts' zero halves included; a product over the
+    parts in min(B, n) strided-batched GEMMs, as rows.batches) and the row ops; bytes as each
+    kernel reads its operands and writes its result once (tensors of B·L·n elements and smaller
+    left out, but dc's copy into dP and dP's zeroed alignment columns counted as launches).
+    `keep`: W kept from the forward (`rows-keep`)."""
+    T = B * L
+    z, x, pair = T * L * e, T * d * e, 2.0 * T * L * d  # an l x l matrix; a [B, L, d]; a GEMM
+    g = min(B, n)  # GEMMs a product over the parts takes
+    part = (pair / g, float(n * z + 2 * x) / g)  # W with V or dX̄, X̄ or dV or dW: 1/g each
+    out = [Kernel("Z = Q Xᵀ/√d", "gemm", pair, float(2 * x + z)), rows_fwd_kernel(B, L, n, e)]
+    out += [Kernel(f"X̄ = W V, batch {i}", "gemm", *part) for i in range(g)]
+    if not keep:
+        out.append(rows_fwd_kernel(B, L, n, e)._replace(name="rows_fwd: W again"))
+    for i in range(g):
+        out.append(Kernel(f"dV = Wᵀ dX̄, batch {i}", "gemm", *part))
+        out.append(Kernel(f"dW = dX̄ Vᵀ, batch {i}", "gemm", *part))
+    return out + [
+        rows_bwd_kernel(B, L, n, e),
+        Kernel("dc into dP", "memory", 0.0, 0.0),
+        Kernel("dP's alignment columns", "memory", 0.0, 0.0),
+        Kernel("dQ = dZ X", "gemm", pair, float(z + 2 * x)),
+        Kernel("dX = dZᵀ Q", "gemm", pair, float(z + 2 * x)),
+    ]
+
+
+def fused_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
+    """The fused forward: the row statistics sweep Q Xᵀ once (made on chip from Q and X), the
+    mixing forward again per group of parts (each side its own keys: one l x l per group)."""
+    a = _bind("shatter::fused_fwd", args, kwargs)
+    B, L, _, d, n, e = _dims(a)
+    x, sweep = B * L * d * e, mixing_dot_flops(B, L, d)
+    groups = _z_reads(n, d, "fwd", True, family)
+    return [
+        _mask_cast(a),
+        Kernel("row statistics (Q Xᵀ on chip)", "custom", 2.0 * B * L * L * d, float(2 * x)),
+        Kernel(  # Q and X per group of parts, V, X̄ written
+            "mixing forward (Q Xᵀ on chip)", "custom", (2 * groups + 1) * sweep,
+            float((2 * groups + 2) * x),
+        ),
+    ]  # fmt: skip
+
+
+def fused_bwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
+    """The fused backward: dV and dS (with dc) recompute Q Xᵀ; dS/√d [B, L, Lp] is written for
+    the two cuBLAS GEMMs, as in the hybrid."""
+    a = _bind("shatter::fused_bwd", args, kwargs)
+    B, L, Lp, d, n, e = _dims(a)
+    z, x, s = B * L * Lp * e, B * L * d * e, B * L * L * e
+    sweep, groups = mixing_dot_flops(B, L, d), _z_reads(n, d, "dv", True, family)
+    kernels = []
+    if a["g_out"].stride(-1) != 1:  # dX̄ made contiguous in its last dimension
+        kernels.append(Kernel("dX̄ contiguous", "memory", 0.0, float(2 * x)))
+    if a["P"].shape[-1] > 2 * d + n:  # c's alignment columns of dP zeroed
+        kernels.append(Kernel("dP's alignment columns", "memory", 0.0, 0.0))
+    return kernels + [
+        _mask_cast(a),  # Q and X per group, dX̄ in, dV out
+        Kernel("dV (Q Xᵀ on chip)", "custom", (2 * groups + 1) * sweep, float((2 * groups + 2) * x)),
+        Kernel("δ", "memory", 0.0, float(2 * x)),  # X̄ and dX̄
+        Kernel("dS (Q Xᵀ on chip)", "custom", 2.0 * B * L * L * d + sweep, float(4 * x + z)),
+        Kernel("dQ = dS X", "gemm", 2.0 * B * L * L * d, float(s + 2 * x)),
+        Kernel("dX = dSᵀ Q", "gemm", 2.0 * B * L * L * d, float(s + 2 * x)),
+    ]  # fmt: skip
+
+
 OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {
     "shatter::mixing_fwd": mixing_fwd_cost,
     "shatter::mixing_bwd": mixing_bwd_cost,
+    "shatter::rows_fwd": rows_fwd_cost,
+    "shatter::rows_bwd": rows_bwd_cost,
+    "shatter::fused_fwd": fused_fwd_cost,
+    "shatter::fused_bwd": fused_bwd_cost,
 }
+
+
+# The step model's frozen efficiency table (tools/bench/step_cost.py EFFICIENCY: gemm, custom,
+# memory, launch_us) at the datasheet peaks (dense bf16 FLOP/s, HBM bytes/s) of the sm_90 and
+# sm_80 parts it models (H100 SXM, A100-80GB SXM): what `auto` prices the two Triton impls with.
+EFFICIENCY = {"gemm": 0.70, "custom": 0.50, "memory": 0.60}
+LAUNCH_S = 6e-6
+PEAKS = {90: (989e12, 3.35e12), 80: (312e12, 2.039e12)}
+IMPL_OPS = {"triton": (mixing_fwd_cost, mixing_bwd_cost), "fused": (fused_fwd_cost, fused_bwd_cost)}
+
+
+class _Spec(NamedTuple):
+    """A tensor's shape, element size and last stride: all the cost formulas read of it."""
+
+    shape: tuple[int, ...]
+    element: int
+    last_stride: int = 1
+
+    def element_size(self) -> int:
+        return self.element
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def stride(self, dim: int) -> int:
+        assert dim == -1, dim
+        return self.last_stride
+
+
+def layer_kernels(impl: str, shape: tuple[int, int, int, int], element: int, family: int = 90) -> list[Kernel]:  # fmt: skip
+    """The kernels of one layer's forward and backward under `impl` ("triton" or "fused") for
+    `element`-byte inputs of `shape` = (B, l, d, n) with the partition bias: plain arithmetic on
+    the shapes (no tensor is made, so `auto` can call it inside a compiled forward)."""
+    from shatter.attention.projection import projection_width
+
+    B, L, d, n = shape
+    a = dict(
+        P=_Spec((B, L, projection_width(d, n)), element), X=_Spec((B, L, d), element),
+        mask=_Spec((B, L), 1), table=_Spec((n, 1), 4),
+        g_out=_Spec((B, n, L, d // n), element),  # dX̄ row-major, as autograd hands it
+    )  # fmt: skip
+    forward, backward = IMPL_OPS[impl]
+    return forward((), a, None, family) + backward((), a, None, family)
+
+
+def modelled_seconds(impl: str, shape, element: int, family: int = 90) -> float:
+    """One layer's forward and backward under `impl` on the family's GPU, as the step model
+    prices it: each kernel the slower of its FLOPs at its kind's rate and its bytes at the
+    memory rate, plus its launch."""
+    peak, bandwidth = PEAKS[family]
+    total = 0.0
+    for k in layer_kernels(impl, shape, element, family):
+        memory = k.bytes / (EFFICIENCY["memory"] * bandwidth)
+        compute = k.flops / (EFFICIENCY[k.kind] * peak) if k.kind != "memory" else 0.0
+        total += max(compute, memory) + LAUNCH_S
+    return total
 
 
 def model_flops(name: str, args, kwargs) -> float:
     """The op's FLOPs in train/cost.py's convention (dense over the n parts: Q Xᵀ and A V, each
     l·d multiply-adds per token; the backward two products per forward one), for comparing a
     trace's total with the model count."""
+    if name.startswith("shatter::rows_"):
+        return 0.0  # no product inside: the GEMMs around the row kernels carry the FLOPs
     a = _bind(name, args, kwargs)
     B, L, _, d, _, _ = _dims(a)
     forward = 2 * 2.0 * B * L * L * d
-    return forward if name == "shatter::mixing_fwd" else 2 * forward
+    return forward if name.endswith("_fwd") else 2 * forward
 
 
 def register_costs(names: Iterable[str]) -> None:

@@ -31,6 +31,11 @@ dA_ij = Σ_h f_h(j−i) (⟨dX̄[h]_i, V[h]_j⟩ + dA_part_ih):
 block) gives dc and writes dZ = dS/√d in the input dtype: the 1/√d of Z's GEMM applied before the
 rounding keeps fp16 values no larger than the dQ and dX that the GEMMs make from them.
 
+Every kernel that reads scores takes them from one of two sources (the compile-time RECOMPUTE,
+`_score_tile`): the saved Z (the hybrid `triton` impl), or tiles of Q Xᵀ/√d made on chip from Q
+and the keys X over d in BLOCK_D steps (`_qx_tile`; the `fused` impl,
+shatter/kernels/fused_attention.py, in which Z never reaches HBM and dZ holds dS/√d).
+
 n ∈ {4, 6, ..., 16} (at most 8 unrolled accumulators). `tools/bench/kernel_report.py` compiles every
 autotune configuration ahead of time for sm_80/sm_90 and checks shared memory, spills and tensor
 cores. Under TRITON_INTERPRET=1 (CPU tests) one small configuration is tuned over.
@@ -45,18 +50,21 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETING = tl.constexpr(INTERPRET)
 MAX_PARTS = 16  # n/2 <= 8 unrolled per-part accumulators
 FP32_MIN = tl.constexpr(-3.4028234663852886e38)  # padded keys, as multihead.masked_softmax
 
 
-def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None):
+def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None, sources=(False, True)):
     """An autotune configuration and the arch families it is for (80: sm_80..89, 90: sm_90+);
-    `group` (forward and dV kernels): the parts of a side that one program takes."""
+    `group` (forward and dV kernels): the parts of a side that one program takes; `sources`:
+    the RECOMPUTE values it serves (False: Z read from HBM, True: Q Xᵀ recomputed on chip)."""
     meta = {"BLOCK_M": block_m, "BLOCK_N": block_n}
     if group is not None:
         meta["GROUP"] = group
     config = triton.Config(meta, num_warps=warps, num_stages=stages)
     config.archs = archs
+    config.sources = sources
     return config
 
 
@@ -68,7 +76,11 @@ def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None):
 # n = 12 (the side's Z tiles read once) and, in the forward, 4 at n = 16 (the dV kernel 2: 4
 # spilled 8 bytes under Triton 3.9); sm_80 (mma.sync, more registers per accumulator) 2;
 # GROUP 1 serves any n.
-STATS_CONFIGS = [_cfg(128, 64, 8, 2)]  # sm_90's M64 N128 w4 spilled 96-128 bytes under 3.6
+STATS_CONFIGS = [  # sm_90's M64 N128 w4 spilled 96-128 bytes under 3.6
+    _cfg(128, 64, 8, 2, archs=(90,)),
+    _cfg(128, 64, 8, 2, archs=(80,), sources=(False,)),
+    _cfg(128, 32, 8, 2, archs=(80,), sources=(True,)),  # recomputing, N64 spilled 8 bytes (3.6)
+]
 FWD_CONFIGS = [
     _cfg(64, 16, 8, 2, archs=(90,), group=6),
     _cfg(64, 32, 8, 2, archs=(90,), group=4),
@@ -77,7 +89,8 @@ FWD_CONFIGS = [
     _cfg(64, 32, 4, 2, group=1),
 ]
 DV_CONFIGS = [
-    _cfg(64, 32, 8, 2, archs=(90,), group=6),
+    _cfg(64, 32, 8, 2, archs=(90,), group=6, sources=(False,)),
+    _cfg(32, 64, 8, 2, archs=(90,), group=6, sources=(True,)),  # M64 N32 spilled recomputing
     _cfg(64, 32, 8, 2, archs=(90,), group=3),
     _cfg(64, 64, 8, 2, group=2),
     _cfg(32, 64, 4, 2, archs=(80,), group=2),
@@ -86,14 +99,15 @@ DV_CONFIGS = [
 DELTA_CONFIGS = [_cfg(64, 16, 4, 1)]
 DZ_CONFIGS = [_cfg(64, 64, 8, 2)]  # sm_90's M64 N64 w4 and M64 N128 w8 spilled under 3.6
 # every compile-time constant that changes the code: a kernel is keyed on those it takes
-AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID", "BLOCK_K", "PREC", "NP"]
+AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID", "BLOCK_K", "PREC", "NP", "RECOMPUTE", "BLOCK_D"]  # fmt: skip
 ACC_COLUMNS = 384  # fp32 accumulator columns of a program's group: 6 parts of 64
 
 
-def usable(configs, n: int, block_k: int, family: int | None = None) -> list:
-    """The configurations for an arch family (None: any) that serve n parts of BLOCK_K: those
-    whose GROUP divides a side's n/2 parts, fits ACC_COLUMNS and is the largest such."""
-    mine = [c for c in configs if family is None or family in c.archs]
+def usable(configs, n: int, block_k: int, family: int | None = None, recompute=False) -> list:
+    """The configurations for an arch family (None: any) and score source (`recompute`) that
+    serve n parts of BLOCK_K: those whose GROUP divides a side's n/2 parts, fits ACC_COLUMNS and
+    is the largest such."""
+    mine = [c for c in configs if (family is None or family in c.archs) and recompute in c.sources]
     group = {c: c.kwargs.get("GROUP", 0) for c in mine}
     fit = [c for c in mine if not group[c] or (n // 2 % group[c] == 0 and group[c] * block_k <= ACC_COLUMNS)]  # fmt: skip
     best = max((group[c] for c in fit), default=0)
@@ -107,7 +121,8 @@ def arch_family(capability: tuple[int, int]) -> int:
 def _for_this_call(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     family = None if INTERPRET else arch_family(torch.cuda.get_device_capability())
-    return usable(configs, args["N_PARTS"], args["BLOCK_K"], family)
+    block_k = args.get("BLOCK_K", 16)  # the kernels without GROUP take no BLOCK_K
+    return usable(configs, args["N_PARTS"], block_k, family, args.get("RECOMPUTE", False))
 
 
 def _autotune(configs):
@@ -148,19 +163,55 @@ def _part_range(i0, j0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_PARTS: t
 
 
 @triton.jit
-def _score_tile(
-    Z, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sc_b, sc_l, st_h,
-    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dot(a, b, acc, PREC: tl.constexpr):
+    """acc + a b in fp32. Under the interpreter, bf16 operands are widened first: Triton's
+    interpreter multiplies bf16 dots on their raw 16-bit patterns (as integers)."""
+    if INTERPRETING:
+        if a.dtype == tl.bfloat16:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _qx_tile(
+    Q, X, b, i0, j0, L, D, scale, sq_b, sq_l, sx_b, sx_l, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """z + b on the tile in fp32 (eq. 5's argument, Z already / √d), the table column of j − i,
-    the in-sequence mask and the key mask m."""
+    """z = Q_i X_jᵀ · scale on the tile in fp32 (eq. 5's Z = Q Xᵀ/√d), over d in BLOCK_D steps:
+    recomputed on chip, never stored."""
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_n = j0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + b * sq_b + offs_m[:, None] * sq_l + offs_d[None, :]
+    x_ptrs = X + b * sx_b + offs_n[None, :] * sx_l + offs_d[:, None]  # Xᵀ: [BLOCK_D, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d_ok = d0 + offs_d < D
+        q = tl.load(q_ptrs + d0, mask=(offs_m < L)[:, None] & d_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs + d0, mask=d_ok[:, None] & (offs_n < L)[None, :], other=0.0)
+        acc = _dot(q, x, acc, PREC)
+    return acc * scale
+
+
+@triton.jit
+def _score_tile(
+    Z, X, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D, scale,
+    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """z + b on the tile in fp32 (eq. 5's argument), the table column of j − i, the in-sequence
+    mask and the key mask m. z is read from Z (already / √d, strides sz_*), or with RECOMPUTE
+    made on chip from Q (passed as Z, strides sz_*) and the keys X (sx_*)."""
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_n = j0 + tl.arange(0, BLOCK_N)
     row_ok = offs_m < L
     col_ok = offs_n < L
     ok = row_ok[:, None] & col_ok[None, :]
-    z_ptrs = Z + b * sz_b + offs_m[:, None] * sz_l + offs_n[None, :]
-    z = tl.load(z_ptrs, mask=ok, other=0.0).to(tl.float32)
+    if RECOMPUTE:
+        z = _qx_tile(Z, X, b, i0, j0, L, D, scale, sz_b, sz_l, sx_b, sx_l, BLOCK_M, BLOCK_N, BLOCK_D, PREC)  # fmt: skip
+    else:
+        z_ptrs = Z + b * sz_b + offs_m[:, None] * sz_l + offs_n[None, :]
+        z = tl.load(z_ptrs, mask=ok, other=0.0).to(tl.float32)
     col = offs_n[None, :] - offs_m[:, None] + T_CENTRE  # f_h(j - i) is table column j-i+m-1
     if HAS_C:  # b_ij = sum_h c_ih f_h(j - i), §3.3
         lo, hi = _part_range(i0, j0, BLOCK_M, BLOCK_N, N_PARTS)
@@ -213,7 +264,7 @@ def _fwd_part(acc, a_sum, a, f_ptr, col, ok, v_ptrs, v_ok, PREC: tl.constexpr):
     """One part h: acc += (A ⊙ f_h) V[h], a_sum += rowsum(A ⊙ f_h)."""
     w = a * tl.load(f_ptr + col, mask=ok, other=0.0)
     v = tl.load(v_ptrs, mask=v_ok, other=0.0)
-    return tl.dot(w.to(v.dtype), v, acc, input_precision=PREC), a_sum + tl.sum(w, 1)
+    return _dot(w.to(v.dtype), v, acc, PREC), a_sum + tl.sum(w, 1)
 
 
 @triton.jit
@@ -221,7 +272,7 @@ def _dv_part(acc, a, f_ptr, col, ok, do_ptrs, do_ok, PREC: tl.constexpr):
     """One part h: dV[h] += (A ⊙ f_h)ᵀ dX̄[h]."""
     w = a * tl.load(f_ptr + col, mask=ok, other=0.0)
     do = tl.load(do_ptrs, mask=do_ok, other=0.0)
-    return tl.dot(tl.trans(w).to(do.dtype), do, acc, input_precision=PREC)
+    return _dot(tl.trans(w).to(do.dtype), do, acc, PREC)
 
 
 @triton.jit
@@ -260,9 +311,10 @@ def _row_delta(
 @_autotune(STATS_CONFIGS)
 @triton.jit
 def row_stats_kernel(
-    Z, C, Mk, T, STAT, STAT2, sz_b, sz_l, sc_b, sc_l, st_h, L, L_KEY, T_CENTRE,
-    HAS_C: tl.constexpr, N_PARTS: tl.constexpr, SIGMOID: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Z, X, C, Mk, T, STAT, STAT2, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, L, L_KEY, T_CENTRE,
+    D, scale, HAS_C: tl.constexpr, N_PARTS: tl.constexpr, SIGMOID: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch): ρ = 1/‖p‖ (sigmoid; STAT2 unused) or the row maximum and
     log Σ exp(z − max) (softmax, online over the key blocks)."""
@@ -273,8 +325,8 @@ def row_stats_kernel(
     mx = tl.full([BLOCK_M], FP32_MIN, dtype=tl.float32)
     for j0 in range(0, L, BLOCK_N):
         z, col, ok, m = _score_tile(
-            Z, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sc_b, sc_l, st_h,
-            HAS_C, N_PARTS, BLOCK_M, BLOCK_N,
+            Z, X, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D,
+            scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
         )  # fmt: skip
         if SIGMOID:  # eq. 5: padded keys zeroed before the L2 normalisation
             p = tl.where(ok, tl.sigmoid(z) * m[None, :], 0.0)
@@ -296,11 +348,12 @@ def row_stats_kernel(
 @_autotune(FWD_CONFIGS)
 @triton.jit
 def mix_fwd_kernel(
-    Z, C, Mk, T, V, STAT, STAT2, OUT, AP,
-    sz_b, sz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, so_b, so_h, so_l, sa_b, sa_l,
-    L, L_KEY, K_PART, T_CENTRE,
+    Z, X, C, Mk, T, V, STAT, STAT2, OUT, AP,
+    sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, so_b, so_h, so_l, sa_b, sa_l,
+    L, L_KEY, K_PART, T_CENTRE, D, scale,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch × side × group): X̄[h] and A_part[:, h] of GROUP of the side's
     n/2 parts (GROUP accumulators; groups of fewer than n/2 parts re-read the side's Z)."""
@@ -318,8 +371,8 @@ def mix_fwd_kernel(
     f_ptr = T + h0 * st_h
     for j0 in range(lo, hi, BLOCK_N):
         z, col, ok, m = _score_tile(
-            Z, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sc_b, sc_l, st_h,
-            HAS_C, N_PARTS, BLOCK_M, BLOCK_N,
+            Z, X, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D,
+            scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
         )  # fmt: skip
         a, _ = _weights(z, m, ok, stat, stat2, SIGMOID)
         offs_n = j0 + tl.arange(0, BLOCK_N)
@@ -383,10 +436,12 @@ def delta_kernel(
 @_autotune(DV_CONFIGS)
 @triton.jit
 def mix_bwd_dv_kernel(
-    Z, C, Mk, T, STAT, STAT2, DO, DV,
-    sz_b, sz_l, sc_b, sc_l, st_h, sd_b, sd_h, sd_l, sg_b, sg_h, sg_l, L, L_KEY, K_PART, T_CENTRE,
+    Z, X, C, Mk, T, STAT, STAT2, DO, DV,
+    sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, sd_b, sd_h, sd_l, sg_b, sg_h, sg_l,
+    L, L_KEY, K_PART, T_CENTRE, D, scale,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Program (key block, batch × side × group): dV[h] = Σ_i (A ⊙ f_h)ᵀ dX̄[h] for GROUP of the
     side's parts (side 0: rows i <= j; side 1: i >= j); dO's [B, n, L, d/n] strides sd_*, dV's
@@ -402,8 +457,8 @@ def mix_bwd_dv_kernel(
     f_ptr = T + h0 * st_h
     for i0 in range(lo, hi, BLOCK_M):
         z, col, ok, m = _score_tile(
-            Z, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sc_b, sc_l, st_h,
-            HAS_C, N_PARTS, BLOCK_M, BLOCK_N,
+            Z, X, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D,
+            scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
         )  # fmt: skip
         stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M)
         a, _ = _weights(z, m, ok, stat, stat2, SIGMOID)
@@ -446,13 +501,14 @@ def mix_bwd_dv_kernel(
 @_autotune(DZ_CONFIGS)
 @triton.jit
 def mix_bwd_dz_kernel(
-    Z, C, Mk, T, V, STAT, STAT2, DELTA, DO, DAP, DZ, DC,
-    sz_b, sz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, sd_b, sd_h, sd_l,
-    sp_b, sp_l, sdc_b, sdc_l, L, L_KEY, K_PART, T_CENTRE, scale,
+    Z, X, C, Mk, T, V, STAT, STAT2, DELTA, DO, DAP, DZ, DC,
+    sz_b, sz_l, sx_b, sx_l, sdz_b, sdz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, sd_b, sd_h, sd_l,
+    sp_b, sp_l, sdc_b, sdc_l, L, L_KEY, K_PART, T_CENTRE, D, scale,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, batch) over all key blocks: DZ = dS · scale (Z's strides sz_*, the
+    """Program (row block, batch) over all key blocks: DZ = dS · scale (strides sdz_*, the
     input dtype) and, with the part bias, DC = dc [B, L, n] (sdc_*). DELTA is δ [B, L]
     (`delta_kernel`), DO dX̄ [B, n, L, d/n] (sd_*), DAP dA_part [B, L, n] (sp_*)."""
     b = tl.program_id(1).to(tl.int64)
@@ -468,8 +524,8 @@ def mix_bwd_dz_kernel(
     do_ptrs = DO + b * sd_b + offs_m[:, None] * sd_l + offs_k[None, :]
     for j0 in range(0, L, BLOCK_N):
         z, col, ok, m = _score_tile(
-            Z, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sc_b, sc_l, st_h,
-            HAS_C, N_PARTS, BLOCK_M, BLOCK_N,
+            Z, X, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D,
+            scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
         )  # fmt: skip
         a, g = _weights(z, m, ok, stat, stat2, SIGMOID)
         offs_n = j0 + tl.arange(0, BLOCK_N)
@@ -482,7 +538,7 @@ def mix_bwd_dz_kernel(
             do = tl.load(do_ptrs + h * sd_h, mask=row_ok[:, None] & k_ok, other=0.0)
             v = tl.load(v_ptrs + h * sv_h, mask=col_ok, other=0.0)
             dap = tl.load(DAP + b * sp_b + offs_m * sp_l + h, mask=row_ok, other=0.0)
-            da += f * (tl.dot(do, tl.trans(v), input_precision=PREC) + dap.to(tl.float32)[:, None])
+            da += f * (_dot(do, tl.trans(v), None, PREC) + dap.to(tl.float32)[:, None])
         if SIGMOID:
             ds = g * (da - a * delta[:, None])
         else:
@@ -492,7 +548,7 @@ def mix_bwd_dz_kernel(
             for h in range(lo, hi):
                 f = tl.load(T + h * st_h + col, mask=ok, other=0.0)
                 dc += tl.where(parts == h, tl.sum(ds * f, 1)[:, None], 0.0)
-        dz_ptrs = DZ + b * sz_b + offs_m[:, None] * sz_l + offs_n[None, :]
+        dz_ptrs = DZ + b * sdz_b + offs_m[:, None] * sdz_l + offs_n[None, :]
         tl.store(dz_ptrs, (ds * scale).to(DZ.dtype.element_ty), mask=ok)
     if HAS_C:
         dc_ptrs = DC + b * sdc_b + offs_m[:, None] * sdc_l + parts

@@ -137,7 +137,12 @@ def test_auto_picks_lean_on_cpu_and_triton_is_imported_lazily(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(impls, "_capability", lambda index: (7, 0))
     monkeypatch.setattr(impls, "_triton_available", lambda: True)
-    assert [impls.auto_impl(cuda, t) for t in (bf16, fp16, fp32)] == ["chunked"] * 3
+    monkeypatch.setattr(impls, "_rows_available", lambda: True)
+    # below sm_80: the cuBLAS + Triton row kernels in fp16 (V100s have no bf16)
+    assert [impls.auto_impl(cuda, t) for t in (bf16, fp16, fp32)] == ["chunked", "rows", "chunked"]
+    monkeypatch.setattr(impls, "_rows_available", lambda: False)
+    assert impls.auto_impl(cuda, fp16) == "chunked"
+    monkeypatch.setattr(impls, "_rows_available", lambda: True)
     for cap in ((8, 0), (9, 0)):
         monkeypatch.setattr(impls, "_capability", lambda index, cap=cap: cap)
         assert [impls.auto_impl(cuda, t) for t in (bf16, fp16, fp32)] == ["triton"] * 2 + [
@@ -145,6 +150,16 @@ def test_auto_picks_lean_on_cpu_and_triton_is_imported_lazily(monkeypatch):
         ]
     monkeypatch.setattr(impls, "_triton_available", lambda: False)
     assert impls.auto_impl(cuda, bf16) == "chunked"
+    monkeypatch.setattr(impls, "_triton_available", lambda: True)
+    # with the call's (B, l, d, n): the Triton impl the roofline prices faster
+    base, small = (64, 256, 768, 12), (16, 1024, 256, 4)
+    assert impls.auto_impl(cuda, bf16, base) == "triton"  # d = 768: Q Xᵀ dearer than Z's bytes
+    assert impls.auto_impl(cuda, bf16, small) == "fused"  # sm_90, d = 256, l = 1024
+    assert impls.auto_impl(cuda, fp32, small) == "chunked"
+    assert impls.resolve_layer("auto", cuda, bf16, small) is impls._fused_layer
+    assert impls.resolve_layer("fused", cuda, bf16) is impls._fused_layer
+    monkeypatch.setattr(impls, "_capability", lambda index: (8, 0))
+    assert impls.auto_impl(cuda, bf16, small) == "triton"  # the A100: fewer FLOPs per byte
     # forced below sm_80: refused in one line naming the fix
     impls.require_triton_capability(cuda)  # sm_90 passes
     monkeypatch.setattr(impls, "_capability", lambda index: (7, 5))
@@ -152,6 +167,8 @@ def test_auto_picks_lean_on_cpu_and_triton_is_imported_lazily(monkeypatch):
         ValueError, match=r"^attention_impl: triton .* sm_75; fix: set attention_impl"
     ):
         impls.require_triton_capability(cuda)
+    with pytest.raises(ValueError, match=r"^attention_impl: fused .* sm_75"):
+        impls.require_triton_capability(cuda, "fused")
 
 
 def test_missing_triton_kernel_names_the_setting(monkeypatch):
@@ -243,21 +260,24 @@ def _interpreted_triton():
         pytest.skip("the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1")
 
 
-@pytest.mark.parametrize("arch", SINGLE_HEAD)
-def test_whole_model_with_triton_equals_naive_on_cpu(arch):
-    """build_model(..., attention_impl="triton") runs forward and backward on CPU tensors (the
-    kernel under Triton's interpreter) and gives the naive reference's logits and gradients."""
+TRITON_WHOLE = [(arch, "triton") for arch in SINGLE_HEAD]
+TRITON_WHOLE += [("shatter", "rows"), ("1h-softmax", "rows-keep")]
+
+
+@pytest.mark.parametrize("arch, impl", TRITON_WHOLE)
+def test_whole_model_with_triton_equals_naive_on_cpu(arch, impl):
+    """build_model(..., attention_impl=impl) for the Triton impls runs forward and backward on
+    CPU tensors (the kernels under Triton's interpreter) and gives the naive reference's logits
+    and gradients."""
     _interpreted_triton()
     x, mask, labels = _batch()
-    models = {impl: tiny(arch, attention_impl=impl) for impl in ("triton", "naive")}
+    models = {name: tiny(arch, attention_impl=name) for name in (impl, "naive")}
     outs = {}
-    for impl, model in models.items():
-        outs[impl] = model(x, mask, labels)
-        outs[impl]["loss"].backward()
-    torch.testing.assert_close(
-        outs["triton"]["logits"], outs["naive"]["logits"], rtol=1e-4, atol=1e-4
-    )
+    for name, model in models.items():
+        outs[name] = model(x, mask, labels)
+        outs[name]["loss"].backward()
+    torch.testing.assert_close(outs[impl]["logits"], outs["naive"]["logits"], rtol=1e-4, atol=1e-4)
     for (name, p), q in zip(
-        models["triton"].named_parameters(), models["naive"].parameters(), strict=True
+        models[impl].named_parameters(), models["naive"].parameters(), strict=True
     ):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)

@@ -1,7 +1,8 @@
-"""The Triton attention as torch.library custom ops: `shatter::mixing_fwd` and `shatter::mixing_bwd`
-pass torch's op checks (schema, fake kernels, autograd registration), a dispatch trace on meta
-tensors sees them by name, FlopCounterMode counts them with the formulas of
-shatter/kernels/cost.py, and torch.compile runs a model with attention_impl=triton.
+"""The Triton attentions as torch.library custom ops: `shatter::mixing_fwd`/`_bwd` (the hybrid
+`triton` impl) and `shatter::fused_fwd`/`_bwd` (the `fused` impl) pass torch's op checks (schema,
+fake kernels, autograd registration), a dispatch trace on meta tensors sees them by name,
+FlopCounterMode counts them with the formulas of shatter/kernels/cost.py, which list every
+kernel they launch, and torch.compile runs a model with attention_impl=triton and =fused.
 
 Without a GPU the ops run Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set by
 tests/conftest.py); torch.compile then uses the aot_eager backend: Dynamo and AOTAutograd trace
@@ -17,7 +18,7 @@ from shatter_tiny import ids, tiny
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode
 
-from shatter.attention.projection import context_views, projection_width
+from shatter.attention.projection import projection_width
 from shatter.partition import partition_table
 
 pytest.importorskip("triton", reason="triton has no wheel for this platform")
@@ -26,7 +27,17 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
 
 from shatter.attention import triton_kernel  # noqa: E402
 from shatter.attention.triton_kernel import partition_attention_triton  # noqa: E402
+from shatter.kernels import fused_attention  # noqa: E402
 from shatter.kernels.cost import OP_COSTS, op_totals  # noqa: E402
+
+IMPLS = {
+    "triton": (partition_attention_triton, triton_kernel.mixing_fwd, triton_kernel.mixing_bwd),
+    "fused": (
+        fused_attention.partition_attention_fused,
+        fused_attention.fused_fwd,
+        fused_attention.fused_bwd,
+    ),
+}
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -56,12 +67,22 @@ def test_ops_pass_torch_opcheck(bias):
         (P, X, mask, table, True),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )
-    wide, Z, stat = torch.ops.shatter.mixing_fwd(P, X, mask, table, True)
-    out, part = context_views(wide, 4)
+    out, part, Z, stat = torch.ops.shatter.mixing_fwd(P, X, mask, table, True)
     g_out, g_part = torch.randn_like(out).transpose(1, 2).contiguous().transpose(1, 2), part
     torch.library.opcheck(
         torch.ops.shatter.mixing_bwd.default,
         (P.detach(), X.detach(), mask, table, Z, stat, out, part, g_out, g_part, True),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    torch.library.opcheck(
+        torch.ops.shatter.fused_fwd.default,
+        (P, X, mask, table, True),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+    out, part, stat = torch.ops.shatter.fused_fwd(P, X, mask, table, True)
+    torch.library.opcheck(
+        torch.ops.shatter.fused_bwd.default,
+        (P.detach(), X.detach(), mask, table, stat, out, part, g_out, g_part, True),
         test_utils=("test_schema", "test_faketensor"),
     )
 
@@ -77,22 +98,39 @@ class _Names(TorchDispatchMode):
         return out
 
 
-def test_meta_trace_sees_the_ops_and_the_flop_counter_counts_them():
+def _traced_ops(impl: str):
     Q, X, V, c, mask, table = _inputs("meta")
     with _Names() as trace, FlopCounterMode(display=False) as counter:
-        out, part = partition_attention_triton(Q, X, V, c, mask, table, True)
+        out, part = IMPLS[impl][0](Q, X, V, c, mask, table, True)
         (out.sum() + part.sum()).backward()
     ops = {name: (args, kwargs, o) for name, args, kwargs, o in trace.names if "shatter" in name}
-    assert list(ops) == ["shatter::mixing_fwd", "shatter::mixing_bwd"]
-    counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    return ops, {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_meta_trace_sees_the_ops_and_the_flop_counter_counts_them(impl):
+    ops, counts = _traced_ops(impl)
+    prefix = "mixing" if impl == "triton" else "fused"
+    assert list(ops) == [f"shatter::{prefix}_fwd", f"shatter::{prefix}_bwd"]
     for name, (args, kwargs, o) in ops.items():
         flops, nbytes = op_totals(OP_COSTS[name](args, kwargs, o))
         assert flops > 0 and nbytes > 0
         packet = f"shatter.{name.split('::')[1]}"
         assert counts[packet] == int(flops), (name, counts)
-    # the forward: Z = Q Xᵀ over Z's padded rows (2 B L Lp d) and the mixing dots (B L (L+1) d)
-    fwd = op_totals(OP_COSTS["shatter::mixing_fwd"](*ops["shatter::mixing_fwd"]))[0]
-    assert fwd == 2 * 2 * 20 * 32 * 32 + 2 * 20 * 21 * 32
+    B, L, d, sweep = 2, 20, 32, 2 * 20 * 21 * 32  # the mixing dots: B L (L+1) d
+    fwd = op_totals(OP_COSTS[f"shatter::{prefix}_fwd"](*ops[f"shatter::{prefix}_fwd"]))[0]
+    if impl == "triton":  # Z = Q Xᵀ over Z's padded rows (2 B L Lp d), the mixing dots
+        assert fwd == 2 * B * L * 32 * d + sweep
+    else:  # Q Xᵀ in the row statistics (2 B L L d), again in the mixing for each of its two
+        # groups per side (n = 4: sm_90's GROUP 1; each 2 sweeps), and the mixing dots
+        assert fwd == 2 * B * L * L * d + 2 * 2 * sweep + sweep
+
+
+def test_fused_saves_no_score_matrix():
+    """What the fused forward keeps for the backward is O(l) per row: no [B, l, l] tensor."""
+    ops, _ = _traced_ops("fused")
+    _, _, outputs = ops["shatter::fused_fwd"]
+    assert [tuple(t.shape) for t in outputs] == [(2, 4, 20, 8), (2, 20, 4), (2, 2, 20)]
 
 
 TRITON_KERNELS = ("row_stats_kernel", "mix_fwd_kernel", "mix_bwd_dv_kernel", "delta_kernel")
@@ -134,39 +172,43 @@ def _count_triton(monkeypatch, launches):
         monkeypatch.setattr(triton_kernel, name, Counted())
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("L", [20, 32], ids=["padded", "aligned"])
-def test_op_costs_list_every_kernel_the_ops_launch(monkeypatch, L):
+def test_op_costs_list_every_kernel_the_ops_launch(monkeypatch, L, impl):
     """OP_COSTS lists one Kernel per kernel each op's implementation launches (its cuBLAS GEMMs,
     its Triton kernels, its copies and fills), with the GEMMs priced as gemm and the Triton
-    mixing kernels as custom."""
+    kernels with dots as custom (the fused impl's row statistics too: they make Q Xᵀ)."""
+    _, forward_op, backward_op = IMPLS[impl]
     Q, X, V, c, mask, table = _inputs(DEVICE, L=L, grad=False)
     d, n = X.shape[-1], table.shape[0]
     P = torch.cat([Q, V.transpose(1, 2).flatten(2), c, c.new_zeros(*c.shape[:2], 12)], -1)
     launches = _Launches()
     _count_triton(monkeypatch, launches)
     with launches:
-        fwd_out = triton_kernel.mixing_fwd._init_fn(P, X, mask, table, True)
-    fwd = OP_COSTS["shatter::mixing_fwd"]((P, X, mask, table, True), {}, fwd_out)
+        fwd_out = forward_op._init_fn(P, X, mask, table, True)
+    fwd = OP_COSTS[forward_op._qualname]((P, X, mask, table, True), {}, fwd_out)
     assert len(fwd) == len(launches.kernels), (fwd, launches.kernels)
-    assert [k.kind for k in fwd if k.flops] == ["gemm", "custom"]
-    out, part, Z, stat = fwd_out
+    kinds = ["gemm", "custom"] if impl == "triton" else ["custom", "custom"]
+    assert [k.kind for k in fwd if k.flops] == kinds
+    out, part, *kept = fwd_out
     g_out, g_part = torch.randn_like(out), torch.randn_like(part)
     launches.kernels.clear()
-    args = (P, X, mask, table, Z, stat, out, part, g_out, g_part, True)
+    args = (P, X, mask, table, *kept, out, part, g_out, g_part, True)
     with launches:
-        dP_dX = triton_kernel.mixing_bwd._init_fn(*args)
-    bwd = OP_COSTS["shatter::mixing_bwd"](args, {}, dP_dX)
+        dP_dX = backward_op._init_fn(*args)
+    bwd = OP_COSTS[backward_op._qualname](args, {}, dP_dX)
     assert len(bwd) == len(launches.kernels), str(([k.name for k in bwd], launches.kernels))
     assert sorted(k.kind for k in bwd if k.flops) == ["custom", "custom", "gemm", "gemm"]
     assert P.shape[-1] == projection_width(d, n)
 
 
-def test_torch_compile_runs_the_model_with_the_triton_impl():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_torch_compile_runs_the_model_with_the_impl(impl):
     x = ids(2, 24)
     mask = torch.ones_like(x)
     mask[0, 17:] = 0
     labels = torch.where(x % 3 == 0, x, -100)
-    ref, model = (tiny("shatter", attention_impl=impl) for impl in ("naive", "triton"))
+    ref, model = (tiny("shatter", attention_impl=name) for name in ("naive", impl))
     want = ref(x, mask, labels)
     want["loss"].backward()
     backend = "inductor" if torch.cuda.is_available() else "aot_eager"

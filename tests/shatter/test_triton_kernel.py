@@ -1,15 +1,15 @@
-"""The hybrid Triton partition attention (cuBLAS GEMMs around the Triton mixing kernels) equals
-the naive reference (lean.partition_mix_naive with Z0 = Q Xᵀ/√d, and autograd through it): values
-and the gradients of Q, X, V and c, for 1h-sigmoid (c = None), part-bias/shatter (c) and
-1h-softmax, with padding (a sequence with no real key included) and lengths that are not a
-multiple of 16, in fp32 and fp16.
+"""Both Triton partition attentions equal the naive reference (lean.partition_mix_naive with
+Z0 = Q Xᵀ/√d, and autograd through it): `triton` (cuBLAS GEMMs around the Triton mixing kernels,
+Z saved) and `fused` (the same kernels recomputing Q Xᵀ on chip, Z never stored). Values and the
+gradients of Q, X, V and c, for 1h-sigmoid (c = None), part-bias/shatter (c) and 1h-softmax, with
+padding (a sequence with no real key included) and lengths that are not a multiple of 16, in
+fp32, fp16 and bf16.
 
 Without a GPU the kernels run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set by
-tests/conftest.py; one 16 x 16 configuration). bf16 is not checked there: Triton 3.9's interpreter
-computes bf16 dots on the raw uint16 bits (triton/runtime/interpreter.py), so bf16 is left to the
-GPU lane: every test here is marked `gpu` as well, so that `make test-gpu` and .ci/gpu/run.sh
-(`-m gpu`) run the small cases compiled, bf16 included, and the paper's base shape in fp32, fp16
-and bf16; on the CPU they run under the interpreter (bf16 skipped).
+tests/conftest.py; one 16 x 16 configuration; bf16 dots widened to fp32 there, as the
+interpreter multiplies bf16 bit patterns: partition_mixing._dot). Every test here is marked `gpu`
+as well, so that `make test-gpu` and .ci/gpu/run.sh (`-m gpu`) run the small cases compiled and
+the paper's base shape in fp32, fp16 and bf16.
 """
 
 import math
@@ -27,13 +27,24 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py sets 
 DEVICE = "cpu" if INTERPRET else "cuda"
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    if not INTERPRET and not torch.cuda.is_available():
-        pytest.skip("neither TRITON_INTERPRET=1 nor a CUDA device")
+IMPLS = ("triton", "fused")
+
+
+def _impl(name: str):
+    if name == "fused":
+        from shatter.kernels.fused_attention import partition_attention_fused
+
+        return partition_attention_fused
     from shatter.attention.triton_kernel import partition_attention_triton
 
     return partition_attention_triton
+
+
+@pytest.fixture(scope="module", params=IMPLS)
+def kernel(request):
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("neither TRITON_INTERPRET=1 nor a CUDA device")
+    return _impl(request.param)
 
 
 def _inputs(B, L, d, n, bias, lengths, dtype=torch.float32, device="cpu", seed=0):
@@ -77,24 +88,23 @@ CASES = {  # B, L, d, n, bias, key lengths, sigmoid: L not a multiple of the 16-
 }
 
 
-BF16 = pytest.param(
-    torch.bfloat16,
-    id="bf16",
-    marks=pytest.mark.skipif(INTERPRET, reason="the interpreter's bf16 dots run on raw bits"),
-)
-
-
-@pytest.mark.gpu  # also a GPU-lane case (`-m gpu`): compiled there, bf16 included
+@pytest.mark.gpu  # also a GPU-lane case (`-m gpu`): compiled there
 @pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.float16, BF16], ids=["fp32", "fp16", "bf16"]
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
 )
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_equals_naive(kernel, case, dtype):
     """fp32 against naive within 1e-5; fp16 and bf16 against naive in fp32 on the same rounded
     inputs within a relative L2 error of 5e-3 and 3e-2 per output and gradient."""
+    assert_equals_naive(kernel, case, dtype)
+
+
+def assert_equals_naive(impl, case: str, dtype: torch.dtype) -> None:
+    """`impl` (the impls' common signature) on CASES[case] in `dtype` against the naive
+    reference: values and gradients (see test_kernel_equals_naive)."""
     B, L, d, n, bias, lengths, sigmoid = CASES[case]
     inputs = _inputs(B, L, d, n, bias, lengths, dtype=dtype, device=DEVICE)
-    got = _values_and_grads(lambda *a: kernel(*a, sigmoid=sigmoid), *inputs)
+    got = _values_and_grads(lambda *a: impl(*a, sigmoid=sigmoid), *inputs)
     if dtype != torch.float32:
         leaves = [
             t.detach().float().requires_grad_() if t is not None else None for t in inputs[:4]
@@ -133,23 +143,22 @@ def test_bad_shapes_are_refused(kernel):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
 @pytest.mark.parametrize(
     "bias, sigmoid",
     [(False, True), (True, True), (False, False)],
     ids=["1h-sigmoid", "shatter", "1h-softmax"],
 )
-def test_compiled_kernel_equals_naive_at_base_shape(dtype, bias, sigmoid):
+def test_compiled_kernel_equals_naive_at_base_shape(impl, dtype, bias, sigmoid):
     """d = 768, n = 12 (base), L = 509 (ragged): the compiled kernels against the fp32 naive
     reference evaluated on the same (rounded) inputs, per output and gradient."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 is set: the kernels would not be compiled")
-    from shatter.attention.triton_kernel import partition_attention_triton
-
     inputs = _inputs(2, 509, 768, 12, bias, [509, 300], dtype=dtype, device="cuda")
-    got = _values_and_grads(lambda *a: partition_attention_triton(*a, sigmoid=sigmoid), *inputs)
+    got = _values_and_grads(lambda *a: _impl(impl)(*a, sigmoid=sigmoid), *inputs)
     Q, X, V, c, mask, table = inputs
     as32 = [t.detach().float().requires_grad_() if t is not None else None for t in (Q, X, V, c)]
     want = _values_and_grads(lambda *a: _reference(*a, sigmoid=sigmoid), *as32, mask, table)

@@ -1,4 +1,4 @@
-"""tools/bench/kernel_report.py compiles the Triton mixing kernels ahead of time (no GPU) and its checks
+"""tools/bench/kernel_report.py compiles the Triton mixing and row kernels ahead of time (no GPU) and its checks
 catch what would make an autotune configuration unfit."""
 
 import os
@@ -29,27 +29,69 @@ def test_checks_flag_spills_shared_memory_and_missing_tensor_cores():
     assert Row(**{**ok.__dict__, "kernel": "dz", "hmma": 0}).problems() != []
 
 
+def _report(*args: str) -> list[list[str]]:
+    """The table rows of a kernel_report run (not the summary), after checking it passed."""
+    pytest.importorskip("triton", reason="triton has no wheel for this platform")
+    env = child_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    cmd = [sys.executable, "tools/bench/kernel_report.py", "--shape", "base", "--dtype", "bf16"]
+    cmd += ["--has-c", "true", "--length", "509", "--first-config", *args]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line.split() for line in res.stdout.splitlines() if line.startswith("sm_")]
+    rows = [row for row in rows if len(row) > 12]  # the table, not the summary
+    assert rows and all(row[-1] == "ok" for row in rows)
+    return rows
+
+
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90_without_spills():
     """The CI subset: each kernel's first sm_90 configuration at the base shape in bf16, with the
-    partition bias and a length that is not a multiple of 16, for the sigmoid and the softmax;
-    the forward and dZ kernels use wgmma (HGMMA), the dV kernel (32 keys a tile, so that all six
-    parts' accumulators fit) mma.sync (HMMA)."""
-    pytest.importorskip("triton", reason="triton has no wheel for this platform")
-    env = child_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
-    cmd = [sys.executable, "tools/bench/kernel_report.py", "--arch", "90", "--shape", "base"]
-    cmd += ["--dtype", "bf16", "--has-c", "true", "--length", "509", "--first-config"]
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
-    rows = [line.split() for line in res.stdout.splitlines() if line.startswith("sm_90 ")]
-    rows = [row for row in rows if len(row) > 12]  # the table, not the summary
+    partition bias and a length that is not a multiple of 16, for the sigmoid and the softmax,
+    reading Z (the hybrid impl) and recomputing Q Xᵀ (the fused impl); the forward and dZ
+    kernels use wgmma (HGMMA), the dV kernel reading Z (32 keys a tile, so that all six parts'
+    accumulators fit) mma.sync (HMMA)."""
+    rows = _report("--arch", "90")
     kernels = [tuple(row[1:3]) for row in rows]
     acts = ("sigmoid", "softmax")
-    want = [(k, a) for k in ("stats", "fwd", "delta", "dv", "dz") for a in acts]
-    assert kernels == [kv for kv in want if kv != ("delta", "softmax")]
-    assert all(row[-1] == "ok" for row in rows)
+    want = [
+        (f"{k}/{s}", a) for k in ("stats", "fwd", "dv", "dz") for s in ("z", "qx") for a in acts
+    ]
+    want.insert(4, ("delta/z", "sigmoid"))  # no scores, no activation: once
+    assert sorted(kernels) == sorted(want)
     for row in rows:
-        if row[1] in ("fwd", "dz"):
+        if row[1].split("/")[0] in ("fwd", "dz") or row[1] == "dv/qx":
             assert int(row[-2]) > 0, row  # HGMMA
-        if row[1] == "dv":
+        if row[1] == "dv/z":
             assert int(row[-3]) > 0, row  # HMMA
+
+
+@pytest.mark.slow
+def test_the_row_kernels_compile_for_sm70_without_spills():
+    """The `rows` impl's kernels for a V100 (sm_70, fp16), with the partition bias, at a ragged
+    length and at the longest row a program holds: registers reported, 0 spill bytes, and no
+    mixing kernel compiled for sm_70 (the `triton` impl is refused below sm_80)."""
+    pytest.importorskip("triton", reason="triton has no wheel for this platform")
+    env = child_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    cmd = [sys.executable, "tools/bench/kernel_report.py", "--arch", "70", "--shape", "base"]
+    cmd += ["--dtype", "fp16", "--has-c", "true", "--activation", "sigmoid"]
+    cmd += ["--length", "509,4096", "--jobs", "2"]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line.split() for line in res.stdout.splitlines() if line.startswith("sm_70 ")]
+    rows = [row for row in rows if len(row) > 12]  # the table, not the summary
+    assert [(row[1], row[6]) for row in rows] == [
+        (kernel, length) for kernel in ("rows_fwd", "rows_bwd") for length in ("509", "4096")
+    ]
+    for row in rows:
+        assert row[-1] == "ok" and row[-4] == "0" and 0 < int(row[-5]) <= 128, row  # spill, regs
+
+
+def test_fused_kernels_compile_for_sm80_with_mma():
+    """The fused impl's kernels (Q Xᵀ recomputed) on sm_80: no spills, mma.sync (HMMA) in every
+    kernel, the row statistics' Q Xᵀ included."""
+    rows = _report("--arch", "80", "--source", "qx", "--activation", "sigmoid")
+    assert [row[1] for row in rows] == ["stats/qx", "fwd/qx", "delta/z", "dv/qx", "dz/qx"]
+    assert all(int(row[-3]) > 0 for row in rows if row[1] != "delta/z")  # HMMA
+
+
+@pytest.mark.slow

@@ -42,11 +42,12 @@ def _trace(
 
 
 @pytest.mark.parametrize(
-    "arch, impl", [("bert", None), ("shatter", "naive"), ("shatter", "lean"), ("shatter", "triton")]
-)
+    "arch, impl",
+    [("bert", None), ("shatter", "naive"), ("shatter", "lean"), ("shatter", "triton"), ("shatter", "fused")],
+)  # fmt: skip
 def test_trace_flops_per_token_match_cost_py(arch, impl):
     """Products only, SDPA's recomputation left out: the convention train/cost.py counts in."""
-    if impl == "triton":
+    if impl in ("triton", "fused"):
         pytest.importorskip("triton")  # its custom ops trace on meta tensors with no GPU
     traced = model_flops(_trace(arch, impl)) / (ROWS * LENGTH)
     counted = cost_py_flops(arch, LENGTH, ROWS, "tiny", VOCAB)
@@ -212,6 +213,21 @@ def test_config_in_bf16_on_a_v100_is_one_line(tmp_path):
     )
     result = CliRunner().invoke(main, ["--config", str(config), "--gpus", "V100"])
     assert result.exit_code == 1 and "the V100 has no bf16" in result.output
+
+
+def test_auto_kernel_choice_prices_with_the_frozen_table():
+    """`auto` picks between the Triton impls with shatter.kernels.cost's per-kernel roofline: the
+    frozen table's gemm, custom, memory and launch figures, at the GPUs' peaks the step model
+    uses."""
+    pytest.importorskip("triton")
+    from shatter.kernels import cost
+
+    for kind, value in cost.EFFICIENCY.items():
+        assert value == EFFICIENCY[kind], kind
+    assert cost.LAUNCH_S == EFFICIENCY["launch_us"] * 1e-6
+    table = gpus()
+    for name, family in (("H100", 90), ("A100", 80)):
+        assert cost.PEAKS[family] == (table[name].peak, table[name].bandwidth)
 
 
 def test_unknown_arch_is_one_line():

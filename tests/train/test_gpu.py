@@ -7,8 +7,8 @@ and fp32 at ZeRO-0/1/3 (tests/train/ranks_job.py), an exact resume after SIGKILL
 shatter-extend to 1024 and train/evaluate_cli.py at 1024 (on the GPU). Each asserts the exit code,
 finite losses, and an exit within 30 s of the job's last line. --sync-debug warn makes torch warn at every host sync of
 the training steps: the lane prints what remains. The V100 path (fp16, DeepSpeed's dynamic loss
-scaling, the chunked attention an sm_70 GPU runs) through pretraining with an overflow skipped,
-the export and shatter-extend, on any GPU."""
+scaling, Shatter's chunked and rows attention an sm_70 GPU runs, BERT beside them) through
+pretraining with an overflow skipped, the export and shatter-extend, on any GPU."""
 
 import json
 import math
@@ -139,25 +139,38 @@ def extend_and_evaluate(shared_data, books_data, export, length: int, tmp_path) 
     return json.loads(out.read_text())
 
 
+V100_PATHS = {  # what an sm_70 GPU runs in fp16: Shatter's attention impls, and BERT beside them
+    "shatter-chunked": ("shatter-tiny", "chunked"),
+    "shatter-rows": ("shatter-tiny", "rows"),  # auto's choice on a V100 in fp16
+    "bert": ("bert-tiny", None),
+}
+
+
 @needs_gpu
-def test_the_v100_path_fp16_loss_scaling_and_chunked_attention(shared_data, books_data, tmp_path):
+@pytest.mark.parametrize("path", list(V100_PATHS))
+def test_the_v100_path_fp16_loss_scaling_and_attention(shared_data, books_data, tmp_path, path):
     """What an sm_70 GPU runs, forced on this one: fp16 under DeepSpeed's dynamic loss scaling,
-    the first steps overflowing (a loss scale of 2^32) and skipped, and the chunked attention;
-    then the export, shatter-extend to twice the length and an evaluation there."""
+    the first steps overflowing (a loss scale of 2^32) and skipped, and Shatter's attention
+    forced with `attention_impl` (chunked, or the cuBLAS + Triton row kernels `rows`) or BERT;
+    then the export and, for Shatter, shatter-extend to twice the length and an evaluation."""
+    preset, impl = V100_PATHS[path]
     config = yaml.safe_load((REPO / "configs" / "cpu-tiny.yaml").read_text())
-    config["model"]["overrides"] = {"attention_impl": "chunked"}
+    config["model"]["preset"] = preset
+    config["model"]["overrides"] = {"attention_impl": impl} if impl else {}
     config["optim"]["initial_scale_power"] = 32
-    path = tmp_path / "v100.yaml"
-    path.write_text(yaml.safe_dump(config))
+    config_path = tmp_path / "v100.yaml"
+    config_path.write_text(yaml.safe_dump(config))
     run = tmp_path / "run"
     cmd = pretrain(books_data, run, "--precision", "fp16", "--max-steps", "40", "--log-every", "5")
-    cmd += ["--config", str(path), "--eval-every", "0"]
+    cmd += ["--config", str(config_path), "--eval-every", "0", "--preset", preset]
     finish_soon(Job(cmd), timeout=300)
     lines = train_lines(run)
     assert all(math.isfinite(x["loss"]) for x in lines), lines
     assert lines[-1]["overflow_skipped_steps"] >= 1, lines  # the overflows were skipped
     assert lines[-1]["loss_scale"] < 2**32, lines  # and the scale lowered
     exported = json.loads((run / "export" / "config.json").read_text())
-    assert exported["attention_impl"] == "chunked", exported
+    if impl is None:
+        return
+    assert exported["attention_impl"] == impl, exported
     result = extend_and_evaluate(shared_data, books_data, run / "export", 128, tmp_path)
     assert result["seq_len"] == 128 and math.isfinite(result["loss"]), result

@@ -13,15 +13,22 @@ kernels. It is the best case each design can reach, to read a GPU measurement ag
     hybrid      `triton`: Z = Q Xᵀ/√d on cuBLAS (saved), Triton row statistics + mixing (the side's
                 Z tiles read once per group of 2 parts), δ, dV, dZ (with dc), dQ = dZ X and
                 dX = dZᵀ Q on cuBLAS
+    fused       `fused`: the hybrid's Triton kernels recomputing Q Xᵀ on chip (Z never stored): row
+                statistics and mixing forward each sweep Q Xᵀ, dV and dS (with dc) again, dS/√d
+                to the cuBLAS dQ and dX (shatter/kernels/cost.py's per-kernel list, sm_90 groups)
     chunked     row blocks through cuBLAS, A ⊙ N materialised per block as [B, n, r, l] (fwd, and
                 twice in the recomputing backward), dZ into one [B, l, l] buffer
+    rows        `rows`: every product a cuBLAS GEMM (Z, the n parts' X̄[h] = W_h V[h], dV, dW_h, dQ,
+                dX), W = A ⊙ N written in the input dtype by a Triton row kernel (again in the
+                backward: `rows-keep` keeps it), dA, δ, dZ, dc by a second
+                (shatter.kernels.cost.rows_kernels); runs on V100s
     sdpa-flash  BERT's n heads of d/n through FlashAttention-2 (no mask); the memory-efficient
                 kernel with a padding mask has the same FLOPs and reads the [B, 1, 1, l] mask
                 broadcast per tile
 
 Peaks (dense bf16/fp16 tensor FLOP/s, HBM bytes/s) are the vendors' datasheet figures for the SXM
 parts: H100 989 TFLOP/s and 3.35 TB/s, A100-80GB 312 TFLOP/s and 2.04 TB/s, V100 125 TFLOP/s and
-0.90 TB/s. Triton emits no tensor-core code below sm_80: fused-old and hybrid have no V100 column.
+0.90 TB/s. Triton emits no tensor-core code below sm_80: fused-old, hybrid and fused have no V100 column.
 
     python tools/bench/attention_cost.py                       # base width, l = 128..1024, 16k tokens
     python tools/bench/attention_cost.py --lengths 512 --batch-tokens 32768 --markdown
@@ -33,7 +40,7 @@ import click
 
 GPUS = {"H100": (989e12, 3.35e12), "A100": (312e12, 2.039e12), "V100": (125e12, 0.9e12)}
 TRITON_GPUS = ("H100", "A100")  # sm_80+
-IMPLS = ("fused-old", "hybrid", "chunked", "sdpa-flash")
+IMPLS = ("fused-old", "hybrid", "fused", "chunked", "rows", "rows-keep", "sdpa-flash")
 E = 2  # bytes per bf16/fp16 element
 F32 = 4
 
@@ -48,6 +55,16 @@ def kernels(impl: str, B: int, L: int, d: int, n: int) -> list[tuple[str, float,
             ("fwd: QKᵀ, PV", 4 * pair_dot, (4 * Td) * E + T * n * F32),
             ("bwd: QKᵀ again, dV, dP, dQ, dK", 10 * pair_dot, 8 * Td * E + 2 * Td * F32),
         ]
+    if impl in ("rows", "rows-keep"):
+        from shatter.kernels.cost import rows_kernels
+
+        return [
+            (k.name, k.flops, k.bytes) for k in rows_kernels(B, L, d, n, E, impl == "rows-keep")
+        ]
+    if impl == "fused":
+        from shatter.kernels.cost import layer_kernels
+
+        return [(k.name, k.flops, k.bytes) for k in layer_kernels("fused", (B, L, d, n), E)]
     if impl == "hybrid":
         groups = n // 2 // (2 if (n // 2) % 2 == 0 else n // 2)  # Z read once per group and side
         return [
@@ -101,7 +118,7 @@ def table(lengths, batch_tokens: int, d: int, n: int) -> list[str]:
             hbm = sum(b for _, _, b in parts)
             times = []
             for gpu in GPUS:
-                triton_only = impl in ("fused-old", "hybrid") and gpu not in TRITON_GPUS
+                triton_only = impl in ("fused-old", "hybrid", "fused") and gpu not in TRITON_GPUS
                 times.append("n/a" if triton_only else f"{1e3 * seconds(parts, gpu):.3f}")
             ratio = seconds(parts, "H100") / ref
             lines.append(

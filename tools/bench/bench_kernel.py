@@ -1,5 +1,5 @@
-"""Side-by-side GPU time of the attention alone: the hybrid `triton` impl, `chunked`, and BERT's
-multi-head SDPA on the backends a GPU run of BERT actually takes.
+"""Side-by-side GPU time of the attention alone: the hybrid `triton` impl, `rows`, `chunked`, and
+BERT's multi-head SDPA on the backends a GPU run of BERT actually takes.
 
 For each length l at the paper's base or large width (d = 768, n = 12 or d = 1024, n = 16),
 batch = max(1, batch_tokens // l), random inputs, it times forward and forward + backward with
@@ -11,6 +11,9 @@ FlashAttention-2 from the same run:
     sdpa-efficient  the same with a [B, 1, 1, l] padding mask, `sdpa_kernel(EFFICIENT_ATTENTION)`
                     (what BERT with padding and V100s run)
     triton          the hybrid impl (shatter/attention/triton_kernel.py), with the padding mask
+    rows            cuBLAS GEMMs around Triton row kernels (shatter/attention/rows.py, auto's
+                    choice on V100s in fp16), on the projections as the layer runs it
+    rows-keep       the same, W = A ⊙ N kept from the forward
     chunked         the cuBLAS row-block impl, with the padding mask
 
 The padding mask pads the last 10% of the last sequence. Then, for `triton` at each length, a
@@ -18,6 +21,7 @@ torch.profiler split of one fwd+bwd into cuBLAS GEMMs, the mixing forward kernel
 backward kernels and the PyTorch glue between them (CUDA time per group). Needs a CUDA device.
 
     python tools/bench/bench_kernel.py --lengths 256,512,1024 --dtype bf16 --arch shatter
+    python tools/bench/bench_kernel.py --lengths 256,1024 --dtype fp16   # a V100 (triton: refused)
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ GEMM_NAMES = ("gemm", "cutlass", "xmma", "cublas", "nvjet", "ampere_", "sm80_", 
 
 def contenders(B, L, d, n, dtype, bias: bool, sigmoid: bool, device: str = "cuda"):
     """name -> (forward function, its differentiable inputs); the same Q, X, V for all."""
+    from shatter.attention.rows import rows_layer
     from shatter.attention.triton_kernel import partition_attention_layer
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -75,6 +80,8 @@ def contenders(B, L, d, n, dtype, bias: bool, sigmoid: bool, device: str = "cuda
         "sdpa-flash": (sdpa(SDPBackend.FLASH_ATTENTION, None), leaves[:3]),
         "sdpa-efficient": (sdpa(SDPBackend.EFFICIENT_ATTENTION, keep), leaves[:3]),
         "triton": (lambda: (partition_attention_layer(P, X, mask, table, sigmoid),), [P, X]),
+        "rows": (lambda: (rows_layer(P, X, mask, table, sigmoid),), [P, X]),
+        "rows-keep": (lambda: (rows_layer(P, X, mask, table, sigmoid, keep=True),), [P, X]),
         "chunked": (partition(partition_attention_chunked), leaves),
     }
 

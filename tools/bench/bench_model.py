@@ -84,7 +84,10 @@ class BenchConfig:
 
 def impls_for(device: torch.device) -> tuple[str, ...]:
     """The impls that run on `device` (auto is one of them, so it is not listed)."""
-    names = [name for name in ATTENTION_IMPLS if name not in ("auto", "triton")]
+    gpu_only = ("triton", "rows", "rows-keep")  # on the CPU only under Triton's interpreter
+    names = [name for name in ATTENTION_IMPLS if name not in ("auto", *gpu_only)]
+    if device.type == "cuda":
+        names[:0] = ["rows", "rows-keep"]  # cuBLAS and Triton row kernels: any CUDA GPU
     if device.type == "cuda" and impls.auto_impl(device, torch.bfloat16) == "triton":
         names.insert(0, "triton")
     return tuple(names)

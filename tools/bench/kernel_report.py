@@ -1,10 +1,13 @@
-"""Ahead-of-time compile report for the Triton mixing kernels of the hybrid partition attention
-(no GPU needed).
+"""Ahead-of-time compile report for the Triton kernels of the partition attentions: the mixing
+kernels of the hybrid `triton` and the `fused` impls (sm_80, sm_90) and the row kernels of the
+`rows` impl (sm_70 and up); no GPU needed.
 
 For every kernel (stats and fwd of the forward; delta, dv and dz of the backward), every autotune
-configuration and every variant it is compiled for (the partition bias HAS_C on and off, the
-sigmoid and the softmax, the base (d=768, n=12) and large (d=1024, n=16) shapes, bf16 and fp16, a
-length that is a multiple of 16 and one that is not: l = 512 and l = 509), it compiles the kernel
+configuration and every variant it is compiled for (the score source: Z read from HBM for the
+hybrid `triton` impl, or Q Xᵀ recomputed on chip for `fused`; the partition bias HAS_C on and
+off, the sigmoid and the softmax, the base (d=768, n=12) and large (d=1024, n=16) shapes, bf16
+and fp16, a length that is a multiple of 16 and one that is not: l = 512 and l = 509), it
+compiles the kernel
 for each requested arch with `triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))`,
 reads shared memory from the compiled kernel's metadata, and runs the wheel's `cuobjdump` on the
 cubin for registers, spill (stack) bytes and HMMA/HGMMA tensor-core instruction counts. It prints
@@ -12,8 +15,15 @@ one table row per compile and exits non-zero when a configuration exceeds the ar
 per block, spills, or (a kernel with dots, in bf16/fp16) has no tensor-core instruction: such
 configurations must leave the autotune lists of shatter/kernels/partition_mixing.py.
 
+The row kernels (rows_fwd, rows_bwd: shatter/kernels/row_mixing.py) hold a whole row of l keys a
+program, with row_mixing.row_warps(l) warps: they have no dot and no autotune list, and are
+compiled at each --length (up to row_mixing.MAX_ROW = 4096 keys). Each arch gets the kernels
+`auto` runs there: sm_70 and sm_75 (V100, T4) the row kernels, sm_80 and sm_90 the mixing ones.
+
     python tools/bench/kernel_report.py --arch 80,90
+    python tools/bench/kernel_report.py --arch 80,90 --source qx       # the fused impl's kernels only
     python tools/bench/kernel_report.py --arch 90 --shape base --dtype bf16 --first-config   # CI subset
+    python tools/bench/kernel_report.py --arch 70 --dtype fp16 --length 256,509,1024,4096  # V100
 
 Compiles run in parallel (--jobs, the CPU count by default); the table keeps the order above.
 """
@@ -32,12 +42,20 @@ from pathlib import Path
 
 import click
 
-SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # usable shared memory per block (A100, H100)
+SMEM_LIMIT = {
+    70: 96 * 1024,
+    75: 64 * 1024,
+    80: 163 * 1024,
+    90: 227 * 1024,
+}  # per block (V100, T4, A100, H100)
 SHAPES = {"base": (768, 12), "large": (1024, 16)}  # (d, n), the paper's sizes
 DTYPES = ("bf16", "fp16", "fp32")  # fp32 runs IEEE dots: no tensor cores expected
-KERNELS = ("stats", "fwd", "delta", "dv", "dz")
-DOT_KERNELS = ("fwd", "dv", "dz")  # stats and delta are elementwise sweeps: no dot to expect
+KERNELS = ("stats", "fwd", "delta", "dv", "dz", "rows_fwd", "rows_bwd")
+DOT_KERNELS = ("fwd", "dv", "dz")  # stats, delta and the row kernels: no dot to expect
+ROW_KERNELS = ("rows_fwd", "rows_bwd")
+ROWS_ONLY = (70, 75)  # archs below sm_80 run the `rows` impl's kernels, sm_80+ the mixing ones
 LENGTHS = (512, 509)  # a multiple of 16 and not: sets which int arguments are multiples of 16
+SOURCES = {"z": False, "qx": True}  # the kernels' RECOMPUTE: Z read (triton), Q Xᵀ made (fused)
 MAX_LEN = 512
 
 
@@ -56,6 +74,7 @@ class Row:
     hgmma: int
     has_c: bool = True
     length: int = 512
+    source: str = "z"
 
     def problems(self) -> list[str]:
         out = []
@@ -69,23 +88,29 @@ class Row:
         return out
 
 
-def _args(d: int, n: int, dtype: str, L: int) -> dict[str, tuple[str, object]]:
+def _args(d: int, n: int, dtype: str, L: int, recompute=False) -> dict[str, tuple[str, object]]:
     """(triton type, representative value) of every runtime argument name the kernels take, as
-    the wrapper passes them for B = 8 and length L (Z's rows padded to a multiple of 16); the
-    values only decide the runtime's divisibility-by-16 hints. X̄ and dX̄ are [B, n, L, d/n] views
-    of [B, L, d] tensors; V, c, dV and dc views of the projections P [B, L, w] and of dP."""
+    the wrapper passes them for B = 8 and length L (Z's and dS's rows padded to a multiple of
+    16); the values only decide the runtime's divisibility-by-16 hints. X̄ and dX̄ are
+    [B, n, L, d/n] views of [B, L, d] tensors; V, c, dV and dc views of the projections P [B, L, w]
+    and of dP; with `recompute`, Q (a view of P) takes Z's place and X [B, L, d] is read."""
     from shatter.attention.projection import projection_width
 
-    k, m, Lp = d // n, MAX_LEN, -(-L // 16) * 16
+    k, m, Lp = d // n, max(MAX_LEN, L), -(-L // 16) * 16
     w = projection_width(d, n)  # V, c and their gradients are columns of the projections P
-    ptrs = {name: dtype for name in ("Z", "C", "V", "OUT", "AP", "DO", "DV", "DAP", "DZ", "DC")}
+    names = ("Z", "X", "C", "V", "OUT", "AP", "DO", "DV", "DAP", "DZ", "DC")
+    ptrs = {name: dtype for name in names}
     ptrs.update({name: "fp32" for name in ("Mk", "T", "STAT", "STAT2", "DELTA")})
+    ptrs.update(W=dtype, DW=dtype)  # the row kernels' n parts' weights [B, n, L, Lp]
+    sz = (L * w, w) if recompute else (L * Lp, Lp)
     ints = {
-        "sz_b": L * Lp, "sz_l": Lp, "sc_b": L * w, "sc_l": w, "st_h": 2 * m - 1,
+        "sz_b": sz[0], "sz_l": sz[1], "sx_b": L * d, "sx_l": d, "sdz_b": L * Lp, "sdz_l": Lp,
+        "D": d, "sc_b": L * w, "sc_l": w, "st_h": 2 * m - 1,
         "sv_b": L * w, "sv_h": k, "sv_l": w, "so_b": L * d, "so_h": k, "so_l": d,
         "sd_b": L * d, "sd_h": k, "sd_l": d, "sg_b": L * w, "sg_h": k, "sg_l": w,
         "sa_b": L * n, "sa_l": n, "sp_b": L * n, "sp_l": n, "sdc_b": L * w, "sdc_l": w,
         "L": L, "L_KEY": 1 << (L - 1).bit_length(), "K_PART": k, "T_CENTRE": m - 1,
+        "sm_b": L, "sw_b": n * L * Lp, "sw_h": L * Lp, "sw_l": Lp,
     }  # fmt: skip
     out = {name: (f"*{t}", None) for name, t in ptrs.items()}
     out.update({name: ("i32", val) for name, val in ints.items()})
@@ -104,7 +129,7 @@ def _cuobjdump(*args: str) -> str:
 
 
 def tuned_kernels() -> dict:
-    from shatter.kernels import partition_mixing as pm
+    from shatter.kernels import partition_mixing as pm, row_mixing as rm
 
     return {
         "stats": (pm.row_stats_kernel, pm.STATS_CONFIGS),
@@ -112,12 +137,25 @@ def tuned_kernels() -> dict:
         "delta": (pm.delta_kernel, pm.DELTA_CONFIGS),
         "dv": (pm.mix_bwd_dv_kernel, pm.DV_CONFIGS),
         "dz": (pm.mix_bwd_dz_kernel, pm.DZ_CONFIGS),
+        "rows_fwd": (rm.rows_fwd_kernel, None),
+        "rows_bwd": (rm.rows_bwd_kernel, None),
     }
 
 
+def row_config(L: int):
+    """The one launch configuration of the row kernels at length L (shatter/attention/rows.py)."""
+    import triton
+
+    from shatter.kernels.row_mixing import row_warps
+
+    block = triton.next_power_of_2(L)
+    return triton.Config({"BLOCK_L": block}, num_warps=row_warps(block), num_stages=1)
+
+
 def compile_one(
-    arch: int, kernel: str, activation: str, shape: str, dtype: str, config, has_c=True, L=512
-) -> Row:
+    arch: int, kernel: str, activation: str, shape: str, dtype: str, config, has_c=True, L=512,
+    source="z",
+) -> Row:  # fmt: skip
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -125,13 +163,16 @@ def compile_one(
 
     from shatter.attention.triton_kernel import kernel_meta
 
-    fn = tuned_kernels()[kernel][0].fn
+    jit = tuned_kernels()[kernel][0]
+    fn = jit.fn if hasattr(jit, "configs") else jit  # an autotuner's kernel, or the kernel
     d, n = SHAPES[shape]
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     values = {**kernel_meta(d, n, torch_dtype), **config.kwargs}
-    values.update(HAS_C=has_c, SIGMOID=activation == "sigmoid")
+    values.update(HAS_C=has_c, SIGMOID=activation == "sigmoid", RECOMPUTE=SOURCES[source])
     constexprs = {name: values[name] for name in fn.arg_names if name in values}
-    args = _args(d, n, dtype, L)
+    args = _args(d, n, dtype, L, SOURCES[source])
+    if kernel in ROW_KERNELS:
+        args["Mk"] = ("*i1", None)  # the row kernels read the bool key mask as it is
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -149,43 +190,55 @@ def compile_one(
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
         usage = _cuobjdump("--dump-resource-usage", cubin)
-        sass = _cuobjdump("-sass", cubin)
+        # no dot, no tensor-core instruction to count: and CUDA 13's disassembler (Triton 3.9's
+        # cuobjdump) refuses sm_70 code, where the row kernels are what is compiled
+        sass = _cuobjdump("-sass", cubin) if kernel in DOT_KERNELS else ""
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    cfg = "M{BLOCK_M} N{BLOCK_N}".format(**config.kwargs)
+    cfg = "M{BLOCK_M} N{BLOCK_N}" if "BLOCK_M" in config.kwargs else "L{BLOCK_L}"
+    cfg = cfg.format(**config.kwargs)
     cfg += f" w{config.num_warps} s{config.num_stages}"
     cfg += f" G{config.kwargs['GROUP']}" if "GROUP" in config.kwargs else ""
     return Row(
         arch, kernel, activation, shape, dtype, cfg, compiled.metadata.shared, regs, stack,
         len(re.findall(r"\bHMMA\b", sass)), len(re.findall(r"\bHGMMA\b", sass)), has_c, L,
+        source,
     )  # fmt: skip
 
 
-def jobs(archs, kernels, activations, has_cs, shapes, dtypes, lengths, first_config):
-    """(arch, kernel, activation, HAS_C, shape, dtype, l, config) of every compile: each
-    kernel's configurations for the arch family that serve the shape (partition_mixing.usable),
-    or the first of them."""
+def jobs(archs, kernels, sources, activations, has_cs, shapes, dtypes, lengths, first_config):
+    """(arch, kernel, source, activation, HAS_C, shape, dtype, l, config) of every compile: each
+    kernel's configurations for the arch family and score source that serve the shape
+    (partition_mixing.usable), or the first of them."""
     from shatter.kernels.partition_mixing import usable
 
     tuned = tuned_kernels()
     for cap, kernel in itertools.product(archs, kernels):
-        if kernel == "delta":  # it reads neither the bias nor the activation
-            activations_, has_cs_ = activations[:1], has_cs[:1]
+        if (cap in ROWS_ONLY) != (kernel in ROW_KERNELS):  # each arch: what `auto` runs there
+            continue
+        if kernel == "delta" or kernel in ROW_KERNELS:  # they read no scores of either source
+            sources_ = ["z"]
+        if kernel == "delta":  # it reads neither the scores, the bias nor the activation
+            sources_, activations_, has_cs_ = ["z"], activations[:1], has_cs[:1]
         else:
-            activations_, has_cs_ = activations, has_cs
-        for act, has_c, shape, dtype, L in itertools.product(
-            activations_, has_cs_, shapes, dtypes, lengths
+            sources_, activations_, has_cs_ = sources, activations, has_cs
+        for source, act, has_c, shape, dtype, L in itertools.product(
+            sources_, activations_, has_cs_, shapes, dtypes, lengths
         ):
             d, n = SHAPES[shape]
-            configs = usable(tuned[kernel][1], n, max(16, 1 << (d // n - 1).bit_length()), cap)
+            if kernel in ROW_KERNELS:
+                yield cap, kernel, source, act, has_c, shape, dtype, L, row_config(L)
+                continue
+            block_k = max(16, 1 << (d // n - 1).bit_length())
+            configs = usable(tuned[kernel][1], n, block_k, cap, SOURCES[source])
             for config in configs[:1] if first_config else configs:
-                yield cap, kernel, act, has_c, shape, dtype, L, config
+                yield cap, kernel, source, act, has_c, shape, dtype, L, config
 
 
 def _compile_job(job) -> Row | str:
-    cap, kernel, act, has_c, shape, dtype, L, config = job
+    cap, kernel, source, act, has_c, shape, dtype, L, config = job
     try:
-        return compile_one(cap, kernel, act, shape, dtype, config, has_c, L)
+        return compile_one(cap, kernel, act, shape, dtype, config, has_c, L, source)
     except Exception as e:
         return str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
 
@@ -196,11 +249,11 @@ def _split(text: str) -> list[str]:
 
 def summary(rows: list[Row]) -> list[str]:
     """Per arch and kernel, over every variant and configuration: the ranges of the columns."""
-    lines = [f"{'arch':>5} {'kernel':6} {'compiles':>8} {'regs':>9} {'spill':>5} {'smem':>13} "
+    lines = [f"{'arch':>5} {'kernel':9} {'compiles':>8} {'regs':>9} {'spill':>5} {'smem':>13} "
              f"{'HMMA':>9} {'HGMMA':>9}"]  # fmt: skip
     groups: dict[tuple[int, str], list[Row]] = {}
     for r in rows:
-        groups.setdefault((r.arch, r.kernel), []).append(r)
+        groups.setdefault((r.arch, f"{r.kernel}/{r.source}"), []).append(r)
 
     def span(values):
         lo, hi = min(values), max(values)
@@ -209,7 +262,7 @@ def summary(rows: list[Row]) -> list[str]:
     for (cap, kernel), rs in groups.items():
         low = [r for r in rs if r.dtype != "fp32"] or rs
         lines.append(
-            f"sm_{cap:<2} {kernel:6} {len(rs):>8} {span([r.regs for r in rs]):>9} "
+            f"sm_{cap:<2} {kernel:9} {len(rs):>8} {span([r.regs for r in rs]):>9} "
             f"{max(r.spill for r in rs):>5} {span([r.smem for r in rs]):>13} "
             f"{span([r.hmma for r in low]):>9} {span([r.hgmma for r in low]):>9}"
         )
@@ -217,8 +270,9 @@ def summary(rows: list[Row]) -> list[str]:
 
 
 @click.command()
-@click.option("--arch", default="80,90", help="compute capabilities, comma-separated (80, 90)")
+@click.option("--arch", default="80,90", help="compute capabilities, comma-separated (70-90)")
 @click.option("--kernel", "kernels", default=",".join(KERNELS), help="kernels to compile")
+@click.option("--source", "sources", default="z,qx", help="scores: z (triton), qx (fused)")
 @click.option("--activation", "activations", default="sigmoid,softmax", help="sigmoid, softmax")
 @click.option("--has-c", "has_cs", default="true,false", help="the partition bias: true, false")
 @click.option("--shape", "shapes", default="base,large", help="base (d=768, n=12), large")
@@ -226,7 +280,7 @@ def summary(rows: list[Row]) -> list[str]:
 @click.option("--length", "lengths", default="512,509", help="sequence lengths (hints only)")
 @click.option("--first-config", is_flag=True, help="only each kernel's first autotune config")
 @click.option("--jobs", "n_jobs", default=os.cpu_count() or 1, help="compiles run in parallel")
-def main(arch, kernels, activations, has_cs, shapes, dtypes, lengths, first_config, n_jobs):
+def main(arch, kernels, sources, activations, has_cs, shapes, dtypes, lengths, first_config, n_jobs):  # fmt: skip
     """Compile the Triton kernels ahead of time and check their resources (see module doc)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("kernel_report: unset TRITON_INTERPRET: the interpreter compiles nothing")
@@ -241,6 +295,7 @@ def main(arch, kernels, activations, has_cs, shapes, dtypes, lengths, first_conf
     for name, values, known in (
         ("--arch", archs, SMEM_LIMIT),
         ("--kernel", _split(kernels), KERNELS),
+        ("--source", _split(sources), SOURCES),
         ("--activation", _split(activations), ("sigmoid", "softmax")),
         ("--has-c", _split(has_cs), ("true", "false")),
         ("--shape", _split(shapes), SHAPES),
@@ -249,25 +304,32 @@ def main(arch, kernels, activations, has_cs, shapes, dtypes, lengths, first_conf
         bad = [v for v in values if v not in known]
         if bad:
             raise SystemExit(f"kernel_report: {name} {bad} unknown; choose from {list(known)}")
-    bad_len = [v for v in ls if not 16 < v <= MAX_LEN]
+    from shatter.kernels.row_mixing import MAX_ROW
+
+    mixing = not set(archs) <= set(ROWS_ONLY) and set(_split(kernels)) - set(ROW_KERNELS)
+    longest = MAX_LEN if mixing else MAX_ROW
+    bad_len = [v for v in ls if not 16 < v <= longest]
     if bad_len:
-        raise SystemExit(f"kernel_report: --length {bad_len} outside 17..{MAX_LEN}")
+        raise SystemExit(
+            f"kernel_report: --length {bad_len} outside 17..{longest} (the mixing kernels' "
+            f"{MAX_LEN}, the row kernels' {MAX_ROW} alone)"
+        )
     import triton
 
     print(f"triton {triton.__version__} (python {sys.version.split()[0]})")
-    header = f"{'arch':>5} {'kernel':6} {'act':7} {'c':1} {'shape':5} {'dtype':5} {'l':>4} "
+    header = f"{'arch':>5} {'kernel':9} {'act':7} {'c':1} {'shape':5} {'dtype':5} {'l':>4} "
     header += f"{'config':21} {'smem':>7} {'regs':>4} {'spill':>5} {'HMMA':>5} {'HGMMA':>5}  check"
     print(header)
     has = [v == "true" for v in _split(has_cs)]
-    todo = list(jobs(archs, _split(kernels), _split(activations), has, _split(shapes),
-                     _split(dtypes), ls, first_config))  # fmt: skip
+    todo = list(jobs(archs, _split(kernels), _split(sources), _split(activations), has,
+                     _split(shapes), _split(dtypes), ls, first_config))  # fmt: skip
     rows: list[Row] = []
     failed = 0
     with concurrent.futures.ProcessPoolExecutor(max_workers=n_jobs) as pool:
         for job, r in zip(todo, pool.map(_compile_job, todo)):
             if isinstance(r, str):  # a compile error: one line, then stop
-                cap, kernel, act, has_c, shape, dtype, L, config = job
-                what = f"sm_{cap} {kernel} {act} HAS_C={has_c} {shape} {dtype} l={L} {config}"
+                cap, kernel, source, act, has_c, shape, dtype, L, config = job
+                what = f"sm_{cap} {kernel}/{source} {act} HAS_C={has_c} {shape} {dtype} l={L} {config}"  # fmt: skip
                 pool.shutdown(cancel_futures=True)
                 raise SystemExit(
                     f"kernel_report: {what} does not compile: {r} "
@@ -277,7 +339,7 @@ def main(arch, kernels, activations, has_cs, shapes, dtypes, lengths, first_conf
             failed += bool(bad)
             rows.append(r)
             print(
-                f"sm_{r.arch:<2} {r.kernel:6} {r.activation:7} {'yn'[not r.has_c]} {r.shape:5} "
+                f"sm_{r.arch:<2} {r.kernel + '/' + r.source:9} {r.activation:7} {'yn'[not r.has_c]} {r.shape:5} "
                 f"{r.dtype:5} {r.length:>4} {r.config:21} {r.smem:>7} {r.regs:>4} {r.spill:>5} "
                 f"{r.hmma:>5} {r.hgmma:>5}  " + ("; ".join(bad) or "ok"),
                 flush=True,

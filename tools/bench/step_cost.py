@@ -39,9 +39,10 @@ SDPA, the custom ops, reductions and the DeepSpeed optimizer step are as in eage
 (or the config's `run.compile: true`) makes the compiled figures the main ones.
 
 The GPU's choices are the real ones: bf16 on sm_80+ (fp16 and no flash kernel on the V100),
-Shatter's `auto` attention impl (`triton` on sm_80+, `chunked` on the V100), SDPA on the flash
-kernel for a batch without padding (attention_mask None) and on the efficient kernel with one
-(`--padding`: every batch passes its mask).
+Shatter's `auto` attention impl (on sm_80+ `triton` or `fused`, whichever
+shatter.kernels.cost prices faster for the layer's shape, as `auto` picks it; `chunked` on the
+V100), SDPA on the flash kernel for a batch without padding (attention_mask None) and on the
+efficient kernel with one (`--padding`: every batch passes its mask).
 
 The split printed per arch: GEMMs, attention (SDPA and custom kernels), elementwise and copies
 (the forward's and backward's other kernels), optimizer (its phase, every kind), launches.
@@ -124,16 +125,31 @@ class Gpu:
     bandwidth: float  # HBM bytes/s
     low: torch.dtype  # the training precision
     flash: bool  # FlashAttention-2 available (sm_80+)
-    partition_impl: str  # Shatter's `auto` attention impl there
+    partition_impl: str  # Shatter's attention impl there ("auto": per shape, `shatter_impl`)
+    capability: tuple[int, int] = (9, 0)
 
 
 def gpus() -> dict[str, Gpu]:
-    sm80 = dict(low=torch.bfloat16, flash=True, partition_impl="triton")
-    sm70 = dict(low=torch.float16, flash=False, partition_impl="chunked")
+    sm80 = dict(low=torch.bfloat16, flash=True, partition_impl="auto")
+    sm70 = dict(low=torch.float16, flash=False, partition_impl="chunked", capability=(7, 0))
+    capability = {"H100": (9, 0), "A100": (8, 0)}
     return {
-        name: Gpu(name, peak, bw, **(sm70 if name == "V100" else sm80))
+        name: Gpu(name, peak, bw, **(sm70 if name == "V100" else dict(sm80, capability=capability[name])))
         for name, (peak, bw) in GPUS.items()
-    }
+    }  # fmt: skip
+
+
+def shatter_impl(gpu: Gpu, arch: str, size: str, length: int, rows: int) -> str:
+    """The attention impl Shatter's archs run on `gpu`: its own, or with "auto" (sm_80+) the
+    Triton impl `auto` picks for the layer's shape (shatter.attention.impls.kernel_choice)."""
+    if gpu.partition_impl != "auto":
+        return gpu.partition_impl
+    from shatter.attention.impls import kernel_choice
+    from shatter.config import preset_config
+
+    config = preset_config(f"{arch}-{size}", max_len=max(length, 512))
+    shape = (rows, length, config.hidden, config.heads)
+    return kernel_choice(gpu.capability, shape, gpu.low)
 
 
 def kernel_seconds(kind: str, flops: float, nbytes: float, gpu: Gpu, eff: dict = EFFICIENCY):
@@ -292,9 +308,12 @@ def figures(archs, lengths, gpu_names, padding, run: Run = Run(), vocab=REPLAY_V
         out[name] = {arch: {} for arch in archs}
         for arch in archs:
             for L in lengths:
-                key = (gpu.low, gpu.flash, gpu.partition_impl, arch, L)  # the A100 is the H100's
+                impl = shatter_impl(gpu, arch, run.size, L, run.tokens // L)
+                key = (gpu.low, gpu.flash, impl, arch, L)  # the A100 is the H100's
                 if key not in traces:
-                    traces[key] = trace_here(arch, L, gpu, run, padding, vocab)
+                    traces[key] = trace_here(
+                        arch, L, replace(gpu, partition_impl=impl), run, padding, vocab
+                    )
                 rec = traces[key]
                 rows = run.tokens // L
                 tokens = rows * L * run.grad_accum  # per GPU per step
