@@ -44,6 +44,7 @@ class ModelConfig:
     rab_buckets: int = 32  # bert-rab: T5 relative attention bias buckets (T5 default)
     rab_max_distance: int = 128  # bert-rab: T5 max distance for the log-spaced buckets
     attention_impl: str = "auto"  # single-head partition archs: one of ATTENTION_IMPLS
+    fused_qkv: bool = True  # multi-head archs: Q, K, V from one [d, 3d] GEMM (same weights)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:

@@ -78,10 +78,11 @@ class SequenceClassificationModel(nn.Module):
         x = self.encoder.embeddings(input_ids)  # X^0
         y = self.query.expand(input_ids.shape[0], -1)  # y^0
         last = len(self.encoder.layers) - 1
+        weights = self.encoder.layer_weights()  # once for every layer
         for k, block in enumerate(self.encoder.layers):
             y = block.pool(y, x, mask_BL)  # y^{k+1} from y^k and X^k
             if k < last:  # X^L itself is never read
-                x = block(x, mask_BL, **inputs)
+                x = block(x, mask_BL, weights[k], **inputs)
         return y
 
     def forward(

@@ -6,7 +6,10 @@
   the context; the block applies W^O, dropout, residual, LayerNorm, a GELU FFN, residual,
   LayerNorm. It never branches on the variant: the per-forward inputs a variant declares
   (`segments = True`: segment_BL from the [SEP]s, xlnet) are computed once by the encoder
-  (`Encoder.attention_inputs`) and passed through the blocks as keyword arguments, unread.
+  (`Encoder.attention_inputs`) and passed through the blocks as keyword arguments, unread; the
+  weights a variant derives from its parameters (the single-head archs' projection and folded
+  W^O) are made once per forward for every layer (`Encoder.layer_weights`,
+  shatter/attention/layer_weights.py) and handed to each block.
 - ShatterForMaskedLM: the MLM head (dense, GELU, LayerNorm, decoder tied to the word embeddings)
   decodes only the predicted positions (cramming).
 
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shatter.attention import ATTENTIONS
+from shatter.attention.layer_weights import LayerWeights, layer_weights
 from shatter.config import ModelConfig, preset_config
 from shatter.xlnet import two_stream_encode
 
@@ -76,17 +80,35 @@ class Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor, **inputs) -> torch.Tensor:
-        """`inputs`: the variant's own per-forward inputs (Encoder.attention_inputs), passed on."""
-        return self.finish(self.attention(x_BLD, mask_BL, **inputs), x_BLD)
+    def forward(
+        self,
+        x_BLD: torch.Tensor,
+        mask_BL: torch.Tensor,
+        weights: LayerWeights | None = None,
+        **inputs,
+    ) -> torch.Tensor:
+        """`weights`: this layer's LayerWeights from Encoder.layer_weights (made here for this
+        layer alone when not given); `inputs`: the variant's own per-forward inputs
+        (Encoder.attention_inputs), passed on."""
+        weights = weights if weights is not None else layer_weights([self])[0]
+        context = self.attention(x_BLD, mask_BL, **weights.attention, **inputs)
+        return self.finish(context, x_BLD, weights.output)
 
     def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         """y^{k+1} from y^k attending over this layer's input X^k with its own weights (§3.4)."""
         return self.finish(self.attention.pool(y_BD, x_BLD, mask_BL), y_BD)
 
-    def finish(self, context: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """F^k(X_bar, X): W^O, dropout, residual, LayerNorm, GELU FFN, residual, LayerNorm."""
-        h = self.attention_norm(residual + self.dropout(self.output(context)))
+    def finish(
+        self,
+        context: torch.Tensor,
+        residual: torch.Tensor,
+        output_weight: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """F^k(X_bar, X): W^O, dropout, residual, LayerNorm, GELU FFN, residual, LayerNorm.
+        `output_weight`: the W^O for this context (LayerWeights.output; W^O itself when None)."""
+        weight = self.output.weight if output_weight is None else output_weight
+        h = F.linear(context, weight, self.output.bias)
+        h = self.attention_norm(residual + self.dropout(h))
         return self.ffn_norm(h + self.dropout(self.ffn_out(F.gelu(self.ffn_in(h)))))
 
 
@@ -111,11 +133,15 @@ class Encoder(nn.Module):
         hidden = (
             [x] if output_hidden_states else None
         )  # else each X^k is freed once used (inference)
-        for block in self.layers:
-            x = block(x, mask_BL, **inputs)
+        for block, weights in zip(self.layers, self.layer_weights(), strict=True):
+            x = block(x, mask_BL, weights, **inputs)
             if hidden is not None:
                 hidden.append(x)
         return EncoderOutput(x, tuple(hidden)) if hidden is not None else x
+
+    def layer_weights(self) -> list[LayerWeights]:
+        """Every block's LayerWeights, made once per forward in batched ops (layer_weights.py)."""
+        return layer_weights(list(self.layers))
 
     def attention_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The per-forward inputs the attention variant declares, as keyword arguments of its

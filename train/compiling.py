@@ -1,4 +1,9 @@
-"""`run.compile: true`: the model compiled by torch.compile (inductor), or refused in one line.
+"""`run.compile`: the model compiled by torch.compile (inductor), or refused in one line.
+
+`true` compiles (or refuses), `false` runs eager; unset (`auto`) compiles on a CUDA GPU where
+inductor can run (triton installed) and runs eager on a CPU, where inductor's C++ build costs
+more than it saves on a small model. The compiled model equals the eager one (tests/shatter/
+test_kernel_ops.py and tests/train/test_compiling.py check it).
 
 The model is compiled in place (`nn.Module.compile`), so its state dict, and with it the
 checkpoints and the export, keep their names. Inductor builds C++ kernels on a CPU and Triton
@@ -30,6 +35,13 @@ def compile_problem(device_type: str) -> str | None:
     elif importlib.util.find_spec("triton") is None:
         return "run.compile on a GPU needs triton: pip install triton, or set run.compile: false"
     return None
+
+
+def wants_compile(setting: bool | None, device_type: str) -> bool:
+    """run.compile resolved: `auto` (None) is on for CUDA where inductor can run, else off."""
+    if setting is not None:
+        return setting
+    return device_type == "cuda" and compile_problem(device_type) is None
 
 
 def compile_model(model: nn.Module) -> nn.Module:

@@ -248,7 +248,12 @@ class RunArgs:
         doc="wall-clock hours of training: the schedule's length comes from the measured step "
         "time (max_steps is then a ceiling); the run ends with an export when they are spent",
     )
-    compile: bool = option(False, "torch.compile the model.", doc="`torch.compile` the model")
+    compile: bool | None = option(
+        None,
+        "torch.compile the model (default: on a GPU, off on a CPU).",
+        doc="`torch.compile` the model with inductor; unset (`auto`): on a CUDA GPU where "
+        "inductor can run (triton installed), off on a CPU",
+    )
     init_from: str | None = option(
         None,
         "Continued pretraining: start from an export's (or a run's) weights.",

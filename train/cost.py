@@ -86,8 +86,8 @@ def attention_macs(config: ModelConfig, length: int) -> int:
             -(-n // 16) * 16 * d
         )  # c = Q R^T (§3.3), n columns of the projection GEMM padded to 16
         macs += n * length  # B[i, :] = sum_h c[i, h] N[h, i, :] (§3.3): N is constant
-    if arch == "shatter":
-        macs += n * d  # A_part V_part (§3.3)
+    if projections(config) == 2:  # the single-head archs: W^O reads [X̄ | A_part]
+        macs += n * d  # A_part's n columns: §3.3's A_part V_part folded in (zeros without it)
     if arch == "bert-rpe":
         r = min(2 * length - 1, 2 * config.rpe_max_distance - 1)
         macs += 2 * r * d  # Q K_rel^T and A_rel V_rel (§2)
@@ -123,13 +123,15 @@ def forward_macs_per_token(
 def weight_flops_per_forward(config: ModelConfig, length: int) -> float:
     """Training FLOPs of the products made once per forward from weights alone, all layers:
     Part_Bias's and Shatter's R W^Q (n d^2: c = Q R^T = x (R W^Q)^T + R b^Q comes out of the
-    projection GEMM), Shatter's V_part = R W^V (n d^2, §3.3) and RPE's K_rel = R W^K,
+    projection GEMM), Shatter's W^O folded with V_part = R W^V (W^V R^T, then W^O times it:
+    2 n d^2, §3.3; shatter/attention/layer_weights.py), R b^Q (n d), and RPE's K_rel = R W^K,
     V_rel = R W^V (r d^2 each, §2), forward and both gradients (3 x 2); XLNet's W_R r over
     2 l - 1 distances (r is fixed: forward and the weight gradient, 2 x 2)."""
     d, arch = config.hidden, config.arch
     if arch in ("part-bias", "shatter"):
-        products = 2 if arch == "shatter" else 1  # R W^Q, and R W^V
-        return config.layers * 6.0 * products * config.heads * d * d
+        products = 3 if arch == "shatter" else 1  # R W^Q, and W^V R^T, W^O (W^V R^T)
+        # each n d^2, plus R b^Q (n d)
+        return config.layers * 6.0 * config.heads * d * (products * d + 1)
     if arch == "bert-rpe":
         r = min(2 * length - 1, 2 * config.rpe_max_distance - 1)
         return config.layers * 6.0 * 2 * r * d * d

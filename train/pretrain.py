@@ -138,6 +138,8 @@ def check_one_vocabulary(indexes: list) -> None:
 def _initial_model(cfg: TrainConfig, index, seq_len: int):
     """The model the run starts from: the preset's fresh weights, or --init-from's (built at the
     export's max_len, which is at least the training length); `torch.compile`d with run.compile."""
+    import torch
+
     import shatter
 
     overrides = model_overrides(cfg, index, seq_len)
@@ -150,9 +152,9 @@ def _initial_model(cfg: TrainConfig, index, seq_len: int):
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_len {model.config.max_len}")
     if export is not None:
         init_from.load_weights(model, export)
-    if cfg.run.compile:
-        from shatter.train.compiling import compile_model
+    from shatter.train.compiling import compile_model, wants_compile
 
+    if wants_compile(cfg.run.compile, "cuda" if torch.cuda.is_available() else "cpu"):
         compile_model(model)
     return model
 

@@ -14,6 +14,11 @@ one list of archs: shatter.config's ARCHS and PARTITION_ARCHS are read from it. 
 - `optional_mask = True`: forward and pool take `mask_BL = None` for a batch without padding
   (the encoder passes None when attention_mask is None; the multi-head variants, so that SDPA
   runs its flash kernel).
+- `prepare(blocks) -> list[LayerWeights]` (a classmethod): the weights it derives from its
+  parameters, made once per forward for every layer (shatter/attention/layer_weights.py); each
+  block passes its LayerWeights.attention to `forward` as keyword arguments and applies
+  LayerWeights.output as W^O, so that the context may be wider than d (the single-head archs'
+  [X̄ | A_part], with §3.3's A_part V_part folded into W^O).
 Each variant owns its position parameters (R, W^B) and its constant partition table.
 """
 

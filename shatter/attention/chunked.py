@@ -35,7 +35,8 @@ import math
 
 import torch
 
-from shatter.attention.lean import NORM_EPS, skew, table_window, unskew
+from shatter.attention.lean import NORM_EPS, output_grads, skew, table_window, unskew
+from shatter.attention.projection import context_views
 
 BLOCK_ELEMENTS = 1 << 24  # transient [B, n, r, L] per row block: at most 16M elements
 
@@ -73,11 +74,13 @@ def _weights(S, keep, stat, sigmoid: bool):
 
 
 class ChunkedPartitionAttention(torch.autograd.Function):
-    """(Q [B,L,d], X [B,L,d], V [B,n,L,k], c [B,L,n] or None, mask [B,L], table [n,2m-1]) ->
-    (X_bar [B,n,L,k], A_part [B,L,n]); saves Q, X, V, c, the mask and [B, L] row statistics."""
+    """(Q [B,L,d], X [B,L,d], V [B,n,L,k], c [B,L,n] or None, mask [B,L], table [n,2m-1],
+    sigmoid, out) -> (X_bar [B,n,L,k], A_part [B,L,n]), or with the context `out` [B, L, d + n]
+    given, `out` holding both (projection.context_views); saves Q, X, V, c, the mask and [B, L]
+    row statistics."""
 
     @staticmethod
-    def forward(ctx, Q, X, V, c, mask_BL, table, sigmoid: bool):
+    def forward(ctx, Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
         B, L, d = Q.shape
         n = V.shape[1]
         acc = torch.promote_types(Q.dtype, torch.float32)  # pointwise work and statistics
@@ -86,9 +89,7 @@ class ChunkedPartitionAttention(torch.autograd.Function):
         Xq = X.to(Q.dtype)  # the matmul dtype (a no-op unless the caller mixes precisions)
         Vc = V.contiguous()  # once: a strided V would be copied by every block's matmul
         T = table_window(table, L, acc)
-        B_, n_, L_, k_ = V.shape  # X̄ stored as [B, L, n, d/n]: the context is a view of it
-        out = V.new_empty(B_, L_, n_, k_).transpose(1, 2)
-        part = torch.empty(B, L, n, dtype=V.dtype, device=V.device)
+        x_bar, part = _outputs(V, out)
         stat = torch.empty(B, L, dtype=acc, device=Q.device)
         with torch.autocast(Q.device.type, enabled=False):
             for i0 in range(0, L, r := block_rows(B, n, L)):
@@ -103,19 +104,23 @@ class ChunkedPartitionAttention(torch.autograd.Function):
                 del S
                 N = _parts(table, i0, i1, L, V.dtype)
                 AN = A.to(V.dtype)[:, None] * N[None]  # A ⊙ N[h]: [B, n, r, L]
-                out[:, :, i0:i1] = AN @ Vc
+                x_bar[:, :, i0:i1] = AN @ Vc
                 del AN
                 part[:, i0:i1] = unskew(A, i0) @ T.t()  # A_part = unskew(A) T^T
         ctx.save_for_backward(Q, X, V, c, mask_BL, table, stat)
-        ctx.sigmoid = sigmoid
+        ctx.sigmoid, ctx.wide = sigmoid, out is not None
         ctx.set_materialize_grads(False)
-        return out, part
+        if out is None:
+            return x_bar, part
+        ctx.mark_dirty(out)
+        return out
 
     @staticmethod
-    def backward(ctx, g_out, g_part):
+    def backward(ctx, *grads):
         Q, X, V, c, mask_BL, table, stat = ctx.saved_tensors
         B, L, d = Q.shape
         n = V.shape[1]
+        g_out, g_part = output_grads(grads, ctx.wide, n)
         acc = stat.dtype
         scale = 1.0 / math.sqrt(d)
         keep = mask_BL[:, None, :].to(acc)
@@ -167,8 +172,21 @@ class ChunkedPartitionAttention(torch.autograd.Function):
         def cast(g, like):
             return None if g is None else g.to(like.dtype)
 
-        return cast(gQ, Q), cast(gX, X), cast(gV, V), cast(gc, c), None, None, None
+        return cast(gQ, Q), cast(gX, X), cast(gV, V), cast(gc, c), None, None, None, None
 
 
-def partition_attention_chunked(Q, X, V, c, mask_BL, table, sigmoid: bool):
-    return ChunkedPartitionAttention.apply(Q, X, V, c, mask_BL, table, sigmoid)
+def _outputs(V: torch.Tensor, out: torch.Tensor | None):
+    """(X̄, A_part) to write: views of the context `out`, or X̄ stored as [B, L, n, d/n] (the
+    context [B, L, d] is a view of it) and its own A_part."""
+    if out is not None:
+        return context_views(out, V.shape[1])
+    B, n, L, k = V.shape
+    return V.new_empty(B, L, n, k).transpose(1, 2), V.new_empty(B, L, n)
+
+
+def partition_attention_chunked(Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
+    """(X̄, A_part); with the context `out` given, written into it (their views in `out`)."""
+    if out is None:
+        return ChunkedPartitionAttention.apply(Q, X, V, c, mask_BL, table, sigmoid)
+    out = ChunkedPartitionAttention.apply(Q, X, V, c, mask_BL, table, sigmoid, out)
+    return context_views(out, V.shape[1])

@@ -2,12 +2,15 @@
 
 Every impl has one signature and gives the same values and gradients (up to rounding):
 
-    fn(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, sigmoid) -> (x_bar_BnLk, a_part_BLn)
+    fn(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, sigmoid, out=None)
+        -> (x_bar_BnLk, a_part_BLn)
 
 Q = X W^Q, the keys are X itself (§3.2), V = X W^V split into n parts, c = Q R^T (None without
 the partition bias), `table` the layer's (n, 2m - 1) partition table, `sigmoid` eq. 5's
 L2-normalised sigmoid (False: softmax). The impls take Q and X: no caller ever materialises the
-l x l score matrix.
+l x l score matrix. `out`, an empty [B, L, d + n] context (projection.new_context): when given,
+X̄ goes into its first d columns and A_part into its last n, the results are views of it, and
+`out` carries their gradients (the layer hands it to the block's folded W^O, layer_weights.py).
 
     triton   hybrid: cuBLAS GEMMs for Q X^T, dQ, dX around Triton mixing kernels
              (shatter/attention/triton_kernel.py), sm_80+ GPUs; refused below sm_80
@@ -43,7 +46,7 @@ import torch
 
 from shatter.attention.chunked import partition_attention_chunked
 from shatter.attention.lean import partition_mix_lean, partition_mix_naive
-from shatter.attention.projection import context, projection_views
+from shatter.attention.projection import new_context, projection_views, write_context
 
 Impl = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -52,27 +55,29 @@ def _scores(Q: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     return (Q / math.sqrt(Q.shape[-1])) @ X.transpose(-1, -2)  # Z0 = Q X^T / sqrt(d), eq. 5
 
 
-def lean(Q, X, V, c, mask_BL, table, sigmoid: bool):
-    return partition_mix_lean(_scores(Q, X), c, V, mask_BL, table, sigmoid)
+def lean(Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
+    return partition_mix_lean(_scores(Q, X), c, V, mask_BL, table, sigmoid, out)
 
 
-def naive(Q, X, V, c, mask_BL, table, sigmoid: bool):
-    return partition_mix_naive(_scores(Q, X), c, V, mask_BL, table, sigmoid)
+def naive(Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
+    x_bar, a_part = partition_mix_naive(_scores(Q, X), c, V, mask_BL, table, sigmoid)
+    return (x_bar, a_part) if out is None else write_context(out, x_bar, a_part)
 
 
-def triton(Q, X, V, c, mask_BL, table, sigmoid: bool):
+def triton(Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
     """The hybrid Triton impl, imported on first use only (CPU installs need no triton)."""
     require_triton_capability(Q.device)
-    return _triton_kernel()(Q, X, V, c, mask_BL, table, sigmoid)
+    return _triton_kernel()(Q, X, V, c, mask_BL, table, sigmoid, out)
 
 
-def fused(Q, X, V, c, mask_BL, table, sigmoid: bool):
+def fused(Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
     """The fused Triton impl (Z recomputed on chip), imported on first use only."""
     require_triton_capability(Q.device, "fused")
     _triton_kernel()  # the hybrid's module first: one line naming the fix without triton
     from shatter.kernels.fused_attention import partition_attention_fused
 
-    return partition_attention_fused(Q, X, V, c, mask_BL, table, sigmoid)
+    x_bar, a_part = partition_attention_fused(Q, X, V, c, mask_BL, table, sigmoid)
+    return (x_bar, a_part) if out is None else write_context(out, x_bar, a_part)
 
 
 def require_triton_capability(device: torch.device, impl: str = "triton") -> None:
@@ -103,14 +108,17 @@ def _triton_kernel() -> Impl:
     return partition_attention_triton
 
 
-def rows(Q, X, V, c, mask_BL, table, sigmoid: bool):
+def rows(Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
     """The `rows` impl (W recomputed in the backward), imported on first use only."""
-    return _rows_module().partition_attention_rows(Q, X, V, c, mask_BL, table, sigmoid)
+    x_bar, a_part = _rows_module().partition_attention_rows(Q, X, V, c, mask_BL, table, sigmoid)
+    return (x_bar, a_part) if out is None else write_context(out, x_bar, a_part)
 
 
-def rows_keep(Q, X, V, c, mask_BL, table, sigmoid: bool):
+def rows_keep(Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
     """The `rows` impl keeping W = A ⊙ N from the forward for the backward."""
-    return _rows_module().partition_attention_rows(Q, X, V, c, mask_BL, table, sigmoid, keep=True)
+    rows_ = _rows_module().partition_attention_rows
+    x_bar, a_part = rows_(Q, X, V, c, mask_BL, table, sigmoid, keep=True)
+    return (x_bar, a_part) if out is None else write_context(out, x_bar, a_part)
 
 
 @lru_cache(maxsize=1)
@@ -129,40 +137,42 @@ Layer = Callable[..., torch.Tensor]
 
 
 def _through(impl: Impl) -> Layer:
-    """A layer-level form of an impl: (P, X, mask, table, v_part, sigmoid) -> context."""
+    """A layer-level form of an impl: (P, X, mask, table, sigmoid) -> the context [X̄ | A_part]."""
 
-    def layer(P, X, mask_BL, table, v_part, sigmoid: bool):
-        Q, V, c = projection_views(P, X.shape[-1], table.shape[0])
-        x_bar, a_part = impl(Q, X, V, c, mask_BL, table, sigmoid)
-        return context(x_bar, a_part, v_part)
+    def layer(P, X, mask_BL, table, sigmoid: bool):
+        n = table.shape[0]
+        Q, V, c = projection_views(P, X.shape[-1], n)
+        out = new_context(X, n)
+        impl(Q, X, V, c, mask_BL, table, sigmoid, out)
+        return out
 
     return layer
 
 
-def _triton_layer(P, X, mask_BL, table, v_part, sigmoid: bool):
+def _triton_layer(P, X, mask_BL, table, sigmoid: bool):
     """The Triton impl on the layer's P itself: dP comes back whole (no copy of its columns)."""
     require_triton_capability(P.device)
     from shatter.attention.triton_kernel import partition_attention_layer
 
-    return partition_attention_layer(P, X, mask_BL, table, v_part, sigmoid)
+    return partition_attention_layer(P, X, mask_BL, table, sigmoid)
 
 
-def _rows_layer(P, X, mask_BL, table, v_part, sigmoid: bool):
+def _rows_layer(P, X, mask_BL, table, sigmoid: bool):
     """The rows impl on the layer's P itself: dV, dQ and dc written into dP's columns."""
-    return _rows_module().rows_layer(P, X, mask_BL, table, v_part, sigmoid)
+    return _rows_module().rows_layer(P, X, mask_BL, table, sigmoid)
 
 
-def _rows_keep_layer(P, X, mask_BL, table, v_part, sigmoid: bool):
-    return _rows_module().rows_layer(P, X, mask_BL, table, v_part, sigmoid, keep=True)
+def _rows_keep_layer(P, X, mask_BL, table, sigmoid: bool):
+    return _rows_module().rows_layer(P, X, mask_BL, table, sigmoid, keep=True)
 
 
-def _fused_layer(P, X, mask_BL, table, v_part, sigmoid: bool):
+def _fused_layer(P, X, mask_BL, table, sigmoid: bool):
     """The fused impl on the layer's P itself, as `_triton_layer`."""
     require_triton_capability(P.device, "fused")
     _triton_kernel()
     from shatter.kernels.fused_attention import fused_attention_layer
 
-    return fused_attention_layer(P, X, mask_BL, table, v_part, sigmoid)
+    return fused_attention_layer(P, X, mask_BL, table, sigmoid)
 
 
 IMPLS: dict[str, Impl] = {
@@ -233,7 +243,8 @@ def resolve(name: str, device: torch.device, dtype: torch.dtype, shape=None) -> 
 
 
 def resolve_layer(name: str, device: torch.device, dtype: torch.dtype, shape=None) -> Layer:
-    """The layer-level function (P, X, mask, table, v_part, sigmoid) -> context for
-    config.attention_impl `name` (single_head.py); `shape` = (B, l, d, n) for `auto`."""
+    """The layer-level function (P, X, mask, table, sigmoid) -> context [X̄ | A_part]
+    ([B, L, d + n]) for config.attention_impl `name` (single_head.py); `shape` = (B, l, d, n)
+    for `auto`."""
     chosen = auto_impl(device, dtype, shape) if name == "auto" else name
     return LAYERS.get(chosen) or _through(IMPLS[chosen])

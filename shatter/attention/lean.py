@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from shatter.attention.multihead import masked_softmax
+from shatter.attention.projection import context_views
 from shatter.partition import partition_mask
 
 NORM_EPS = 1e-12  # as F.normalize
@@ -77,26 +78,33 @@ def _scores(Z0, c, T):
 
 
 class PartitionMix(torch.autograd.Function):
-    """(Z0 [B,L,L], c [B,L,n] or None, V [B,n,L,k], mask [B,L], table [n,2m-1]) ->
-    (X_bar [B,n,L,k], A_part [B,L,n]); saves only Z0, c, V and the mask."""
+    """(Z0 [B,L,L], c [B,L,n] or None, V [B,n,L,k], mask [B,L], table [n,2m-1], sigmoid, out) ->
+    (X_bar [B,n,L,k], A_part [B,L,n]), or with the context `out` [B, L, d + n] given, `out`
+    holding both (projection.context_views); saves only Z0, c, V and the mask."""
 
     @staticmethod
-    def forward(ctx, Z0, c, V, mask_BL, table, sigmoid: bool):
+    def forward(ctx, Z0, c, V, mask_BL, table, sigmoid: bool, out=None):
         B, L, _ = Z0.shape
         T = table_window(table, L, Z0.dtype)
         A = activate(_scores(Z0, c, T), mask_BL, sigmoid)
-        out = torch.empty_like(V)
+        x_bar, part = context_views(out, table.shape[0]) if out is not None else (None, None)
+        x_bar = torch.empty_like(V) if x_bar is None else x_bar
         for h0, h1 in _chunks(table.shape[0], B, L):
-            out[:, h0:h1] = (A[:, None] * _parts(table, h0, h1, L, Z0.dtype)) @ V[:, h0:h1]
-        part = unskew(A) @ T.t()
+            x_bar[:, h0:h1] = (A[:, None] * _parts(table, h0, h1, L, Z0.dtype)) @ V[:, h0:h1]
+        a_part = unskew(A) @ T.t()
         ctx.save_for_backward(Z0, c, V, mask_BL, table)
-        ctx.sigmoid = sigmoid
+        ctx.sigmoid, ctx.wide = sigmoid, out is not None
         ctx.set_materialize_grads(False)
-        return out, part
+        if out is None:
+            return x_bar, a_part
+        part.copy_(a_part)
+        ctx.mark_dirty(out)
+        return out
 
     @staticmethod
-    def backward(ctx, g_out, g_part):
+    def backward(ctx, *grads):
         Z0, c, V, mask_BL, table = ctx.saved_tensors
+        g_out, g_part = output_grads(grads, ctx.wide, table.shape[0])
         B, L, _ = Z0.shape
         T = table_window(table, L, Z0.dtype)
         Z = _scores(Z0, c, T)
@@ -122,11 +130,22 @@ class PartitionMix(torch.autograd.Function):
         else:
             gZ = A * (gA - dot)
         gc = unskew(gZ) @ T.t() if c is not None and ctx.needs_input_grad[1] else None
-        return gZ, gc, gV, None, None, None
+        return gZ, gc, gV, None, None, None, None
 
 
-def partition_mix_lean(Z0, c, V, mask_BL, table, sigmoid: bool):
-    return PartitionMix.apply(Z0, c, V, mask_BL, table, sigmoid)
+def output_grads(grads, wide: bool, n: int):
+    """(dX̄, dA_part) as autograd hands them in: two, or one for the context [X̄ | A_part]
+    (None for an output that reached nothing)."""
+    if not wide:
+        return grads
+    return (None, None) if grads[0] is None else context_views(grads[0], n)
+
+
+def partition_mix_lean(Z0, c, V, mask_BL, table, sigmoid: bool, out=None):
+    """(X̄, A_part); with the context `out` given, written into it (their views in `out`)."""
+    if out is None:
+        return PartitionMix.apply(Z0, c, V, mask_BL, table, sigmoid, None)
+    return context_views(PartitionMix.apply(Z0, c, V, mask_BL, table, sigmoid, out), V.shape[1])
 
 
 def partition_mix_naive(Z0, c, V, mask_BL, table, sigmoid: bool):

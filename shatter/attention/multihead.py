@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shatter.attention.layer_weights import LayerWeights, low_precision
 from shatter.partition import PartitionBuffer, partition_mask
 
 if TYPE_CHECKING:  # annotations only: shatter.config reads this registry
@@ -70,12 +71,38 @@ class BertAttention(nn.Module):
         self.key = nn.Linear(d, d)  # W^K
         self.value = nn.Linear(d, d)  # W^V
         self.attention_dropout = config.attention_dropout
+        self.fused_qkv = config.fused_qkv
 
     def _p(self) -> float:
         return self.attention_dropout if self.training else 0.0
 
-    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor | None) -> torch.Tensor:
-        q, k, v = (_heads(f(x_BLD), self.n) for f in (self.query, self.key, self.value))
+    @classmethod
+    def prepare(cls, blocks) -> list[LayerWeights]:
+        """With config.fused_qkv: every layer's [W^Q; W^K; W^V] and [b^Q; b^K; b^V], made once
+        per forward in one cat each (shatter/attention/layer_weights.py), so that Q, K and V
+        come from one [d, 3d] GEMM; the parameters keep their names (query, key, value)."""
+        if not blocks[0].attention.fused_qkv:
+            return [LayerWeights({}, block.output.weight) for block in blocks]
+        K, d = len(blocks), blocks[0].attention.query.weight.shape[1]
+        names = ("query", "key", "value")
+        layers = [block.attention.get_submodule(name) for block in blocks for name in names]
+        W = torch.cat([m.weight for m in layers]).view(K, 3 * d, d)  # no copy back: cat's views
+        b = torch.cat([m.bias for m in layers]).view(K, 3 * d)
+        W, b = low_precision(W, b)
+        return [
+            LayerWeights({"qkv": (w, c)}, block.output.weight)
+            for w, c, block in zip(W.unbind(0), b.unbind(0), blocks, strict=True)
+        ]
+
+    def _qkv(self, x_BLD: torch.Tensor, qkv) -> tuple[torch.Tensor, ...]:
+        """(q, k, v), each [B, n, L, d/n]: one GEMM with the fused `qkv` = (W, b) from
+        `prepare`, or three with the layer's own W^Q, W^K, W^V."""
+        if qkv is None:
+            return tuple(_heads(f(x_BLD), self.n) for f in (self.query, self.key, self.value))
+        return tuple(_heads(t, self.n) for t in F.linear(x_BLD, *qkv).chunk(3, -1))
+
+    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor | None, qkv=None) -> torch.Tensor:
+        q, k, v = self._qkv(x_BLD, qkv)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=self._bias(x_BLD, mask_BL), dropout_p=self._p()
         )
@@ -179,9 +206,9 @@ class RpeAttention(BertAttention):
         pos = torch.arange(L, device=device)
         return rows, (pos[None, :] - pos[:, None]).clamp(-reach, reach) + reach
 
-    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor, qkv=None) -> torch.Tensor:
         B, L, _ = x_BLD.shape
-        q, k, v = (_heads(f(x_BLD), self.n) for f in (self.query, self.key, self.value))
+        q, k, v = self._qkv(x_BLD, qkv)
         R, idx = self._relative(L, x_BLD.device)
         k_rel = _heads(F.linear(R, self.key.weight)[None], self.n)[0]  # [n, r, d/n]
         v_rel = _heads(F.linear(R, self.value.weight)[None], self.n)[0]
@@ -203,8 +230,8 @@ class PartMaskAttention(BertAttention, PartitionBuffer):
         super().__init__(config, layer)
         self.register_partition(config.heads, layer, config.layers, config.max_len)
 
-    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
-        q, k, v = (_heads(f(x_BLD), self.n) for f in (self.query, self.key, self.value))
+    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor, qkv=None) -> torch.Tensor:
+        q, k, v = self._qkv(x_BLD, qkv)
         N = partition_mask(self.exact_partition(), x_BLD.shape[1]).to(q.dtype)  # [n, L, L]
         a = masked_softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), mask_BL) * N
         return _merge(F.dropout(a, self._p(), self.training) @ v)

@@ -1,6 +1,7 @@
 """The single-head layer's projections P = x [W^Q; W^V; R W^Q]^T (one GEMM: c = Q R^T exactly,
-since K = X, §3.2-3.3), the views every impl takes of P's columns, and the context it returns.
-Their own module: the impls registry and the Triton layer both use them."""
+since K = X, §3.2-3.3), the views every impl takes of P's columns, and the layer's context
+[X̄ | A_part] that the block's folded W^O reads (shatter/attention/layer_weights.py). Their own
+module: the impls registry and the Triton layer both use them."""
 
 from __future__ import annotations
 
@@ -19,6 +20,27 @@ def projection_views(P: torch.Tensor, d: int, n: int):
     split, so that autograd gathers their gradients into dP with one cat."""
     Q, V, *c = P.split([d, d, P.shape[-1] - 2 * d] if P.shape[-1] > 2 * d else [d, d], -1)
     return Q, V.unflatten(-1, (n, d // n)).transpose(1, 2), c[0][..., :n] if c else None
+
+
+def new_context(X: torch.Tensor, n: int) -> torch.Tensor:
+    """An empty context [B, L, d + n] for X [B, L, d]: X̄'s parts side by side, then A_part."""
+    return X.new_empty(*X.shape[:-1], X.shape[-1] + n)
+
+
+def context_views(out: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X̄ [B, n, L, d/n], A_part [B, L, n]): views of the context out = [X̄ | A_part] (eq. 3:
+    X̄'s part h in columns h d/n .. (h + 1) d/n)."""
+    d = out.shape[-1] - n
+    return out[..., :d].unflatten(-1, (n, d // n)).transpose(1, 2), out[..., d:]
+
+
+def write_context(out: torch.Tensor, x_bar: torch.Tensor, a_part: torch.Tensor):
+    """X̄ and A_part copied into the context `out` (autograd records the copies): for the impls
+    that compute them elsewhere. Returns their views in `out`."""
+    n = a_part.shape[-1]
+    for i, value in enumerate((x_bar, a_part)):
+        context_views(out, n)[i].copy_(value)  # a view made after the previous copy
+    return context_views(out, n)
 
 
 def gather_projections(Q: torch.Tensor, V: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
@@ -45,19 +67,22 @@ def parts_layout(B: int, L: int, n: int, k: int, like: torch.Tensor) -> torch.Te
     return like.new_empty(B, L, n, k).transpose(1, 2)
 
 
-def context(x_bar: torch.Tensor, a_part: torch.Tensor, v_part: torch.Tensor | None):
-    """The layer's context [B, L, d]: X̄'s parts side by side (eq. 3; a view when X̄ is stored
-    in that layout), plus A_part V_part (§3.3) when `v_part` [n, d] is given."""
+def context(x_bar: torch.Tensor, a_part: torch.Tensor) -> torch.Tensor:
+    """The layer's context [X̄ | A_part] ([B, L, d + n]) from X̄ [B, n, L, d/n] and A_part
+    [B, L, n] computed apart: one cat (its backward only views), for the ops that do not write
+    into a context of their own."""
     B, n, L, k = x_bar.shape
-    out = x_bar.transpose(1, 2).reshape(B, L, n * k)
-    return out if v_part is None else out + a_part @ v_part
+    return torch.cat([x_bar.transpose(1, 2).reshape(B, L, n * k), a_part], -1)
 
 
 __all__ = [
     "context",
+    "context_views",
     "gather_projections",
+    "new_context",
     "padded",
     "parts_layout",
     "projection_views",
     "projection_width",
+    "write_context",
 ]

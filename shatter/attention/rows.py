@@ -240,12 +240,12 @@ class RowsAttention(torch.autograd.Function):
         return dP, gX, None, None, None, None
 
 
-def rows_layer(P, X_BLD, mask_BL, table, v_part, sigmoid: bool, keep: bool = False):
-    """The layer's context [B, L, d] from its projections P = [Q | V | c] (no copy of them),
-    plus A_part V_part when `v_part` [n, d] is given (§3.3)."""
+def rows_layer(P, X_BLD, mask_BL, table, sigmoid: bool, keep: bool = False):
+    """The layer's context [X̄ | A_part] ([B, L, d + n]) from its projections P = [Q | V | c]
+    (no copy of them)."""
     _check(P, X_BLD, mask_BL, table)
     out, part = RowsAttention.apply(P, X_BLD, mask_BL, table, bool(sigmoid), keep)
-    return context(out, part, v_part)
+    return context(out, part)
 
 
 def partition_attention_rows(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, sigmoid: bool, keep: bool = False):  # fmt: skip

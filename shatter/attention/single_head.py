@@ -16,6 +16,12 @@ normalisation. R is the n x d partition embedding matrix of the layer. V_part us
 without its bias, as Shaw's V_rel = R W^V does. These archs have no dropout on the attention
 weights (the paper's eq. 5 has none, and the lean kernel would have to store its mask).
 
+The layer returns the context [X̄ | A_part] ([B, L, d + n]), and the block applies W^O folded
+with V_part to it: [X̄ | A_part] [W^O | W^O V_partᵀ]ᵀ = (X̄ + A_part V_part) W^Oᵀ, §3.3's X̄̄
+through W^O in one GEMM ([W^O | 0] for the archs without the A_part V_part term). The folded
+W^O and the projection weights [W^Q; W^V; R W^Q] are made from the parameters once per forward
+for every layer (`prepare`, shatter/attention/layer_weights.py).
+
 `config.attention_impl` picks how A, X_bar and A_part are computed (shatter/attention/impls.py:
 triton, chunked, lean or naive, `auto` by device); all give the same values and gradients.
 """
@@ -30,8 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from shatter.attention.impls import resolve_layer
+from shatter.attention.layer_weights import (
+    LayerWeights,
+    low_precision,
+    projection_weights,
+    single_head_weights,
+    without_autocast,
+)
 from shatter.attention.lean import activate
-from shatter.attention.projection import projection_width
 from shatter.partition import PartitionBuffer
 
 if TYPE_CHECKING:  # annotations only: shatter.config reads this registry
@@ -65,25 +77,32 @@ class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
         self.register_partition(config.heads, layer, config.layers, config.max_len)
         self.impl = config.attention_impl
 
-    def projections(self, X: torch.Tensor) -> torch.Tensor:
-        """P = X [W^Q; W^V; R W^Q; 0]ᵀ + [b^Q; b^V; R b^Q; 0]: Q, V and, with the partition bias,
-        c = Q Rᵀ = X (R W^Q)ᵀ + R b^Q (§3.3, exact) in one GEMM, from the same weights as ever;
-        zero rows pad c to projection_width's aligned columns."""
-        weights, biases = [self.query.weight, self.value.weight], [self.query.bias, self.value.bias]
-        if self.partition_bias:
-            R = self.partition_embeddings
-            pad = projection_width(R.shape[1], self.n) - 2 * R.shape[1] - self.n
-            weights += [R @ self.query.weight, R.new_zeros(pad, R.shape[1])]
-            biases += [R @ self.query.bias, R.new_zeros(pad)]
-        return F.linear(X, torch.cat(weights), torch.cat(biases))
+    @classmethod
+    def prepare(cls, blocks) -> list[LayerWeights]:
+        """Every layer's projection weights and folded W^O, once per forward (layer_weights.py)."""
+        return single_head_weights(blocks, cls.partition_bias, cls.partition_value)
 
-    def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+    def projection(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (W^P, b^P) alone (layer_weights.projection_weights)."""
+        with without_autocast(self.query.weight.device):
+            W_P, b_P, *_ = projection_weights([self], self.partition_bias)
+        return tuple(low_precision(W_P[0], b_P[0]))
+
+    def forward(
+        self,
+        x_BLD: torch.Tensor,
+        mask_BL: torch.Tensor,
+        projection: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The context [X̄ | A_part] ([B, L, d + n]) for the block's folded W^O. `projection`:
+        this layer's (W^P, b^P) from `prepare` (made here when not given)."""
         X = x_BLD.to(_matmul_dtype(x_BLD))  # the keys (K = X), cast once: bf16 under autocast
-        P = self.projections(X)  # [Q | V | c]
-        v_part = F.linear(self.partition_embeddings, self.value.weight) if self.partition_value else None  # fmt: skip
+        if projection is None:
+            projection = self.projection()
+        P = F.linear(X, *projection)  # [Q | V | c] in one GEMM (§3.2-3.3)
         shape = (*x_BLD.shape, self.n)  # (B, l, d, n): auto's choice of kernel
         attend = resolve_layer(self.impl, x_BLD.device, P.dtype, shape)  # Q X^T / sqrt(d) inside
-        return attend(P, X, mask_BL, self.exact_partition(), v_part, self.sigmoid)  # eq. 3, §3.3
+        return attend(P, X, mask_BL, self.exact_partition(), self.sigmoid)  # eq. 3, §3.3
 
     def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         """§3.4 with single-head attention: a = act(y W^Q X^T / sqrt(d)), y_bar = a X W^V.

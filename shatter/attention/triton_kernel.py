@@ -32,6 +32,7 @@ from shatter.attention.projection import (
     padded,
     parts_layout,
     projection_views,
+    write_context,
 )
 from shatter.kernels.cost import register_costs
 from shatter.kernels.partition_mixing import (
@@ -264,22 +265,24 @@ register_backward(mixing_fwd, torch.ops.shatter.mixing_bwd)
 register_costs(("shatter::mixing_fwd", "shatter::mixing_bwd"))
 
 
-def partition_attention_triton(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, sigmoid: bool):
+def partition_attention_triton(
+    Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, sigmoid: bool, out=None
+):
     """(X_bar [B, n, L, d/n], A_part [B, L, n]) as `lean.partition_mix_lean` gives them for
     Z0 = Q Xᵀ/√d; the 1h-sigmoid and 1h-softmax archs pass c = None. The impls' common
     signature: Q, V and c are gathered into one P (a copy); the layer passes its P itself
     (`partition_attention_layer`)."""
     _check(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table)
     P = gather_projections(Q_BLD, V_BnLk, c_BLn_or_None)
-    out, part, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
-    return out, part
+    x_bar, part, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
+    return (x_bar, part) if out is None else write_context(out, x_bar, part)
 
 
-def partition_attention_layer(P, X_BLD, mask_BL, table, v_part, sigmoid: bool):
-    """The layer's context [B, L, d] from its projections P = [Q | V | c] (no copy of them):
-    X̄ in the context's layout, plus A_part V_part when `v_part` [n, d] is given (§3.3)."""
+def partition_attention_layer(P, X_BLD, mask_BL, table, sigmoid: bool):
+    """The layer's context [X̄ | A_part] ([B, L, d + n], projection.context) from its
+    projections P = [Q | V | c] (no copy of them), for the block's folded W^O."""
     B, L, d = X_BLD.shape
     Q, V, c = projection_views(P, d, table.shape[0])
     _check(Q, X_BLD, V, c, mask_BL, table)
     out, part, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
-    return context(out, part, v_part)
+    return context(out, part)

@@ -85,10 +85,11 @@ def partition_attention_fused(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, tabl
     return out, part
 
 
-def fused_attention_layer(P, X_BLD, mask_BL, table, v_part, sigmoid: bool):
-    """The layer's context [B, L, d] from its projections P = [Q | V | c] (no copy of them)."""
+def fused_attention_layer(P, X_BLD, mask_BL, table, sigmoid: bool):
+    """The layer's context [X̄ | A_part] ([B, L, d + n]) from its projections P = [Q | V | c]
+    (no copy of them)."""
     B, L, d = X_BLD.shape
     Q, V, c = projection_views(P, d, table.shape[0])
     _check(Q, X_BLD, V, c, mask_BL, table, "fused")
     out, part, _ = torch.ops.shatter.fused_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
-    return context(out, part, v_part)
+    return context(out, part)

@@ -33,9 +33,9 @@ resolve_layer = single_head.resolve_layer
 def recording(name, device, dtype):
     attend = resolve_layer(name, device, dtype)
 
-    def call(P, X, mask, table, v_part, sigmoid):
+    def call(P, X, mask, table, sigmoid):
         seen.append(table)
-        return attend(P, X, mask, table, v_part, sigmoid)
+        return attend(P, X, mask, table, sigmoid)
 
     return call
 

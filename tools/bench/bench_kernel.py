@@ -79,9 +79,9 @@ def contenders(B, L, d, n, dtype, bias: bool, sigmoid: bool, device: str = "cuda
     return {
         "sdpa-flash": (sdpa(SDPBackend.FLASH_ATTENTION, None), leaves[:3]),
         "sdpa-efficient": (sdpa(SDPBackend.EFFICIENT_ATTENTION, keep), leaves[:3]),
-        "triton": (lambda: (partition_attention_layer(P, X, mask, table, None, sigmoid),), [P, X]),
-        "rows": (lambda: (rows_layer(P, X, mask, table, None, sigmoid),), [P, X]),
-        "rows-keep": (lambda: (rows_layer(P, X, mask, table, None, sigmoid, keep=True),), [P, X]),
+        "triton": (lambda: (partition_attention_layer(P, X, mask, table, sigmoid),), [P, X]),
+        "rows": (lambda: (rows_layer(P, X, mask, table, sigmoid),), [P, X]),
+        "rows-keep": (lambda: (rows_layer(P, X, mask, table, sigmoid, keep=True),), [P, X]),
         "chunked": (partition(partition_attention_chunked), leaves),
     }
 

@@ -1,0 +1,54 @@
+"""config.fused_qkv: the multi-head archs' Q, K and V from one [d, 3d] GEMM, its weight made once
+per forward for every layer from the same three parameters, equal the three GEMMs of the eager
+layer (values and every gradient), with the same state dict (query, key, value)."""
+
+import pytest
+import torch
+from shatter_tiny import ids, tiny
+
+MULTI_HEAD = ["bert", "bert-rab", "bert-rpe", "no-position", "part-mask"]
+
+
+def _step(model, x, mask):
+    labels = torch.where(x % 3 == 0, x, -100)
+    out = model(x, mask, labels)
+    out["loss"].backward()
+    return out["logits"], {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("arch", MULTI_HEAD)
+def test_fused_qkv_equals_three_projections(arch, dtype):
+    x = ids(2, 12)
+    mask = torch.ones_like(x)
+    mask[1, 9:] = 0
+    fused, eager = (tiny(arch, fused_qkv=f).to(dtype) for f in (True, False))
+    assert fused.state_dict().keys() == eager.state_dict().keys()
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    (got, got_g), (want, want_g) = _step(fused, x, mask), _step(eager, x, mask)
+    torch.testing.assert_close(got, want, **tol)
+    assert got_g.keys() == want_g.keys()
+    for name, g in got_g.items():
+        torch.testing.assert_close(g, want_g[name], **tol, msg=name)
+
+
+def test_fused_qkv_is_one_gemm_per_layer():
+    """A forward of bert-tiny (2 layers) runs 1 + 1 GEMMs per layer before the FFN with
+    fused_qkv (QKV, W^O), 3 + 1 without."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("mm", "addmm"):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for fused in (True, False):
+        Count.n = 0
+        with Count():
+            tiny("bert", fused_qkv=fused).encoder(ids(2, 8))
+        counts[fused] = Count.n
+    assert counts[False] - counts[True] == 2 * 2  # two fewer GEMMs in each of the 2 layers

@@ -1,0 +1,225 @@
+"""§3.3's A_part V_part folded into W^O, and the single-head layers' weight products made once
+per forward for every layer (shatter/attention/layer_weights.py), equal the layer as it was
+written before: X̄̄ = X̄ + A_part V_part, then W^O, with R W^Q and R W^V made in every layer.
+`_unfolded_block` below keeps that formulation as the reference."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from shatter_tiny import ids, tiny
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shatter.attention import impls
+from shatter.attention.layer_weights import folded_output, layer_weights
+from shatter.attention.projection import (
+    context_views,
+    new_context,
+    projection_views,
+    projection_width,
+)
+from shatter.partition import partition_table
+
+SINGLE_HEAD = ["1h-softmax", "1h-sigmoid", "part-bias", "shatter"]
+# fp32: the two formulations round differently (one sum of d + n products against two)
+TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-5)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fold_equals_x_bar_plus_a_part_v_part(dtype):
+    """[X̄ | A_part] [W^O | W^O V_partᵀ]ᵀ + b^O = (X̄ + A_part V_part) W^Oᵀ + b^O, V_part = R W^V
+    (weight only): values, and the gradients of W^O, R, W^V, X̄ and A_part."""
+    T, d, n = 37, 24, 6
+    g = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):  # unit-scale products: weights N(0, 1/d)
+        scale = shape[-1] ** -0.5 if len(shape) == 2 and shape[-1] == d else 1.0
+        return (torch.randn(*shape, generator=g, dtype=dtype) * scale).requires_grad_()
+
+    W_O, b_O, W_V, R, x_bar, a_part = leaf(d, d), leaf(d), leaf(d, d), leaf(n, d), leaf(T, d), leaf(T, n)  # fmt: skip
+    g_y = torch.randn(T, d, generator=g, dtype=dtype)
+    leaves = (W_O, R, W_V, x_bar, a_part)
+    want = F.linear(x_bar + a_part @ F.linear(R, W_V), W_O, b_O)  # §3.3, then W^O
+    W_F = folded_output(W_O[None], W_V[None], R[None], n)[0]
+    got = F.linear(torch.cat([x_bar, a_part], -1), W_F, b_O)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    grads = [torch.autograd.grad((y * g_y).sum(), leaves) for y in (got, want)]
+    for name, a, b in zip(("W^O", "R", "W^V", "X̄", "A_part"), *grads, strict=True):
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=name)
+
+
+def test_fold_without_the_value_term_is_w_o_and_zeros():
+    W_O = torch.randn(3, 8, 8)
+    W_F = folded_output(W_O, torch.randn(3, 8, 8), None, 4)
+    assert W_F.shape == (3, 8, 12)
+    assert torch.equal(W_F[..., :8], W_O) and not W_F[..., 8:].any()
+
+
+def _unfolded_attention(att, x, mask, impl):
+    """The layer before the fold: P = X [W^Q; W^V; R W^Q; 0]ᵀ + [b^Q; b^V; R b^Q; 0] made in
+    the layer, the impl's X̄ and A_part, then X̄ + A_part V_part with V_part = R W^V (§3.3)."""
+    d, n = x.shape[-1], att.n
+    weights, biases = [att.query.weight, att.value.weight], [att.query.bias, att.value.bias]
+    if att.partition_bias:
+        R = att.partition_embeddings
+        pad = projection_width(d, n) - 2 * d - n
+        weights += [R @ att.query.weight, R.new_zeros(pad, d)]
+        biases += [R @ att.query.bias, R.new_zeros(pad)]
+    P = F.linear(x, torch.cat(weights), torch.cat(biases))
+    Q, V, c = projection_views(P, d, n)
+    x_bar, a_part = impls.IMPLS[impl](Q, x, V, c, mask, att.exact_partition(), att.sigmoid)
+    B, _, L, k = x_bar.shape
+    out = x_bar.transpose(1, 2).reshape(B, L, n * k)
+    if att.partition_value:
+        out = out + a_part @ F.linear(att.partition_embeddings, att.value.weight)
+    return out
+
+
+def _unfolded_encoder(model, x, mask, impl):
+    enc = model.encoder
+    mask_BL = enc.key_mask(x, mask)
+    h = enc.embeddings(x)
+    for block in enc.layers:
+        h = block.finish(_unfolded_attention(block.attention, h, mask_BL, impl), h)
+    return h
+
+
+def _run(fn, model, g_h):
+    h = fn()
+    grads = torch.autograd.grad((h * g_h).sum(), list(model.parameters()), allow_unused=True)
+    return h, grads
+
+
+@pytest.mark.parametrize("impl", ["naive", "lean", "chunked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("arch", SINGLE_HEAD)
+def test_encoder_equals_the_unfolded_layers(arch, dtype, impl):
+    """The encoder (weights made once for both layers, the fold in W^O) against the unfolded
+    layers, with padding: X^L and the gradient of every parameter (W^O, R, W^V, W^Q, ...)."""
+    model = tiny(arch, attention_impl=impl).to(dtype)
+    x = ids(2, 11)
+    mask = torch.ones_like(x)
+    mask[1, 8:] = 0
+    g_h = torch.randn(2, 11, model.config.hidden, dtype=dtype)
+    got = _run(lambda: model.encoder(x, mask), model, g_h)
+    want = _run(lambda: _unfolded_encoder(model, x, mask, impl), model, g_h)
+    torch.testing.assert_close(got[0], want[0], **TOL[dtype])
+    names = [name for name, _ in model.named_parameters()]
+    for name, a, b in zip(names, got[1], want[1], strict=True):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, **TOL[dtype], msg=name)
+
+
+@pytest.mark.parametrize("arch", SINGLE_HEAD)
+def test_a_block_alone_makes_its_own_weights(arch):
+    """Block(x, mask) without the encoder's weights equals it with them."""
+    model = tiny(arch, attention_impl="lean")
+    block = model.encoder.layers[1]
+    x = torch.randn(2, 9, model.config.hidden)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    shared = layer_weights(list(model.encoder.layers))[1]
+    torch.testing.assert_close(block(x, mask), block(x, mask, shared))
+
+
+def test_parameter_names_and_shapes_are_unchanged():
+    """Nothing of the fold is stored: a shatter layer's state is the same tensors as ever, so
+    old checkpoints and exports load."""
+    model = tiny("shatter")
+    d, n = model.config.hidden, model.config.heads
+    want = {
+        "attention.query.weight": (d, d), "attention.query.bias": (d,),
+        "attention.value.weight": (d, d), "attention.value.bias": (d,),
+        "attention.partition_embeddings": (n, d), "output.weight": (d, d), "output.bias": (d,),
+    }  # fmt: skip
+    state = {k: tuple(v.shape) for k, v in model.encoder.layers[0].state_dict().items()}
+    assert {k: v for k, v in state.items() if k.startswith(("attention.", "output."))} == want
+
+
+class _Ops(TorchDispatchMode):
+    """(op, input shapes, output shape, phase) of every op dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.phase = [], "forward"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
+        self.ops.append((func.overloadpacket.__name__, shapes, shape, self.phase))
+        return out
+
+
+def _step_ops(layers: int, B=5, L=16):
+    model = tiny("shatter", attention_impl="lean", layers=layers).to("meta").train()
+    x = torch.empty(B, L, dtype=torch.long, device="meta")
+    with _Ops() as trace:
+        loss = model.encoder(x).sum()
+        trace.phase = "backward"
+        loss.backward()
+    return trace.ops
+
+
+GEMMS = ("mm", "addmm", "bmm", "matmul", "baddbmm")
+
+
+def test_weight_products_are_made_once_per_step_and_no_a_part_gemm():
+    """A training step's trace: no GEMM with an [n, d] operand (A_part V_part and its
+    gradients, or a layer's own R W^Q, R W^V), one d-wide add per residual and no other, and
+    the weight products' ops (stack, cat, bmm) do not grow with the number of layers: made
+    once for all."""
+    B, L, n, d = 5, 16, 4, 64
+    two, three = _step_ops(2), _step_ops(3)
+    narrow = {(n, d), (d, n)}  # A_part [T, n] x V_part [n, d], its gradients; R W per layer
+    for name, shapes, out, phase in three:
+        if name in GEMMS:
+            assert not narrow & {*shapes, out}, (name, shapes, out, phase)
+    adds = [o for o in three if o[0] == "add" and o[3] == "forward" and o[2] == (B, L, d)]
+    assert len(adds) == 2 * 3  # the two residuals of each layer
+
+    def prep(ops, layers):  # the batched products: stacks over the layers and what they feed
+        return [o for o in ops if o[0] in ("stack", "cat", "bmm") and o[2][0] == layers]
+
+    assert prep(two, 2) and len(prep(two, 2)) == len(prep(three, 3))
+
+
+def _impl_inputs(dtype=torch.float32, B=2, L=9, d=16, n=4):
+    g = torch.Generator().manual_seed(5)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
+
+    Q, X, c = leaf(B, L, d), leaf(B, L, d), leaf(B, L, n)
+    V = leaf(B, L, d).unflatten(-1, (n, d // n)).transpose(1, 2)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, 6:] = False
+    return Q, X, V, c, mask, partition_table(n, 1, 3, max_len=16, dtype=dtype)
+
+
+IMPL_NAMES = ["naive", "lean", "chunked"]
+if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1":
+    IMPL_NAMES.append("triton")  # Triton's interpreter on CPU tensors (tests/conftest.py)
+
+
+@pytest.mark.parametrize("impl", IMPL_NAMES)
+def test_every_impl_writes_the_context_it_is_given(impl):
+    """impl(..., out=context): X̄ and A_part in the context's columns, as views of it, and the
+    gradients through the context equal those of the two returned tensors."""
+    Q, X, V, c, mask, table = _impl_inputs()
+    leaves = (Q, X, V, c)
+    fn = impls.IMPLS[impl]
+    x_bar, a_part = fn(Q, X, V, c, mask, table, True)
+    out = new_context(X, 4)
+    views = fn(Q, X, V, c, mask, table, True, out)
+    got_x, got_a = context_views(out, 4)
+    torch.testing.assert_close(got_x, x_bar)
+    torch.testing.assert_close(got_a, a_part)
+    assert all(v.data_ptr() == w.data_ptr() for v, w in zip(views, (got_x, got_a), strict=True))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    gx, ga = context_views(g, 4)
+    want = torch.autograd.grad((x_bar * gx).sum() + (a_part * ga).sum(), leaves)
+    for name, a, b in zip("QXVc", torch.autograd.grad((out * g).sum(), leaves), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)

@@ -1,0 +1,53 @@
+"""run.compile: `auto` (unset) compiles on a CUDA GPU where inductor can run and stays eager on a
+CPU; an explicit true/false wins. The compiled model equals the eager one: values and gradients of
+bert (fused QKV) and shatter (the folded W^O, the batched weight products) through Dynamo and
+AOTAutograd (the aot_eager backend: inductor's CPU build takes minutes on two cores; the GPU
+lane and the Triton path's test in tests/shatter/test_kernel_ops.py run inductor)."""
+
+import pytest
+import torch
+
+import shatter
+from shatter.train import compiling
+from shatter.train.config import RunArgs
+
+
+def test_compile_defaults_to_auto():
+    assert RunArgs().compile is None
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "problem", "want"),
+    [
+        (None, "cpu", None, False),
+        (None, "cuda", None, True),
+        (None, "cuda", "no triton", False),
+        (True, "cpu", None, True),
+        (False, "cuda", None, False),
+    ],
+)
+def test_auto_is_on_for_cuda_only(monkeypatch, setting, device, problem, want):
+    monkeypatch.setattr(compiling, "compile_problem", lambda _: problem)
+    assert compiling.wants_compile(setting, device) is want
+
+
+@pytest.mark.parametrize("arch", ["bert", "shatter"])
+def test_compiled_model_equals_eager(arch):
+    torch.manual_seed(0)
+    kwargs = dict(vocab_size=50, max_len=32, dropout=0.0, attention_dropout=0.0)
+    eager = shatter.build_model(f"{arch}-tiny", **kwargs)
+    compiled = shatter.build_model(f"{arch}-tiny", **kwargs)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile(backend="aot_eager", fullgraph=False)
+    x = torch.randint(5, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(x)
+    mask[1, 12:] = 0
+    labels = torch.where(x % 3 == 0, x, -100)
+    outs = []
+    for model in (compiled, eager):
+        out = model(x, mask, labels)
+        out["loss"].backward()
+        outs.append((out["logits"], [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(outs[0][1], outs[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
