@@ -40,7 +40,7 @@ SDPA, the custom ops, reductions and the DeepSpeed optimizer step are as in eage
 
 The GPU's choices are the real ones: bf16 on sm_80+ (fp16 and no flash kernel on the V100),
 Shatter's `auto` attention impl (on sm_80+ `triton` or `fused`, whichever
-shatter.kernels.cost prices faster for the layer's shape, as `auto` picks it; `chunked` on the
+shatter.kernels.cost prices faster for the layer's shape, as `auto` picks it; `rows` on the
 V100), SDPA on the flash kernel for a batch without padding (attention_mask None) and on the
 efficient kernel with one (`--padding`: every batch passes its mask).
 
@@ -131,7 +131,7 @@ class Gpu:
 
 def gpus() -> dict[str, Gpu]:
     sm80 = dict(low=torch.bfloat16, flash=True, partition_impl="auto")
-    sm70 = dict(low=torch.float16, flash=False, partition_impl="chunked", capability=(7, 0))
+    sm70 = dict(low=torch.float16, flash=False, partition_impl="rows", capability=(7, 0))
     capability = {"H100": (9, 0), "A100": (8, 0)}
     return {
         name: Gpu(name, peak, bw, **(sm70 if name == "V100" else dict(sm80, capability=capability[name])))
