@@ -16,9 +16,12 @@ import logging
 import os
 import re
 import time
+import types
 
 from apache_beam.options.pipeline_options import PipelineOptions, S3Options
 from apache_beam.utils import retry
+
+from shatter.shards.store.settings import call_timeouts
 
 # Beam retries a failing store call 7 times, waiting 5 s and doubling (with up to half of each
 # wait taken off at random): at most 5 * (2**7 - 1) s in all (apache_beam.utils.retry)
@@ -85,6 +88,11 @@ class _DropS3ReadErrors(logging.Filter):
 _SHARED_CLIENTS: dict = {}
 # the methods of Beam's S3 client (2.77) that its s3io calls without its retry decorator
 UNRETRIED = ("get_range", "create_multipart_upload", "upload_part", "complete_multipart_upload")
+# the calls that carry or assemble an upload's parts (of 5 MB and more each): their client waits
+# up to botocore's own 60 s for an answer (at least that of `call_timeouts`), since a store may
+# take that long to take in a part or join the parts of a large object
+UPLOADS = ("upload_part", "complete_multipart_upload")
+UPLOAD_READ_SECONDS = 60.0
 
 
 def share_s3_clients() -> None:
@@ -96,7 +104,13 @@ def share_s3_clients() -> None:
     of up to 8 s, made a build whose store had stopped report it after about a minute with
     `--store_retry_seconds 1`). The calls Beam does not retry itself (`UNRETRIED`: its
     downloads' ranges, its uploads' parts) get that same backoff here. Upstream: no apache/beam
-    issue for either (a client per call, the unretried calls) as of 2026-11-27."""
+    issue for either (a client per call, the unretried calls) as of 2026-11-27.
+
+    Each try's connect and read timeouts derive from `--store_retry_seconds` (`call_timeouts`,
+    as on the trainer's side), so one call against a store that accepts and never answers ends
+    within about half of that bound; the upload calls (`UPLOADS`) keep a read timeout of at least
+    `UPLOAD_READ_SECONDS`. A call is tried up to 8 times by Beam's backoff, so a silent store
+    fails a retried call after at most 8 such timeouts plus the bound's waits."""
     from apache_beam.io.aws.clients.s3 import boto3_client
 
     cls = boto3_client.Client
@@ -109,25 +123,33 @@ def share_s3_clients() -> None:
             original(self, options)
             return
         s3 = options.view_as(S3Options)
-        key = tuple(sorted(vars(s3._visible_options).items()))
+        seconds = options.view_as(StoreOptions).store_retry_seconds
+        key = (tuple(sorted(vars(s3._visible_options).items())), seconds)
         if key not in _SHARED_CLIENTS:
-            _SHARED_CLIENTS[key] = _one_try_client(s3)
-        self.client = _SHARED_CLIENTS[key]
+            connect, read = call_timeouts(seconds)
+            _SHARED_CLIENTS[key] = (
+                _one_try_client(s3, connect, read),
+                _one_try_client(s3, connect, max(read, UPLOAD_READ_SECONDS)),
+            )
+        self.client, uploads = _SHARED_CLIENTS[key]
         self._download_request = self._download_stream = None
         self._download_pos = 0
         backoff = retry.with_exponential_backoff(
             retry_filter=retry.retry_on_server_errors_and_timeout_filter
         )
         for name in UNRETRIED:
-            setattr(self, name, backoff(getattr(self, name)))
+            # Beam's upload methods use only `.client`: bound to one holding the uploads' client
+            owner = types.SimpleNamespace(client=uploads) if name in UPLOADS else self
+            setattr(self, name, backoff(getattr(cls, name).__get__(owner)))
 
     cls.__init__ = init
     cls._shatter_shared = True
 
 
-def _one_try_client(s3: S3Options):
+def _one_try_client(s3: S3Options, connect: float, read: float):
     """The boto3 client that Beam's would make for `s3`
-    (apache_beam.io.aws.clients.s3.boto3_client), trying each call once."""
+    (apache_beam.io.aws.clients.s3.boto3_client), trying each call once, waiting at most
+    `connect` seconds to connect and `read` seconds on each read of the socket."""
     import boto3
     from botocore.config import Config
 
@@ -141,7 +163,9 @@ def _one_try_client(s3: S3Options):
         aws_access_key_id=s3.s3_access_key_id,
         aws_secret_access_key=s3.s3_secret_access_key,
         aws_session_token=s3.s3_session_token,
-        config=Config(retries={"total_max_attempts": 1}),
+        config=Config(
+            retries={"total_max_attempts": 1}, connect_timeout=connect, read_timeout=read
+        ),
     )
 
 

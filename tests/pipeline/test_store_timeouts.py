@@ -53,3 +53,34 @@ def test_a_silent_store_fails_within_its_bound_in_one_line(silent_store, monkeyp
         configure(before)
     assert took < 4.0 + 2 * 2.0 + 1.0, f"{took:.1f} s"  # the bound, and the call begun at its end
     assert "train-00000-of-00001.arrow" in str(err.value) and "\n" not in str(err.value)
+
+
+def _build_client(endpoint: str, retry_seconds: float):
+    """Beam's S3 client of the build with `endpoint` and `--store_retry_seconds`, shared clients."""
+    pytest.importorskip("apache_beam")
+    from apache_beam.io.aws.clients.s3 import boto3_client
+
+    from shatter.pipeline import store
+
+    store.share_s3_clients()
+    args = [f"--s3_endpoint_url={endpoint}", "--s3_access_key_id=k", "--s3_secret_access_key=s"]
+    options = store.pipeline_options([*args, f"--store_retry_seconds={retry_seconds}"])
+    return boto3_client.Client(options), store
+
+
+def test_one_build_call_against_a_silent_store_ends_within_its_bound(silent_store):
+    from apache_beam.io.aws.clients.s3 import messages
+
+    client, _ = _build_client(silent_store, 4.0)
+    started = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 (Beam's own wrapping of a timeout varies)
+        client.get_object_metadata(messages.GetRequest("bucket", "train-00000-of-00001.arrow"))
+    took = time.monotonic() - started
+    assert took < 4.0, f"{took:.1f} s"  # one try: the read timeout of the bound (2 s), not 60 s
+
+
+def test_the_build_uploads_keep_a_read_timeout_of_their_own(silent_store):
+    _, store = _build_client(silent_store, 4.0)
+    (calls, uploads) = next(v for k, v in store._SHARED_CLIENTS.items() if k[1] == 4.0)
+    assert (calls.meta.config.connect_timeout, calls.meta.config.read_timeout) == (1.0, 2.0)
+    assert uploads.meta.config.read_timeout == store.UPLOAD_READ_SECONDS
