@@ -71,12 +71,16 @@ def _build_client(endpoint: str, retry_seconds: float):
 def test_one_build_call_against_a_silent_store_ends_within_its_bound(silent_store):
     from apache_beam.io.aws.clients.s3 import messages
 
-    client, _ = _build_client(silent_store, 4.0)
+    client, store = _build_client(silent_store, 4.0)
     started = time.monotonic()
-    with pytest.raises(Exception):  # noqa: B017 (Beam's own wrapping of a timeout varies)
+    with pytest.raises(messages.S3ClientError) as err:
         client.get_object_metadata(messages.GetRequest("bucket", "train-00000-of-00001.arrow"))
     took = time.monotonic() - started
     assert took < 4.0, f"{took:.1f} s"  # one try: the read timeout of the bound (2 s), not 60 s
+    assert err.value.code is None  # retried by Beam's backoff, as a server's failure
+    assert store.failure(err.value).startswith(
+        "the object store failed on s3://bucket/train-00000-of-00001.arrow after retrying (Read"
+    )
 
 
 def test_the_build_uploads_keep_a_read_timeout_of_their_own(silent_store):
