@@ -12,9 +12,12 @@ environment of each machine (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRE
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
+import sys
+import threading
 import time
 import types
 
@@ -26,6 +29,7 @@ from shatter.shards.store.settings import call_timeouts
 # Beam retries a failing store call 7 times, waiting 5 s and doubling (with up to half of each
 # wait taken off at random): at most 5 * (2**7 - 1) s in all (apache_beam.utils.retry)
 BEAM_BACKOFF_SECONDS = 5.0 * (2**7 - 1)
+BEAM_FIRST_WAIT = 5.0
 DEFAULT_RETRY_SECONDS = 120.0
 
 
@@ -70,14 +74,33 @@ def bound_retries(seconds: float) -> None:
     this replaces in this process. Upstream: no apache/beam issue for the filesystems' backoff as
     of 2026-11-27; closest, for BigQuery's: https://github.com/apache/beam/issues/19876."""
     clock = retry.with_exponential_backoff.__defaults__[4]
-    scale = max(seconds, 0.0) / BEAM_BACKOFF_SECONDS
-    clock.sleep = lambda value: time.sleep(value * scale)
+    clock.sleep = functools.partial(_bounded_sleep, max(seconds, 0.0))
     # its log line per retry (a traceback, and its unscaled wait) and its S3 reader's error on
     # the root logger: the failure is reported once, as one line, by whoever called
     logging.getLogger("apache_beam.utils.retry").setLevel(logging.ERROR)
     root = logging.getLogger()
     if not any(isinstance(f, _DropS3ReadErrors) for f in root.filters):
         root.addFilter(_DropS3ReadErrors())
+
+
+_CHAIN = threading.local()  # this thread's retries of one call: when they must end
+
+
+def _bounded_sleep(seconds: float, wait: float) -> None:
+    """Beam's wait of `wait` s before a retry, scaled to a total of `seconds`; and once `seconds`
+    have passed since the call's first failure, no further try: the failure being handled is
+    raised again (the sleep runs inside Beam's `except`). Each try can take a read timeout
+    (`call_timeouts`), so 8 tries could take 4 times the bound; this ends a call against a silent
+    store within the bound and the tries begun at its ends. A chain's first wait is Beam's
+    initial 5 s, fuzzed down; every later one is over 5 s (`FuzzedExponentialIntervals`)."""
+    now, failure = time.monotonic(), sys.exc_info()[1]
+    if wait <= BEAM_FIRST_WAIT or getattr(_CHAIN, "deadline", None) is None:
+        _CHAIN.deadline = now + seconds
+    scaled = wait * seconds / BEAM_BACKOFF_SECONDS
+    if failure is not None and now + scaled > _CHAIN.deadline:
+        _CHAIN.deadline = None
+        raise failure
+    time.sleep(scaled)
 
 
 class _DropS3ReadErrors(logging.Filter):
@@ -109,8 +132,8 @@ def share_s3_clients() -> None:
     Each try's connect and read timeouts derive from `--store_retry_seconds` (`call_timeouts`,
     as on the trainer's side), so one call against a store that accepts and never answers ends
     within about half of that bound; the upload calls (`UPLOADS`) keep a read timeout of at least
-    `UPLOAD_READ_SECONDS`. A call is tried up to 8 times by Beam's backoff, so a silent store
-    fails a retried call after at most 8 such timeouts plus the bound's waits."""
+    `UPLOAD_READ_SECONDS`. Beam's backoff tries a call up to 8 times, but none begins after the
+    bound has passed (`_bounded_sleep`)."""
     from apache_beam.io.aws.clients.s3 import boto3_client
 
     cls = boto3_client.Client
