@@ -12,17 +12,24 @@ environment of each machine (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRE
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
+import sys
+import threading
 import time
+import types
 
 from apache_beam.options.pipeline_options import PipelineOptions, S3Options
 from apache_beam.utils import retry
 
+from shatter.shards.store.settings import call_timeouts
+
 # Beam retries a failing store call 7 times, waiting 5 s and doubling (with up to half of each
 # wait taken off at random): at most 5 * (2**7 - 1) s in all (apache_beam.utils.retry)
 BEAM_BACKOFF_SECONDS = 5.0 * (2**7 - 1)
+BEAM_FIRST_WAIT = 5.0
 DEFAULT_RETRY_SECONDS = 120.0
 
 
@@ -67,14 +74,33 @@ def bound_retries(seconds: float) -> None:
     this replaces in this process. Upstream: no apache/beam issue for the filesystems' backoff as
     of 2026-11-27; closest, for BigQuery's: https://github.com/apache/beam/issues/19876."""
     clock = retry.with_exponential_backoff.__defaults__[4]
-    scale = max(seconds, 0.0) / BEAM_BACKOFF_SECONDS
-    clock.sleep = lambda value: time.sleep(value * scale)
+    clock.sleep = functools.partial(_bounded_sleep, max(seconds, 0.0))
     # its log line per retry (a traceback, and its unscaled wait) and its S3 reader's error on
     # the root logger: the failure is reported once, as one line, by whoever called
     logging.getLogger("apache_beam.utils.retry").setLevel(logging.ERROR)
     root = logging.getLogger()
     if not any(isinstance(f, _DropS3ReadErrors) for f in root.filters):
         root.addFilter(_DropS3ReadErrors())
+
+
+_CHAIN = threading.local()  # this thread's retries of one call: when they must end
+
+
+def _bounded_sleep(seconds: float, wait: float) -> None:
+    """Beam's wait of `wait` s before a retry, scaled to a total of `seconds`; and once `seconds`
+    have passed since the call's first failure, no further try: the failure being handled is
+    raised again (the sleep runs inside Beam's `except`). Each try can take a read timeout
+    (`call_timeouts`), so 8 tries could take 4 times the bound; this ends a call against a silent
+    store within the bound and the tries begun at its ends. A chain's first wait is Beam's
+    initial 5 s, fuzzed down; every later one is over 5 s (`FuzzedExponentialIntervals`)."""
+    now, failure = time.monotonic(), sys.exc_info()[1]
+    if wait <= BEAM_FIRST_WAIT or getattr(_CHAIN, "deadline", None) is None:
+        _CHAIN.deadline = now + seconds
+    scaled = wait * seconds / BEAM_BACKOFF_SECONDS
+    if failure is not None and now + scaled > _CHAIN.deadline:
+        _CHAIN.deadline = None
+        raise failure
+    time.sleep(scaled)
 
 
 class _DropS3ReadErrors(logging.Filter):
@@ -85,6 +111,11 @@ class _DropS3ReadErrors(logging.Filter):
 _SHARED_CLIENTS: dict = {}
 # the methods of Beam's S3 client (2.77) that its s3io calls without its retry decorator
 UNRETRIED = ("get_range", "create_multipart_upload", "upload_part", "complete_multipart_upload")
+# the calls that carry or assemble an upload's parts (of 5 MB and more each): their client waits
+# up to botocore's own 60 s for an answer (at least that of `call_timeouts`), since a store may
+# take that long to take in a part or join the parts of a large object
+UPLOADS = ("upload_part", "complete_multipart_upload")
+UPLOAD_READ_SECONDS = 60.0
 
 
 def share_s3_clients() -> None:
@@ -96,7 +127,13 @@ def share_s3_clients() -> None:
     of up to 8 s, made a build whose store had stopped report it after about a minute with
     `--store_retry_seconds 1`). The calls Beam does not retry itself (`UNRETRIED`: its
     downloads' ranges, its uploads' parts) get that same backoff here. Upstream: no apache/beam
-    issue for either (a client per call, the unretried calls) as of 2026-11-27."""
+    issue for either (a client per call, the unretried calls) as of 2026-11-27.
+
+    Each try's connect and read timeouts derive from `--store_retry_seconds` (`call_timeouts`,
+    as on the trainer's side), so one call against a store that accepts and never answers ends
+    within about half of that bound; the upload calls (`UPLOADS`) keep a read timeout of at least
+    `UPLOAD_READ_SECONDS`. Beam's backoff tries a call up to 8 times, but none begins after the
+    bound has passed (`_bounded_sleep`)."""
     from apache_beam.io.aws.clients.s3 import boto3_client
 
     cls = boto3_client.Client
@@ -109,29 +146,37 @@ def share_s3_clients() -> None:
             original(self, options)
             return
         s3 = options.view_as(S3Options)
-        key = tuple(sorted(vars(s3._visible_options).items()))
+        seconds = options.view_as(StoreOptions).store_retry_seconds
+        key = (tuple(sorted(vars(s3._visible_options).items())), seconds)
         if key not in _SHARED_CLIENTS:
-            _SHARED_CLIENTS[key] = _one_try_client(s3)
-        self.client = _SHARED_CLIENTS[key]
+            connect, read = call_timeouts(seconds)
+            _SHARED_CLIENTS[key] = (
+                _one_try_client(s3, connect, read),
+                _one_try_client(s3, connect, max(read, UPLOAD_READ_SECONDS)),
+            )
+        self.client, uploads = _SHARED_CLIENTS[key]
         self._download_request = self._download_stream = None
         self._download_pos = 0
         backoff = retry.with_exponential_backoff(
             retry_filter=retry.retry_on_server_errors_and_timeout_filter
         )
         for name in UNRETRIED:
-            setattr(self, name, backoff(getattr(self, name)))
+            # Beam's upload methods use only `.client`: bound to one holding the uploads' client
+            owner = types.SimpleNamespace(client=uploads) if name in UPLOADS else self
+            setattr(self, name, backoff(getattr(cls, name).__get__(owner)))
 
     cls.__init__ = init
     cls._shatter_shared = True
 
 
-def _one_try_client(s3: S3Options):
+def _one_try_client(s3: S3Options, connect: float, read: float):
     """The boto3 client that Beam's would make for `s3`
-    (apache_beam.io.aws.clients.s3.boto3_client), trying each call once."""
+    (apache_beam.io.aws.clients.s3.boto3_client), trying each call once, waiting at most
+    `connect` seconds to connect and `read` seconds on each read of the socket."""
     import boto3
     from botocore.config import Config
 
-    return boto3.session.Session().client(
+    client = boto3.session.Session().client(
         service_name="s3",
         region_name=s3.s3_region_name,
         api_version=s3.s3_api_version,
@@ -141,8 +186,39 @@ def _one_try_client(s3: S3Options):
         aws_access_key_id=s3.s3_access_key_id,
         aws_secret_access_key=s3.s3_secret_access_key,
         aws_session_token=s3.s3_session_token,
-        config=Config(retries={"total_max_attempts": 1}),
+        config=Config(
+            retries={"total_max_attempts": 1}, connect_timeout=connect, read_timeout=read
+        ),
     )
+    return _NamedTimeouts(client)
+
+
+class _NamedTimeouts:
+    """A boto3 client whose connection failures (a timeout, a refused connection) carry an
+    empty `response`: Beam's client reads its HTTP status as `e.response.get(...)`, and their
+    `response` of None made each an AttributeError ("'NoneType' object has no attribute 'get'")
+    instead of an S3ClientError naming the object's URL, which `failure` reports in one line.
+    Upstream: no apache/beam issue for it as of 2026-11-27."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name: str):
+        value = getattr(self._client, name)
+        if not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            from botocore.exceptions import ConnectionError, HTTPClientError
+
+            try:
+                return value(*args, **kwargs)
+            except (HTTPClientError, ConnectionError) as err:
+                if getattr(err, "response", None) is None:
+                    err.response = {}
+                raise
+
+        return call
 
 
 def use(options: PipelineOptions) -> None:

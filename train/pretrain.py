@@ -78,6 +78,7 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
         open_store(path, d.cache_dir, d.cache_limit_gb, d.store_retry_seconds)
         indexes.append(read_index(path))
         indexes[-1].check_files()
+        indexes[-1].check_vocabulary()
         if indexes[-1].rows("train") == 0:
             raise DatasetError(
                 f"{indexes[-1].path}: the train split has 0 rows; rebuild with more text"
@@ -101,6 +102,7 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
                 f"({ix.path}); rebuild the shards with --seq-len {seq_len}"
             )
     _check_same_arch(cfg)
+    check_model_vocabulary(cfg, index)
     if cfg.run.init_from:
         init_from.check(cfg, index, seq_len)
     rank0 = os.environ.get("RANK", "0") == "0"  # before the process group exists
@@ -115,6 +117,17 @@ def start_up_checks(cfg: TrainConfig) -> tuple:
         click.echo(f"warning: {problem}", err=True)
     mix = [(ix, w) for ix, (_, w) in zip(indexes, sources)] if len(indexes) > 1 else None
     return index, seq_len, mix
+
+
+def check_model_vocabulary(cfg: TrainConfig, index) -> None:
+    """A model's vocab_size set in the config (model.overrides) holds every id of the data."""
+    size = cfg.model.overrides.get("vocab_size")
+    if size is not None and int(size) < index.vocab_size:
+        raise ConfigError(
+            f"model.overrides vocab_size {size} is smaller than the data's vocab_size "
+            f"{index.vocab_size} ({index.path}): remove it from the config, or set it to "
+            f"{index.vocab_size} or more"
+        )
 
 
 def check_one_vocabulary(indexes: list) -> None:

@@ -54,6 +54,25 @@ class Index:
         """Rows of `split`: for "train", the epoch size of the training stream."""
         return sum(s.rows for s in self.shards(split))
 
+    def check_vocabulary(self) -> None:
+        """index.json's vocab_size (the model's embedding rows) is its tokenizer file's: an edited
+        or mismatched one stops a run at start-up, not as an IndexError (on a GPU, a device-side
+        assert) at the first id past the embedding."""
+        from shatter.shards.tokenizer import file_vocab_size
+
+        with fs.open_read(self.tokenizer) as f:
+            data = f.read()
+        try:
+            size = file_vocab_size(data, self.tokenizer)
+        except ValueError as e:  # HFTokenizerError too
+            raise DatasetError(f"{e} (the tokenizer of {self.path}); rebuild the data") from None
+        if size != self.vocab_size:
+            raise DatasetError(
+                f"{self.path}: vocab_size {self.vocab_size} is not its tokenizer's {size} "
+                f"({self.tokenizer}): rebuild the data with `shatter-data build`, or put back the "
+                "tokenizer file the shards were built with"
+            )
+
     def check_files(self) -> None:
         """Every shard of every split exists with the size index.json records: cheap (no read),
         so a deleted or truncated shard stops a run at start-up, not when the stream reaches it.

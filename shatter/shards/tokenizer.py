@@ -6,6 +6,8 @@ Beam-free and torch-free (sentencepiece; `tokenizers` imported only for a tokeni
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import sentencepiece as spm
 
@@ -71,6 +73,25 @@ def load_json(data: bytes, name: str = TOKENIZER_JSON):
     if vocab_size(tokenizer) >= int(CONTINUES):
         raise HFTokenizerError(f"{name}: a vocabulary of 2**30 ids or more is not supported")
     return tokenizer
+
+
+def file_vocab_size(data: bytes, name: str) -> int:
+    """Rows the model's embedding needs for the tokenizer file `name` of bytes `data`: a
+    sentencepiece model's pieces, or one past a tokenizer.json's largest id (read as JSON, so a
+    trainer checks it without the `tokenizers` package)."""
+    if not name.endswith(".json"):
+        try:
+            return spm.SentencePieceProcessor(model_proto=data).get_piece_size()
+        except RuntimeError:
+            raise ValueError(f"{name}: not a sentencepiece model") from None
+    try:
+        raw = json.loads(data)
+        vocab = raw["model"]["vocab"]  # {token: id} (WordPiece, BPE) or [[piece, score]] (Unigram)
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+        ids += [int(t["id"]) for t in raw.get("added_tokens") or ()]
+        return max(ids) + 1
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise HFTokenizerError(f"{name}: not a `tokenizers` tokenizer.json ({e})") from None
 
 
 def vocab_size(tokenizer) -> int:

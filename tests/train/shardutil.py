@@ -5,7 +5,9 @@ End-to-end tests use datasets built by the real `shatter-data build` instead: `b
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
+import sentencepiece as spm
 
 from shatter.shards import build_index, write_index
 
@@ -22,6 +25,31 @@ SPECIAL_IDS = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": MASK}
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# sentencepiece trainer arguments that put [PAD] and [UNK] at the format's ids, and no BOS/EOS
+SENTENCEPIECE_SPECIALS = dict(
+    pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]"
+)
+
+
+@functools.cache
+def tokenizer_model(vocab: int) -> bytes:
+    """A sentencepiece model of exactly `vocab` pieces with the format's special ids: a
+    character model of "abc" (4 pieces with its word boundary) and placeholder symbols."""
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(["abc"] * 10),
+        model_writer=out,
+        vocab_size=vocab,
+        model_type="char",
+        **SENTENCEPIECE_SPECIALS,
+        control_symbols=["[CLS]", "[SEP]", "[MASK]"],
+        user_defined_symbols=[f"<w{i}>" for i in range(vocab - len(SPECIAL_IDS) - 4)],
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    return out.getvalue()
 
 
 def _rows(rng, n, seq_len, vocab, dupe_factor, min_len):
@@ -53,9 +81,7 @@ def write_dataset(
     """A dataset with train shards of the given row counts and validation shards of `val_rows`."""
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    (root / "tokenizer.model").write_bytes(
-        b"not a real sentencepiece model: the loader only checks its sha256"
-    )
+    (root / "tokenizer.model").write_bytes(tokenizer_model(vocab))
     l16 = pa.list_(pa.uint16())
     schema = pa.schema(
         [
