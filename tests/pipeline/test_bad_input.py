@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from shatter.pipeline import format as shards
+from shatter import shards
 from shatter.pipeline.cli import main
 
 from .conftest import generated_documents

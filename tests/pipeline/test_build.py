@@ -10,7 +10,7 @@ import sentencepiece as spm
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from click.testing import CliRunner
 
-from shatter.pipeline import format as shards
+from shatter import shards
 from shatter.pipeline.build import build
 from shatter.pipeline.cli import main
 from shatter.pipeline.config import InputSpec

@@ -11,7 +11,7 @@ import apache_beam as beam
 import pytest
 from click.testing import CliRunner
 
-from shatter.pipeline import format as shards
+from shatter import shards
 from shatter.pipeline.cli import main
 from shatter.pipeline.runners import OptionError, check_options, make_pipeline
 

@@ -8,7 +8,8 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from shatter.pipeline import format as shards, packing, tokenizer
+from shatter import shards
+from shatter.pipeline import packing, tokenizer
 from shatter.pipeline.config import BuildConfig, InputSpec
 from shatter.pipeline.masking import SPECIAL_IDS
 from shatter.pipeline.readers import ReadSpec

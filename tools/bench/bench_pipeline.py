@@ -161,7 +161,8 @@ def stage_breakdown(
     """Seconds per stage of the build's own pure functions on one core, without Beam: what limits (b)."""
     import numpy as np
 
-    from shatter.pipeline import format as shards, packing, sharding
+    from shatter import shards
+    from shatter.pipeline import packing, sharding
     from shatter.pipeline.transforms import MaskSpec, mask_table, row_keys
     from shatter.shards.writer import ROWS_PER_RECORD_BATCH
 
