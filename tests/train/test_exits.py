@@ -16,8 +16,7 @@ import pytest
 from test_pretrain import SCRIPT, command, free_port
 
 from shatter.train.lifecycle import one_line
-from tests import background
-from tests.jobs import Job, Outcome, side_by_side
+from tests.jobs import Job, Outcome, Runs
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -190,10 +189,10 @@ def _sigterm_during_checkpoints(books_data: Path, tmp: Path) -> tuple[Job, float
 
 
 def run_failures(books_data, tmp_path_factory) -> dict[str, Outcome]:
-    """The four failing launches of the tests below (tests/jobs.py side_by_side)."""
+    """The four failing launches of the tests below (tests/jobs.py Runs)."""
     tmp = {k: tmp_path_factory.mktemp(k) for k in ("train", "validation", "save", "sigterm")}
     validation = ("--max-steps", "6", "--eval-every", "2")
-    return side_by_side(
+    return Runs(
         {
             "train": lambda: _failure(
                 _corrupted(books_data, tmp["train"], "train", "--max-steps", "5"), "is corrupted"
@@ -212,7 +211,7 @@ def run_failures(books_data, tmp_path_factory) -> dict[str, Outcome]:
 
 @pytest.fixture(scope="module")
 def failures(books_data, tmp_path_factory) -> dict[str, Outcome]:
-    return background.result("failures", lambda: run_failures(books_data, tmp_path_factory))
+    return run_failures(books_data, tmp_path_factory)
 
 
 @pytest.mark.slow
@@ -325,19 +324,14 @@ def _fault(books_data: Path, tmp: Path, kind: str) -> tuple[Job, int, float]:
 
 
 def run_faults(books_data, tmp_path_factory) -> dict[str, Outcome]:
-    """The three fault launches (tests/jobs.py side_by_side): in the foreground side by side,
-    `block` spending most of its time waiting for the collective timeout."""
+    """The three fault launches (tests/jobs.py Runs), each run when a test first reads it."""
     tmp = {kind: tmp_path_factory.mktemp(f"fault-{kind}") for kind in KINDS}
-    return side_by_side({kind: (lambda k=kind: _fault(books_data, tmp[k], k)) for kind in KINDS})
-
-
-# started with the session (tests/background.py): launches only, each one alone there
-BACKGROUND = {"failures": run_failures, "faults": run_faults}
+    return Runs({kind: (lambda k=kind: _fault(books_data, tmp[k], k)) for kind in KINDS})
 
 
 @pytest.fixture(scope="module")
 def faults(books_data, tmp_path_factory) -> dict[str, Outcome]:
-    return background.result("faults", lambda: run_faults(books_data, tmp_path_factory))
+    return run_faults(books_data, tmp_path_factory)
 
 
 @pytest.mark.slow

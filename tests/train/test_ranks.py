@@ -11,8 +11,6 @@ import subprocess
 import pytest
 from test_pretrain import BIN, REPO, free_port
 
-from tests import background
-
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
 STAGES = [f"{p}-{z}" for p in ("bf16", "fp32") for z in range(4)]
@@ -24,9 +22,8 @@ def run_ranks_job(books_data, tmp_path_factory) -> dict:
     out = tmp / "report.json"
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
     cmd += [str(REPO / "tests" / "train" / "ranks_job.py"), str(books_data), str(tmp), str(out)]
-    env = background.SESSION_ENV or None  # not what a test running meanwhile set
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
     except subprocess.TimeoutExpired as err:
         tail = (err.stderr or b"")[-3000:]
         pytest.fail(f"the 2-rank job did not end in 240 s (a hang): {tail!r}")
@@ -36,12 +33,9 @@ def run_ranks_job(books_data, tmp_path_factory) -> dict:
     return result
 
 
-BACKGROUND = {"report": run_ranks_job}  # started with the session (tests/background.py)
-
-
 @pytest.fixture(scope="module")
 def report(books_data, tmp_path_factory) -> dict:
-    return background.result("report", lambda: run_ranks_job(books_data, tmp_path_factory))
+    return run_ranks_job(books_data, tmp_path_factory)
 
 
 def check_exports(report: dict, keys: list[str]) -> None:

@@ -21,7 +21,6 @@ from shatter.train.compiling import compile_problem
 from shatter.train.config import ConfigError, OptimArgs, TrainConfig, lr_at, resolve
 from shatter.train.init_from import check
 from shatter.train.schedule import lr_factor
-from tests import background
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -43,9 +42,7 @@ def _single(data: Path, run: Path, *args: str, preset: str = "shatter-tiny", tim
     base = ("--eval-every", "0", "--save-every", "0", "--log-every", "1", "--num-workers", "0")
     cmd = command(data, run, *base, "--no-progress", *args, launcher=[sys.executable])
     cmd[cmd.index("--preset") + 1] = preset
-    # in the background (tests/background.py) the session's environment, not what a test running
-    # meanwhile set (an in-process engine's RANK and MASTER_PORT)
-    return run_to_end(cmd, timeout=timeout, env=background.SESSION_ENV or None)
+    return run_to_end(cmd, timeout=timeout)
 
 
 def test_the_decays_shapes():
@@ -109,18 +106,14 @@ def run_compiled(books_data, tmp_path_factory) -> tuple[Path, str]:
     return run, done.stderr
 
 
-# subprocess-only runs, started with the session (tests/background.py)
-BACKGROUND = {"budget_run": run_budget, "compiled": run_compiled}
-
-
 @pytest.fixture(scope="module")
 def budget_run(books_data, tmp_path_factory) -> tuple[Path, dict, float]:
-    return background.result("budget_run", lambda: run_budget(books_data, tmp_path_factory))
+    return run_budget(books_data, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def compiled(books_data, tmp_path_factory) -> tuple[Path, str]:
-    return background.result("compiled", lambda: run_compiled(books_data, tmp_path_factory))
+    return run_compiled(books_data, tmp_path_factory)
 
 
 @pytest.mark.slow
