@@ -12,7 +12,7 @@ export TORCH_INDEX
 CONSTRAINTS ?= constraints.txt
 PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup test test-gpu demo clean rehearse-gpu science-data constraints
+.PHONY: setup test test-fast test-gpu demo clean rehearse-gpu science-data constraints
 
 setup: $(STAMP)
 
@@ -43,10 +43,19 @@ $(STAMP): setup.cfg setup.py pyproject.toml $(CONSTRAINTS) $(MODULES)
 	@touch $(STAMP)
 	@echo "==> set-up done: $(VENV) ($$($(PY) -c 'import torch; print("torch", torch.__version__)'))"
 
+# The suite in WORKERS pytest-xdist processes: each test goes to a free worker, the tests that
+# share a module's fixture (its launches) to one (tests/conftest.py). test-fast leaves out the
+# tests marked slow (those of more than a few seconds).
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadgroup
+
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
+
+test-fast: setup
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not gpu"
 
 # The tests marked gpu: the compiled Triton kernels against the references, and the GPU lane of
 # the real CLIs on one CUDA device (tests/train/test_gpu.py, tests/finetune/test_gpu.py); they

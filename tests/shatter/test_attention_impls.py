@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from shatter_tiny import ids, tiny
 
 import shatter
 from shatter.attention import impls
@@ -15,6 +14,7 @@ from shatter.attention.chunked import ChunkedPartitionAttention, block_rows
 from shatter.config import ModelConfig
 from shatter.partition import partition_table
 from shatter.tools.bench.bench_model import saved_bytes
+from tests.shatter.shatter_tiny import ids, tiny
 
 SINGLE_HEAD = ["1h-softmax", "1h-sigmoid", "part-bias", "shatter"]
 # (sigmoid, partition bias) of each arch: shatter's A_part V_part term lives outside the impl

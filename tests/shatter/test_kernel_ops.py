@@ -13,12 +13,12 @@ import os
 
 import pytest
 import torch
-from shatter_tiny import ids, tiny
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from shatter.attention.projection import projection_width
 from shatter.partition import partition_table
+from tests.shatter.shatter_tiny import ids, tiny
 
 pytest.importorskip("triton", reason="triton has no wheel for this platform")
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():

@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
-from shatter_tiny import ids, tiny
 
 import shatter
+from tests.shatter.shatter_tiny import ids, tiny
 
 
 @pytest.mark.parametrize("arch", ["shatter", "bert", "bert-rpe"])

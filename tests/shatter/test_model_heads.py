@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-from shatter_tiny import ids, tiny
 
 import shatter
 from shatter.config import ARCHS
 from shatter.heads import SequenceClassificationModel, SpanExtractionModel
+from tests.shatter.shatter_tiny import ids, tiny
 
 POSITION_ONLY = (
     "partition_embeddings",

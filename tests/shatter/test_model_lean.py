@@ -3,11 +3,11 @@ keeps far fewer activations for the backward pass."""
 
 import pytest
 import torch
-from shatter_tiny import ids, tiny
 
 from shatter.attention.lean import PartitionMix, partition_mix_lean, partition_mix_naive
 from shatter.partition import partition_table
 from shatter.tools.bench.bench_model import saved_bytes
+from tests.shatter.shatter_tiny import ids, tiny
 
 SINGLE_HEAD = ["1h-softmax", "1h-sigmoid", "part-bias", "shatter"]
 

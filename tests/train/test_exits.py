@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from test_pretrain import SCRIPT, command, free_port
 
 from shatter.train.lifecycle import one_line
-from tests.jobs import Job, Outcome, Runs
+from tests.jobs import Job, Outcome, Runs, child_env, free_port
+from tests.train.runs import SCRIPT, command
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -80,7 +80,6 @@ def test_a_loader_worker_failure_is_said_in_one_line_with_the_worker_s_place():
 
 SIGNALS_TWICE = """
 import os, signal, sys, time
-sys.path.insert(0, {repo!r})
 from shatter.train.lifecycle import StopFlag
 flag = StopFlag().install()
 os.kill(os.getpid(), signal.{sig})
@@ -96,9 +95,11 @@ print("still alive", flush=True)
 
 @pytest.mark.parametrize("sig,first_code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_second_signal_exits_at_once_and_an_echo_does_not(sig, first_code):
-    code = SIGNALS_TWICE.format(repo=str(REPO), sig=sig, gap=1.5)
+    code = SIGNALS_TWICE.format(sig=sig, gap=1.5)
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=child_env()
+    )
     assert f"requested True {first_code}" in done.stdout, done.stdout + done.stderr
     assert "still alive" not in done.stdout
     assert done.returncode == 143 and "second SIGTERM: exiting at once" in done.stderr
@@ -107,9 +108,8 @@ def test_a_second_signal_exits_at_once_and_an_echo_does_not(sig, first_code):
 
 def test_the_exit_watchdog_ends_a_process_whose_exit_hangs():
     """A non-daemon loader-like child that ignores SIGTERM would be joined for ever at exit."""
-    code = f"""
+    code = """
 import multiprocessing as mp, os, signal, sys, time
-sys.path.insert(0, {str(REPO)!r})
 import shatter.train.lifecycle as lc
 def child(parent, ready):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a loader worker: ends when its parent does
@@ -126,15 +126,16 @@ if __name__ == "__main__":
     sys.exit(3)
 """
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=child_env()
+    )
     assert done.returncode == 3 and "still exiting after 2 s" in done.stderr, done.stderr
     assert time.monotonic() - start < 20
 
 
 def test_the_progress_watchdog_ends_a_process_without_progress_and_spares_a_stopped_one():
-    code = f"""
+    code = """
 import sys, time
-sys.path.insert(0, {str(REPO)!r})
 from shatter.train.lifecycle import ProgressWatchdog
 done = ProgressWatchdog(1.0)
 done.pet()
@@ -148,7 +149,9 @@ time.sleep(30)  # blocked, as in a collective whose peer hangs
 print("still alive", flush=True)
 """
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=child_env()
+    )
     assert done.returncode == 1 and done.stdout == "progressing\n", done.stdout + done.stderr
     assert done.stderr.startswith("Error: rank 0: no progress for 1 s"), done.stderr
     assert time.monotonic() - start < 20

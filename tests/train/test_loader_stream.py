@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from loaderutil import stream
-from shardutil import write_dataset
 
 from shatter.shards import DatasetError, read_index
+from tests.train.loaderutil import stream
+from tests.train.shardutil import write_dataset
 
 
 def test_longer_seq_len_than_the_data_is_an_error(dataset):

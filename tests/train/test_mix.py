@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from test_pretrain import command, metrics, run_to_end
 
 from shatter.pipeline.build import build
 from shatter.pipeline.config import InputSpec
@@ -21,6 +20,7 @@ from shatter.train.config import ConfigError, data_sources, resolve
 from shatter.train.loader import MaskingSpec, Mixture, ShardStream, source_epochs, stream_shape
 from shatter.train.pretrain import main, start_up_checks
 from tests.pipeline.conftest import generated_documents, quiet, small_config
+from tests.train.runs import command, metrics, run_to_end
 
 TOLERANCE = 1e-4  # relative, fp32: a sum over 2 ranks against a sum over 2 micro-batches
 

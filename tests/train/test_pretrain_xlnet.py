@@ -10,14 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_pretrain import (
-    FP32_ARGS,
-    REPO,
-    command,
-    kill_9_after_a_checkpoint,
-    metrics,
-    run_to_end,
-)
 
 import shatter
 from shatter.shards import read_index
@@ -25,6 +17,14 @@ from shatter.train.config import DataArgs
 from shatter.train.evaluate import evaluate
 from shatter.train.loader import validation_stream
 from tests.jobs import Outcome, Runs
+from tests.train.runs import (
+    FP32_ARGS,
+    REPO,
+    command,
+    kill_9_after_a_checkpoint,
+    metrics,
+    run_to_end,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 

@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_pretrain import command, run_to_end
-from test_resume_world import _at_step
 
 from shatter.shards import read_index
 from shatter.train import budget
@@ -21,6 +19,7 @@ from shatter.train.compiling import compile_problem
 from shatter.train.config import ConfigError, OptimArgs, TrainConfig, lr_at, resolve
 from shatter.train.init_from import check
 from shatter.train.schedule import lr_factor
+from tests.train.runs import at_step, command, run_to_end
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -164,7 +163,7 @@ def test_one_build_at_128_serves_32_then_64_resumes_exactly_and_init_from_contin
     one = ("--max-steps", "16", "--seq-len", "32", "--save-every", "8")
     _single(books_128, phase1, *common, *one, preset="bert-tiny")
     p1 = _logged(phase1)
-    chain = _at_step(phase1, 8, tmp_path / "resumed")
+    chain = at_step(phase1, 8, tmp_path / "resumed")
     _single(books_128, chain, *common, *one, preset="bert-tiny")
     resumed = _logged(chain)
     assert [resumed[s]["loss"] for s in range(9, 17)] == pytest.approx(

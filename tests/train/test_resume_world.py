@@ -5,15 +5,14 @@ never stopped, to the reduction order. And a resume with another --max-steps fol
 run's schedule. The four chains of runs are independent: each runs when a test first reads it."""
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from test_pretrain import command, metrics, run_to_end
 
 from shatter.train.config import OptimArgs, lr_at
 from tests.jobs import Outcome, Runs
+from tests.train.runs import at_step, command, metrics, run_to_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
@@ -47,17 +46,6 @@ def _segment(data: Path, run: Path, config: Path, ranks: int, zero: int, max_ste
     return run_to_end(cmd, timeout=300)
 
 
-def _at_step(run: Path, step: int, to: Path) -> Path:
-    """A copy of `run` as it was when checkpoint `step` was its newest."""
-    shutil.copytree(run, to)
-    for later in (to / "checkpoints").glob("step*"):
-        if int(later.name[4:]) > step:
-            shutil.rmtree(later)
-    (to / "checkpoints" / "latest").write_text(f"step{step:08d}")
-    shutil.rmtree(to / "export")
-    return to
-
-
 def _check(chain: dict[int, float], reference: dict[int, float], label: str) -> float:
     assert sorted(chain) == sorted(reference), (label, sorted(chain))
     worst = max(abs(chain[s] - reference[s]) / reference[s] for s in reference)
@@ -72,7 +60,7 @@ def _reference_and_zero1(data: Path, tmp: Path, config: Path) -> tuple[dict, dic
     checkpoint, resumed on 2 ranks, then on 1. Returns both runs' training losses."""
     reference = tmp / "reference"
     _segment(data, reference, config, ranks=1, zero=1, max_steps=3 * SEGMENT)
-    chain = _at_step(reference, SEGMENT, tmp / "zero1")
+    chain = at_step(reference, SEGMENT, tmp / "zero1")
     done = _segment(data, chain, config, ranks=2, zero=1, max_steps=2 * SEGMENT)
     assert "written by 1 ranks, this run has 2: converting" in done.stderr, done.stderr[-3000:]
     done = _segment(data, chain, config, ranks=1, zero=1, max_steps=3 * SEGMENT)
