@@ -170,7 +170,7 @@ def test_a_finetuning_run_exports_with_its_labels(tokenizer_file, tmp_path, monk
     import csv
 
     from shatter.train.finetune import main as finetune
-    from tests.finetune.conftest import sentiment_rows
+    from tests.finetune.data import sentiment_rows
 
     export = tmp_path / "export"
     shatter.save_pretrained(

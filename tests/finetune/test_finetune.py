@@ -10,7 +10,7 @@ from click.testing import CliRunner
 import shatter
 from shatter.train.finetune import main
 
-from .conftest import sentiment_rows, squad_json
+from .data import sentiment_rows, squad_json
 
 
 def run(*args):

@@ -14,7 +14,7 @@ from shatter.train.finetuning.glue_hub import FORMATS, write_split
 from shatter.train.finetuning.glue_suite import COLUMNS, TASKS
 from tests.jobs import child_env
 
-from .conftest import sentiment_rows
+from .data import sentiment_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,7 +41,7 @@ EXPORT = """
 import sys
 from pathlib import Path
 import shatter
-from tests.finetune.conftest import train_tokenizer
+from tests.finetune.data import train_tokenizer
 root = Path(sys.argv[1])
 model = shatter.build_model("shatter-tiny", vocab_size=200, max_len=64, hidden=32, ffn=64)
 shatter.save_pretrained(model, root / "export", tokenizer=train_tokenizer(root / "spm"))

@@ -11,7 +11,7 @@ from shatter.extend_cli import main as extend
 from shatter.shards.store import configure, current
 from tests.s3server import BUCKET
 
-from .conftest import sentiment_rows
+from .data import sentiment_rows
 from .test_errors import one_line_error
 from .test_finetune import run, write_csv
 

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from shatter import shards
 from shatter.pipeline.cli import main
 
-from .conftest import generated_documents
+from .corpus import generated_documents
 
 
 def _error_lines(output: str) -> list[str]:

@@ -17,7 +17,7 @@ from shatter.pipeline.config import InputSpec
 from shatter.pipeline.inspect import verify_dataset
 from shatter.pipeline.sharding import ShardSize
 
-from .conftest import generated_documents, quiet, small_config
+from .corpus import generated_documents, quiet, small_config
 
 
 def shard_paths(out: str, split: str) -> list[str]:

@@ -19,7 +19,7 @@ from shatter.pipeline.cli import main  # noqa: E402
 from shatter.pipeline.config import InputSpec  # noqa: E402
 from shatter.pipeline.inspect import inspect_dataset, verify_dataset  # noqa: E402
 from tests.hf_vocab import byte_level_bpe, wordpiece  # noqa: E402
-from tests.pipeline.conftest import generated_documents, quiet, small_config  # noqa: E402
+from tests.pipeline.corpus import generated_documents, quiet, small_config  # noqa: E402
 
 ROLES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 

@@ -17,7 +17,7 @@ from shatter.pipeline.build import build
 from shatter.pipeline.cli import main
 from shatter.pipeline.config import InputSpec
 from shatter.pipeline.wiki import InputError
-from tests.pipeline.conftest import generated_documents, quiet, small_config
+from tests.pipeline.corpus import generated_documents, quiet, small_config
 
 
 class LocalHub(DirFileSystem):

@@ -17,7 +17,7 @@ from shatter.pipeline.cli import main
 from shatter.pipeline.config import InputSpec
 from shatter.pipeline.runners import make_pipeline
 
-from .conftest import generated_documents, small_config
+from .corpus import generated_documents, small_config
 from .test_build import _files
 
 LINE = re.compile(

@@ -16,7 +16,7 @@ from shatter.pipeline import cleaning, readers, wiki
 from shatter.pipeline.config import InputSpec
 from shatter.pipeline.wiki import InputError
 
-from .conftest import generated_documents
+from .corpus import generated_documents
 
 
 class Counts(dict):

@@ -18,7 +18,7 @@ from shatter.pipeline.cli import main
 from shatter.pipeline.config import InputSpec
 from shatter.shards import read_index
 from tests.jobs import child_env
-from tests.pipeline.conftest import quiet, small_config
+from tests.pipeline.corpus import quiet, small_config
 from tests.s3server import BUCKET
 
 RETRY = ["--store_retry_seconds=1"]

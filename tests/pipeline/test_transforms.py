@@ -29,7 +29,7 @@ from shatter.pipeline.transforms import (
     row_keys,
 )
 
-from .conftest import generated_documents
+from .corpus import generated_documents
 
 
 def _pipeline():

@@ -21,6 +21,9 @@ from tests.train.runs import SCRIPT, command
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 EXIT_WITHIN_S = 60  # from the failure's line to the launcher's exit
+# a small script's whole life, start-up included, on a loaded machine; what the tests below catch
+# (a wait for ever, or the 30 s sleep after a signal) goes on to their 60 s timeout
+EXIT_AT_ONCE_S = 40
 
 
 def _corrupt(path: Path) -> None:
@@ -103,7 +106,7 @@ def test_a_second_signal_exits_at_once_and_an_echo_does_not(sig, first_code):
     assert f"requested True {first_code}" in done.stdout, done.stdout + done.stderr
     assert "still alive" not in done.stdout
     assert done.returncode == 143 and "second SIGTERM: exiting at once" in done.stderr
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < EXIT_AT_ONCE_S
 
 
 def test_the_exit_watchdog_ends_a_process_whose_exit_hangs():
@@ -130,7 +133,7 @@ if __name__ == "__main__":
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=child_env()
     )
     assert done.returncode == 3 and "still exiting after 2 s" in done.stderr, done.stderr
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < EXIT_AT_ONCE_S
 
 
 def test_the_progress_watchdog_ends_a_process_without_progress_and_spares_a_stopped_one():
@@ -154,7 +157,7 @@ print("still alive", flush=True)
     )
     assert done.returncode == 1 and done.stdout == "progressing\n", done.stdout + done.stderr
     assert done.stderr.startswith("Error: rank 0: no progress for 1 s"), done.stderr
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < EXIT_AT_ONCE_S
 
 
 # ---- slow: real failures under the launcher ----------------------------------------------------

@@ -19,7 +19,7 @@ from shatter.shards import DatasetError, read_index
 from shatter.train.config import ConfigError, data_sources, resolve
 from shatter.train.loader import MaskingSpec, Mixture, ShardStream, source_epochs, stream_shape
 from shatter.train.pretrain import main, start_up_checks
-from tests.pipeline.conftest import generated_documents, quiet, small_config
+from tests.pipeline.corpus import generated_documents, quiet, small_config
 from tests.train.runs import command, metrics, run_to_end
 
 TOLERANCE = 1e-4  # relative, fp32: a sum over 2 ranks against a sum over 2 micro-batches
