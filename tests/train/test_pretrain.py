@@ -184,30 +184,9 @@ def test_bf16_zero2_dynamic_whole_word_masking(books_data, tmp_path):
 def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
     """A plain single process (no launcher; the launcher passes SIGTERM on to its ranks)."""
     run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        SCRIPT,
-        "--data",
-        str(books_data),
-        "--output",
-        str(run),
-        "--preset",
-        "shatter-tiny",
-        "--config",
-        str(REPO / "configs" / "cpu-tiny.yaml"),
-        "--max-steps",
-        "100000",
-        "--save-every",
-        "0",
-        "--eval-every",
-        "0",
-        "--log-every",
-        "1",
-        "--micro-batch",
-        "4",
-        "--num-workers",
-        "1",
-    ]
+    args = ("--max-steps", "100000", "--save-every", "0", "--eval-every", "0", "--log-every", "1")
+    cmd = command(books_data, run, *args, "--micro-batch", "4", "--num-workers", "1",
+                  launcher=[sys.executable])  # fmt: skip
     job = subprocess.Popen(
         cmd,
         cwd=REPO,
