@@ -43,11 +43,13 @@ $(STAMP): setup.cfg setup.py pyproject.toml $(CONSTRAINTS) $(MODULES)
 	@touch $(STAMP)
 	@echo "==> set-up done: $(VENV) ($$($(PY) -c 'import torch; print("torch", torch.__version__)'))"
 
-# The suite in WORKERS pytest-xdist processes: each test goes to a free worker, the tests that
-# share a module's fixture (its launches) to one (tests/conftest.py). test-fast leaves out the
-# tests marked slow (those of more than a few seconds).
+# The suite in WORKERS pytest-xdist processes, a test module at a time to each (--dist
+# loadscope): a module's tests share its module fixtures (its launches), made once. (loadgroup's
+# xdist_group marks are lost under pytest 9.2: pytest-xdist 3.8 renames a test by its _nodeid,
+# which pytest 9 no longer reads.) test-fast leaves out the tests marked slow, those of more than
+# a few seconds.
 WORKERS ?= 2
-XDIST := -n $(WORKERS) --dist loadgroup
+XDIST := -n $(WORKERS) --dist loadscope
 
 test: setup
 	$(PY) -m ruff check .

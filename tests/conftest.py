@@ -129,19 +129,3 @@ def no_inherited_rendezvous():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the marks
-def pytest_collection_modifyitems(items):
-    """Under `pytest -n N --dist loadgroup` (make test) each test goes to whichever worker is
-    free, and every worker has its own module fixtures: a test that uses a module's (or class's)
-    fixture, such as a module's shared runs, is put in its module's `xdist_group`, so the tests
-    that share the fixture share one worker and it is computed once."""
-    for item in items:
-        defs = getattr(item, "_fixtureinfo", None)
-        scopes = {
-            d.scope for name in getattr(item, "fixturenames", ()) for d in
-            (defs.name2fixturedefs.get(name, ()) if defs else ())
-        }  # fmt: skip
-        if scopes & {"module", "class", "package"}:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -202,7 +202,7 @@ def parse_python(args: list[str]) -> None:
     script = Path(args[0])
     if not (REPO / script).is_file() or script.is_absolute():
         raise DocsCommandError(f"{script} is not a script of this repository")
-    parse_module(".".join(script.with_suffix("").parts), f"python {script}", args[1:])
+    parse_module("shatter." + ".".join(script.with_suffix("").parts), f"python {script}", args[1:])
 
 
 def parse_deepspeed(args: list[str]) -> None:

@@ -158,8 +158,8 @@ class Outcome:
 class Runs:
     """Independent runs that a module's tests share (a module fixture's value): each call runs
     when a test first reads its name, and its outcome is kept for the tests after it, so a
-    selection of the module's tests (`-k`) runs only the calls it reads. A module of such runs is
-    one `xdist_group`: its tests then share one worker and each call runs once."""
+    selection of the module's tests (`-k`) runs only the calls it reads. Under pytest-xdist a
+    module's tests share one worker (make test: --dist loadscope), so each call runs once."""
 
     def __init__(self, calls: dict[str, Callable[[], object]]):
         self.calls, self.outcomes = calls, {}

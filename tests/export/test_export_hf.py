@@ -73,6 +73,7 @@ def max_diff(ours, theirs, inputs) -> float:
     return (outputs(ours, inputs) - outputs(theirs, inputs)).abs().max().item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", shatter.ARCHS)
 def test_every_arch_matches_in_transformers(arch, tokenizer_file, tmp_path):
     model = tiny(arch, tokenizer_file, max_len=64)
@@ -232,6 +233,7 @@ def test_finetuned_heads_match(arch, head, native, tokenizer_file, tmp_path):
     assert max_diff(model, hf.eval(), batch(backbone.config.vocab_size, (30, 13))) <= TOL
 
 
+@pytest.mark.slow
 def test_an_extended_export_matches_at_1024(tokenizer_file, tmp_path):
     model, _ = extend_model(tiny("shatter", tokenizer_file, max_len=64), 1024)
     out = tmp_path / "hf"
@@ -294,6 +296,7 @@ def test_tokenizer_ids_equal_ours_on_real_text(shared_data, tokenizer_file, tmp_
     assert fast(a)["input_ids"] == [2, *sp.encode(a), 3]
 
 
+@pytest.mark.slow
 def test_trainer_round_trip(tokenizer_file, tmp_path):
     """Load the export, finetune it one step with transformers' Trainer on CPU, save, reload."""
     from datasets import Dataset

@@ -127,6 +127,7 @@ def converted_in_subprocess(model: Path, protobuf7: Path, texts, pairs) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_converter_and_the_fallback_encode_alike_and_as_sentencepiece(model, protobuf7):
     import sentencepiece as spm
 

@@ -459,7 +459,7 @@ def test_the_program_keeps_exit_statuses_and_output_when_it_skips_teardown(built
     # an exit handler registered during the command runs before the process ends
     marker = tmp_path / "handler-ran"
     code = (
-        "import atexit, pathlib, sys; from pipeline import cli; "
+        "import atexit, pathlib, sys; from shatter.pipeline import cli; "
         f"atexit.register(pathlib.Path({str(marker)!r}).touch); "
         f"sys.argv = ['shatter-data', 'verify', {str(out)!r}]; cli.entry()"
     )
@@ -481,7 +481,7 @@ def test_a_build_process_runs_without_pandas_as_the_core_install_does(corpus_dir
     argv = ["shatter-data", "build", "--input", str(corpus_dir / "a.txt"), "--output", str(out)]
     argv += ["--seq-len", "32", "--vocab-size", "200", "--num-shards", "1"]
     code = (
-        "import atexit, pathlib, sys; from pipeline import cli; atexit.register(lambda: "
+        "import atexit, pathlib, sys; from shatter.pipeline import cli; atexit.register(lambda: "
         f"pathlib.Path({str(seen)!r}).write_text(' '.join(m for m in sys.modules if "
         f"m.split('.')[0] == 'pandas'))); sys.argv = {argv!r}; cli.entry()"
     )
@@ -495,6 +495,7 @@ def test_a_build_process_runs_without_pandas_as_the_core_install_does(corpus_dir
     assert "DataflowRunner" not in RUNNERS_WITHOUT_PANDAS
 
 
+@pytest.mark.slow
 def test_a_shard_the_runner_did_not_report_fails_the_build(corpus_dir, tmp_path, monkeypatch):
     """Each writer leaves its shard's entry in the work directory (`sink.read_manifest`); one
     missing (a runner that dropped a write) fails the build before any index.json is written."""

@@ -125,6 +125,7 @@ def read_table(path) -> pa.Table:
         return reader.read_all()
 
 
+@pytest.mark.slow
 def test_a_wordpiece_build_masks_whole_words_and_rebuilds_byte_identically(
     wordpiece_json, docs, tmp_path
 ):

@@ -214,6 +214,7 @@ def test_a_large_wiki_file_without_index_warns_that_one_worker_reads_it(tmp_path
     )
 
 
+@pytest.mark.slow
 def test_multistream_without_its_index_is_split_at_stream_headers(
     shared_data, tmp_path, monkeypatch
 ):

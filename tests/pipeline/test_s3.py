@@ -34,6 +34,7 @@ def cli(*args: str):
     return result.exit_code, result.output.strip()
 
 
+@pytest.mark.slow
 def test_s3_build_inspect_verify_and_overwrite(built, corpus_dir, s3_server):
     out, local = built
     corpus = s3_server.upload(corpus_dir, "corpus")
@@ -74,6 +75,7 @@ def stop_when_stored(server, key: str) -> threading.Thread:
     return thread
 
 
+@pytest.mark.slow
 def test_s3_faults_are_one_line(built, corpus_dir, s3_server):
     _, local = built
     corpus = s3_server.upload(corpus_dir, "corpus-faults")

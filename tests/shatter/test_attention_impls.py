@@ -243,6 +243,7 @@ def _interpreted_triton():
         pytest.skip("the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", SINGLE_HEAD)
 def test_whole_model_with_triton_equals_naive_on_cpu(arch):
     """build_model(..., attention_impl="triton") runs forward and backward on CPU tensors (the

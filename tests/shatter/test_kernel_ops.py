@@ -44,6 +44,7 @@ def _inputs(device, B=2, L=20, d=32, n=4, bias=True, grad=True):
     return Q, X, V, c, mask, table
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", [True, False], ids=["part-bias", "no-bias"])
 def test_ops_pass_torch_opcheck(bias):
     Q, X, V, c, mask, table = _inputs(DEVICE, bias=bias)
@@ -93,6 +94,7 @@ def test_meta_trace_sees_the_ops_and_the_flop_counter_counts_them():
     assert fwd == 2 * 2 * 20 * 32 * 32 + 2 * 20 * 21 * 32
 
 
+@pytest.mark.slow
 def test_torch_compile_runs_the_model_with_the_triton_impl():
     x = ids(2, 24)
     mask = torch.ones_like(x)

@@ -27,6 +27,7 @@ def _padded(x):
     return torch.cat([x, junk], 1), mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_modified_classification_gradients_and_padding(arch):
     model = SequenceClassificationModel(tiny(arch), num_labels=3).train()

@@ -23,6 +23,7 @@ def _inputs(bias: bool, dtype=torch.float64, B=2, L=7, n=4, k=3):
     return Z0, c, V, mask, table
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sigmoid", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
 def test_lean_kernel_gradcheck(sigmoid, bias):

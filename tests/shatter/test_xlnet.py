@@ -27,6 +27,7 @@ def _order(L: int, seed: int = 4) -> torch.Tensor:
     return rank[None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t", [0, 5, 11])
 def test_query_stream_at_z_t_sees_exactly_the_content_of_z_before_t(t):
     model = tiny("xlnet")

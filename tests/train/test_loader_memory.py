@@ -22,6 +22,7 @@ def two_sizes(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_worker_peak_rss_does_not_grow_with_the_shard_size(two_sizes):
     from shatter.shards import read_index
 

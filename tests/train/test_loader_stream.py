@@ -62,6 +62,7 @@ def test_validation_stream_is_finite_and_split_between_ranks(dataset):
     np.testing.assert_array_equal(np.unique(ids), np.arange(5))
 
 
+@pytest.mark.slow
 def test_format_reader_is_beam_free(tmp_path):
     """The trainer reads a local dataset through shatter.shards without importing Beam."""
     import subprocess

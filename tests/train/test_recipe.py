@@ -204,6 +204,7 @@ def _cfg(data: Path, init_from: Path, preset: str = "bert-tiny") -> TrainConfig:
     return resolve(None, flags)
 
 
+@pytest.mark.slow
 @pytest.mark.shared_data
 def test_init_from_refuses_another_arch_vocabulary_or_a_shorter_model(books_data, tmp_path):
     import shatter

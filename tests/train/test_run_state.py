@@ -135,6 +135,7 @@ WARN = "import warnings; from shatter.train.engine import quiet_other_ranks; qui
 WARN += "warnings.simplefilter('always'); warnings.warn('said once per node', FutureWarning)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("local_rank,said", [("0", True), ("1", False)])
 def test_warnings_are_said_by_one_rank_per_node(local_rank, said):
     """A node's other ranks stay quiet, even after a library adds an `always` filter."""
