@@ -91,6 +91,7 @@ def test_every_arch_matches_in_transformers(arch, tokenizer_file, tmp_path):
     assert max_diff(model, fill.model.eval(), batch(model.config.vocab_size, (24, 11))) <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["shatter", "bert-rpe"])
 def test_auto_model_loads_the_encoder_of_an_mlm_export_quietly(arch, tokenizer_file, tmp_path):
     """AutoModel (the encoder alone) on a masked-LM export: no load report of unexpected head
@@ -161,6 +162,7 @@ def finetune_run(run: Path, model, tokenizer: Path, labels) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_a_finetuning_run_exports_with_its_labels(tokenizer_file, tmp_path, monkeypatch):
     """A real (two-step) train/finetune.py run: its best/ model, labels from the task's data."""
     # the one-process run sets RANK, WORLD_SIZE, ... (train/engine.py): gone after this test,

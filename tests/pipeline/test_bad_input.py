@@ -108,6 +108,7 @@ def test_a_successful_overwrite_replaces_the_build_and_keeps_other_files(
     assert listed == on_disk  # no shard of the old build left
 
 
+@pytest.mark.slow
 def test_a_vocabulary_larger_than_the_corpus_supports_is_warned_and_recorded(corpus_dir, tmp_path):
     out = tmp_path / "v"
     result = _build(out, [corpus_dir / "a.txt"], "--vocab-size", "5000")

@@ -128,6 +128,7 @@ def test_two_workers_write_the_same_bytes(built, corpus_dir, tmp_path, mode):
     assert _files(out) == _files(two)
 
 
+@pytest.mark.slow
 def test_bad_input_stops_with_the_file_name_or_is_counted(built, tmp_path):
     out, _ = built
     good = b"Words of a first paragraph.\n\nAnd a second one here.\n"
@@ -437,6 +438,7 @@ def test_commands_print_no_import_noise(built):
     assert "apitools" not in proc.stderr and "WARNING" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_the_program_keeps_exit_statuses_and_output_when_it_skips_teardown(built, tmp_path):
     """`shatter-data` ends without the interpreter's teardown (`shatter.pipeline.process`): the exit
     status is still the command's, every line it wrote arrives, and the exit handlers run."""
@@ -467,6 +469,7 @@ def test_the_program_keeps_exit_statuses_and_output_when_it_skips_teardown(built
     assert done.returncode == 0 and done.stdout.startswith("OK ") and marker.exists()
 
 
+@pytest.mark.slow
 def test_a_build_process_runs_without_pandas_as_the_core_install_does(corpus_dir, tmp_path):
     """Beam imports pandas, where installed, for converters the build never uses (0.5 s of every
     build): `shatter-data build` runs as where pandas is not installed, on the runners that are

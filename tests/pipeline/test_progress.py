@@ -112,6 +112,7 @@ def test_live_report_stops_before_exit_and_zero_disables():
     assert silent == []
 
 
+@pytest.mark.slow
 def test_worker_process_tally_reaches_the_driver():
     """A subprocess started with the driver's environment writes its tally for the driver to sum."""
     lines = []

@@ -184,6 +184,7 @@ def _multistream_dump(shared_data, tmp_path):
     return dump, index
 
 
+@pytest.mark.slow
 def test_multistream_ranges_read_the_same_articles(shared_data, tmp_path):
     """A multistream dump (+ index) built from the real sample reads as the plain dump does."""
     dump, index = _multistream_dump(shared_data, tmp_path)

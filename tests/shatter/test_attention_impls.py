@@ -173,6 +173,7 @@ def _attention_bytes(arch: str, L: int, **overrides) -> int:
     return saved_bytes(model, batch)[1]
 
 
+@pytest.mark.slow
 def test_chunked_saves_linear_activations_no_more_than_bert_sdpa():
     chunked = {
         L: _attention_bytes("shatter", L, attention_impl="chunked") for L in (256, 512, 1024)
