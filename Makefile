@@ -54,6 +54,7 @@ XDIST := -n $(WORKERS) --dist loadscope
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/basedpyright --pythonpath $(PY)
 	$(PY) -m pytest -q $(XDIST)
 
 test-fast: setup
@@ -66,7 +67,7 @@ test-gpu: setup
 	$(PY) -m pytest -q -m gpu -s
 
 # The GPU lane (.ci/gpu/run.sh) rehearsed on this CPU machine in an interpreter like the GPU
-# image's: every call, where what could fail is not the GPU (docs/benchmarks.md).
+# image's: every call, where what could fail is not the GPU (docs/internals/gpu-runbook.md).
 rehearse-gpu:
 	bash .ci/gpu/run.sh rehearse
 

@@ -16,13 +16,15 @@ import sys
 
 import click
 
-from shatter.options import click_options
+from shatter.options import click_options, group
 from shatter.pipeline import process
 from shatter.pipeline.config import CORPORA, BuildConfig, InputSpec
 
 
 class _DropBeamImportNoise(logging.Filter):
-    """Importing Beam warns "apitools not found ..." (its optional BigQuery client) on every command."""
+    """Importing Beam warns "apitools not found ..." (its optional BigQuery client) on every command.
+    Upstream: no apache/beam issue as of 2026-11-27; the open move of Beam's BigQuery off apitools
+    would end it: https://github.com/apache/beam/pull/39087."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -84,7 +86,7 @@ def _clean_message(e: BaseException) -> str:
     )
 
 
-@click.group()
+@group()
 def main():
     """Shard datasets for pretraining: build (Apache Beam), inspect, verify."""
     configure_logging(verbose=False)

@@ -12,7 +12,9 @@ CORPORA = ("wiki", "books", "text")
 # `--runner` names with a meaning of ours (`shatter.pipeline.runners`; here, Beam-free, for the CLI too):
 # names that make Beam's SwitchingDirectRunner try Prism first, which it downloads (and which
 # cannot be downloaded offline; for this batch pipeline it would then pick the FnApiRunner anyway),
-# and Beam's Dask runner, which we run fixed (`shatter.pipeline.dask_runner`)
+# and Beam's Dask runner, which we run fixed (`shatter.pipeline.dask_runner`). Prism: no
+# apache/beam issue as of 2026-11-27; the fallback is visible in a log quoted by
+# https://github.com/apache/beam/pull/36219 (Prism fails, then "Falling back to DirectRunner").
 SWITCHING_RUNNERS = ("DirectRunner", "SwitchingDirectRunner")
 DASK_RUNNERS = ("DaskRunner", "apache_beam.runners.dask.dask_runner.DaskRunner")
 

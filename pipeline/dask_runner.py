@@ -7,24 +7,36 @@ and GroupByKey and its options (`--dask_client_address`, `--dask_npartitions`, .
 1. ParDo: Beam's bundle function collects a DoFn's outputs *before* `finish_bundle`, so what a DoFn
    emits there is dropped (our spill and cache writers emit their files there). Here outputs are
    collected after `finish_bundle`, and each bundle gets its own copy of the DoFn and receivers.
+   Upstream: no apache/beam issue as of 2026-11-27; the runner's own pull request calls it a
+   minimum viable runner whose tests are not comprehensive:
+   https://github.com/apache/beam/pull/22421.
 2. Side inputs: Beam computes a side input's bag inside every task that reads it (`list(bag)` on a
    worker), which recomputes its whole upstream (every spill written twice). Here a side input is
    one dask Delayed, computed once in the graph and broadcast to the tasks that read it (not an
    Item: dask gives a collection passed as an argument a private copy of its graph, so its
    upstream would be computed once more for each side input).
+   Upstream: no apache/beam issue as of 2026-11-27; closest: the DaskRunner's windowing pull
+   request, closed unmerged, whose side input tests did not pass:
+   https://github.com/apache/beam/pull/27618.
 3. Sinks: Beam computes the last transform's bag only, so a pipeline with two sinks silently skips
-   the other. Here every transform whose output nobody reads is computed.
+   the other. Here every transform whose output nobody reads is computed. Upstream: none as of
+   2026-11-27 (see 1).
 4. Multiple outputs: Beam gives every reader of a multi-output ParDo all of its outputs (the tags
    are lost). Here each output is read apart (the other outputs travel as `TaggedOutput`s).
+   Upstream: none as of 2026-11-27 (see 1).
 5. Combines: Beam runs a CombinePerKey as a GroupByKey and then the CombineFn, so every value
    of a key is gathered on one worker first (a CombineGlobally over the documents, such as the
    tokenizer's sample, held the whole corpus there). Here it is `Bag.foldby`: a partial combine
-   in every task, then a tree of merges (Beam's combiner lifting).
+   in every task, then a tree of merges (Beam's combiner lifting). Upstream: none as of
+   2026-11-27 (see 1).
 6. The graph is computed unoptimised: dask's bag optimisation copied tasks that several readers
-   share into each reader's chain, so their work ran more than once.
+   share into each reader's chain, so their work ran more than once. Upstream: none as of
+   2026-11-27 (see 1).
 7. Filesystem options: Beam's Dask runner never gives its worker processes the pipeline's
    options, so their `FileSystems` have none (`s3://` fails: "Must provide one of client or
    options"). Here every bundle carries them and sets them first (`shatter.pipeline.store.use`).
+   Upstream: no apache/beam issue for the Dask runner as of 2026-11-27; the same fault in the
+   DirectRunner's `multi_processing` workers was fixed by https://github.com/apache/beam/pull/13723.
 
 Also: a Create is split into one element per partition unless `--dask_npartitions` or
 `--dask_partition_size` says otherwise (Beam's default of 128 elements per partition puts a

@@ -149,7 +149,10 @@ def check_job_endpoint(endpoint: str | None, timeout: float = 5.0) -> None:
 def _fn_api_runner(options: PipelineOptions) -> FnApiRunner:
     """The FnApiRunner with the options in its provision info (as Beam's DirectRunner builds it), so
     that `multi_processing` workers get them too (filesystem options, log level); their log level
-    follows the driver's "apache_beam" logger unless `--default_sdk_harness_log_level` is given."""
+    follows the driver's "apache_beam" logger unless `--default_sdk_harness_log_level` is given.
+    Upstream: the workers' missing options were fixed for the DirectRunner, which builds its
+    FnApiRunner so, by https://github.com/apache/beam/pull/13723; a FnApiRunner built directly,
+    as here, still gives its workers none (no apache/beam issue as of 2026-11-27)."""
     harness = options.view_as(WorkerOptions)
     if harness.default_sdk_harness_log_level is None:
         harness.default_sdk_harness_log_level = logging.getLevelName(
@@ -205,7 +208,8 @@ def counters(result, namespace: str) -> dict | None:
 
 # pipeline/dask_runner.py subclasses Beam's Dask runner through private API (its transform
 # evaluators, `_OutputHandler`, DaskOptions' bag arguments), which Beam rewrote between 2.62 and
-# 2.69: the fork is written for, and tested on, this Beam minor series only.
+# 2.69: the fork is written for, and tested on, this Beam minor series only. The upstream issue
+# (or its absence) of each fault it fixes is in `shatter.pipeline.dask_runner`'s docstring.
 DASK_FORK_BEAM = (2, 77)
 
 

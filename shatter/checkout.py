@@ -32,8 +32,8 @@ def checkout_of(path: Path) -> Path | None:
 
 def same_checkout(script: str | None) -> None:
     """Stop when `script` (the `__main__` file) lies in a checkout other than this `shatter`'s."""
-    if not script:
-        return
+    if not script or Path(script).resolve().is_relative_to(Path(sys.prefix).resolve()):
+        return  # no script, or the environment's own (pytest, a console script in .venv/bin)
     theirs = checkout_of(Path(script))
     if theirs is not None and theirs != PACKAGE_ROOT:
         sys.exit(

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import click
 
+from shatter.options import command
+
 try:
     import torch  # noqa: F401
 except ModuleNotFoundError:  # a core install (what Beam workers get) has the pipeline only
@@ -32,7 +34,7 @@ from shatter.checkpoint import CheckpointError
 from shatter.extend import INITS, ExtendError, extend_model
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command()
 @click.argument(
     "checkpoint", callback=lambda ctx, param, value: value if "://" in value else Path(value)
 )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -142,3 +143,112 @@ def docs_table(config: type | Mapping[str, type]) -> str:
         text = d.how.doc or d.how.help[:1].lower() + d.how.help[1:].rstrip(".")
         rows.append(f"| {flag if d.flag else '(config only)'} | `{d.path}` | {text} |")
     return "\n".join(rows) + "\n"
+
+
+class ConfigError(ValueError):
+    """A config file or flag that cannot describe a run; the message names the file and the key."""
+
+
+def _coerce(cls: type, name: str, value: Any, where: str) -> Any:
+    """YAML gives lists where the dataclass wants tuples; keep everything else as written."""
+    spelt = _spelt(next(f for f in dataclasses.fields(cls) if f.name == name).type)
+    if isinstance(value, list) and "tuple" in spelt:
+        return tuple(value)
+    if spelt.startswith("Mapping") and not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: {name} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def section(cls: type, values: Mapping[str, Any], where: str) -> Any:
+    """`cls(**values)`, each value coerced; an unknown key is a ConfigError naming `where`."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
+    return cls(**{k: _coerce(cls, k, v, where) for k, v in values.items()})
+
+
+def sections_of(values: Any, where: str, known: Mapping[str, type]) -> dict[str, dict]:
+    """Each known section of a parsed config as a (possibly empty) dict; unknown sections, or a
+    section or top level that is not a mapping, are ConfigErrors naming `where`."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where}: the top level must be a mapping of sections")
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown section(s) {unknown}; known: {sorted(known)}")
+    parts = {}
+    for name in known:
+        part = values.get(name) or {}
+        if not isinstance(part, Mapping):
+            raise ConfigError(f"{where}: section {name!r} must be a mapping")
+        parts[name] = dict(part)
+    return parts
+
+
+def read_yaml(path: str | Path, known: Mapping[str, type]) -> dict[str, dict]:
+    """The sections (`sections_of`) of YAML config file `path`; every problem a ConfigError."""
+    import yaml  # the trainers' dependency (the `train` extra), not the pipeline's
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    return sections_of(values, str(path), known)
+
+
+def layered(
+    known: Mapping[str, type], config_file: str | Path | None, flags: Mapping[str, Any]
+) -> tuple[dict[str, dict], set[str]]:
+    """The one merge of every command: the dataclasses' defaults, then the YAML file, then the
+    flags given (None, or () for a repeatable one, is "not given"). Returns the sections' values
+    (defaults left to the dataclasses) and the `section.key`s that the file or a flag set."""
+    parts = read_yaml(config_file, known) if config_file else {name: {} for name in known}
+    fields_of = flag_fields(known)
+    for flag, value in flags.items():
+        if isinstance(value, tuple) and flag in _repeatable(known):
+            value = value[0] if len(value) == 1 else value or None
+        if value is None:
+            continue
+        if flag not in fields_of:
+            raise ConfigError(f"unknown flag {flag!r}")
+        name, key = fields_of[flag].split(".")
+        parts[name][key] = value
+    return parts, {f"{name}.{key}" for name, part in parts.items() for key in part}
+
+
+def _repeatable(known: Mapping[str, type]) -> set[str]:
+    return {d.param for d in declared(known) if d.how.multiple}
+
+
+def built(known: Mapping[str, type], parts: Mapping[str, Mapping], where: str) -> dict[str, Any]:
+    """Each section's dataclass from its values (`section`), by name."""
+    return {name: section(cls, parts[name], f"{where} [{name}]") for name, cls in known.items()}
+
+
+# Every command of the toolkit: `-h` beside `--help`, and `--version` (the installed
+# distribution's), as `@command()` in place of `@click.command()`.
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
+DISTRIBUTION = "shatter-toolkit"
+
+
+def command(**settings: Any) -> Callable:
+    import click
+
+    def decorate(fn: Callable) -> Any:
+        versioned = click.version_option(package_name=DISTRIBUTION)(fn)
+        return click.command(context_settings=HELP_OPTIONS, **settings)(versioned)
+
+    return decorate
+
+
+def group(**settings: Any) -> Callable:
+    import click
+
+    def decorate(fn: Callable) -> Any:
+        versioned = click.version_option(package_name=DISTRIBUTION)(fn)
+        return click.group(context_settings=HELP_OPTIONS, **settings)(versioned)
+
+    return decorate

@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from shatter.checkpoint import (
 )
 from shatter.config import ModelConfig, preset_config
 from shatter.model import ShatterForMaskedLM
+from shatter.remote import local_export
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 
@@ -254,3 +256,31 @@ def replace_directory(
         if tmp.exists():
             shutil.rmtree(tmp)
     return output
+
+
+@dataclass(frozen=True)
+class Export:
+    """An export opened for use: the model (weights checked against checksums.json), its
+    tokenizer file, and where it lies on this node (a remote export: its copy in the cache)."""
+
+    source: str  # as the user gave it (a path, s3://, gs://)
+    path: Path  # the local directory
+    model: nn.Module
+    tokenizer: Path | None
+
+
+def open_export(path: str | Path, option: str = "--checkpoint", tokenizer: bool = True) -> Export:
+    """The one way to open an export: a remote one through the node's cache, a DeepSpeed
+    checkpoint or a run directory refused in one line that says what to pass instead, the
+    weights checked against their checksums, and (`tokenizer`) the tokenizer file required."""
+    local = local_export(path)  # s3://, gs://: fetched once per node
+    problem = describe_non_export(local, option)
+    if problem:
+        raise CheckpointError(problem)
+    found = tokenizer_path(local)
+    if tokenizer and found is None:
+        raise CheckpointError(
+            f"{local}: the export has no tokenizer.model or tokenizer.json; copy the dataset's "
+            "tokenizer file into it (or re-export with one)"
+        )
+    return Export(str(path), local, from_pretrained(local), found)

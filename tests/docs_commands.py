@@ -1,4 +1,4 @@
-"""The shell commands and Python snippets of README.md and docs/*.md, and a parser for each command.
+"""The shell commands and Python snippets of README.md, docs/*.md and docs/internals/*.md, and a parser for each command.
 
 Every fenced block labelled `bash` (or `sh`, `shell`) is a list of commands; each command is parsed
 by its own program's parser, never run: click's `make_context` (the console scripts of setup.cfg,
@@ -30,6 +30,7 @@ import click
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES += sorted((REPO / "docs" / "internals").glob("*.md"))  # the maintainers' pages too
 SHELL_LANGS = {"bash", "sh", "shell"}
 MARKER = re.compile(r"<!--\s*docs-test:\s*(\w+)\s*(.*?)\s*-->")
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
@@ -202,7 +203,15 @@ def parse_python(args: list[str]) -> None:
     script = Path(args[0])
     if not (REPO / script).is_file() or script.is_absolute():
         raise DocsCommandError(f"{script} is not a script of this repository")
-    parse_module("shatter." + ".".join(script.with_suffix("").parts), f"python {script}", args[1:])
+    parse_module(script_module(script), f"python {script}", args[1:])
+
+
+def script_module(script: Path) -> str:
+    """The module a checkout script runs as: `train/pretrain.py` is `shatter.train.pretrain` (the
+    checkout's pipeline/, train/ and tools/ are linked under shatter/, never packages of their own)."""
+    parts = script.with_suffix("").parts
+    linked = (REPO / "shatter" / parts[0]).is_symlink()
+    return ".".join(("shatter", *parts) if linked else parts)
 
 
 def parse_deepspeed(args: list[str]) -> None:

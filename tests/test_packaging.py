@@ -1,8 +1,12 @@
 """The packaging contract: torch range, no beam[dill], console scripts, CI command."""
 
 import configparser
+import importlib.metadata
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,10 +44,27 @@ def test_beam_without_dill_extra():
     assert "dill" not in beam.extras, "apache-beam[dill] conflicts with datasets"
 
 
+def _console_scripts() -> dict[str, str]:
+    lines = _cfg()["options.entry_points"]["console_scripts"].strip().splitlines()
+    return dict(line.replace(" ", "").split("=") for line in lines)
+
+
 def test_console_scripts_declared():
-    scripts = _cfg()["options.entry_points"]["console_scripts"]
-    assert "shatter-data" in scripts and "shatter-extend" in scripts
-    assert "shatter-export" in scripts
+    scripts = _console_scripts()
+    for name in ("data", "extend", "export", "evaluate", "glue", "plot-metrics", "config-cost"):
+        assert f"shatter-{name}" in scripts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(_console_scripts()))
+def test_every_command_answers_h_and_version(name):
+    """`-h` beside `--help`, and `--version` naming the installed distribution's version (the
+    installed script, in a process of its own: some commands end theirs with os._exit)."""
+    script = Path(sys.executable).parent / name
+    version = importlib.metadata.version("shatter-toolkit")
+    for flag, expect in (("-h", "sage: "), ("--version", f"{name}, version {version}")):
+        done = subprocess.run([script, flag], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and expect in done.stdout, (flag, done.stdout, done.stderr)
 
 
 def test_ci_runs_the_readme_test_command():

@@ -14,22 +14,24 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from shatter.options import declared, flag_fields, option
+from shatter.options import (
+    ConfigError,
+    built,
+    flag_fields,
+    layered,
+    option,
+    read_yaml,
+    sections_of,
+)
 from shatter.train.schedule import DECAYS, lr_factor
 
 OPTIMIZER_IMPLS = ("torch", "deepspeed")
 PRECISIONS = ("fp32", "bf16", "fp16")
 MASKINGS = ("static", "dynamic")
-
-
-class ConfigError(ValueError):
-    """A config file or flag that cannot describe a run; the message names the file and the key."""
 
 
 class PresetError(ConfigError):
@@ -430,7 +432,6 @@ SECTIONS = {"model": ModelArgs, "data": DataArgs, "optim": OptimArgs, "run": Run
 # {click parameter: config field} of the command-line flags (a contract, docs/training.md)
 FLAGS = flag_fields(SECTIONS)
 # the repeatable flags (--data): none given is not given, one is its value, several a tuple
-REPEATABLE = {d.param for d in declared(SECTIONS) if d.how.multiple}
 
 
 def data_sources(path: str | Sequence[str] | None) -> list[tuple[str, float]]:
@@ -450,93 +451,23 @@ def data_sources(path: str | Sequence[str] | None) -> list[tuple[str, float]]:
     return sources
 
 
-def _coerce(cls, name: str, value: Any, where: str) -> Any:
-    """YAML gives lists where the dataclass wants tuples; keep everything else as written."""
-    default = next(f for f in fields(cls) if f.name == name)
-    if name == "path" and isinstance(value, list):
-        return tuple(value)
-    if name == "betas" or (isinstance(value, list) and default.type.startswith("tuple")):
-        return tuple(value)
-    if name == "overrides" and not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: model.overrides must be a mapping, got {type(value).__name__}")
-    return value
-
-
-def _section(cls, values: Mapping[str, Any], where: str):
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
-    return cls(**{k: _coerce(cls, k, v, where) for k, v in values.items()})
-
-
-def sections_of(values: Any, where: str, known: Mapping[str, type]) -> dict[str, dict]:
-    """Each known section of a parsed config as a (possibly empty) dict; unknown sections, or a
-    section or top level that is not a mapping, are ConfigErrors naming `where`."""
-    if not isinstance(values, Mapping):
-        raise ConfigError(f"{where}: the top level must be a mapping of sections")
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"{where}: unknown section(s) {unknown}; known: {sorted(known)}")
-    parts = {}
-    for name in known:
-        section = values.get(name) or {}
-        if not isinstance(section, Mapping):
-            raise ConfigError(f"{where}: section {name!r} must be a mapping")
-        parts[name] = dict(section)
-    return parts
-
-
-def read_yaml(path: str | Path, known: Mapping[str, type]) -> dict[str, dict]:
-    """The sections (`sections_of`) of YAML config file `path`; every problem a ConfigError."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from err
-    return sections_of(values, str(path), known)
-
-
 def from_dict(values: Mapping[str, Any], where: str = "config") -> TrainConfig:
     """A TrainConfig from nested sections; unknown sections and keys are errors naming `where`."""
-    parts = sections_of(values, where, SECTIONS)
-    return TrainConfig(
-        **{name: _section(cls, parts[name], f"{where} [{name}]") for name, cls in SECTIONS.items()}
-    )
+    return TrainConfig(**built(SECTIONS, sections_of(values, where, SECTIONS), where))
 
 
 def load_yaml(path: str | Path) -> TrainConfig:
     return from_dict(read_yaml(path, SECTIONS), where=str(path))
 
 
-def with_overrides(config: TrainConfig, flags: Mapping[str, Any]) -> TrainConfig:
-    """Apply command-line flags (None = not given) over a config, per `FLAGS`."""
-    sections = {name: {} for name in SECTIONS}
-    for flag, value in flags.items():
-        if flag in REPEATABLE and isinstance(value, tuple):
-            value = value[0] if len(value) == 1 else value or None
-        if value is None:
-            continue
-        if flag not in FLAGS:
-            raise ConfigError(f"unknown flag {flag!r}")
-        section, key = FLAGS[flag].split(".")
-        sections[section][key] = value
-    return replace(
-        config,
-        **{name: replace(getattr(config, name), **kv) for name, kv in sections.items() if kv},
-    )
-
-
 def resolve(config_file: str | None, flags: Mapping[str, Any]) -> TrainConfig:
-    """Defaults, then the YAML file, then the flags; validated. A warm-up set by neither the file
-    nor a flag is `default_warmup(run.max_steps)`, a ZeRO stage `default_zero_stage(precision)`."""
-    sections = read_yaml(config_file, SECTIONS) if config_file else {}
-    base = from_dict(sections, where=str(config_file)) if config_file else TrainConfig()
-    cfg = with_overrides(base, flags)
-    if "warmup_steps" not in sections.get("optim", {}) and flags.get("warmup_steps") is None:
+    """Defaults, then the YAML file, then the flags (`shatter.options.layered`); validated. A
+    warm-up set by neither the file nor a flag is `default_warmup(run.max_steps)`, a ZeRO stage
+    `default_zero_stage(precision)`."""
+    parts, given = layered(SECTIONS, config_file, flags)
+    cfg = TrainConfig(**built(SECTIONS, parts, str(config_file or "flags")))
+    if "optim.warmup_steps" not in given:
         cfg = replace(cfg, optim=replace(cfg.optim, warmup_steps=default_warmup(cfg.run.max_steps)))
-    if "zero_stage" not in sections.get("run", {}) and flags.get("zero_stage") is None:
+    if "run.zero_stage" not in given:
         cfg = replace(cfg, run=replace(cfg.run, zero_stage=default_zero_stage(cfg.run.precision)))
     return cfg.validate()

@@ -12,9 +12,11 @@ Shatter_GPU in 161 h on 8 V100s is 4.7% of their fp16 peak.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 from pathlib import Path
 
 from shatter.config import preset_config
+from shatter.options import DISTRIBUTION
 from shatter.train.config import resolve
 from shatter.train.cost import DEVICE_PEAK_TFLOPS, training_flops_per_token
 
@@ -46,6 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("configs", nargs="+")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
+    version = importlib.metadata.version(DISTRIBUTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s, version {version}")
     args = parser.parse_args()
     names = list(GPUS) + ["V100 (paper's rate)"]
     print("| config | preset | length | GPUs | steps | tokens | PFLOP | "

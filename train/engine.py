@@ -116,6 +116,9 @@ def build_extensions() -> None:
 # its lr before step 0 and warns of it, and repeats the warm-up warning the config check says
 # first (train/config.py); its CPU comm op prints "built successfully" from each rank at every
 # start (it was loaded, not built); its ZeRO gather calls a torch collective that torch deprecates.
+# Upstream (deepspeedai/DeepSpeed), as of 2026-11-27: no issue for any of them; closest: the lr
+# read before step 0, https://github.com/deepspeedai/DeepSpeed/pull/310, and the same deprecation
+# warning in another library, https://github.com/huggingface/accelerate/issues/4269.
 DEEPSPEED_NOISE = (
     "Attempting to get learning rate from scheduler before it has started",
     "is less than warmup_num_steps",
@@ -202,7 +205,8 @@ def release_shm_names() -> None:
     each job on a new port left 64 MiB per rank of RAM (tmpfs) taken until the machine rebooted.
     Every rank maps every peer's segment while the process group starts, so once all ranks are
     past that (a barrier) each one unlinks its own name; the mappings stay valid, and no name is
-    left behind even if the job is killed."""
+    left behind even if the job is killed. Upstream: no deepspeedai/DeepSpeed issue as of
+    2026-11-27; the same leak met elsewhere: https://github.com/sgl-project/sglang/pull/38638."""
     torch.distributed.barrier()
     shm_name(torch.distributed.get_rank()).unlink(missing_ok=True)
 
@@ -452,6 +456,9 @@ def guard_nonfinite_steps(engine) -> None:
       norm's test alone decides: the per-tensor pass is made a no-op on this one optimizer.
       (With the check off in the config, DeepSpeed skips the norm's test too and applies a NaN
       step.) tests/train/test_ranks.py injects a NaN at every stage; tools/bench/count_ops.py counts.
+      Upstream: no deepspeedai/DeepSpeed issue for the pass's cost as of 2026-11-27; closest: the
+      check without a host read per tensor, https://github.com/deepspeedai/DeepSpeed/pull/5115,
+      and bf16's check on by default, https://github.com/deepspeedai/DeepSpeed/pull/8035.
     """
     if engine.zero_optimization_stage() == 0 and engine.optimizer is engine.basic_optimizer:
         FiniteStepGuard(engine.optimizer)

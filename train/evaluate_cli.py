@@ -25,12 +25,10 @@ from pathlib import Path
 import click
 import torch
 
-import shatter
-from shatter.checkpoint import CheckpointError, tokenizer_path
-from shatter.remote import local_export
+from shatter.options import command
 from shatter.shards import DatasetError, Index, read_index, sha256_file
 from shatter.shards.store import open_store
-from shatter.sources import describe_non_export
+from shatter.sources import open_export
 from shatter.train.config import DataArgs, check_output
 from shatter.train.evaluate import default_device, evaluate
 from shatter.train.loader import validation_stream
@@ -63,12 +61,9 @@ def evaluate_exports(
         raise click.BadParameter(
             "only the validation split has fixed masks to compare on", param_hint="--split"
         )
-    local = local_export(checkpoint)  # a remote export: its copy in the node's cache
-    problem = describe_non_export(local)
-    if problem:
-        raise CheckpointError(problem)
-    indexes = [checked_index(local, data, split) for data in datas]
-    model = shatter.from_pretrained(local).to(default_device())
+    export = open_export(checkpoint, tokenizer=False)
+    indexes = [checked_index(export.tokenizer, data, split) for data in datas]
+    model = export.model.to(default_device())
     for data, index in zip(datas, indexes):
         check_length(model, checkpoint, data, index)
     for data, index in zip(datas, indexes):
@@ -78,7 +73,7 @@ def evaluate_exports(
         yield {**result, "checkpoint": str(checkpoint), "data": str(data)}
 
 
-def checked_index(checkpoint: Path, data: Path, split: str) -> Index:
+def checked_index(model_tokenizer: Path | None, data: Path, split: str) -> Index:
     """`data`'s index once its files, its `split` rows and its tokenizer (the model's) check out.
     A remote `data` is checked first (credentials, bucket, prefix: `shatter.shards.store`)."""
     open_store(str(data), None, DataArgs.cache_limit_gb, DataArgs.store_retry_seconds)
@@ -90,7 +85,6 @@ def checked_index(checkpoint: Path, data: Path, split: str) -> Index:
             f"{index.path}: the {split} split has no rows, so there is nothing to evaluate; "
             "rebuild the shards with `shatter-data build ... --validation-fraction 0.01`"
         )
-    model_tokenizer = tokenizer_path(checkpoint)
     if model_tokenizer and sha256_file(model_tokenizer) != index.tokenizer_sha256:
         raise DatasetError(
             f"{index.tokenizer} (the data's tokenizer, recorded in {index.path}) differs from "
@@ -149,7 +143,7 @@ def score(model, index: Index, split: str, batch_size: int, max_samples: int | N
     }
 
 
-@click.command()
+@command()
 @click.option(
     "--checkpoint",
     required=True,

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import click
 
-from shatter.options import click_options
+from shatter.options import click_options, command
 from shatter.train.config import ConfigError
 from shatter.train.finetuning.config import SECTIONS, resolve
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command()
 @click.option(
     "--config",
     "config_file",

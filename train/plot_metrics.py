@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from shatter.extras import require
+from shatter.options import command
 
 
 def read_metrics(run: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
@@ -157,7 +158,7 @@ def run_names(runs: list[Path]) -> list[str]:
     return [str(r) for r in runs]  # the same directory given twice
 
 
-@click.command()
+@command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
     "--output", "-o", required=True, type=click.Path(path_type=Path), help="PNG to write."

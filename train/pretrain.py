@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from shatter.options import click_options
+from shatter.options import click_options, command
 from shatter.shards import DatasetError, read_index
 from shatter.shards.store import is_remote, local_path, open_store
 from shatter.train import init_from
@@ -327,7 +327,7 @@ def _say_how_it_ended(status: str, state, run_dir: Path, device) -> None:
     )
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command()
 @click.option(
     "--config",
     "config_file",

@@ -5,10 +5,14 @@ DeepSpeed's `DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpo
 
 - it gives every sub-group's Adam state the same `step` tensor object; torch's AdamW advances
   `step` in place, so after the resume the shared count grows once per sub-group per optimizer
-  step and the bias corrections of every later step are wrong;
+  step and the bias corrections of every later step are wrong (upstream: no deepspeedai/DeepSpeed
+  issue as of 2026-11-27; closest: ZeRO-3 steps each sub-group on its own, hence one count per
+  sub-group, https://github.com/deepspeedai/DeepSpeed/pull/1823, and the universal load's
+  restoring of `step`, https://github.com/deepspeedai/DeepSpeed/pull/5289);
 - it copies the saved hyper-parameters of param group 0 into every param group, so the group
   that §A.2 exempts from weight decay (biases, LayerNorm weights: `shatter.train.engine.param_groups`)
-  gets group 0's 0.01 from then on.
+  gets group 0's 0.01 from then on (upstream: no issue as of 2026-11-27; closest: the ZeRO-3
+  universal load with several param groups, https://github.com/deepspeedai/DeepSpeed/pull/7585).
 
 `repair_universal_load` undoes both on the loaded optimizer: one `step` tensor per sub-group, and
 each param group's hyper-parameters from its own saved group. It is written against the

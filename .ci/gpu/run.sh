@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU lane and the GPU figures, one call of a GPU machine without network access at a time
-# (docs/benchmarks.md, "Running the GPU figures"). From the repository root, with .whl/ built by
+# (docs/internals/gpu-runbook.md). From the repository root, with .whl/ built by
 # .ci/gpu/wheels.sh beside it:
 #
 #   bash .ci/gpu/run.sh CALL [pytest arguments...]
@@ -142,9 +142,9 @@ install_wheels() {
   scripts
 }
 
-# The checkout as the package `shatter` (pipeline/, train/ and tools/ are its subpackages
-# shatter.pipeline, shatter.train and shatter.tools: setup.py), editable so the lane runs this
-# tree's code. Built by the interpreter's own setuptools; nothing is fetched.
+# The checkout as the package `shatter` (shatter/pipeline, shatter/train and shatter/tools are
+# links to the checkout's folders: setup.py), editable so the lane runs this tree's code. Built
+# by the interpreter's own setuptools; nothing is fetched.
 install_checkout() {
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e . || {
     echo "run.sh: error: installing the checkout (pip install -e .) failed: $PY needs setuptools >= 64" >&2

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import click
 
+from shatter.options import command
+
 try:
     import torch  # noqa: F401
 except ModuleNotFoundError:  # a core install (what Beam workers get) has the pipeline only
@@ -24,7 +26,7 @@ from shatter.checkpoint import CheckpointError
 FORMATS = ("hf",)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command()
 @click.argument("src", type=click.Path(path_type=Path))
 @click.option(
     "--format",

@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode
 
 from shatter.attention.projection import projection_width
@@ -24,8 +24,9 @@ pytest.importorskip("triton", reason="triton has no wheel for this platform")
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("neither TRITON_INTERPRET=1 nor a CUDA device", allow_module_level=True)
 
+from shatter.attention import triton_kernel  # noqa: E402
 from shatter.attention.triton_kernel import partition_attention_triton  # noqa: E402
-from shatter.kernels.cost import OP_COSTS  # noqa: E402
+from shatter.kernels.cost import OP_COSTS, op_totals  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -85,13 +86,79 @@ def test_meta_trace_sees_the_ops_and_the_flop_counter_counts_them():
     assert list(ops) == ["shatter::mixing_fwd", "shatter::mixing_bwd"]
     counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
     for name, (args, kwargs, o) in ops.items():
-        flops, nbytes = OP_COSTS[name](args, kwargs, o)
+        flops, nbytes = op_totals(OP_COSTS[name](args, kwargs, o))
         assert flops > 0 and nbytes > 0
         packet = f"shatter.{name.split('::')[1]}"
         assert counts[packet] == int(flops), (name, counts)
     # the forward: Z = Q Xᵀ over Z's padded rows (2 B L Lp d) and the mixing dots (B L (L+1) d)
-    fwd = OP_COSTS["shatter::mixing_fwd"](*ops["shatter::mixing_fwd"])[0]
+    fwd = op_totals(OP_COSTS["shatter::mixing_fwd"](*ops["shatter::mixing_fwd"]))[0]
     assert fwd == 2 * 2 * 20 * 32 * 32 + 2 * 20 * 21 * 32
+
+
+TRITON_KERNELS = ("row_stats_kernel", "mix_fwd_kernel", "mix_bwd_dv_kernel", "delta_kernel")
+TRITON_KERNELS += ("mix_bwd_dz_kernel",)
+
+
+class _Launches(TorchDispatchMode):
+    """The kernels an op's own implementation launches: its ATen ops that launch one (no views,
+    no allocations), and its Triton kernels (counted by `_count_triton`)."""
+
+    FREE = {"empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "_unsafe_view"}
+
+    def __init__(self):
+        super().__init__()
+        self.kernels = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        view = returns and all(r.alias_info and not r.alias_info.is_write for r in returns)
+        if func.overloadpacket.__name__ not in self.FREE and not view:
+            self.kernels.append(func.name())
+        return out
+
+
+def _count_triton(monkeypatch, launches):
+    for name in TRITON_KERNELS:
+        kernel = getattr(triton_kernel, name)
+
+        class Counted:  # one launch, the interpreter's own tensor ops unseen
+            def __getitem__(self, grid, _kernel=kernel, _name=name):
+                def launch(*args, **kwargs):
+                    launches.kernels.append(_name)
+                    with _disable_current_modes():
+                        return _kernel[grid](*args, **kwargs)
+
+                return launch
+
+        monkeypatch.setattr(triton_kernel, name, Counted())
+
+
+@pytest.mark.parametrize("L", [20, 32], ids=["padded", "aligned"])
+def test_op_costs_list_every_kernel_the_ops_launch(monkeypatch, L):
+    """OP_COSTS lists one Kernel per kernel each op's implementation launches (its cuBLAS GEMMs,
+    its Triton kernels, its copies and fills), with the GEMMs priced as gemm and the Triton
+    mixing kernels as custom."""
+    Q, X, V, c, mask, table = _inputs(DEVICE, L=L, grad=False)
+    d, n = X.shape[-1], table.shape[0]
+    P = torch.cat([Q, V.transpose(1, 2).flatten(2), c, c.new_zeros(*c.shape[:2], 12)], -1)
+    launches = _Launches()
+    _count_triton(monkeypatch, launches)
+    with launches:
+        fwd_out = triton_kernel.mixing_fwd._init_fn(P, X, mask, table, True)
+    fwd = OP_COSTS["shatter::mixing_fwd"]((P, X, mask, table, True), {}, fwd_out)
+    assert len(fwd) == len(launches.kernels), (fwd, launches.kernels)
+    assert [k.kind for k in fwd if k.flops] == ["gemm", "custom"]
+    out, part, Z, stat = fwd_out
+    g_out, g_part = torch.randn_like(out), torch.randn_like(part)
+    launches.kernels.clear()
+    args = (P, X, mask, table, Z, stat, out, part, g_out, g_part, True)
+    with launches:
+        dP_dX = triton_kernel.mixing_bwd._init_fn(*args)
+    bwd = OP_COSTS["shatter::mixing_bwd"](args, {}, dP_dX)
+    assert len(bwd) == len(launches.kernels), str(([k.name for k in bwd], launches.kernels))
+    assert sorted(k.kind for k in bwd if k.flops) == ["custom", "custom", "gemm", "gemm"]
+    assert P.shape[-1] == projection_width(d, n)
 
 
 @pytest.mark.slow

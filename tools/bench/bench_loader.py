@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shatter import shards as pshards
+import shatter.shards as pshards
 from shatter.pipeline.tokenizer import SPECIAL_PIECES
 from shatter.pipeline.transforms import MaskSpec, mask_table
 from shatter.shards import read_index, sha256_file

@@ -2,25 +2,41 @@
 real code and calibrated on the one H100 measurement.
 
     python tools/bench/step_cost.py                         # bert and shatter, l = 256 and 1024
+    python tools/bench/step_cost.py --config configs/v100x8-base-256.yaml --gpus V100  # 8 V100s
     python tools/bench/step_cost.py --archs bert,shatter,part-mask --lengths 512 --json out.json
     python tools/bench/step_cost.py --calibrate             # replay commit ccce3e8's measurement
     python tools/bench/step_cost.py --calibrate --fit --gpus H100   # and the tables that fit it best
 
-Each (GPU, arch, length) is one bf16 training step of `shatter.build_model(f"{arch}-base")` traced
-on meta tensors (tools/bench/step_trace.py): the forward, the backward, and DeepSpeed's bf16 ZeRO-1
-optimizer step (an fp32 master update), at 16,384 tokens a step of full rows. Every op is
-priced on the GPU by its kind, with the one efficiency table EFFICIENCY for every arch:
+Each (GPU, arch, length) is one training step on one GPU of `shatter.build_model(f"{arch}-base")`
+traced on meta tensors (tools/bench/step_trace.py): the forward, the backward, and DeepSpeed's
+ZeRO-1 optimizer step (an fp32 master update of the rank's 1/world share of the parameters), in bf16
+(fp16 on the V100). The run: 16,384 tokens a step of full rows on one GPU, or, with `--config`,
+a training config's micro-batch x length tokens per GPU, its gradient accumulation, its
+`run.num_gpus` as the world size ZeRO-1 partitions the update over, its precision, size, and
+`run.compile`. ZeRO-1's collectives (the gradients' reduce-scatter, the parameters' all-gather)
+are communication: left out of the time, and said so in the JSON ("communication").
+
+Every kernel is priced on the GPU by its kind, with the one efficiency table EFFICIENCY for every
+arch:
 
     gemm        cuBLAS products: max(FLOPs / (gemm x peak), bytes / (memory x HBM bandwidth))
     flash       SDPA's FlashAttention-2 kernel (forward, backward): its FLOPs at `flash` x peak
     efficient   SDPA's memory-efficient kernel (a mask or bias, or a V100): at `efficient` x peak
-    custom      our attention ops (`shatter::` custom ops) by their own (FLOPs, bytes) formula
-                (shatter.kernels.cost.OP_COSTS): each runs several kernels in turn (cuBLAS
-                GEMMs and memory-bound Triton mixing), so FLOPs / (custom x peak) + bytes /
-                (memory x HBM bandwidth)
-    memory      every other kernel (elementwise, reductions, copies, the optimizer): its bytes at
-                `memory` x HBM bandwidth
+    custom      a Triton kernel with products (tl.dot) inside our custom ops: at `custom` x peak
+    memory      every kernel without products (elementwise, reductions, copies, the optimizer):
+                its bytes at `memory` x HBM bandwidth
     launch      plus `launch_us` per kernel launched: the gaps between small kernels
+
+A custom op (`shatter::`) is priced per kernel from shatter.kernels.cost.OP_COSTS: each of its
+kernels (its cuBLAS GEMMs as gemm, its Triton kernels as custom or memory) the slower of its
+FLOPs and its bytes, plus one launch each.
+
+Two modes, both printed and in the JSON: `eager`, one kernel per ATen op, and `compiled`, the
+model under torch.compile as inductor runs it: in the forward and the backward, each chain of
+consecutive pointwise ops between two GEMMs, reductions or other kernels is one kernel that reads
+its inputs once and writes its outputs once (tools/bench/step_trace.py: fuse_pointwise); GEMMs,
+SDPA, the custom ops, reductions and the DeepSpeed optimizer step are as in eager. `--compiled`
+(or the config's `run.compile: true`) makes the compiled figures the main ones.
 
 The GPU's choices are the real ones: bf16 on sm_80+ (fp16 and no flash kernel on the V100),
 Shatter's `auto` attention impl (`triton` on sm_80+, `chunked` on the V100), SDPA on the flash
@@ -30,15 +46,21 @@ kernel for a batch without padding (attention_mask None) and on the efficient ke
 The split printed per arch: GEMMs, attention (SDPA and custom kernels), elementwise and copies
 (the forward's and backward's other kernels), optimizer (its phase, every kind), launches.
 FLOPs per token are the trace's model FLOPs (products only, SDPA's recomputation left out) beside
-train/cost.py's count.
+train/cost.py's count; MFU is train/cost.py's count at the modelled tokens per second.
+
+JSON: {"efficiency", "tokens_per_step" (per GPU), "size", "config", "world_size", "grad_accum",
+"compiled", "communication", "figures": {GPU: {arch: {length: {"ms_per_step", "tokens_per_s"
+(per GPU), "split_ms", "kernels", "flops_per_token", "cost_py_flops_per_token", "mfu",
+"ratio_to_bert", "mode", "eager": {...}, "compiled": {...}}}}}}, and "calibration" with
+--calibrate; the top-level figures are the main mode's.
 
 `--calibrate` replays the measurement (commit ccce3e8, one H100, bf16 autocast over fp32
 weights, torch's fused AdamW, an all-ones attention mask, base size, vocabulary 30,000, 16,384
-tokens a step) through that commit's own `shatter.build_model`, from a detached git worktree it
-creates (or reuses) at /tmp/shatter-ccce3e8, traced in a subprocess with that worktree on
-PYTHONPATH; it checks BERT's 43.7 ms a step (l = 256) within 20% and Shatter / BERT at 1.67 +-
-0.25 (l = 256) and 2.43 +- 0.35 (l = 1024), and exits 1 when one fails. `--fit` also prints the
-tables of the PLAUSIBLE grid that reproduce it best: how EFFICIENCY was set, once.
+tokens a step, eager) through that commit's own `shatter.build_model`, from a detached git
+worktree it creates (or reuses) at /tmp/shatter-ccce3e8, traced in a subprocess with that
+worktree on PYTHONPATH; it checks BERT's 43.7 ms a step (l = 256) within 20% and Shatter / BERT
+at 1.67 +- 0.25 (l = 256) and 2.43 +- 0.35 (l = 1024), and exits 1 when one fails. `--fit` also
+prints the tables of the PLAUSIBLE grid that reproduce it best: how EFFICIENCY was set, once.
 """
 
 from __future__ import annotations
@@ -54,6 +76,7 @@ from pathlib import Path
 import click
 import torch
 
+from shatter.config import ATTENTION_IMPLS
 from shatter.tools.bench.attention_cost import GPUS
 from shatter.tools.bench.step_trace import build_meta, records, trace_step
 
@@ -67,7 +90,7 @@ EFFICIENCY = {
     "gemm": 0.70,  # cuBLAS bf16/fp16 GEMMs, fraction of the dense tensor peak
     "flash": 0.35,  # FlashAttention-2, forward and backward (its paper: 30-40% on an H100)
     "efficient": 0.25,  # the memory-efficient (cutlass) attention kernel
-    "custom": 0.50,  # a custom op's products: mostly its cuBLAS GEMMs, partly Triton dots
+    "custom": 0.50,  # a Triton kernel's products (tl.dot), between cuBLAS and flash
     "memory": 0.60,  # fraction of HBM bandwidth for memory-bound kernels
     "launch_us": 6.0,  # per kernel launch: the gap it leaves between kernels
 }
@@ -81,12 +104,17 @@ PLAUSIBLE = {
 }
 SPLIT = ("gemm", "attention", "elementwise", "optimizer", "launches")
 SPLIT_NAMES = ("GEMMs", "attention", "elementwise+copies", "optimizer", "launches")
+MODES = ("eager", "compiled")
 
 # The measurement --calibrate replays (one H100; docs/benchmarks.md)
 REPLAY_COMMIT = "ccce3e8"
 REPLAY_BERT_MS = 43.7  # l = 256, +-20%
 REPLAY_RATIOS = {256: (1.67, 0.25), 1024: (2.43, 0.35)}  # Shatter / BERT, +-
 REPLAY_VOCAB = 30000
+COMMS = (
+    "excluded: ZeRO-1's reduce-scatter of the gradients and all-gather of the parameters (each "
+    "(world - 1) / world of the low-precision parameters' bytes per rank) are not priced"
+)
 
 
 @dataclass(frozen=True)
@@ -108,22 +136,31 @@ def gpus() -> dict[str, Gpu]:
     }
 
 
-def op_seconds(row: dict, gpu: Gpu, eff: dict = EFFICIENCY) -> float:
-    """One op's time on `gpu` (launch not included): the slower of its FLOPs and its bytes."""
-    memory = row["bytes"] / (eff["memory"] * gpu.bandwidth)
-    if row["kind"] == "memory":
+def kernel_seconds(kind: str, flops: float, nbytes: float, gpu: Gpu, eff: dict = EFFICIENCY):
+    """One kernel's time on `gpu` (launch not included): the slower of its FLOPs at its kind's
+    rate and its bytes at the memory rate."""
+    memory = nbytes / (eff["memory"] * gpu.bandwidth)
+    if kind == "memory":
         return memory
-    compute = row["flops"] / (eff[row["kind"]] * gpu.peak)
-    if row["kind"] == "custom":  # several kernels in turn: GEMMs, then memory-bound mixing
-        return compute + memory
-    return max(compute, memory)
+    return max(flops / (eff[kind] * gpu.peak), memory)
 
 
-def price(rows: list[dict], gpu: Gpu, eff: dict = EFFICIENCY) -> dict[str, float]:
-    """Seconds of the traced step on `gpu`, split as SPLIT, plus the total."""
+def op_seconds(row: dict, gpu: Gpu, eff: dict = EFFICIENCY) -> float:
+    """One op's time on `gpu` (launches not included): a custom op's kernels each on its own
+    (shatter.kernels.cost), added up; any other op is one kernel."""
+    kernels = row.get("kernels") or [(row.get("op"), row["kind"], row["flops"], row["bytes"])]
+    return sum(kernel_seconds(kind, f, b, gpu, eff) for _, kind, f, b in kernels)
+
+
+def price(rows: list[dict], gpu: Gpu, eff: dict = EFFICIENCY, accum: int = 1) -> dict[str, float]:
+    """Seconds of the traced step on `gpu`, split as SPLIT, plus the total and the kernels
+    launched; `accum` forward-backward passes a step (gradient accumulation), one optimizer
+    step."""
     split = dict.fromkeys(SPLIT, 0.0)
+    kernels = 0
     for row in rows:
-        t = op_seconds(row, gpu, eff) * row["count"]
+        count = row["count"] * (1 if row["phase"] == "optimizer" else accum)
+        t = op_seconds(row, gpu, eff) * count
         if row["phase"] == "optimizer":
             part = "optimizer"
         elif row["kind"] == "gemm":
@@ -133,8 +170,10 @@ def price(rows: list[dict], gpu: Gpu, eff: dict = EFFICIENCY) -> dict[str, float
         else:
             part = "elementwise"
         split[part] += t
-        split["launches"] += row["launches"] * row["count"] * eff["launch_us"] * 1e-6
+        kernels += row["launches"] * count
+    split["launches"] = kernels * eff["launch_us"] * 1e-6
     split["total"] = sum(split[k] for k in SPLIT)
+    split["kernels"] = kernels
     return split
 
 
@@ -152,17 +191,78 @@ def cost_py_flops(arch: str, length: int, rows_per_step: int, size: str, vocab: 
     return training_flops_per_token(config, length, 0.15, micro_batch=rows_per_step)
 
 
-def trace_here(arch, size, length, rows, gpu: Gpu, padding: bool, vocab: int) -> list[dict]:
-    """This checkout's model, traced with the GPU's precision, SDPA kernel and Shatter impl."""
+@dataclass(frozen=True)
+class Run:
+    """What one GPU of a run does each step: the defaults are one GPU at 16,384 tokens a step,
+    eager; `run_of_config` reads them from a training config."""
+
+    tokens: int = 16384  # tokens per GPU per forward and backward (micro-batch x length)
+    grad_accum: int = 1  # forward-backward passes per optimizer step
+    world: int = 1  # ranks: ZeRO-1 partitions the optimizer's update over them
+    compiled: bool = False  # the main figures' mode: torch.compile (inductor) or eager
+    precision: str | None = None  # bf16 or fp16 over the GPU's own (bf16 on sm_80+, fp16 on V100)
+    impl: str | None = None  # Shatter's attention impl on every GPU over `auto`'s choice
+    size: str = "base"
+    config: str | None = None  # the config file read
+
+
+def run_of_config(path: str, run: Run) -> Run:
+    """`run` with the tokens per GPU (micro-batch x data.seq_len, when it sets one), accumulation,
+    world size, compile, precision, size and attention impl of the training config at `path`
+    (train/config.py's YAML)."""
+    from shatter.train.config import ConfigError, resolve
+
+    try:
+        cfg = resolve(path, {})
+    except (ConfigError, OSError) as e:
+        raise SystemExit(f"step_cost: cannot read the config {path} ({e})") from None
+    r = cfg.run
+    if r.precision not in ("bf16", "fp16") or r.zero_stage > 2:
+        raise SystemExit(
+            f"step_cost: {path} trains in {r.precision} with ZeRO stage {r.zero_stage}; the "
+            "model prices bf16 or fp16 steps with ZeRO stage 0-2 (run.precision, run.zero_stage)"
+        )
+    impl = cfg.model.overrides.get("attention_impl", "auto")
+    return replace(
+        run,
+        tokens=r.micro_batch * cfg.data.seq_len if cfg.data.seq_len else run.tokens,
+        grad_accum=r.grad_accum,
+        world=r.num_gpus if r.zero_stage else 1,
+        compiled=r.compile,
+        precision=r.precision,
+        impl=run.impl or (None if impl == "auto" else impl),
+        size=cfg.model.preset.rsplit("-", 1)[-1],
+        config=path,
+    )
+
+
+def gpu_for(name: str, run: Run) -> Gpu:
+    """The GPU `name` in the run's precision and attention impl."""
+    gpu = gpus()[name]
+    if run.impl:
+        gpu = replace(gpu, partition_impl=run.impl)
+    if run.precision == "bf16" and not gpu.flash:
+        raise SystemExit(f"step_cost: the {name} has no bf16; train it in fp16 (run.precision)")
+    if run.precision:
+        gpu = replace(gpu, low={"bf16": torch.bfloat16, "fp16": torch.float16}[run.precision])
+    return gpu
+
+
+def trace_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int):
+    """This checkout's model, traced with the GPU's precision, SDPA kernel and Shatter impl, at
+    the run's tokens per GPU and world size."""
     import shatter
     from shatter.attention import ATTENTIONS, SingleHeadPartitionAttention
 
     impl = (
         gpu.partition_impl if issubclass(ATTENTIONS[arch], SingleHeadPartitionAttention) else None
     )
-    model = build_meta(shatter.build_model, arch, size, vocab, max(length, 512), gpu.low, impl)
+    model = build_meta(shatter.build_model, arch, run.size, vocab, max(length, 512), gpu.low, impl)
+    rows = run.tokens // length
     try:
-        rec = trace_step(model, length, rows, "zero1", gpu.low, gpu.flash, padding_mask=padding)
+        return trace_step(
+            model, length, rows, "zero1", gpu.low, gpu.flash, padding_mask=padding, world=run.world
+        )
     except (RuntimeError, ValueError, NotImplementedError) as e:
         what = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise SystemExit(
@@ -170,70 +270,83 @@ def trace_here(arch, size, length, rows, gpu: Gpu, padding: bool, vocab: int) ->
             f"({what}); its kernels must be torch.library custom ops with a fake impl "
             f"(shatter/attention/triton_kernel.py), or pick another with --partition-impl"
         ) from None
-    return records(rec)
 
 
-def figures(
-    archs, lengths, tokens, gpu_names, padding, size="base", vocab=REPLAY_VOCAB, impl=None
-) -> dict:
-    """{gpu: {arch: {length: figures}}} at this checkout; `impl` replaces Shatter's `auto` choice
-    of attention impl on every GPU."""
-    out = {}
-    table = gpus()
-    if impl:
-        table = {k: replace(g, partition_impl=impl) for k, g in table.items()}
-    traces = {}
+def priced(rows: list[dict], gpu: Gpu, run: Run, tokens: int) -> dict:
+    """The figures of one mode (eager or compiled) of a traced step."""
+    split = price(rows, gpu, accum=run.grad_accum)
+    return {
+        "ms_per_step": 1e3 * split["total"],
+        "tokens_per_s": tokens / split["total"],
+        "split_ms": {k: 1e3 * split[k] for k in SPLIT},
+        "kernels": split["kernels"],
+    }
+
+
+def figures(archs, lengths, gpu_names, padding, run: Run = Run(), vocab=REPLAY_VOCAB) -> dict:
+    """{gpu: {arch: {length: figures}}} at this checkout: the run's mode at the top level, both
+    modes under "eager" and "compiled"."""
+    out, traces = {}, {}
     for name in gpu_names:
-        gpu = table[name]
-        key = (gpu.low, gpu.flash, gpu.partition_impl)
-        out[name] = {}
+        gpu = gpu_for(name, run)
+        out[name] = {arch: {} for arch in archs}
         for arch in archs:
-            out[name][arch] = {}
             for L in lengths:
-                rows = tokens // L
-                if (key, arch, L) not in traces:
-                    traces[key, arch, L] = trace_here(arch, size, L, rows, gpu, padding, vocab)
-                trace = traces[key, arch, L]
-                split = price(trace, gpu)
-                out[name][arch][L] = {
-                    "ms_per_step": 1e3 * split["total"],
-                    "tokens_per_s": rows * L / split["total"],
-                    "split_ms": {k: 1e3 * split[k] for k in SPLIT},
-                    "flops_per_token": model_flops(trace) / (rows * L),
-                    "cost_py_flops_per_token": cost_py_flops(arch, L, rows, size, vocab),
+                key = (gpu.low, gpu.flash, gpu.partition_impl, arch, L)  # the A100 is the H100's
+                if key not in traces:
+                    traces[key] = trace_here(arch, L, gpu, run, padding, vocab)
+                rec = traces[key]
+                rows = run.tokens // L
+                tokens = rows * L * run.grad_accum  # per GPU per step
+                modes = {
+                    mode: priced(records(rec, compiled=mode == "compiled"), gpu, run, tokens)
+                    for mode in MODES
                 }
+                f = dict(modes["compiled" if run.compiled else "eager"])
+                f["mode"] = "compiled" if run.compiled else "eager"
+                f["flops_per_token"] = model_flops(records(rec)) / (rows * L)
+                f["cost_py_flops_per_token"] = cost_py_flops(arch, L, rows, run.size, vocab)
+                f["mfu"] = f["tokens_per_s"] * f["cost_py_flops_per_token"] / gpu.peak
+                out[name][arch][L] = {**f, **modes}
     for per_arch in out.values():
         add_ratios(per_arch)
     return out
 
 
 def add_ratios(per_arch: dict) -> None:
-    """Each arch's ms per step over BERT's at the same length (when BERT was modelled)."""
+    """Each arch's ms per step over BERT's at the same length and mode (when BERT was
+    modelled)."""
     for per_len in per_arch.values():
         for L, f in per_len.items():
             bert = per_arch.get("bert", {}).get(L)
-            f["ratio_to_bert"] = f["ms_per_step"] / bert["ms_per_step"] if bert else None
+            for mine, hers in [(f, bert)] + [(f[m], bert and bert[m]) for m in MODES]:
+                mine["ratio_to_bert"] = mine["ms_per_step"] / hers["ms_per_step"] if hers else None
 
 
-def print_tables(out: dict, tokens: int) -> None:
+def print_tables(out: dict, run: Run) -> None:
     for gpu, per_arch in out.items():
-        g = gpus()[gpu]
+        g = gpu_for(gpu, run)
         print(
             f"\n{gpu}: {g.peak / 1e12:.0f} TFLOP/s, {g.bandwidth / 1e12:.2f} TB/s, "
-            f"{str(g.low).split('.')[-1]}, {tokens} tokens a step"
+            f"{str(g.low).split('.')[-1]}, {run.tokens * run.grad_accum} tokens a step per GPU, "
+            f"ZeRO-1 over {run.world} GPU{'s' if run.world > 1 else ''}"
         )
-        head = ["arch", "l", "ms/step", "tokens/s", *(f"{n} ms" for n in SPLIT_NAMES)]
-        head += ["GFLOP/token", "cost.py", "/ BERT"]
+        head = ["arch", "l", "mode", "ms/step", "tokens/s", *(f"{n} ms" for n in SPLIT_NAMES)]
+        head += ["kernels", "GFLOP/token", "cost.py", "MFU", "/ BERT"]
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         for arch, per_len in per_arch.items():
             for L, f in per_len.items():
-                ratio = f["ratio_to_bert"]
-                cells = [arch, L, f"{f['ms_per_step']:.1f}", f"{f['tokens_per_s'] / 1e3:.0f}k"]
-                cells += [f"{f['split_ms'][k]:.1f}" for k in SPLIT]
-                cells += [f"{f['flops_per_token'] / 1e9:.3f}"]
-                cells += [f"{f['cost_py_flops_per_token'] / 1e9:.3f}"]
-                cells += ["-" if ratio is None else f"{ratio:.3f}"]
-                print("| " + " | ".join(str(c) for c in cells) + " |")
+                for mode in MODES:
+                    m = f[mode]
+                    ratio = m["ratio_to_bert"]
+                    mfu = m["tokens_per_s"] * f["cost_py_flops_per_token"] / g.peak
+                    cells = [arch, L, mode, f"{m['ms_per_step']:.1f}"]
+                    cells += [f"{m['tokens_per_s'] / 1e3:.0f}k"]
+                    cells += [f"{m['split_ms'][k]:.1f}" for k in SPLIT]
+                    cells += [f"{m['kernels']:,}", f"{f['flops_per_token'] / 1e9:.3f}"]
+                    cells += [f"{f['cost_py_flops_per_token'] / 1e9:.3f}", f"{100 * mfu:.0f}%"]
+                    cells += ["-" if ratio is None else f"{ratio:.3f}"]
+                    print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 def replay_worktree(commit: str = REPLAY_COMMIT) -> Path:
@@ -339,15 +452,26 @@ def print_calibration(cal: dict) -> None:
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--archs", default="bert,shatter", show_default=True)
 @click.option("--lengths", default="256,1024", show_default=True)
-@click.option("--tokens", default=16384, show_default=True, help="tokens per step")
 @click.option(
-    "--size", default="base", show_default=True, help="the presets' size (base: 12 x 768)"
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="a training config (configs/*.yaml): tokens per GPU, world size, precision, compile",
 )
+@click.option(
+    "--tokens", type=int, help="tokens per GPU per step [default: 16384, or the config's]"
+)
+@click.option("--size", help="the presets' size [default: base, or the config's]")
 @click.option("--gpus", "gpu_names", default=",".join(GPUS), show_default=True)
 @click.option("--padding", is_flag=True, help="every batch passes its attention mask")
 @click.option(
+    "--compiled/--eager",
+    default=None,
+    help="the main figures' mode (both are printed) [default: eager, or the config's run.compile]",
+)
+@click.option(
     "--partition-impl",
-    type=click.Choice(("triton", "chunked", "lean", "naive")),
+    type=click.Choice([i for i in ATTENTION_IMPLS if i != "auto"]),
     help="Shatter's attention impl on every GPU (default: auto's choice per GPU)",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the figures")
@@ -356,43 +480,57 @@ def print_calibration(cal: dict) -> None:
 def main(
     archs,
     lengths,
+    config_path,
     tokens,
     size,
     gpu_names,
     padding,
+    compiled,
     partition_impl,
     json_path,
     do_calibrate,
     do_fit,
 ):
+    archs, names, lens = parse_lists(archs, gpu_names, lengths)
+    run = Run(impl=partition_impl)
+    if config_path:
+        run = run_of_config(config_path, run)
+    flags = dict(tokens=tokens, size=size, compiled=compiled)
+    run = replace(run, **{k: v for k, v in flags.items() if v is not None})
+    result = {"efficiency": EFFICIENCY, "tokens_per_step": run.tokens * run.grad_accum}
+    result |= {"size": run.size, "config": run.config, "world_size": run.world}
+    result |= {"grad_accum": run.grad_accum, "compiled": run.compiled, "communication": COMMS}
+    if do_calibrate or do_fit:
+        traces = replay_traces()
+        if do_fit:
+            fit(traces)
+        result["calibration"] = calibrate(traces)
+        print_calibration(result["calibration"])
+    result["figures"] = figures(archs, lens, names, padding, run)
+    print_tables(result["figures"], run)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+    if "calibration" in result and not all(c["pass"] for c in result["calibration"]["checks"]):
+        raise SystemExit("step_cost: the replay of the measurement failed (see above)")
+
+
+def parse_lists(archs: str, gpu_names: str, lengths: str):
+    """(archs, GPU names, lengths) from their comma-separated options, or one line naming the bad
+    one."""
     from shatter.config import ARCHS
 
-    archs = archs.split(",")
-    names = gpu_names.split(",")
+    archs, names = archs.split(","), gpu_names.split(",")
     bad = [a for a in archs if a not in ARCHS] + [g for g in names if g not in GPUS]
     if bad:
         raise SystemExit(
             f"step_cost: unknown arch or GPU {bad}; archs: {', '.join(ARCHS)}; GPUs: {', '.join(GPUS)}"
         )
     try:
-        lens = [int(v) for v in lengths.split(",")]
+        return archs, names, [int(v) for v in lengths.split(",")]
     except ValueError:
         raise SystemExit(
             f"step_cost: --lengths takes integers like 256,1024, got {lengths!r}"
         ) from None
-    result = {"efficiency": EFFICIENCY, "tokens_per_step": tokens, "size": size}
-    if do_calibrate or do_fit:
-        traces = replay_traces(tokens)
-        if do_fit:
-            fit(traces)
-        result["calibration"] = calibrate(traces)
-        print_calibration(result["calibration"])
-    result["figures"] = figures(archs, lens, tokens, names, padding, size, impl=partition_impl)
-    print_tables(result["figures"], tokens)
-    if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=1))
-    if "calibration" in result and not all(c["pass"] for c in result["calibration"]["checks"]):
-        raise SystemExit("step_cost: the replay of the measurement failed (see above)")
 
 
 if __name__ == "__main__":

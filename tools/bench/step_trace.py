@@ -1,24 +1,28 @@
-"""The ops of one training step of a model, traced on meta tensors: what tools/bench/step_cost.py prices.
+"""The ops of one training step of a model, traced on meta tensors: what
+tools/bench/step_cost.py prices.
 
 `trace_step(model, ...)` runs one step of a masked-LM model built by `shatter.build_model` (this
 checkout's, or an older commit's: the module imports no project module at load time, and
-`shatter` itself only in `main`, so tools/bench/step_cost.py runs it by path under another checkout's
-PYTHONPATH) on meta tensors, which
-have shapes, dtypes and strides but no values, so a base-size step traces in seconds on a CPU:
+`shatter` itself only in `main`, so tools/bench/step_cost.py runs it by path under another
+checkout's PYTHONPATH) on meta tensors, which have shapes, dtypes and strides but no values, so a
+base-size step traces in seconds on a CPU:
 
     forward    model(input_ids, attention_mask, labels)["loss"]
     backward   loss.backward()
     optimizer  `fused`: torch's fused AdamW over the fp32 parameters (the model fp32 under
-               bf16 autocast); `zero1`: DeepSpeed's bf16 ZeRO-1 step on one rank (the model in
-               bf16; each gradient copied into the flat bf16 bucket, cast to the fp32 partition,
-               its norm and finiteness, the unscale, AdamW on the fp32 master, the master cast
-               back to the bf16 parameters)
+               bf16 autocast); `zero1`: DeepSpeed's ZeRO-1 step on one of `world` ranks (the
+               model in bf16 or fp16; each gradient copied into the flat bucket, whole, as its
+               hook fires; then, on the rank's 1/world partition only: its gradients flattened
+               into one tensor and cast to fp32, their norm and finiteness, the unscale, AdamW on
+               the fp32 master, the master cast back to the low-precision parameters). The
+               collectives between (the gradients' reduce-scatter, the parameters' all-gather)
+               are communication: not traced, not priced.
 
 A TorchDispatchMode records every ATen op (and every custom op) with its executed FLOPs and the
 HBM bytes it reads and writes (a tensor's bytes over its dimensions of non-zero stride, so a
-broadcast operand counts once; an output that aliases an input is a view: no kernel, no bytes).
-What a GPU would do differently from the meta device is emulated above the dispatcher, in a
-TorchFunctionMode:
+broadcast operand counts once; an output that aliases an input is a view: no kernel, no bytes),
+in order, with the storages it reads and writes. What a GPU would do differently from the meta
+device is emulated above the dispatcher, in a TorchFunctionMode:
 
 - CUDA autocast (torch's documented op lists: GEMMs and SDPA in the low precision; softmax, sums,
   norms, layer_norm, losses in fp32; cat and friends to the widest), weight casts cached per
@@ -28,10 +32,16 @@ TorchFunctionMode:
 - the boolean index of the MLM head (decode only the predicted positions): a `predicted` share of
   the tokens, as the data's masking would give.
 
-Custom ops named `shatter::...` are priced by their own (FLOPs, bytes) formula from
-`shatter.kernels.cost.OP_COSTS` when this checkout has it (their model FLOPs from its
-`model_flops`, their kernel launches from `OP_LAUNCHES` when it states them, else one); ops it
-lacks count their tensors' bytes.
+Custom ops named `shatter::...` are priced per kernel from `shatter.kernels.cost.OP_COSTS` when
+this checkout has it: a row of kind "custom" carries the op's kernels, (name, kind, FLOPs,
+bytes) each, one launch each, and its model FLOPs from `model_flops`; ops it lacks count their
+tensors' bytes, one launch.
+
+`records(rec)` is the step as eager PyTorch runs it, one kernel per op; `records(rec,
+compiled=True)` as inductor runs the compiled model (`fuse_pointwise`): in the forward and the
+backward, each chain of consecutive pointwise ops (between two GEMMs, reductions, or other
+non-pointwise kernels) is one kernel that reads its inputs once and writes once the outputs that
+are read after it (or that it writes into an older tensor); the optimizer stays eager.
 """
 
 from __future__ import annotations
@@ -107,24 +117,53 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
 
 
 def _custom_costs():
-    """(OP_COSTS, model_flops, OP_LAUNCHES) of this checkout's `shatter::` custom ops."""
+    """(OP_COSTS, model_flops) of this checkout's `shatter::` custom ops."""
     try:
         from shatter.kernels import cost
     except ImportError:
-        return {}, None, {}
-    return cost.OP_COSTS, getattr(cost, "model_flops", None), getattr(cost, "OP_LAUNCHES", {})
+        return {}, None
+    return cost.OP_COSTS, getattr(cost, "model_flops", None)
+
+
+def _kernels(cost) -> tuple[tuple[str, str, float, float], ...]:
+    """An OP_COSTS entry's answer as (name, kind, FLOPs, bytes) per kernel; an older checkout's
+    (FLOPs, bytes) for the whole op is one custom kernel."""
+    if len(cost) == 2 and not isinstance(cost[0], tuple):
+        return (("op", "custom", float(cost[0]), float(cost[1])),)
+    return tuple((str(k[0]), str(k[1]), float(k[2]), float(k[3])) for k in cost)
+
+
+# Ops inductor fuses as pointwise beyond those torch tags so: casts, copies, fills, dropout
+POINTWISE = {"_to_copy", "copy_", "clone", "fill_", "fill", "zero_", "full", "full_like", "zeros",
+             "zeros_like", "ones", "ones_like", "new_zeros", "new_ones", "new_full", "masked_fill_",
+             "native_dropout", "native_dropout_backward", "gelu_", "floor_divide", "scalar_tensor",
+             "_masked_scale"}  # fmt: skip
+
+
+def _pointwise(func, name: str) -> bool:
+    return torch.Tag.pointwise in func.tags or name in POINTWISE
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    """A tensor as the storage it lives in and the region it spans there."""
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
 class StepTrace(TorchDispatchMode):
-    """Records (op, phase, kind, executed FLOPs, model FLOPs, bytes) of every kernel-launching op;
-    `phase` is set by the caller (forward, backward, optimizer)."""
+    """Records, in order, each kernel-launching op: its row key (op, phase, kind, executed FLOPs,
+    model FLOPs, bytes, launches, kernels), whether it is pointwise, and the tensors (as
+    `_view_key`, bytes) it reads and writes; `phase` is set by the caller (forward, backward,
+    optimizer)."""
 
     def __init__(self, predicted: float):
         super().__init__()
         self.predicted = predicted
         self.phase = "forward"
-        self.ops: Counter = Counter()
-        self.custom, self.custom_model_flops, self.custom_launches = _custom_costs()
+        self.events: list[tuple] = []  # (key, pointwise, reads, writes)
+        # every storage seen, kept so that no address is reused (the storage, not the tensor: a
+        # gradient held elsewhere would be copied by autograd instead of taken)
+        self.alive: list = []
+        self.custom, self.custom_model_flops = _custom_costs()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -153,16 +192,22 @@ class StepTrace(TorchDispatchMode):
                 new.append(i)
         return (args[0], new, *args[2:])
 
+    def _views(self, tensors) -> tuple:
+        self.alive += [t.untyped_storage() for t in tensors]
+        return tuple((_view_key(t), tensor_bytes(t)) for t in tensors)
+
     def record(self, func, name, args, kwargs, out):
-        reads = sum(tensor_bytes(t) for t in _tensors((args, kwargs)))
-        written = _written(func, args, kwargs)
-        writes = sum(tensor_bytes(t) for t in written or _tensors(out))
+        read_t = _tensors((args, kwargs))
+        write_t = _written(func, args, kwargs) or _tensors(out)
+        reads, writes = self._views(read_t), self._views(write_t)
+        nbytes = sum(b for _, b in reads) + sum(b for _, b in writes)
         flops = model_flops = 0.0
-        kind = "memory"
+        kind, kernels, launches = "memory", (), 1
         qualified = str(func.overloadpacket._qualified_op_name)
         if qualified in self.custom:
-            flops, total = self.custom[qualified](args, kwargs, out)
-            reads, writes, kind = total, 0, "custom"
+            kernels = _kernels(self.custom[qualified](args, kwargs, out))
+            kind, launches = "custom", len(kernels)
+            flops, nbytes = sum(k[2] for k in kernels), sum(k[3] for k in kernels)
             model_flops = flops
             if self.custom_model_flops is not None:  # the dense count train/cost.py makes
                 model_flops = self.custom_model_flops(qualified, args, kwargs)
@@ -171,11 +216,11 @@ class StepTrace(TorchDispatchMode):
             kind = "gemm" if name in GEMMS else SDPA[name]
             # the SDPA backward recomputes Q K^T: 5 products where the model count has 4
             model_flops = flops * 0.8 if name.endswith("_backward") else flops
-        launches = self.custom_launches.get(qualified, 1)  # a custom op's kernels, when stated
         if name.startswith(("_foreach_", "_fused_")):  # multi_tensor_apply: ~110 tensors a launch
             launches = max(1, math.ceil(len(_tensors(args[0])) / 110))
-        key = (qualified, self.phase, kind, flops, model_flops, reads + writes, launches)
-        self.ops[key] += 1
+        key = (qualified, self.phase, kind, flops, model_flops, nbytes, launches, kernels)
+        pointwise = kind == "memory" and _pointwise(func, name)
+        self.events.append((key, pointwise, reads, writes))
 
 
 class GpuEmulation(TorchFunctionMode):
@@ -270,24 +315,29 @@ class MetaAutocast:
             self.emulation.dtype = saved
 
 
-def zero1_step(params: list[torch.Tensor]) -> None:
-    """DeepSpeed's bf16 ZeRO-1 optimizer step on one rank, over flat buffers as it keeps them."""
+def zero1_step(params: list[torch.Tensor], world: int = 1) -> None:
+    """DeepSpeed's ZeRO-1 optimizer step on one of `world` ranks, over flat buffers as it keeps
+    them: every gradient into the flat bucket (whole, as each hook fires), then the rank's
+    1/world partition (rounded up) only. The reduce-scatter of the bucket and the all-gather of
+    the updated parameters are communication, left out."""
     numel = sum(p.numel() for p in params)
+    part = -(-numel // world)
     dev, low = params[0].device, params[0].dtype
     bucket = torch.empty(numel, dtype=low, device=dev)
     offset = 0
     for p in params:  # each gradient into the flat bucket as its hook fires
         bucket[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
         offset += p.numel()
-    grad = bucket.float()  # the fp32 partition's gradient
+    # after the reduce-scatter: the partition's gradients flattened into one tensor, then fp32
+    grad = bucket[:part].clone().float()
     norm = torch.linalg.vector_norm(grad)
     torch.isfinite(norm).logical_not()  # the overflow test on the norm
     grad.mul_(1.0)  # unscale and clip by the combined scale
-    master, m, v = (torch.empty(numel, device=dev) for _ in range(3))
+    master, m, v = (torch.empty(part, device=dev) for _ in range(3))
     step = torch.empty((), device=dev)
     adamw([master], [grad], [m], [v], [step])
-    flat = torch.empty(numel, dtype=low, device=dev)
-    flat.copy_(master)  # the updated master into the bf16 parameters
+    flat = torch.empty(part, dtype=low, device=dev)
+    flat.copy_(master)  # the updated master into the partition's low-precision parameters
 
 
 def adamw(params, grads, m, v, steps) -> None:
@@ -314,10 +364,12 @@ def trace_step(
     flash: bool = True,
     padding_mask: bool = False,
     predicted: float = 0.15,
+    world: int = 1,
 ) -> StepTrace:
     """One training step of `model` (on the meta device) at `rows` x `length` tokens; the model
     fp32 under autocast with `optimizer="fused"`, or already in `low` with `"zero1"`.
-    `padding_mask`: pass an all-ones attention mask (as a padded batch would) instead of None."""
+    `padding_mask`: pass an all-ones attention mask (as a padded batch would) instead of None;
+    `world`: the ranks ZeRO-1 partitions the optimizer over."""
     dev = torch.device("meta")
     ids = torch.empty(rows, length, dtype=torch.long, device=dev)
     mask = torch.empty(rows, length, dtype=torch.long, device=dev) if padding_mask else None
@@ -331,7 +383,10 @@ def trace_step(
         rec.phase = "backward"
         loss.backward()
         rec.phase = "optimizer"
-        (fused_step if optimizer == "fused" else zero1_step)(params)
+        if optimizer == "fused":
+            fused_step(params)
+        else:
+            zero1_step(params, world)
     for p in params:
         p.grad = None
     return rec
@@ -346,10 +401,66 @@ def _patched_autocast(autocast):
         torch.autocast = MetaAutocast.real
 
 
-def records(rec: StepTrace) -> list[dict]:
-    """The trace as JSON-able rows: one per distinct (op, phase, kind, FLOPs, bytes), counted."""
-    keys = ("op", "phase", "kind", "flops", "model_flops", "bytes", "launches")
-    return [dict(zip(keys, k), count=c) for k, c in rec.ops.items()]
+ROW_KEYS = ("op", "phase", "kind", "flops", "model_flops", "bytes", "launches", "kernels")
+
+
+def records(rec: StepTrace, compiled: bool = False) -> list[dict]:
+    """The trace as JSON-able rows: one per distinct (op, phase, kind, FLOPs, bytes), counted;
+    `compiled`: with the forward's and backward's pointwise chains fused (`fuse_pointwise`)."""
+    keys = fuse_pointwise(rec.events) if compiled else [e[0] for e in rec.events]
+    rows = []
+    for k, c in Counter(keys).items():
+        row = dict(zip(ROW_KEYS, k), count=c)
+        row["kernels"] = [list(kernel) for kernel in row["kernels"]]
+        rows.append(row)
+    return rows
+
+
+def fuse_pointwise(events: list[tuple]) -> list[tuple]:
+    """The row keys of the step as inductor runs it: each run of consecutive pointwise events of
+    the forward or the backward becomes one kernel (`_fused`); every other event stays as it is."""
+    last_read: dict[int, int] = {}
+    first_seen: dict[int, int] = {}
+    for i, (_, _, reads, writes) in enumerate(events):
+        for view, _ in reads:
+            last_read[view[0]] = i
+        for view, _ in reads + writes:
+            first_seen.setdefault(view[0], i)
+    keys, chain = [], []
+    for i, event in enumerate(events):
+        key, pointwise = event[0], event[1]
+        fusable = pointwise and key[1] in ("forward", "backward")
+        if chain and not (fusable and events[chain[0]][0][1] == key[1]):
+            keys.append(_fused(events, chain, last_read, first_seen))
+            chain = []
+        if fusable:
+            chain.append(i)
+        else:
+            keys.append(key)
+    if chain:
+        keys.append(_fused(events, chain, last_read, first_seen))
+    return keys
+
+
+def _fused(events, chain: list[int], last_read: dict, first_seen: dict) -> tuple:
+    """One kernel for the chain of events `chain`: it reads each tensor it did not write itself
+    once, and writes once each tensor read after it or older than it (one launch)."""
+    if len(chain) == 1:
+        return events[chain[0]][0]
+    start, end = chain[0], chain[-1]
+    inputs, outputs, written = {}, {}, set()
+    for i in chain:
+        _, _, reads, writes = events[i]
+        for view, nbytes in reads:
+            if view[0] not in written:
+                inputs.setdefault(view, nbytes)
+        for view, nbytes in writes:
+            written.add(view[0])
+            older = first_seen[view[0]] < start or any(v[0] == view[0] for v in inputs)
+            if older or last_read.get(view[0], -1) > end:
+                outputs[view] = nbytes
+    nbytes = sum(inputs.values()) + sum(outputs.values())
+    return ("inductor::pointwise", events[start][0][1], "memory", 0.0, 0.0, nbytes, 1, ())
 
 
 def build_meta(build_model, arch: str, size: str, vocab: int, max_len: int, dtype, impl=None):

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shatter.options import flag_fields, option
-from shatter.train.config import ConfigError, OptimArgs, _section, default_zero_stage, read_yaml
+from shatter.options import ConfigError, built, flag_fields, layered, option
+from shatter.train.config import OptimArgs, default_zero_stage
 from shatter.train.finetuning.data import DataConfig
 from shatter.train.finetuning.tasks import TASKS
 
@@ -77,11 +77,7 @@ FLAGS = flag_fields(SECTIONS)  # click parameter -> config field, from the optio
 
 def resolve(config_file: str | None, flags: Mapping[str, Any]) -> FinetuneConfig:
     """Defaults (with the task's lr), then the YAML file, then the flags; unknown keys rejected."""
-    sections = read_yaml(config_file, SECTIONS) if config_file else {name: {} for name in SECTIONS}
-    for flag, value in flags.items():
-        if value is not None:
-            section, key = FLAGS[flag].split(".")
-            sections[section][key] = value
+    sections, _ = layered(SECTIONS, config_file, flags)
     task = sections["data"].get("task")
     if task not in TASKS:
         raise ConfigError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
@@ -103,12 +99,7 @@ def resolve(config_file: str | None, flags: Mapping[str, Any]) -> FinetuneConfig
         **sections["optim"],
     }
     where = config_file or "flags"
-    cfg = FinetuneConfig(
-        **{
-            name: _section(cls, sections[name], f"{where} [{name}]")
-            for name, cls in SECTIONS.items()
-        }
-    )
+    cfg = FinetuneConfig(**built(SECTIONS, sections, where))
     r = cfg.run
     checks = [
         (cfg.data.train_file is not None, "--train-file is required"),

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import click
 
+from shatter.options import command
+
 FINETUNE = Path(__file__).resolve().parents[1] / "finetune.py"  # train/finetune.py
 
 # task: (GLUE folder, dev file, Table 1 column(s), dev metric of metrics.json)
@@ -237,7 +239,7 @@ def _floats(text: str | None) -> list[float] | None:
     return [float(x) for x in text.split(",")] if text else None
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command()
 @click.option("--checkpoint", required=True, help="Export to finetune (RUN/export, or extended).")
 @click.option("--data-dir", help="GLUE folders (CoLA/, SST-2/, ...); default: the Hub's.")
 @click.option("--output", required=True, help="Suite directory: runs, glue.json.")

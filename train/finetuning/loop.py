@@ -138,24 +138,13 @@ def prepare(cfg: FinetuneConfig) -> Prepared:
     export (a remote one through the node's cache), its tokenizer, the length, the task data;
     the step count (`epochs` passes unless `max_steps`) and the warm-up (`warmup_ratio` of them
     unless `optim.warmup_steps`)."""
-    import shatter
-    from shatter.checkpoint import CheckpointError, tokenizer_path
-    from shatter.remote import local_export
-    from shatter.sources import describe_non_export
+    from shatter.sources import open_export
     from shatter.train.finetuning.features import Tokenizer
 
-    checkpoint = local_export(cfg.run.checkpoint)  # s3://, gs://: fetched once per node
-    problem = describe_non_export(checkpoint)
-    if problem:
-        raise CheckpointError(problem)
+    export = open_export(cfg.run.checkpoint)
     check_output(Path(cfg.run.output), directory=True)
-    tokenizer_file = tokenizer_path(checkpoint)
-    if tokenizer_file is None:
-        raise FileNotFoundError(
-            f"{checkpoint / 'tokenizer.model'}: the export has no tokenizer (re-export with one)"
-        )
+    tokenizer_file, backbone = export.tokenizer, export.model
     tokenizer = Tokenizer(tokenizer_file)
-    backbone = shatter.from_pretrained(checkpoint)
     max_len = cfg.data.max_len or backbone.config.max_len
     if max_len > backbone.config.max_len:
         raise ConfigError(
