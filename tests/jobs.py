@@ -38,9 +38,11 @@ def free_port() -> int:
 def run_command(
     cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:
-    """`cmd` run to its end in its own process group, its output captured as text. Past
-    `timeout` seconds the whole group (a launcher, its ranks, their loader workers) is killed and
-    subprocess.TimeoutExpired raised, as subprocess.run does for the one child it knows."""
+    """`cmd` run to its end in its own process group (in `env`, default child_env()), its output
+    captured as text. Past `timeout` seconds the whole group (a launcher, its ranks, their loader
+    workers) is killed and subprocess.TimeoutExpired raised, as subprocess.run does for the one
+    child it knows."""
+    env = child_env() if env is None else env
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,

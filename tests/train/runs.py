@@ -65,7 +65,8 @@ def command(
 def run_to_end(
     cmd: list[str], timeout: int = 240, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """`cmd` run to its end (in `env`, default this process's): exit 0, no shared memory left.
+    """`cmd` run to its end (in `env`, default this process's with the checkout on PYTHONPATH):
+    exit 0, no shared memory left.
     Past `timeout` the launcher and its ranks are killed."""
     done = run_command(cmd, timeout=timeout, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
