@@ -12,7 +12,7 @@ export TORCH_INDEX
 CONSTRAINTS ?= constraints.txt
 PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup test test-gpu demo clean rehearse-gpu science-data constraints
+.PHONY: setup test test-fast test-gpu demo clean rehearse-gpu science-data constraints
 
 setup: $(STAMP)
 
@@ -43,11 +43,22 @@ $(STAMP): setup.cfg setup.py pyproject.toml $(CONSTRAINTS) $(MODULES)
 	@touch $(STAMP)
 	@echo "==> set-up done: $(VENV) ($$($(PY) -c 'import torch; print("torch", torch.__version__)'))"
 
+# The suite in WORKERS pytest-xdist processes, a test module at a time to each (--dist
+# loadscope): a module's tests share its module fixtures (its launches), made once. (loadgroup's
+# xdist_group marks are lost under pytest 9.2: pytest-xdist 3.8 renames a test by its _nodeid,
+# which pytest 9 no longer reads.) test-fast leaves out the tests marked slow, those of more than
+# a few seconds.
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadscope
+
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/basedpyright --pythonpath $(PY)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
+
+test-fast: setup
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not gpu"
 
 # The tests marked gpu: the compiled Triton kernels against the references, and the GPU lane of
 # the real CLIs on one CUDA device (tests/train/test_gpu.py, tests/finetune/test_gpu.py); they

@@ -2,8 +2,9 @@
 pipeline, and offline settings for `datasets`."""
 
 import os
-import subprocess
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 # the test process, and after tests/test_docs.py has imported every documented program's module,
 # setuptools' distutils shim found the standard library's distutils and failed its own assert.
 import setuptools  # noqa: F401, E402
+from filelock import FileLock
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,14 +32,19 @@ from shatter.train.engine import extensions_dir  # noqa: E402
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
 
 REPO = Path(__file__).resolve().parents[1]
-pytest_plugins = ("tests.s3server",)
-from tests import background  # noqa: E402
-from tests.jobs import jobs_end_with_their_test  # noqa: E402, F401 (autouse)  # `s3_server`: a real S3 server on loopback
+# One checkout's code: the suite of this checkout tests this checkout's `shatter` (a second clone
+# run with another clone's venv first on the path would test the other's code without a word).
+if Path(sys.modules["shatter"].__file__).resolve().parents[1] != REPO:
+    pytest.exit(
+        f"tests/conftest.py: these tests are {REPO}'s, but `shatter` is imported from "
+        f"{Path(sys.modules['shatter'].__file__).resolve().parents[1]}; fix: run pytest from "
+        f"{REPO} with its own venv (make test)",
+        returncode=2,
+    )
+pytest_plugins = ("tests.s3server",)  # `s3_server`: a real S3 server on loopback
+from tests.jobs import jobs_end_with_their_test, run_command  # noqa: E402, F401 (autouse)
 
 SHARED_DATA = Path(os.environ.get("SHATTER_SHARED_DATA", REPO.parent / "shared" / "data"))
-# The environment as the session found it (with the settings above): what background work
-# (tests/background.py) gives its subprocesses, whatever a test running meanwhile sets here.
-background.SESSION_ENV.update(os.environ)
 
 
 @pytest.fixture(scope="session")
@@ -65,8 +72,31 @@ def flip_weights():
 
 @pytest.fixture(scope="session")
 def books_data(shared_data, tmp_path_factory) -> Path:
-    """Real text (Gutenberg books of ../shared/data) through the real pipeline: length 64, vocab 2000."""
-    out = tmp_path_factory.mktemp("books") / "data"
+    """Real text (Gutenberg books of ../shared/data) through the real pipeline: length 64, vocab
+    2000; built once for all of pytest-xdist's workers."""
+    return built_once(tmp_path_factory, "books", lambda out: build_books(shared_data, out))
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """`build(out)`'s output, made once for the whole run: pytest-xdist gives each worker its own
+    session fixtures, so the first worker to ask builds it under a lock shared by the run's
+    workers (in the run's common temporary folder) and the others wait for it and reuse it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        out = tmp_path_factory.mktemp(name) / "data"
+        build(out)
+        return out
+    root = tmp_path_factory.getbasetemp().parent  # pytest-of-<user>/pytest-<n>: this run's
+    out, done = root / name / "data", root / name / "done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():  # a worker whose build failed left no mark: the next one retries
+            shutil.rmtree(root / name, ignore_errors=True)
+            (root / name).mkdir()
+            build(out)
+            done.touch()
+    return out
+
+
+def build_books(shared_data: Path, out: Path) -> None:
     cmd = [
         str(Path(sys.executable).parent / "shatter-data"),
         "build",
@@ -89,25 +119,8 @@ def books_data(shared_data, tmp_path_factory) -> Path:
         "--seed",
         "0",
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = run_command(cmd, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return out
-
-
-@pytest.fixture(scope="session", autouse=True)
-def started(request):
-    """The BACKGROUND fixtures of the selected tests, started now (tests/background.py). A
-    producer whose session fixtures skip (no ../shared/data) is left to its fixture."""
-    work = {}
-    for name, producer in background.declared(request.session.items).items():
-        try:
-            kwargs = {arg: request.getfixturevalue(arg) for arg in background.arguments(producer)}
-        except pytest.skip.Exception:
-            continue
-        work[name] = (producer, kwargs)
-    background.start(work)
-    yield
-    background.finish()
 
 
 RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

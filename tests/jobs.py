@@ -1,5 +1,7 @@
-"""A launched command whose output lines are time-stamped as they come: the exit-path tests
-measure from a line (a failure, the last line) to the exit of every process of the job."""
+"""Helpers for the tests that launch commands: a child's environment, a free rendezvous port, a
+command run to its end within a time limit (its whole process group killed past it), and a
+launched command whose output lines are time-stamped as they come (the exit-path tests measure
+from a line, a failure or the last line, to the exit of every process of the job)."""
 
 import os
 import signal
@@ -8,7 +10,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,38 +28,55 @@ def child_env(base: dict | None = None, **extra: str) -> dict:
 
 
 def free_port() -> int:
-    """A port free now for a launcher's rendezvous: jobs run side by side (pytest-xdist, other
-    suites on the machine) and DeepSpeed's default, 29500, would be shared."""
+    """A port free now for a launcher's rendezvous: jobs run side by side (pytest-xdist's
+    workers, other suites on the machine) and DeepSpeed's default, 29500, would be shared."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-BACKGROUND_THREAD = "background fixtures"  # tests/background.py's thread, and its pool's
-# the jobs started and not yet ended: the foreground's (the tests and their fixtures) and the
-# background's (tests/background.py), apart: a test's end must not kill the background's jobs
-RUNNING: dict[bool, list["Job"]] = {False: [], True: []}
+def run_command(
+    cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
+    """`cmd` run to its end in its own process group (in `env`, default child_env()), its output
+    captured as text. Past `timeout` seconds the whole group (a launcher, its ranks, their loader
+    workers) is killed and subprocess.TimeoutExpired raised, as subprocess.run does for the one
+    child it knows."""
+    env = child_env() if env is None else env
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    except BaseException:  # an interrupt or pytest-timeout: nothing of the job outlives the test
+        _kill_group(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def in_background() -> bool:
-    """Whether this thread does tests/background.py's work (its thread, or side_by_side's pool
-    started there)."""
-    return threading.current_thread().name.startswith(BACKGROUND_THREAD)
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(30)
+
+
+RUNNING: list["Job"] = []  # the jobs started and not yet ended
 
 
 def end_jobs() -> None:
-    """Kill every job this side (foreground or background) started that still runs, with its
-    ranks and workers: a test that failed or ran out of its time (pytest-timeout) mid-job must
-    not leave one busy (tests/conftest.py, per test; tests/background.py, per producer)."""
-    running = RUNNING[in_background()]
-    while running:
-        job = running.pop()
+    """Kill every job started that still runs, with its ranks and workers: a test that failed or
+    ran out of its time (pytest-timeout) mid-job must not leave one busy."""
+    while RUNNING:
+        job = RUNNING.pop()
         if job.proc.poll() is None:
-            try:
-                os.killpg(job.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            job.proc.wait(30)
+            _kill_group(job.proc)
 
 
 @pytest.fixture(autouse=True)
@@ -70,14 +88,10 @@ def jobs_end_with_their_test():
 
 
 class Job:
-    """A launched command whose output lines are time-stamped as they come. In the background
-    (tests/background.py) its environment is the session's, not what a test running meanwhile
-    set in os.environ (an in-process engine's RANK and MASTER_PORT, a TMPDIR)."""
+    """A launched command (in its own process group) whose output lines are time-stamped as
+    they come."""
 
     def __init__(self, cmd: list[str], env: dict | None = None):
-        from tests.background import SESSION_ENV  # here: tests/background.py imports this module
-
-        background = in_background()
         self.lines: list[tuple[float, str]] = []
         self.proc = subprocess.Popen(
             cmd,
@@ -85,12 +99,12 @@ class Job:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=child_env(SESSION_ENV if background and SESSION_ENV else None, **(env or {})),
+            env=child_env(None, **(env or {})),
             start_new_session=True,
         )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
-        RUNNING[background].append(self)
+        RUNNING.append(self)
 
     def _read(self):
         for line in self.proc.stdout:
@@ -131,8 +145,8 @@ def finish_soon(job: Job, timeout: float, after_last_line_s: float = 30) -> str:
 
 
 class Outcome:
-    """What one of `side_by_side`'s calls returned, or the exception it raised, raised again
-    by `get()` in the test that reads it."""
+    """What one of `Runs`' calls returned, or the exception it raised, raised again by `get()`
+    in each test that reads it."""
 
     def __init__(self, value=None, error: BaseException | None = None):
         self.value, self.error = value, error
@@ -143,22 +157,20 @@ class Outcome:
         return self.value
 
 
-def side_by_side(calls: dict[str, Callable[[], object]]) -> dict[str, Outcome]:
-    """Run independent jobs at once, each call in its own thread: a launch keeps about one of
-    the machine's two cores busy (imports, start-up, waits on a peer or a timeout), so two or
-    three of them side by side take little more than the longest. Every call runs to its end;
-    each test then reads (and fails on) its own call's outcome."""
+class Runs:
+    """Independent runs that a module's tests share (a module fixture's value): each call runs
+    when a test first reads its name, and its outcome is kept for the tests after it, so a
+    selection of the module's tests (`-k`) runs only the calls it reads. Under pytest-xdist a
+    module's tests share one worker (make test: --dist loadscope), so each call runs once."""
 
-    def outcome(call: Callable[[], object]) -> Outcome:
-        try:
-            return Outcome(call())
-        except BaseException as err:  # noqa: BLE001 (an assert or pytest.fail: the test's own)
-            return Outcome(error=err)
+    def __init__(self, calls: dict[str, Callable[[], object]]):
+        self.calls, self.outcomes = calls, {}
 
-    # in the background thread (tests/background.py) one at a time: the foreground's tests run
-    # meanwhile, and more jobs than cores slow every process's threaded kernels many times over
-    background = in_background()
-    at_once = 1 if background else len(calls)
-    with ThreadPoolExecutor(at_once, BACKGROUND_THREAD if background else "") as pool:
-        futures = {name: pool.submit(outcome, call) for name, call in calls.items()}
-    return {name: future.result() for name, future in futures.items()}
+    def __getitem__(self, name: str) -> Outcome:
+        if name not in self.outcomes:
+            try:
+                self.outcomes[name] = Outcome(self.calls[name]())
+            except (Exception, pytest.fail.Exception, pytest.skip.Exception) as err:  # noqa: BLE001
+                self.outcomes[name] = Outcome(error=err)  # an assert or pytest.fail: each test's
+            end_jobs()  # a job its call left running (an assert mid-job)
+        return self.outcomes[name]

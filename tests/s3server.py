@@ -4,10 +4,11 @@ environment to it, and stops it at the end of the session."""
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import pytest
+
+from tests.jobs import free_port
 
 BUCKET = "shards"
 
@@ -70,12 +71,6 @@ class S3Server:
             f"{self.endpoint}/moto-api/reset-auth", body, {"Content-Type": "text/plain"}
         )
         urllib.request.urlopen(request).read()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

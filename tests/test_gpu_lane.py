@@ -213,10 +213,10 @@ def test_a_child_job_keeps_the_caller_s_pythonpath(tmp_path, monkeypatch):
     (carried / "carried_probe").mkdir(parents=True)
     (carried / "carried_probe" / "__init__.py").write_text("NAME = 'carried'\n")
     monkeypatch.setenv("PYTHONPATH", str(carried))
-    probe = "import carried_probe, train; print(carried_probe.NAME, train.__file__)"
+    probe = "import carried_probe, shatter; print(carried_probe.NAME, shatter.__file__)"
     job = Job([sys.executable, "-c", probe])
     text = finish_soon(job, timeout=60)
-    assert text.startswith("carried ") and str(REPO / "train") in text, text
+    assert text.startswith("carried ") and str(REPO / "shatter") in text, text
     assert child_env({"PYTHONPATH": "a:b"}, X="1") == {"PYTHONPATH": f"{REPO}:a:b", "X": "1"}
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests import background
 from tests.docs_commands import REPO, SHELL_LANGS, blocks, commands
 
 TUTORIAL = REPO / "docs" / "tutorial.md"
@@ -29,7 +28,7 @@ def run_tutorial(tmp_path_factory) -> Path:
     for entry in REPO.iterdir():
         if entry.name not in {".git", "tutorial"}:
             (root / entry.name).symlink_to(entry)
-    env = dict(background.SESSION_ENV or os.environ)
+    env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     timings = []
     for argv in tutorial_commands():
@@ -51,12 +50,9 @@ def run_tutorial(tmp_path_factory) -> Path:
     return root / "tutorial"
 
 
-BACKGROUND = {"tutorial": run_tutorial}  # started with the session (tests/background.py)
-
-
 @pytest.fixture(scope="module")
 def tutorial(tmp_path_factory):
-    return background.result("tutorial", lambda: run_tutorial(tmp_path_factory))
+    return run_tutorial(tmp_path_factory)
 
 
 def test_the_tutorial_covers_every_stage():

@@ -34,6 +34,7 @@ def wheel(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_the_wheel_has_one_top_level_package_and_no_checkout_scripts(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
@@ -46,6 +47,7 @@ def test_the_wheel_has_one_top_level_package_and_no_checkout_scripts(wheel):
         assert script.encode() in entry_points, script
 
 
+@pytest.mark.slow
 def test_installed_beside_pypi_s_tools_both_import(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)

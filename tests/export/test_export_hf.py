@@ -73,6 +73,7 @@ def max_diff(ours, theirs, inputs) -> float:
     return (outputs(ours, inputs) - outputs(theirs, inputs)).abs().max().item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", shatter.ARCHS)
 def test_every_arch_matches_in_transformers(arch, tokenizer_file, tmp_path):
     model = tiny(arch, tokenizer_file, max_len=64)
@@ -90,6 +91,7 @@ def test_every_arch_matches_in_transformers(arch, tokenizer_file, tmp_path):
     assert max_diff(model, fill.model.eval(), batch(model.config.vocab_size, (24, 11))) <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["shatter", "bert-rpe"])
 def test_auto_model_loads_the_encoder_of_an_mlm_export_quietly(arch, tokenizer_file, tmp_path):
     """AutoModel (the encoder alone) on a masked-LM export: no load report of unexpected head
@@ -160,6 +162,7 @@ def finetune_run(run: Path, model, tokenizer: Path, labels) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_a_finetuning_run_exports_with_its_labels(tokenizer_file, tmp_path, monkeypatch):
     """A real (two-step) train/finetune.py run: its best/ model, labels from the task's data."""
     # the one-process run sets RANK, WORLD_SIZE, ... (train/engine.py): gone after this test,
@@ -170,7 +173,7 @@ def test_a_finetuning_run_exports_with_its_labels(tokenizer_file, tmp_path, monk
     import csv
 
     from shatter.train.finetune import main as finetune
-    from tests.finetune.conftest import sentiment_rows
+    from tests.finetune.data import sentiment_rows
 
     export = tmp_path / "export"
     shatter.save_pretrained(
@@ -232,6 +235,7 @@ def test_finetuned_heads_match(arch, head, native, tokenizer_file, tmp_path):
     assert max_diff(model, hf.eval(), batch(backbone.config.vocab_size, (30, 13))) <= TOL
 
 
+@pytest.mark.slow
 def test_an_extended_export_matches_at_1024(tokenizer_file, tmp_path):
     model, _ = extend_model(tiny("shatter", tokenizer_file, max_len=64), 1024)
     out = tmp_path / "hf"
@@ -294,6 +298,7 @@ def test_tokenizer_ids_equal_ours_on_real_text(shared_data, tokenizer_file, tmp_
     assert fast(a)["input_ids"] == [2, *sp.encode(a), 3]
 
 
+@pytest.mark.slow
 def test_trainer_round_trip(tokenizer_file, tmp_path):
     """Load the export, finetune it one step with transformers' Trainer on CPU, save, reload."""
     from datasets import Dataset

@@ -27,7 +27,7 @@ from shatter.pipeline.build import build  # noqa: E402
 from shatter.pipeline.config import InputSpec  # noqa: E402
 from shatter.train.evaluate_cli import evaluate_export  # noqa: E402
 from tests.hf_vocab import wordpiece  # noqa: E402
-from tests.pipeline.conftest import generated_documents, quiet, small_config  # noqa: E402
+from tests.pipeline.corpus import generated_documents, quiet, small_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

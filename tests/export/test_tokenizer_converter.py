@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from shatter.hf.tokenizer import BY_HAND, CONVERTER, build_tokenizer, proto_module  # noqa: E402
-from tests.pipeline.conftest import generated_documents  # noqa: E402
+from tests.pipeline.corpus import generated_documents  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 # what the training text lacks (the unknown piece) and what sentencepiece's whitespace and
@@ -127,6 +127,7 @@ def converted_in_subprocess(model: Path, protobuf7: Path, texts, pairs) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_converter_and_the_fallback_encode_alike_and_as_sentencepiece(model, protobuf7):
     import sentencepiece as spm
 

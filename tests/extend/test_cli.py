@@ -6,12 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import sentencepiece as spm
 import torch
 from click.testing import CliRunner
 
 import shatter
 from shatter.extend_cli import main
+from shatter.pipeline.tokenizer import train
 
 from .test_extend import OLD, inputs, tiny
 
@@ -21,21 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory):
     root = tmp_path_factory.mktemp("tok")
-    (root / "c.txt").write_text(
-        "\n".join(f"the quick brown fox {i} jumps over lazy dogs {i * 7}" for i in range(300))
-    )
-    spm.SentencePieceTrainer.train(
-        input=str(root / "c.txt"),
-        model_prefix=str(root / "t"),
-        vocab_size=48,
-        hard_vocab_limit=False,
-        pad_id=0,
-        unk_id=1,
-        bos_id=-1,
-        eos_id=-1,
-        user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
-        minloglevel=2,
-    )
+    lines = [f"the quick brown fox {i} jumps over lazy dogs {i * 7}" for i in range(300)]
+    (root / "t.model").write_bytes(train(lines, 48))  # the pipeline's special ids
     return root / "t.model"
 
 

@@ -1,5 +1,5 @@
 """`shatter-extend` on a real DeepSpeed checkpoint (ZeRO-0 and ZeRO-2, one rank each, in
-subprocesses run side by side)."""
+subprocesses)."""
 
 import socket
 import subprocess
@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 import shatter
 from shatter.extend_cli import main
-from tests.jobs import Outcome, child_env, side_by_side
+from tests.jobs import Outcome, Runs, child_env
 
 from .test_cli import tokenizer_file  # noqa: F401  (fixture)
 from .test_extend import inputs
@@ -53,10 +53,9 @@ def _checkpoint(root: Path, stage: int) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[int, Outcome]:
-    """Both stages' checkpoints, written side by side (tests/jobs.py): each is one process that
-    mostly imports and starts DeepSpeed on about one core."""
+    """Both stages' checkpoints, each written when a test first reads it (tests/jobs.py Runs)."""
     roots = {stage: tmp_path_factory.mktemp(f"zero{stage}") for stage in STAGES}
-    return side_by_side({s: (lambda s=s: _checkpoint(roots[s], s)) for s in STAGES})
+    return Runs({s: (lambda s=s: _checkpoint(roots[s], s)) for s in STAGES})
 
 
 @pytest.mark.slow

@@ -36,6 +36,7 @@ def inputs(length: int, batch: int = 3, seed: int = 1):
     return ids, mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init", ["random", "copy"])
 @pytest.mark.parametrize("arch", shatter.ARCHS)
 def test_outputs_at_the_old_length_are_unchanged(arch, init):

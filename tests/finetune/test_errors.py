@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from .conftest import sentiment_rows, squad_json
+from .data import sentiment_rows, squad_json
 from .test_finetune import run, write_csv
 
 

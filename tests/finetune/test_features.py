@@ -14,7 +14,7 @@ from shatter.train.finetuning.features import (
     span_windows,
 )
 
-from .conftest import squad_json
+from .data import squad_json
 
 
 def test_encode_pair_truncates_the_longer_side_first():

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 import shatter
 from shatter.train.finetune import main
 
-from .conftest import sentiment_rows, squad_json
+from .data import sentiment_rows, squad_json
 
 
 def run(*args):
@@ -178,6 +178,7 @@ def test_refuses_a_length_beyond_the_checkpoint(tmp_path, export):
     )
 
 
+@pytest.mark.slow
 def test_a_diverged_finetuning_stops_with_one_line(tmp_path, export):
     """The pretraining loop's step guard: an lr that overflows the weights makes every loss
     NaN/inf; each step is skipped and counted, and `run.max_nonfinite` in a row end the run."""
@@ -215,6 +216,7 @@ def test_names_the_file_with_a_missing_column(tmp_path, export):
     )
 
 
+@pytest.mark.slow
 def test_regression_and_multirc_grouping(tmp_path, export, write_jsonl):
     rows = sentiment_rows(48)
     sts = sts_tsv(tmp_path / "sts.tsv", rows)

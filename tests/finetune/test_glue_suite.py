@@ -13,10 +13,9 @@ import pytest
 
 from shatter.train.finetuning.glue_hub import FORMATS, write_split
 from shatter.train.finetuning.glue_suite import COLUMNS, NOTHING_MARK, TASKS, Job, row, table
-from tests import background
 from tests.jobs import child_env
 
-from .conftest import sentiment_rows
+from .data import sentiment_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,14 +36,14 @@ def glue_dir(root: Path) -> Path:
     return root
 
 
-# the export the suite finetunes: a tiny Shatter with the synthetic tokenizer (a subprocess: in
-# the background thread, building a model here would draw from torch's RNG beside a test's)
+# the export the suite finetunes: a tiny Shatter with the synthetic tokenizer (a subprocess:
+# building a model here would draw from torch's RNG beside the tests')
 EXPORT = """
 import sys
 import time
 from pathlib import Path
 import shatter
-from tests.finetune.conftest import train_tokenizer
+from tests.finetune.data import train_tokenizer
 root = Path(sys.argv[1])
 model = shatter.build_model("shatter-tiny", vocab_size=200, max_len=64, hidden=32, ffn=64)
 shatter.save_pretrained(model, root / "export", tokenizer=train_tokenizer(root / "spm"))
@@ -57,9 +56,8 @@ def run_suite(
     """The suite over the eight tasks, then again with two runs' metrics.json deleted, spread
     over two device slots: (the first run, its glue.json, the second run)."""
     root = tmp_path_factory.mktemp("glue-suite")
-    env = background.SESSION_ENV or None  # not what a test running meanwhile set
     made = subprocess.run([sys.executable, "-c", EXPORT, str(root)], capture_output=True,
-                          text=True, cwd=REPO, timeout=300, env=child_env(env))  # fmt: skip
+                          text=True, cwd=REPO, timeout=300, env=child_env())  # fmt: skip
     assert made.returncode == 0, made.stderr[-3000:]
     out = root / "suite"
     cmd = [
@@ -71,23 +69,20 @@ def run_suite(
     ]
     cmd += ["--data-dir", str(glue_dir(root / "glue")), "--output", str(out)]
     cmd += ["--seeds", "0", "--max-steps", "2", "--eval-every", "1"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     first = (out / "glue.json").read_text()
     for task in ("rte", "mrpc"):  # two interrupted runs
         (out / task / "lr-default-seed0" / "metrics.json").unlink()
     # spread over two "GPUs": ids that name no GPU, so both processes run on this CPU at once
     again = subprocess.run(cmd + ["--gpus", "none0,none1"], capture_output=True, text=True,
-                           cwd=REPO, timeout=900, env=env)  # fmt: skip
+                           cwd=REPO, timeout=900)  # fmt: skip
     return done, first, again
-
-
-BACKGROUND = {"suite": run_suite}  # started with the session (tests/background.py)
 
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
-    return background.result("suite", lambda: run_suite(tmp_path_factory))
+    return run_suite(tmp_path_factory)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 from tests.jobs import Job, finish_soon, free_port
 from tests.lane import lane, precisions
 
-from .conftest import sentiment_rows, squad_json
+from .data import sentiment_rows, squad_json
 from .test_finetune import write_csv
 
 pytestmark = lane

@@ -10,7 +10,7 @@ import pytest
 
 from shatter.train.finetuning.config import scaled_lr
 
-from .conftest import FILLER, NEGATIVE, POSITIVE
+from .data import FILLER, NEGATIVE, POSITIVE
 from .test_finetune import run, write_csv
 
 NEUTRAL = "film movie plot story".split()  # the third class: no cue word at all

@@ -12,10 +12,10 @@ import io
 import json
 
 import pytest
-import sentencepiece as spm
 from click.testing import CliRunner
 
 import shatter
+from shatter.pipeline.tokenizer import train
 from shatter.train.finetune import main
 
 RT = "finetune/rotten_tomatoes_corpus.csv.bz2"
@@ -26,20 +26,8 @@ def rt_export(shared_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("rt")
     with io.TextIOWrapper(bz2.open(shared_data / RT), encoding="utf-8") as f:
         texts = [row["text"].lower() for row in csv.DictReader(f)]
-    (root / "corpus.txt").write_text("\n".join(" ".join(t.split()) for t in texts))
-    spm.SentencePieceTrainer.train(
-        input=str(root / "corpus.txt"),
-        model_prefix=str(root / "tokenizer"),
-        vocab_size=2000,
-        pad_id=0,
-        unk_id=1,
-        bos_id=-1,
-        eos_id=-1,
-        pad_piece="[PAD]",
-        unk_piece="[UNK]",
-        user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
-        minloglevel=2,
-    )
+    lines = [" ".join(t.split()) for t in texts]
+    (root / "tokenizer.model").write_bytes(train(lines, 2000))  # the pipeline's special ids
     model = shatter.build_model("shatter-tiny", vocab_size=2000, max_len=64)
     return shatter.save_pretrained(model, root / "export", tokenizer=root / "tokenizer.model")
 

@@ -4,6 +4,7 @@ by sha256; a missing object, or an object replaced by other bytes, is one line n
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 import shatter
@@ -11,11 +12,12 @@ from shatter.extend_cli import main as extend
 from shatter.shards.store import configure, current
 from tests.s3server import BUCKET
 
-from .conftest import sentiment_rows
+from .data import sentiment_rows
 from .test_errors import one_line_error
 from .test_finetune import run, write_csv
 
 
+@pytest.mark.slow
 def test_extend_and_finetune_read_an_export_from_s3(s3_server, tmp_path, export):  # noqa: F811
     configure(
         current().replace(cache_dir=str(tmp_path / "shatter-cache"), cache_limit_gb=1.0)

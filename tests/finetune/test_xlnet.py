@@ -12,7 +12,7 @@ import shatter
 from shatter.extend_cli import main as extend_main
 from shatter.train.finetune import main as finetune_main
 
-from .conftest import sentiment_rows, squad_json
+from .data import sentiment_rows, squad_json
 from .test_finetune import multirc_rows, sts_tsv, write_csv
 
 

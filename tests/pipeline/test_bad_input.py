@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from shatter import shards
 from shatter.pipeline.cli import main
 
-from .conftest import generated_documents
+from .corpus import generated_documents
 
 
 def _error_lines(output: str) -> list[str]:
@@ -46,6 +46,7 @@ def good(built, corpus_dir, tmp_path):
     return out
 
 
+@pytest.mark.slow
 def test_a_failed_overwrite_leaves_the_old_dataset_byte_identical(good, tmp_path):
     before = _sha256_tree(good)
     binary = tmp_path / "binary.txt"
@@ -58,6 +59,7 @@ def test_a_failed_overwrite_leaves_the_old_dataset_byte_identical(good, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.txt", "ds"]  # nothing left over
 
 
+@pytest.mark.slow
 def test_a_failed_overwrite_during_the_build_pipeline_keeps_the_old_dataset(good, built, tmp_path):
     """A worker's error in the build pipeline itself (a truncated dump with --on-error stop)."""
     import bz2
@@ -86,6 +88,7 @@ def test_a_failed_overwrite_during_the_build_pipeline_keeps_the_old_dataset(good
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "dump.xml.bz2"]
 
 
+@pytest.mark.slow
 def test_a_successful_overwrite_replaces_the_build_and_keeps_other_files(
     good, built, corpus_dir, tmp_path
 ):
@@ -105,6 +108,7 @@ def test_a_successful_overwrite_replaces_the_build_and_keeps_other_files(
     assert listed == on_disk  # no shard of the old build left
 
 
+@pytest.mark.slow
 def test_a_vocabulary_larger_than_the_corpus_supports_is_warned_and_recorded(corpus_dir, tmp_path):
     out = tmp_path / "v"
     result = _build(out, [corpus_dir / "a.txt"], "--vocab-size", "5000")
@@ -116,6 +120,7 @@ def test_a_vocabulary_larger_than_the_corpus_supports_is_warned_and_recorded(cor
     assert f"vocabulary of {got} pieces" in warning
 
 
+@pytest.mark.slow
 def test_validation_fraction_holds_out_a_document_of_a_small_corpus(built, tmp_path):
     """Three documents and the default 0.5%: by hash alone, almost surely none would be held out."""
     docs = tmp_path / "three.txt"
@@ -138,6 +143,7 @@ def test_validation_fraction_holds_out_a_document_of_a_small_corpus(built, tmp_p
     assert shards.read_index(str(tmp_path / "one")).raw["splits"]["validation"]["rows"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.shared_data
 def test_books_get_a_validation_split(shared_data, built, tmp_path):
     """The eight real books: the default --validation-fraction used to hold out none of them."""

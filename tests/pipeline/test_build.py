@@ -17,7 +17,7 @@ from shatter.pipeline.config import InputSpec
 from shatter.pipeline.inspect import verify_dataset
 from shatter.pipeline.sharding import ShardSize
 
-from .conftest import generated_documents, quiet, small_config
+from .corpus import generated_documents, quiet, small_config
 
 
 def shard_paths(out: str, split: str) -> list[str]:
@@ -128,6 +128,7 @@ def test_two_workers_write_the_same_bytes(built, corpus_dir, tmp_path, mode):
     assert _files(out) == _files(two)
 
 
+@pytest.mark.slow
 def test_bad_input_stops_with_the_file_name_or_is_counted(built, tmp_path):
     out, _ = built
     good = b"Words of a first paragraph.\n\nAnd a second one here.\n"
@@ -437,6 +438,7 @@ def test_commands_print_no_import_noise(built):
     assert "apitools" not in proc.stderr and "WARNING" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_the_program_keeps_exit_statuses_and_output_when_it_skips_teardown(built, tmp_path):
     """`shatter-data` ends without the interpreter's teardown (`shatter.pipeline.process`): the exit
     status is still the command's, every line it wrote arrives, and the exit handlers run."""
@@ -459,7 +461,7 @@ def test_the_program_keeps_exit_statuses_and_output_when_it_skips_teardown(built
     # an exit handler registered during the command runs before the process ends
     marker = tmp_path / "handler-ran"
     code = (
-        "import atexit, pathlib, sys; from pipeline import cli; "
+        "import atexit, pathlib, sys; from shatter.pipeline import cli; "
         f"atexit.register(pathlib.Path({str(marker)!r}).touch); "
         f"sys.argv = ['shatter-data', 'verify', {str(out)!r}]; cli.entry()"
     )
@@ -467,6 +469,7 @@ def test_the_program_keeps_exit_statuses_and_output_when_it_skips_teardown(built
     assert done.returncode == 0 and done.stdout.startswith("OK ") and marker.exists()
 
 
+@pytest.mark.slow
 def test_a_build_process_runs_without_pandas_as_the_core_install_does(corpus_dir, tmp_path):
     """Beam imports pandas, where installed, for converters the build never uses (0.5 s of every
     build): `shatter-data build` runs as where pandas is not installed, on the runners that are
@@ -481,7 +484,7 @@ def test_a_build_process_runs_without_pandas_as_the_core_install_does(corpus_dir
     argv = ["shatter-data", "build", "--input", str(corpus_dir / "a.txt"), "--output", str(out)]
     argv += ["--seq-len", "32", "--vocab-size", "200", "--num-shards", "1"]
     code = (
-        "import atexit, pathlib, sys; from pipeline import cli; atexit.register(lambda: "
+        "import atexit, pathlib, sys; from shatter.pipeline import cli; atexit.register(lambda: "
         f"pathlib.Path({str(seen)!r}).write_text(' '.join(m for m in sys.modules if "
         f"m.split('.')[0] == 'pandas'))); sys.argv = {argv!r}; cli.entry()"
     )
@@ -495,6 +498,7 @@ def test_a_build_process_runs_without_pandas_as_the_core_install_does(corpus_dir
     assert "DataflowRunner" not in RUNNERS_WITHOUT_PANDAS
 
 
+@pytest.mark.slow
 def test_a_shard_the_runner_did_not_report_fails_the_build(corpus_dir, tmp_path, monkeypatch):
     """Each writer leaves its shard's entry in the work directory (`sink.read_manifest`); one
     missing (a runner that dropped a write) fails the build before any index.json is written."""

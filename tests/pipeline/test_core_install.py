@@ -11,6 +11,7 @@ import textwrap
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,6 +113,7 @@ def test_shatter_data_without_beam_is_one_line():
     ], done.stderr
 
 
+@pytest.mark.slow
 def test_a_build_needs_only_the_core_install(corpus_dir, tmp_path):
     blocked = blocked_modules()
     installed = set(metadata.packages_distributions())

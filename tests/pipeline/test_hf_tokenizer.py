@@ -19,7 +19,7 @@ from shatter.pipeline.cli import main  # noqa: E402
 from shatter.pipeline.config import InputSpec  # noqa: E402
 from shatter.pipeline.inspect import inspect_dataset, verify_dataset  # noqa: E402
 from tests.hf_vocab import byte_level_bpe, wordpiece  # noqa: E402
-from tests.pipeline.conftest import generated_documents, quiet, small_config  # noqa: E402
+from tests.pipeline.corpus import generated_documents, quiet, small_config  # noqa: E402
 
 ROLES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -125,6 +125,7 @@ def read_table(path) -> pa.Table:
         return reader.read_all()
 
 
+@pytest.mark.slow
 def test_a_wordpiece_build_masks_whole_words_and_rebuilds_byte_identically(
     wordpiece_json, docs, tmp_path
 ):

@@ -17,7 +17,7 @@ from shatter.pipeline.build import build
 from shatter.pipeline.cli import main
 from shatter.pipeline.config import InputSpec
 from shatter.pipeline.wiki import InputError
-from tests.pipeline.conftest import generated_documents, quiet, small_config
+from tests.pipeline.corpus import generated_documents, quiet, small_config
 
 
 class LocalHub(DirFileSystem):
@@ -52,6 +52,7 @@ def hub(tmp_path):
     fsspec.register_implementation("hf", HfFileSystem, clobber=True)
 
 
+@pytest.mark.slow
 def test_a_hub_folder_builds_the_same_bytes_as_its_local_copy(hub, tmp_path):
     url = "hf://datasets/org/corpus"
     assert readers._list_files(url) == [

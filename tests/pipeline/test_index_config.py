@@ -5,8 +5,7 @@ import json
 
 from shatter.pipeline.build import TRAINING_ONLY, build
 from shatter.pipeline.config import InputSpec
-
-from .conftest import generated_documents, quiet, small_config
+from tests.pipeline.corpus import generated_documents, quiet, small_config
 
 
 def test_a_given_tokenizer_s_index_records_no_training_option(tmp_path):

@@ -17,7 +17,7 @@ from shatter.pipeline.cli import main
 from shatter.pipeline.config import InputSpec
 from shatter.pipeline.runners import make_pipeline
 
-from .conftest import generated_documents, small_config
+from .corpus import generated_documents, small_config
 from .test_build import _files
 
 LINE = re.compile(
@@ -112,17 +112,17 @@ def test_live_report_stops_before_exit_and_zero_disables():
     assert silent == []
 
 
+@pytest.mark.slow
 def test_worker_process_tally_reaches_the_driver():
     """A subprocess started with the driver's environment writes its tally for the driver to sum."""
     lines = []
-    code = (
-        "import time; from pipeline import progress; progress.add('t_worker', 5); time.sleep(1.0)"
-    )
+    code = "import time; from shatter.pipeline import progress; progress.add('t_worker', 5); time.sleep(1.0)"
     with progress.LiveReport("stage", lines.append, 0.1):
         subprocess.run([sys.executable, "-c", code], check=True)
     assert any("t_worker=5" in line for line in lines), lines
 
 
+@pytest.mark.slow
 def test_in_process_build_reports_progress(long_corpus, tmp_path):
     lines = []
     config = small_config(
@@ -202,6 +202,7 @@ def test_progress_seconds_zero_prints_no_progress(built, corpus_dir, tmp_path):
     assert CliRunner().invoke(main, args + ["--progress-seconds", "-1"]).exit_code == 2
 
 
+@pytest.mark.slow
 def test_bundle_based_direct_runner_writes_the_same_bytes(built, long_corpus, long_built, tmp_path):
     """Its run() returns at once and its state only changes in wait_until_finish (it used to hang).
     The long corpus: on the 300 documents of corpus_dir all counting could fall between two ticks."""

@@ -16,7 +16,7 @@ from shatter.pipeline import cleaning, readers, wiki
 from shatter.pipeline.config import InputSpec
 from shatter.pipeline.wiki import InputError
 
-from .conftest import generated_documents
+from .corpus import generated_documents
 
 
 class Counts(dict):
@@ -184,6 +184,7 @@ def _multistream_dump(shared_data, tmp_path):
     return dump, index
 
 
+@pytest.mark.slow
 def test_multistream_ranges_read_the_same_articles(shared_data, tmp_path):
     """A multistream dump (+ index) built from the real sample reads as the plain dump does."""
     dump, index = _multistream_dump(shared_data, tmp_path)
@@ -214,6 +215,7 @@ def test_a_large_wiki_file_without_index_warns_that_one_worker_reads_it(tmp_path
     )
 
 
+@pytest.mark.slow
 def test_multistream_without_its_index_is_split_at_stream_headers(
     shared_data, tmp_path, monkeypatch
 ):

@@ -141,6 +141,7 @@ def test_a_portable_runner_without_its_job_server_fails_at_once(built, corpus_di
     assert f"no job server answers at --job_endpoint localhost:{port}" in line
 
 
+@pytest.mark.slow
 def test_runner_flags_after_double_dash_pass_unchecked(built, corpus_dir, tmp_path):
     out, _ = built
     result = CliRunner().invoke(

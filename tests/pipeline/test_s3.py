@@ -18,7 +18,7 @@ from shatter.pipeline.cli import main
 from shatter.pipeline.config import InputSpec
 from shatter.shards import read_index
 from tests.jobs import child_env
-from tests.pipeline.conftest import quiet, small_config
+from tests.pipeline.corpus import quiet, small_config
 from tests.s3server import BUCKET
 
 RETRY = ["--store_retry_seconds=1"]
@@ -34,6 +34,7 @@ def cli(*args: str):
     return result.exit_code, result.output.strip()
 
 
+@pytest.mark.slow
 def test_s3_build_inspect_verify_and_overwrite(built, corpus_dir, s3_server):
     out, local = built
     corpus = s3_server.upload(corpus_dir, "corpus")
@@ -74,6 +75,7 @@ def stop_when_stored(server, key: str) -> threading.Thread:
     return thread
 
 
+@pytest.mark.slow
 def test_s3_faults_are_one_line(built, corpus_dir, s3_server):
     _, local = built
     corpus = s3_server.upload(corpus_dir, "corpus-faults")

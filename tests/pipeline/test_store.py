@@ -154,6 +154,7 @@ def test_no_file_locks_is_one_line(settings, monkeypatch):
         NodeCache().prepare().local_path(f"s3://{BUCKET}/x.arrow", "0" * 64)
 
 
+@pytest.mark.slow
 def test_a_local_shard_is_hashed_once_per_node(tmp_path, settings):
     """Every loader worker of every rank opens every shard: the first to check one marks it."""
     from tests.train.shardutil import write_dataset

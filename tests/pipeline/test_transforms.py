@@ -29,7 +29,7 @@ from shatter.pipeline.transforms import (
     row_keys,
 )
 
-from .conftest import generated_documents
+from .corpus import generated_documents
 
 
 def _pipeline():
@@ -296,6 +296,7 @@ def test_shard_and_write_balances_sorts_masks_and_writes_every_shard(model_path,
     assert shards.read_shard(str(out / "validation-00000-of-00002.arrow")).num_rows == 0
 
 
+@pytest.mark.slow
 def test_rows_padded_to_different_widths_write_the_same_shards(model_path, tmp_path):
     """Per-document packing of short documents pads each batch only to its longest row; spills and
     the writer stack such batches at the widest, and the bytes written do not depend on it."""

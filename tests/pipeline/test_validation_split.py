@@ -2,8 +2,7 @@
 
 from shatter.pipeline.build import build
 from shatter.pipeline.config import InputSpec
-
-from .conftest import generated_documents, quiet, small_config
+from tests.pipeline.corpus import generated_documents, quiet, small_config
 
 
 def test_a_hold_out_of_whole_documents_far_from_the_fraction_asked_warns(tmp_path, caplog):

@@ -60,6 +60,7 @@ def test_references_go_even_when_malformed_and_keep_the_prose_around_them():
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.shared_data
 def test_real_articles_leak_no_markup_and_drop_their_boilerplate(shared_data):
     raw = bz2.open(shared_data / "wiki" / "enwiki-sample-pages-articles.xml.bz2").read().decode()

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from shatter_tiny import ids, tiny
 
 import shatter
 from shatter.attention import impls
@@ -15,6 +14,7 @@ from shatter.attention.chunked import ChunkedPartitionAttention, block_rows
 from shatter.config import ModelConfig
 from shatter.partition import partition_table
 from shatter.tools.bench.bench_model import saved_bytes
+from tests.shatter.shatter_tiny import ids, tiny
 
 SINGLE_HEAD = ["1h-softmax", "1h-sigmoid", "part-bias", "shatter"]
 # (sigmoid, partition bias) of each arch: shatter's A_part V_part term lives outside the impl
@@ -190,6 +190,7 @@ def _attention_bytes(arch: str, L: int, **overrides) -> int:
     return saved_bytes(model, batch)[1]
 
 
+@pytest.mark.slow
 def test_chunked_saves_linear_activations_no_more_than_bert_sdpa():
     chunked = {
         L: _attention_bytes("shatter", L, attention_impl="chunked") for L in (256, 512, 1024)
@@ -264,6 +265,7 @@ TRITON_WHOLE = [(arch, "triton") for arch in SINGLE_HEAD]
 TRITON_WHOLE += [("shatter", "rows"), ("1h-softmax", "rows-keep")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, impl", TRITON_WHOLE)
 def test_whole_model_with_triton_equals_naive_on_cpu(arch, impl):
     """build_model(..., attention_impl=impl) for the Triton impls runs forward and backward on

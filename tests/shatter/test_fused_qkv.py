@@ -4,7 +4,8 @@ layer (values and every gradient), with the same state dict (query, key, value).
 
 import pytest
 import torch
-from shatter_tiny import ids, tiny
+
+from tests.shatter.shatter_tiny import ids, tiny
 
 MULTI_HEAD = ["bert", "bert-rab", "bert-rpe", "no-position", "part-mask"]
 

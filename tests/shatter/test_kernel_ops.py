@@ -14,12 +14,12 @@ import os
 
 import pytest
 import torch
-from shatter_tiny import ids, tiny
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode
 
 from shatter.attention.projection import projection_width
 from shatter.partition import partition_table
+from tests.shatter.shatter_tiny import ids, tiny
 
 pytest.importorskip("triton", reason="triton has no wheel for this platform")
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
@@ -56,6 +56,7 @@ def _inputs(device, B=2, L=20, d=32, n=4, bias=True, grad=True):
     return Q, X, V, c, mask, table
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", [True, False], ids=["part-bias", "no-bias"])
 def test_ops_pass_torch_opcheck(bias):
     Q, X, V, c, mask, table = _inputs(DEVICE, bias=bias)
@@ -202,6 +203,7 @@ def test_op_costs_list_every_kernel_the_ops_launch(monkeypatch, L, impl):
     assert P.shape[-1] == projection_width(d, n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_torch_compile_runs_the_model_with_the_impl(impl):
     x = ids(2, 24)

@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from shatter_tiny import ids, tiny
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shatter.attention import impls
@@ -21,6 +20,7 @@ from shatter.attention.projection import (
     projection_width,
 )
 from shatter.partition import partition_table
+from tests.shatter.shatter_tiny import ids, tiny
 
 SINGLE_HEAD = ["1h-softmax", "1h-sigmoid", "part-bias", "shatter"]
 # fp32: the two formulations round differently (one sum of d + n products against two)

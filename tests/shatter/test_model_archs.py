@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from shatter_tiny import ABSOLUTE, RELATIVE, VOCAB, ids, tiny
 
 import shatter
 from shatter.config import ARCHS
+from tests.shatter.shatter_tiny import ABSOLUTE, RELATIVE, VOCAB, ids, tiny
 
 
 @pytest.mark.parametrize("arch", ARCHS)

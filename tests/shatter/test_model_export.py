@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
-from shatter_tiny import ids, tiny
 
 import shatter
+from tests.shatter.shatter_tiny import ids, tiny
 
 
 @pytest.mark.parametrize("arch", ["shatter", "bert", "bert-rpe"])
@@ -81,13 +81,10 @@ def test_tokenizer_from_a_loaded_processor_and_no_temp_files(tmp_path):
     """A loaded SentencePieceProcessor is written as its serialized proto; like the other files
     it goes through a temporary name, so none is left behind."""
     spm = pytest.importorskip("sentencepiece")
-    (tmp_path / "c.txt").write_text("\n".join(f"the quick brown fox {i} jumps" for i in range(200)))
-    spm.SentencePieceTrainer.train(
-        input=str(tmp_path / "c.txt"),
-        model_prefix=str(tmp_path / "t"),
-        vocab_size=48,
-        hard_vocab_limit=False,
-        minloglevel=2,
+    from shatter.pipeline.tokenizer import train
+
+    (tmp_path / "t.model").write_bytes(
+        train([f"the quick brown fox {i} jumps" for i in range(200)], 48)
     )
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "t.model"))
     out = shatter.save_pretrained(tiny("shatter"), tmp_path / "export", tokenizer=sp)

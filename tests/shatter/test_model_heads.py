@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-from shatter_tiny import ids, tiny
 
 import shatter
 from shatter.config import ARCHS
 from shatter.heads import SequenceClassificationModel, SpanExtractionModel
+from tests.shatter.shatter_tiny import ids, tiny
 
 POSITION_ONLY = (
     "partition_embeddings",
@@ -27,6 +27,7 @@ def _padded(x):
     return torch.cat([x, junk], 1), mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_modified_classification_gradients_and_padding(arch):
     model = SequenceClassificationModel(tiny(arch), num_labels=3).train()

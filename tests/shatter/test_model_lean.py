@@ -3,11 +3,11 @@ keeps far fewer activations for the backward pass."""
 
 import pytest
 import torch
-from shatter_tiny import ids, tiny
 
 from shatter.attention.lean import PartitionMix, partition_mix_lean, partition_mix_naive
 from shatter.partition import partition_table
 from shatter.tools.bench.bench_model import saved_bytes
+from tests.shatter.shatter_tiny import ids, tiny
 
 SINGLE_HEAD = ["1h-softmax", "1h-sigmoid", "part-bias", "shatter"]
 
@@ -23,6 +23,7 @@ def _inputs(bias: bool, dtype=torch.float64, B=2, L=7, n=4, k=3):
     return Z0, c, V, mask, table
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sigmoid", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
 def test_lean_kernel_gradcheck(sigmoid, bias):

@@ -94,6 +94,7 @@ def test_partition_mask_is_indexed_by_relative_position():
         partition_mask(table, 21)
 
 
+@pytest.mark.slow
 def test_plot_partition(tmp_path):
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
@@ -106,6 +107,7 @@ def test_plot_partition(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_table_stays_fp32_under_a_bf16_deepspeed_engine():
     """A bf16 engine that casts buffers (data_types.buffer_dtype) rounds the non-persistent table
     (a bf16 partition misses 1 by ~2e-3); every impl must still be handed the exact fp32 table."""

@@ -11,7 +11,9 @@ tests/conftest.py); the `gpu` marks run the same cases compiled in the GPU lane.
 
 import pytest
 import torch
-from test_triton_kernel import (
+
+from shatter.kernels.cost import OP_COSTS, rows_kernels
+from tests.shatter.test_triton_kernel import (
     CASES,
     DEVICE,
     INTERPRET,
@@ -21,8 +23,6 @@ from test_triton_kernel import (
     _values_and_grads as values_and_grads,
     assert_equals_naive,
 )
-
-from shatter.kernels.cost import OP_COSTS, rows_kernels
 
 pytest.importorskip("triton", reason="triton has no wheel for this platform")
 NAMES = ["X_bar", "A_part", "dQ", "dX", "dV", "dc"]

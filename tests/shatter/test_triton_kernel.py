@@ -166,6 +166,7 @@ def test_compiled_kernel_equals_naive_at_base_shape(impl, dtype, bias, sigmoid):
         assert _rel_err(a, b) < TOLERANCE[dtype], f"{dtype} {name}: {_rel_err(a, b):.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CASES if "n=" in c])
 def test_two_programs_per_side_equal_naive(kernel, case, monkeypatch):
     """GROUP = 2 (sm_80's configurations: a side's n/2 parts in groups of 2, one program each)

@@ -5,7 +5,6 @@ import json
 import pytest
 import safetensors.torch
 import torch
-from shatter_tiny import ids, tiny
 
 import shatter
 from shatter.attention.xlnet import XLNetAttention
@@ -13,6 +12,7 @@ from shatter.config import preset_config
 from shatter.model import segment_ids
 from shatter.sources import MODEL_STATES, load_deepspeed
 from shatter.xlnet import two_stream_encode
+from tests.shatter.shatter_tiny import ids, tiny
 
 
 def _streams(model, x, rank):
@@ -27,6 +27,7 @@ def _order(L: int, seed: int = 4) -> torch.Tensor:
     return rank[None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t", [0, 5, 11])
 def test_query_stream_at_z_t_sees_exactly_the_content_of_z_before_t(t):
     model = tiny("xlnet")

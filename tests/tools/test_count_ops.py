@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
 from shatter.tools.bench.count_ops import OpCounter, count_engine
@@ -11,6 +12,7 @@ from shatter.train.engine import init_distributed
 from shatter.train.guard import DeviceWindow, LaggedStop
 
 
+@pytest.mark.slow
 def test_a_step_that_does_not_log_reads_nothing_on_the_host():
     """Real DeepSpeed engines with the trainer's GPU config: forward, engine.backward,
     engine.step, and the loop's device-side bookkeeping of a micro-batch (the non-finite flag,

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from shatter.tools.reproduce import PAPER_NAMES, verdict
-from tests import background
 
 REPO = Path(__file__).resolve().parents[2]
 # 2 archs, 20 steps at l = 32 on a 1-layer width-32 model, one process: each run takes seconds.
@@ -58,8 +57,7 @@ def reproduce(study: str, out: Path, data: Path, *extra: str) -> subprocess.Comp
         str(config),
         *extra,
     ]
-    env = background.SESSION_ENV or None  # not what a test running meanwhile set
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
 def table_rows(markdown: str, first_cell: str) -> list[list[str]]:
@@ -90,12 +88,9 @@ def run_studies(books_data, tmp_path_factory):
     return out, first, second, stamps, lost
 
 
-BACKGROUND = {"studies": run_studies}  # started with the session (tests/background.py)
-
-
 @pytest.fixture(scope="module")
 def studies(books_data, tmp_path_factory):
-    return background.result("studies", lambda: run_studies(books_data, tmp_path_factory))
+    return run_studies(books_data, tmp_path_factory)
 
 
 @pytest.mark.slow

@@ -1,13 +1,10 @@
 """Fixtures of the trainer's tests; `books_data` (the real pipeline's shards) is in tests/conftest.py."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # shardutil, loaderutil
-
-from shardutil import write_dataset  # noqa: E402
+from tests.train.shardutil import write_dataset
 
 
 @pytest.fixture(scope="module")

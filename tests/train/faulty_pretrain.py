@@ -29,8 +29,6 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[2])
-
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -21,8 +21,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 import shatter  # noqa: E402
 from shatter import safe_load  # noqa: E402
 from shatter.shards import read_index  # noqa: E402

@@ -10,14 +10,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from shardutil import write_dataset
-from test_pretrain import command
 
 from shatter.shards import DatasetError, read_index
 from shatter.shards.store.cache import NodeCache
 from shatter.shards.store.errors import StoreError
 from shatter.shards.store.settings import current
 from tests.jobs import child_env
+from tests.train.runs import command
+from tests.train.shardutil import write_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 

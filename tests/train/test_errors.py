@@ -113,6 +113,7 @@ def test_no_validation_data_and_a_too_long_warm_up_are_said_before_step_1(tiny_r
     assert (run / "export" / "checksums.json").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "deleted"])
 def test_a_damaged_dataset_is_refused_at_start_up(books_data, tmp_path, damage):
     data = copy_data(books_data, tmp_path / "data")
@@ -198,6 +199,7 @@ def test_resuming_with_another_arch_is_refused_and_the_run_is_untouched(noval_da
     assert tree_digest(run) == before
 
 
+@pytest.mark.slow
 def test_an_unknown_preset_is_a_usage_error(books_data, tmp_path):
     out = tmp_path / "run"
     one_line_error(
@@ -209,6 +211,7 @@ def test_an_unknown_preset_is_a_usage_error(books_data, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_an_output_under_a_regular_file_is_refused_before_any_work(books_data, tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("keep")

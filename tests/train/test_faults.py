@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from shardutil import write_dataset
-from test_pretrain import SCRIPT, command
 
-from tests.jobs import child_env, side_by_side
+from tests.jobs import Runs, child_env
+from tests.train.runs import SCRIPT, command
+from tests.train.shardutil import write_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +154,7 @@ def test_a_lost_runner_and_a_hang_up_each_save_then_exit(data, tmp_path):
         "runner": lambda job: os.kill(job.pid, signal.SIGTERM),
         "hangup": lambda job: os.killpg(job.pid, signal.SIGHUP),
     }
-    outcomes = side_by_side(
+    outcomes = Runs(
         {
             name: lambda s=stop, n=name: _stopped(data, tmp_path / n, s)
             for name, stop in cases.items()

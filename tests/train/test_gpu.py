@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from shardutil import build_books
-from test_pretrain import command, free_port
-from test_ranks import check_exports, check_nan_skips
 
-from tests.jobs import Job, finish_soon
+from tests.jobs import Job, finish_soon, free_port
 from tests.lane import CUDA, DEVICE, lane, needs_gpu, precisions
+from tests.train.runs import check_exports, check_nan_skips, command
+from tests.train.shardutil import build_books
 
 pytestmark = [*lane, pytest.mark.shared_data]
 

@@ -6,12 +6,12 @@ import numpy as np
 import pyarrow.ipc as ipc
 import pytest
 import torch
-from loaderutil import stream, take
 
 from shatter.shards import read_index
 from shatter.train.loader import MaskingSpec, Piece, make_masker
 from shatter.train.loader.collate import DynamicMasker, SpanPlmMasker, StaticMasker, StaticPlmMasker
 from shatter.train.masking import IGNORE, MASK, PAD, SEP
+from tests.train.loaderutil import stream, take
 
 
 def test_batches_are_named_padded_to_their_longest_row(dataset):

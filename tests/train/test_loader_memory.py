@@ -1,15 +1,13 @@
 """The loader's memory does not grow with the shard size: one worker's peak RSS at shards of
 about 4 and 32 MB (tools/bench/bench_loader.py's worker, in a fresh process each)."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from shatter.tools.bench.bench_loader import synthetic_dataset, worker_run
 
-from shatter.tools.bench.bench_loader import synthetic_dataset, worker_run  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +22,7 @@ def two_sizes(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_worker_peak_rss_does_not_grow_with_the_shard_size(two_sizes):
     from shatter.shards import read_index
 

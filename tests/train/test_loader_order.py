@@ -4,11 +4,11 @@ on any world size, accumulation and worker count; exact resume; the in-shard shu
 import numpy as np
 import pytest
 import torch
-from loaderutil import stream, take
 from torch.utils.data import DataLoader
 
 from shatter.shards import DatasetError, read_index
 from shatter.train.loader import SHUFFLE_WINDOW, EpochOrder, Slots, StreamPosition
+from tests.train.loaderutil import stream, take
 
 
 @pytest.mark.parametrize("world,workers", [(1, 0), (3, 2)])

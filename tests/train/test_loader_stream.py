@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from loaderutil import stream
-from shardutil import write_dataset
 
 from shatter.shards import DatasetError, read_index
+from tests.train.loaderutil import stream
+from tests.train.shardutil import write_dataset
 
 
 def test_longer_seq_len_than_the_data_is_an_error(dataset):
@@ -62,6 +62,7 @@ def test_validation_stream_is_finite_and_split_between_ranks(dataset):
     np.testing.assert_array_equal(np.unique(ids), np.arange(5))
 
 
+@pytest.mark.slow
 def test_format_reader_is_beam_free(tmp_path):
     """The trainer reads a local dataset through shatter.shards without importing Beam."""
     import subprocess

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from test_pretrain import command, metrics, run_to_end
 
 from shatter.pipeline.build import build
 from shatter.pipeline.config import InputSpec
@@ -20,7 +19,8 @@ from shatter.shards import DatasetError, read_index
 from shatter.train.config import ConfigError, data_sources, resolve
 from shatter.train.loader import MaskingSpec, Mixture, ShardStream, source_epochs, stream_shape
 from shatter.train.pretrain import main, start_up_checks
-from tests.pipeline.conftest import generated_documents, quiet, small_config
+from tests.pipeline.corpus import generated_documents, quiet, small_config
+from tests.train.runs import command, metrics, run_to_end
 
 TOLERANCE = 1e-4  # relative, fp32: a sum over 2 ranks against a sum over 2 micro-batches
 
@@ -64,6 +64,7 @@ def rows_of(a: Path, b: Path, world: int, accum: int, batches: int, start: int =
     return out, mix[0][0].rows("train")
 
 
+@pytest.mark.slow
 def test_the_stream_draws_3_to_1_on_any_world_size(two):
     a, b, _ = two
     (r0, r1), rows_a = rows_of(a, b, world=2, accum=1, batches=50)  # 400 rows, 2 ranks
@@ -98,6 +99,7 @@ def test_mixture_positions_are_arithmetic_on_the_seed():
     assert not np.array_equal(other, source[:4096])  # the seed places the draws
 
 
+@pytest.mark.slow
 def test_mixing_builds_of_two_lengths_cuts_each_by_its_own_factor(two, tmp_path):
     """d (built at 128, a's tokenizer) and a (at 64) mixed 1:1 at 32: d's rows are cut in 4,
     a's in 2; global position -> (dataset, position in its cut stream) gives the very rows
@@ -136,6 +138,7 @@ def test_mixing_builds_of_two_lengths_cuts_each_by_its_own_factor(two, tmp_path)
     )
 
 
+@pytest.mark.slow
 def test_weights_and_vocabularies_are_checked_in_one_line(two, tmp_path):
     a, b, c = two
     assert data_sources(("x:3", "s3://bucket/y:1.5", "s3://bucket/z")) == [

@@ -9,7 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from test_pretrain import BIN, SCRIPT, free_port
+
+from tests.jobs import free_port
+from tests.train.runs import BIN, SCRIPT
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 

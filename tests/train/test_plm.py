@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from shardutil import write_dataset
 
 import shatter
 from shatter.pipeline.masking import SPECIAL_IDS
@@ -16,6 +15,7 @@ from shatter.train.config import ConfigError, DataArgs, ModelArgs, TrainConfig, 
 from shatter.train.loader import MaskingSpec, ShardStream, validation_stream
 from shatter.train.masking import IGNORE
 from shatter.train.plm import plm_batch, with_objective
+from tests.train.shardutil import write_dataset
 
 
 @pytest.fixture(scope="module")

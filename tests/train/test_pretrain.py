@@ -6,7 +6,6 @@ SIGTERM saves before exit; the export is the engine's model."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,87 +22,18 @@ from shatter.train.config import DataArgs
 from shatter.train.evaluate import evaluate
 from shatter.train.evaluate_cli import evaluate_export
 from shatter.train.loader import validation_stream
+from tests.jobs import child_env
+from tests.train.runs import (
+    FP32_ARGS,
+    REPO,
+    SCRIPT,
+    command,
+    metrics,
+    run_to_end,
+    shm_left,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
-
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-SCRIPT = str(REPO / "train" / "pretrain.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def command(
-    data: Path, run: Path, *extra: str, ranks: int = 2, launcher: list[str] | None = None
-) -> list[str]:
-    """The pretraining command under `launcher` (default: the deepspeed launcher, `ranks` on
-    this machine)."""
-    if launcher is None:
-        launcher = [str(BIN / "deepspeed"), "--num_gpus", str(ranks)]
-        launcher += ["--master_port", str(free_port())]
-    return launcher + [
-        SCRIPT,
-        "--data",
-        str(data),
-        "--output",
-        str(run),
-        "--preset",
-        "shatter-tiny",
-        "--config",
-        str(REPO / "configs" / "cpu-tiny.yaml"),
-        *extra,
-    ]
-
-
-def run_to_end(
-    cmd: list[str], timeout: int = 240, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    """`cmd` run to its end (in `env`, default this process's): exit 0, no shared memory left."""
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert not shm_left(cmd)
-    return done
-
-
-def shm_left(cmd: list[str]) -> list[Path]:
-    """The /dev/shm segments of DeepSpeed's CPU allreduce that the job of `cmd` left behind."""
-    if "--master_port" not in cmd:
-        return []
-    port = cmd[cmd.index("--master_port") + 1]
-    return list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
-
-
-def metrics(run: Path) -> tuple[dict[int, float], dict[int, dict]]:
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    train = {r["step"]: r["loss"] for r in lines if "split" not in r}
-    val = {r["step"]: r for r in lines if r.get("split") == "validation"}
-    return train, val
-
-
-def kill_9_after_a_checkpoint(cmd: list[str], run: Path, env: dict | None = None) -> str:
-    """Start `cmd` (in `env`), kill -9 the launcher and both ranks once a checkpoint exists and
-    12 steps are logged; return the tag of the newest checkpoint."""
-    out = subprocess.DEVNULL
-    job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, start_new_session=True, env=env)
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline and job.poll() is None:
-            log = run / "metrics.jsonl"
-            logged = log.read_text().count('"lr"') if log.exists() else 0
-            if (run / "checkpoints" / "latest").exists() and logged >= 12:
-                break
-            time.sleep(0.05)
-        assert job.poll() is None, "the run ended before it could be killed"
-        os.killpg(job.pid, signal.SIGKILL)  # kill -9 of the launcher and both ranks
-        job.wait(30)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    return (run / "checkpoints" / "latest").read_text().strip()
 
 
 def export_validation(export: Path, data: Path, eval_samples: int) -> dict:
@@ -118,28 +48,6 @@ def export_validation(export: Path, data: Path, eval_samples: int) -> dict:
     )
     batches = ({k: b[k] for k in ("input_ids", "attention_mask", "labels")} for b in stream)
     return evaluate(model, batches, torch.device("cpu"), distributed=False)
-
-
-FP32_ARGS = (
-    "--max-steps",
-    "60",
-    "--precision",
-    "fp32",
-    "--zero-stage",
-    "1",
-    "--micro-batch",
-    "8",
-    "--save-every",
-    "10",
-    "--eval-every",
-    "30",
-    "--log-every",
-    "1",
-    "--warmup-steps",
-    "5",
-    "--lr",
-    "2e-3",
-)
 
 
 def count_requests(start: str) -> list[str]:
@@ -277,30 +185,9 @@ def test_bf16_zero2_dynamic_whole_word_masking(books_data, tmp_path):
 def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
     """A plain single process (no launcher; the launcher passes SIGTERM on to its ranks)."""
     run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        SCRIPT,
-        "--data",
-        str(books_data),
-        "--output",
-        str(run),
-        "--preset",
-        "shatter-tiny",
-        "--config",
-        str(REPO / "configs" / "cpu-tiny.yaml"),
-        "--max-steps",
-        "100000",
-        "--save-every",
-        "0",
-        "--eval-every",
-        "0",
-        "--log-every",
-        "1",
-        "--micro-batch",
-        "4",
-        "--num-workers",
-        "1",
-    ]
+    args = ("--max-steps", "100000", "--save-every", "0", "--eval-every", "0", "--log-every", "1")
+    cmd = command(books_data, run, *args, "--micro-batch", "4", "--num-workers", "1",
+                  launcher=[sys.executable])  # fmt: skip
     job = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -406,7 +293,7 @@ FAULTY = str(REPO / "tests" / "train" / "faulty_pretrain.py")
 def _killed_at(cmd: list[str], kill: str, log: Path) -> int:
     """Run `cmd` (train/pretrain.py under tests/train/faulty_pretrain.py) until its kill -9
     at `kill` (POINT:STEP); returns the launcher's exit status."""
-    env = {**os.environ, "SHATTER_TEST_KILL_SAVE": kill}
+    env = child_env(SHATTER_TEST_KILL_SAVE=kill)
     with open(log, "w") as err:
         job = subprocess.Popen(
             cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True
@@ -480,7 +367,7 @@ def test_a_skipped_micro_batch_keeps_the_step_boundary(books_data, tmp_path):
     cmd += ["--preset", "shatter-tiny", "--config", str(REPO / "configs" / "cpu-tiny.yaml")]
     cmd += ["--micro-batch", "2", "--grad-accum", "4", "--save-every", "2", "--eval-every", "0"]
     cmd += ["--log-every", "1", "--num-workers", "0", "--no-progress", "--sample-log", str(log)]
-    env = {**os.environ, "SHATTER_TEST_NAN": "5"}
+    env = child_env(SHATTER_TEST_NAN="5")
     for steps, nan in ((4, "5"), (6, "-1")):
         done = subprocess.run(
             [*cmd, "--max-steps", str(steps)],

@@ -1,6 +1,6 @@
 """xlnet-tiny through `deepspeed --num_gpus 2 train/pretrain.py` on CPU ranks with its default
 objective, the permutation LM: the PLM loss falls, validation is labelled plm, kill -9 then
-restart reproduces the uninterrupted losses exactly (the two runs side by side), and the export
+restart reproduces the uninterrupted losses exactly, and the export
 loads single-stream; a checkpoint missing weights is refused in one line."""
 
 import json
@@ -10,14 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_pretrain import (
-    FP32_ARGS,
-    REPO,
-    command,
-    kill_9_after_a_checkpoint,
-    metrics,
-    run_to_end,
-)
 
 import shatter
 from shatter import safe_load
@@ -26,8 +18,15 @@ from shatter.shards.reader import sha256_file
 from shatter.train.config import DataArgs
 from shatter.train.evaluate import evaluate
 from shatter.train.loader import validation_stream
-from tests import background
-from tests.jobs import Outcome, side_by_side
+from tests.jobs import Outcome, Runs
+from tests.train.runs import (
+    FP32_ARGS,
+    REPO,
+    command,
+    kill_9_after_a_checkpoint,
+    metrics,
+    run_to_end,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
@@ -37,20 +36,19 @@ ARGS = (*FP32_ARGS, "--preset", "xlnet-tiny", "--max-steps", "40", "--eval-every
 
 def _killed_and_restarted(data, run) -> tuple[str, str]:
     """A run killed -9 after a checkpoint, then restarted: (the checkpoint, the restart's stderr)."""
-    cmd, env = command(data, run, *ARGS), background.SESSION_ENV or None
-    killed_at = kill_9_after_a_checkpoint(cmd, run, env=env)
-    return killed_at, run_to_end(cmd, env=env).stderr
+    cmd = command(data, run, *ARGS)
+    killed_at = kill_9_after_a_checkpoint(cmd, run)
+    return killed_at, run_to_end(cmd).stderr
 
 
 def run_plm(books_data, tmp_path_factory) -> tuple[Path, Path, Outcome]:
-    """The uninterrupted run and the killed one, side by side (tests/jobs.py): the reference's
-    path, the killed run's, and the killed run's outcome."""
+    """The uninterrupted run and the killed one (tests/jobs.py Runs): the reference's path, the
+    killed run's, and the killed run's outcome."""
     tmp = tmp_path_factory.mktemp("xlnet")
     reference, killed = tmp / "run", tmp / "killed"
-    env = background.SESSION_ENV or None
-    both = side_by_side(
+    both = Runs(
         {
-            "reference": lambda: run_to_end(command(books_data, reference, *ARGS), env=env),
+            "reference": lambda: run_to_end(command(books_data, reference, *ARGS)),
             "killed": lambda: _killed_and_restarted(books_data, killed),
         }
     )
@@ -58,12 +56,9 @@ def run_plm(books_data, tmp_path_factory) -> tuple[Path, Path, Outcome]:
     return reference, killed, both["killed"]
 
 
-BACKGROUND = {"plm_runs": run_plm}  # started with the session (tests/background.py)
-
-
 @pytest.fixture(scope="module")
 def plm_runs(books_data, tmp_path_factory) -> tuple[Path, Path, Outcome]:
-    return background.result("plm_runs", lambda: run_plm(books_data, tmp_path_factory))
+    return run_plm(books_data, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import math
 import subprocess
 
 import pytest
-from test_pretrain import BIN, REPO, free_port
 
-from tests import background
+from tests.jobs import child_env, free_port, run_command
+from tests.train.runs import BIN, REPO, check_exports, check_nan_skips
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
@@ -24,11 +24,10 @@ def run_ranks_job(books_data, tmp_path_factory) -> dict:
     out = tmp / "report.json"
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
     cmd += [str(REPO / "tests" / "train" / "ranks_job.py"), str(books_data), str(tmp), str(out)]
-    env = background.SESSION_ENV or None  # not what a test running meanwhile set
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
+        done = run_command(cmd, timeout=240, env=child_env())
     except subprocess.TimeoutExpired as err:
-        tail = (err.stderr or b"")[-3000:]
+        tail = (err.stderr or "")[-3000:]
         pytest.fail(f"the 2-rank job did not end in 240 s (a hang): {tail!r}")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -36,37 +35,9 @@ def run_ranks_job(books_data, tmp_path_factory) -> dict:
     return result
 
 
-BACKGROUND = {"report": run_ranks_job}  # started with the session (tests/background.py)
-
-
 @pytest.fixture(scope="module")
 def report(books_data, tmp_path_factory) -> dict:
-    return background.result("report", lambda: run_ranks_job(books_data, tmp_path_factory))
-
-
-def check_exports(report: dict, keys: list[str]) -> None:
-    """Each export is the engine's fp32 masters (also tests/train/test_gpu.py's fp16 cases)."""
-    for key in keys:
-        case = report["export"][key]
-        assert case["masters_equal"], key  # the export is what the optimizer holds
-        assert case["refused_weights_only"] == [], key  # DeepSpeed's files: weights only
-        assert case.get("zero_to_fp32_equal", True), key  # and what DeepSpeed's files hold
-        if key.startswith(("bf16", "fp16")):
-            # fp32 values, not the 16-bit module weights; logits as the engine's up to rounding
-            assert case["tensors_finer_than_module_dtype"] > 30, (key, case)
-            assert case["max_logit_diff"] < 0.05, (key, case)
-        else:
-            assert case["max_logit_diff"] < 1e-4, (key, case)
-
-
-def check_nan_skips(report: dict, keys: list[str]) -> None:
-    """The NaN step was skipped and counted, the masters left as they were and finite."""
-    for key in keys:
-        case = report["nan"][key]
-        assert case["skipped_at_the_nan_step"] == 1, (key, case)
-        assert case["nan_step_unchanged"] and case["masters_finite"], (key, case)
-        assert case["module_finite"], (key, case)
-        assert (case["loss_scale"] is not None) == key.startswith("fp16"), (key, case)
+    return run_ranks_job(books_data, tmp_path_factory)
 
 
 def test_export_is_the_fp32_masters_at_every_stage(report):

@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_pretrain import command, run_to_end
-from test_resume_world import _at_step
 
 from shatter.shards import read_index
 from shatter.train import budget
@@ -21,7 +19,7 @@ from shatter.train.compiling import compile_problem
 from shatter.train.config import ConfigError, OptimArgs, TrainConfig, lr_at, resolve
 from shatter.train.init_from import check
 from shatter.train.schedule import lr_factor
-from tests import background
+from tests.train.runs import at_step, command, run_to_end
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -43,9 +41,7 @@ def _single(data: Path, run: Path, *args: str, preset: str = "shatter-tiny", tim
     base = ("--eval-every", "0", "--save-every", "0", "--log-every", "1", "--num-workers", "0")
     cmd = command(data, run, *base, "--no-progress", *args, launcher=[sys.executable])
     cmd[cmd.index("--preset") + 1] = preset
-    # in the background (tests/background.py) the session's environment, not what a test running
-    # meanwhile set (an in-process engine's RANK and MASTER_PORT)
-    return run_to_end(cmd, timeout=timeout, env=background.SESSION_ENV or None)
+    return run_to_end(cmd, timeout=timeout)
 
 
 def test_the_decays_shapes():
@@ -109,18 +105,14 @@ def run_compiled(books_data, tmp_path_factory) -> tuple[Path, str]:
     return run, done.stderr
 
 
-# subprocess-only runs, started with the session (tests/background.py)
-BACKGROUND = {"budget_run": run_budget, "compiled": run_compiled}
-
-
 @pytest.fixture(scope="module")
 def budget_run(books_data, tmp_path_factory) -> tuple[Path, dict, float]:
-    return background.result("budget_run", lambda: run_budget(books_data, tmp_path_factory))
+    return run_budget(books_data, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def compiled(books_data, tmp_path_factory) -> tuple[Path, str]:
-    return background.result("compiled", lambda: run_compiled(books_data, tmp_path_factory))
+    return run_compiled(books_data, tmp_path_factory)
 
 
 @pytest.mark.slow
@@ -184,7 +176,7 @@ def test_one_build_at_128_serves_32_then_64_resumes_exactly_and_init_from_contin
     one = ("--max-steps", "16", "--seq-len", "32", "--save-every", "8")
     _single(books_128, phase1, *common, *one, preset="bert-tiny")
     p1 = _logged(phase1)
-    chain = _at_step(phase1, 8, tmp_path / "resumed")
+    chain = at_step(phase1, 8, tmp_path / "resumed")
     _single(books_128, chain, *common, *one, preset="bert-tiny")
     resumed = _logged(chain)
     assert [resumed[s]["loss"] for s in range(9, 17)] == pytest.approx(
@@ -228,6 +220,7 @@ def _cfg(data: Path, init_from: Path, preset: str = "bert-tiny") -> TrainConfig:
     return resolve(None, flags)
 
 
+@pytest.mark.slow
 @pytest.mark.shared_data
 def test_init_from_refuses_another_arch_vocabulary_or_a_shorter_model(books_data, tmp_path):
     import shatter

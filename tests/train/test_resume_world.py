@@ -2,19 +2,17 @@
 and of 1 resumed on 2, through DeepSpeed's universal checkpoint, trains on at the next global sample: with
 the same global batch (2 ranks × 1 micro-batch = 1 rank × 2) the losses are those of a run that
 never stopped, to the reduction order. And a resume with another --max-steps follows the new
-run's schedule. The four chains of runs are independent and run side by side."""
+run's schedule. The four chains of runs are independent: each runs when a test first reads it."""
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from test_pretrain import command, metrics, run_to_end
 
 from shatter.train.config import OptimArgs, lr_at
-from tests import background
-from tests.jobs import Outcome, side_by_side
+from tests.jobs import Outcome, Runs
+from tests.train.runs import at_step, command, metrics, run_to_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
@@ -41,23 +39,11 @@ def _segment(data: Path, run: Path, config: Path, ranks: int, zero: int, max_ste
     args += ("--grad-accum", str(2 // ranks), "--max-steps", str(max_steps), "--lr", "2e-3")
     args += ("--save-every", str(SEGMENT), "--eval-every", "0", "--log-every", "1")
     args += ("--num-workers", "0", "--no-progress")
-    env = background.SESSION_ENV or None  # not what a test running meanwhile set
     if ranks == 1:
         cmd = command(data, run, *args, launcher=[sys.executable])
     else:
         cmd = command(data, run, *args, ranks=ranks)
-    return run_to_end(cmd, timeout=300, env=env)
-
-
-def _at_step(run: Path, step: int, to: Path) -> Path:
-    """A copy of `run` as it was when checkpoint `step` was its newest."""
-    shutil.copytree(run, to)
-    for later in (to / "checkpoints").glob("step*"):
-        if int(later.name[4:]) > step:
-            shutil.rmtree(later)
-    (to / "checkpoints" / "latest").write_text(f"step{step:08d}")
-    shutil.rmtree(to / "export")
-    return to
+    return run_to_end(cmd, timeout=300)
 
 
 def _check(chain: dict[int, float], reference: dict[int, float], label: str) -> float:
@@ -74,7 +60,7 @@ def _reference_and_zero1(data: Path, tmp: Path, config: Path) -> tuple[dict, dic
     checkpoint, resumed on 2 ranks, then on 1. Returns both runs' training losses."""
     reference = tmp / "reference"
     _segment(data, reference, config, ranks=1, zero=1, max_steps=3 * SEGMENT)
-    chain = _at_step(reference, SEGMENT, tmp / "zero1")
+    chain = at_step(reference, SEGMENT, tmp / "zero1")
     done = _segment(data, chain, config, ranks=2, zero=1, max_steps=2 * SEGMENT)
     assert "written by 1 ranks, this run has 2: converting" in done.stderr, done.stderr[-3000:]
     done = _segment(data, chain, config, ranks=1, zero=1, max_steps=3 * SEGMENT)
@@ -95,11 +81,11 @@ def _longer(data: Path, run: Path, config: Path) -> str:
 
 
 def run_chains(books_data, tmp_path_factory) -> dict[str, Outcome]:
-    """The four independent chains of runs below, side by side (tests/jobs.py)."""
+    """The four independent chains of runs below (tests/jobs.py Runs)."""
     tmp = {k: tmp_path_factory.mktemp(k) for k in ("zero1", "zero2", "zero3", "longer")}
     constant = _config(tmp["zero1"], "constant")  # each segment's --max-steps leaves the lr alone
     linear = _config(tmp["longer"], "linear")
-    return side_by_side(
+    return Runs(
         {
             "zero1": lambda: _reference_and_zero1(books_data, tmp["zero1"], constant),
             "zero2": lambda: _two_one_two(books_data, tmp["zero2"] / "run", constant, 2),
@@ -112,12 +98,9 @@ def run_chains(books_data, tmp_path_factory) -> dict[str, Outcome]:
     )
 
 
-BACKGROUND = {"chains": run_chains}  # started with the session (tests/background.py)
-
-
 @pytest.fixture(scope="module")
 def chains(books_data, tmp_path_factory) -> dict[str, Outcome]:
-    return background.result("chains", lambda: run_chains(books_data, tmp_path_factory))
+    return run_chains(books_data, tmp_path_factory)
 
 
 def test_zero1_and_zero2_resume_on_another_world_size_as_if_never_stopped(chains):

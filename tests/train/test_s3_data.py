@@ -15,7 +15,7 @@ import pytest
 
 from shatter.shards import DatasetError, read_index
 from shatter.shards.store import NodeCache, configure, current
-from tests.jobs import Job, side_by_side
+from tests.jobs import Job
 from tests.s3server import BUCKET
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
@@ -78,14 +78,8 @@ def test_a_dataset_three_times_the_cache_trains_two_epochs_as_from_local_disk(
     no_beam.mkdir(parents=True)
     (no_beam / "__init__.py").write_text('raise ImportError("Beam is not installed here")\n')
     s3_env = {**os.environ, "PYTHONPATH": f"{no_beam.parent}:{REPO}"}
-    both = side_by_side(  # two independent runs (tests/jobs.py)
-        {
-            "local": lambda: run_to_end(command(local, runs["local"], *args)),
-            "s3": lambda: run_to_end(command(remote, runs["s3"], *args), env=s3_env),
-        }
-    )
-    for outcome in both.values():
-        outcome.get()
+    run_to_end(command(local, runs["local"], *args))
+    run_to_end(command(remote, runs["s3"], *args), env=s3_env)
     fetched = {name: gets.count(name) for name in set(gets)}
     assert len(fetched) == len(index.shards("train")) and max(fetched.values()) > 1, fetched
     cache = next(tmp_path.glob("shatter-cache-*"))
@@ -156,10 +150,9 @@ def test_store_stopping_during_training_checkpoints_and_exits_naming_the_object(
 def test_a_failed_look_ahead_reaches_the_trainer_in_band(s3_server, tmp_path, monkeypatch):
     """A download that fails for good in a loader's look-ahead rides the next batch (STORE_ERROR),
     while the shard being read still serves its rows: no file, no signal."""
-    from loaderutil import stream
-    from shardutil import write_dataset
-
     from shatter.train.loader.stream import STORE_ERROR
+    from tests.train.loaderutil import stream
+    from tests.train.shardutil import write_dataset
 
     monkeypatch.setattr("shatter.shards.store.settings._current", None)
     configure(current().replace(cache_dir=str(tmp_path / "cache"), retry_seconds=1.0))

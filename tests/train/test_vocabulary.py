@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from shardutil import write_dataset
 
 from shatter.shards import DatasetError
 from shatter.train.config import ConfigError, resolve
 from shatter.train.pretrain import start_up_checks
+from tests.train.shardutil import write_dataset
 
 
 @pytest.fixture
