@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shatter.kernels.cost import OP_COSTS, rows_kernels
-from tests.shatter.test_triton_kernel import (
+from tests.shatter.kernel_cases import (
     CASES,
     DEVICE,
     INTERPRET,
