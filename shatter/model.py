@@ -139,8 +139,12 @@ class Encoder(nn.Module):
                 hidden.append(x)
         return EncoderOutput(x, tuple(hidden)) if hidden is not None else x
 
-    def layer_weights(self) -> list[LayerWeights]:
-        """Every block's LayerWeights, made once per forward in batched ops (layer_weights.py)."""
+    def layer_weights(self) -> list[LayerWeights | None]:
+        """Every block's LayerWeights, made once per forward in batched ops (layer_weights.py);
+        under ZeRO-3 (partitioned parameters: `ds_id`) each block makes its own inside its
+        forward, where ZeRO-3 has gathered them (train/engine.py: blocks are ZeRO-3 leaves)."""
+        if any(hasattr(p, "ds_id") for p in self.layers.parameters()):
+            return [None] * len(self.layers)
         return layer_weights(list(self.layers))
 
     def attention_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:

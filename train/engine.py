@@ -470,6 +470,8 @@ def build_engine(
         optimizer = None
     else:
         optimizer = client_optimizer(groups, cfg.optim)
+    if ds_config.get("zero_optimization", {}).get("stage") == 3:
+        zero3_leaf_blocks(model)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=groups if optimizer is None else None,
@@ -479,6 +481,18 @@ def build_engine(
     )
     guard_nonfinite_steps(engine)
     return engine
+
+
+def zero3_leaf_blocks(model: nn.Module) -> None:
+    """ZeRO-3 gathers a module's parameters as its own forward starts; a Block makes its layer's
+    folded weights from its submodules' parameters (shatter/attention/layer_weights.py) before
+    calling them, so each Block is a ZeRO-3 leaf: all its parameters are gathered on entry (and
+    the encoder leaves the batched all-layer weight products to the blocks: model.py)."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    from shatter.model import Block
+
+    set_z3_leaf_modules(model, [Block])
 
 
 def loss_scale(engine) -> float | None:

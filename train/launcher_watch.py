@@ -15,8 +15,10 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from shatter.train.lifecycle import StopFlag
+if TYPE_CHECKING:  # an annotation only: lifecycle imports this module
+    from shatter.train.lifecycle import StopFlag
 
 LAUNCHER_POLL_S = 1.0  # how often a rank looks for its launcher and the deepspeed runner
 

@@ -41,11 +41,13 @@ def _finetune(tmp_path, export, *extra) -> tuple[dict, str]:
 
 
 @pytest.mark.slow
-def test_a_tiny_model_at_the_base_size_lr_warns_and_the_defaults_learn(tmp_path, export):
-    metrics, output = _finetune(tmp_path, export, "--lr", "1e-5")
+def test_a_tiny_model_that_learns_nothing_warns_and_the_defaults_learn(tmp_path, export):
+    # 1e-7, far below even the base size's 1e-5 (at which this tiny model sometimes moved a little,
+    # by the RNG state a shared pytest-xdist worker leaves): nothing is learned in 41 steps
+    metrics, output = _finetune(tmp_path, export, "--lr", "1e-7")
     best = metrics["best"]
     print(
-        f"lr 1e-5: best accuracy {best['accuracy']:.3f}, majority {best['majority_accuracy']:.3f}"
+        f"lr 1e-7: best accuracy {best['accuracy']:.3f}, majority {best['majority_accuracy']:.3f}"
     )
     assert "learned nothing" in output and metrics["warnings"][0] in output
     assert best["accuracy"] <= best["majority_accuracy"]

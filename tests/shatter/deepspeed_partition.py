@@ -30,8 +30,8 @@ seen = []
 resolve_layer = single_head.resolve_layer
 
 
-def recording(name, device, dtype):
-    attend = resolve_layer(name, device, dtype)
+def recording(name, device, dtype, shape=None):
+    attend = resolve_layer(name, device, dtype, shape)
 
     def call(P, X, mask, table, sigmoid):
         seen.append(table)
