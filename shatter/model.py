@@ -143,7 +143,7 @@ class Encoder(nn.Module):
         """Every block's LayerWeights, made once per forward in batched ops (layer_weights.py);
         under ZeRO-3 (partitioned parameters: `ds_id`) each block makes its own inside its
         forward, where ZeRO-3 has gathered them (train/engine.py: blocks are ZeRO-3 leaves)."""
-        if any(hasattr(p, "ds_id") for p in self.layers.parameters()):
+        if hasattr(next(self.layers.parameters()), "ds_id"):  # ZeRO-3 partitions all or none
             return [None] * len(self.layers)
         return layer_weights(list(self.layers))
 

@@ -258,11 +258,21 @@ OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {
 }
 
 
-# The step model's frozen efficiency table (tools/bench/step_cost.py EFFICIENCY: gemm, custom,
-# memory, launch_us) at the datasheet peaks (dense bf16 FLOP/s, HBM bytes/s) of the sm_90 and
-# sm_80 parts it models (H100 SXM, A100-80GB SXM): what `auto` prices the two Triton impls with.
-EFFICIENCY = {"gemm": 0.70, "custom": 0.50, "memory": 0.60}
-LAUNCH_S = 6e-6
+# The one efficiency table of the step model (tools/bench/step_cost.py) and of `auto`'s choice
+# between the Triton impls, every arch and GPU alike (docs/benchmarks.md states it). gemm, memory,
+# efficient and launch_us were set once from the H100 measurement that `step_cost.py --calibrate`
+# replays (the best of its PLAUSIBLE grid, `--fit`), then frozen; flash and custom are stated, not
+# fitted (the replayed commit ran neither kernel).
+EFFICIENCY = {
+    "gemm": 0.70,  # cuBLAS bf16/fp16 GEMMs, fraction of the dense tensor peak
+    "flash": 0.35,  # FlashAttention-2, forward and backward (its paper: 30-40% on an H100)
+    "efficient": 0.25,  # the memory-efficient (cutlass) attention kernel
+    "custom": 0.50,  # a Triton kernel's products (tl.dot), between cuBLAS and flash
+    "memory": 0.60,  # fraction of HBM bandwidth for memory-bound kernels
+    "launch_us": 6.0,  # per kernel launch: the gap it leaves between kernels
+}
+LAUNCH_S = EFFICIENCY["launch_us"] * 1e-6
+# the datasheet peaks (dense bf16 FLOP/s, HBM bytes/s) of the sm_90 and sm_80 parts `auto` prices
 PEAKS = {90: (989e12, 3.35e12), 80: (312e12, 2.039e12)}
 IMPL_OPS = {"triton": (mixing_fwd_cost, mixing_bwd_cost), "fused": (fused_fwd_cost, fused_bwd_cost)}
 

@@ -78,23 +78,12 @@ import click
 import torch
 
 from shatter.config import ATTENTION_IMPLS
+from shatter.kernels.cost import EFFICIENCY  # the frozen table (its one home)
 from shatter.tools.bench.attention_cost import GPUS
 from shatter.tools.bench.step_trace import build_meta, records, trace_step
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The one efficiency table, every arch and GPU alike (docs/benchmarks.md states it). gemm, memory,
-# efficient and launch_us were set once from the H100 measurement that --calibrate replays (the
-# best of the PLAUSIBLE grid, `--fit`), then frozen; flash and custom are stated, not fitted
-# (the replayed commit ran neither kernel).
-EFFICIENCY = {
-    "gemm": 0.70,  # cuBLAS bf16/fp16 GEMMs, fraction of the dense tensor peak
-    "flash": 0.35,  # FlashAttention-2, forward and backward (its paper: 30-40% on an H100)
-    "efficient": 0.25,  # the memory-efficient (cutlass) attention kernel
-    "custom": 0.50,  # a Triton kernel's products (tl.dot), between cuBLAS and flash
-    "memory": 0.60,  # fraction of HBM bandwidth for memory-bound kernels
-    "launch_us": 6.0,  # per kernel launch: the gap it leaves between kernels
-}
 # The grid --fit searches: round values a GPU can plausibly reach, bounded by what is physical
 # (cuBLAS at most 70% of peak at these shapes, elementwise kernels at least 60% of HBM)
 PLAUSIBLE = {
