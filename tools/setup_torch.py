@@ -174,8 +174,9 @@ def reachable(url: str, timeout: float = 8.0) -> bool:
         return False
 
 
-def _source(index: str | None, capability: tuple[int, int] | None, args: list[str]) -> str:
-    """Where `args` take torch from, in words."""
+def source(index: str | None, capability: tuple[int, int] | None, args: list[str]) -> str:
+    """Where `args` take torch from, in words (the pip arguments decide: an unreachable CPU index
+    has been dropped from them)."""
     if index:
         return index
     if SM70_INDEX in args:
@@ -183,9 +184,11 @@ def _source(index: str | None, capability: tuple[int, int] | None, args: list[st
             f"{SM70_INDEX} (a GPU of compute capability {capability[0]}.{capability[1]}: only "
             "the cu126 builds carry its kernels)"
         )
+    if CPU_INDEX in args:
+        return f"{CPU_INDEX} (no NVIDIA GPU: the CPU build of {CPU_VERSION})"
     if capability is not None:
         return "pip's default index (an NVIDIA GPU is present: the CUDA build)"
-    return f"{CPU_INDEX} (no NVIDIA GPU: the CPU build of {CPU_VERSION})"
+    return "pip's own indexes and find-links (a local CPU wheel of it, where one is there)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         why = f"torch {installed} cannot run this machine's GPU"
     else:
         why = f"torch {installed} is outside {wanted}"
-    source = _source(index, capability, args)
-    print(f"==> {why}: installing it from {source}; TORCH_INDEX=URL picks another", flush=True)
+    where = source(index, capability, args)
+    print(f"==> {why}: installing it from {where}; TORCH_INDEX=URL picks another", flush=True)
     command = [sys.executable, "-m", "pip", *args]
     if dry:
         print("==> dry run, nothing installed: " + " ".join(shlex.quote(a) for a in command))

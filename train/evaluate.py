@@ -42,13 +42,18 @@ def masked_lm_sums(model, batch: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model, batches, device: torch.device, distributed: bool) -> dict:
-    """{"loss", "accuracy", "predictions"} over all batches of all ranks."""
+    """{"loss", "accuracy", "predictions"} over all batches of all ranks.
+
+    A `torch.compile`d model runs eager here: its graphs are the training step's, and eval mode,
+    no_grad and the split's last, shorter batch would each compile new ones (tens of seconds
+    each on a CPU, for a pass of seconds) and count towards Dynamo's recompile limit."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed on the device
-    for batch in batches:
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        totals += masked_lm_sums(model, batch)
+    with torch.compiler.set_stance("force_eager"):
+        for batch in batches:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            totals += masked_lm_sums(model, batch)
     if distributed and torch.distributed.is_initialized():
         torch.distributed.all_reduce(totals)
     if was_training:

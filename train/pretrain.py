@@ -239,7 +239,9 @@ def _run(cfg: TrainConfig, restart: bool = False) -> int:
     run_budget = budget.Budget(cfg, plan, run_dir, rank, world) if cfg.run.budget_hours else None
     engine = build_engine(model, cfg, ds_config, plan)
     progress = ProgressWatchdog(ProgressWatchdog.limit_for(cfg.run.collective_timeout_s))
-    engine.module.register_forward_pre_hook(progress.pet)  # a rank stuck between forwards ends
+    # a rank stuck between forwards ends; on the engine, never compiled, so that the hook runs
+    # outside a compiled model's graph (Dynamo would warn it cannot trace time.monotonic)
+    engine.register_forward_pre_hook(progress.pet)
     state, position, saved_config = checkpoint.resume(engine, run_dir, found.tag, universal)
     if position is not None:  # refuses a position on different data
         StreamPosition.from_dict(position, *stream_shape(index, mix, seq_len))

@@ -119,6 +119,33 @@ def metadata(config, report, license: str | None, datasets: tuple[str, ...], sco
     return lines
 
 
+def longer_inputs(config, report) -> str:
+    """What an input longer than max_len does in transformers, up to the card's extend command:
+    relative positions run it; the remote code's absolute table refuses it in one line; a native
+    BertFor* is transformers' own code, which fails with torch's shape error (its tokenizer warns
+    first), as every BERT on the Hub does."""
+    n = config.max_len
+    if config.arch not in ("bert", "bert-rab"):
+        return (
+            f"Inputs longer than {n} tokens run (position is relative in this arch), at lengths "
+            "it was not trained at and with memory growing as the length squared; to train or "
+            "finetune at a longer length, extend it with no new weights: "
+        )
+    if not report.native:
+        return (
+            f"Inputs longer than {n} tokens are refused in one line (truncate them with the "
+            "tokenizer's `truncation=True`); extending adds rows to the absolute position table: "
+        )
+    return (
+        f"Inputs longer than {n} tokens fail, as in any BERT of transformers (this is its own "
+        f"`{report.hf_class}`, with no code of ours to check them): the tokenizer warns "
+        "`Token indices sequence length is longer than the specified maximum sequence length` "
+        f"and the model stops with torch's `The expanded size of the tensor (L) must match the "
+        f"existing size ({n})`. Truncate them with the tokenizer's `truncation=True`; extending "
+        "adds rows to the absolute position table: "
+    )
+
+
 def model_card(
     model: nn.Module, source, report, license: str | None = None, datasets: tuple[str, ...] = ()
 ) -> str:
@@ -168,15 +195,7 @@ def model_card(
         f"model = {auto}.from_pretrained(PATH{remote})",
         "```",
         "",
-        (
-            f"Inputs longer than {config.max_len} tokens run (position is relative in this "
-            "arch), at lengths it was not trained at and with memory growing as the length "
-            "squared; to train or finetune at a longer length, extend it with no new weights: "
-            if config.arch not in ("bert", "bert-rab")
-            else f"Inputs longer than {config.max_len} tokens are refused (truncate them with "
-            "the tokenizer's `truncation=True`); extending adds rows to the absolute position "
-            "table: "
-        )
+        longer_inputs(config, report)
         + "`shatter-extend EXPORT --max-len 1024 --output EXT` on the toolkit export, then "
         "export EXT again.",
         "",

@@ -8,8 +8,10 @@ transformers' Auto classes from the written directory, offline.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import logging as pylogging
+import math
 import random
 import sys
 from pathlib import Path
@@ -99,15 +101,8 @@ def test_auto_model_loads_the_encoder_of_an_mlm_export_quietly(arch, tokenizer_f
     model = tiny(arch, tokenizer_file, max_len=64)
     out = tmp_path / "hf"
     export(model, tokenizer_file, tmp_path / "export", out)
-    logging = transformers.utils.logging
-    logging.set_verbosity_warning()
-    records = []
-    handler = _Collect(records)
-    logging.get_logger().addHandler(handler)
-    try:
+    with hf_warnings() as records:
         encoder = transformers.AutoModel.from_pretrained(out, trust_remote_code=True).eval()
-    finally:
-        logging.get_logger().removeHandler(handler)
     text = "\n".join(records)
     assert "UNEXPECTED" not in text and "MISSING" not in text, text
     inputs = batch(model.config.vocab_size, (24, 11))
@@ -124,6 +119,20 @@ class _Collect(pylogging.Handler):
 
     def emit(self, record):
         self.records.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def hf_warnings():
+    """The messages transformers logs at warning level or above inside the block."""
+    logging = transformers.utils.logging
+    logging.set_verbosity_warning()
+    records: list[str] = []
+    handler = _Collect(records)
+    logging.get_logger().addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.get_logger().removeHandler(handler)
 
 
 def test_remote_code_is_our_model(tokenizer_file):
@@ -249,8 +258,11 @@ def test_an_extended_export_matches_at_1024(tokenizer_file, tmp_path):
         hf.train()
         hf(**inputs, labels=inputs["input_ids"]).loss.backward()  # finetuning's path too
     assert seen.shapes, "nothing traced"
-    square = [s for s in seen.shapes if len(s) == 4 and s[-2:] == (1024, 1024)]
-    assert not square, f"a [B, n, L, L] tensor: {square[:3]}"
+    n, rows = model.config.heads, inputs["input_ids"].shape[0]
+    whole = [s for s in seen.shapes if math.prod(s) >= n * rows * 1024 * 1024]
+    assert not whole, (
+        f"a tensor of all n parts' B·L² values ([B, n, L, L], [B, L, n·L]): {whole[:3]}"
+    )
 
 
 class Shapes(TorchDispatchMode):
@@ -462,6 +474,38 @@ def test_longer_inputs_work_with_relative_positions_and_are_one_line_with_absolu
         assert "\n" not in str(refused.value) and "truncation=True" in str(refused.value)
 
 
+def test_a_native_bert_export_fails_past_its_length_as_the_card_and_docs_say(
+    tokenizer_file, tmp_path
+):
+    """A bert export is transformers' own BertForMaskedLM, with no code of ours to check the
+    length: past max_position_embeddings its tokenizer warns and the forward stops with torch's
+    shape error naming both lengths, the very texts the card and export.md quote; truncation=True
+    runs."""
+    model = tiny("bert", tokenizer_file, max_len=16)
+    out = tmp_path / "hf"
+    export(model, tokenizer_file, tmp_path / "export", out)
+    loaded = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = " ".join(["the cat sat on the mat"] * 10)
+    with hf_warnings() as records:
+        inputs = tokenizer(text, return_tensors="pt")
+    length = inputs["input_ids"].shape[1]
+    assert length > 16
+    warned = "Token indices sequence length is longer than the specified maximum sequence length"
+    assert any(warned in r and f"({length} > 16)" in r for r in records), records
+    with pytest.raises(RuntimeError) as failed, torch.no_grad():
+        loaded(**inputs)
+    said = "The expanded size of the tensor"
+    assert f"{said} ({length}) must match the existing size (16)" in str(failed.value)
+    card = (out / "README.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
+    for page in (card, " ".join(docs.split())):
+        assert warned in page and said in page and "truncation=True" in page
+    truncated = tokenizer(text, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        assert loaded(**truncated).logits.shape[1] == 16
+
+
 def test_auto_model_on_a_native_bert_export_has_no_random_pooler_when_asked(
     tokenizer_file, tmp_path
 ):
@@ -471,17 +515,10 @@ def test_auto_model_on_a_native_bert_export_has_no_random_pooler_when_asked(
     model = tiny("bert", tokenizer_file, max_len=64)
     out = tmp_path / "hf"
     export(model, tokenizer_file, tmp_path / "export", out)
-    logging = transformers.utils.logging
-    logging.set_verbosity_warning()
     said = {}
     for pooler in (True, False):
-        records = []
-        handler = _Collect(records)
-        logging.get_logger().addHandler(handler)
-        try:
+        with hf_warnings() as records:
             transformers.AutoModel.from_pretrained(out, add_pooling_layer=pooler)
-        finally:
-            logging.get_logger().removeHandler(handler)
         said[pooler] = "\n".join(records)
     assert "pooler" in said[True] and "MISSING" in said[True], said[True]
     assert "pooler" not in said[False] and "MISSING" not in said[False], said[False]

@@ -13,6 +13,7 @@ from shatter.tools.setup_torch import (
     SM70_INDEX,
     plan,
     release,
+    source,
     torch_requirement,
 )
 
@@ -32,6 +33,16 @@ def test_the_plan_per_machine():
     assert plan(None, wanted, "default", gpu=False) == ["install", str(wanted)]
     custom = plan("2.16.0", wanted, "https://example.org/cu126", gpu=False)
     assert custom == ["install", "--index-url", "https://example.org/cu126", str(wanted)]
+
+
+def test_the_source_said_is_the_one_pip_is_given():
+    """The CPU index named only where pip gets it: an unreachable one is dropped from the
+    arguments, and the line after the one saying so must not name it as the source."""
+    cpu = plan(None, torch_requirement(), None, gpu=False)
+    assert source(None, None, cpu).startswith(CPU_INDEX)
+    unreachable = ["install", f"torch=={CPU_VERSION}"]
+    assert CPU_INDEX not in source(None, None, unreachable)
+    assert "pip's own indexes" in source(None, None, unreachable)
 
 
 def test_the_installed_torch_is_kept_and_said_so():

@@ -51,3 +51,42 @@ def test_compiled_model_equals_eager(arch):
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(outs[0][1], outs[1][1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_validation_compiles_nothing():
+    """Validation of a compiled model (eval mode, no grad, a last shorter batch) compiles no new
+    graph, and the training step after it reuses the training step's graphs; its figures are
+    the eager model's."""
+    from torch._dynamo.testing import CompileCounter
+
+    from shatter.train.evaluate import evaluate
+
+    torch.manual_seed(0)
+    kwargs = dict(vocab_size=50, max_len=32, layers=1)
+    eager = shatter.build_model("bert-tiny", **kwargs)
+    compiled = shatter.build_model("bert-tiny", **kwargs)
+    compiled.load_state_dict(eager.state_dict())
+    counter = CompileCounter()
+    compiled.compile(backend=counter)
+    g = torch.Generator().manual_seed(1)
+
+    def batch(rows: int) -> dict:
+        x = torch.randint(5, 50, (rows, 16), generator=g)
+        labels = torch.full_like(x, -100)
+        labels[:, ::3] = x[:, ::3]  # as many predicted tokens in every training batch
+        return {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": labels}
+
+    def train_step() -> None:
+        compiled(**batch(4))["loss"].backward()
+
+    compiled.train()
+    train_step()
+    frames = counter.frame_count
+    split = [batch(4), batch(4), batch(3)]
+    result = evaluate(compiled, split, torch.device("cpu"), distributed=False)
+    train_step()
+    assert counter.frame_count == frames, f"{counter.frame_count - frames} new graphs"
+    assert compiled.training
+    want = evaluate(eager, split, torch.device("cpu"), distributed=False)
+    assert result == pytest.approx(want, rel=1e-6)

@@ -213,6 +213,9 @@ def test_run_compile_trains_bert_on_cpu(compiled):
     assert len(losses) == 3 and all(x == x and x < 9 for x in losses)
     assert "complete: step 3" in stderr and (run / "export" / "model.safetensors").is_file()
     assert json.loads((run / "config.json").read_text())["config"]["run"]["compile"] is True
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x.get("split") == "validation"] == [3]
+    assert "torch._dynamo" not in stderr, stderr  # validation ran eager: no recompile warning
 
 
 def _cfg(data: Path, init_from: Path, preset: str = "bert-tiny") -> TrainConfig:
