@@ -209,7 +209,6 @@ def format_line(stage: str, elapsed: float, values: dict, per_second: dict) -> s
 
 # --- the stall watch ----------------------------------------------------------------------------
 
-DEFAULT_STALL_SECONDS = 1800.0
 STALL_SIGNAL = signal.SIGUSR1  # sent to the main thread, handled only while a watch runs
 STALL_GRACE_SECONDS = 60.0  # for the main thread to unwind (Beam stops its workers) before _exit
 

@@ -273,16 +273,15 @@ def _open(path: str, info: ShardInfo) -> tuple[str, int]:
 def _hash_blocks(fd: int, offsets: list[int], sizes: list[int]) -> tuple[str, list[str]]:
     """In one streamed pass over the file: (its sha256, [the sha256 of the bytes before the
     first record batch (the schema), then each record batch's])."""
-    whole, parts, pos = hashlib.sha256(), [], 0
+    whole, head, blocks, pos = hashlib.sha256(), hashlib.sha256(), [], 0
     for start, size in [*zip(offsets, sizes), (os.fstat(fd).st_size, 0)]:
-        head = hashlib.sha256() if not parts else None  # between batches: only the end marker
-        _feed(fd, pos, start, *(d for d in (whole, head) if d))
+        # before the first record batch: the schema (`head`); after the last: the end marker
+        _feed(fd, pos, start, whole, *([head] if pos == 0 else []))
         block = hashlib.sha256()
         _feed(fd, start, start + size, whole, block)
-        parts += [head.hexdigest()] if head else []
-        parts.append(block.hexdigest())
+        blocks.append(block.hexdigest())
         pos = start + size
-    return whole.hexdigest(), parts[:-1]
+    return whole.hexdigest(), [head.hexdigest(), *blocks[:-1]]
 
 
 def _feed(fd: int, start: int, end: int, *digests, chunk: int = 1 << 22) -> None:
