@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
 from shatter.pipeline import hf_tokenizer, progress, readers, runners, store, tokenizer
 from shatter.pipeline.config import BuildConfig
@@ -90,17 +91,36 @@ class BuildError(Exception):
     """A build that cannot go on; the message says why (the CLI prints it without a traceback)."""
 
 
-def run_and_report(pipeline: beam.Pipeline, stage: str, report=print) -> dict | None:
+def run_and_report(
+    pipeline: beam.Pipeline, stage: str, config: BuildConfig, report=print
+) -> dict | None:
     """Run to completion, reporting the "shatter" counters every `--progress_seconds` meanwhile
     (`shatter.pipeline.progress`: the live tally of a local runner, or Beam's metrics of a running job)
-    and Beam's committed counters at the end; None if the runner has no metrics (Dask)."""
+    and Beam's committed counters at the end; None if the runner has no metrics (Dask). A BuildError
+    when no counter moves for `--stall-seconds` (a job still running elsewhere is cancelled)."""
     start = time.time()
     seconds = pipeline.options.view_as(progress.ProgressOptions).progress_seconds
-    with progress.LiveReport(stage, report, seconds) as live:
-        result = pipeline.run()  # the FnApiRunner runs the whole pipeline here
-        if not beam.runners.runner.PipelineState.is_terminal(result.state):
-            live.follow(lambda: runners.counters(result, NAMESPACE))
-        result.wait_until_finish()  # also what drives the BundleBasedDirectRunner's state to DONE
+    # the local runner's counters are always seen; another's may not be until its first one
+    local = isinstance(pipeline.runner, FnApiRunner)
+    watch = progress.StallWatch(
+        config.stall_seconds, config.output, armed=local, end_workers=runners.end_local_workers
+    )
+    live, result = progress.LiveReport(stage, report, seconds, watch=watch), None
+    try:
+        with live:
+            result = pipeline.run()  # the FnApiRunner runs the whole pipeline here
+            if not beam.runners.runner.PipelineState.is_terminal(result.state):
+                live.follow(lambda: runners.counters(result, NAMESPACE))
+            result.wait_until_finish()  # also drives the BundleBasedDirectRunner's state to DONE
+    except BaseException:  # `Stalled`, or the error of a worker that the stall ended
+        if live.stall is None:
+            raise
+        if result is not None and not beam.runners.runner.PipelineState.is_terminal(result.state):
+            try:
+                result.cancel()
+            except Exception as c:  # the stall is the error to show
+                log.warning("could not cancel the stalled job: %s", c)
+        raise BuildError(live.stall) from None
     values = runners.counters(result, NAMESPACE)
     shown = (
         format_counters(values)
@@ -253,7 +273,7 @@ def cache_clean_text(
         | "write cache list"
         >> beam.Map(write_outputs, smallest_key=beam.pvalue.AsSingleton(smallest), **extra)
     )
-    return run_and_report(p, "tokenizer sample" if sample else "clean text", report)
+    return run_and_report(p, "tokenizer sample" if sample else "clean text", config, report)
 
 
 def train_tokenizer(config: BuildConfig, out: str, beam_args: list[str], report=print):
@@ -490,7 +510,7 @@ def _run_build(plan: BuildPlan, held_out: int | None, beam_args: list[str], repo
         | "pack" >> Pack(config.seq_len, config.cross_document)
         | "shard, mask and write" >> write
     )
-    return run_and_report(p, "build", report)
+    return run_and_report(p, "build", config, report)
 
 
 def _find_smallest_key(plan: BuildPlan, beam_args: list[str], report) -> int | None:
@@ -503,7 +523,7 @@ def _find_smallest_key(plan: BuildPlan, beam_args: list[str], report) -> int | N
         | "smallest key" >> SmallestKey()
         | "write smallest key" >> beam.Map(lambda k: _write_text(key_path, json.dumps(k)))
     )
-    run_and_report(p, "hold-out key", report)
+    run_and_report(p, "hold-out key", plan.config, report)
     key = json.loads(_read_text(key_path))
     FileSystems.delete([key_path])
     return key

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import re
 import sys
+import threading
+import traceback
 
 import click
 
@@ -47,6 +50,20 @@ def configure_logging(verbose: bool) -> None:
     # a failing worker's traceback is logged by Beam; without -v the CLI prints the cause itself
     logging.getLogger("apache_beam").setLevel(logging.INFO if verbose else logging.CRITICAL)
     logging.getLogger("apache_beam.options.pipeline_options").setLevel(logging.WARNING)
+    threading.excepthook = _log_beam_thread_errors
+
+
+def _log_beam_thread_errors(args) -> None:
+    """An exception that ends one of Beam's own threads (a `multi_processing` worker process that
+    died: "Worker subprocess exited with return code 137") goes to Beam's logger, shown with -v,
+    not as a bare traceback: the build's one line names the failure. Others: Python's default."""
+    frames = traceback.extract_tb(args.exc_traceback)
+    if not frames or f"{os.sep}apache_beam{os.sep}" not in frames[-1].filename:
+        threading.__excepthook__(args)
+        return
+    name = args.thread.name if args.thread else "?"
+    exc_info = (args.exc_type, args.exc_value, args.exc_traceback)
+    logging.getLogger("apache_beam").error("Beam's thread %s failed", name, exc_info=exc_info)
 
 
 def _inputs(values, default_corpus: str, index: str | None) -> tuple[InputSpec, ...]:

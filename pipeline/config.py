@@ -94,6 +94,12 @@ class BuildConfig:
         "about 3 x rows x --seq-len x 4 bytes at a spill; the shards do not depend on it)",
         min=1,
     )
+    stall_seconds: float = option(
+        1800.0,
+        "stop the build, in one line, when no counter has moved for this long (a worker killed "
+        "for memory leaves Beam's local runner waiting for good); 0: never",
+        min=0,
+    )
 
     def __post_init__(self):
         for spec in self.inputs + self.validation_inputs:

@@ -17,6 +17,14 @@ long local build would print nothing for minutes. Hence every increment of a "sh
 `LiveReport` prints `[stage 20s] counter=value ...  (N docs/s, M tokens/s)` every
 `--progress_seconds` through the build's `report` callback, and is stopped before the final line.
 The final counts (index.json) still come from Beam's committed metrics, never from this tally.
+
+The same loop watches for a stall (`StallWatch`, `--stall-seconds`): when no counter has moved for
+that long, it raises `Stalled` in the main thread (a signal, which also wakes a thread blocked on a
+lock), so the build unwinds as from any failure. Why: a `multi_processing` worker killed by the
+kernel's OOM killer leaves the FnApiRunner waiting for it for good, while these lines go on.
+Upstream: no apache/beam issue found as of 2026-11-27 for a killed SDK worker hanging the
+FnApiRunner; a killed worker of a bundle in flight fails the run ("Channel closed prematurely"),
+one killed before its first bundle hangs it.
 Reference: Beam's FnApiRunner has a `progress_request_frequency`, but it exposes no callback, so
 it cannot feed a display without patching Beam internals.
 """
@@ -25,8 +33,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import threading
 import time
@@ -196,6 +207,67 @@ def format_line(stage: str, elapsed: float, values: dict, per_second: dict) -> s
     return f"[{stage} {int(elapsed)}s] {counts}" + (f"  ({speed})" if speed else "")
 
 
+# --- the stall watch ----------------------------------------------------------------------------
+
+STALL_SIGNAL = signal.SIGUSR1  # sent to the main thread, handled only while a watch runs
+STALL_GRACE_SECONDS = 60.0  # for the main thread to unwind (Beam stops its workers) before _exit
+
+
+class Stalled(BaseException):
+    """No counter moved for `--stall-seconds` (raised in the main thread; its message is the line
+    to print). A BaseException: Beam's `except Exception` blocks must not wrap or swallow it."""
+
+
+class StallWatch:
+    """When no counter of a pipeline has moved for `limit` seconds (0: never), it has stalled.
+    `armed` False: counting starts at the first counter seen, for a runner whose counters may
+    never be visible while it runs (a remote Dask cluster): its silence proves nothing."""
+
+    def __init__(
+        self,
+        limit: float,
+        output: str,
+        armed: bool = True,
+        end_workers: Callable[[], None] = lambda: None,
+    ):
+        self.limit, self.output, self.armed, self.end_workers = limit, output, armed, end_workers
+        self.last: dict = {}
+        self.since: float | None = None
+
+    @property
+    def poll(self) -> float:
+        """Seconds between looks at the counters (0: no watch)."""
+        return min(self.limit / 4, 10.0) if self.limit > 0 else 0.0
+
+    def observe(self, values: dict, now: float) -> bool:
+        """Whether the pipeline has stalled, given the counters `values` seen at time `now`."""
+        if self.since is None or values != self.last:
+            self.last, self.since = values, now
+            self.armed = self.armed or bool(values)
+        return self.armed and self.limit > 0 and now - self.since >= self.limit
+
+    def message(self, stage: str, start: float) -> str:
+        """The one line that ends a stalled build (`stage` began at time `start`)."""
+        seen = format_line(stage, (self.since or start) - start, self.last, {})
+        return (
+            f"the build stalled: no work done for {self.limit:g}s (no counter moved; last seen: "
+            f"{seen}); a worker process may have died (killed for memory: see `dmesg`, or the "
+            f"workers' memory) and the runner waits for it for good. {self.output} got no new "
+            "index.json (a dataset already there is kept; a rerun starts over): build again "
+            "with more memory per worker (fewer --direct_num_workers), or raise --stall-seconds "
+            "if a stage may run this long without counting"
+        )
+
+
+def _ticks(seconds: float, poll: float) -> tuple[float, int]:
+    """The reporter's wait between looks at the counters, and how many looks make one progress
+    line (0: none): every `poll` seconds or more often, a line exactly every `seconds`."""
+    if seconds <= 0:
+        return poll, 0
+    looks = math.ceil(seconds / poll) if poll > 0 else 1
+    return seconds / looks, looks
+
+
 # --- the driver's reporter -----------------------------------------------------------------------
 
 
@@ -226,7 +298,8 @@ class Heartbeat:
 
 class LiveReport:
     """Context manager around one pipeline run: a daemon thread reports the counters every
-    `seconds` (0: never) until the block ends. No line is reported once `__exit__` has begun."""
+    `seconds` (0: never) until the block ends, and ends a run that `watch` finds stalled. No line
+    is reported, and no stall raised, once `__exit__` has begun."""
 
     def __init__(
         self,
@@ -234,9 +307,15 @@ class LiveReport:
         report: Callable[[str], None],
         seconds: float,
         clock: Callable[[], float] = time.monotonic,
+        watch: StallWatch | None = None,
     ):
         self.stage, self.report, self.seconds, self.clock = stage, report, seconds, clock
+        self.watch = watch if watch is not None and watch.poll > 0 else None
         self._stop = threading.Event()
+        self._closing = False
+        self._stall: str | None = None
+        self._interrupts = False  # the stall signal's handler is ours (set in the main thread)
+        self._old_handler = None
         self._print = threading.Lock()
         self._thread: threading.Thread | None = None
         self._dir: str | None = None
@@ -246,12 +325,15 @@ class LiveReport:
 
     def __enter__(self) -> LiveReport:
         self.start = self.clock()
-        if self.seconds <= 0:
+        if self.seconds <= 0 and self.watch is None:
             return self
         self._baseline = snapshot()
         self._dir = tempfile.mkdtemp(prefix="shatter-progress-")
         self._saved_env = os.environ.get(ENV)
-        every = min(1.0, self.seconds / 2)
+        every = min(1.0, self.seconds / 2) if self.seconds > 0 else 1.0
+        if self.watch is not None and threading.current_thread() is threading.main_thread():
+            self._old_handler = signal.signal(STALL_SIGNAL, self._raise_stalled)
+            self._interrupts = True
         os.environ[ENV] = json.dumps({"dir": self._dir, "driver": os.getpid(), "every": every})
         self._thread = threading.Thread(target=self._loop, name="shatter-progress", daemon=True)
         self._thread.start()
@@ -269,13 +351,20 @@ class LiveReport:
 
     def _loop(self) -> None:
         before, then = {}, self.start
-        while not self._stop.wait(self.seconds):
+        wait, looks = _ticks(self.seconds, self.watch.poll if self.watch else 0.0)
+        n = 0
+        while not self._stop.wait(wait):
+            n += 1
             try:
                 values = self._source()
             except Exception as e:  # a metrics query that fails now may work at the next tick
                 log.debug("progress: %s", e)
                 continue
             now = self.clock()
+            if self.watch is not None and self.watch.observe(values, now):
+                return self._end_stalled(self.watch.message(self.stage, self.start))
+            if not looks or n % looks:
+                continue
             line = format_line(
                 self.stage, now - self.start, values, rates(before, values, now - then)
             )
@@ -285,11 +374,41 @@ class LiveReport:
                 self.report(line)
             before, then = values, now
 
+    def _end_stalled(self, line: str) -> None:
+        """Raise `Stalled` in the main thread; if it has not unwound through `__exit__` within
+        the grace (a hung worker that Beam waits on while it stops), end the process here."""
+        with self._print:
+            if self._closing:
+                return
+            self._stall = line
+            if self._interrupts:
+                signal.pthread_kill(threading.main_thread().ident, STALL_SIGNAL)
+        try:  # Beam's shutdown waits for each worker, which a stuck one never ends
+            self.watch.end_workers()
+        except Exception as e:  # the grace below still bounds the wait
+            log.warning("could not end the build's worker processes: %s", e)
+        if self._stop.wait(STALL_GRACE_SECONDS if self._interrupts else 0):
+            return
+        print(f"shatter-data: error: {line}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    @property
+    def stall(self) -> str | None:
+        """The line that ends the run, once the watch found it stalled."""
+        return self._stall
+
+    def _raise_stalled(self, signum, frame) -> None:
+        if self._stall is not None and not self._closing:  # the run may just have ended
+            raise Stalled(self._stall)
+
     def __exit__(self, *exc) -> None:
+        self._closing = True  # a stall signal still pending is ignored from here on
         with self._print:  # a line being printed finishes first; none starts after this
             self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._interrupts:
+            signal.signal(STALL_SIGNAL, self._old_handler or signal.SIG_DFL)
         if self._dir is not None:
             if self._saved_env is None:
                 os.environ.pop(ENV, None)

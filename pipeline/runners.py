@@ -19,6 +19,7 @@ import difflib
 import importlib
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -168,6 +169,7 @@ class _FnApiRunner(FnApiRunner):
     harness with the driver's logging level) instead of Beam's bare harness module."""
 
     BEAM_WORKER = "-m apache_beam.runners.worker.sdk_worker_main"
+    WORKER_MODULE = "shatter.pipeline.beam_worker"
 
     @property
     def _default_environment(self):
@@ -182,9 +184,42 @@ class _FnApiRunner(FnApiRunner):
                 for name in ("", "apache_beam")
             ]
             environment = SubprocessSDKEnvironment.from_command_string(
-                f"{sys.executable} -m shatter.pipeline.beam_worker {' '.join(levels)}"
+                f"{sys.executable} -m {self.WORKER_MODULE} {' '.join(levels)}"
             )
         self._environment = environment
+
+
+def end_local_workers() -> None:
+    """SIGKILL this process's `multi_processing` workers (`_FnApiRunner`'s, found by their
+    command line among its descendants): a stalled build ends, and Beam's shutdown waits for
+    each worker to exit, which a stuck one never does."""
+    for pid in _descendants():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if _FnApiRunner.WORKER_MODULE.encode() in f.read():
+                    os.kill(pid, signal.SIGKILL)
+        except OSError:  # it ended meanwhile
+            pass
+
+
+def _descendants() -> list[int]:
+    """The processes this one started, and theirs (Linux's /proc; elsewhere none)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc") if os.path.isdir("/proc/self") else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:  # "pid (comm) state ppid ..."
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # it ended meanwhile
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [os.getpid()]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 def counters(result, namespace: str) -> dict | None:

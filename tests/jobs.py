@@ -134,6 +134,19 @@ class Job:
     def text(self) -> str:
         return "\n".join(line for _, line in self.lines)
 
+    def processes(self, command: bytes) -> list[int]:
+        """The pids of the job's processes (its process group) whose command line, its
+        arguments joined by NUL bytes, contains `command` (Linux's /proc)."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and os.getpgid(int(entry.name)) == self.proc.pid:
+                    if command in (entry / "cmdline").read_bytes():
+                        found.append(int(entry.name))
+            except OSError:  # it ended meanwhile
+                continue
+        return found
+
 
 def finish_soon(job: Job, timeout: float, after_last_line_s: float = 30) -> str:
     """The job's output after it ends with exit 0 within `after_last_line_s` of its last line."""

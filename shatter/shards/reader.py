@@ -10,7 +10,9 @@ flat numpy arrays plus Arrow offsets (`Shard`), so that a batch is gathered with
 numpy calls instead of per-row Python. A record batch is at most about 2**18 ids
 (`writer.record_batch_rows`), so a reader's memory does not grow with the shard. Like MosaicML
 streaming's reader, a shard's sha256 is checked against index.json before its first use, here
-streamed in 4 MB chunks, once per node (`store.verified`).
+streamed in 4 MB chunks, once per node (`store.verified`); that pass also takes each record
+batch's sha256, and every read of a record batch hashes the bytes it read against it, so a shard
+that rots after its check stops the reader naming the shard and the record batch.
 
 A `ShardFile` holds its file open and reads it by `pread` on that descriptor: a shard from the
 node cache stays readable (and pinned against eviction) until the ShardFile is closed or
@@ -79,21 +81,26 @@ class Shard:
         return len(self.ids_off) - 1
 
 
-def _check(path: str, info: ShardInfo, verify: bool) -> None:
-    if not fs.exists(path):
-        raise DatasetError(f"shard {path} listed in index.json is missing; rebuild or restore it")
-    if not verify:
-        return
-    if fs.is_remote(path):
-        matches = sha256_file(path) == info.sha256
-    else:
-        from shatter.shards.store.verified import sha256_matches
+def _missing(path: str) -> DatasetError:
+    return DatasetError(f"shard {path} listed in index.json is missing; rebuild or restore it")
 
-        matches = sha256_matches(path, info.sha256, sha256_file)
-    if not matches:
-        raise DatasetError(
-            f"shard {path} is corrupted: its sha256 differs from index.json; rebuild or restore it"
-        )
+
+def _corrupted(path: str) -> DatasetError:
+    return DatasetError(
+        f"shard {path} is corrupted: its sha256 differs from index.json; rebuild or restore it"
+    )
+
+
+def _read_whole(path: str, info: ShardInfo, verify: bool) -> bytes:
+    """A shard's bytes, their sha256 checked against index.json (with `verify`) as they are read."""
+    try:
+        with fs.open_read(path) as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise _missing(path) from None
+    if verify and hashlib.sha256(data).hexdigest() != info.sha256:
+        raise _corrupted(path)
+    return data
 
 
 def _columns(table: pa.Table | pa.RecordBatch, path: str) -> None:
@@ -105,9 +112,9 @@ def _columns(table: pa.Table | pa.RecordBatch, path: str) -> None:
 def load_shard(path: str, info: ShardInfo, verify: bool = True) -> Shard:
     """A whole shard decoded at once (tools and tests; the trainer reads `open_shard`'s blocks)."""
     path = str(path)
-    _check(path, info, verify)
+    data = _read_whole(path, info, verify)
     try:
-        table = read_shard(path)
+        table = ipc.open_stream(pa.py_buffer(data)).read_all()
     except (pa.ArrowInvalid, OSError) as err:
         raise DatasetError(f"shard {path}: not a readable Arrow IPC stream ({err})") from None
     _columns(table, path)
@@ -180,6 +187,7 @@ class ShardFile:
     def __init__(self, path: str, info: ShardInfo, fd: int, schema_, offsets, sizes, row_start):
         self.path, self.info, self.fd, self.schema = path, info, fd, schema_
         self.offsets, self.sizes, self.row_start = offsets, sizes, row_start
+        self.digests: list[bytes] | None = None  # each record batch's sha256, once verified
 
     def close(self) -> None:
         """Release the file (and its pin in the node cache); also when collected."""
@@ -202,6 +210,12 @@ class ShardFile:
         """Record batch i, decoded (rows numbered from 0 within it)."""
         try:
             data = os.pread(self.fd, int(self.sizes[i]), int(self.offsets[i]))
+            if self.digests is not None and hashlib.sha256(data).digest() != self.digests[i]:
+                raise DatasetError(
+                    f"shard {self.path}: record batch {i} is corrupted (its sha256 differs from "
+                    "the one taken when the whole file matched index.json: the disk changed it "
+                    "since); rebuild the dataset or fetch the shard again"
+                )
             message = pa.ipc.read_message(pa.py_buffer(data))
             batch = pa.ipc.read_record_batch(message, self.schema)
         except (pa.ArrowInvalid, OSError) as err:
@@ -243,32 +257,72 @@ def _scan(fd: int, path: str) -> tuple:
     return schema_, offsets, sizes, rows, pos
 
 
-def _open(path: str, info: ShardInfo, verify: bool) -> tuple[str, int]:
+def _open(path: str, info: ShardInfo) -> tuple[str, int]:
     """(local path, open descriptor) of a shard; a remote one is its node-local copy, whose
     sha256 was checked on download, pinned in the node cache while the descriptor is open."""
     if fs.is_remote(path):
         from shatter.shards.store.cache import NodeCache
 
         return NodeCache().open(path, info.sha256)
-    _check(path, info, verify)
     try:
         return path, os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        raise DatasetError(
-            f"shard {path} listed in index.json is missing; rebuild or restore it"
-        ) from None
+        raise _missing(path) from None
+
+
+def _hash_blocks(fd: int, offsets: list[int], sizes: list[int]) -> tuple[str, list[str]]:
+    """In one streamed pass over the file: (its sha256, [the sha256 of the bytes before the
+    first record batch (the schema), then each record batch's])."""
+    whole, head, blocks, pos = hashlib.sha256(), hashlib.sha256(), [], 0
+    for start, size in [*zip(offsets, sizes), (os.fstat(fd).st_size, 0)]:
+        # before the first record batch: the schema (`head`); after the last: the end marker
+        _feed(fd, pos, start, whole, *([head] if pos == 0 else []))
+        block = hashlib.sha256()
+        _feed(fd, start, start + size, whole, block)
+        blocks.append(block.hexdigest())
+        pos = start + size
+    return whole.hexdigest(), [head.hexdigest(), *blocks[:-1]]
+
+
+def _feed(fd: int, start: int, end: int, *digests, chunk: int = 1 << 22) -> None:
+    while start < end:
+        data = os.pread(fd, min(chunk, end - start), start)
+        if not data:
+            break
+        for digest in digests:
+            digest.update(data)
+        start += len(data)
+
+
+def _verify(path: str, info: ShardInfo, fd: int, offsets: list[int], sizes: list[int]) -> list:
+    """Each record batch's sha256, for its reads to check: taken in the pass that checked the
+    whole shard's against index.json (once per node, `store.verified`). The schema's bytes,
+    which every open reads, are checked here."""
+    from shatter.shards.store.verified import block_digests
+
+    parts = block_digests(path, info.sha256, lambda: _hash_blocks(fd, offsets, sizes))
+    if parts is None or len(parts) != len(offsets) + 1:
+        raise _corrupted(path)
+    head = os.pread(fd, offsets[0] if offsets else os.fstat(fd).st_size, 0)
+    if hashlib.sha256(head).hexdigest() != parts[0]:
+        raise _corrupted(path)
+    return [bytes.fromhex(d) for d in parts[1:]]
 
 
 def open_shard(path: str, info: ShardInfo, verify: bool = True) -> ShardFile:
     """The one way the trainer opens a shard file (a local path, or a URL through the node
     cache): checks it exists and (optionally) its sha256, and locates its record batches from
-    their headers without reading or decoding their bodies. The file stays open (`ShardFile`)."""
-    path, fd = _open(str(path), info, verify)
+    their headers without reading or decoding their bodies. The file stays open (`ShardFile`).
+    A shard whose headers do not parse is checked for corruption first, which it then is."""
+    path, fd = _open(str(path), info)
     try:
         try:
             schema_, offsets, sizes, rows, pos = _scan(fd, path)
         except (struct.error, IndexError, pa.ArrowInvalid, OSError) as err:
+            if verify and _hash_blocks(fd, [], [])[0] != info.sha256:
+                raise _corrupted(path) from None
             raise DatasetError(f"shard {path}: not a readable Arrow IPC stream ({err})") from None
+        digests = _verify(path, info, fd, offsets, sizes) if verify else None
         if schema_ is None:
             raise DatasetError(f"shard {path}: not an Arrow IPC stream (no schema message)")
         if pos > os.fstat(fd).st_size:
@@ -281,4 +335,6 @@ def open_shard(path: str, info: ShardInfo, verify: bool = True) -> ShardFile:
         os.close(fd)
         raise
     offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
-    return ShardFile(path, info, fd, schema_, offsets, sizes, row_start)
+    file = ShardFile(path, info, fd, schema_, offsets, sizes, row_start)
+    file.digests = digests
+    return file

@@ -63,8 +63,8 @@ def test_shatter_data_build_declares_build_configs_fields_once():
 
     params = {p.name: p for p in build.params}
     fields = {d.param: d for d in declared(BuildConfig)}
-    assert len(fields) == 22 and set(fields) <= set(params)
-    assert len(params) == 29  # and --corpus, --input, --wiki-index, --validation-input, ...
+    assert len(fields) == 23 and set(fields) <= set(params)
+    assert len(params) == 30  # and --corpus, --input, --wiki-index, --validation-input, ...
     for name, d in fields.items():
         assert d.how.required or params[name].default == d.default, name
     args = ["--input", "x", "--output", "o", "--seq-len", "64", "--no-cross-document"]

@@ -1,7 +1,9 @@
 """Live progress (`shatter.pipeline.progress`): the tally, its formatting, and real builds on every local runner."""
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -16,8 +18,9 @@ from shatter.pipeline.build import build
 from shatter.pipeline.cli import main
 from shatter.pipeline.config import InputSpec
 from shatter.pipeline.runners import make_pipeline
+from tests.jobs import Job
 
-from .corpus import generated_documents, small_config
+from .corpus import generated_documents, quiet, small_config
 from .test_build import _files
 
 LINE = re.compile(
@@ -237,3 +240,70 @@ def test_a_step_without_counters_reports_a_heartbeat():
     with progress.Heartbeat("x", quiet.append, 0):
         time.sleep(0.1)
     assert quiet == ["[x done in 0.1s]"]
+
+
+def test_stall_watch_logic():
+    watch = progress.StallWatch(5, "data/out")
+    assert watch.poll == 1.25 and not watch.observe({}, 0.0) and not watch.observe({}, 4.9)
+    assert watch.observe({}, 5.0)  # the local runner: a stall also before any counter
+    assert not watch.observe({"rows": 1}, 6.0) and not watch.observe({"rows": 1}, 10.9)
+    assert watch.observe({"rows": 1}, 11.0)  # 5 s since the counters last moved
+    line = watch.message("build", 1.0)
+    assert "no work done for 5s" in line and "[build 5s] rows=1" in line
+    assert "data/out" in line and "--stall-seconds" in line and "\n" not in line
+    blind = progress.StallWatch(5, "o", armed=False)  # a runner whose counters may never show
+    assert not blind.observe({}, 0.0) and not blind.observe({}, 100.0)
+    assert not blind.observe({"rows": 1}, 101.0) and blind.observe({"rows": 1}, 106.0)
+    never = progress.StallWatch(0, "o")
+    assert never.poll == 0 and not never.observe({}, 0.0) and not never.observe({}, 1e9)
+    # a look at the counters every poll or more often, a progress line exactly every `seconds`
+    assert progress._ticks(10, 10) == (10, 1) and progress._ticks(10, 0) == (10, 1)
+    assert progress._ticks(0, 2.5) == (2.5, 0) and progress._ticks(1, 0.3) == (0.25, 4)
+
+
+def test_a_stall_interrupts_the_main_thread():
+    """A stalled run is ended from the reporter's thread: `Stalled` in the main thread, which
+    was blocked, and the workers ended; a run that ends first is left alone."""
+    ended = []
+    watch = progress.StallWatch(0.2, "o", end_workers=lambda: ended.append(1))
+    start = time.monotonic()
+    with pytest.raises(progress.Stalled, match="no work done for 0.2s"):
+        with progress.LiveReport("build", quiet, 0, watch=watch) as live:
+            time.sleep(30)
+    assert time.monotonic() - start < 10 and ended == [1] and "build" in (live.stall or "")
+    calm = progress.StallWatch(0.5, "o", end_workers=lambda: ended.append(2))
+    with progress.LiveReport("build", quiet, 0, watch=calm):  # counting: never stalled
+        for _ in range(24):
+            progress.add("t_stall", 1)
+            time.sleep(0.05)
+    assert ended == [1]
+
+
+@pytest.mark.slow
+def test_a_killed_worker_ends_the_build_in_one_line(built, corpus_dir, tmp_path):
+    """A `multi_processing` worker killed (as by the OOM killer) before its first bundle leaves
+    Beam's FnApiRunner waiting for good: --stall-seconds ends the build in one line, without
+    index.json, and a rerun into the same directory writes the same bytes."""
+    out, model = tmp_path / "ds", str(built[0] / "tokenizer.model")
+    args = ["--input", str(corpus_dir), "--output", str(out), "--tokenizer", model]
+    job = Job(
+        [sys.executable, "-m", "shatter.pipeline.cli", "build", *args, "--seq-len", "64"]
+        + ["--stall-seconds", "3", "--progress-seconds", "1", "--direct_num_workers", "2"]
+        + ["--direct_running_mode", "multi_processing"]
+    )
+    end = time.monotonic() + 120
+    while not (workers := job.processes(b"-m\0shatter.pipeline.beam_worker")):
+        assert job.proc.poll() is None and time.monotonic() < end, job.text[-4000:]
+        time.sleep(0.05)
+    os.kill(workers[0], signal.SIGKILL)
+    killed = time.monotonic()
+    code, ended = job.finish(timeout=120)
+    errors = [line for _, line in job.lines if "error" in line.lower()]
+    assert code == 1 and len(errors) == 1, job.text[-4000:]
+    assert errors[0].startswith("shatter-data: error: the build stalled: no work done for 3s")
+    assert str(out) in errors[0] and "--stall-seconds" in errors[0]
+    assert ended - killed < 60  # 3 s, and the workers' shutdown
+    assert not (out / "index.json").exists() and not job.processes(b"beam_worker")
+    again = small_config([InputSpec("text", str(corpus_dir))], out, tokenizer=model)
+    build(again, [], report=quiet)
+    assert _files(out) == _files(built[0])

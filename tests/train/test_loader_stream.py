@@ -2,6 +2,7 @@
 named by file, Beam-free), the finite validation stream, the bounded block cache and read-ahead."""
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from shatter.shards import DatasetError, read_index
-from tests.train.loaderutil import stream
+from tests.train.loaderutil import stream, take
 from tests.train.shardutil import write_dataset
 
 
@@ -27,6 +28,31 @@ def test_corrupted_shard_is_refused_by_name(tmp_path):
     s = stream(read_index(root), batch_size=8, shuffle=False)
     with pytest.raises(DatasetError, match=r"train-00001-of-00002\.arrow.*corrupted"):
         next(iter(s))
+
+
+def test_a_shard_that_rots_after_its_check_stops_the_next_read(tmp_path, monkeypatch):
+    """A bit flipped after a clean read (the node's mark made), size and mtime kept as bit rot
+    keeps them: the next read hashes the record batch it reads and stops naming it."""
+    from shatter.shards.store import configure, current
+
+    monkeypatch.setattr("shatter.shards.store.settings._current", None)  # restored after
+    configure(current().replace(cache_dir=str(tmp_path / "node-cache")))
+    root = write_dataset(tmp_path / "data", shards=(4, 4))
+    first = [b["sample_id"] for b in take(stream(read_index(root), shuffle=False), 2)]
+    assert list((tmp_path / "node-cache" / "verified").iterdir())  # the marks of a clean read
+    victim = root / "train-00001-of-00002.arrow"
+    st = victim.stat()
+    with open(victim, "r+b") as f:
+        f.seek(st.st_size - 100)  # inside the last record batch's compressed body
+        byte = f.read(1)[0]
+        f.seek(st.st_size - 100)
+        f.write(bytes([byte ^ 0x10]))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(DatasetError) as err:
+        take(stream(read_index(root), shuffle=False), 2)
+    line = str(err.value)
+    assert str(victim) in line and "record batch 1 is corrupted" in line and "\n" not in line
+    assert "rebuild the dataset or fetch the shard again" in line and len(first) == 2
 
 
 def test_missing_index_tokenizer_and_version_errors(tmp_path):
@@ -93,11 +119,9 @@ def test_validation_stream_can_be_iterated_again_without_rehashing(dataset, monk
 
     monkeypatch.setattr("shatter.shards.store.settings._current", None)  # restored after
     configure(current().replace(cache_dir=str(tmp_path / "node-cache")))
-    hashed = []
-    real = reader.sha256_file
-    monkeypatch.setattr(
-        reader, "sha256_file", lambda path, *a: hashed.append(path) or real(path, *a)
-    )
+    hashed = []  # the passes over a whole shard (each read of a record batch hashes it alone)
+    real = reader._hash_blocks
+    monkeypatch.setattr(reader, "_hash_blocks", lambda fd, *a: hashed.append(fd) or real(fd, *a))
     s = validation_stream(
         read_index(dataset, verify_tokenizer=False),
         DataArgs(),

@@ -7,7 +7,9 @@ stalls at large shards.
     python tools/bench/bench_loader.py --cut 512 --cut-to 128,256 [--rows 4000]   # cut rows vs uncut
 
 Contenders, interleaved round by round so that a busy machine slows them alike: static masks
-(from the shards), dynamic masking, dynamic whole-word masking. The stream runs in this process
+(from the shards), the same without checking sha256s (`data.verify_shards` false: neither the
+shard's on first use nor each record batch's as it is read, so the gap is their cost), dynamic
+masking, dynamic whole-word masking. The stream runs in this process
 (no DataLoader workers) pinned to one CPU, and includes everything a training step waits for:
 shard decode (sha256 on first use), shuffle, gather, masking, padding, tensors. Without --data,
 a dataset of random rows is written by the pipeline's own shard writer (full-length rows, as
@@ -197,10 +199,13 @@ def memory(args) -> None:
             )
 
 
-def run(index, spec: MaskingSpec, batch: int, samples: int, seq_len: int, start: int) -> float:
+def run(
+    index, spec: MaskingSpec, batch: int, samples: int, seq_len: int, start: int, verify: bool
+) -> float:
     stream = ShardStream(
-        index, "train", batch_size=batch, seq_len=seq_len, masking=spec, seed=1, start=start
-    )
+        index, "train", batch_size=batch, seq_len=seq_len, masking=spec, seed=1, start=start,
+        verify=verify,
+    )  # fmt: skip
     seen, t0 = 0, time.perf_counter()
     for b in stream:
         seen += len(b["input_ids"])
@@ -347,14 +352,16 @@ def main() -> None:
         index = read_index(root)
         n = sum(s.rows for s in index.shards("train"))
         contenders = {
-            "static (stored masks)": MaskingSpec("static"),
-            "dynamic": MaskingSpec("dynamic"),
-            "dynamic, whole word": MaskingSpec("dynamic", whole_word=True),
+            "static (stored masks)": (MaskingSpec("static"), True),
+            "static, no sha256": (MaskingSpec("static"), False),  # data.verify_shards false
+            "dynamic": (MaskingSpec("dynamic"), True),
+            "dynamic, whole word": (MaskingSpec("dynamic", whole_word=True), True),
         }
         results = {name: [] for name in contenders}
         for r in range(args.rounds):
-            for name, spec in contenders.items():
-                results[name].append(run(index, spec, args.batch, n, args.seq_len, start=r * n))
+            for name, (spec, verify) in contenders.items():
+                seq_s = run(index, spec, args.batch, n, args.seq_len, r * n, verify)
+                results[name].append(seq_s)
         print(
             f"rows {n}, length {args.seq_len}, batch {args.batch}, 1 core, {args.rounds} rounds "
             f"(load average {os.getloadavg()[0]:.2f})"
