@@ -179,10 +179,25 @@ def announce_jit_builds() -> None:
             else f"DeepSpeed's {self.name} op"
         )
         announce_build(self.name, what)
-        return original(self, verbose)
+        with _sole_builder(self.name):
+            return original(self, verbose)
 
     jit_load.announces = True
     OpBuilder.jit_load = jit_load
+
+
+@contextlib.contextmanager
+def _sole_builder(name: str):
+    """Hold an OS lock (released when its process dies) around a JIT load of op `name`. Inside
+    it, a baton file torch's builder left (`<op>/lock`: a build killed midway, which every
+    later load would wait on for good) is stale, and is removed."""
+    from filelock import FileLock
+
+    built = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir())) / name
+    built.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(built.parent / f"{name}.holder.lock")):
+        (built / "lock").unlink(missing_ok=True)
+        yield
 
 
 def build_extensions() -> None:

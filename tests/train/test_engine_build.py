@@ -97,3 +97,32 @@ def test_ranks_on_one_host_leave_the_launcher_s_default_port(tmp_path, monkeypat
     given = {"MASTER_PORT": "29533", "CROSS_SIZE": "1", "WORLD_SIZE": "2", "RANK": "0"}
     engine.own_port_on_one_host(tmp_path / "other", given)
     assert given["MASTER_PORT"] == "29533"
+
+
+def test_a_build_killed_midway_leaves_no_lock_that_hangs_the_next_load(tmp_path, monkeypatch):
+    """torch's JIT builder marks a build with a `<op>/lock` file and every later load waits for
+    it to go; a build killed midway (SIGKILL, an OOM) never removes it. The next load, holding
+    the OS lock that died with the killed builder, removes it."""
+    import signal
+    import subprocess
+    import sys
+
+    from torch.utils.file_baton import FileBaton
+
+    from shatter.train.engine import _sole_builder
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    builder = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom shatter.train.engine import _sole_builder\n"
+         f"with _sole_builder('op'):\n open({str(tmp_path / 'op' / 'lock')!r}, 'w').close()\n"
+         " print('building', flush=True)\n time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, env={**__import__("os").environ},
+    )  # fmt: skip
+    assert builder.stdout is not None and builder.stdout.readline() == "building\n"
+    builder.send_signal(signal.SIGKILL)
+    builder.wait()
+    assert (tmp_path / "op" / "lock").is_file()  # what made every later load wait for good
+    with _sole_builder("op"):
+        baton = FileBaton(str(tmp_path / "op" / "lock"))
+        assert baton.try_acquire()  # torch's builder goes on instead of waiting
+        baton.release()
