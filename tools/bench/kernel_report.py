@@ -53,7 +53,9 @@ DTYPES = ("bf16", "fp16", "fp32")  # fp32 runs IEEE dots: no tensor cores expect
 KERNELS = ("stats", "fwd", "delta", "dv", "dz", "rows_fwd", "rows_bwd")
 DOT_KERNELS = ("fwd", "dv", "dz")  # stats, delta and the row kernels: no dot to expect
 ROW_KERNELS = ("rows_fwd", "rows_bwd")
-ROWS_ONLY = (70, 75)  # archs below sm_80 run the `rows` impl's kernels, sm_80+ the mixing ones
+# below sm_80 (V100, T4) `auto` runs the `rows` impl's kernels or the hybrid's mixing kernels on
+# Z with FMA dots (no tensor-core instruction to expect); sm_80+ the mixing kernels alone
+FMA_ARCHS = (70, 75)
 LENGTHS = (512, 509)  # a multiple of 16 and not: sets which int arguments are multiples of 16
 SOURCES = {"z": False, "qx": True}  # the kernels' RECOMPUTE: Z read (triton), Q Xᵀ made (fused)
 MAX_LEN = 512
@@ -82,7 +84,7 @@ class Row:
             out.append(f"smem {self.smem} > {SMEM_LIMIT[self.arch]}")
         if self.spill:
             out.append(f"spills {self.spill} bytes")
-        dots = self.kernel in DOT_KERNELS and self.dtype != "fp32"
+        dots = self.kernel in DOT_KERNELS and self.dtype != "fp32" and self.arch not in FMA_ARCHS
         if dots and not self.hmma + self.hgmma:
             out.append("no tensor-core instruction")
         return out
@@ -190,9 +192,9 @@ def compile_one(
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
         usage = _cuobjdump("--dump-resource-usage", cubin)
-        # the row kernels: no dot, no tensor-core instruction to count, and CUDA 13's disassembler (Triton 3.9's
-        # cuobjdump) refuses sm_70 code, where the row kernels are what is compiled
-        sass = _cuobjdump("-sass", cubin) if kernel not in ROW_KERNELS else ""
+        # no tensor-core instruction to count in the row kernels (no dot) or below sm_80 (FMA
+        # dots), and CUDA 13's disassembler (Triton 3.9's cuobjdump) refuses sm_70 code
+        sass = _cuobjdump("-sass", cubin) if kernel not in ROW_KERNELS and arch not in FMA_ARCHS else ""  # fmt: skip
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     cfg = "M{BLOCK_M} N{BLOCK_N}" if "BLOCK_M" in config.kwargs else "L{BLOCK_L}"
@@ -214,12 +216,12 @@ def jobs(archs, kernels, sources, activations, has_cs, shapes, dtypes, lengths, 
 
     tuned = tuned_kernels()
     for cap, kernel in itertools.product(archs, kernels):
-        if (cap in ROWS_ONLY) != (kernel in ROW_KERNELS):  # each arch: what `auto` runs there
+        if kernel in ROW_KERNELS and cap not in FMA_ARCHS:  # each arch: what `auto` runs there
             continue
         if kernel == "delta":  # it reads neither the scores, the bias nor the activation
             sources_, activations_, has_cs_ = ["z"], activations[:1], has_cs[:1]
-        else:  # the row kernels read Z: they have no recomputing variant
-            sources_ = ["z"] if kernel in ROW_KERNELS else sources
+        else:  # the row kernels and the FMA archs read Z: no recomputing variant
+            sources_ = ["z"] if kernel in ROW_KERNELS or cap in FMA_ARCHS else sources
             activations_, has_cs_ = activations, has_cs
         for source, act, has_c, shape, dtype, L in itertools.product(
             sources_, activations_, has_cs_, shapes, dtypes, lengths
@@ -305,13 +307,11 @@ def main(arch, kernels, sources, activations, has_cs, shapes, dtypes, lengths, f
             raise SystemExit(f"kernel_report: {name} {bad} unknown; choose from {list(known)}")
     from shatter.kernels.row_mixing import MAX_ROW
 
-    mixing = not set(archs) <= set(ROWS_ONLY) and set(_split(kernels)) - set(ROW_KERNELS)
-    longest = MAX_LEN if mixing else MAX_ROW
-    bad_len = [v for v in ls if not 16 < v <= longest]
+    bad_len = [v for v in ls if not 16 < v <= MAX_ROW]
     if bad_len:
         raise SystemExit(
-            f"kernel_report: --length {bad_len} outside 17..{longest} (the mixing kernels' "
-            f"{MAX_LEN}, the row kernels' {MAX_ROW} alone)"
+            f"kernel_report: --length {bad_len} outside 17..{MAX_ROW} (the longest row a row "
+            "kernel holds; the mixing kernels tile any length)"
         )
     import triton
 
