@@ -114,12 +114,6 @@ def mixing_dot_flops(B: int, L: int, d: int) -> float:
     return 1.0 * B * L * (L + 1) * d
 
 
-def _mask_cast(a: dict) -> Kernel:
-    """mask.to(float32): B·L elements, each op casts it once."""
-    m = a["mask"]
-    return Kernel("mask to fp32", "memory", 0.0, float(m.numel() * (m.element_size() + 4)))
-
-
 def mixing_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     a = _bind("shatter::mixing_fwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
@@ -127,7 +121,6 @@ def mixing_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     kernels = [Kernel("pad the keys to Lp", "memory", 0.0, float(x + xp))] if L % 16 else []
     return kernels + [
         Kernel("Z = Q Xᵀ/√d", "gemm", 2.0 * B * L * Lp * d, float(x + xp + z)),
-        _mask_cast(a),
         Kernel("row statistics", "memory", 0.0, float(z)),
         Kernel(  # Z per group of parts, V, X̄ written
             "mixing forward", "custom", mixing_dot_flops(B, L, d),
@@ -140,15 +133,11 @@ def mixing_bwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     a = _bind("shatter::mixing_bwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
     z, x, s = B * L * Lp * e, B * L * d * e, B * L * L * e  # Z, a [B, L, d], dS = dZ[:, :, :L]
-    P = a["P"]
     kernels = []
     if a["g_out"].stride(-1) != 1:  # dX̄ made contiguous in its last dimension
         kernels.append(Kernel("dX̄ contiguous", "memory", 0.0, float(2 * x)))
-    if P.shape[-1] > 2 * d + n:  # c's alignment columns of dP zeroed (n of them, or none: 2d)
-        kernels.append(Kernel("dP's alignment columns", "memory", 0.0, 0.0))
     sweep = mixing_dot_flops(B, L, d)
     return kernels + [
-        _mask_cast(a),
         Kernel("dV", "custom", sweep, float(_z_reads(n, d, "dv", False, family) * z + 2 * x)),
         Kernel("δ", "memory", 0.0, float(2 * x)),  # X̄ and dX̄
         Kernel("dZ", "custom", sweep, float(2 * z + 2 * x)),  # Z, V, dX̄ in, dZ out
@@ -217,7 +206,6 @@ def fused_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     x, sweep = B * L * d * e, mixing_dot_flops(B, L, d)
     groups = _z_reads(n, d, "fwd", True, family)
     return [
-        _mask_cast(a),
         Kernel("row statistics (Q Xᵀ on chip)", "custom", 2.0 * B * L * L * d, float(2 * x)),
         Kernel(  # Q and X per group of parts, V, X̄ written
             "mixing forward (Q Xᵀ on chip)", "custom", (2 * groups + 1) * sweep,
@@ -236,10 +224,7 @@ def fused_bwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     kernels = []
     if a["g_out"].stride(-1) != 1:  # dX̄ made contiguous in its last dimension
         kernels.append(Kernel("dX̄ contiguous", "memory", 0.0, float(2 * x)))
-    if a["P"].shape[-1] > 2 * d + n:  # c's alignment columns of dP zeroed
-        kernels.append(Kernel("dP's alignment columns", "memory", 0.0, 0.0))
-    return kernels + [
-        _mask_cast(a),  # Q and X per group, dX̄ in, dV out
+    return kernels + [  # Q and X per group, dX̄ in, dV out
         Kernel("dV (Q Xᵀ on chip)", "custom", (2 * groups + 1) * sweep, float((2 * groups + 2) * x)),
         Kernel("δ", "memory", 0.0, float(2 * x)),  # X̄ and dX̄
         Kernel("dS (Q Xᵀ on chip)", "custom", 2.0 * B * L * L * d + sweep, float(4 * x + z)),

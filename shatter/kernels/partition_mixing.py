@@ -227,7 +227,7 @@ def _score_tile(
             f = tl.load(T + h * st_h + col, mask=ok, other=0.0)
             c_h = tl.load(C + b * sc_b + offs_m * sc_l + h, mask=row_ok, other=0.0)
             z += c_h.to(tl.float32)[:, None] * f
-    m = tl.load(Mk + b * L + offs_n, mask=col_ok, other=0.0)
+    m = tl.load(Mk + b * L + offs_n, mask=col_ok, other=0).to(tl.float32)  # bool or int as is
     return z, col, ok, m
 
 
@@ -511,13 +511,14 @@ def mix_bwd_dv_kernel(
 def mix_bwd_dz_kernel(
     Z, X, C, Mk, T, V, STAT, STAT2, DELTA, DO, DAP, DZ, DC,
     sz_b, sz_l, sx_b, sx_l, sdz_b, sdz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, sd_b, sd_h, sd_l,
-    sp_b, sp_l, sdc_b, sdc_l, L, L_KEY, K_PART, T_CENTRE, D, scale,
+    sp_b, sp_l, sdc_b, sdc_l, L, L_KEY, K_PART, T_CENTRE, D, scale, DC_COLS,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch) over all key blocks: DZ = dS · scale (strides sdz_*, the
-    input dtype) and, with the part bias, DC = dc [B, L, n] (sdc_*). DELTA is δ [B, L]
+    input dtype) and, with the part bias, DC = dc [B, L, n] (sdc_*) followed by zeros up to
+    DC_COLS <= NP columns (dP's alignment columns after c's). DELTA is δ [B, L]
     (`delta_kernel`), DO dX̄ [B, n, L, d/n] (sd_*), DAP dA_part [B, L, n] (sp_*)."""
     b = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_M
@@ -558,6 +559,6 @@ def mix_bwd_dz_kernel(
                 dc += tl.where(parts == h, tl.sum(ds * f, 1)[:, None], 0.0)
         dz_ptrs = DZ + b * sdz_b + offs_m[:, None] * sdz_l + offs_n[None, :]
         tl.store(dz_ptrs, (ds * scale).to(DZ.dtype.element_ty), mask=ok)
-    if HAS_C:
+    if HAS_C:  # dc, and zeros in the DC_COLS - n alignment columns that follow it in dP
         dc_ptrs = DC + b * sdc_b + offs_m[:, None] * sdc_l + parts
-        tl.store(dc_ptrs, dc.to(DC.dtype.element_ty), mask=row_ok[:, None] & (parts < N_PARTS))
+        tl.store(dc_ptrs, dc.to(DC.dtype.element_ty), mask=row_ok[:, None] & (parts < DC_COLS))
