@@ -102,7 +102,8 @@ def _args(d: int, n: int, dtype: str, L: int, recompute=False) -> dict[str, tupl
     w = projection_width(d, n)  # V, c and their gradients are columns of the projections P
     names = ("Z", "X", "C", "V", "OUT", "AP", "DO", "DV", "DAP", "DZ", "DC")
     ptrs = {name: dtype for name in names}
-    ptrs.update({name: "fp32" for name in ("Mk", "T", "STAT", "STAT2", "DELTA")})
+    ptrs.update({name: "fp32" for name in ("T", "STAT", "STAT2", "DELTA")})
+    ptrs["Mk"] = "i1"  # the key mask, read as the model passes it (bool)
     ptrs.update(W=dtype, DW=dtype)  # the row kernels' n parts' weights [B, n, L, Lp]
     sz = (L * w, w) if recompute else (L * Lp, Lp)
     ints = {
@@ -112,7 +113,7 @@ def _args(d: int, n: int, dtype: str, L: int, recompute=False) -> dict[str, tupl
         "sd_b": L * d, "sd_h": k, "sd_l": d, "sg_b": L * w, "sg_h": k, "sg_l": w,
         "sa_b": L * n, "sa_l": n, "sp_b": L * n, "sp_l": n, "sdc_b": L * w, "sdc_l": w,
         "L": L, "L_KEY": 1 << (L - 1).bit_length(), "K_PART": k, "T_CENTRE": m - 1,
-        "sm_b": L, "sw_b": n * L * Lp, "sw_h": L * Lp, "sw_l": Lp,
+        "sm_b": L, "sw_b": n * L * Lp, "sw_h": L * Lp, "sw_l": Lp, "DC_COLS": w - 2 * d,
     }  # fmt: skip
     out = {name: (f"*{t}", None) for name, t in ptrs.items()}
     out.update({name: ("i32", val) for name, val in ints.items()})
@@ -173,8 +174,6 @@ def compile_one(
     values.update(HAS_C=has_c, SIGMOID=activation == "sigmoid", RECOMPUTE=SOURCES[source])
     constexprs = {name: values[name] for name in fn.arg_names if name in values}
     args = _args(d, n, dtype, L, SOURCES[source])
-    if kernel in ROW_KERNELS:
-        args["Mk"] = ("*i1", None)  # the row kernels read the bool key mask as it is
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
