@@ -13,7 +13,8 @@ X̄ goes into its first d columns and A_part into its last n, the results are vi
 `out` carries their gradients (the layer hands it to the block's folded W^O, layer_weights.py).
 
     triton   hybrid: cuBLAS GEMMs for Q X^T, dQ, dX around Triton mixing kernels
-             (shatter/attention/triton_kernel.py), sm_80+ GPUs; refused below sm_80
+             (shatter/attention/triton_kernel.py), sm_70+ GPUs (below sm_80 the mixing dots
+             run on FMAs); refused below sm_70
     rows     every product a cuBLAS GEMM (Q X^T, the n parts' W_h V[h], dV, dW_h, dQ, dX)
              around two Triton row kernels without dots (shatter/attention/rows.py): for GPUs
              below sm_80 in fp16; W = A ⊙ N recomputed in the backward
@@ -28,11 +29,12 @@ X̄ goes into its first d columns and A_part into its last n, the results are vi
 devices of compute capability >= 8.0 for bf16/fp16 when triton imports, `triton` or `fused`,
 whichever the step model's roofline prices faster for the call's (B, l, d, n) on that GPU family
 (`kernel_choice`: recomputing Q X^T costs 2d FLOPs a score where reading the saved Z costs 2
-bytes, so `fused` wins at small d and `triton` at the paper's d = 768 and 1024); `rows` below
-sm_80 (V100, T4: Triton has no tensor-core code there, cuBLAS has) for fp16 when triton imports
-(about 40 launches a layer where `chunked` has about 290, and no fp32 copies of l x l tensors:
-docs/model.md); `chunked` on CUDA otherwise (fp32: the kernels' IEEE fp32 dots are slow; no
-triton); `lean` on the CPU.
+bytes, so `fused` wins at small d and `triton` at the paper's d = 768 and 1024); below sm_80
+(V100, T4: Triton has no tensor-core code there, cuBLAS has) for fp16 when triton imports, `rows`
+(every product on cuBLAS, W through HBM) or `triton` (the part products as FMA dots on chip),
+whichever the same roofline prices faster with the dots at the FMA peak (`triton` at the
+paper's shapes; `rows` without a shape); `chunked` on CUDA otherwise (fp32: the kernels' IEEE
+fp32 dots are slow; no triton); `lean` on the CPU.
 """
 
 from __future__ import annotations
@@ -81,17 +83,18 @@ def fused(Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
 
 
 def require_triton_capability(device: torch.device, impl: str = "triton") -> None:
-    """Refuse `triton` or `fused` forced on a GPU below sm_80 (Triton emits no tensor-core code
-    there)."""
+    """Refuse `fused` forced on a GPU below sm_80 (its Q Xᵀ recomputed on chip would run on
+    FMAs: Triton emits no tensor-core code there) and `triton` below sm_70."""
     if device.type != "cuda":
         return
     major, minor = _capability(
         device.index if device.index is not None else torch.cuda.current_device()
     )
-    if (major, minor) < (8, 0):
+    least = (7, 0) if impl == "triton" else (8, 0)
+    if (major, minor) < least:
         raise ValueError(
-            f"attention_impl: {impl} needs a GPU of compute capability >= 8.0, this one is "
-            f"sm_{major}{minor}; fix: set attention_impl to auto or chunked in the model config"
+            f"attention_impl: {impl} needs a GPU of compute capability >= {least[0]}.0, this one "
+            f"is sm_{major}{minor}; fix: set attention_impl to auto or chunked in the model config"
         )
 
 
@@ -208,17 +211,22 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)  # a driver query, cached: no sync per call
 
 
+KERNEL_CHOICES = {90: ("triton", "fused"), 80: ("triton", "fused"), 70: ("rows", "triton")}
+
+
 @lru_cache(maxsize=256)
 def kernel_choice(capability: tuple[int, int], shape: tuple, dtype: torch.dtype) -> str:
-    """`triton` or `fused`, whichever shatter/kernels/cost.py prices faster (the step model's
-    per-kernel roofline) for one layer's forward and backward of `shape` = (B, l, d, n) in
-    `dtype` on a GPU of `capability` (sm_80: the A100's peaks, sm_90: the H100's)."""
-    from shatter.kernels.cost import modelled_seconds
+    """Of the family's KERNEL_CHOICES, the one shatter/kernels/cost.py prices fastest (the step
+    model's per-kernel roofline, the first on a tie) for one layer's forward and backward of
+    `shape` = (B, l, d, n) in `dtype` on a GPU of `capability` (sm_90: the H100's peaks,
+    sm_80: the A100's; below sm_80 the V100's, the `triton` impl's dots on FMAs)."""
+    from shatter.kernels.cost import family_of, modelled_seconds
 
-    family = 90 if capability[0] >= 9 else 80
-    element = dtype.itemsize
-    hybrid = modelled_seconds("triton", shape, element, family)
-    return "fused" if modelled_seconds("fused", shape, element, family) < hybrid else "triton"
+    family = family_of(capability)
+    return min(
+        KERNEL_CHOICES[family],
+        key=lambda impl: modelled_seconds(impl, shape, dtype.itemsize, family),
+    )
 
 
 def auto_impl(device: torch.device, dtype: torch.dtype, shape: tuple | None = None) -> str:
@@ -233,7 +241,9 @@ def auto_impl(device: torch.device, dtype: torch.dtype, shape: tuple | None = No
             return "triton"
         return kernel_choice(_capability(index), tuple(shape), dtype)
     if dtype == torch.float16 and _rows_available():
-        return "rows"
+        if shape is None or not _triton_available():
+            return "rows"
+        return kernel_choice(_capability(index), tuple(shape), dtype)
     return "chunked"
 
 

@@ -15,6 +15,36 @@ def projection_width(d: int, n: int, bias: bool = True) -> int:
     return 2 * d + (-(-n // 16) * 16 if bias else 0)
 
 
+class ProjectWithKeys(torch.autograd.Function):
+    """(P = X Wᵀ + b, the keys X itself) for the single-head layer, whose keys are its input
+    (K = X, §3.2): X's gradient is the keys' gradient plus dP W in one GEMM (β = 1 on the keys'
+    gradient, the attention's dX = dSᵀ Q), not a GEMM and then a d-wide add of the two."""
+
+    @staticmethod
+    def forward(ctx, X, W, b):
+        ctx.save_for_backward(X, W)
+        ctx.has_bias = b is not None
+        return torch.nn.functional.linear(X, W, b), X.view_as(X)
+
+    @staticmethod
+    def backward(ctx, dP, g_keys):
+        X, W = ctx.saved_tensors
+        dP2 = dP.reshape(-1, dP.shape[-1])
+        X2 = X.reshape(-1, X.shape[-1])
+        dX = None
+        if ctx.needs_input_grad[0]:
+            dX = dP2 @ W if g_keys is None else torch.addmm(g_keys.reshape(X2.shape), dP2, W)
+            dX = dX.view_as(X)
+        dW = dP2.t() @ X2 if ctx.needs_input_grad[1] else None
+        db = dP2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dX, dW, db
+
+
+def project_with_keys(X: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None):
+    """(P, keys) of ProjectWithKeys."""
+    return ProjectWithKeys.apply(X, W, b)
+
+
 def projection_views(P: torch.Tensor, d: int, n: int):
     """(Q [B, L, d], V [B, n, L, d/n], c [B, L, n] or None): views of P's columns, no copy; one
     split, so that autograd gathers their gradients into dP with one cat."""
@@ -76,12 +106,14 @@ def context(x_bar: torch.Tensor, a_part: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "ProjectWithKeys",
     "context",
     "context_views",
     "gather_projections",
     "new_context",
     "padded",
     "parts_layout",
+    "project_with_keys",
     "projection_views",
     "projection_width",
     "write_context",

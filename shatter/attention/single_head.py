@@ -32,7 +32,6 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shatter.attention.impls import resolve_layer
@@ -44,6 +43,7 @@ from shatter.attention.layer_weights import (
     without_autocast,
 )
 from shatter.attention.lean import activate
+from shatter.attention.projection import project_with_keys
 from shatter.partition import PartitionBuffer
 
 if TYPE_CHECKING:  # annotations only: shatter.config reads this registry
@@ -99,10 +99,10 @@ class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
         X = x_BLD.to(_matmul_dtype(x_BLD))  # the keys (K = X), cast once: bf16 under autocast
         if projection is None:
             projection = self.projection()
-        P = F.linear(X, *projection)  # [Q | V | c] in one GEMM (§3.2-3.3)
+        P, K = project_with_keys(X, *projection)  # [Q | V | c] in one GEMM; K = X (§3.2-3.3)
         shape = (*x_BLD.shape, self.n)  # (B, l, d, n): auto's choice of kernel
         attend = resolve_layer(self.impl, x_BLD.device, P.dtype, shape)  # Q X^T / sqrt(d) inside
-        return attend(P, X, mask_BL, self.exact_partition(), self.sigmoid)  # eq. 3, §3.3
+        return attend(P, K, mask_BL, self.exact_partition(), self.sigmoid)  # eq. 3, §3.3
 
     def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         """§3.4 with single-head attention: a = act(y W^Q X^T / sqrt(d)), y_bar = a X W^V.

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 import triton
 
 from shatter.attention.projection import (
-    context,
+    context_views,
     gather_projections,
+    new_context,
     padded,
-    parts_layout,
     projection_views,
     write_context,
 )
@@ -117,57 +117,52 @@ def _source(Q, X, Z, dtype) -> dict:
 
 
 def forward_kernels(P, X, mask, table, sigmoid: bool, Z):
-    """(X̄ [B, n, L, d/n] stored as [B, L, n, d/n], A_part [B, L, n], stat [2, B, L] fp32) from
-    the projections P = [Q | V | c]: the row statistics, then the mixing forward, their scores
-    read from Z [B, L, Lp] or, with Z None, recomputed from Q and X tile by tile."""
+    """(the context [X̄ | A_part] [B, L, d + n] (projection.context_views), stat [2, B, L] fp32)
+    from the projections P = [Q | V | c]: the row statistics, then the mixing forward writing X̄
+    and A_part into the context, their scores read from Z [B, L, Lp] or, with Z None, recomputed
+    from Q and X tile by tile. The key mask is read as it is (bool or integer)."""
     B, L, d = X.shape
     n = table.shape[0]
     Q, V, c = projection_views(P, d, n)
     source = _source(Q, X, Z, X.dtype)
     cc = c if c is not None else source["Z"]  # a placeholder pointer without the bias
-    mask32 = mask.to(torch.float32).contiguous()
     stat = torch.empty(2, B, L, device=X.device, dtype=torch.float32)
     meta = kernel_meta(d, n, X.dtype)
     shared = dict(
-        C=cc, Mk=mask32, T=table, sc_b=cc.stride(0), sc_l=cc.stride(1), st_h=table.stride(0),
+        C=cc, Mk=mask.contiguous(), T=table, sc_b=cc.stride(0), sc_l=cc.stride(1), st_h=table.stride(0),
         L=L, L_KEY=triton.next_power_of_2(L), T_CENTRE=(table.shape[1] - 1) // 2,
         HAS_C=c is not None, N_PARTS=n, SIGMOID=sigmoid, PREC=meta["PREC"], **source,
     )  # fmt: skip
     row_stats_kernel[_grid(L, "BLOCK_M", B)](STAT=stat[0], STAT2=stat[1], **shared)
-    out = parts_layout(B, L, n, d // n, X)
-    part = torch.empty(B, L, n, device=X.device, dtype=X.dtype)
+    ctx = new_context(X, n)
+    out, part = context_views(ctx, n)
     mix_fwd_kernel[_grid(L, "BLOCK_M", B, n // 2)](  # batch x side x group of parts
         V=V, STAT=stat[0], STAT2=stat[1], OUT=out, AP=part, sv_b=V.stride(0), sv_h=V.stride(1),
         sv_l=V.stride(2), so_b=out.stride(0), so_h=out.stride(1), so_l=out.stride(2),
         sa_b=part.stride(0), sa_l=part.stride(1), K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
         **shared,
     )  # fmt: skip
-    return out, part, stat
+    return ctx, stat
 
 
 @torch.library.custom_op("shatter::mixing_fwd", mutates_args=())
 def mixing_fwd(
     P: torch.Tensor, X: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, sigmoid: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(X̄ [B, n, L, d/n] stored as [B, L, n, d/n], A_part [B, L, n], Z [B, L, Lp], stat [2, B, L]
-    fp32) from the layer's projections P = [Q | V | c] (projection.projection_views): the scores
-    GEMM, the row statistics and the mixing forward; Z and stat are kept for `mixing_bwd`."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the context [X̄ | A_part] [B, L, d + n], Z [B, L, Lp], stat [2, B, L] fp32) from the
+    layer's projections P = [Q | V | c] (projection.projection_views): the scores GEMM, the row
+    statistics and the mixing forward; Z and stat are kept for `mixing_bwd`."""
     Q, _, _ = projection_views(P, X.shape[-1], table.shape[0])
     Z = _scores(Q, X)
-    out, part, stat = forward_kernels(P, X, mask, table, sigmoid, Z)
-    return out, part, Z, stat
+    ctx, stat = forward_kernels(P, X, mask, table, sigmoid, Z)
+    return ctx, Z, stat
 
 
 @mixing_fwd.register_fake
 def _(P, X, mask, table, sigmoid):
-    B, L, d = X.shape
-    n = table.shape[0]
-    return (
-        parts_layout(B, L, n, d // n, X),
-        X.new_empty(B, L, n),
-        X.new_empty(B, L, padded(L)),
-        X.new_empty(2, B, L, dtype=torch.float32),
-    )
+    B, L, _ = X.shape
+    stat = X.new_empty(2, B, L, dtype=torch.float32)
+    return new_context(X, table.shape[0]), X.new_empty(B, L, padded(L)), stat
 
 
 def backward_kernels(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmoid: bool):
@@ -179,15 +174,13 @@ def backward_kernels(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmo
     Q, V, c = projection_views(P, d, n)
     g_out, g_part = _unit(g_out.to(X.dtype)), _unit(g_part.to(X.dtype))
     dP = torch.empty_like(P, memory_format=torch.contiguous_format)
-    dP[..., 2 * d + (n if c is not None else 0) :].zero_()  # c's alignment columns: no gradient
-    dQ, gV, dc = projection_views(dP, d, n)
+    dQ, gV, dc = projection_views(dP, d, n)  # the dZ kernel zeroes c's alignment columns
     meta = kernel_meta(d, n, X.dtype)
     source = _source(Q, X, Z, X.dtype)
     cc = c if c is not None else source["Z"]
     dcc = dc if dc is not None else source["Z"]
-    mask32 = mask.to(torch.float32).contiguous()
     shared = dict(
-        C=cc, Mk=mask32, T=table, STAT=stat[0], STAT2=stat[1], DO=g_out, sc_b=cc.stride(0),
+        C=cc, Mk=mask.contiguous(), T=table, STAT=stat[0], STAT2=stat[1], DO=g_out, sc_b=cc.stride(0),
         sc_l=cc.stride(1), st_h=table.stride(0), sd_b=g_out.stride(0), sd_h=g_out.stride(1),
         sd_l=g_out.stride(2), L=L, L_KEY=triton.next_power_of_2(L), HAS_C=c is not None,
         N_PARTS=n, SIGMOID=sigmoid, K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
@@ -207,7 +200,8 @@ def backward_kernels(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmo
     mix_bwd_dz_kernel[_grid(L, "BLOCK_M", B)](
         V=V, DELTA=delta, DAP=g_part, DZ=dZ, DC=dcc, sdz_b=dZ.stride(0), sdz_l=dZ.stride(1),
         sv_b=V.stride(0), sv_h=V.stride(1), sv_l=V.stride(2), sp_b=g_part.stride(0),
-        sp_l=g_part.stride(1), sdc_b=dcc.stride(0), sdc_l=dcc.stride(1), NP=meta["NP"], **shared,
+        sp_l=g_part.stride(1), sdc_b=dcc.stride(0), sdc_l=dcc.stride(1), NP=meta["NP"],
+        DC_COLS=P.shape[-1] - 2 * d, **shared,
     )  # fmt: skip
     dS = dZ[:, :, :L]  # dS/√d
     torch.matmul(dS, X, out=dQ)  # cuBLAS: dQ = dS X / √d, into dP's columns
@@ -239,23 +233,25 @@ def _(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmoid):
 
 
 def register_backward(forward_op, backward_op) -> None:
-    """The autograd of a forward op (P, X, mask, table, sigmoid) -> (X̄, A_part, *kept): it saves
-    P, X, mask, table, the `kept` tensors (for the backward only) and its outputs, and its
-    backward is `backward_op`(*saved, dX̄, dA_part, sigmoid) -> (dP, dX)."""
+    """The autograd of a forward op (P, X, mask, table, sigmoid) -> (context, *kept): it saves
+    P, X, mask, table, the `kept` tensors (for the backward only) and the context [X̄ | A_part],
+    and its backward is `backward_op`(*saved, X̄, A_part, dX̄, dA_part, sigmoid) -> (dP, dX),
+    X̄ and A_part and their gradients views of the context and of its gradient."""
 
     def setup_context(ctx, inputs, output):
         P, X, mask, table, sigmoid = inputs
-        out, part, *kept = output
-        ctx.save_for_backward(P, X, mask, table, *kept, out, part)
+        context, *kept = output
+        ctx.save_for_backward(P, X, mask, table, *kept, context)
         ctx.mark_non_differentiable(*kept)
         ctx.set_materialize_grads(False)  # no zero gradients made for the kept tensors
         ctx.sigmoid = sigmoid
 
-    def backward(ctx, g_out, g_part, *_g_kept):
-        saved = ctx.saved_tensors
-        g_out = torch.zeros_like(saved[-2]) if g_out is None else g_out
-        g_part = torch.zeros_like(saved[-1]) if g_part is None else g_part
-        dP, dX = backward_op(*saved, g_out, g_part, ctx.sigmoid)
+    def backward(ctx, g_context, *_g_kept):
+        *saved, context = ctx.saved_tensors
+        g_context = torch.zeros_like(context) if g_context is None else g_context
+        n = saved[3].shape[0]
+        grads = (*context_views(context, n), *context_views(g_context, n))
+        dP, dX = backward_op(*saved, *grads, ctx.sigmoid)
         return dP, dX, None, None, None
 
     forward_op.register_autograd(backward, setup_context=setup_context)
@@ -274,7 +270,8 @@ def partition_attention_triton(
     (`partition_attention_layer`)."""
     _check(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table)
     P = gather_projections(Q_BLD, V_BnLk, c_BLn_or_None)
-    x_bar, part, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
+    ctx, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
+    x_bar, part = context_views(ctx, table.shape[0])
     return (x_bar, part) if out is None else write_context(out, x_bar, part)
 
 
@@ -284,5 +281,4 @@ def partition_attention_layer(P, X_BLD, mask_BL, table, sigmoid: bool):
     B, L, d = X_BLD.shape
     Q, V, c = projection_views(P, d, table.shape[0])
     _check(Q, X_BLD, V, c, mask_BL, table)
-    out, part, _, _ = torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
-    return context(out, part)
+    return torch.ops.shatter.mixing_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))[0]

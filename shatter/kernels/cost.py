@@ -114,12 +114,6 @@ def mixing_dot_flops(B: int, L: int, d: int) -> float:
     return 1.0 * B * L * (L + 1) * d
 
 
-def _mask_cast(a: dict) -> Kernel:
-    """mask.to(float32): B·L elements, each op casts it once."""
-    m = a["mask"]
-    return Kernel("mask to fp32", "memory", 0.0, float(m.numel() * (m.element_size() + 4)))
-
-
 def mixing_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     a = _bind("shatter::mixing_fwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
@@ -127,7 +121,6 @@ def mixing_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     kernels = [Kernel("pad the keys to Lp", "memory", 0.0, float(x + xp))] if L % 16 else []
     return kernels + [
         Kernel("Z = Q Xᵀ/√d", "gemm", 2.0 * B * L * Lp * d, float(x + xp + z)),
-        _mask_cast(a),
         Kernel("row statistics", "memory", 0.0, float(z)),
         Kernel(  # Z per group of parts, V, X̄ written
             "mixing forward", "custom", mixing_dot_flops(B, L, d),
@@ -140,15 +133,11 @@ def mixing_bwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     a = _bind("shatter::mixing_bwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
     z, x, s = B * L * Lp * e, B * L * d * e, B * L * L * e  # Z, a [B, L, d], dS = dZ[:, :, :L]
-    P = a["P"]
     kernels = []
     if a["g_out"].stride(-1) != 1:  # dX̄ made contiguous in its last dimension
         kernels.append(Kernel("dX̄ contiguous", "memory", 0.0, float(2 * x)))
-    if P.shape[-1] > 2 * d + n:  # c's alignment columns of dP zeroed (n of them, or none: 2d)
-        kernels.append(Kernel("dP's alignment columns", "memory", 0.0, 0.0))
     sweep = mixing_dot_flops(B, L, d)
     return kernels + [
-        _mask_cast(a),
         Kernel("dV", "custom", sweep, float(_z_reads(n, d, "dv", False, family) * z + 2 * x)),
         Kernel("δ", "memory", 0.0, float(2 * x)),  # X̄ and dX̄
         Kernel("dZ", "custom", sweep, float(2 * z + 2 * x)),  # Z, V, dX̄ in, dZ out
@@ -217,7 +206,6 @@ def fused_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     x, sweep = B * L * d * e, mixing_dot_flops(B, L, d)
     groups = _z_reads(n, d, "fwd", True, family)
     return [
-        _mask_cast(a),
         Kernel("row statistics (Q Xᵀ on chip)", "custom", 2.0 * B * L * L * d, float(2 * x)),
         Kernel(  # Q and X per group of parts, V, X̄ written
             "mixing forward (Q Xᵀ on chip)", "custom", (2 * groups + 1) * sweep,
@@ -236,10 +224,7 @@ def fused_bwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     kernels = []
     if a["g_out"].stride(-1) != 1:  # dX̄ made contiguous in its last dimension
         kernels.append(Kernel("dX̄ contiguous", "memory", 0.0, float(2 * x)))
-    if a["P"].shape[-1] > 2 * d + n:  # c's alignment columns of dP zeroed
-        kernels.append(Kernel("dP's alignment columns", "memory", 0.0, 0.0))
-    return kernels + [
-        _mask_cast(a),  # Q and X per group, dX̄ in, dV out
+    return kernels + [  # Q and X per group, dX̄ in, dV out
         Kernel("dV (Q Xᵀ on chip)", "custom", (2 * groups + 1) * sweep, float((2 * groups + 2) * x)),
         Kernel("δ", "memory", 0.0, float(2 * x)),  # X̄ and dX̄
         Kernel("dS (Q Xᵀ on chip)", "custom", 2.0 * B * L * L * d + sweep, float(4 * x + z)),
@@ -272,9 +257,25 @@ EFFICIENCY = {
     "launch_us": 6.0,  # per kernel launch: the gap it leaves between kernels
 }
 LAUNCH_S = EFFICIENCY["launch_us"] * 1e-6
-# the datasheet peaks (dense bf16 FLOP/s, HBM bytes/s) of the sm_90 and sm_80 parts `auto` prices
-PEAKS = {90: (989e12, 3.35e12), 80: (312e12, 2.039e12)}
+# the datasheet peaks (dense bf16/fp16 tensor FLOP/s, HBM bytes/s) of the parts `auto` prices:
+# sm_90 the H100 SXM, sm_80 the A100, sm_70 the V100 SXM2
+PEAKS = {90: (989e12, 3.35e12), 80: (312e12, 2.039e12), 70: (125e12, 0.9e12)}
+# Below sm_80 Triton's tl.dot runs on FMAs in fp32, not on tensor cores: a "custom" kernel's
+# products run at the CUDA cores' fp32 FMA peak (datasheet: the V100 SXM2's 15.7 TFLOP/s)
+FMA_PEAKS = {70: 15.7e12}
 IMPL_OPS = {"triton": (mixing_fwd_cost, mixing_bwd_cost), "fused": (fused_fwd_cost, fused_bwd_cost)}
+
+
+def family_of(capability: tuple[int, int]) -> int:
+    """The arch family a GPU of `capability` is priced and tuned as: 90, 80 or 70 (below sm_80:
+    Triton's dots on FMAs)."""
+    return 90 if capability[0] >= 9 else 80 if capability[0] >= 8 else 70
+
+
+def kind_peak(kind: str, family: int, peak: float) -> float:
+    """The FLOP/s a kernel of `kind` runs its products at, at `efficiency[kind]` of it: the
+    tensor peak `peak`, except a Triton dot ("custom") below sm_80, which is FMAs."""
+    return FMA_PEAKS.get(family, peak) if kind == "custom" else peak
 
 
 class _Spec(NamedTuple):
@@ -296,12 +297,14 @@ class _Spec(NamedTuple):
 
 
 def layer_kernels(impl: str, shape: tuple[int, int, int, int], element: int, family: int = 90) -> list[Kernel]:  # fmt: skip
-    """The kernels of one layer's forward and backward under `impl` ("triton" or "fused") for
-    `element`-byte inputs of `shape` = (B, l, d, n) with the partition bias: plain arithmetic on
+    """The kernels of one layer's forward and backward under `impl` ("triton", "fused", "rows"
+    or "rows-keep") for `element`-byte inputs of `shape` = (B, l, d, n) with the partition bias: plain arithmetic on
     the shapes (no tensor is made, so `auto` can call it inside a compiled forward)."""
     from shatter.attention.projection import projection_width
 
     B, L, d, n = shape
+    if impl in ("rows", "rows-keep"):
+        return rows_kernels(B, L, d, n, element, keep=impl == "rows-keep")
     a = dict(
         P=_Spec((B, L, projection_width(d, n)), element), X=_Spec((B, L, d), element),
         mask=_Spec((B, L), 1), table=_Spec((n, 1), 4),
@@ -313,13 +316,14 @@ def layer_kernels(impl: str, shape: tuple[int, int, int, int], element: int, fam
 
 def modelled_seconds(impl: str, shape, element: int, family: int = 90) -> float:
     """One layer's forward and backward under `impl` on the family's GPU, as the step model
-    prices it: each kernel the slower of its FLOPs at its kind's rate and its bytes at the
-    memory rate, plus its launch."""
+    prices it: each kernel the slower of its FLOPs at its kind's rate (`kind_peak`) and its
+    bytes at the memory rate, plus its launch."""
     peak, bandwidth = PEAKS[family]
     total = 0.0
     for k in layer_kernels(impl, shape, element, family):
         memory = k.bytes / (EFFICIENCY["memory"] * bandwidth)
-        compute = k.flops / (EFFICIENCY[k.kind] * peak) if k.kind != "memory" else 0.0
+        rate = EFFICIENCY[k.kind] * kind_peak(k.kind, family, peak) if k.kind != "memory" else 0
+        compute = k.flops / rate if rate else 0.0
         total += max(compute, memory) + LAUNCH_S
     return total
 

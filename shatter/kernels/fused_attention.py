@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 from shatter.attention.projection import (
-    context,
+    context_views,
     gather_projections,
-    parts_layout,
+    new_context,
     projection_views,
 )
 from shatter.attention.triton_kernel import (
@@ -44,18 +44,16 @@ from shatter.kernels.cost import register_costs
 @torch.library.custom_op("shatter::fused_fwd", mutates_args=())
 def fused_fwd(
     P: torch.Tensor, X: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, sigmoid: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(X̄ [B, n, L, d/n] stored as [B, L, n, d/n], A_part [B, L, n], stat [2, B, L] fp32) from
-    the layer's projections P = [Q | V | c]; stat is kept for `fused_bwd`."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the context [X̄ | A_part] [B, L, d + n], stat [2, B, L] fp32) from the layer's
+    projections P = [Q | V | c]; stat is kept for `fused_bwd`."""
     return forward_kernels(P, X, mask, table, sigmoid, None)
 
 
 @fused_fwd.register_fake
 def _(P, X, mask, table, sigmoid):
-    B, L, d = X.shape
-    n = table.shape[0]
-    stat = X.new_empty(2, B, L, dtype=torch.float32)
-    return parts_layout(B, L, n, d // n, X), X.new_empty(B, L, n), stat
+    B, L, _ = X.shape
+    return new_context(X, table.shape[0]), X.new_empty(2, B, L, dtype=torch.float32)
 
 
 @torch.library.custom_op("shatter::fused_bwd", mutates_args=())
@@ -81,8 +79,8 @@ def partition_attention_fused(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, tabl
     Z0 = Q Xᵀ/√d (the impls' common signature; Q, V and c gathered into one P, a copy)."""
     _check(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, table, "fused")
     P = gather_projections(Q_BLD, V_BnLk, c_BLn_or_None)
-    out, part, _ = torch.ops.shatter.fused_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
-    return out, part
+    ctx, _ = torch.ops.shatter.fused_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
+    return context_views(ctx, table.shape[0])
 
 
 def fused_attention_layer(P, X_BLD, mask_BL, table, sigmoid: bool):
@@ -91,5 +89,4 @@ def fused_attention_layer(P, X_BLD, mask_BL, table, sigmoid: bool):
     B, L, d = X_BLD.shape
     Q, V, c = projection_views(P, d, table.shape[0])
     _check(Q, X_BLD, V, c, mask_BL, table, "fused")
-    out, part, _ = torch.ops.shatter.fused_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))
-    return context(out, part)
+    return torch.ops.shatter.fused_fwd(P, X_BLD, mask_BL, table, bool(sigmoid))[0]

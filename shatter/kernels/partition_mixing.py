@@ -49,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shatter.kernels.cost import family_of
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INTERPRETING = tl.constexpr(INTERPRET)
 MAX_PARTS = 16  # n/2 <= 8 unrolled per-part accumulators
@@ -56,7 +58,8 @@ FP32_MIN = tl.constexpr(-3.4028234663852886e38)  # padded keys, as multihead.mas
 
 
 def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None, sources=(False, True)):
-    """An autotune configuration and the arch families it is for (80: sm_80..89, 90: sm_90+);
+    """An autotune configuration and the arch families it is for (70: below sm_80, where the
+    dots are FMAs and only Z is read; 80: sm_80..89, 90: sm_90+);
     `group` (forward and dV kernels): the parts of a side that one program takes; `sources`:
     the RECOMPUTE values it serves (False: Z read from HBM, True: Q Xᵀ recomputed on chip)."""
     meta = {"BLOCK_M": block_m, "BLOCK_N": block_n}
@@ -75,9 +78,11 @@ def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None, sources=(F
 # accumulator per part of their GROUP: sm_90 takes all n/2 parts of a side in one program at
 # n = 12 (the side's Z tiles read once) and, in the forward, 4 at n = 16 (the dV kernel 2: 4
 # spilled 8 bytes under Triton 3.9); sm_80 (mma.sync, more registers per accumulator) 2;
-# GROUP 1 serves any n.
+# GROUP 1 serves any n. Below sm_80 (family 70: V100, T4) the dots are FMAs, whose operands sit
+# in registers: smaller tiles, GROUP 2, only Z read (no tensor-core instruction expected).
 STATS_CONFIGS = [  # sm_90's M64 N128 w4 spilled 96-128 bytes under 3.6
     _cfg(128, 64, 8, 2, archs=(90,)),
+    _cfg(128, 16, 8, 2, archs=(70,), sources=(False,)),  # N64 and N32 spilled 8 bytes at l = 509
     _cfg(128, 64, 8, 2, archs=(80,), sources=(False,)),
     _cfg(128, 32, 8, 2, archs=(80,), sources=(True,)),  # recomputing, N64 spilled 8 bytes (3.6)
 ]
@@ -86,6 +91,8 @@ FWD_CONFIGS = [
     _cfg(64, 32, 8, 2, archs=(90,), group=4),
     _cfg(64, 32, 8, 2, archs=(90,), group=3),
     _cfg(64, 32, 8, 2, archs=(80,), group=2),
+    _cfg(64, 32, 8, 2, archs=(70,), group=2, sources=(False,)),  # M64 N32 w4 spilled 928 bytes
+    _cfg(64, 32, 8, 2, archs=(70,), group=1, sources=(False,)),
     _cfg(64, 32, 4, 2, group=1),
 ]
 DV_CONFIGS = [
@@ -94,10 +101,15 @@ DV_CONFIGS = [
     _cfg(64, 32, 8, 2, archs=(90,), group=3),
     _cfg(64, 64, 8, 2, group=2),
     _cfg(32, 64, 4, 2, archs=(80,), group=2),
+    _cfg(32, 64, 8, 2, archs=(70,), group=2, sources=(False,)),  # M64 N32 w8 spilled 592 bytes
+    _cfg(32, 64, 8, 2, archs=(70,), group=1, sources=(False,)),
     _cfg(64, 32, 4, 2, group=1),
 ]
-DELTA_CONFIGS = [_cfg(64, 16, 4, 1)]
-DZ_CONFIGS = [_cfg(64, 64, 8, 2)]  # sm_90's M64 N64 w4 and M64 N128 w8 spilled under 3.6
+DELTA_CONFIGS = [_cfg(64, 16, 4, 1, archs=(70, 80, 90))]
+DZ_CONFIGS = [  # sm_90's M64 N64 w4 and M64 N128 w8 spilled under 3.6
+    _cfg(64, 64, 8, 2),
+    _cfg(32, 32, 8, 1, archs=(70,), sources=(False,)),  # sm_70's M64 N64 w8 spilled 2.7 KB
+]
 # every compile-time constant that changes the code: a kernel is keyed on those it takes
 AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID", "BLOCK_K", "PREC", "NP", "RECOMPUTE", "BLOCK_D"]  # fmt: skip
 ACC_COLUMNS = 384  # fp32 accumulator columns of a program's group: 6 parts of 64
@@ -114,13 +126,9 @@ def usable(configs, n: int, block_k: int, family: int | None = None, recompute=F
     return [c for c in fit if group[c] in (0, best)]
 
 
-def arch_family(capability: tuple[int, int]) -> int:
-    return 90 if capability[0] >= 9 else 80
-
-
 def _for_this_call(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
-    family = None if INTERPRET else arch_family(torch.cuda.get_device_capability())
+    family = None if INTERPRET else family_of(torch.cuda.get_device_capability())
     block_k = args.get("BLOCK_K", 16)  # the kernels without GROUP take no BLOCK_K
     return usable(configs, args["N_PARTS"], block_k, family, args.get("RECOMPUTE", False))
 
@@ -219,7 +227,7 @@ def _score_tile(
             f = tl.load(T + h * st_h + col, mask=ok, other=0.0)
             c_h = tl.load(C + b * sc_b + offs_m * sc_l + h, mask=row_ok, other=0.0)
             z += c_h.to(tl.float32)[:, None] * f
-    m = tl.load(Mk + b * L + offs_n, mask=col_ok, other=0.0)
+    m = tl.load(Mk + b * L + offs_n, mask=col_ok, other=0).to(tl.float32)  # bool or int as is
     return z, col, ok, m
 
 
@@ -503,13 +511,14 @@ def mix_bwd_dv_kernel(
 def mix_bwd_dz_kernel(
     Z, X, C, Mk, T, V, STAT, STAT2, DELTA, DO, DAP, DZ, DC,
     sz_b, sz_l, sx_b, sx_l, sdz_b, sdz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, sd_b, sd_h, sd_l,
-    sp_b, sp_l, sdc_b, sdc_l, L, L_KEY, K_PART, T_CENTRE, D, scale,
+    sp_b, sp_l, sdc_b, sdc_l, L, L_KEY, K_PART, T_CENTRE, D, scale, DC_COLS,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch) over all key blocks: DZ = dS · scale (strides sdz_*, the
-    input dtype) and, with the part bias, DC = dc [B, L, n] (sdc_*). DELTA is δ [B, L]
+    input dtype) and, with the part bias, DC = dc [B, L, n] (sdc_*) followed by zeros up to
+    DC_COLS <= NP columns (dP's alignment columns after c's). DELTA is δ [B, L]
     (`delta_kernel`), DO dX̄ [B, n, L, d/n] (sd_*), DAP dA_part [B, L, n] (sp_*)."""
     b = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_M
@@ -550,6 +559,6 @@ def mix_bwd_dz_kernel(
                 dc += tl.where(parts == h, tl.sum(ds * f, 1)[:, None], 0.0)
         dz_ptrs = DZ + b * sdz_b + offs_m[:, None] * sdz_l + offs_n[None, :]
         tl.store(dz_ptrs, (ds * scale).to(DZ.dtype.element_ty), mask=ok)
-    if HAS_C:
+    if HAS_C:  # dc, and zeros in the DC_COLS - n alignment columns that follow it in dP
         dc_ptrs = DC + b * sdc_b + offs_m[:, None] * sdc_l + parts
-        tl.store(dc_ptrs, dc.to(DC.dtype.element_ty), mask=row_ok[:, None] & (parts < N_PARTS))
+        tl.store(dc_ptrs, dc.to(DC.dtype.element_ty), mask=row_ok[:, None] & (parts < DC_COLS))

@@ -160,15 +160,24 @@ def test_auto_picks_lean_on_cpu_and_triton_is_imported_lazily(monkeypatch):
     assert impls.resolve_layer("fused", cuda, bf16) is impls._fused_layer
     monkeypatch.setattr(impls, "_capability", lambda index: (8, 0))
     assert impls.auto_impl(cuda, bf16, small) == "triton"  # the A100: fewer FLOPs per byte
-    # forced below sm_80: refused in one line naming the fix
-    impls.require_triton_capability(cuda)  # sm_90 passes
-    monkeypatch.setattr(impls, "_capability", lambda index: (7, 5))
+    # a V100 with the call's shape: `rows` or `triton` (its dots on FMAs), as priced
+    monkeypatch.setattr(impls, "_capability", lambda index: (7, 0))
+    v100_256, v100_1024 = (16, 256, 768, 12), (4, 1024, 768, 12)
+    assert [impls.auto_impl(cuda, fp16, s) for s in (v100_256, v100_1024)] == ["triton"] * 2
+    assert impls.auto_impl(cuda, fp16, (1, 4096, 768, 12)) == "rows"  # long rows: W cheaper
+    assert impls.resolve_layer("auto", cuda, fp16, v100_256) is impls._triton_layer
+    monkeypatch.setattr(impls, "_triton_available", lambda: False)
+    assert impls.auto_impl(cuda, fp16, v100_256) == "rows"
+    monkeypatch.setattr(impls, "_triton_available", lambda: True)
+    # forced where Triton cannot serve: refused in one line naming the fix
+    impls.require_triton_capability(cuda)  # `triton` on sm_70 passes: FMA dots
+    with pytest.raises(ValueError, match=r"^attention_impl: fused .* sm_70"):
+        impls.require_triton_capability(cuda, "fused")
+    monkeypatch.setattr(impls, "_capability", lambda index: (6, 1))
     with pytest.raises(
-        ValueError, match=r"^attention_impl: triton .* sm_75; fix: set attention_impl"
+        ValueError, match=r"^attention_impl: triton .* sm_61; fix: set attention_impl"
     ):
         impls.require_triton_capability(cuda)
-    with pytest.raises(ValueError, match=r"^attention_impl: fused .* sm_75"):
-        impls.require_triton_capability(cuda, "fused")
 
 
 def test_missing_triton_kernel_names_the_setting(monkeypatch):

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shatter.attention import impls
 from shatter.attention.layer_weights import folded_output, layer_weights
 from shatter.attention.projection import (
+    ProjectWithKeys,
     context_views,
     new_context,
     projection_views,
@@ -168,17 +169,19 @@ GEMMS = ("mm", "addmm", "bmm", "matmul", "baddbmm")
 
 def test_weight_products_are_made_once_per_step_and_no_a_part_gemm():
     """A training step's trace: no GEMM with an [n, d] operand (A_part V_part and its
-    gradients, or a layer's own R W^Q, R W^V), one d-wide add per residual and no other, and
-    the weight products' ops (stack, cat, bmm) do not grow with the number of layers: made
-    once for all."""
+    gradients, or a layer's own R W^Q, R W^V), one d-wide add per residual and no other in the
+    forward and in the backward (the keys' gradient is taken by the projection's GEMM,
+    projection.ProjectWithKeys), and the weight products' ops (stack, cat, bmm) do not grow
+    with the number of layers: made once for all."""
     B, L, n, d = 5, 16, 4, 64
     two, three = _step_ops(2), _step_ops(3)
     narrow = {(n, d), (d, n)}  # A_part [T, n] x V_part [n, d], its gradients; R W per layer
     for name, shapes, out, phase in three:
         if name in GEMMS:
             assert not narrow & {*shapes, out}, (name, shapes, out, phase)
-    adds = [o for o in three if o[0] == "add" and o[3] == "forward" and o[2] == (B, L, d)]
-    assert len(adds) == 2 * 3  # the two residuals of each layer
+    for phase in ("forward", "backward"):
+        adds = [o for o in three if o[0] == "add" and o[3] == phase and o[2] == (B, L, d)]
+        assert len(adds) == 2 * 3, phase  # the two residuals of each layer
 
     def prep(ops, layers):  # the batched products: stacks over the layers and what they feed
         return [o for o in ops if o[0] in ("stack", "cat", "bmm") and o[2][0] == layers]
@@ -223,3 +226,20 @@ def test_every_impl_writes_the_context_it_is_given(impl):
     want = torch.autograd.grad((x_bar * gx).sum() + (a_part * ga).sum(), leaves)
     for name, a, b in zip("QXVc", torch.autograd.grad((out * g).sum(), leaves), want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_projection_with_keys_gradients(bias):
+    """(P, K) = (X Wᵀ + b, X): X's gradient is dP W plus the keys' gradient, taken in one GEMM;
+    also when only P or only K is used."""
+    g = torch.Generator().manual_seed(3)
+    X, W = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 3, 4), (6, 4)))
+    b = torch.randn(6, generator=g, dtype=torch.float64) if bias else None
+    leaves = [t.requires_grad_() for t in (X, W, b) if t is not None]
+
+    def run(*args):
+        return ProjectWithKeys.apply(*args, *([] if bias else [None]))
+
+    assert torch.autograd.gradcheck(run, tuple(leaves))
+    assert torch.autograd.gradcheck(lambda *a: run(*a)[0], tuple(leaves))
+    assert torch.autograd.gradcheck(lambda *a: run(*a)[1] * 2, tuple(leaves))

@@ -99,6 +99,8 @@ def test_compiled_kernel_equals_naive_at_base_shape(impl, dtype, bias, sigmoid):
         pytest.skip("needs a CUDA device")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 is set: the kernels would not be compiled")
+    if torch.cuda.get_device_capability() < (8, 0) and (impl == "fused" or dtype == torch.bfloat16):
+        pytest.skip("below sm_80 only `triton` runs (its dots on FMAs), and in fp16 or fp32")
     inputs = _inputs(2, 509, 768, 12, bias, [509, 300], dtype=dtype, device="cuda")
     got = _values_and_grads(lambda *a: _impl(impl)(*a, sigmoid=sigmoid), *inputs)
     Q, X, V, c, mask, table = inputs

@@ -66,10 +66,11 @@ def test_every_kernel_compiles_for_sm90_without_spills():
 
 
 @pytest.mark.slow
-def test_the_row_kernels_compile_for_sm70_without_spills():
-    """The `rows` impl's kernels for a V100 (sm_70, fp16), with the partition bias, at a ragged
-    length and at the longest row a program holds: registers reported, 0 spill bytes, and no
-    mixing kernel compiled for sm_70 (the `triton` impl is refused below sm_80)."""
+def test_the_v100_kernels_compile_for_sm70_without_spills():
+    """What `auto` runs on a V100 (sm_70, fp16), with the partition bias, at a ragged length: the
+    `rows` impl's row kernels (also at the longest row a program holds) and the hybrid's mixing
+    kernels reading Z with FMA dots (no recomputing variant, no tensor-core instruction
+    expected): registers reported, 0 spill bytes."""
     pytest.importorskip("triton", reason="triton has no wheel for this platform")
     env = child_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     cmd = [sys.executable, "tools/bench/kernel_report.py", "--arch", "70", "--shape", "base"]
@@ -79,11 +80,12 @@ def test_the_row_kernels_compile_for_sm70_without_spills():
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [line.split() for line in res.stdout.splitlines() if line.startswith("sm_70 ")]
     rows = [row for row in rows if len(row) > 12]  # the table, not the summary
+    kernels = ("stats", "fwd", "delta", "dv", "dz", "rows_fwd", "rows_bwd")
     assert [(row[1], row[6]) for row in rows] == [
-        (f"{kernel}/z", length) for kernel in ("rows_fwd", "rows_bwd") for length in ("509", "4096")
+        (f"{kernel}/z", length) for kernel in kernels for length in ("509", "4096")
     ]
     for row in rows:
-        assert row[-1] == "ok" and row[-4] == "0" and 0 < int(row[-5]) <= 128, row  # spill, regs
+        assert row[-1] == "ok" and row[-4] == "0" and 0 < int(row[-5]) <= 255, row  # spill, regs
 
 
 @pytest.mark.slow

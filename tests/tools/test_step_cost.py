@@ -16,6 +16,7 @@ from shatter.tools.bench.step_cost import (
     SPLIT,
     cost_py_flops,
     gpus,
+    kernel_seconds,
     main,
     model_flops,
     price,
@@ -223,8 +224,14 @@ def test_auto_kernel_choice_prices_with_the_frozen_table():
 
     assert EFFICIENCY is cost.EFFICIENCY
     table = gpus()
-    for name, family in (("H100", 90), ("A100", 80)):
+    for name, family in (("H100", 90), ("A100", 80), ("V100", 70)):
         assert cost.PEAKS[family] == (table[name].peak, table[name].bandwidth)
+        assert cost.family_of(table[name].capability) == family
+    # a Triton dot below sm_80 runs on FMAs: priced at the fp32 FMA peak, cuBLAS at the tensor one
+    flops, v100, h100 = 1e12, table["V100"], table["H100"]
+    assert kernel_seconds("custom", flops, 0.0, v100) == flops / (0.5 * 15.7e12)
+    assert kernel_seconds("gemm", flops, 0.0, v100) == flops / (0.7 * v100.peak)
+    assert kernel_seconds("custom", flops, 0.0, h100) == flops / (0.5 * h100.peak)
 
 
 def test_unknown_arch_is_one_line():

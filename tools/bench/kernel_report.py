@@ -53,7 +53,9 @@ DTYPES = ("bf16", "fp16", "fp32")  # fp32 runs IEEE dots: no tensor cores expect
 KERNELS = ("stats", "fwd", "delta", "dv", "dz", "rows_fwd", "rows_bwd")
 DOT_KERNELS = ("fwd", "dv", "dz")  # stats, delta and the row kernels: no dot to expect
 ROW_KERNELS = ("rows_fwd", "rows_bwd")
-ROWS_ONLY = (70, 75)  # archs below sm_80 run the `rows` impl's kernels, sm_80+ the mixing ones
+# below sm_80 (V100, T4) `auto` runs the `rows` impl's kernels or the hybrid's mixing kernels on
+# Z with FMA dots (no tensor-core instruction to expect); sm_80+ the mixing kernels alone
+FMA_ARCHS = (70, 75)
 LENGTHS = (512, 509)  # a multiple of 16 and not: sets which int arguments are multiples of 16
 SOURCES = {"z": False, "qx": True}  # the kernels' RECOMPUTE: Z read (triton), Q Xᵀ made (fused)
 MAX_LEN = 512
@@ -82,7 +84,7 @@ class Row:
             out.append(f"smem {self.smem} > {SMEM_LIMIT[self.arch]}")
         if self.spill:
             out.append(f"spills {self.spill} bytes")
-        dots = self.kernel in DOT_KERNELS and self.dtype != "fp32"
+        dots = self.kernel in DOT_KERNELS and self.dtype != "fp32" and self.arch not in FMA_ARCHS
         if dots and not self.hmma + self.hgmma:
             out.append("no tensor-core instruction")
         return out
@@ -100,7 +102,8 @@ def _args(d: int, n: int, dtype: str, L: int, recompute=False) -> dict[str, tupl
     w = projection_width(d, n)  # V, c and their gradients are columns of the projections P
     names = ("Z", "X", "C", "V", "OUT", "AP", "DO", "DV", "DAP", "DZ", "DC")
     ptrs = {name: dtype for name in names}
-    ptrs.update({name: "fp32" for name in ("Mk", "T", "STAT", "STAT2", "DELTA")})
+    ptrs.update({name: "fp32" for name in ("T", "STAT", "STAT2", "DELTA")})
+    ptrs["Mk"] = "i1"  # the key mask, read as the model passes it (bool)
     ptrs.update(W=dtype, DW=dtype)  # the row kernels' n parts' weights [B, n, L, Lp]
     sz = (L * w, w) if recompute else (L * Lp, Lp)
     ints = {
@@ -110,7 +113,7 @@ def _args(d: int, n: int, dtype: str, L: int, recompute=False) -> dict[str, tupl
         "sd_b": L * d, "sd_h": k, "sd_l": d, "sg_b": L * w, "sg_h": k, "sg_l": w,
         "sa_b": L * n, "sa_l": n, "sp_b": L * n, "sp_l": n, "sdc_b": L * w, "sdc_l": w,
         "L": L, "L_KEY": 1 << (L - 1).bit_length(), "K_PART": k, "T_CENTRE": m - 1,
-        "sm_b": L, "sw_b": n * L * Lp, "sw_h": L * Lp, "sw_l": Lp,
+        "sm_b": L, "sw_b": n * L * Lp, "sw_h": L * Lp, "sw_l": Lp, "DC_COLS": w - 2 * d,
     }  # fmt: skip
     out = {name: (f"*{t}", None) for name, t in ptrs.items()}
     out.update({name: ("i32", val) for name, val in ints.items()})
@@ -171,8 +174,6 @@ def compile_one(
     values.update(HAS_C=has_c, SIGMOID=activation == "sigmoid", RECOMPUTE=SOURCES[source])
     constexprs = {name: values[name] for name in fn.arg_names if name in values}
     args = _args(d, n, dtype, L, SOURCES[source])
-    if kernel in ROW_KERNELS:
-        args["Mk"] = ("*i1", None)  # the row kernels read the bool key mask as it is
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -190,9 +191,9 @@ def compile_one(
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
         usage = _cuobjdump("--dump-resource-usage", cubin)
-        # the row kernels: no dot, no tensor-core instruction to count, and CUDA 13's disassembler (Triton 3.9's
-        # cuobjdump) refuses sm_70 code, where the row kernels are what is compiled
-        sass = _cuobjdump("-sass", cubin) if kernel not in ROW_KERNELS else ""
+        # no tensor-core instruction to count in the row kernels (no dot) or below sm_80 (FMA
+        # dots), and CUDA 13's disassembler (Triton 3.9's cuobjdump) refuses sm_70 code
+        sass = _cuobjdump("-sass", cubin) if kernel not in ROW_KERNELS and arch not in FMA_ARCHS else ""  # fmt: skip
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     cfg = "M{BLOCK_M} N{BLOCK_N}" if "BLOCK_M" in config.kwargs else "L{BLOCK_L}"
@@ -214,12 +215,12 @@ def jobs(archs, kernels, sources, activations, has_cs, shapes, dtypes, lengths, 
 
     tuned = tuned_kernels()
     for cap, kernel in itertools.product(archs, kernels):
-        if (cap in ROWS_ONLY) != (kernel in ROW_KERNELS):  # each arch: what `auto` runs there
+        if kernel in ROW_KERNELS and cap not in FMA_ARCHS:  # each arch: what `auto` runs there
             continue
         if kernel == "delta":  # it reads neither the scores, the bias nor the activation
             sources_, activations_, has_cs_ = ["z"], activations[:1], has_cs[:1]
-        else:  # the row kernels read Z: they have no recomputing variant
-            sources_ = ["z"] if kernel in ROW_KERNELS else sources
+        else:  # the row kernels and the FMA archs read Z: no recomputing variant
+            sources_ = ["z"] if kernel in ROW_KERNELS or cap in FMA_ARCHS else sources
             activations_, has_cs_ = activations, has_cs
         for source, act, has_c, shape, dtype, L in itertools.product(
             sources_, activations_, has_cs_, shapes, dtypes, lengths
@@ -305,13 +306,11 @@ def main(arch, kernels, sources, activations, has_cs, shapes, dtypes, lengths, f
             raise SystemExit(f"kernel_report: {name} {bad} unknown; choose from {list(known)}")
     from shatter.kernels.row_mixing import MAX_ROW
 
-    mixing = not set(archs) <= set(ROWS_ONLY) and set(_split(kernels)) - set(ROW_KERNELS)
-    longest = MAX_LEN if mixing else MAX_ROW
-    bad_len = [v for v in ls if not 16 < v <= longest]
+    bad_len = [v for v in ls if not 16 < v <= MAX_ROW]
     if bad_len:
         raise SystemExit(
-            f"kernel_report: --length {bad_len} outside 17..{longest} (the mixing kernels' "
-            f"{MAX_LEN}, the row kernels' {MAX_ROW} alone)"
+            f"kernel_report: --length {bad_len} outside 17..{MAX_ROW} (the longest row a row "
+            "kernel holds; the mixing kernels tile any length)"
         )
     import triton
 

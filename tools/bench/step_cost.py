@@ -22,7 +22,9 @@ arch:
     gemm        cuBLAS products: max(FLOPs / (gemm x peak), bytes / (memory x HBM bandwidth))
     flash       SDPA's FlashAttention-2 kernel (forward, backward): its FLOPs at `flash` x peak
     efficient   SDPA's memory-efficient kernel (a mask or bias, or a V100): at `efficient` x peak
-    custom      a Triton kernel with products (tl.dot) inside our custom ops: at `custom` x peak
+    custom      a Triton kernel with products (tl.dot) inside our custom ops: at `custom` x peak,
+                where below sm_80 (the V100) the peak is the fp32 FMA peak: Triton's dots run
+                on FMAs there, not on tensor cores (shatter.kernels.cost.kind_peak)
     memory      every kernel without products (elementwise, reductions, copies, the optimizer):
                 its bytes at `memory` x HBM bandwidth
     launch      plus `launch_us` per kernel launched: the gaps between small kernels
@@ -39,9 +41,9 @@ SDPA, the custom ops, reductions and the DeepSpeed optimizer step are as in eage
 (or the config's `run.compile: true`) makes the compiled figures the main ones.
 
 The GPU's choices are the real ones: bf16 on sm_80+ (fp16 and no flash kernel on the V100),
-Shatter's `auto` attention impl (on sm_80+ `triton` or `fused`, whichever
-shatter.kernels.cost prices faster for the layer's shape, as `auto` picks it; `rows` on the
-V100), SDPA on the flash kernel for a batch without padding (attention_mask None) and on the
+Shatter's `auto` attention impl (on sm_80+ `triton` or `fused`, on the V100 `rows` or
+`triton`, whichever shatter.kernels.cost prices faster for the layer's shape, as `auto` picks
+it), SDPA on the flash kernel for a batch without padding (attention_mask None) and on the
 efficient kernel with one (`--padding`: every batch passes its mask).
 
 The split printed per arch: GEMMs, attention (SDPA and custom kernels), elementwise and copies
@@ -78,7 +80,7 @@ import click
 import torch
 
 from shatter.config import ATTENTION_IMPLS
-from shatter.kernels.cost import EFFICIENCY  # the frozen table (its one home)
+from shatter.kernels.cost import EFFICIENCY, family_of, kind_peak  # the frozen table (its home)
 from shatter.tools.bench.attention_cost import GPUS
 from shatter.tools.bench.step_trace import build_meta, records, trace_step
 
@@ -120,7 +122,7 @@ class Gpu:
 
 def gpus() -> dict[str, Gpu]:
     sm80 = dict(low=torch.bfloat16, flash=True, partition_impl="auto")
-    sm70 = dict(low=torch.float16, flash=False, partition_impl="rows", capability=(7, 0))
+    sm70 = dict(low=torch.float16, flash=False, partition_impl="auto", capability=(7, 0))
     capability = {"H100": (9, 0), "A100": (8, 0)}
     return {
         name: Gpu(name, peak, bw, **(sm70 if name == "V100" else dict(sm80, capability=capability[name])))
@@ -129,8 +131,8 @@ def gpus() -> dict[str, Gpu]:
 
 
 def shatter_impl(gpu: Gpu, arch: str, size: str, length: int, rows: int) -> str:
-    """The attention impl Shatter's archs run on `gpu`: its own, or with "auto" (sm_80+) the
-    Triton impl `auto` picks for the layer's shape (shatter.attention.impls.kernel_choice)."""
+    """The attention impl Shatter's archs run on `gpu`: its own, or with "auto" the impl `auto`
+    picks for the layer's shape there (shatter.attention.impls.kernel_choice)."""
     if gpu.partition_impl != "auto":
         return gpu.partition_impl
     from shatter.attention.impls import kernel_choice
@@ -143,11 +145,13 @@ def shatter_impl(gpu: Gpu, arch: str, size: str, length: int, rows: int) -> str:
 
 def kernel_seconds(kind: str, flops: float, nbytes: float, gpu: Gpu, eff: dict = EFFICIENCY):
     """One kernel's time on `gpu` (launch not included): the slower of its FLOPs at its kind's
-    rate and its bytes at the memory rate."""
+    rate (a Triton dot below sm_80 at the FMA peak: cost.kind_peak) and its bytes at the memory
+    rate."""
     memory = nbytes / (eff["memory"] * gpu.bandwidth)
     if kind == "memory":
         return memory
-    return max(flops / (eff[kind] * gpu.peak), memory)
+    peak = kind_peak(kind, family_of(gpu.capability), gpu.peak)
+    return max(flops / (eff[kind] * peak), memory)
 
 
 def op_seconds(row: dict, gpu: Gpu, eff: dict = EFFICIENCY) -> float:
@@ -266,8 +270,9 @@ def trace_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int):
     rows = run.tokens // length
     try:
         return trace_step(
-            model, length, rows, "zero1", gpu.low, gpu.flash, padding_mask=padding, world=run.world
-        )
+            model, length, rows, "zero1", gpu.low, gpu.flash, padding_mask=padding,
+            world=run.world, family=family_of(gpu.capability),
+        )  # fmt: skip
     except (RuntimeError, ValueError, NotImplementedError) as e:
         what = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise SystemExit(

@@ -47,6 +47,8 @@ are read after it (or that it writes into an older tensor); the optimizer stays 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 from collections import Counter
 
@@ -116,13 +118,20 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
     return out
 
 
-def _custom_costs():
-    """(OP_COSTS, model_flops) of this checkout's `shatter::` custom ops."""
+def _custom_costs(family: int | None = None):
+    """(OP_COSTS, model_flops) of this checkout's `shatter::` custom ops; with `family`, each cost
+    that takes one is for that arch family's kernel configurations (an older checkout's as it
+    is)."""
     try:
         from shatter.kernels import cost
     except ImportError:
         return {}, None
-    return cost.OP_COSTS, getattr(cost, "model_flops", None)
+    costs = dict(cost.OP_COSTS)
+    if family is not None:
+        for name, fn in costs.items():
+            if "family" in inspect.signature(fn).parameters:
+                costs[name] = functools.partial(fn, family=family)
+    return costs, getattr(cost, "model_flops", None)
 
 
 def _kernels(cost) -> tuple[tuple[str, str, float, float], ...]:
@@ -155,7 +164,7 @@ class StepTrace(TorchDispatchMode):
     `_view_key`, bytes) it reads and writes; `phase` is set by the caller (forward, backward,
     optimizer)."""
 
-    def __init__(self, predicted: float):
+    def __init__(self, predicted: float, family: int | None = None):
         super().__init__()
         self.predicted = predicted
         self.phase = "forward"
@@ -163,7 +172,7 @@ class StepTrace(TorchDispatchMode):
         # every storage seen, kept so that no address is reused (the storage, not the tensor: a
         # gradient held elsewhere would be copied by autograd instead of taken)
         self.alive: list = []
-        self.custom, self.custom_model_flops = _custom_costs()
+        self.custom, self.custom_model_flops = _custom_costs(family)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -365,17 +374,19 @@ def trace_step(
     padding_mask: bool = False,
     predicted: float = 0.15,
     world: int = 1,
+    family: int | None = None,
 ) -> StepTrace:
     """One training step of `model` (on the meta device) at `rows` x `length` tokens; the model
     fp32 under autocast with `optimizer="fused"`, or already in `low` with `"zero1"`.
     `padding_mask`: pass an all-ones attention mask (as a padded batch would) instead of None;
-    `world`: the ranks ZeRO-1 partitions the optimizer over."""
+    `world`: the ranks ZeRO-1 partitions the optimizer over; `family`: the arch family (90, 80,
+    70) whose kernel configurations the custom ops' costs take (their own default without)."""
     dev = torch.device("meta")
     ids = torch.empty(rows, length, dtype=torch.long, device=dev)
     mask = torch.empty(rows, length, dtype=torch.long, device=dev) if padding_mask else None
     labels = torch.empty(rows, length, dtype=torch.long, device=dev)
     params = [p for p in model.parameters() if p.requires_grad]
-    rec = StepTrace(predicted)
+    rec = StepTrace(predicted, family)
     emulate = GpuEmulation(low if optimizer == "fused" else None, flash, low)
     model.train()
     with emulate, rec, _patched_autocast(MetaAutocast(emulate)):
