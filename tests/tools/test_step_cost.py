@@ -172,14 +172,14 @@ def test_json_figures(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["efficiency"] == EFFICIENCY
-    assert (data["tokens_per_step"], data["world_size"], data["compiled"]) == (256, 1, False)
+    assert (data["tokens_per_step"], data["world_size"], data["compiled"]) == (256, 1, True)
     for gpu in ("H100", "V100"):
         for arch in ("bert", "shatter"):
             f = data["figures"][gpu][arch]["64"]
             assert f["ms_per_step"] > 0 and f["flops_per_token"] > 0
             assert f["cost_py_flops_per_token"] > 0 and 0 < f["mfu"] < 1
             assert set(f["split_ms"]) == set(SPLIT)
-            assert f["mode"] == "eager" and f["ms_per_step"] == f["eager"]["ms_per_step"]
+            assert f["mode"] == "compiled" and f["ms_per_step"] == f["compiled"]["ms_per_step"]
             assert f["compiled"]["kernels"] < f["eager"]["kernels"]
             assert f["compiled"]["ms_per_step"] < f["eager"]["ms_per_step"]
         for mode in ("eager", "compiled"):
@@ -190,12 +190,12 @@ def test_json_figures(tmp_path):
 
 
 def test_config_sets_tokens_world_and_precision(tmp_path):
-    """configs/v100x8-base-256.yaml: 16 x 256 = 4,096 tokens per GPU, ZeRO-1 over 8, fp16, eager;
-    `--compiled` makes the compiled figures the main ones."""
+    """configs/v100x8-base-256.yaml: 16 x 256 = 4,096 tokens per GPU, ZeRO-1 over 8, fp16,
+    compiled (run.compile unset: on a GPU); `--eager` makes the eager figures the main ones."""
     out = tmp_path / "cost.json"
     config = Path(__file__).resolve().parents[2] / "configs" / "v100x8-base-256.yaml"
     args = ["--config", str(config), "--gpus", "V100", "--archs", "bert"]
-    args += ["--lengths", "64", "--size", "tiny", "--compiled", "--json", str(out)]
+    args += ["--lengths", "64", "--size", "tiny", "--json", str(out)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
@@ -203,8 +203,10 @@ def test_config_sets_tokens_world_and_precision(tmp_path):
     assert "float16, 4096 tokens a step per GPU, ZeRO-1 over 8 GPUs" in result.output
     f = data["figures"]["V100"]["bert"]["64"]
     assert f["mode"] == "compiled" and f["ms_per_step"] == f["compiled"]["ms_per_step"]
-    one = CliRunner().invoke(main, args[:-2] + ["--json", str(tmp_path / "one.json")])
-    assert one.exit_code == 0
+    eager = CliRunner().invoke(main, args[:-2] + ["--eager", "--json", str(tmp_path / "e.json")])
+    assert eager.exit_code == 0, eager.output
+    f = json.loads((tmp_path / "e.json").read_text())["figures"]["V100"]["bert"]["64"]
+    assert f["mode"] == "eager" and f["ms_per_step"] == f["eager"]["ms_per_step"]
 
 
 def test_config_in_bf16_on_a_v100_is_one_line(tmp_path):

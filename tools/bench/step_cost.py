@@ -37,8 +37,10 @@ Two modes, both printed and in the JSON: `eager`, one kernel per ATen op, and `c
 model under torch.compile as inductor runs it: in the forward and the backward, each chain of
 consecutive pointwise ops between two GEMMs, reductions or other kernels is one kernel that reads
 its inputs once and writes its outputs once (tools/bench/step_trace.py: fuse_pointwise); GEMMs,
-SDPA, the custom ops, reductions and the DeepSpeed optimizer step are as in eager. `--compiled`
-(or the config's `run.compile: true`) makes the compiled figures the main ones.
+SDPA, the custom ops, reductions and the DeepSpeed optimizer step are as in eager. The compiled
+figures are the main ones, as a GPU run compiles unless told not to (`run.compile` unset: on a
+GPU, shatter/train/compiling.py); `--eager` (or the config's `run.compile: false`) makes the
+eager figures the main ones.
 
 The GPU's choices are the real ones: bf16 on sm_80+ (fp16 and no flash kernel on the V100),
 Shatter's `auto` attention impl (on sm_80+ `triton` or `fused`, on the V100 `rows` or
@@ -203,12 +205,13 @@ def cost_py_flops(arch: str, length: int, rows_per_step: int, size: str, vocab: 
 @dataclass(frozen=True)
 class Run:
     """What one GPU of a run does each step: the defaults are one GPU at 16,384 tokens a step,
-    eager; `run_of_config` reads them from a training config."""
+    compiled (`run.compile` unset compiles on a GPU); `run_of_config` reads them from a
+    training config."""
 
     tokens: int = 16384  # tokens per GPU per forward and backward (micro-batch x length)
     grad_accum: int = 1  # forward-backward passes per optimizer step
     world: int = 1  # ranks: ZeRO-1 partitions the optimizer's update over them
-    compiled: bool = False  # the main figures' mode: torch.compile (inductor) or eager
+    compiled: bool = True  # the main figures' mode: torch.compile (inductor) or eager
     precision: str | None = None  # bf16 or fp16 over the GPU's own (bf16 on sm_80+, fp16 on V100)
     impl: str | None = None  # Shatter's attention impl on every GPU over `auto`'s choice
     size: str = "base"
@@ -237,7 +240,7 @@ def run_of_config(path: str, run: Run) -> Run:
         tokens=r.micro_batch * cfg.data.seq_len if cfg.data.seq_len else run.tokens,
         grad_accum=r.grad_accum,
         world=r.num_gpus if r.zero_stage else 1,
-        compiled=r.compile,
+        compiled=r.compile is not False,  # unset (auto) compiles on a GPU
         precision=r.precision,
         impl=run.impl or (None if impl == "auto" else impl),
         size=cfg.model.preset.rsplit("-", 1)[-1],
@@ -480,7 +483,8 @@ def print_calibration(cal: dict) -> None:
 @click.option(
     "--compiled/--eager",
     default=None,
-    help="the main figures' mode (both are printed) [default: eager, or the config's run.compile]",
+    help="the main figures' mode (both are printed) [default: compiled, as run.compile unset "
+    "runs on a GPU, or the config's run.compile]",
 )
 @click.option(
     "--partition-impl",
