@@ -48,6 +48,9 @@ DESTROY_S = 30.0  # a successful exit waits this long for destroy_process_group,
 FAILED_DESTROY_S = 5.0  # the same after a failure (peers may never complete pending work)
 FAILED_DEADLINE_S = 15.0  # a failed process is ended this long after its failure, whatever blocks
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # default of run.collective_timeout_s
+# the deepspeed launcher SIGKILLs its ranks this long after forwarding them a SIGTERM
+# (`terminate_process_tree` in deepspeed/launcher/launch.py): a stop must be saved within it
+LAUNCHER_KILL_S = 30.0
 
 
 def hard_exit(code: int, line: str | None = None) -> None:
@@ -79,7 +82,7 @@ class StopFlag:
         self.requested = False
         self.name: str | None = None
         self.exit_code = 143  # 128 + the signal: SIGTERM's, or SIGINT's (130) after a Ctrl-C
-        self._at = 0.0
+        self.requested_at = 0.0  # time.monotonic() of the request (a store failure sets none)
         self._notes: list[str] = []  # said before the run directory was known
         self.launcher: tuple[int, int | None] | None = None  # pids `watch_launcher` watches
 
@@ -106,7 +109,8 @@ class StopFlag:
         """A stop for `cause`: a checkpoint at the next step boundary, then exit `code`."""
         if self.requested:
             return
-        self.requested, self.name, self._at, self.exit_code = True, cause, time.monotonic(), code
+        self.requested, self.name, self.exit_code = True, cause, code
+        self.requested_at = time.monotonic()
         self.note(f"{cause}: a checkpoint is saved at the next step boundary, then the run exits")
         if _rank() == "0":
             _say(
@@ -130,7 +134,7 @@ class StopFlag:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested:
-            if signum != signal.SIGINT or time.monotonic() - self._at < SAME_REQUEST_S:
+            if signum != signal.SIGINT or time.monotonic() - self.requested_at < SAME_REQUEST_S:
                 return  # the same request, forwarded or repeated: the save goes on
             self.note(f"second {name}: exiting at once, no checkpoint")
             hard_exit(
