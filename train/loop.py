@@ -30,8 +30,10 @@ from shatter.train.evaluate import evaluate
 from shatter.train.guard import LossSpike, StepDeadline, StepGuard, TrainingError, step_guard
 from shatter.train.lifecycle import StopFlag, ignore_stop_signals
 from shatter.train.loader import (
+    LOADER_WAIT_SHARE,
     ShardStream,
     StreamPosition,
+    WorkerBatches,
     source_epochs,
     stream_shape,
     train_loader,
@@ -172,14 +174,11 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
         rank=ctx.rank,
         world_size=ctx.world,
     )
-    batches = iter(loader)
+    batches = WorkerBatches(loader, run.collective_timeout_s * LOADER_WAIT_SHARE)
     try:
         return _steps(ctx, state, batches, validation, epoch_size)
     finally:
-        # the workers, blocked on their index queues, end now rather than be joined at exit
-        shutdown = getattr(batches, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        batches.close()
         del batches
 
 
