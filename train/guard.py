@@ -11,6 +11,10 @@ Two implementations of one interface (`StepGuard`), chosen by the device:
   non-finite loss is zeroed (no gradient; fp16 overflow stays the loss scaler's job); the sums
   stay on the device (`DeviceWindow`) and are read at log steps and checkpoints only (`settle`);
   the stop request is agreed one optimizer step late (`LaggedStop`).
+After a stop request, `StepDeadline` says whether the step in progress can still finish and be
+saved before the launcher's SIGKILL; on a CPU the ranks agree on it in the all-reduce they do
+anyway (no collective of its own), and the loop abandons the step (`abandoned`) and saves the
+last completed one. A GPU agrees at step boundaries only, so it never abandons a step.
 The pretraining loop (train/loop.py) and the finetuning loop (train/finetuning/loop.py) use it.
 """
 
@@ -130,14 +134,61 @@ class LaggedStop:
         return bool(previous[0][0] > 0)
 
 
+class StepDeadline:
+    """After a stop request: whether the step in progress can still finish, and its checkpoint be
+    saved, within `grace_s` of the request (the deepspeed launcher's SIGKILL). The step's time
+    is estimated from the last whole step's and from this one's micro-batches so far, the save's
+    from this session's last save (half the grace until one is timed), plus `MARGIN_S`."""
+
+    MARGIN_S = 3.0  # the exit after the save, and the estimates' error
+
+    def __init__(self, grad_accum: int, grace_s: float, clock: Callable[[], float]):
+        self.grad_accum, self.grace_s, self.clock = grad_accum, grace_s, clock
+        self.began = clock()  # when the step in progress began (the last boundary's end)
+        self.per_micro = 0.0  # seconds per micro-batch of the last whole step
+        self.save_s: float | None = None  # seconds of this session's last save
+
+    def step_ended(self) -> None:
+        self.per_micro = (self.clock() - self.began) / self.grad_accum
+
+    def step_began(self) -> None:
+        self.began = self.clock()
+
+    def over(self, requested_at: float, done: int) -> bool:
+        """True when the step, `done` of its micro-batches finished, cannot finish and be
+        saved in time (`requested_at`: 0 for a request with no launcher behind it)."""
+        if not requested_at:
+            return False
+        now = self.clock()
+        per_micro = max(self.per_micro, (now - self.began) / max(done, 1))
+        finished = now + (self.grad_accum - done) * per_micro
+        save = self.save_s if self.save_s is not None else self.grace_s / 2
+        return finished + save + self.MARGIN_S - requested_at > self.grace_s
+
+
 class StepGuard(Protocol):
     stop_seen: bool  # a stop was requested on some rank (as far as this rank knows yet)
+    abandoned: bool  # the ranks agreed to abandon the step in progress (`StepDeadline`)
 
     def micro_step(
-        self, engine, loss: torch.Tensor, tokens: int, requested: bool, state: TrainState
+        self,
+        engine,
+        loss: torch.Tensor,
+        tokens: int,
+        requested: bool,
+        state: TrainState,
+        over: bool = False,
     ) -> None:
         """Backward and step of one micro-batch (`tokens`: its non-padding tokens on this
-        rank; `requested`: a stop asked of this rank); a non-finite one with its loss zeroed."""
+        rank; `requested`: a stop asked of this rank); a non-finite one with its loss zeroed.
+        `over`: this rank's `StepDeadline` says the step cannot be saved in time; where the
+        ranks agree on it, the micro-batch gets no backward and `abandoned` is set."""
+
+    def mark(self) -> None:
+        """At a step boundary, after its log line and checkpoint: what `rewind` goes back to."""
+
+    def rewind(self) -> None:
+        """The sums of an abandoned step's micro-batches dropped (back to `mark`)."""
 
     def stop(self, requested: bool) -> bool:
         """At an optimizer-step boundary: whether the ranks agree to stop."""
@@ -157,6 +208,14 @@ class _Guard:
         )
         self.window = DeviceWindow(device)
         self.stop_seen = False
+        self.abandoned = False
+        self._marked = self.window.sums.clone()
+
+    def mark(self) -> None:
+        self._marked.copy_(self.window.sums)  # on the device: no host sync
+
+    def rewind(self) -> None:
+        self.window.sums.copy_(self._marked)
 
     def diverged(self, run: int, step: int) -> TrainingError:
         return TrainingError(
@@ -172,15 +231,18 @@ class HostGuard(_Guard):
         super().__init__(*args)
         self.in_a_row = 0
 
-    def micro_step(self, engine, loss, tokens, requested, state) -> None:
+    def micro_step(self, engine, loss, tokens, requested, state, over=False) -> None:
+        finite = torch.isfinite(loss.detach()).item()
         flags = torch.tensor(
-            [float(not torch.isfinite(loss.detach()).item()), float(requested), float(tokens)],
-            dtype=torch.float64,
+            [float(not finite), float(requested), float(tokens), float(over)], dtype=torch.float64
         )
         if self.world > 1:
             torch.distributed.all_reduce(flags)
-        state.tokens += int(flags[2])
         self.stop_seen = self.stop_seen or bool(flags[1] > 0)
+        if flags[3] > 0:  # some rank's deadline: no backward; the loop saves the last step
+            self.abandoned = True
+            return
+        state.tokens += int(flags[2])
         if flags[0] > 0:
             state.skipped_nonfinite += 1
             self.in_a_row += 1
@@ -211,10 +273,18 @@ class DeviceGuard(_Guard):
 
     def __init__(self, device, world: int, *args):
         super().__init__(device, world, *args)
-        self.device, self.local_tokens = device, 0
+        self.device, self.local_tokens, self._marked_tokens = device, 0, 0
         self.agreed_stop = LaggedStop(device, world)
 
-    def micro_step(self, engine, loss, tokens, requested, state) -> None:
+    def mark(self) -> None:
+        super().mark()
+        self._marked_tokens = self.local_tokens
+
+    def rewind(self) -> None:
+        super().rewind()
+        self.local_tokens = self._marked_tokens
+
+    def micro_step(self, engine, loss, tokens, requested, state, over=False) -> None:
         self.local_tokens += tokens
         bad = (~torch.isfinite(loss.detach())).to(torch.float64)
         if self.world > 1:

@@ -7,7 +7,9 @@ ranks would never fire. So each rank notes, at start, the pids of its launcher (
 of the runner (the launcher's parent), and a daemon thread looks every `LAUNCHER_POLL_S`: a dead
 process's children are re-parented, so a changed parent says it (never a reused pid). On a loss
 it asks the `StopFlag` (train/lifecycle.py) for a checkpoint at the next step boundary and an
-exit, as a SIGTERM would.
+exit, as a SIGTERM would. The same thread notes the launcher's other ranks (their pid and RANK),
+so that a rank failing after a peer died without a line (SIGKILL, the OOM killer) names that
+peer (`lost_peers`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ if TYPE_CHECKING:  # an annotation only: lifecycle imports this module
     from shatter.train.lifecycle import StopFlag
 
 LAUNCHER_POLL_S = 1.0  # how often a rank looks for its launcher and the deepspeed runner
+_PEERS: dict[int, str] = {}  # pid -> RANK of the other ranks this node's launcher started
 
 
 def _parent_of(pid: int) -> int | None:
@@ -51,6 +54,40 @@ def launcher_pids() -> tuple[int, int | None] | None:
     return launcher, runner if runner and "deepspeed" in _cmdline(runner) else None
 
 
+def note_peers(launcher: int) -> None:
+    """The launcher's other children (the ranks of this node) and their RANK, read from /proc
+    while they live: a dead one's environment is gone."""
+    try:
+        children = open(f"/proc/{launcher}/task/{launcher}/children").read().split()
+    except OSError:
+        return
+    for pid in map(int, children):
+        if pid == os.getpid() or pid in _PEERS:
+            continue
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        rank = next((v[5:].decode() for v in env if v.startswith(b"RANK=")), None)
+        if rank is not None:
+            _PEERS[pid] = rank
+
+
+def lost_peers() -> list[str]:
+    """The ranks of this node that are gone ("rank 1 (pid 4242)"): no process, a zombie, or
+    another parent."""
+    gone = []
+    for pid, rank in sorted(_PEERS.items(), key=lambda item: int(item[1])):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            alive = stat[0] != "Z" and int(stat[1]) == os.getppid()
+        except (OSError, IndexError, ValueError):
+            alive = False
+        if not alive:
+            gone.append(f"rank {rank} (pid {pid})")
+    return gone
+
+
 def lost_launcher(launcher: int, runner: int | None) -> str | None:
     """Which of them is gone: a dead process's children are re-parented, so a changed parent
     (never a reused pid) says it."""
@@ -72,6 +109,7 @@ def watch_launcher(stop: StopFlag) -> threading.Thread | None:
 
     def watch():
         while not stop.requested:
+            note_peers(pids[0])
             cause = lost_launcher(*pids)
             if cause:
                 stop.request(cause, 143)

@@ -48,6 +48,9 @@ DESTROY_S = 30.0  # a successful exit waits this long for destroy_process_group,
 FAILED_DESTROY_S = 5.0  # the same after a failure (peers may never complete pending work)
 FAILED_DEADLINE_S = 15.0  # a failed process is ended this long after its failure, whatever blocks
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # default of run.collective_timeout_s
+# the deepspeed launcher SIGKILLs its ranks this long after forwarding them a SIGTERM
+# (`terminate_process_tree` in deepspeed/launcher/launch.py): a stop must be saved within it
+LAUNCHER_KILL_S = 30.0
 
 
 def hard_exit(code: int, line: str | None = None) -> None:
@@ -79,7 +82,7 @@ class StopFlag:
         self.requested = False
         self.name: str | None = None
         self.exit_code = 143  # 128 + the signal: SIGTERM's, or SIGINT's (130) after a Ctrl-C
-        self._at = 0.0
+        self.requested_at = 0.0  # time.monotonic() of the request (a store failure sets none)
         self._notes: list[str] = []  # said before the run directory was known
         self.launcher: tuple[int, int | None] | None = None  # pids `watch_launcher` watches
 
@@ -91,6 +94,10 @@ class StopFlag:
     def log_to(self, path) -> None:
         """Every rank appends its stop and failure lines to `path` (RUN/train.log) from now on."""
         _RUN_LOG["path"] = str(path)
+        try:
+            _RUN_LOG["from"] = os.path.getsize(path)
+        except OSError:
+            _RUN_LOG["from"] = 0
         for line in self._notes:
             self.note(line)
         self._notes.clear()
@@ -106,7 +113,8 @@ class StopFlag:
         """A stop for `cause`: a checkpoint at the next step boundary, then exit `code`."""
         if self.requested:
             return
-        self.requested, self.name, self._at, self.exit_code = True, cause, time.monotonic(), code
+        self.requested, self.name, self.exit_code = True, cause, code
+        self.requested_at = time.monotonic()
         self.note(f"{cause}: a checkpoint is saved at the next step boundary, then the run exits")
         if _rank() == "0":
             _say(
@@ -130,7 +138,7 @@ class StopFlag:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested:
-            if signum != signal.SIGINT or time.monotonic() - self._at < SAME_REQUEST_S:
+            if signum != signal.SIGINT or time.monotonic() - self.requested_at < SAME_REQUEST_S:
                 return  # the same request, forwarded or repeated: the save goes on
             self.note(f"second {name}: exiting at once, no checkpoint")
             hard_exit(
@@ -139,7 +147,48 @@ class StopFlag:
         self.request(name, 128 + signum)
 
 
-_RUN_LOG = {"path": None}  # RUN/train.log once the run directory is known (`StopFlag.log_to`)
+# RUN/train.log once the run directory is known (`StopFlag.log_to`), and its size then (where
+# this session's lines begin)
+_RUN_LOG: dict = {"path": None, "from": 0}
+
+
+def first_failure() -> str | None:
+    """What failed first, when it was not this rank: the earliest `Error` line of another rank in
+    this session's part of RUN/train.log, else a rank of this node that ended without a line
+    (SIGKILL, the OOM killer). A rank failing in a collective then names the cause, not only
+    its own symptom, and the job's last line says which rank failed and why."""
+    path = _RUN_LOG["path"]
+    try:
+        with open(path or os.devnull, "rb") as f:
+            f.seek(_RUN_LOG["from"])
+            text = f.read().decode(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        said = re.match(r"\S+ \S+ rank (\d+): Error on (\S+): (.*)", line)
+        if said and said[1] != _rank():
+            return f"rank {said[1]} on {said[2]}: {said[3]}"
+    from shatter.train.launcher_watch import lost_peers
+
+    gone = lost_peers()
+    if gone:
+        import socket
+
+        return f"{', '.join(gone)} on {socket.gethostname()} ended without a line (SIGKILL: the OOM killer?)"
+    return None
+
+
+def failure_line(line: str) -> str:
+    """A failing rank's `line`, with the first failure when another rank's came first."""
+    first = first_failure()
+    return f"{line}; the first failure: {first}" if first else line
+
+
+def note_failure(line: str) -> None:
+    """This rank's failure `line` (without its "rank N: ") in RUN/train.log, with its node."""
+    import socket
+
+    note_in_run_log(f"Error on {socket.gethostname()}: {line}")
 
 
 def note_in_run_log(line: str) -> None:
@@ -236,12 +285,13 @@ def fail_now(code: int, line: str) -> None:
     """End a failed process of its own (its deadline already armed): the line (click's `Error:`
     form, as a `ClickException` says it), the bounded destroy of the process group, `os._exit`.
     atexit handlers do not run: nothing left after a failure is worth a hang."""
+    line = failure_line(line)
     try:
         sys.stderr.write(f"Error: {line}\n")
         sys.stderr.flush()
     except Exception:  # a closed stderr must not keep the process
         pass
-    note_in_run_log(f"Error: {line.removeprefix(f'rank {_rank()}: ')}")
+    note_failure(line.removeprefix(f"rank {_rank()}: "))
     close_process_group(FAILED_DESTROY_S)
     hard_exit(code)
 
@@ -318,12 +368,13 @@ class ProgressWatchdog:
             idle = time.monotonic() - self._last
             if idle > self.limit_s:
                 arm_deadline(1, FAILED_DEADLINE_S)
-                hard_exit(
-                    1,
-                    f"Error: rank {_rank()}: no progress for {idle:.0f} s: a collective waits on "
-                    "a peer that failed or hangs (see the other ranks' lines; the limit is "
-                    "run.collective_timeout_s plus a margin)",
+                line = failure_line(
+                    f"no progress for {idle:.0f} s: a collective waits on a peer that failed "
+                    "or hangs (see the other ranks' lines; the limit is "
+                    "run.collective_timeout_s plus a margin)"
                 )
+                note_failure(line)
+                hard_exit(1, f"Error: rank {_rank()}: {line}")
             self._stopped.wait(min(5.0, self.limit_s / 4))
 
     @staticmethod

@@ -13,6 +13,7 @@ masks as an uninterrupted one without storing RNG state.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,17 +21,19 @@ import torch
 
 from shatter.pipeline.masking import mix64
 from shatter.shards import Index
-from shatter.train import checkpoint
+from shatter.train import checkpoint, lifecycle
 from shatter.train.budget import Budget
 from shatter.train.config import TrainConfig
 from shatter.train.cost import cost_model
 from shatter.train.engine import LossScaleStall, loss_scale, skipped_steps
 from shatter.train.evaluate import evaluate
-from shatter.train.guard import LossSpike, StepGuard, TrainingError, step_guard
+from shatter.train.guard import LossSpike, StepDeadline, StepGuard, TrainingError, step_guard
 from shatter.train.lifecycle import StopFlag, ignore_stop_signals
 from shatter.train.loader import (
+    LOADER_WAIT_SHARE,
     ShardStream,
     StreamPosition,
+    WorkerBatches,
     source_epochs,
     stream_shape,
     train_loader,
@@ -171,14 +174,11 @@ def train(ctx: RunContext, state: checkpoint.TrainState) -> str:
         rank=ctx.rank,
         world_size=ctx.world,
     )
-    batches = iter(loader)
+    batches = WorkerBatches(loader, run.collective_timeout_s * LOADER_WAIT_SHARE)
     try:
         return _steps(ctx, state, batches, validation, epoch_size)
     finally:
-        # the workers, blocked on their index queues, end now rather than be joined at exit
-        shutdown = getattr(batches, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        batches.close()
         del batches
 
 
@@ -196,6 +196,8 @@ class Loop:
     sample_log: object | None  # a file (run.sample_log), or None
     tokens_at: int  # state.tokens at the last log line
     steps_shown: int  # state.step then
+    deadline: StepDeadline | None = None  # after a stop request: can the step still be saved
+    marked: checkpoint.TrainState | None = None  # the state at the last step boundary
     last: tuple[dict, dict] = ({}, {})  # the last micro-batch: (its inputs, its batch)
     status: str = "complete"
     spike: LossSpike | None = None  # divergence: loss spikes at log lines
@@ -208,11 +210,16 @@ def _steps(ctx: RunContext, state, batches, validation, epoch_size: int) -> str:
     ctx.engine.train()
     while state.step < ctx.cfg.run.max_steps:
         lr = _micro_batch(ctx, loop, state, next(batches))
+        if loop.guard.abandoned:
+            _abandon(ctx, loop, state)
+            break
         if ctx.engine.global_steps == state.step:
             continue  # inside a gradient accumulation
         state.step = ctx.engine.global_steps
+        loop.deadline.step_ended()
         if _step_boundary(ctx, loop, state, lr):
             break
+        _mark(loop, state)
     loop.progress.close()
     clock = loop.clock
     clock.lap()
@@ -236,6 +243,7 @@ def _start_loop(ctx: RunContext, state, validation, epoch_size: int) -> Loop:
     stall = LossScaleStall(engine, run.max_nonfinite)
     cost = cost_model(ctx.cfg, engine.module.config, ctx.seq_len, ctx.world, engine.device)
     log = run.sample_log and open(f"{run.sample_log}.rank{ctx.rank}.jsonl", "a", buffering=1)
+    deadline = StepDeadline(run.grad_accum, lifecycle.LAUNCHER_KILL_S, time.monotonic)
     return Loop(
         progress,
         guard,
@@ -248,6 +256,8 @@ def _start_loop(ctx: RunContext, state, validation, epoch_size: int) -> Loop:
         state.tokens,
         state.step,
         spike=LossSpike(run.diverge_factor, run.diverge_lines),
+        deadline=deadline,
+        marked=replace(state),
     )
 
 
@@ -277,7 +287,9 @@ def _micro_batch(ctx: RunContext, loop: Loop, state, batch: dict) -> float:
     inputs = {k: batch[k].to(engine.device, non_blocking=True) for k in names}
     lr = engine.optimizer.param_groups[0]["lr"]
     loss = engine(**inputs)["loss"]
-    loop.guard.micro_step(engine, loss, tokens, ctx.stop.requested, state)
+    stop = ctx.stop
+    over = stop.requested and loop.deadline.over(stop.requested_at, micro)
+    loop.guard.micro_step(engine, loss, tokens, stop.requested, state, over)
     if watch:
         torch.cuda.set_sync_debug_mode(0)  # the boundary's reads (logs, saves) are expected
     loop.last = (inputs, batch)
@@ -312,7 +324,9 @@ def _step_boundary(ctx: RunContext, loop: Loop, state, lr: float) -> bool:
         )
     if save_now:
         with loop.clock.aside("checkpoint"):
+            began = time.monotonic()
             name = save_and_export(ctx, state, export_now, loop.epoch_size)
+            loop.deadline.save_s = time.monotonic() - began
         loop.progress.write(
             f"step {state.step}: checkpoint {name}" + (" and export" if export_now else "")
         )
@@ -362,6 +376,35 @@ def _watch_divergence(ctx: RunContext, loop: Loop, step: int, loss: float) -> No
             if before is not None:
                 checkpoint.write_atomic(directory / checkpoint.LATEST, before.name)
         raise spike.error(step, loss, before.name if before else None)
+
+
+def _mark(loop: Loop, state) -> None:
+    """A step boundary done: what an abandoned next step goes back to."""
+    loop.guard.mark()
+    loop.marked = replace(state)
+    loop.deadline.step_began()
+
+
+def _abandon(ctx: RunContext, loop: Loop, state) -> None:
+    """The ranks agreed that the step in progress cannot finish and be saved before the
+    launcher's SIGKILL (`StepDeadline`): its micro-batches' gradients are dropped (the optimizer
+    has not stepped, so the engine holds the last completed step), the state and stream position
+    go back to that step's, and its checkpoint is saved; a resume redoes the whole step."""
+    engine, accum = ctx.engine, ctx.cfg.run.grad_accum
+    done = engine.micro_steps % accum
+    engine.optimizer.zero_grad(set_to_none=True)
+    engine.micro_steps -= done
+    vars(state).update(vars(loop.marked))
+    loop.guard.rewind()
+    line = (
+        f"{ctx.stop.agreed()}: step {state.step + 1} abandoned after {done} of its {accum} "
+        f"micro-batches: it could not finish and be saved within {loop.deadline.grace_s:.0f} s "
+        "of the stop request (the deepspeed launcher's SIGKILL)"
+    )
+    ctx.stop.note(line)
+    loop.progress.write(line)
+    loop.guard.settle(state)
+    _stop(ctx, loop, state, save=True)
 
 
 def _stop(ctx: RunContext, loop: Loop, state, save: bool) -> None:

@@ -20,6 +20,10 @@ is NaN, with a gradient.
 
 SHATTER_TEST_SPIKE=MICRO: from the run's micro-batch MICRO on, every loss is 100 times larger (a
 finite divergence), with its gradient.
+
+SHATTER_TEST_SLOW=SECONDS: every training micro-batch's forward takes SECONDS longer (a slow
+node); SHATTER_TEST_GRACE=SECONDS: the launcher's SIGKILL is taken to come SECONDS after a stop
+request (train/lifecycle.py's `LAUNCHER_KILL_S`), so a step is abandoned as a long one would be.
 """
 
 import os
@@ -33,7 +37,7 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from shatter.train import checkpoint  # noqa: E402
+from shatter.train import checkpoint, lifecycle  # noqa: E402
 from shatter.train.lifecycle import run_cli  # noqa: E402
 from shatter.train.pretrain import main  # noqa: E402
 
@@ -47,9 +51,13 @@ NAN_MICRO = int(os.environ.get("SHATTER_TEST_NAN", "-1"))
 
 
 SPIKE_MICRO = int(os.environ.get("SHATTER_TEST_SPIKE", "-1"))
+SLOW_S = float(os.environ.get("SHATTER_TEST_SLOW", "0"))
+lifecycle.LAUNCHER_KILL_S = float(os.environ.get("SHATTER_TEST_GRACE", lifecycle.LAUNCHER_KILL_S))
 
 
 def nan_forward(engine, *args, **kwargs):
+    if engine.training and SLOW_S:
+        time.sleep(SLOW_S)
     out = forward(engine, *args, **kwargs)
     if engine.training and engine.micro_steps == NAN_MICRO:
         out["loss"] = out["loss"] * float("nan")

@@ -377,6 +377,23 @@ def test_a_fault_on_one_rank_ends_every_rank_within_a_minute(faults, kind):
         assert "injected failure in the backward" in job.text
     if kind == "block":
         assert "Error: rank 0: no progress for" in job.text, job.text[-3000:]
+    # our last line, on the job's output and in train.log, names the rank that failed first and
+    # its cause (DeepSpeed's own last line shows the last rank's command whichever failed)
+    args = job.proc.args
+    log = (Path(args[args.index("--output") + 1]) / "train.log").read_text()
+    said = [x.split(": ", 1)[1] for x in log.splitlines() if ": Error on " in x]
+    cause = {
+        "raise": "the first failure: rank 1 on ",
+        "kill": "the first failure: rank 1 (pid ",
+        "block": "the first failure: rank ",  # both watchdogs, whichever fired first
+    }[kind]
+    for last in (errors[-1], said[-1]):
+        print(f"{kind}: last line: {last}")  # the report's lines (-s)
+        assert cause in last, job.text[-3000:] + log[-3000:]
+    if kind == "raise":
+        assert "injected failure in the backward" in errors[-1].split(cause)[1]
+    if kind == "kill":
+        assert "ended without a line (SIGKILL" in errors[-1]
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from shatter import safe_load
 from tests.jobs import Runs, child_env
 from tests.train.runs import SCRIPT, command
 from tests.train.shardutil import write_dataset
@@ -114,14 +115,21 @@ def _processes_of(run: Path) -> list[int]:
     return pids
 
 
-def _stopped(data: Path, run: Path, stop) -> tuple[str, float]:
+def _stopped(data: Path, run: Path, stop, slow: bool) -> tuple[str, float]:
     """Launch a long run, `stop(job)` it once 3 steps are logged; wait until none of its
-    processes is left: (RUN/train.log, seconds from the stop to the last process's end)."""
+    processes is left: (RUN/train.log, seconds from the stop to the last process's end). A
+    `slow` run has 4 micro-batches a step, each slowed down, and the launcher's SIGKILL taken to
+    come 1 s after a stop request (tests/train/faulty_pretrain.py)."""
     cmd = command(data, run, *FLAGS, "--max-steps", "400", "--num-workers", "1")
+    env = child_env()
+    if slow:
+        cmd[cmd.index(SCRIPT)] = str(REPO / "tests" / "train" / "faulty_pretrain.py")
+        cmd += ["--grad-accum", "4"]
+        env = child_env(SHATTER_TEST_SLOW="0.3", SHATTER_TEST_GRACE="1")
     job = subprocess.Popen(
         cmd,
         cwd=REPO,
-        env=child_env(),
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -149,14 +157,15 @@ def test_a_lost_runner_and_a_hang_up_each_save_then_exit(data, tmp_path):
     """SIGTERM to the `deepspeed` runner only (docker stop, Kubernetes, systemd: the runner
     exits at once, its orphaned launcher keeps the ranks) and SIGHUP to the job's group (an ssh
     drop): every rank writes the cause to train.log, saves at the next step boundary and exits;
-    the run lock is released."""
+    the run lock is released. The hung-up run's steps are too long to finish within the grace:
+    both ranks abandon the same step and save the one before, at its stream position."""
     cases = {
         "runner": lambda job: os.kill(job.pid, signal.SIGTERM),
         "hangup": lambda job: os.killpg(job.pid, signal.SIGHUP),
     }
     outcomes = Runs(
         {
-            name: lambda s=stop, n=name: _stopped(data, tmp_path / n, s)
+            name: lambda s=stop, n=name: _stopped(data, tmp_path / n, s, n == "hangup")
             for name, stop in cases.items()
         }
     )
@@ -170,6 +179,12 @@ def test_a_lost_runner_and_a_hang_up_each_save_then_exit(data, tmp_path):
         step = int((run / "checkpoints" / "latest").read_text().strip()[4:])
         assert step >= 3 and f"checkpoint saved at step {step}; exiting" in log
         assert (run / "run.lock").read_text() == ""  # released
+        saved = run / "checkpoints" / f"step{step:08d}" / "mp_rank_00_model_states.pt"
+        batch = 2 * 2 * (4 if name == "hangup" else 1)  # micro-batch, ranks, grad-accum
+        assert safe_load.load(saved)["data_position"]["samples"] == batch * step
+        if name == "hangup":
+            for rank in (0, 1):
+                assert f"rank {rank}: SIGHUP: step {step + 1} abandoned after" in log, log[-3000:]
 
 
 def test_a_finite_divergence_stops_in_one_line_keeping_the_checkpoint_before_it(data, tmp_path):

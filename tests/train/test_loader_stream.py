@@ -178,3 +178,58 @@ def test_a_worker_keeps_a_bounded_cache_and_opens_the_next_shard_ahead(dataset):
     for shard, info in enumerate(s.shards):
         for _block, _rows, _hit in tiny.rows(shard, np.arange(info.rows)):
             assert len(tiny._blocks) <= 2
+
+
+def _worker_fault(kind: str, owed: np.ndarray):
+    """A `ShardStream.batch` whose loader worker hangs or is SIGKILLed at the batch `owed`."""
+    import os
+    import signal
+    import time
+
+    from shatter.train.loader import ShardStream
+
+    batch = ShardStream.batch
+
+    def faulty(self, q):
+        if np.array_equal(q, owed):
+            if kind == "hang":
+                time.sleep(600)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return batch(self, q)
+
+    return faulty
+
+
+@pytest.mark.parametrize("kind", ["hang", "die"])
+def test_a_stuck_or_dead_loader_worker_is_named_with_the_shards_it_reads(
+    dataset, monkeypatch, kind
+):
+    """Two workers; the one that owes local batch 2 (worker 0) hangs in it or is killed: the
+    rank's wait ends within the loader's timeout (a death: at once, whichever batch the rank
+    waits for) in one line naming that worker and the batch's shards, not as a peer's
+    collective timeout, much later."""
+    from torch.utils.data import DataLoader
+
+    from shatter.train.loader import ShardStream, WorkerBatches
+
+    s = stream(read_index(dataset), batch_size=3)
+    monkeypatch.setattr(ShardStream, "batch", _worker_fault(kind, s.slots.positions(2)))
+    batches = WorkerBatches(DataLoader(s, batch_size=None, num_workers=2), timeout_s=3)
+    try:
+        with pytest.raises(DatasetError) as caught:
+            for _ in range(5):
+                next(batches)
+        assert batches.received == 2 or kind == "die"
+    finally:
+        batches.close()
+    line = str(caught.value)
+    owed = 2 if kind == "hang" else int(line.split("it owes, ")[1].split(",")[0])
+    shards = {s.paths[i] for _, _, i, *_ in s.by_shard(s.slots.positions(owed))}
+    assert all(path in line for path in shards), line
+    if kind == "hang":
+        assert "sent no batch for 3 s: a stuck loader worker" in line
+        assert "raise run.collective_timeout_s" in line
+    else:
+        assert "died (DataLoader worker (pid" in line and "data.num_workers" in line
+    assert line.startswith("loader worker 0 (pid ") and "the next batch it owes, " in line
+    print(line)  # the report's line (-s)

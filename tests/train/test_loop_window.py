@@ -6,7 +6,7 @@ import math
 import torch
 
 from shatter.train.checkpoint import TrainState
-from shatter.train.guard import DeviceWindow, LaggedStop
+from shatter.train.guard import DeviceWindow, LaggedStop, StepDeadline
 
 
 def test_device_window_matches_a_host_count_of_losses_skips_and_runs():
@@ -28,6 +28,27 @@ def test_device_window_matches_a_host_count_of_losses_skips_and_runs():
 def test_one_rank_reads_its_own_stop_flag():
     stop = LaggedStop(torch.device("cpu"), world=1)
     assert stop(False) is False and stop(True) is True
+
+
+def test_a_step_is_abandoned_when_it_cannot_finish_and_be_saved_within_the_grace():
+    """8 micro-batches of 1 s a step, a 30 s grace, a request 2 micro-batches into a step: 6 s
+    to go, half the grace kept for a save not timed yet, and the margin fit (24 s); so does a
+    save timed at 5 s; a step slowed to 4 s a micro-batch does not, nor a save of 25 s. A
+    request without a time (a store failure, in-band) never abandons."""
+    now = [0.0]
+    deadline = StepDeadline(8, 30.0, lambda: now[0])
+    now[0] = 8.0
+    deadline.step_ended()  # 1 s a micro-batch
+    deadline.step_began()
+    now[0] = 10.0  # 2 of this step's micro-batches done; the request now
+    assert not deadline.over(10.0, 2)  # 6 + 15 + 3 s
+    deadline.save_s = 5.0
+    assert not deadline.over(10.0, 2)
+    now[0] = 24.0  # slowed down: 16 s for 4 micro-batches, 4 more to go
+    assert deadline.over(10.0, 4)  # 14 + 16 + 5 + 3 s
+    deadline.save_s = 25.0
+    now[0] = 10.0
+    assert deadline.over(10.0, 2) and not deadline.over(0.0, 2)
 
 
 def test_host_and_device_guards_skip_count_and_stop_alike():

@@ -34,6 +34,7 @@ from tests.train.runs import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
+FAULTY = str(REPO / "tests" / "train" / "faulty_pretrain.py")
 
 
 def export_validation(export: Path, data: Path, eval_samples: int) -> dict:
@@ -182,12 +183,19 @@ def test_bf16_zero2_dynamic_whole_word_masking(books_data, tmp_path):
     assert mine["loss"] == pytest.approx(val[6]["loss"], abs=0.05)
 
 
-def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
-    """A plain single process (no launcher; the launcher passes SIGTERM on to its ranks)."""
+def test_sigterm_abandons_a_step_too_long_to_save_and_resumes_exactly(books_data, tmp_path):
+    """A plain single process (no launcher; the launcher passes SIGTERM on to its ranks) with 4
+    micro-batches per step, each slowed down, and the launcher's SIGKILL taken to come 1 s
+    after the signal (tests/train/faulty_pretrain.py): the step in progress is abandoned, the
+    last completed one saved at its own stream position; the same command, resumed, gives the
+    losses of a run that never stopped, bit for bit."""
     run = tmp_path / "run"
     args = ("--max-steps", "100000", "--save-every", "0", "--eval-every", "0", "--log-every", "1")
-    cmd = command(books_data, run, *args, "--micro-batch", "4", "--num-workers", "1",
-                  launcher=[sys.executable])  # fmt: skip
+    args += ("--micro-batch", "4", "--grad-accum", "4", "--num-workers", "1")
+    args += ("--decay", "constant")  # the lr of a step does not depend on --max-steps
+    cmd = command(books_data, run, *args, launcher=[sys.executable])
+    cmd[cmd.index(SCRIPT)] = FAULTY
+    slow = child_env(SHATTER_TEST_SLOW="0.3", SHATTER_TEST_GRACE="1")
     job = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -195,6 +203,7 @@ def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        env=slow,
     )
     try:
         deadline = time.time() + 180
@@ -223,12 +232,19 @@ def test_sigterm_saves_a_checkpoint_before_exit(books_data, tmp_path):
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 143, err[-3000:]
     saved = (run / "checkpoints" / "latest").read_text().strip()
-    assert f"SIGTERM: checkpoint saved at step {int(saved[4:])}" in err
+    step = int(saved[4:])
+    assert f"SIGTERM: step {step + 1} abandoned after " in err, err[-3000:]
+    assert f"SIGTERM: checkpoint saved at step {step}" in err
     assert "export in" not in err, "a stopped run writes no export and must not claim one"
     assert "run the same command again to resume" in err
     state = safe_load.load(run / "checkpoints" / saved / "mp_rank_00_model_states.pt")
-    assert state["train_state"]["step"] == int(saved[4:]) >= 3
-    assert state["data_position"]["samples"] == 4 * state["train_state"]["step"]
+    assert state["train_state"]["step"] == step >= 3
+    assert state["data_position"]["samples"] == 16 * step  # the last whole step's position
+    resumed = [*cmd, "--max-steps", str(step + 2)]
+    assert "resuming from step" in run_to_end(resumed).stderr  # the same command, at full speed
+    where = resumed.index(str(run))
+    run_to_end([*resumed[:where], str(tmp_path / "reference"), *resumed[where + 1 :]])
+    assert metrics(run)[0] == metrics(tmp_path / "reference")[0]  # bit for bit, every step
 
 
 @pytest.mark.parametrize(
@@ -285,9 +301,6 @@ def test_nonfinite_losses_are_skipped_counted_and_a_diverged_run_stops_clearly(
     assert done.returncode == 1, done.stderr[-3000:]
     assert "non-finite loss, micro-batch skipped (4 so far)" in done.stderr
     assert "NaN/inf for 4 micro-batches in a row" in done.stderr and "Traceback" not in done.stderr
-
-
-FAULTY = str(REPO / "tests" / "train" / "faulty_pretrain.py")
 
 
 def _killed_at(cmd: list[str], kill: str, log: Path) -> int:

@@ -14,9 +14,16 @@ Four jobs, one module each:
 from shatter.train.loader.collate import MaskingSpec, Piece, make_masker, masking_spec
 from shatter.train.loader.mix import MixedOrder, Mixture, source_epochs, stream_shape
 from shatter.train.loader.order import SHUFFLE_WINDOW, EpochOrder, Slots, StreamPosition
-from shatter.train.loader.stream import ShardStream, train_loader, validation_stream
+from shatter.train.loader.stream import (
+    LOADER_WAIT_SHARE,
+    ShardStream,
+    WorkerBatches,
+    train_loader,
+    validation_stream,
+)
 
 __all__ = [
+    "LOADER_WAIT_SHARE",
     "SHUFFLE_WINDOW",
     "EpochOrder",
     "MaskingSpec",
@@ -25,6 +32,7 @@ __all__ = [
     "Piece",
     "ShardStream",
     "Slots",
+    "WorkerBatches",
     "StreamPosition",
     "make_masker",
     "masking_spec",

@@ -12,6 +12,7 @@ sample-space partitioning and a resumable position.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,6 +38,9 @@ from shatter.train.masking import IGNORE
 # a batch's key, present when a download from the object store failed for good (its one-line
 # message): the step loop stops at the next step boundary, with a checkpoint, and reports it
 STORE_ERROR = "store_error"
+# a rank waits on its loader's workers this share of run.collective_timeout_s at most, so that a
+# stuck worker is said by its own rank before its peers' collectives time out waiting on that rank
+LOADER_WAIT_SHARE = 0.75
 
 
 class ShardStream(IterableDataset):
@@ -217,6 +221,71 @@ def train_loader(
         persistent_workers=False,
         pin_memory=pin_memory,
     )
+
+
+class WorkerBatches:
+    """A training DataLoader's batches, in order. With workers, the wait for each batch after
+    the first (which waits for the workers' start and their first shards) is bounded by
+    `timeout_s`, through DataLoader's own timeout: a worker that sends nothing for that long (a
+    hung read, a deadlock) or dies (the OOM killer, at once) ends the run in one line naming the
+    worker and the shards of the batch it owes, not as a peer's collective timeout. `close()`
+    ends the workers now rather than at exit (blocked on their index queues, they would be
+    joined)."""
+
+    def __init__(self, loader: DataLoader, timeout_s: float):
+        self.loader, self.timeout_s, self.received = loader, timeout_s, 0
+        self.it = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        try:
+            batch = next(self.it)
+        except RuntimeError as err:
+            stuck = self.failure(str(err))
+            if stuck is None:
+                raise
+            raise stuck from None
+        if self.received == 0 and self.loader.num_workers:
+            self.it._timeout = self.timeout_s  # DataLoader's `timeout`, read at each wait
+        self.received += 1
+        return batch
+
+    def failure(self, text: str) -> DatasetError | None:
+        """The one-line error for DataLoader's own timeout or dead-worker message, else None."""
+        timed_out = text.startswith("DataLoader timed out after")
+        if not (timed_out or text.startswith("DataLoader worker (pid")):
+            return None
+        pids = [w.pid for w in getattr(self.it, "_workers", [])]
+        # a timeout: the worker of the next batch (an endless stream's workers send in turn);
+        # a death: the worker of the pid DataLoader names
+        named = [int(p) for p in re.findall(r"\d+", text.partition(")")[0])]
+        dead = next((pids.index(p) for p in named if p in pids), None)
+        workers = self.loader.num_workers
+        worker = self.received % workers if timed_out or dead is None else dead
+        j = self.received + (worker - self.received) % workers  # the first batch it owes
+        stream = self.loader.dataset
+        shards = {stream.paths[s] for _, _, s, *_ in stream.by_shard(stream.slots.positions(j))}
+        pid = pids[worker] if worker < len(pids) else "?"
+        owed = f"loader worker {worker} (pid {pid}; the next batch it owes, {j}, reads "
+        owed += f"{', '.join(sorted(shards))})"
+        if timed_out:
+            return DatasetError(
+                f"{owed} sent no batch for {self.timeout_s:.0f} s: a "
+                "stuck loader worker (a read of the data or its store that hangs; `py-spy dump "
+                "--pid` shows where). If the data is that slow to read, raise "
+                f"run.collective_timeout_s (a rank waits on its loader {LOADER_WAIT_SHARE:g} of it)"
+            )
+        return DatasetError(
+            f"{owed} died ({text.rstrip('.')}): killed by the OOM killer or "
+            "a signal (see `dmesg`); lower data.num_workers or the micro-batch if memory is short"
+        )
+
+    def close(self) -> None:
+        shutdown = getattr(self.it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
 
 def validation_stream(
