@@ -84,7 +84,12 @@ class BenchConfig:
 
 def impls_for(device: torch.device) -> tuple[str, ...]:
     """The impls that run on `device` (auto is one of them, so it is not listed)."""
-    gpu_only = ("triton", "fused", "rows", "rows-keep")  # on the CPU only under Triton's interpreter
+    gpu_only = (
+        "triton",
+        "fused",
+        "rows",
+        "rows-keep",
+    )  # on the CPU only under Triton's interpreter
     names = [name for name in ATTENTION_IMPLS if name not in ("auto", *gpu_only)]
     if device.type == "cuda":
         names[:0] = ["rows", "rows-keep"]  # cuBLAS and Triton row kernels: any CUDA GPU
