@@ -358,13 +358,15 @@ def row_stats_kernel(
 def mix_fwd_kernel(
     Z, X, C, Mk, T, V, STAT, STAT2, OUT, AP,
     sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, so_b, so_h, so_l, sa_b, sa_l,
-    L, L_KEY, K_PART, T_CENTRE, D, scale,
+    L, L_KEY, K_PART, T_CENTRE, D, scale, AP_COLS,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr,
+    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, NP: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch × side × group): X̄[h] and A_part[:, h] of GROUP of the side's
-    n/2 parts (GROUP accumulators; groups of fewer than n/2 parts re-read the side's Z)."""
+    n/2 parts (GROUP accumulators; groups of fewer than n/2 parts re-read the side's Z); the
+    program of part 0 also zeroes the AP_COLS − n <= NP alignment columns that follow A_part in
+    the context (projection.context_width)."""
     b, side, h0 = _program_parts(N_PARTS, GROUP)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
@@ -406,6 +408,11 @@ def mix_fwd_kernel(
     a_ptrs = AP + b * sa_b + offs_m * sa_l + h0
     _store_part(o, acc0, o_ok, a_ptrs, ap0, row_ok)
     _store_part(o + so_h, acc1, o_ok, a_ptrs + 1, ap1, row_ok)
+    if h0 == 0:  # the context's alignment columns: zeros for the folded W^O's zero columns
+        cols = N_PARTS + tl.arange(0, NP)
+        pad_ptrs = AP + b * sa_b + offs_m[:, None] * sa_l + cols[None, :]
+        pad_ok = row_ok[:, None] & (cols < AP_COLS)[None, :]
+        tl.store(pad_ptrs, tl.zeros([BLOCK_M, NP], dtype=AP.dtype.element_ty), mask=pad_ok)
     if GROUP > 2:
         _store_part(o + 2 * so_h, acc2, o_ok, a_ptrs + 2, ap2, row_ok)
     if GROUP > 3:
