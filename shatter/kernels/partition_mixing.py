@@ -371,6 +371,11 @@ def mix_fwd_kernel(
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
+    if h0 == 0:  # the context's alignment columns: zeros for the folded W^O's zero columns
+        cols = N_PARTS + tl.arange(0, NP)  # first, while no accumulator holds registers
+        pad_ptrs = AP + b * sa_b + offs_m[:, None] * sa_l + cols[None, :]
+        pad_ok = (offs_m < L)[:, None] & (cols < AP_COLS)[None, :]
+        tl.store(pad_ptrs, tl.zeros([BLOCK_M, NP], dtype=AP.dtype.element_ty), mask=pad_ok)
     stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M)
     acc0 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
@@ -408,11 +413,6 @@ def mix_fwd_kernel(
     a_ptrs = AP + b * sa_b + offs_m * sa_l + h0
     _store_part(o, acc0, o_ok, a_ptrs, ap0, row_ok)
     _store_part(o + so_h, acc1, o_ok, a_ptrs + 1, ap1, row_ok)
-    if h0 == 0:  # the context's alignment columns: zeros for the folded W^O's zero columns
-        cols = N_PARTS + tl.arange(0, NP)
-        pad_ptrs = AP + b * sa_b + offs_m[:, None] * sa_l + cols[None, :]
-        pad_ok = row_ok[:, None] & (cols < AP_COLS)[None, :]
-        tl.store(pad_ptrs, tl.zeros([BLOCK_M, NP], dtype=AP.dtype.element_ty), mask=pad_ok)
     if GROUP > 2:
         _store_part(o + 2 * so_h, acc2, o_ok, a_ptrs + 2, ap2, row_ok)
     if GROUP > 3:
