@@ -75,7 +75,7 @@ def _weights(S, keep, stat, sigmoid: bool):
 
 class ChunkedPartitionAttention(torch.autograd.Function):
     """(Q [B,L,d], X [B,L,d], V [B,n,L,k], c [B,L,n] or None, mask [B,L], table [n,2m-1],
-    sigmoid, out) -> (X_bar [B,n,L,k], A_part [B,L,n]), or with the context `out` [B, L, d + n]
+    sigmoid, out) -> (X_bar [B,n,L,k], A_part [B,L,n]), or with the context `out` [B, L, context_width]
     given, `out` holding both (projection.context_views); saves Q, X, V, c, the mask and [B, L]
     row statistics."""
 

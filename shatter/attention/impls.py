@@ -8,7 +8,7 @@ Every impl has one signature and gives the same values and gradients (up to roun
 Q = X W^Q, the keys are X itself (§3.2), V = X W^V split into n parts, c = Q R^T (None without
 the partition bias), `table` the layer's (n, 2m - 1) partition table, `sigmoid` eq. 5's
 L2-normalised sigmoid (False: softmax). The impls take Q and X: no caller ever materialises the
-l x l score matrix. `out`, an empty [B, L, d + n] context (projection.new_context): when given,
+l x l score matrix. `out`, an empty [B, L, context_width] context (projection.new_context): when given,
 X̄ goes into its first d columns and A_part into its last n, the results are views of it, and
 `out` carries their gradients (the layer hands it to the block's folded W^O, layer_weights.py).
 
@@ -254,7 +254,7 @@ def resolve(name: str, device: torch.device, dtype: torch.dtype, shape=None) -> 
 
 def resolve_layer(name: str, device: torch.device, dtype: torch.dtype, shape=None) -> Layer:
     """The layer-level function (P, X, mask, table, sigmoid) -> context [X̄ | A_part]
-    ([B, L, d + n]) for config.attention_impl `name` (single_head.py); `shape` = (B, l, d, n)
+    ([B, L, context_width]) for config.attention_impl `name` (single_head.py); `shape` = (B, l, d, n)
     for `auto`."""
     chosen = auto_impl(device, dtype, shape) if name == "auto" else name
     return LAYERS.get(chosen) or _through(IMPLS[chosen])

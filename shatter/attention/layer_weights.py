@@ -14,13 +14,14 @@ convention: a weight W maps x to x Wᵀ):
     projection  W^P = [W^Q; W^V; R W^Q; 0],  b^P = [b^Q; b^V; R b^Q; 0]
                 P = X W^Pᵀ + b^P = [Q | V | c]: c = Q Rᵀ in the same GEMM, zero rows pad c's
                 columns to projection_width
-    output      W^F = [W^O | W^O V_partᵀ]  (shatter: V_part = R W^V, §3.3)
-                W^F = [W^O | 0]            (the others: no A_part V_part term)
+    output      W^F = [W^O | W^O V_partᵀ | 0]  (shatter: V_part = R W^V, §3.3)
+                W^F = [W^O | 0]                (the others: no A_part V_part term)
 
-The variant's context is [X̄ | A_part] ([B, L, d + n]), so that W^O applied to it is
-X̄ W^Oᵀ + A_part (W^O V_partᵀ)ᵀ = (X̄ + A_part V_part) W^Oᵀ: §3.3's X̄̄ = X̄ + A_part V_part
-folded exactly into the output projection's GEMM (n more columns of K), with no [T, n] x [n, d]
-GEMM and no d-wide add. Nothing here is stored: checkpoints keep W^Q, W^V, R and W^O as ever,
+The variant's context is [X̄ | A_part | 0] ([B, L, context_width]: A_part's n columns padded with
+zeros to a multiple of 16, aligned rows for the kernels and the GEMM), so that W^O applied to it
+is X̄ W^Oᵀ + A_part (W^O V_partᵀ)ᵀ = (X̄ + A_part V_part) W^Oᵀ: §3.3's X̄̄ = X̄ + A_part V_part
+folded exactly into the output projection's GEMM (16 more columns of K for n <= 16), with no
+[T, n] x [n, d] GEMM and no d-wide add. Nothing here is stored: checkpoints keep W^Q, W^V, R and W^O as ever,
 and gradients reach them through the batched products.
 """
 
@@ -31,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from shatter.attention.projection import projection_width
+from shatter.attention.projection import context_width, projection_width
 
 
 class LayerWeights(NamedTuple):
@@ -101,14 +102,16 @@ def projection_weights(attention: list, bias: bool):
 
 
 def folded_output(W_O: torch.Tensor, W_V: torch.Tensor, R: torch.Tensor | None, n: int):
-    """W^F = [W^O | W^O V_partᵀ] [K, d, d + n] with V_part = R W^V (§3.3), or [W^O | 0] with
-    R None; in the parameters' dtype: call with autocast off."""
+    """W^F = [W^O | W^O V_partᵀ | 0] [K, d, context_width] with V_part = R W^V (§3.3), or
+    [W^O | 0] with R None; the zero columns meet the context's alignment columns (constants:
+    no gradient reaches a parameter through them). In the parameters' dtype: call with autocast
+    off."""
     K, d, _ = W_O.shape
+    zero = W_O.new_zeros(())
     if R is None:
-        fold = W_O.new_zeros(()).expand(K, d, n)
-    else:
-        fold = W_O @ (W_V @ R.transpose(1, 2))  # W^O (R W^Vᵀ)ᵀ = W^O W^V Rᵀ: [K, d, n]
-    return torch.cat([W_O, fold], 2)
+        return torch.cat([W_O, zero.expand(K, d, context_width(d, n) - d)], 2)
+    fold = W_O @ (W_V @ R.transpose(1, 2))  # W^O (R W^Vᵀ)ᵀ = W^O W^V Rᵀ: [K, d, n]
+    return torch.cat([W_O, fold, zero.expand(K, d, context_width(d, n) - d - n)], 2)
 
 
 def low_precision(*tensors: torch.Tensor) -> list[torch.Tensor]:

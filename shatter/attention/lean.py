@@ -79,7 +79,7 @@ def _scores(Z0, c, T):
 
 class PartitionMix(torch.autograd.Function):
     """(Z0 [B,L,L], c [B,L,n] or None, V [B,n,L,k], mask [B,L], table [n,2m-1], sigmoid, out) ->
-    (X_bar [B,n,L,k], A_part [B,L,n]), or with the context `out` [B, L, d + n] given, `out`
+    (X_bar [B,n,L,k], A_part [B,L,n]), or with the context `out` [B, L, context_width] given, `out`
     holding both (projection.context_views); saves only Z0, c, V and the mask."""
 
     @staticmethod

@@ -1,6 +1,6 @@
 """The single-head layer's projections P = x [W^Q; W^V; R W^Q]^T (one GEMM: c = Q R^T exactly,
 since K = X, §3.2-3.3), the views every impl takes of P's columns, and the layer's context
-[X̄ | A_part] that the block's folded W^O reads (shatter/attention/layer_weights.py). Their own
+[X̄ | A_part | 0] that the block's folded W^O reads (shatter/attention/layer_weights.py). Their own
 module: the impls registry and the Triton layer both use them."""
 
 from __future__ import annotations
@@ -8,11 +8,24 @@ from __future__ import annotations
 import torch
 
 
+def aligned(n: int) -> int:
+    """n rounded up to a multiple of 16 elements: the row widths of the layer's buffers that the
+    Triton kernels and cuBLAS read (aligned rows for vector loads and tensor-core GEMMs)."""
+    return -(-n // 16) * 16
+
+
 def projection_width(d: int, n: int, bias: bool = True) -> int:
     """Columns of the layer's projections P = [Q | V | c]: 2d, plus, with the partition bias, c's
     n columns padded with zeros to a multiple of 16, so that P's rows (and V's and c's, which the
     Triton kernels read) stay aligned for vector loads."""
-    return 2 * d + (-(-n // 16) * 16 if bias else 0)
+    return 2 * d + (aligned(n) if bias else 0)
+
+
+def context_width(d: int, n: int) -> int:
+    """Columns of the layer's context [X̄ | A_part | 0]: d, then A_part's n columns padded with
+    zeros to a multiple of 16, so that the context's rows (which the Triton kernels write and
+    read, and the folded W^O's GEMM reads, layer_weights.py) stay aligned."""
+    return d + aligned(n)
 
 
 class ProjectWithKeys(torch.autograd.Function):
@@ -52,16 +65,23 @@ def projection_views(P: torch.Tensor, d: int, n: int):
     return Q, V.unflatten(-1, (n, d // n)).transpose(1, 2), c[0][..., :n] if c else None
 
 
-def new_context(X: torch.Tensor, n: int) -> torch.Tensor:
-    """An empty context [B, L, d + n] for X [B, L, d]: X̄'s parts side by side, then A_part."""
-    return X.new_empty(*X.shape[:-1], X.shape[-1] + n)
+def new_context(X: torch.Tensor, n: int, zero_pad: bool = True) -> torch.Tensor:
+    """A context [B, L, context_width] for X [B, L, d]: X̄'s parts side by side, then A_part
+    (both left empty), then its alignment columns, zeroed: the folded W^O's zero columns meet
+    zeros there, not whatever the allocator left (a NaN times 0 is NaN). `zero_pad` False: the
+    caller's kernel writes those zeros itself (no launch of its own)."""
+    d = X.shape[-1]
+    out = X.new_empty(*X.shape[:-1], context_width(d, n))
+    if zero_pad:
+        out[..., d + n :].zero_()
+    return out
 
 
 def context_views(out: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(X̄ [B, n, L, d/n], A_part [B, L, n]): views of the context out = [X̄ | A_part] (eq. 3:
+    """(X̄ [B, n, L, d/n], A_part [B, L, n]): views of the context out = [X̄ | A_part | 0] (eq. 3:
     X̄'s part h in columns h d/n .. (h + 1) d/n)."""
-    d = out.shape[-1] - n
-    return out[..., :d].unflatten(-1, (n, d // n)).transpose(1, 2), out[..., d:]
+    d = out.shape[-1] - aligned(n)
+    return out[..., :d].unflatten(-1, (n, d // n)).transpose(1, 2), out[..., d : d + n]
 
 
 def write_context(out: torch.Tensor, x_bar: torch.Tensor, a_part: torch.Tensor):
@@ -88,7 +108,7 @@ def gather_projections(Q: torch.Tensor, V: torch.Tensor, c: torch.Tensor | None)
 def padded(L: int) -> int:
     """A row length of l x l score buffers: the keys rounded up to a multiple of 16 (aligned rows
     for cuBLAS's tensor-core GEMMs and the kernels' vector loads)."""
-    return -(-L // 16) * 16
+    return aligned(L)
 
 
 def parts_layout(B: int, L: int, n: int, k: int, like: torch.Tensor) -> torch.Tensor:
@@ -98,17 +118,20 @@ def parts_layout(B: int, L: int, n: int, k: int, like: torch.Tensor) -> torch.Te
 
 
 def context(x_bar: torch.Tensor, a_part: torch.Tensor) -> torch.Tensor:
-    """The layer's context [X̄ | A_part] ([B, L, d + n]) from X̄ [B, n, L, d/n] and A_part
-    [B, L, n] computed apart: one cat (its backward only views), for the ops that do not write
-    into a context of their own."""
+    """The layer's context [X̄ | A_part | 0] ([B, L, context_width]) from X̄ [B, n, L, d/n] and
+    A_part [B, L, n] computed apart: one cat (its backward only views), for the ops that do not
+    write into a context of their own."""
     B, n, L, k = x_bar.shape
-    return torch.cat([x_bar.transpose(1, 2).reshape(B, L, n * k), a_part], -1)
+    pad = a_part.new_zeros(()).expand(B, L, aligned(n) - n)
+    return torch.cat([x_bar.transpose(1, 2).reshape(B, L, n * k), a_part, pad], -1)
 
 
 __all__ = [
     "ProjectWithKeys",
+    "aligned",
     "context",
     "context_views",
+    "context_width",
     "gather_projections",
     "new_context",
     "padded",

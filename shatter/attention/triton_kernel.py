@@ -117,7 +117,7 @@ def _source(Q, X, Z, dtype) -> dict:
 
 
 def forward_kernels(P, X, mask, table, sigmoid: bool, Z):
-    """(the context [X̄ | A_part] [B, L, d + n] (projection.context_views), stat [2, B, L] fp32)
+    """(the context [X̄ | A_part | 0] [B, L, context_width] (projection.context_views), stat [2, B, L] fp32)
     from the projections P = [Q | V | c]: the row statistics, then the mixing forward writing X̄
     and A_part into the context, their scores read from Z [B, L, Lp] or, with Z None, recomputed
     from Q and X tile by tile. The key mask is read as it is (bool or integer)."""
@@ -134,13 +134,13 @@ def forward_kernels(P, X, mask, table, sigmoid: bool, Z):
         HAS_C=c is not None, N_PARTS=n, SIGMOID=sigmoid, PREC=meta["PREC"], **source,
     )  # fmt: skip
     row_stats_kernel[_grid(L, "BLOCK_M", B)](STAT=stat[0], STAT2=stat[1], **shared)
-    ctx = new_context(X, n)
+    ctx = new_context(X, n, zero_pad=False)  # the mixing forward zeroes the alignment columns
     out, part = context_views(ctx, n)
     mix_fwd_kernel[_grid(L, "BLOCK_M", B, n // 2)](  # batch x side x group of parts
         V=V, STAT=stat[0], STAT2=stat[1], OUT=out, AP=part, sv_b=V.stride(0), sv_h=V.stride(1),
         sv_l=V.stride(2), so_b=out.stride(0), so_h=out.stride(1), so_l=out.stride(2),
         sa_b=part.stride(0), sa_l=part.stride(1), K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
-        **shared,
+        AP_COLS=ctx.shape[-1] - d, NP=meta["NP"], **shared,
     )  # fmt: skip
     return ctx, stat
 
@@ -149,7 +149,7 @@ def forward_kernels(P, X, mask, table, sigmoid: bool, Z):
 def mixing_fwd(
     P: torch.Tensor, X: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, sigmoid: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the context [X̄ | A_part] [B, L, d + n], Z [B, L, Lp], stat [2, B, L] fp32) from the
+    """(the context [X̄ | A_part | 0] [B, L, context_width], Z [B, L, Lp], stat [2, B, L] fp32) from the
     layer's projections P = [Q | V | c] (projection.projection_views): the scores GEMM, the row
     statistics and the mixing forward; Z and stat are kept for `mixing_bwd`."""
     Q, _, _ = projection_views(P, X.shape[-1], table.shape[0])
@@ -276,7 +276,7 @@ def partition_attention_triton(
 
 
 def partition_attention_layer(P, X_BLD, mask_BL, table, sigmoid: bool):
-    """The layer's context [X̄ | A_part] ([B, L, d + n], projection.context) from its
+    """The layer's context [X̄ | A_part | 0] ([B, L, context_width], projection.context) from its
     projections P = [Q | V | c] (no copy of them), for the block's folded W^O."""
     B, L, d = X_BLD.shape
     Q, V, c = projection_views(P, d, table.shape[0])

@@ -358,17 +358,24 @@ def row_stats_kernel(
 def mix_fwd_kernel(
     Z, X, C, Mk, T, V, STAT, STAT2, OUT, AP,
     sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, so_b, so_h, so_l, sa_b, sa_l,
-    L, L_KEY, K_PART, T_CENTRE, D, scale,
+    L, L_KEY, K_PART, T_CENTRE, D, scale, AP_COLS,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr,
+    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, NP: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch × side × group): X̄[h] and A_part[:, h] of GROUP of the side's
-    n/2 parts (GROUP accumulators; groups of fewer than n/2 parts re-read the side's Z)."""
+    n/2 parts (GROUP accumulators; groups of fewer than n/2 parts re-read the side's Z); the
+    program of part 0 also zeroes the AP_COLS − n <= NP alignment columns that follow A_part in
+    the context (projection.context_width)."""
     b, side, h0 = _program_parts(N_PARTS, GROUP)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
+    if h0 == 0:  # the context's alignment columns: zeros for the folded W^O's zero columns
+        cols = N_PARTS + tl.arange(0, NP)  # first, while no accumulator holds registers
+        pad_ptrs = AP + b * sa_b + offs_m[:, None] * sa_l + cols[None, :]
+        pad_ok = (offs_m < L)[:, None] & (cols < AP_COLS)[None, :]
+        tl.store(pad_ptrs, tl.zeros([BLOCK_M, NP], dtype=AP.dtype.element_ty), mask=pad_ok)
     stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M)
     acc0 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0

@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode
 
-from shatter.attention.projection import context_views, projection_width
+from shatter.attention.projection import context_views, context_width, projection_width
 from shatter.partition import partition_table
 from tests.shatter.shatter_tiny import ids, tiny
 
@@ -133,7 +133,8 @@ def test_fused_saves_no_score_matrix():
     """What the fused forward keeps for the backward is O(l) per row: no [B, l, l] tensor."""
     ops, _ = _traced_ops("fused")
     _, _, outputs = ops["shatter::fused_fwd"]
-    assert [tuple(t.shape) for t in outputs] == [(2, 20, 32 + 4), (2, 2, 20)]  # [X̄ | A_part]
+    context = (2, 20, context_width(32, 4))  # [X̄ | A_part | 0]
+    assert [tuple(t.shape) for t in outputs] == [context, (2, 2, 20)]
 
 
 TRITON_KERNELS = ("row_stats_kernel", "mix_fwd_kernel", "mix_bwd_dv_kernel", "delta_kernel")

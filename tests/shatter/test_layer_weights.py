@@ -16,6 +16,8 @@ from shatter.attention.layer_weights import folded_output, layer_weights
 from shatter.attention.projection import (
     ProjectWithKeys,
     context_views,
+    context_width,
+    gather_projections,
     new_context,
     projection_views,
     projection_width,
@@ -44,7 +46,8 @@ def test_fold_equals_x_bar_plus_a_part_v_part(dtype):
     leaves = (W_O, R, W_V, x_bar, a_part)
     want = F.linear(x_bar + a_part @ F.linear(R, W_V), W_O, b_O)  # §3.3, then W^O
     W_F = folded_output(W_O[None], W_V[None], R[None], n)[0]
-    got = F.linear(torch.cat([x_bar, a_part], -1), W_F, b_O)
+    context = F.pad(torch.cat([x_bar, a_part], -1), (0, context_width(d, n) - d - n))
+    got = F.linear(context, W_F, b_O)
     torch.testing.assert_close(got, want, **TOL[dtype])
     grads = [torch.autograd.grad((y * g_y).sum(), leaves) for y in (got, want)]
     for name, a, b in zip(("W^O", "R", "W^V", "X̄", "A_part"), *grads, strict=True):
@@ -54,7 +57,7 @@ def test_fold_equals_x_bar_plus_a_part_v_part(dtype):
 def test_fold_without_the_value_term_is_w_o_and_zeros():
     W_O = torch.randn(3, 8, 8)
     W_F = folded_output(W_O, torch.randn(3, 8, 8), None, 4)
-    assert W_F.shape == (3, 8, 12)
+    assert W_F.shape == (3, 8, context_width(8, 4)) == (3, 8, 24)
     assert torch.equal(W_F[..., :8], W_O) and not W_F[..., 8:].any()
 
 
@@ -203,8 +206,24 @@ def _impl_inputs(dtype=torch.float32, B=2, L=9, d=16, n=4):
 
 
 IMPL_NAMES = ["naive", "lean", "chunked"]
+LAYER_NAMES = ["naive", "lean", "chunked"]
 if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1":
     IMPL_NAMES.append("triton")  # Triton's interpreter on CPU tensors (tests/conftest.py)
+    LAYER_NAMES += ["triton", "fused", "rows", "rows-keep"]
+
+
+@pytest.mark.parametrize("impl", LAYER_NAMES)
+def test_layer_context_rows_are_aligned_and_padded_with_zeros(impl):
+    """The layer's context [X̄ | A_part | 0] that the kernels write and the folded W^O's GEMM
+    reads: rows a multiple of 16 elements apart (aligned loads, cuBLAS's aligned operand), the
+    alignment columns zeros (they meet W^F's zero columns)."""
+    Q, X, V, c, mask, table = _impl_inputs(d=48, n=6)
+    P = gather_projections(Q, V, c)
+    layer = impls.resolve_layer(impl, X.device, X.dtype)
+    context = layer(P.detach(), X.detach(), mask, table, True)
+    assert context.shape[-1] == context_width(48, 6) == 64
+    assert context.stride(1) % 16 == 0 and context.stride(0) % 16 == 0
+    assert not context[..., 48 + 6 :].any()
 
 
 @pytest.mark.parametrize("impl", IMPL_NAMES)

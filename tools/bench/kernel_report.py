@@ -90,16 +90,19 @@ class Row:
         return out
 
 
-def _args(d: int, n: int, dtype: str, L: int, recompute=False) -> dict[str, tuple[str, object]]:
+def _args(d: int, n: int, dtype: str, L: int, recompute=False, rows=False) -> dict[str, tuple[str, object]]:  # fmt: skip
     """(triton type, representative value) of every runtime argument name the kernels take, as
     the wrapper passes them for B = 8 and length L (Z's and dS's rows padded to a multiple of
-    16); the values only decide the runtime's divisibility-by-16 hints. X̄ and dX̄ are
-    [B, n, L, d/n] views of [B, L, d] tensors; V, c, dV and dc views of the projections P [B, L, w]
-    and of dP; with `recompute`, Q (a view of P) takes Z's place and X [B, L, d] is read."""
-    from shatter.attention.projection import projection_width
+    16); the values only decide the runtime's divisibility-by-16 hints. X̄, A_part and their
+    gradients are views of the context [B, L, cw] and of its gradient (cw = context_width, the
+    model's real strides); V, c, dV and dc views of the projections P [B, L, w] and of dP; with
+    `recompute`, Q (a view of P) takes Z's place and X [B, L, d] is read; the row kernels
+    (`rows`) write A_part into a [B, L, n] tensor of its own."""
+    from shatter.attention.projection import context_width, projection_width
 
     k, m, Lp = d // n, max(MAX_LEN, L), -(-L // 16) * 16
     w = projection_width(d, n)  # V, c and their gradients are columns of the projections P
+    cw = context_width(d, n)  # X̄, A_part and their gradients are columns of the context
     names = ("Z", "X", "C", "V", "OUT", "AP", "DO", "DV", "DAP", "DZ", "DC")
     ptrs = {name: dtype for name in names}
     ptrs.update({name: "fp32" for name in ("T", "STAT", "STAT2", "DELTA")})
@@ -109,12 +112,15 @@ def _args(d: int, n: int, dtype: str, L: int, recompute=False) -> dict[str, tupl
     ints = {
         "sz_b": sz[0], "sz_l": sz[1], "sx_b": L * d, "sx_l": d, "sdz_b": L * Lp, "sdz_l": Lp,
         "D": d, "sc_b": L * w, "sc_l": w, "st_h": 2 * m - 1,
-        "sv_b": L * w, "sv_h": k, "sv_l": w, "so_b": L * d, "so_h": k, "so_l": d,
-        "sd_b": L * d, "sd_h": k, "sd_l": d, "sg_b": L * w, "sg_h": k, "sg_l": w,
-        "sa_b": L * n, "sa_l": n, "sp_b": L * n, "sp_l": n, "sdc_b": L * w, "sdc_l": w,
+        "sv_b": L * w, "sv_h": k, "sv_l": w, "so_b": L * cw, "so_h": k, "so_l": cw,
+        "sd_b": L * cw, "sd_h": k, "sd_l": cw, "sg_b": L * w, "sg_h": k, "sg_l": w,
+        "sa_b": L * cw, "sa_l": cw, "sp_b": L * cw, "sp_l": cw, "sdc_b": L * w, "sdc_l": w,
         "L": L, "L_KEY": 1 << (L - 1).bit_length(), "K_PART": k, "T_CENTRE": m - 1,
         "sm_b": L, "sw_b": n * L * Lp, "sw_h": L * Lp, "sw_l": Lp, "DC_COLS": w - 2 * d,
+        "AP_COLS": cw - d,
     }  # fmt: skip
+    if rows:
+        ints.update(sa_b=L * n, sa_l=n)
     out = {name: (f"*{t}", None) for name, t in ptrs.items()}
     out.update({name: ("i32", val) for name, val in ints.items()})
     out["scale"] = ("fp32", None)
@@ -173,7 +179,7 @@ def compile_one(
     values = {**kernel_meta(d, n, torch_dtype), **config.kwargs}
     values.update(HAS_C=has_c, SIGMOID=activation == "sigmoid", RECOMPUTE=SOURCES[source])
     constexprs = {name: values[name] for name in fn.arg_names if name in values}
-    args = _args(d, n, dtype, L, SOURCES[source])
+    args = _args(d, n, dtype, L, SOURCES[source], kernel in ROW_KERNELS)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
