@@ -116,3 +116,11 @@ def test_python_block_runs(block, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     code = compile(block.text, f"{block.where} (python block)", "exec")
     exec(code, {"__name__": "__docs__", "REPO": REPO, "os": os})
+
+
+def test_the_benchmarks_page_stays_a_page_of_current_tables():
+    """One current table per question: a page a reader finishes (at most 500 lines), without
+    run logs of work still to do."""
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    assert len(text.splitlines()) <= 500, "docs/benchmarks.md: condense, history stays in git"
+    assert "pending" not in text.lower()
