@@ -37,8 +37,17 @@ def compile_problem(device_type: str) -> str | None:
     return None
 
 
-def wants_compile(setting: bool | None, device_type: str) -> bool:
-    """run.compile resolved: `auto` (None) is on for CUDA where inductor can run, else off."""
+def wants_compile(setting: bool | None, device_type: str, zero_stage: int = 0) -> bool:
+    """run.compile resolved: `auto` (None) is on for CUDA where inductor can run, else off; off
+    under ZeRO-3, whose partitioned parameters are 1-D placeholders outside DeepSpeed's gathers
+    (Dynamo traces them as such: "b must be 2D" on an H200), and `true` there is refused."""
+    if zero_stage == 3:
+        if setting:
+            raise ConfigError(
+                "run.compile: true cannot run under ZeRO-3 (torch.compile traces its partitioned "
+                "parameters as empty 1-D tensors); set run.compile: false or --zero-stage 2"
+            )
+        return False
     if setting is not None:
         return setting
     return device_type == "cuda" and compile_problem(device_type) is None

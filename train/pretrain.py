@@ -167,7 +167,8 @@ def _initial_model(cfg: TrainConfig, index, seq_len: int):
         init_from.load_weights(model, export)
     from shatter.train.compiling import compile_model, wants_compile
 
-    if wants_compile(cfg.run.compile, "cuda" if torch.cuda.is_available() else "cpu"):
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if wants_compile(cfg.run.compile, device_type, cfg.run.zero_stage):
         compile_model(model)
     return model
 

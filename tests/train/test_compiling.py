@@ -9,7 +9,7 @@ import torch
 
 import shatter
 from shatter.train import compiling
-from shatter.train.config import RunArgs
+from shatter.train.config import ConfigError, RunArgs
 
 
 def test_compile_defaults_to_auto():
@@ -29,6 +29,16 @@ def test_compile_defaults_to_auto():
 def test_auto_is_on_for_cuda_only(monkeypatch, setting, device, problem, want):
     monkeypatch.setattr(compiling, "compile_problem", lambda _: problem)
     assert compiling.wants_compile(setting, device) is want
+
+
+def test_zero3_runs_eager_and_refuses_a_compile_in_one_line(monkeypatch):
+    """torch.compile traced ZeRO-3's partitioned parameters as 1-D placeholders and failed at the
+    first step on an H200 ("b must be 2D"): auto is off there, and `true` is refused."""
+    monkeypatch.setattr(compiling, "compile_problem", lambda _: None)
+    assert compiling.wants_compile(None, "cuda", zero_stage=3) is False
+    assert compiling.wants_compile(None, "cuda", zero_stage=2) is True
+    with pytest.raises(ConfigError, match="run.compile: true cannot run under ZeRO-3"):
+        compiling.wants_compile(True, "cuda", zero_stage=3)
 
 
 @pytest.mark.parametrize("arch", ["bert", "shatter"])
