@@ -53,6 +53,8 @@ import math
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+from shatter.kernels.family import family_of  # noqa: F401 (the cost model's users read it here)
+
 KINDS = ("gemm", "custom", "memory")
 
 
@@ -264,12 +266,6 @@ PEAKS = {90: (989e12, 3.35e12), 80: (312e12, 2.039e12), 70: (125e12, 0.9e12)}
 # products run at the CUDA cores' fp32 FMA peak (datasheet: the V100 SXM2's 15.7 TFLOP/s)
 FMA_PEAKS = {70: 15.7e12}
 IMPL_OPS = {"triton": (mixing_fwd_cost, mixing_bwd_cost), "fused": (fused_fwd_cost, fused_bwd_cost)}
-
-
-def family_of(capability: tuple[int, int]) -> int:
-    """The arch family a GPU of `capability` is priced and tuned as: 90, 80 or 70 (below sm_80:
-    Triton's dots on FMAs)."""
-    return 90 if capability[0] >= 9 else 80 if capability[0] >= 8 else 70
 
 
 def kind_peak(kind: str, family: int, peak: float) -> float:

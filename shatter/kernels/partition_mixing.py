@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shatter.kernels.cost import family_of
+from shatter.kernels.family import family_of
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INTERPRETING = tl.constexpr(INTERPRET)

@@ -64,7 +64,7 @@ def test_every_jit_build_is_announced_before_it_starts(tmp_path, monkeypatch, ca
 
     assert OpBuilder.jit_load(FusedAdam()) == "loaded"
     assert said_before[0].count("building DeepSpeed's fused_adam op") == 1, said_before
-    (tmp_path / "fused_adam").mkdir()
+    (tmp_path / "fused_adam").mkdir(exist_ok=True)
     (tmp_path / "fused_adam" / "fused_adam.so").write_bytes(b"")
     (tmp_path / "fused_adam" / ".ninja_log").write_text("# ninja log v5\n")
     OpBuilder.jit_load(FusedAdam())

@@ -136,7 +136,9 @@ def test_a_budget_of_seconds_plans_the_wsd_schedule_and_ends_with_an_export(budg
     top = max(s for s in lrs if lrs[s] == peak)  # the end of the stable phase
     assert all(lrs[s + 1] <= lrs[s] + 1e-12 for s in range(top, last))  # one decay, no jump up
     if last == planned["planned_steps"] > plan_step + 2:  # a box loaded less than ours
-        assert lrs[last] < 0.2 * peak  # the cooldown ran to its end
+        # the cooldown ran to its end: the last step has the last lr of a plan of its length
+        # (a linear decay to 0 after it: 2/n of the peak for n steps with cooldown 0.5)
+        assert lrs[last] <= lr_at(optim, last, last) * (1 + 1e-6) < peak
     progress = [x for x in (run / "train.log").read_text().splitlines() if " pretrain " in x]
     assert progress and not [x for x in progress if "/100000" in x], progress[:3]
     assert all(metrics_left(x) <= seconds / 60 + 1 for x in progress), progress[:3]

@@ -76,6 +76,10 @@ def test_without_file_locks_the_holders_pid_and_age_decide(tmp_path, monkeypatch
 
 
 def _session(run, resumed_step, steps, hours):
+    # a session a second: TensorBoard orders event files by name, whose time is in whole seconds
+    # and whose last field is a per-process writer count ("10" sorts before "9"); sessions of a
+    # real run are processes started seconds apart
+    time.sleep(1.05)
     writer = MetricsWriter(run, 0, tensorboard=True, resumed_step=resumed_step)
     for step in steps:
         record = {"step": step, "loss": float(step), "gpu_hours": writer.hours_before + hours}

@@ -1,0 +1,8 @@
+"""The arch family a GPU is tuned and priced as, shared by the kernels' configurations
+(partition_mixing) and the cost model (cost) without either importing the other."""
+
+
+def family_of(capability: tuple[int, int]) -> int:
+    """The arch family a GPU of `capability` is priced and tuned as: 90, 80 or 70 (below sm_80:
+    Triton's dots on FMAs)."""
+    return 90 if capability[0] >= 9 else 80 if capability[0] >= 8 else 70
