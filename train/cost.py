@@ -87,7 +87,9 @@ def attention_macs(config: ModelConfig, length: int) -> int:
         )  # c = Q R^T (§3.3), n columns of the projection GEMM padded to 16
         macs += n * length  # B[i, :] = sum_h c[i, h] N[h, i, :] (§3.3): N is constant
     if projections(config) == 2:  # the single-head archs: W^O reads [X̄ | A_part]
-        macs += n * d  # A_part's n columns: §3.3's A_part V_part folded in (zeros without it)
+        # A_part's n columns (§3.3's A_part V_part folded in; zeros without it), padded with zero
+        # columns to a multiple of 16 so the context's rows stay aligned (projection.py)
+        macs += -(-n // 16) * 16 * d
     if arch == "bert-rpe":
         r = min(2 * length - 1, 2 * config.rpe_max_distance - 1)
         macs += 2 * r * d  # Q K_rel^T and A_rel V_rel (§2)

@@ -18,10 +18,10 @@ def test_bert_base_and_shatter_base_match_the_hand_count():
         # per head, l d multiply-adds per token each, summed over the n heads (eq. 1-2)
         bert_layer = 4 * d * d + 2 * d * f + 2 * length * d
         # Shatter (§3): no W^K (K = X, §3.2); Q X^T and A V (eq. 5, V in n parts), Q R^T and
-        # A_part V_part (§3.3), n d each (Q R^T's n columns padded to 16 in the projection
-        # GEMM); and B = sum_h (Q R^T)[:, h] N[h] (§3.3), n l, whose backward is one product
-        # (N is constant): 4 FLOPs per multiply-add instead of 6
-        shatter_layer = 3 * d * d + 2 * d * f + 2 * length * d + (16 + n) * d
+        # A_part V_part (§3.3), n d each, both padded to 16 columns (Q R^T's in the projection
+        # GEMM, A_part's in the context W^O reads); and B = sum_h (Q R^T)[:, h] N[h] (§3.3), n l,
+        # whose backward is one product (N is constant): 4 FLOPs per multiply-add instead of 6
+        shatter_layer = 3 * d * d + 2 * d * f + 2 * length * d + (16 + 16) * d
         head = p * (d * d + d * vocab)  # MLM head on the predicted 15%: dense + tied decoder
         cases = (("bert", bert_layer, 0), ("shatter", shatter_layer, 4 * n * length))
         for arch, layer, bias in cases:
@@ -31,7 +31,7 @@ def test_bert_base_and_shatter_base_match_the_hand_count():
             assert training_flops_per_token(config, length, p) == pytest.approx(hand, rel=1e-12)
     # shatter-base at l = 1024, in numbers
     assert hand == pytest.approx(
-        6 * 12 * (3 * 768**2 + 2 * 768 * 3072 + 2 * 1024 * 768 + 28 * 768)
+        6 * 12 * (3 * 768**2 + 2 * 768 * 3072 + 2 * 1024 * 768 + 32 * 768)
         + 12 * 4 * 12 * 1024
         + 6 * 0.15 * (768**2 + 768 * 32000),
         rel=1e-12,
