@@ -99,8 +99,8 @@ DV_CONFIGS = [
     _cfg(64, 32, 8, 2, archs=(90,), group=6, sources=(False,)),
     _cfg(32, 64, 8, 2, archs=(90,), group=6, sources=(True,)),  # M64 N32 spilled recomputing
     _cfg(64, 32, 8, 2, archs=(90,), group=3),
-    _cfg(64, 64, 8, 2, group=2),
-    _cfg(32, 64, 4, 2, archs=(80,), group=2),
+    _cfg(64, 64, 8, 2, archs=(90,), group=2),
+    _cfg(32, 64, 4, 2, archs=(80,), group=2),  # M64 N64 w8 spilled 8-24 bytes at l = 509 (3.6)
     _cfg(32, 64, 8, 2, archs=(70,), group=2, sources=(False,)),  # M64 N32 w8 spilled 592 bytes
     _cfg(32, 64, 8, 2, archs=(70,), group=1, sources=(False,)),
     _cfg(64, 32, 4, 2, group=1),
