@@ -13,7 +13,7 @@ width (hidden 768, 12 heads or parts, FFN 3072) with a few layers, and in one ru
   hidden states [batch, l, hidden]): the kernel comparison without the dense layers,
 - measured: the bytes autograd saves for the backward in one untimed forward (deduplicated by
   storage, parameters excluded), in total and inside the attention modules; on CUDA also the
-  peak allocated memory of a train step.
+  peak allocated memory of a train step, as if the model were alone on the device.
 
 Contenders are interleaved round by round so that load from other processes hits them alike; the
 median of `--repeats` rounds after `--warmup` is reported with its ratio to `bert` from the same
@@ -232,13 +232,25 @@ def saved_bytes(model, batch) -> tuple[int, int]:
 
 
 def _peak_mb(cfg: BenchConfig, model, optimizer, batch) -> float:
+    """The peak memory of a train step of this model as if it were alone on the device: the
+    step's rise over what was allocated before it (the other contenders' weights and states
+    included there) plus this model's own weights, gradients and optimizer states."""
     if cfg.device != "cuda":
         return float("nan")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    own = _resident_bytes(model, optimizer)
     train_step(model, optimizer, batch, cfg.device)
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**20
+    return (torch.cuda.max_memory_allocated() - before + own) / 2**20
+
+
+def _resident_bytes(model, optimizer) -> int:
+    """The bytes of a model's parameters, their gradients and its optimizer's state tensors."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+    tensors += [v for state in optimizer.state.values() for v in state.values()]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def run(cfg: BenchConfig) -> list[dict]:
