@@ -12,9 +12,12 @@ Two implementations of one interface (`StepGuard`), chosen by the device:
   stay on the device (`DeviceWindow`) and are read at log steps and checkpoints only (`settle`);
   the stop request is agreed one optimizer step late (`LaggedStop`).
 After a stop request, `StepDeadline` says whether the step in progress can still finish and be
-saved before the launcher's SIGKILL; on a CPU the ranks agree on it in the all-reduce they do
-anyway (no collective of its own), and the loop abandons the step (`abandoned`) and saves the
-last completed one. A GPU agrees at step boundaries only, so it never abandons a step.
+saved before the launcher's SIGKILL; the ranks agree on it in the all-reduce they do each
+micro-batch anyway (no collective of its own), and the loop abandons the step (`abandoned`) and
+saves the last completed one. On a GPU only a rank that has its own request reads that
+all-reduce (the one host sync, after a stop), and the step is abandoned only when every rank has
+a request (then every rank reads it and they decide alike): the launcher's group SIGTERM; a stop
+of one rank alone waits for the step boundary.
 The pretraining loop (train/loop.py) and the finetuning loop (train/finetuning/loop.py) use it.
 """
 
@@ -275,6 +278,8 @@ class DeviceGuard(_Guard):
         super().__init__(device, world, *args)
         self.device, self.local_tokens, self._marked_tokens = device, 0, 0
         self.agreed_stop = LaggedStop(device, world)
+        # [non-finite, stop requested, step over its deadline], summed over the ranks
+        self._flags = torch.zeros(3, dtype=torch.float64, device=device)
 
     def mark(self) -> None:
         super().mark()
@@ -285,14 +290,28 @@ class DeviceGuard(_Guard):
         self.local_tokens = self._marked_tokens
 
     def micro_step(self, engine, loss, tokens, requested, state, over=False) -> None:
-        self.local_tokens += tokens
-        bad = (~torch.isfinite(loss.detach())).to(torch.float64)
+        flags = self._flags
+        flags[0].copy_(~torch.isfinite(loss.detach()))
+        flags[1].fill_(float(requested))  # fills, not host tensors: no copy to the device
+        flags[2].fill_(float(over))
         if self.world > 1:
-            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+            torch.distributed.all_reduce(flags)
+        if requested and self._abandon(flags):
+            return
+        self.local_tokens += tokens
+        bad = (flags[0] > 0).to(torch.float64)
         loss = torch.where(bad > 0, torch.zeros_like(loss), loss)  # skipped: no gradient
         engine.backward(loss)
         engine.step()
         self.window.add(loss, bad)
+
+    def _abandon(self, flags: torch.Tensor) -> bool:
+        """Read by a rank with a stop request only: every rank has one (so every rank reads
+        this) and some rank's step is over its deadline. Sets `abandoned` and `stop_seen`."""
+        _, requested, over = flags.tolist()
+        self.abandoned = requested >= self.world and over > 0
+        self.stop_seen = self.stop_seen or self.abandoned
+        return self.abandoned
 
     def stop(self, requested: bool) -> bool:
         self.stop_seen = self.stop_seen or self.agreed_stop(requested)

@@ -80,3 +80,29 @@ def test_host_and_device_guards_skip_count_and_stop_alike():
             for _ in range(3):
                 guard.micro_step(engine, engine(x).sum() * float("nan"), 5, False, state)
             guard.settle(state)
+
+
+def test_both_guards_abandon_a_step_over_its_deadline_once_every_rank_has_a_request():
+    """After a stop request, a micro-batch whose step cannot be saved in time gets no backward
+    and no step on either guard; before the deadline passes the micro-batch trains as ever. The
+    device guard (one host sync, after a request) abandons only when every rank has a request:
+    the ranks that read the all-reduce are then all of them, so they decide alike."""
+    from shatter.train.config import RunArgs, TrainConfig
+    from shatter.train.engine import build_engine, init_distributed, resolved_deepspeed_config
+    from shatter.train.guard import DeviceGuard, HostGuard
+
+    init_distributed()
+    cfg = TrainConfig(run=RunArgs(micro_batch=1, max_steps=20, zero_stage=0, grad_accum=2))
+    x = torch.ones(1, 2)
+    for kind in (HostGuard, DeviceGuard):
+        engine = build_engine(torch.nn.Linear(2, 1), cfg, resolved_deepspeed_config(cfg, 1))
+        guard, state = kind(torch.device("cpu"), 1, 3, print, "lower the lr"), TrainState()
+        guard.micro_step(engine, engine(x).sum(), 5, True, state, over=False)
+        assert not guard.abandoned and engine.micro_steps == 1
+        guard.micro_step(engine, engine(x).sum(), 5, True, state, over=True)
+        assert guard.abandoned and engine.micro_steps == 1 and engine.global_steps == 0
+    guard = DeviceGuard(torch.device("cpu"), 2, 3, print, "lower the lr")  # the rule, 2 ranks
+    flags = lambda *f: torch.tensor(f, dtype=torch.float64)  # noqa: E731
+    assert not guard._abandon(flags(0, 1, 1))  # one rank's request: the step boundary's stop
+    assert not guard._abandon(flags(0, 2, 0))  # both requested, both in time
+    assert guard._abandon(flags(0, 2, 1)) and guard.abandoned and guard.stop_seen
