@@ -173,6 +173,11 @@ def announce_jit_builds() -> None:
         return
 
     def jit_load(self, verbose=True):
+        built = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir())) / self.name
+        module = load_built(self.name, built)
+        if module is not None:
+            OpBuilder._loaded_ops[self.name] = module  # as its own load() does
+            return module
         what = (
             "DeepSpeed's CPU communication op"
             if self.name == CPU_OP
@@ -184,6 +189,30 @@ def announce_jit_builds() -> None:
 
     jit_load.announces = True
     OpBuilder.jit_load = jit_load
+
+
+def load_built(name: str, built: Path):
+    """Op `name`'s module from a finished build in `built` (the .so, and ninja's log of linking
+    it), or None. Loaded as it is, without torch's JIT builder: that builder runs ninja in every
+    process, and ninja rebuilds (about 110 CPU-seconds, every other process waiting on its lock)
+    whenever its compile command differs from the last one in any way, as it does between some
+    of the processes that share this cache. The cache is per environment, checkout, torch and
+    DeepSpeed version (`extensions_dir`), so the sources and the ABI are those it was built for;
+    a module that fails to load is rebuilt."""
+    import importlib.util
+
+    so, log = built / f"{name}.so", built / ".ninja_log"
+    if not so.is_file() or not log.is_file() or f"\t{name}.so\t" not in log.read_text():
+        return None
+    spec = importlib.util.spec_from_file_location(name, so)
+    if spec is None or spec.loader is None:
+        return None
+    try:
+        module = importlib.util.module_from_spec(spec)  # an extension module loads here
+        spec.loader.exec_module(module)
+    except ImportError:
+        return None
+    return module
 
 
 @contextlib.contextmanager

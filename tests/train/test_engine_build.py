@@ -126,3 +126,37 @@ def test_a_build_killed_midway_leaves_no_lock_that_hangs_the_next_load(tmp_path,
         baton = FileBaton(str(tmp_path / "op" / "lock"))
         assert baton.try_acquire()  # torch's builder goes on instead of waiting
         baton.release()
+
+
+def test_a_finished_build_is_loaded_without_the_jit_builder(tmp_path, monkeypatch):
+    """An op whose build finished (its .so, and ninja's log of linking it) loads as it is: torch's
+    JIT builder (ninja, which rebuilds whenever its command line differs from the last one) is
+    not run. A .so that ninja's log does not show linked, or that does not load, is rebuilt."""
+    import os
+    import shutil
+
+    import pytest
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from shatter.train.engine import announce_jit_builds, build_extensions, load_built
+
+    build_extensions()  # make setup's build: nothing to do once it has run
+    built = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / CPU_OP
+    module = load_built(CPU_OP, built)
+    assert module is not None and hasattr(module, "initialize")
+    copy = tmp_path / CPU_OP
+    shutil.copytree(built, copy)
+    log = (copy / ".ninja_log").read_text()
+    (copy / ".ninja_log").write_text("".join(x for x in log.splitlines(True) if ".so\t" not in x))
+    assert load_built(CPU_OP, copy) is None  # a link that did not finish
+    (copy / ".ninja_log").write_text(log)
+    (copy / f"{CPU_OP}.so").write_bytes(b"not an ELF file")
+    assert load_built(CPU_OP, copy) is None
+    monkeypatch.setattr(OpBuilder, "jit_load", lambda self, verbose=True: pytest.fail("built"))
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {})
+    announce_jit_builds()
+
+    class Shm:
+        name = CPU_OP
+
+    assert OpBuilder.jit_load(Shm()) is not None and CPU_OP in OpBuilder._loaded_ops
