@@ -99,4 +99,3 @@ def s3_server():
     yield server
     server.stop()
     mp.undo()
-
