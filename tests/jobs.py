@@ -20,10 +20,17 @@ REPO = Path(__file__).resolve().parents[1]
 def child_env(base: dict | None = None, **extra: str) -> dict:
     """`base` (os.environ) for a child process: the checkout ahead on PYTHONPATH, the caller's
     own entries kept after it, so the child imports what its caller imports (the GPU lane's
-    carried packages among them), then `extra` set."""
+    carried packages among them), one OpenMP thread unless `base` sets OMP_NUM_THREADS, then
+    `extra` set.
+
+    One thread: the suite's workers and their jobs already share the box's cores, and torch's
+    OpenMP threads spin-wait for a core they do not get; a one-process run with a thread per core
+    beside them used four times the CPU seconds of the same run on one thread, at a quarter of
+    its speed."""
     env = dict(os.environ if base is None else base)
     paths = [str(REPO), *env.get("PYTHONPATH", "").split(os.pathsep)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    env.setdefault("OMP_NUM_THREADS", "1")
     return {**env, **extra}
 
 

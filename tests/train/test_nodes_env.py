@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tests.jobs import free_port
-from tests.train.runs import BIN, SCRIPT
+from tests.jobs import child_env, free_port
+from tests.train.runs import BIN, SCRIPT, cheap_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
@@ -37,7 +37,7 @@ def test_the_store_settings_reach_every_node(books_data, tmp_path):
     (tmp_path / "hosts").write_text("nodeA slots=1\nnodeB slots=1\n")
     launch = tmp_path / "launch"  # the launch directory: its .deepspeed_env
     launch.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "HF_"))}
+    env = child_env({k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "HF_"))})
     env["PATH"] = f"{stand_in}:{os.environ['PATH']}"
     env.update(PDSH_RECORD=str(tmp_path / "pdsh.jsonl"), TMPDIR=str(tmp_path / "tmp"))
     env.update(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_REGION="us-east-1")
@@ -46,6 +46,7 @@ def test_the_store_settings_reach_every_node(books_data, tmp_path):
     cmd = [str(BIN / "deepspeed"), "--hostfile", str(tmp_path / "hosts"), "--launcher", "pdsh"]
     cmd += ["--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     cmd += [SCRIPT, "--data", str(books_data), "--output", str(tmp_path / "run")]
+    cmd += ["--config", str(cheap_config(tmp_path / "tiny.yaml"))]  # its end: 16 validation rows
     cmd += ["--preset", "shatter-tiny", "--max-steps", "1", "--micro-batch", "2"]
     cmd += ["--num-workers", "0", "--eval-every", "0", "--no-progress"]
 
