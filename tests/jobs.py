@@ -20,18 +20,19 @@ REPO = Path(__file__).resolve().parents[1]
 def child_env(base: dict | None = None, **extra: str) -> dict:
     """`base` (os.environ) for a child process: the checkout ahead on PYTHONPATH, the caller's
     own entries kept after it, so the child imports what its caller imports (the GPU lane's
-    carried packages among them), one OpenMP thread unless `base` sets OMP_NUM_THREADS, then
-    `extra` set.
-
-    One thread: the suite's workers and their jobs already share the box's cores, and torch's
-    OpenMP threads spin-wait for a core they do not get; a one-process run with a thread per core
-    beside them used four times the CPU seconds of the same run on one thread, at a quarter of
-    its speed."""
+    carried packages among them), then `extra` set."""
     env = dict(os.environ if base is None else base)
     paths = [str(REPO), *env.get("PYTHONPATH", "").split(os.pathsep)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
-    env.setdefault("OMP_NUM_THREADS", "1")
     return {**env, **extra}
+
+
+def one_thread(env: dict) -> dict:
+    """`env` with one OpenMP thread unless it sets OMP_NUM_THREADS: the suite's workers and their
+    jobs already share the box's cores, and torch's OpenMP threads spin-wait for a core they do
+    not get (a one-process run with a thread per core beside other jobs used four times the CPU
+    seconds of the same run on one thread, at a quarter of its speed)."""
+    return {"OMP_NUM_THREADS": "1", **env}
 
 
 def free_port() -> int:
@@ -45,11 +46,11 @@ def free_port() -> int:
 def run_command(
     cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:
-    """`cmd` run to its end in its own process group (in `env`, default child_env()), its output
-    captured as text. Past `timeout` seconds the whole group (a launcher, its ranks, their loader
-    workers) is killed and subprocess.TimeoutExpired raised, as subprocess.run does for the one
-    child it knows."""
-    env = child_env() if env is None else env
+    """`cmd` run to its end in its own process group (in `env`, default child_env(); one OpenMP
+    thread unless `env` says otherwise), its output captured as text. Past `timeout` seconds the
+    whole group (a launcher, its ranks, their loader workers) is killed and
+    subprocess.TimeoutExpired raised, as subprocess.run does for the one child it knows."""
+    env = one_thread(child_env() if env is None else env)
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
@@ -106,7 +107,7 @@ class Job:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=child_env(None, **(env or {})),
+            env=one_thread(child_env(None, **(env or {}))),
             start_new_session=True,
         )
         self.reader = threading.Thread(target=self._read, daemon=True)
