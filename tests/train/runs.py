@@ -43,8 +43,8 @@ FP32_ARGS = (
 def cheap_config(to: Path, changes: dict[str, str] | None = None) -> Path:
     """configs/cpu-tiny.yaml written to `to`, for runs whose validation figures and TensorBoard
     files no assert reads: 16 validation rows (its 512 cost more CPU seconds than a short run's
-    steps), no TensorBoard writer (a CPU-second of imports a rank); then each text of `changes`
-    replaced (each must be there)."""
+    steps), no TensorBoard writer (half a CPU-second of imports a rank); then each text of
+    `changes` replaced (each must be there)."""
     text = (REPO / "configs" / "cpu-tiny.yaml").read_text()
     cheap = [
         ("  eval_samples: 512 ", "  eval_samples: 16 "),
