@@ -40,6 +40,23 @@ FP32_ARGS = (
 )
 
 
+def cheap_config(to: Path, changes: dict[str, str] | None = None) -> Path:
+    """configs/cpu-tiny.yaml written to `to`, for runs whose validation figures and TensorBoard
+    files no assert reads: 16 validation rows (its 512 cost more CPU seconds than a short run's
+    steps), no TensorBoard writer (half a CPU-second of imports a rank); then each text of
+    `changes` replaced (each must be there)."""
+    text = (REPO / "configs" / "cpu-tiny.yaml").read_text()
+    cheap = [
+        ("  eval_samples: 512 ", "  eval_samples: 16 "),
+        ("run:\n", "run:\n  tensorboard: false\n"),
+    ]
+    for old, new in [*cheap, *(changes or {}).items()]:
+        assert old in text, f"configs/cpu-tiny.yaml has no {old!r}"
+        text = text.replace(old, new, 1)
+    to.write_text(text)
+    return to
+
+
 def command(
     data: Path, run: Path, *extra: str, ranks: int = 2, launcher: list[str] | None = None
 ) -> list[str]:

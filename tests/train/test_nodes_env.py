@@ -5,13 +5,12 @@ settings), on the other without AWS_*, HF_* and TMPDIR, as that node's own shell
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.jobs import free_port
-from tests.train.runs import BIN, SCRIPT
+from tests.jobs import child_env, free_port, run_command
+from tests.train.runs import BIN, SCRIPT, cheap_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
@@ -37,7 +36,7 @@ def test_the_store_settings_reach_every_node(books_data, tmp_path):
     (tmp_path / "hosts").write_text("nodeA slots=1\nnodeB slots=1\n")
     launch = tmp_path / "launch"  # the launch directory: its .deepspeed_env
     launch.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "HF_"))}
+    env = child_env({k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "HF_"))})
     env["PATH"] = f"{stand_in}:{os.environ['PATH']}"
     env.update(PDSH_RECORD=str(tmp_path / "pdsh.jsonl"), TMPDIR=str(tmp_path / "tmp"))
     env.update(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_REGION="us-east-1")
@@ -46,10 +45,11 @@ def test_the_store_settings_reach_every_node(books_data, tmp_path):
     cmd = [str(BIN / "deepspeed"), "--hostfile", str(tmp_path / "hosts"), "--launcher", "pdsh"]
     cmd += ["--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     cmd += [SCRIPT, "--data", str(books_data), "--output", str(tmp_path / "run")]
+    cmd += ["--config", str(cheap_config(tmp_path / "tiny.yaml"))]  # its end: 16 validation rows
     cmd += ["--preset", "shatter-tiny", "--max-steps", "1", "--micro-batch", "2"]
     cmd += ["--num-workers", "0", "--eval-every", "0", "--no-progress"]
 
-    first = subprocess.run(cmd, cwd=launch, env=env, capture_output=True, text=True, timeout=240)
+    first = run_command(cmd, timeout=240, env=env, cwd=launch)
     assert first.returncode != 0
     line = next(x for x in first.stderr.splitlines() if "set for rank(s) 0" in x)
     assert "AWS_ENDPOINT_URL, AWS_REGION, AWS_SECRET_ACCESS_KEY, TMPDIR set for rank(s) 0" in line
@@ -60,7 +60,7 @@ def test_the_store_settings_reach_every_node(books_data, tmp_path):
     assert "SECRET" not in written and (launch / ".deepspeed_env").stat().st_mode & 0o077 == 0
 
     env.pop("AWS_SECRET_ACCESS_KEY")  # an instance role's node: no key in the environment
-    second = subprocess.run(cmd, cwd=launch, env=env, capture_output=True, text=True, timeout=240)
+    second = run_command(cmd, timeout=240, env=env, cwd=launch)
     assert second.returncode == 0, second.stderr[-3000:]
     recorded = [json.loads(x) for x in (tmp_path / "pdsh.jsonl").read_text().splitlines()]
     assert len(recorded) == 2 and recorded[0]["hosts"] == ["nodeA", "nodeB"]

@@ -1,12 +1,11 @@
 """The cheap-pretraining recipe on one CPU rank, real shards and the real trainer: the schedules
 (wsd, 1-sqrt) as metrics.jsonl logs them, a run given a budget of seconds that sets its length and
 ends with an export, the two-phase recipe from one build at 128 (phase 1 at 32 and its exact
-resume, `shatter-extend`, `--init-from` at 64), a compiled BERT; --init-from's and run.compile's
-refusals."""
+resume, `shatter-extend`, `--init-from` at 64, the phase compiled: a compiled BERT); --init-from's
+and run.compile's refusals."""
 
 import json
 import logging
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,22 +18,17 @@ from shatter.train.compiling import compile_problem
 from shatter.train.config import ConfigError, OptimArgs, TrainConfig, lr_at, resolve
 from shatter.train.init_from import check
 from shatter.train.schedule import lr_factor
-from tests.train.runs import at_step, command, run_to_end
+from tests.jobs import run_command
+from tests.train.runs import at_step, cheap_config, command, run_to_end
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-BUDGET_S = 30.0  # the budget run's budget_hours, in seconds
+BUDGET_S = 15.0  # the budget run's budget_hours, in seconds
 
 
 def _logged(run: Path) -> dict[int, dict]:
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     return {x["step"]: x for x in lines if "lr" in x}
-
-
-def _config(tmp: Path, text: str) -> Path:
-    config = tmp / "recipe.yaml"
-    config.write_text((REPO / "configs" / "cpu-tiny.yaml").read_text() + text)
-    return config
 
 
 def _single(data: Path, run: Path, *args: str, preset: str = "shatter-tiny", timeout=300):
@@ -83,9 +77,8 @@ def test_the_planned_scheduler_starts_at_the_warm_up_without_a_warning(caplog):
 def run_budget(books_data, tmp_path_factory) -> tuple[Path, dict, float]:
     """A run given budget_hours = BUDGET_S: (its run directory, its plan, its wall seconds)."""
     tmp = tmp_path_factory.mktemp("budget")
-    config = _config(tmp, "")
-    config.write_text(
-        config.read_text().replace("  warmup_steps: 20\n", "  warmup_steps: 2\n  cooldown: 0.5\n")
+    config = cheap_config(
+        tmp / "recipe.yaml", {"  warmup_steps: 20\n": "  warmup_steps: 2\n  cooldown: 0.5\n"}
     )
     run, started = tmp / "run", time.time()
     args = ("--config", str(config), "--decay", "wsd", "--max-steps", "100000")
@@ -95,30 +88,15 @@ def run_budget(books_data, tmp_path_factory) -> tuple[Path, dict, float]:
     return run, json.loads((run / budget.FILE).read_text()), time.time() - started
 
 
-def run_compiled(books_data, tmp_path_factory) -> tuple[Path, str]:
-    """bert-tiny with run.compile (inductor on CPU), 3 steps: (its run directory, its stderr)."""
-    tmp = tmp_path_factory.mktemp("compiled")
-    run = tmp / "compiled"
-    args = ("--config", str(_config(tmp, "")), "--max-steps", "3", "--seq-len", "32")
-    done = _single(books_data, run, *args, "--micro-batch", "8", "--compile", preset="bert-tiny",
-                   timeout=840)  # fmt: skip
-    return run, done.stderr
-
-
 @pytest.fixture(scope="module")
 def budget_run(books_data, tmp_path_factory) -> tuple[Path, dict, float]:
     return run_budget(books_data, tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def compiled(books_data, tmp_path_factory) -> tuple[Path, str]:
-    return run_compiled(books_data, tmp_path_factory)
-
-
 @pytest.mark.slow
 @pytest.mark.shared_data
 def test_a_budget_of_seconds_plans_the_wsd_schedule_and_ends_with_an_export(budget_run):
-    """budget_hours = 30 s: the run times its steps, plans its length from them (re-planning as
+    """budget_hours = 15 s: the run times its steps, plans its length from them (re-planning as
     they change), follows wsd to its decayed end inside the budget and ends with its export; its
     progress counts to the planned step and the budget's time left, not --max-steps."""
     run, planned, took = budget_run
@@ -159,43 +137,54 @@ def books_128(shared_data, tmp_path_factory) -> Path:
     cmd = [str(BIN / "shatter-data"), "build", "--corpus", "books", "--input",
            str(shared_data / "books"), "--output", str(out), "--seq-len", "128", "--vocab-size",
            "2000", "--dupe-factor", "2", "--num-shards", "4", "--validation-fraction", "0.05"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = run_command(cmd, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
 
+COMMON = ("--warmup-steps", "2", "--lr", "5e-3", "--micro-batch", "8")  # both phases'
+PHASE1 = ("--max-steps", "16", "--seq-len", "32", "--save-every", "8")
+
+
+@pytest.fixture(scope="module")
+def phases(books_128, tmp_path_factory) -> dict:
+    """The two-phase recipe on bert-tiny: phase 1 at 32 (16 steps), the same run resumed from its
+    step-8 checkpoint, `shatter-extend` of its export to 64, phase 2 at 64 from it (4 steps,
+    --init-from, 1-sqrt) with run.compile (inductor on CPU). Their directories, and phase 2's
+    stderr."""
+    tmp = tmp_path_factory.mktemp("phases")
+    out = {k: tmp / k for k in ("p1", "ext", "p2")}
+    common = ("--config", str(cheap_config(tmp / "recipe.yaml")), *COMMON)
+    _single(books_128, out["p1"], *common, *PHASE1, preset="bert-tiny")
+    out["resumed"] = at_step(out["p1"], 8, tmp / "resumed")
+    _single(books_128, out["resumed"], *common, *PHASE1, preset="bert-tiny")
+    ext = [str(BIN / "shatter-extend"), str(out["p1"] / "export"), "--max-len", "64"]
+    done = run_command(ext + ["--output", str(out["ext"])], timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    two = ("--max-steps", "4", "--decay", "1-sqrt", "--seq-len", "64", "--compile")
+    done = _single(books_128, out["p2"], *common, *two, "--init-from", str(out["ext"]),
+                   preset="bert-tiny", timeout=840)  # fmt: skip
+    return {**out, "stderr": done.stderr}
+
+
 @pytest.mark.slow
 @pytest.mark.shared_data
+@pytest.mark.timeout(900)  # phase 2's first inductor compile: about a CPU-minute
 def test_one_build_at_128_serves_32_then_64_resumes_exactly_and_init_from_continues(
-    books_128, tmp_path
+    books_128, phases
 ):
     """Phase 1: bert-tiny at 32 on the 128 build (each row cut in 4), resumed from its step-8
     checkpoint to the same losses; `shatter-extend` to 64; phase 2 at 64 (rows cut in 2) from
     phase 1's weights with --init-from and 1-sqrt: a fresh schedule, a loss that starts where
     phase 1 ended, no second build."""
-    phase1, extended, phase2 = tmp_path / "p1", tmp_path / "ext", tmp_path / "p2"
     rows = read_index(str(books_128)).rows("train")
-    config = str(_config(tmp_path, ""))
-    common = ("--config", config, "--warmup-steps", "2", "--lr", "5e-3", "--micro-batch", "8")
-    one = ("--max-steps", "16", "--seq-len", "32", "--save-every", "8")
-    _single(books_128, phase1, *common, *one, preset="bert-tiny")
-    p1 = _logged(phase1)
-    chain = at_step(phase1, 8, tmp_path / "resumed")
-    _single(books_128, chain, *common, *one, preset="bert-tiny")
-    resumed = _logged(chain)
+    p1, resumed = _logged(phases["p1"]), _logged(phases["resumed"])
     assert [resumed[s]["loss"] for s in range(9, 17)] == pytest.approx(
         [p1[s]["loss"] for s in range(9, 17)], rel=1e-6
     )
     assert p1[16]["samples"] == 16 * 8 and p1[16]["epoch"] == pytest.approx(128 / (4 * rows))
-    ext = [str(BIN / "shatter-extend"), str(phase1 / "export"), "--max-len", "64"]
-    done = subprocess.run(ext + ["--output", str(extended)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    two = ("--max-steps", "4", "--decay", "1-sqrt", "--seq-len", "64")
-    done = _single(
-        books_128, phase2, *common, *two, "--init-from", str(extended), preset="bert-tiny"
-    )
-    assert f"--init-from: weights from {extended}" in done.stderr
-    p2 = _logged(phase2)
+    assert f"--init-from: weights from {phases['ext']}" in phases["stderr"]
+    p2 = _logged(phases["p2"])
     print(f"phase 1 at 32: loss {p1[1]['loss']:.3f} -> {p1[16]['loss']:.3f}; resumed from step 8: "
           f"the same 8 losses; phase 2 at 64 from the extended export: {p2[1]['loss']:.3f} -> "
           f"{p2[4]['loss']:.3f}")  # fmt: skip
@@ -203,22 +192,23 @@ def test_one_build_at_128_serves_32_then_64_resumes_exactly_and_init_from_contin
     optim = OptimArgs(lr=5e-3, warmup_steps=2, decay="1-sqrt")
     assert [p2[s]["lr"] for s in p2] == pytest.approx([lr_at(optim, 4, s) for s in p2])
     assert p2[1]["loss"] < p1[1]["loss"] - 1.0  # phase 1's weights, at twice its length
-    assert json.loads((phase2 / "config.json").read_text())["seq_len"] == 64
+    assert json.loads((phases["p2"] / "config.json").read_text())["seq_len"] == 64
     assert p2[4]["epoch"] == pytest.approx(4 * 8 / (2 * rows))
 
 
 @pytest.mark.slow
 @pytest.mark.shared_data
 @pytest.mark.timeout(900)  # inductor's first compile: about a CPU-minute
-def test_run_compile_trains_bert_on_cpu(compiled):
-    run, stderr = compiled
+def test_run_compile_trains_bert_on_cpu(phases):
+    """Phase 2 of the recipe above ran compiled: it trained, validated eager, and exported."""
+    run, stderr = phases["p2"], phases["stderr"]
     losses = [r["loss"] for r in _logged(run).values()]
     print(f"compiled bert-tiny on CPU: losses {losses}")
-    assert len(losses) == 3 and all(x == x and x < 9 for x in losses)
-    assert "complete: step 3" in stderr and (run / "export" / "model.safetensors").is_file()
+    assert len(losses) == 4 and all(x == x and x < 9 for x in losses)
+    assert "complete: step 4" in stderr and (run / "export" / "model.safetensors").is_file()
     assert json.loads((run / "config.json").read_text())["config"]["run"]["compile"] is True
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines if x.get("split") == "validation"] == [3]
+    assert [x["step"] for x in lines if x.get("split") == "validation"] == [4]
     assert "torch._dynamo" not in stderr, stderr  # validation ran eager: no recompile warning
 
 
