@@ -18,6 +18,10 @@ from filelock import FileLock
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One OpenMP thread in the suite's processes and their children (set before torch loads its
+# OpenMP): the xdist workers and their launches already fill the cores, and idle OpenMP threads
+# spin; beside other jobs a tiny model's forward took 10x the CPU with 2 threads as with 1.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Without a GPU the Triton kernels run under Triton's interpreter on CPU tensors. It must be chosen
 # before anything imports triton (its own tl.* helpers are decorated at import); with a GPU the
 # same tests run the compiled kernels on CUDA tensors.
