@@ -284,6 +284,20 @@ def two_nodes(data: Path, tmp: Path, runs: tuple, *extra: str, env: dict) -> lis
     return jobs
 
 
+def two_node_ranks(data: Path, runs: tuple, *extra: str) -> list[Job]:
+    """The ranks of `two_nodes` without their launchers: each a plain process given what its
+    node's launcher (deepspeed/launcher/launch.py) sets; node n writes to runs[n]."""
+    world = {"WORLD_SIZE": "2", "LOCAL_SIZE": "1", "CROSS_SIZE": "2", "LOCAL_RANK": "0"}
+    world |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    return [
+        Job(
+            launch(data, runs[node], *extra, launcher=[sys.executable]),
+            env={**world, "RANK": str(node), "CROSS_RANK": str(node)},
+        )
+        for node in (0, 1)
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.shared_data
 def test_two_nodes_of_one_rank_read_disjoint_data_and_resume(books_data, tmp_path):
@@ -400,9 +414,10 @@ def test_a_fault_on_one_rank_ends_every_rank_within_a_minute(faults, kind):
 @pytest.mark.shared_data
 def test_a_run_directory_local_to_each_node_stops_the_run_on_every_rank(books_data, tmp_path):
     """Two "nodes" whose --output is each one's own disk (two directories): both stop at start-up
-    with one line saying the run directory must be shared, and nothing is trained."""
+    with one line saying the run directory must be shared, and nothing is trained. The check is
+    the ranks' own collective: their launchers (test_two_nodes_... above) are left out."""
     runs = (tmp_path / "node0" / "run", tmp_path / "node1" / "run")
-    jobs = two_nodes(books_data, tmp_path, runs, "--num-workers", "0", "--max-steps", "3", env={})
+    jobs = two_node_ranks(books_data, runs, "--num-workers", "0", "--max-steps", "3")
     for rank, job in enumerate(jobs):
         code, _ = job.finish(timeout=300)
         assert code != 0, job.text[-3000:]

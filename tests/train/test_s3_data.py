@@ -6,7 +6,6 @@ its sha256. (The 2-rank run from s3:// with an exact resume: tests/train/test_pr
 kill -9 test.)"""
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,47 +16,25 @@ from shatter.shards import DatasetError, read_index
 from shatter.shards.store import NodeCache, configure, current
 from tests.jobs import Job
 from tests.s3server import BUCKET
+from tests.train.runs import command, metrics, run_to_end
+from tests.train.shardutil import write_dataset
 
-pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-
-
-def build(books_data: Path, out: Path, *args: str) -> Path:
-    """A dataset of the shared books with books_data's tokenizer (`shatter-data build`)."""
-    cmd = [str(BIN / "shatter-data"), "build", "--corpus", "books", "--output", str(out)]
-    cmd += ["--tokenizer", str(books_data / "tokenizer.model"), "--dupe-factor", "1", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
 
 
 def test_a_dataset_three_times_the_cache_trains_two_epochs_as_from_local_disk(
-    books_data, s3_server, tmp_path, monkeypatch
+    s3_server, tmp_path, monkeypatch
 ):
     """Shards are evicted and fetched again while both ranks' loader workers read, and a
     validation runs in each epoch: no reader loses a shard under it, and the losses, training
     and validation, are those of the same dataset on local disk, bit for bit (fp32). The S3 run's
     ranks cannot import Beam: a training node reads the store through fsspec alone."""
-    from tests.train.test_pretrain import command, count_requests, metrics, run_to_end
+    from tests.train.test_pretrain import count_requests
 
-    books = tmp_path / "plays"  # two books: one the train split, one the validation split
-    books.mkdir()
-    for name in ("macbeth_gut.txt", "julius_caesar_gut.txt"):
-        (books / name).symlink_to(REPO.parent / "shared" / "data" / "books" / name)
-    local = build(
-        books_data,
-        tmp_path / "data",
-        "--input",
-        str(books),
-        "--seq-len",
-        "32",
-        "--num-shards",
-        "12",
-        "--validation-fraction",
-        "0.2",
-    )
+    # twelve train shards (a step of two ranks reads two of them), one validation shard
+    local = write_dataset(tmp_path / "data", shards=(16,) * 12, seq_len=32, val_rows=(24,))
     index = read_index(local)
     train_bytes = sum(s.bytes for s in index.shards("train"))
     # the kept validation split, and room for a third of the train split
@@ -93,15 +70,10 @@ def test_a_dataset_three_times_the_cache_trains_two_epochs_as_from_local_disk(
 
 
 def test_store_stopping_during_training_checkpoints_and_exits_naming_the_object(
-    books_data, s3_server, tmp_path, monkeypatch
+    s3_server, tmp_path, monkeypatch
 ):
-    small = tmp_path / "small"  # many small shards: the prefetcher needs the store mid-run
-    build = [str(BIN / "shatter-data"), "build", "--corpus", "books"]
-    build += ["--input", str(REPO.parent / "shared" / "data" / "books"), "--output", str(small)]
-    build += ["--tokenizer", str(books_data / "tokenizer.model"), "--seq-len", "64"]
-    build += ["--dupe-factor", "1", "--num-shards", "24", "--validation-fraction", "0.05"]
-    done = subprocess.run(build, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # many small shards: the prefetcher needs the store mid-run
+    small = write_dataset(tmp_path / "small", shards=(32,) * 24, seq_len=64, val_rows=(8,))
     remote = s3_server.upload(small, "small")
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the cache: $TMPDIR/shatter-cache-<user>
     config = tmp_path / "retry.yaml"
@@ -152,7 +124,6 @@ def test_a_failed_look_ahead_reaches_the_trainer_in_band(s3_server, tmp_path, mo
     while the shard being read still serves its rows: no file, no signal."""
     from shatter.train.loader.stream import STORE_ERROR
     from tests.train.loaderutil import stream
-    from tests.train.shardutil import write_dataset
 
     monkeypatch.setattr("shatter.shards.store.settings._current", None)
     configure(current().replace(cache_dir=str(tmp_path / "cache"), retry_seconds=1.0))
