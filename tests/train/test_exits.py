@@ -302,13 +302,16 @@ def two_node_ranks(data: Path, runs: tuple, *extra: str) -> list[Job]:
 @pytest.mark.shared_data
 def test_two_nodes_of_one_rank_read_disjoint_data_and_resume(books_data, tmp_path):
     """DeepSpeed's multi-node path without ssh: one launcher per "node" (--no_ssh --node_rank),
-    a shared hostfile, the master on 127.0.0.1."""
+    a shared hostfile, the master on 127.0.0.1. The first run's ranks are started as those
+    launchers start them (`two_node_ranks`); the resume is launched."""
     run, log = tmp_path / "run", tmp_path / "samples"
 
     def nodes(max_steps: int) -> list[Job]:
         extra = ("--num-workers", "1", "--max-steps", str(max_steps), "--save-every", "3")
-        return two_nodes(books_data, tmp_path, (run, run), *extra, "--eval-every", "0",
-                         "--sample-log", str(log), env={})  # fmt: skip
+        extra += ("--eval-every", "0", "--sample-log", str(log))
+        if max_steps == 3:
+            return two_node_ranks(books_data, (run, run), *extra)
+        return two_nodes(books_data, tmp_path, (run, run), *extra, env={})
 
     for max_steps in (3, 6):  # the second run resumes from the first's checkpoint
         jobs = nodes(max_steps)

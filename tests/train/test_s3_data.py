@@ -33,8 +33,8 @@ def test_a_dataset_three_times_the_cache_trains_two_epochs_as_from_local_disk(
     ranks cannot import Beam: a training node reads the store through fsspec alone."""
     from tests.train.test_pretrain import count_requests
 
-    # twelve train shards (a step of two ranks reads two of them), one validation shard
-    local = write_dataset(tmp_path / "data", shards=(16,) * 12, seq_len=32, val_rows=(24,))
+    # six train shards (a step of two ranks reads two of them), one validation shard
+    local = write_dataset(tmp_path / "data", shards=(16,) * 6, seq_len=32, val_rows=(24,))
     index = read_index(local)
     train_bytes = sum(s.bytes for s in index.shards("train"))
     # the kept validation split, and room for a third of the train split
