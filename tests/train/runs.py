@@ -1,6 +1,7 @@
 """Helpers of the trainer's tests that launch pretraining: the command under the deepspeed
-launcher (or another), a run to its end, its logged metrics, a kill -9 after a checkpoint, a
-copy of a run as of an older checkpoint, and the checks of tests/train/ranks_job.py's report."""
+launcher (or another), a run to its end or in this process, its logged metrics, the tiny config
+with fewer validation rows, a copy of a run as of an older checkpoint, and the checks of
+tests/train/ranks_job.py's report."""
 
 import json
 import os
@@ -8,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.jobs import free_port, run_command
@@ -16,6 +16,8 @@ from tests.jobs import free_port, run_command
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SCRIPT = str(REPO / "train" / "pretrain.py")
+TINY = REPO / "configs" / "cpu-tiny.yaml"
+RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 # the fp32 run of tests/train/test_pretrain.py (and the XLNet one's): 60 steps, saves every 10
 FP32_ARGS = (
@@ -58,10 +60,15 @@ def cheap_config(to: Path, changes: dict[str, str] | None = None) -> Path:
 
 
 def command(
-    data: Path, run: Path, *extra: str, ranks: int = 2, launcher: list[str] | None = None
+    data: Path | str,
+    run: Path,
+    *extra: str,
+    ranks: int = 2,
+    launcher: list[str] | None = None,
+    config: Path = TINY,
 ) -> list[str]:
     """The pretraining command under `launcher` (default: the deepspeed launcher, `ranks` on
-    this machine)."""
+    this machine), `config` its --config."""
     if launcher is None:
         launcher = [str(BIN / "deepspeed"), "--num_gpus", str(ranks)]
         launcher += ["--master_port", str(free_port())]
@@ -74,9 +81,18 @@ def command(
         "--preset",
         "shatter-tiny",
         "--config",
-        str(REPO / "configs" / "cpu-tiny.yaml"),
+        str(config),
         *extra,
     ]
+
+
+def fewer_eval_rows(to: Path, rows: int) -> Path:
+    """configs/cpu-tiny.yaml, written to `to`, with `rows` validation rows an evaluation instead
+    of 512 (an evaluation of 512 rows costs about as much CPU as 100 steps of training)."""
+    text = TINY.read_text()
+    assert "  eval_samples: 512 " in text, "configs/cpu-tiny.yaml: its eval_samples moved"
+    to.write_text(text.replace("  eval_samples: 512 ", f"  eval_samples: {rows} "))
+    return to
 
 
 def run_to_end(
@@ -89,6 +105,30 @@ def run_to_end(
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert not shm_left(cmd)
     return done
+
+
+def in_process(data: Path | str, run: Path, *extra: str, config: Path = TINY):
+    """`command`'s pretraining run in this process instead, a world of one without a launcher:
+    click's result (`exit_code`, `output` with the stderr lines). What the run set in this
+    process (the rendezvous variables, the stop signals' handlers) is put back after it, so a
+    job launched later is not taken for one of its ranks."""
+
+    from click.testing import CliRunner
+
+    from shatter.train.pretrain import main
+
+    env = {k: os.environ.get(k) for k in RENDEZVOUS_ENV}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return CliRunner().invoke(main, command(data, run, *extra, launcher=[], config=config)[1:])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def shm_left(cmd: list[str]) -> list[Path]:
@@ -104,28 +144,6 @@ def metrics(run: Path) -> tuple[dict[int, float], dict[int, dict]]:
     train = {r["step"]: r["loss"] for r in lines if "split" not in r}
     val = {r["step"]: r for r in lines if r.get("split") == "validation"}
     return train, val
-
-
-def kill_9_after_a_checkpoint(cmd: list[str], run: Path, env: dict | None = None) -> str:
-    """Start `cmd` (in `env`), kill -9 the launcher and both ranks once a checkpoint exists and
-    12 steps are logged; return the tag of the newest checkpoint."""
-    out = subprocess.DEVNULL
-    job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, start_new_session=True, env=env)
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline and job.poll() is None:
-            log = run / "metrics.jsonl"
-            logged = log.read_text().count('"lr"') if log.exists() else 0
-            if (run / "checkpoints" / "latest").exists() and logged >= 12:
-                break
-            time.sleep(0.05)
-        assert job.poll() is None, "the run ended before it could be killed"
-        os.killpg(job.pid, signal.SIGKILL)  # kill -9 of the launcher and both ranks
-        job.wait(30)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    return (run / "checkpoints" / "latest").read_text().strip()
 
 
 def at_step(run: Path, step: int, to: Path) -> Path:
