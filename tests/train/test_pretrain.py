@@ -22,12 +22,14 @@ from shatter.train.config import DataArgs
 from shatter.train.evaluate import evaluate
 from shatter.train.evaluate_cli import evaluate_export
 from shatter.train.loader import validation_stream
-from tests.jobs import child_env
+from tests.jobs import child_env, run_command
 from tests.train.runs import (
     FP32_ARGS,
     REPO,
     SCRIPT,
     command,
+    fewer_eval_rows,
+    in_process,
     metrics,
     run_to_end,
     shm_left,
@@ -35,6 +37,7 @@ from tests.train.runs import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 FAULTY = str(REPO / "tests" / "train" / "faulty_pretrain.py")
+EVAL_ROWS = 128  # validation rows an evaluation (configs/cpu-tiny.yaml: 512)
 
 
 def export_validation(export: Path, data: Path, eval_samples: int) -> dict:
@@ -70,9 +73,15 @@ def count_requests(start: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(books_data, tmp_path_factory):
+def config(tmp_path_factory) -> Path:
+    """The launched runs' config: configs/cpu-tiny.yaml with EVAL_ROWS validation rows."""
+    return fewer_eval_rows(tmp_path_factory.mktemp("config") / "tiny.yaml", EVAL_ROWS)
+
+
+@pytest.fixture(scope="module")
+def reference(books_data, config, tmp_path_factory):
     run = tmp_path_factory.mktemp("reference") / "run"
-    done = run_to_end(command(books_data, run, *FP32_ARGS))
+    done = run_to_end(command(books_data, run, *FP32_ARGS, config=config))
     return run, done
 
 
@@ -136,13 +145,13 @@ def test_fp32_zero1_two_ranks_loss_falls_and_exports_the_engines_model(books_dat
     ).read_bytes()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     # the engine evaluated its model at step 60; the export, reloaded, must give the same numbers
-    mine = export_validation(run / "export", books_data, eval_samples=512)
+    mine = export_validation(run / "export", books_data, eval_samples=EVAL_ROWS)
     assert mine["predictions"] == val[60]["predictions"]
     assert mine["loss"] == pytest.approx(val[60]["loss"], rel=1e-6)
     assert mine["accuracy"] == pytest.approx(val[60]["accuracy"], abs=1e-9)
 
 
-def test_bf16_zero2_dynamic_whole_word_masking(books_data, tmp_path):
+def test_bf16_zero2_dynamic_whole_word_masking(books_data, config, tmp_path):
     run = tmp_path / "run"
     run_to_end(
         command(
@@ -167,6 +176,7 @@ def test_bf16_zero2_dynamic_whole_word_masking(books_data, tmp_path):
             "4",
             "--log-every",
             "1",
+            config=config,
         )
     )
     train, val = metrics(run)
@@ -178,12 +188,12 @@ def test_bf16_zero2_dynamic_whole_word_masking(books_data, tmp_path):
     optim_files = list((run / "checkpoints" / "step00000006").glob("*optim_states.pt"))
     assert len(optim_files) == 2  # ZeRO-2: one optimizer partition per rank
     assert (run / "export" / "STEP").read_text().strip() == "step00000006"
-    mine = export_validation(run / "export", books_data, eval_samples=512)
+    mine = export_validation(run / "export", books_data, eval_samples=EVAL_ROWS)
     # the engine ran bf16 weights; the export holds the fp32 masters consolidated from both partitions
     assert mine["loss"] == pytest.approx(val[6]["loss"], abs=0.05)
 
 
-def test_sigterm_abandons_a_step_too_long_to_save_and_resumes_exactly(books_data, tmp_path):
+def test_sigterm_abandons_a_step_too_long_to_save_and_resumes_exactly(books_data, config, tmp_path):
     """A plain single process (no launcher; the launcher passes SIGTERM on to its ranks) with 4
     micro-batches per step, each slowed down, and the launcher's SIGKILL taken to come 1 s
     after the signal (tests/train/faulty_pretrain.py): the step in progress is abandoned, the
@@ -193,7 +203,7 @@ def test_sigterm_abandons_a_step_too_long_to_save_and_resumes_exactly(books_data
     args = ("--max-steps", "100000", "--save-every", "0", "--eval-every", "0", "--log-every", "1")
     args += ("--micro-batch", "4", "--grad-accum", "4", "--num-workers", "1")
     args += ("--decay", "constant")  # the lr of a step does not depend on --max-steps
-    cmd = command(books_data, run, *args, launcher=[sys.executable])
+    cmd = command(books_data, run, *args, launcher=[sys.executable], config=config)
     cmd[cmd.index(SCRIPT)] = FAULTY
     slow = child_env(SHATTER_TEST_SLOW="0.3", SHATTER_TEST_GRACE="1")
     job = subprocess.Popen(
@@ -215,16 +225,15 @@ def test_sigterm_abandons_a_step_too_long_to_save_and_resumes_exactly(books_data
             time.sleep(0.05)
         if job.poll() is not None:
             pytest.fail("the run ended before SIGTERM: " + job.communicate()[1][-3000:])
-        # one run per run directory: a second launch on it stops in one line, writing nothing
-        config = (run / "config.json").read_text()
-        second = subprocess.run(
-            [*cmd, "--micro-batch", "2"], cwd=REPO, capture_output=True, text=True, timeout=240
-        )
-        assert second.returncode == 1, second.stderr[-3000:]
-        said = [x for x in second.stderr.splitlines() if x.startswith("Error:")]
-        assert len(said) == 1 and f"(pid {job.pid} on " in said[0], second.stderr[-3000:]
-        assert "one run per --output" in said[0] and "Traceback" not in second.stderr
-        assert (run / "config.json").read_text() == config
+        # one run per run directory: a second run on it (here in this process) stops in one
+        # line, writing nothing
+        written = (run / "config.json").read_text()
+        second = in_process(books_data, run, *args, "--micro-batch", "2", config=config)
+        assert second.exit_code == 1, second.output[-3000:]
+        said = [x for x in second.output.splitlines() if x.startswith("Error:")]
+        assert len(said) == 1 and f"(pid {job.pid} on " in said[0], second.output[-3000:]
+        assert "one run per --output" in said[0] and "Traceback" not in second.output
+        assert (run / "config.json").read_text() == written
         os.killpg(job.pid, signal.SIGTERM)  # the process and its loader worker, as a scheduler does
         _, err = job.communicate(timeout=120)
     finally:
@@ -240,10 +249,12 @@ def test_sigterm_abandons_a_step_too_long_to_save_and_resumes_exactly(books_data
     state = safe_load.load(run / "checkpoints" / saved / "mp_rank_00_model_states.pt")
     assert state["train_state"]["step"] == step >= 3
     assert state["data_position"]["samples"] == 16 * step  # the last whole step's position
-    resumed = [*cmd, "--max-steps", str(step + 2)]
-    assert "resuming from step" in run_to_end(resumed).stderr  # the same command, at full speed
-    where = resumed.index(str(run))
-    run_to_end([*resumed[:where], str(tmp_path / "reference"), *resumed[where + 1 :]])
+    # the same command at full speed, and a run that never stopped: in this process
+    args += ("--max-steps", str(step + 2))
+    resumed = in_process(books_data, run, *args, config=config)
+    assert resumed.exit_code == 0 and "resuming from step" in resumed.output, resumed.output
+    never = in_process(books_data, tmp_path / "reference", *args, config=config)
+    assert never.exit_code == 0, never.output[-3000:]
     assert metrics(run)[0] == metrics(tmp_path / "reference")[0]  # bit for bit, every step
 
 
@@ -281,26 +292,11 @@ def test_nonfinite_losses_are_skipped_counted_and_a_diverged_run_stops_clearly(
         )
         .replace("run:\n", "run:\n  max_nonfinite: 4\n")
     )
-    cmd = [
-        sys.executable,
-        SCRIPT,
-        "--data",
-        str(books_data),
-        "--output",
-        str(tmp_path / "run"),
-        "--config",
-        str(config),
-        "--max-steps",
-        "10",
-        "--micro-batch",
-        "2",
-        "--num-workers",
-        "0",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO)
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert "non-finite loss, micro-batch skipped (4 so far)" in done.stderr
-    assert "NaN/inf for 4 micro-batches in a row" in done.stderr and "Traceback" not in done.stderr
+    args = ("--max-steps", "10", "--micro-batch", "2", "--num-workers", "0")
+    done = in_process(books_data, tmp_path / "run", *args, config=config)  # a world of one
+    assert done.exit_code == 1, done.output[-3000:]
+    assert "non-finite loss, micro-batch skipped (4 so far)" in done.output
+    assert "NaN/inf for 4 micro-batches in a row" in done.output and "Traceback" not in done.output
 
 
 def _killed_at(cmd: list[str], kill: str, log: Path) -> int:
@@ -320,7 +316,7 @@ def _killed_at(cmd: list[str], kill: str, log: Path) -> int:
 
 
 def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
-    books_data, reference, tmp_path, s3_server, monkeypatch
+    books_data, config, reference, tmp_path, s3_server, monkeypatch
 ):
     """kill -9 of the whole job at each point of a save; each restart resumes from the newest
     complete checkpoint (the save's own after `latest`, the one before otherwise), and the
@@ -332,7 +328,7 @@ def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
     gets = count_requests("GET /shards/books-train/train-")
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the cache: $TMPDIR/shatter-cache-<user>
     run = tmp_path / "run"
-    cmd = command(remote, run, *FP32_ARGS)
+    cmd = command(remote, run, *FP32_ARGS, config=config)
     cmd[cmd.index(SCRIPT)] = FAULTY
     assert _killed_at(cmd, "before:20", tmp_path / "1.log") == -9
     assert not shm_left(cmd)  # 64 MiB of RAM per rank, unlinked while the job ran
@@ -347,7 +343,7 @@ def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
     skipped = f"checkpoint {run / 'checkpoints' / 'step00000030'} is incomplete (no manifest"
     assert skipped in third and "resuming from step 20" in third, third[-3000:]
     assert "run.lock: the lock of a run that is gone" in third
-    done = run_to_end(command(remote, run, *FP32_ARGS))
+    done = run_to_end(command(remote, run, *FP32_ARGS, config=config))
     assert "resuming from step 40" in done.stderr, done.stderr[-3000:]
     manifest = json.loads((run / "checkpoints" / "step00000060" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["zero_stage"] == 1
@@ -372,28 +368,23 @@ def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
     assert hours == sorted(hours), hours
 
 
-def test_a_skipped_micro_batch_keeps_the_step_boundary(books_data, tmp_path):
+def test_a_skipped_micro_batch_keeps_the_step_boundary(books_data, config, tmp_path):
     """--grad-accum 4 with a NaN loss in the 2nd micro-batch of step 2, then a resume: every
     checkpoint's position is a whole number of steps, and no row is trained twice."""
     run, log = tmp_path / "run", tmp_path / "rows"
-    cmd = [sys.executable, FAULTY, "--data", str(books_data), "--output", str(run)]
-    cmd += ["--preset", "shatter-tiny", "--config", str(REPO / "configs" / "cpu-tiny.yaml")]
-    cmd += ["--micro-batch", "2", "--grad-accum", "4", "--save-every", "2", "--eval-every", "0"]
-    cmd += ["--log-every", "1", "--num-workers", "0", "--no-progress", "--sample-log", str(log)]
-    env = child_env(SHATTER_TEST_NAN="5")
-    for steps, nan in ((4, "5"), (6, "-1")):
-        done = subprocess.run(
-            [*cmd, "--max-steps", str(steps)],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            cwd=REPO,
-            env={**env, "SHATTER_TEST_NAN": nan},
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert ("step 2: non-finite loss, micro-batch skipped (1 so far)" in done.stderr) == (
-            steps == 4
-        ), done.stderr[-3000:]
+    args = ("--micro-batch", "2", "--grad-accum", "4", "--save-every", "2", "--eval-every", "0")
+    args += ("--log-every", "1", "--num-workers", "0", "--no-progress", "--sample-log", str(log))
+    cmd = command(
+        books_data, run, *args, "--max-steps", "4", launcher=[sys.executable], config=config
+    )
+    cmd[cmd.index(SCRIPT)] = FAULTY
+    done = run_command(cmd, timeout=240, env=child_env(SHATTER_TEST_NAN="5"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 2: non-finite loss, micro-batch skipped (1 so far)" in done.stderr, done.stderr
+    resumed = in_process(books_data, run, *args, "--max-steps", "6", config=config)  # no fault
+    assert resumed.exit_code == 0, resumed.output[-3000:]
+    assert "resuming from step 4" in resumed.output, resumed.output[-3000:]
+    assert "non-finite loss, micro-batch skipped" not in resumed.output
     for step in (4, 6):  # step 2 is pruned (keep_checkpoints: 2)
         state = safe_load.load(
             run / "checkpoints" / f"step{step:08d}" / "mp_rank_00_model_states.pt"
