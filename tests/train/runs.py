@@ -146,6 +146,30 @@ def metrics(run: Path) -> tuple[dict[int, float], dict[int, dict]]:
     return train, val
 
 
+def export_validation(export: Path, data: Path, eval_samples: int) -> dict:
+    """The validation figures of `export`, reloaded, on `data`'s first `eval_samples` rows (a
+    run's own validation at the export's step gives the same)."""
+    import torch
+
+    import shatter
+    from shatter.shards import read_index
+    from shatter.train.config import DataArgs
+    from shatter.train.evaluate import evaluate
+    from shatter.train.loader import validation_stream
+
+    model = shatter.from_pretrained(export)
+    stream = validation_stream(
+        read_index(data),
+        DataArgs(eval_samples=eval_samples),
+        batch_size=16,
+        seq_len=64,
+        rank=0,
+        world_size=1,
+    )
+    batches = ({k: b[k] for k in ("input_ids", "attention_mask", "labels")} for b in stream)
+    return evaluate(model, batches, torch.device("cpu"), distributed=False)
+
+
 def at_step(run: Path, step: int, to: Path) -> Path:
     """A copy of `run` as it was when checkpoint `step` was its newest."""
     shutil.copytree(run, to)

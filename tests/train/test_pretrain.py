@@ -1,7 +1,8 @@
 """End to end under the deepspeed launcher (two CPU ranks, gloo) on real text built by the real
 `shatter-data build`: the loss falls; kill -9 at each point of a save then restart, reading the
-data from object storage, reproduces the uninterrupted losses exactly (fp32); bf16 with ZeRO-2;
-SIGTERM saves before exit; the export is the engine's model."""
+data from object storage, reproduces the uninterrupted losses exactly (fp32); SIGTERM saves
+before exit; the export is the engine's model. (bf16 with ZeRO-2 runs in tests/train/test_ranks.py's
+launch.)"""
 
 import json
 import os
@@ -13,21 +14,17 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
-import shatter
 from shatter import safe_load
 from shatter.shards import read_index
-from shatter.train.config import DataArgs
-from shatter.train.evaluate import evaluate
 from shatter.train.evaluate_cli import evaluate_export
-from shatter.train.loader import validation_stream
 from tests.jobs import child_env, run_command
 from tests.train.runs import (
     FP32_ARGS,
     REPO,
     SCRIPT,
     command,
+    export_validation,
     fewer_eval_rows,
     in_process,
     metrics,
@@ -38,20 +35,6 @@ from tests.train.runs import (
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 FAULTY = str(REPO / "tests" / "train" / "faulty_pretrain.py")
 EVAL_ROWS = 128  # validation rows an evaluation (configs/cpu-tiny.yaml: 512)
-
-
-def export_validation(export: Path, data: Path, eval_samples: int) -> dict:
-    model = shatter.from_pretrained(export)
-    stream = validation_stream(
-        read_index(data),
-        DataArgs(eval_samples=eval_samples),
-        batch_size=16,
-        seq_len=64,
-        rank=0,
-        world_size=1,
-    )
-    batches = ({k: b[k] for k in ("input_ids", "attention_mask", "labels")} for b in stream)
-    return evaluate(model, batches, torch.device("cpu"), distributed=False)
 
 
 def count_requests(start: str) -> list[str]:
@@ -149,48 +132,6 @@ def test_fp32_zero1_two_ranks_loss_falls_and_exports_the_engines_model(books_dat
     assert mine["predictions"] == val[60]["predictions"]
     assert mine["loss"] == pytest.approx(val[60]["loss"], rel=1e-6)
     assert mine["accuracy"] == pytest.approx(val[60]["accuracy"], abs=1e-9)
-
-
-def test_bf16_zero2_dynamic_whole_word_masking(books_data, config, tmp_path):
-    run = tmp_path / "run"
-    run_to_end(
-        command(
-            books_data,
-            run,
-            "--max-steps",
-            "6",
-            "--precision",
-            "bf16",
-            "--zero-stage",
-            "2",
-            "--masking",
-            "dynamic",
-            "--whole-word",
-            "--save-every",
-            "3",
-            "--eval-every",
-            "6",
-            "--export-every",
-            "3",
-            "--micro-batch",
-            "4",
-            "--log-every",
-            "1",
-            config=config,
-        )
-    )
-    train, val = metrics(run)
-    assert sorted(train) == list(range(1, 7)) and all(v == v for v in train.values())
-    assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == [
-        "step00000003",
-        "step00000006",
-    ]
-    optim_files = list((run / "checkpoints" / "step00000006").glob("*optim_states.pt"))
-    assert len(optim_files) == 2  # ZeRO-2: one optimizer partition per rank
-    assert (run / "export" / "STEP").read_text().strip() == "step00000006"
-    mine = export_validation(run / "export", books_data, eval_samples=EVAL_ROWS)
-    # the engine ran bf16 weights; the export holds the fp32 masters consolidated from both partitions
-    assert mine["loss"] == pytest.approx(val[6]["loss"], abs=0.05)
 
 
 def test_sigterm_abandons_a_step_too_long_to_save_and_resumes_exactly(books_data, config, tmp_path):

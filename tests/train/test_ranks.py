@@ -2,7 +2,9 @@
 three things a multi-rank run must get right at every ZeRO stage: the export is the fp32 masters
 (bf16 at ZeRO-0 crashed), a NaN step is skipped (fp32 at ZeRO-0 kept the NaN), and a validation
 whose rows do not split evenly ends on every rank after the same forwards (ZeRO-3 forwards are
-collectives) with the single-process metric. The job is bounded in time: a hang fails the test."""
+collectives) with the single-process metric. The same launch then runs train/pretrain.py in bf16
+with ZeRO-2 and dynamic whole-word masking on its ranks. The job is bounded in time: a hang fails
+the test."""
 
 import json
 import math
@@ -11,19 +13,36 @@ import subprocess
 import pytest
 
 from tests.jobs import child_env, free_port, run_command
-from tests.train.runs import BIN, REPO, check_exports, check_nan_skips
+from tests.train.runs import (
+    BIN,
+    REPO,
+    check_exports,
+    check_nan_skips,
+    command,
+    export_validation,
+    fewer_eval_rows,
+    metrics,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
 STAGES = [f"{p}-{z}" for p in ("bf16", "fp32") for z in range(4)]
+EVAL_ROWS = 128  # validation rows of the bf16 run (configs/cpu-tiny.yaml: 512)
+# the bf16 run: ZeRO-2, dynamic whole-word masks, checkpoints at 3 and 6, an export at each
+BF16 = ("--max-steps", "6", "--precision", "bf16", "--zero-stage", "2", "--masking", "dynamic")
+BF16 += ("--whole-word", "--save-every", "3", "--eval-every", "6", "--export-every", "3")
+BF16 += ("--micro-batch", "4", "--log-every", "1")
 
 
 def run_ranks_job(books_data, tmp_path_factory) -> dict:
-    """tests/train/ranks_job.py under the launcher: its report."""
+    """tests/train/ranks_job.py under the launcher, then the bf16 run on its ranks: its report,
+    with the bf16 run's directory at "bf16_run"."""
     tmp = tmp_path_factory.mktemp("ranks")
-    out = tmp / "report.json"
+    out, run = tmp / "report.json", tmp / "bf16" / "run"
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
     cmd += [str(REPO / "tests" / "train" / "ranks_job.py"), str(books_data), str(tmp), str(out)]
+    config = fewer_eval_rows(tmp / "tiny.yaml", EVAL_ROWS)
+    cmd += ["--pretrain", *command(books_data, run, *BF16, launcher=[], config=config)[1:]]
     try:
         done = run_command(cmd, timeout=240, env=child_env())
     except subprocess.TimeoutExpired as err:
@@ -32,7 +51,7 @@ def run_ranks_job(books_data, tmp_path_factory) -> dict:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
     print(json.dumps(result, indent=1))
-    return result
+    return {**result, "bf16_run": run}
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +80,19 @@ def test_uneven_validation_under_zero3_matches_one_process(report):
         assert ranks["accuracy"] == one["accuracy"], case
         assert math.isclose(ranks["loss"], one["loss"], rel_tol=1e-6), case
     assert remainders == [0, 1, 2, 3]
+
+
+def test_bf16_zero2_dynamic_whole_word_masking(books_data, report):
+    run = report["bf16_run"]
+    train, val = metrics(run)
+    assert sorted(train) == list(range(1, 7)) and all(v == v for v in train.values())
+    assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == [
+        "step00000003",
+        "step00000006",
+    ]
+    optim_files = list((run / "checkpoints" / "step00000006").glob("*optim_states.pt"))
+    assert len(optim_files) == 2  # ZeRO-2: one optimizer partition per rank
+    assert (run / "export" / "STEP").read_text().strip() == "step00000006"
+    mine = export_validation(run / "export", books_data, eval_samples=EVAL_ROWS)
+    # the engine ran bf16 weights; the export holds the fp32 masters consolidated from both partitions
+    assert mine["loss"] == pytest.approx(val[6]["loss"], abs=0.05)
