@@ -4,23 +4,20 @@ logs each dataset's epochs and resumes exactly on 1 rank; datasets of two vocabu
 refused."""
 
 import json
-import shutil
-import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
 from shatter.pipeline.build import build
 from shatter.pipeline.config import InputSpec
 from shatter.shards import DatasetError, read_index
 from shatter.train.config import ConfigError, data_sources, resolve
 from shatter.train.loader import MaskingSpec, Mixture, ShardStream, source_epochs, stream_shape
-from shatter.train.pretrain import main, start_up_checks
+from shatter.train.pretrain import start_up_checks
 from tests.pipeline.corpus import generated_documents, quiet, small_config
-from tests.train.runs import command, metrics, run_to_end
+from tests.train.runs import at_step, command, in_process, metrics, run_to_end
 
 TOLERANCE = 1e-4  # relative, fp32: a sum over 2 ranks against a sum over 2 micro-batches
 
@@ -179,19 +176,9 @@ def test_a_two_rank_mixed_run_draws_3_to_1_and_resumes_exactly_on_one_rank(two, 
     assert last["samples"] == 400
     assert last["source_epochs"] == pytest.approx(source_epochs(mix, 7, 400, 64))
 
-    resumed = tmp_path / "one"
-    shutil.copytree(run, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step00000010")
-    (resumed / "checkpoints" / "latest").write_text("step00000005")
-    shutil.rmtree(resumed / "export")
-    one = [*command(f"{a}:3", resumed, *args, launcher=[])[1:], "--grad-accum", "2"]
-    one += ["--sample-log", str(tmp_path / "again")]
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        done = CliRunner().invoke(main, one)  # a world of one in this process
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    resumed = at_step(run, 5, tmp_path / "one")
+    one = ("--grad-accum", "2", "--sample-log", str(tmp_path / "again"))
+    done = in_process(f"{a}:3", resumed, *args, *one)  # a world of one in this process
     assert done.exit_code == 0, done.output[-3000:]
     assert "written by 2 ranks, this run has 1: converting" in done.output, done.output[-2000:]
     again = sample_log(tmp_path / "again", ranks=1)
