@@ -18,7 +18,7 @@ import pytest
 from shatter import safe_load
 from shatter.shards import read_index
 from shatter.train.evaluate_cli import evaluate_export
-from tests.jobs import child_env, run_command
+from tests.jobs import child_env
 from tests.train.runs import (
     FP32_ARGS,
     REPO,
@@ -59,6 +59,12 @@ def count_requests(start: str) -> list[str]:
 def config(tmp_path_factory) -> Path:
     """The launched runs' config: configs/cpu-tiny.yaml with EVAL_ROWS validation rows."""
     return fewer_eval_rows(tmp_path_factory.mktemp("config") / "tiny.yaml", EVAL_ROWS)
+
+
+@pytest.fixture(scope="module")
+def few_rows(tmp_path_factory) -> Path:
+    """The config of the runs whose validation no assert reads: 16 rows."""
+    return fewer_eval_rows(tmp_path_factory.mktemp("config") / "few.yaml", 16)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +140,9 @@ def test_fp32_zero1_two_ranks_loss_falls_and_exports_the_engines_model(books_dat
     assert mine["accuracy"] == pytest.approx(val[60]["accuracy"], abs=1e-9)
 
 
-def test_sigterm_abandons_a_step_too_long_to_save_and_resumes_exactly(books_data, config, tmp_path):
+def test_sigterm_abandons_a_step_too_long_to_save_and_resumes_exactly(
+    books_data, few_rows, tmp_path
+):
     """A plain single process (no launcher; the launcher passes SIGTERM on to its ranks) with 4
     micro-batches per step, each slowed down, and the launcher's SIGKILL taken to come 1 s
     after the signal (tests/train/faulty_pretrain.py): the step in progress is abandoned, the
@@ -144,7 +152,7 @@ def test_sigterm_abandons_a_step_too_long_to_save_and_resumes_exactly(books_data
     args = ("--max-steps", "100000", "--save-every", "0", "--eval-every", "0", "--log-every", "1")
     args += ("--micro-batch", "4", "--grad-accum", "4", "--num-workers", "1")
     args += ("--decay", "constant")  # the lr of a step does not depend on --max-steps
-    cmd = command(books_data, run, *args, launcher=[sys.executable], config=config)
+    cmd = command(books_data, run, *args, launcher=[sys.executable], config=few_rows)
     cmd[cmd.index(SCRIPT)] = FAULTY
     slow = child_env(SHATTER_TEST_SLOW="0.3", SHATTER_TEST_GRACE="1")
     job = subprocess.Popen(
@@ -169,7 +177,7 @@ def test_sigterm_abandons_a_step_too_long_to_save_and_resumes_exactly(books_data
         # one run per run directory: a second run on it (here in this process) stops in one
         # line, writing nothing
         written = (run / "config.json").read_text()
-        second = in_process(books_data, run, *args, "--micro-batch", "2", config=config)
+        second = in_process(books_data, run, *args, "--micro-batch", "2", config=few_rows)
         assert second.exit_code == 1, second.output[-3000:]
         said = [x for x in second.output.splitlines() if x.startswith("Error:")]
         assert len(said) == 1 and f"(pid {job.pid} on " in said[0], second.output[-3000:]
@@ -192,9 +200,9 @@ def test_sigterm_abandons_a_step_too_long_to_save_and_resumes_exactly(books_data
     assert state["data_position"]["samples"] == 16 * step  # the last whole step's position
     # the same command at full speed, and a run that never stopped: in this process
     args += ("--max-steps", str(step + 2))
-    resumed = in_process(books_data, run, *args, config=config)
+    resumed = in_process(books_data, run, *args, config=few_rows)
     assert resumed.exit_code == 0 and "resuming from step" in resumed.output, resumed.output
-    never = in_process(books_data, tmp_path / "reference", *args, config=config)
+    never = in_process(books_data, tmp_path / "reference", *args, config=few_rows)
     assert never.exit_code == 0, never.output[-3000:]
     assert metrics(run)[0] == metrics(tmp_path / "reference")[0]  # bit for bit, every step
 
@@ -309,20 +317,30 @@ def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
     assert hours == sorted(hours), hours
 
 
-def test_a_skipped_micro_batch_keeps_the_step_boundary(books_data, config, tmp_path):
-    """--grad-accum 4 with a NaN loss in the 2nd micro-batch of step 2, then a resume: every
-    checkpoint's position is a whole number of steps, and no row is trained twice."""
+def test_a_skipped_micro_batch_keeps_the_step_boundary(books_data, few_rows, tmp_path, monkeypatch):
+    """--grad-accum 4 with a NaN loss in the 2nd micro-batch of step 2 (micro-batch 5, as
+    tests/train/faulty_pretrain.py's SHATTER_TEST_NAN injects it, here in this process), then a
+    resume: every checkpoint's position is a whole number of steps, and no row is trained
+    twice."""
+    import deepspeed
+
+    forward = deepspeed.DeepSpeedEngine.forward
+
+    def nan_forward(engine, *args, **kwargs):
+        out = forward(engine, *args, **kwargs)
+        if engine.training and engine.micro_steps == 5:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
     run, log = tmp_path / "run", tmp_path / "rows"
     args = ("--micro-batch", "2", "--grad-accum", "4", "--save-every", "2", "--eval-every", "0")
     args += ("--log-every", "1", "--num-workers", "0", "--no-progress", "--sample-log", str(log))
-    cmd = command(
-        books_data, run, *args, "--max-steps", "4", launcher=[sys.executable], config=config
-    )
-    cmd[cmd.index(SCRIPT)] = FAULTY
-    done = run_command(cmd, timeout=240, env=child_env(SHATTER_TEST_NAN="5"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "step 2: non-finite loss, micro-batch skipped (1 so far)" in done.stderr, done.stderr
-    resumed = in_process(books_data, run, *args, "--max-steps", "6", config=config)  # no fault
+    with monkeypatch.context() as patch:
+        patch.setattr(deepspeed.DeepSpeedEngine, "forward", nan_forward)
+        done = in_process(books_data, run, *args, "--max-steps", "4", config=few_rows)
+    assert done.exit_code == 0, done.output[-3000:]
+    assert "step 2: non-finite loss, micro-batch skipped (1 so far)" in done.output, done.output
+    resumed = in_process(books_data, run, *args, "--max-steps", "6", config=few_rows)
     assert resumed.exit_code == 0, resumed.output[-3000:]
     assert "resuming from step 4" in resumed.output, resumed.output[-3000:]
     assert "non-finite loss, micro-batch skipped" not in resumed.output
