@@ -10,10 +10,10 @@ what a multi-rank run must not get wrong; tests/train/test_ranks.py runs it and 
 - Uneven validation under fp32 ZeRO-3: several validation sizes, one per remainder of rows mod
   (ranks × micro-batch), each evaluated on both ranks and, as the reference, by one process with
   the gathered weights over the same rows.
-- Then, given `--pretrain ARGS...`, train/pretrain.py's command with ARGS on the job's ranks (its
-  process group already up), so that a test of a 2-rank run shares this launch.
+- Then, for each `--pretrain ARGS...`, train/pretrain.py's command with ARGS on the job's ranks
+  (its process group already up), so that the tests of 2-rank runs share this launch.
 
-    deepspeed --num_gpus 2 tests/train/ranks_job.py DATA RUN OUT.json [--pretrain ARGS...]
+    deepspeed --num_gpus 2 tests/train/ranks_job.py DATA RUN OUT.json [--pretrain ARGS...]...
 """
 
 import json
@@ -209,11 +209,15 @@ def uneven_validation(engine, index, cfg, rank: int, world: int) -> list[dict]:
 
 
 def main() -> None:
-    """DATA RUN OUT [PRECISIONS [STAGES]] [--pretrain ARGS...]: PRECISIONS and STAGES
+    """DATA RUN OUT [PRECISIONS [STAGES]] [--pretrain ARGS...]...: PRECISIONS and STAGES
     comma-separated, default bf16,fp32 and 0,1,2,3."""
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    pretrain_args = args[args.index("--pretrain") + 1 :] if "--pretrain" in args else None
-    args = args[: args.index("--pretrain")] if pretrain_args is not None else args
+    groups: list[list[str]] = [[]]  # the job's own arguments, then each --pretrain's
+    for arg in sys.argv[1:]:
+        if arg == "--pretrain":
+            groups.append([])
+        elif not arg.startswith("--local_rank"):
+            groups[-1].append(arg)
+    args, pretrain_runs = groups[0], groups[1:]
     data, run, out = (Path(a) for a in args[:3])
     precisions = (args[3] if len(args) > 3 else "bf16,fp32").split(",")
     stages = [int(z) for z in (args[4] if len(args) > 4 else "0,1,2,3").split(",")]
@@ -248,9 +252,9 @@ def main() -> None:
     if rank == 0:
         out.write_text(json.dumps(report, indent=1))
     torch.distributed.barrier()
-    if pretrain_args is not None:
-        from shatter.train.pretrain import main as pretrain
+    from shatter.train.pretrain import main as pretrain
 
+    for pretrain_args in pretrain_runs:
         pretrain.main(pretrain_args, standalone_mode=False)
 
 

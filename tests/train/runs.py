@@ -112,7 +112,6 @@ def in_process(data: Path | str, run: Path, *extra: str, config: Path = TINY):
     click's result (`exit_code`, `output` with the stderr lines). What the run set in this
     process (the rendezvous variables, the stop signals' handlers) is put back after it, so a
     job launched later is not taken for one of its ranks."""
-
     from click.testing import CliRunner
 
     from shatter.train.pretrain import main

@@ -1,9 +1,9 @@
-"""xlnet-tiny through `deepspeed --num_gpus 2 train/pretrain.py` on CPU ranks with its default
-objective, the permutation LM: the PLM loss falls, validation is labelled plm, and the export
-loads single-stream. In this process (a world of one, no launcher): a resume from a checkpoint
-reproduces the uninterrupted losses exactly, and a checkpoint missing weights is refused in one
-line. (A row's PLM targets and order depend on no rank, so a resume's exactness is the world of
-one's; test_pretrain.py resumes 2-rank runs killed at each point of a save.)"""
+"""xlnet-tiny's pretraining with its default objective, the permutation LM, in this process (a
+world of one, no launcher): a resume from a checkpoint reproduces the uninterrupted losses
+exactly, and a checkpoint missing weights is refused in one line. (A row's PLM targets and order
+depend on no rank, so a resume's exactness is the world of one's; test_pretrain.py resumes 2-rank
+runs killed at each point of a save. The 2-rank PLM run, whose loss falls and whose export is the
+engine's model, shares tests/train/test_ranks.py's launch.)"""
 
 import json
 from pathlib import Path
@@ -11,40 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-import shatter
 from shatter import safe_load
-from shatter.shards import read_index
 from shatter.shards.reader import sha256_file
-from shatter.train.config import DataArgs
-from shatter.train.evaluate import evaluate
-from shatter.train.loader import validation_stream
 from tests.train.runs import (
-    FP32_ARGS,
     at_step,
-    command,
     fewer_eval_rows,
     in_process,
     metrics,
-    run_to_end,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
-# test_pretrain's fp32 ZeRO-1 run, shortened to 30 steps (the last value of a flag wins)
-ARGS = (*FP32_ARGS, "--preset", "xlnet-tiny", "--max-steps", "30", "--eval-every", "15")
-EVAL_ROWS = 128  # an evaluation of xlnet-tiny's two streams: about 6 CPU-s per 128 rows
 # the runs in this process: 4 steps, checkpoints at 2 and 4, validation (of 16 rows) at 4
 SHORT = ("--preset", "xlnet-tiny", "--micro-batch", "4", "--max-steps", "4", "--save-every", "2")
 SHORT += ("--eval-every", "0", "--log-every", "1", "--num-workers", "0", "--no-progress")
-
-
-@pytest.fixture(scope="module")
-def plm_run(books_data, tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("xlnet")
-    run = tmp / "run"
-    config = fewer_eval_rows(tmp / "tiny.yaml", EVAL_ROWS)
-    run_to_end(command(books_data, run, *ARGS, config=config))
-    return run
 
 
 @pytest.fixture(scope="module")
@@ -55,29 +35,6 @@ def short_run(books_data, tmp_path_factory) -> tuple[Path, Path]:
     done = in_process(books_data, run, *SHORT, config=config)
     assert done.exit_code == 0, done.output[-3000:]
     return run, config
-
-
-def test_plm_loss_falls_and_validation_is_labelled_plm(books_data, plm_run):
-    train, val = metrics(plm_run)
-    assert sorted(train) == list(range(1, 31))
-    first, last = sum(train[s] for s in range(1, 6)) / 5, sum(train[s] for s in range(26, 31)) / 5
-    assert last < first - 0.5, (first, last)
-    assert val[30]["loss"] < val[15]["loss"]
-    assert {v["objective"] for v in val.values()} == {"plm"}
-    # the export is the engine's model: its query stream gives the run's own validation figures
-    model = shatter.from_pretrained(plm_run / "export")
-    assert model.config.arch == "xlnet"
-    stream = validation_stream(
-        read_index(books_data),
-        DataArgs(eval_samples=EVAL_ROWS, objective="plm"),
-        batch_size=16,
-        seq_len=64,
-        rank=0,
-        world_size=1,
-    )
-    mine = evaluate(model, iter(stream), torch.device("cpu"), distributed=False)
-    assert mine["predictions"] == val[30]["predictions"]
-    assert mine["loss"] == pytest.approx(val[30]["loss"], rel=1e-5)
 
 
 def test_a_resume_gives_the_same_plm_losses(books_data, short_run, tmp_path):

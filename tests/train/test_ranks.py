@@ -2,19 +2,27 @@
 three things a multi-rank run must get right at every ZeRO stage: the export is the fp32 masters
 (bf16 at ZeRO-0 crashed), a NaN step is skipped (fp32 at ZeRO-0 kept the NaN), and a validation
 whose rows do not split evenly ends on every rank after the same forwards (ZeRO-3 forwards are
-collectives) with the single-process metric. The same launch then runs train/pretrain.py in bf16
-with ZeRO-2 and dynamic whole-word masking on its ranks. The job is bounded in time: a hang fails
-the test."""
+collectives) with the single-process metric. The same launch then runs train/pretrain.py on its
+ranks twice: in bf16 with ZeRO-2 and dynamic whole-word masking, and xlnet-tiny with its default
+objective, the permutation LM (its loss falls, its validation is labelled plm, its export loads
+single-stream). The job is bounded in time: a hang fails the test."""
 
 import json
 import math
 import subprocess
 
 import pytest
+import torch
 
+import shatter
+from shatter.shards import read_index
+from shatter.train.config import DataArgs
+from shatter.train.evaluate import evaluate
+from shatter.train.loader import validation_stream
 from tests.jobs import child_env, free_port, run_command
 from tests.train.runs import (
     BIN,
+    FP32_ARGS,
     REPO,
     check_exports,
     check_nan_skips,
@@ -32,17 +40,21 @@ EVAL_ROWS = 128  # validation rows of the bf16 run (configs/cpu-tiny.yaml: 512)
 BF16 = ("--max-steps", "6", "--precision", "bf16", "--zero-stage", "2", "--masking", "dynamic")
 BF16 += ("--whole-word", "--save-every", "3", "--eval-every", "6", "--export-every", "3")
 BF16 += ("--micro-batch", "4", "--log-every", "1")
+# test_pretrain's fp32 ZeRO-1 run, xlnet-tiny's, shortened to 30 steps (the last value of a flag
+# wins); an evaluation of xlnet-tiny's two streams costs about 6 CPU-s per 128 rows
+XLNET = (*FP32_ARGS, "--preset", "xlnet-tiny", "--max-steps", "30", "--eval-every", "15")
 
 
 def run_ranks_job(books_data, tmp_path_factory) -> dict:
-    """tests/train/ranks_job.py under the launcher, then the bf16 run on its ranks: its report,
-    with the bf16 run's directory at "bf16_run"."""
+    """tests/train/ranks_job.py under the launcher, then the bf16 and the xlnet runs on its ranks:
+    its report, with the runs' directories at "bf16_run" and "xlnet_run"."""
     tmp = tmp_path_factory.mktemp("ranks")
-    out, run = tmp / "report.json", tmp / "bf16" / "run"
+    out, run, xlnet = tmp / "report.json", tmp / "bf16" / "run", tmp / "xlnet" / "run"
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
     cmd += [str(REPO / "tests" / "train" / "ranks_job.py"), str(books_data), str(tmp), str(out)]
     config = fewer_eval_rows(tmp / "tiny.yaml", EVAL_ROWS)
     cmd += ["--pretrain", *command(books_data, run, *BF16, launcher=[], config=config)[1:]]
+    cmd += ["--pretrain", *command(books_data, xlnet, *XLNET, launcher=[], config=config)[1:]]
     try:
         done = run_command(cmd, timeout=240, env=child_env())
     except subprocess.TimeoutExpired as err:
@@ -51,7 +63,7 @@ def run_ranks_job(books_data, tmp_path_factory) -> dict:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
     print(json.dumps(result, indent=1))
-    return {**result, "bf16_run": run}
+    return {**result, "bf16_run": run, "xlnet_run": xlnet}
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +108,27 @@ def test_bf16_zero2_dynamic_whole_word_masking(books_data, report):
     mine = export_validation(run / "export", books_data, eval_samples=EVAL_ROWS)
     # the engine ran bf16 weights; the export holds the fp32 masters consolidated from both partitions
     assert mine["loss"] == pytest.approx(val[6]["loss"], abs=0.05)
+
+
+def test_xlnet_plm_loss_falls_and_validation_is_labelled_plm(books_data, report):
+    plm_run = report["xlnet_run"]
+    train, val = metrics(plm_run)
+    assert sorted(train) == list(range(1, 31))
+    first, last = sum(train[s] for s in range(1, 6)) / 5, sum(train[s] for s in range(26, 31)) / 5
+    assert last < first - 0.5, (first, last)
+    assert val[30]["loss"] < val[15]["loss"]
+    assert {v["objective"] for v in val.values()} == {"plm"}
+    # the export is the engine's model: its query stream gives the run's own validation figures
+    model = shatter.from_pretrained(plm_run / "export")
+    assert model.config.arch == "xlnet"
+    stream = validation_stream(
+        read_index(books_data),
+        DataArgs(eval_samples=EVAL_ROWS, objective="plm"),
+        batch_size=16,
+        seq_len=64,
+        rank=0,
+        world_size=1,
+    )
+    mine = evaluate(model, iter(stream), torch.device("cpu"), distributed=False)
+    assert mine["predictions"] == val[30]["predictions"]
+    assert mine["loss"] == pytest.approx(val[30]["loss"], rel=1e-5)
