@@ -1,6 +1,6 @@
 """Helpers of the trainer's tests that launch pretraining: the command under the deepspeed
 launcher (or another), a run to its end or in this process, its logged metrics, the tiny config
-with fewer validation rows, a copy of a run as of an older checkpoint, and the checks of
+cheap to run, a copy of a run as of an older checkpoint, and the checks of
 tests/train/ranks_job.py's report."""
 
 import json
@@ -42,16 +42,17 @@ FP32_ARGS = (
 )
 
 
-def cheap_config(to: Path, changes: dict[str, str] | None = None) -> Path:
+def cheap_config(
+    to: Path, changes: dict[str, str] | None = None, eval_rows: int = 16, tensorboard: bool = False
+) -> Path:
     """configs/cpu-tiny.yaml written to `to`, for runs whose validation figures and TensorBoard
     files no assert reads: 16 validation rows (its 512 cost more CPU seconds than a short run's
-    steps), no TensorBoard writer (half a CPU-second of imports a rank); then each text of
-    `changes` replaced (each must be there)."""
+    steps; `eval_rows` where an assert reads them), no TensorBoard writer (half a CPU-second of
+    imports a rank; `tensorboard` where an assert reads its files); then each text of `changes`
+    replaced (each must be there)."""
     text = (REPO / "configs" / "cpu-tiny.yaml").read_text()
-    cheap = [
-        ("  eval_samples: 512 ", "  eval_samples: 16 "),
-        ("run:\n", "run:\n  tensorboard: false\n"),
-    ]
+    cheap = [("  eval_samples: 512 ", f"  eval_samples: {eval_rows} ")]
+    cheap += [] if tensorboard else [("run:\n", "run:\n  tensorboard: false\n")]
     for old, new in [*cheap, *(changes or {}).items()]:
         assert old in text, f"configs/cpu-tiny.yaml has no {old!r}"
         text = text.replace(old, new, 1)
@@ -84,15 +85,6 @@ def command(
         str(config),
         *extra,
     ]
-
-
-def fewer_eval_rows(to: Path, rows: int) -> Path:
-    """configs/cpu-tiny.yaml, written to `to`, with `rows` validation rows an evaluation instead
-    of 512 (an evaluation of 512 rows costs about as much CPU as 100 steps of training)."""
-    text = TINY.read_text()
-    assert "  eval_samples: 512 " in text, "configs/cpu-tiny.yaml: its eval_samples moved"
-    to.write_text(text.replace("  eval_samples: 512 ", f"  eval_samples: {rows} "))
-    return to
 
 
 def run_to_end(

@@ -23,9 +23,9 @@ from tests.train.runs import (
     FP32_ARGS,
     REPO,
     SCRIPT,
+    cheap_config,
     command,
     export_validation,
-    fewer_eval_rows,
     in_process,
     metrics,
     run_to_end,
@@ -58,13 +58,15 @@ def count_requests(start: str) -> list[str]:
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> Path:
     """The launched runs' config: configs/cpu-tiny.yaml with EVAL_ROWS validation rows."""
-    return fewer_eval_rows(tmp_path_factory.mktemp("config") / "tiny.yaml", EVAL_ROWS)
+    return cheap_config(
+        tmp_path_factory.mktemp("config") / "tiny.yaml", eval_rows=EVAL_ROWS, tensorboard=True
+    )
 
 
 @pytest.fixture(scope="module")
 def few_rows(tmp_path_factory) -> Path:
-    """The config of the runs whose validation no assert reads: 16 rows."""
-    return fewer_eval_rows(tmp_path_factory.mktemp("config") / "few.yaml", 16)
+    """The config of the runs whose validation and TensorBoard files no assert reads."""
+    return cheap_config(tmp_path_factory.mktemp("config") / "few.yaml")
 
 
 @pytest.fixture(scope="module")

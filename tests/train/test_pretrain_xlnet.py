@@ -15,7 +15,7 @@ from shatter import safe_load
 from shatter.shards.reader import sha256_file
 from tests.train.runs import (
     at_step,
-    fewer_eval_rows,
+    cheap_config,
     in_process,
     metrics,
 )
@@ -31,7 +31,7 @@ SHORT += ("--eval-every", "0", "--log-every", "1", "--num-workers", "0", "--no-p
 def short_run(books_data, tmp_path_factory) -> tuple[Path, Path]:
     """A 4-step run in this process, and the config it ran with."""
     tmp = tmp_path_factory.mktemp("short")
-    run, config = tmp / "run", fewer_eval_rows(tmp / "tiny.yaml", 16)
+    run, config = tmp / "run", cheap_config(tmp / "tiny.yaml")
     done = in_process(books_data, run, *SHORT, config=config)
     assert done.exit_code == 0, done.output[-3000:]
     return run, config

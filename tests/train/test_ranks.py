@@ -24,11 +24,11 @@ from tests.train.runs import (
     BIN,
     FP32_ARGS,
     REPO,
+    cheap_config,
     check_exports,
     check_nan_skips,
     command,
     export_validation,
-    fewer_eval_rows,
     metrics,
 )
 
@@ -52,7 +52,7 @@ def run_ranks_job(books_data, tmp_path_factory) -> dict:
     out, run, xlnet = tmp / "report.json", tmp / "bf16" / "run", tmp / "xlnet" / "run"
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
     cmd += [str(REPO / "tests" / "train" / "ranks_job.py"), str(books_data), str(tmp), str(out)]
-    config = fewer_eval_rows(tmp / "tiny.yaml", EVAL_ROWS)
+    config = cheap_config(tmp / "tiny.yaml", eval_rows=EVAL_ROWS)
     cmd += ["--pretrain", *command(books_data, run, *BF16, launcher=[], config=config)[1:]]
     cmd += ["--pretrain", *command(books_data, xlnet, *XLNET, launcher=[], config=config)[1:]]
     try:
