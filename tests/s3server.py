@@ -99,3 +99,21 @@ def s3_server():
     yield server
     server.stop()
     mp.undo()
+
+
+def count_requests(start: str) -> list[str]:
+    """The requests to the loopback S3 server (its werkzeug log) that begin with `start`, from now."""
+    import logging
+
+    seen: list[str] = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            line = record.getMessage()
+            if start in line:
+                seen.append(line.split(start, 1)[1].split("?")[0].split(" ")[0])
+
+    logger = logging.getLogger("werkzeug")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Count())
+    return seen

@@ -19,6 +19,7 @@ from shatter import safe_load
 from shatter.shards import read_index
 from shatter.train.evaluate_cli import evaluate_export
 from tests.jobs import child_env
+from tests.s3server import count_requests
 from tests.train.runs import (
     FP32_ARGS,
     REPO,
@@ -35,24 +36,6 @@ from tests.train.runs import (
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 FAULTY = str(REPO / "tests" / "train" / "faulty_pretrain.py")
 EVAL_ROWS = 128  # validation rows an evaluation (configs/cpu-tiny.yaml: 512)
-
-
-def count_requests(start: str) -> list[str]:
-    """The requests to the loopback S3 server (its werkzeug log) that begin with `start`, from now."""
-    import logging
-
-    seen: list[str] = []
-
-    class Count(logging.Handler):
-        def emit(self, record):
-            line = record.getMessage()
-            if start in line:
-                seen.append(line.split(start, 1)[1].split("?")[0].split(" ")[0])
-
-    logger = logging.getLogger("werkzeug")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(Count())
-    return seen
 
 
 @pytest.fixture(scope="module")

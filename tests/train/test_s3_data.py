@@ -31,7 +31,7 @@ def test_a_dataset_three_times_the_cache_trains_two_epochs_as_from_local_disk(
     validation runs in each epoch: no reader loses a shard under it, and the losses, training
     and validation, are those of the same dataset on local disk, bit for bit (fp32). The S3 run's
     ranks cannot import Beam: a training node reads the store through fsspec alone."""
-    from tests.train.test_pretrain import count_requests
+    from tests.s3server import count_requests
 
     # six train shards (a step of two ranks reads two of them), one validation shard
     local = write_dataset(tmp_path / "data", shards=(16,) * 6, seq_len=32, val_rows=(24,))
