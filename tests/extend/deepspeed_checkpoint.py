@@ -16,11 +16,11 @@ os.environ.update(
     MASTER_PORT=os.environ.get("MASTER_PORT", "29561"),
 )
 
-from shatter.train.engine import extensions_dir  # noqa: E402
+from shatter.train.engine import build_extensions  # noqa: E402
 
-# Per-environment JIT cache (the trainer's choice): venvs sharing torch's default one rebuild
-# each other's shm_comm op, and a build killed midway leaves a lock that hangs the next user.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+# DeepSpeed's CPU op as the trainer gets it: its per-environment cache, the finished build loaded
+# as it is (torch's JIT builder would run ninja, which recompiles when its command line differs)
+build_extensions()
 
 import deepspeed  # noqa: E402
 

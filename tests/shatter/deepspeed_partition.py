@@ -17,9 +17,11 @@ os.environ.update(
     MASTER_PORT=os.environ.get("MASTER_PORT", "29563"),
 )
 
-from shatter.train.engine import extensions_dir  # noqa: E402
+from shatter.train.engine import build_extensions  # noqa: E402
 
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+# DeepSpeed's CPU op as the trainer gets it: its per-environment cache, the finished build loaded
+# as it is (torch's JIT builder would run ninja, which recompiles when its command line differs)
+build_extensions()
 
 import deepspeed  # noqa: E402
 
