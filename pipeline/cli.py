@@ -23,6 +23,8 @@ from shatter.options import click_options, group
 from shatter.pipeline import process
 from shatter.pipeline.config import CORPORA, BuildConfig, InputSpec
 
+_USER_GRPC_VERBOSITY = os.environ.get("GRPC_VERBOSITY")  # the user's own setting is kept
+
 
 class _DropBeamImportNoise(logging.Filter):
     """Importing Beam warns "apitools not found ..." (its optional BigQuery client) on every command.
@@ -51,6 +53,11 @@ def configure_logging(verbose: bool) -> None:
     logging.getLogger("apache_beam").setLevel(logging.INFO if verbose else logging.CRITICAL)
     logging.getLogger("apache_beam.options.pipeline_options").setLevel(logging.WARNING)
     threading.excepthook = _log_beam_thread_errors
+    # gRPC's C core (Beam's runner and its workers talk over it) prints INFO lines to stderr,
+    # e.g. "Got goaway ... err=UNAVAILABLE" when a worker dies; read when it starts, by the
+    # workers too. The build's own line says what failed; -v keeps gRPC's INFO.
+    if _USER_GRPC_VERBOSITY is None:
+        os.environ["GRPC_VERBOSITY"] = "INFO" if verbose else "ERROR"
 
 
 def _log_beam_thread_errors(args) -> None:
