@@ -45,10 +45,8 @@ if Path(sys.modules["shatter"].__file__).resolve().parents[1] != REPO:
         f"{REPO} with its own venv (make test)",
         returncode=2,
     )
-pytest_plugins = (
-    "tests.s3server",
-    "tests.cputime",
-)  # `s3_server`: a real S3 server on loopback; --cpu-durations
+# `s3_server`: a real S3 server on loopback; `--cpu-durations`
+pytest_plugins = ("tests.s3server", "tests.cputime")
 from tests.jobs import jobs_end_with_their_test, run_command  # noqa: E402, F401 (autouse)
 
 SHARED_DATA = Path(os.environ.get("SHATTER_SHARED_DATA", REPO.parent / "shared" / "data"))

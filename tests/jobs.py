@@ -27,14 +27,6 @@ def child_env(base: dict | None = None, **extra: str) -> dict:
     return {**env, **extra}
 
 
-def one_thread(env: dict) -> dict:
-    """`env` with one OpenMP thread unless it sets OMP_NUM_THREADS: the suite's workers and their
-    jobs already share the box's cores, and torch's OpenMP threads spin-wait for a core they do
-    not get (a one-process run with a thread per core beside other jobs used four times the CPU
-    seconds of the same run on one thread, at a quarter of its speed)."""
-    return {"OMP_NUM_THREADS": "1", **env}
-
-
 def free_port() -> int:
     """A port free now for a launcher's rendezvous: jobs run side by side (pytest-xdist's
     workers, other suites on the machine) and DeepSpeed's default, 29500, would be shared."""
@@ -46,11 +38,11 @@ def free_port() -> int:
 def run_command(
     cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:
-    """`cmd` run to its end in its own process group (in `env`, default child_env(); one OpenMP
-    thread unless `env` says otherwise), its output captured as text. Past `timeout` seconds the
-    whole group (a launcher, its ranks, their loader workers) is killed and
-    subprocess.TimeoutExpired raised, as subprocess.run does for the one child it knows."""
-    env = one_thread(child_env() if env is None else env)
+    """`cmd` run to its end in its own process group (in `env`, default child_env()), its output
+    captured as text. Past `timeout` seconds the whole group (a launcher, its ranks, their loader
+    workers) is killed and subprocess.TimeoutExpired raised, as subprocess.run does for the one
+    child it knows."""
+    env = child_env() if env is None else env
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
@@ -107,7 +99,7 @@ class Job:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=one_thread(child_env(None, **(env or {}))),
+            env=child_env(None, **(env or {})),
             start_new_session=True,
         )
         self.reader = threading.Thread(target=self._read, daemon=True)

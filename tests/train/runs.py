@@ -50,7 +50,7 @@ def cheap_config(
     steps; `eval_rows` where an assert reads them), no TensorBoard writer (half a CPU-second of
     imports a rank; `tensorboard` where an assert reads its files); then each text of `changes`
     replaced (each must be there)."""
-    text = (REPO / "configs" / "cpu-tiny.yaml").read_text()
+    text = TINY.read_text()
     cheap = [("  eval_samples: 512 ", f"  eval_samples: {eval_rows} ")]
     cheap += [] if tensorboard else [("run:\n", "run:\n  tensorboard: false\n")]
     for old, new in [*cheap, *(changes or {}).items()]:

@@ -84,12 +84,8 @@ class BenchConfig:
 
 def impls_for(device: torch.device) -> tuple[str, ...]:
     """The impls that run on `device` (auto is one of them, so it is not listed)."""
-    gpu_only = (
-        "triton",
-        "fused",
-        "rows",
-        "rows-keep",
-    )  # on the CPU only under Triton's interpreter
+    # on the CPU only under Triton's interpreter
+    gpu_only = ("triton", "fused", "rows", "rows-keep")
     names = [name for name in ATTENTION_IMPLS if name not in ("auto", *gpu_only)]
     if device.type == "cuda":
         names[:0] = ["rows", "rows-keep"]  # cuBLAS and Triton row kernels: any CUDA GPU
@@ -248,7 +244,8 @@ def _peak_mb(cfg: BenchConfig, model, optimizer, batch) -> float:
 
 def _resident_bytes(model, optimizer) -> int:
     """The bytes of a model's parameters, their gradients and its optimizer's state tensors."""
-    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+    params = list(model.parameters())
+    tensors = params + [p.grad for p in params]
     tensors += [v for state in optimizer.state.values() for v in state.values()]
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
