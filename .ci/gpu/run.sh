@@ -11,6 +11,10 @@
 #   bench     tools/bench/bench_kernel.py, then the whole-step benchmarks bench_model and bench_train
 #   jobs      the DeepSpeed and finetuning jobs of tests/train/test_gpu.py and
 #             tests/finetune/test_gpu.py (the V100 path among them), in parallel
+#   host      where a step's wall time goes: tools/bench/host_profile.py's bare step (eager
+#             against a replayed CUDA graph) and the `triton` attention's host cost and kernels,
+#             then bench_train's trainer against its bare step, under py-spy (wheels.sh brings
+#             it; the raw stacks come back gzipped)
 #   science   tools/reproduce.py science --scale gpu-small on the carried dataset .science/
 #             (make science-data): bert-small against shatter-small, extended to twice the length
 #   all       (the default) the base-shape kernels, the three benchmarks, the jobs: 9 minutes
@@ -44,10 +48,11 @@ case $MODE in
   bench) PLAN="env:90 bench_kernel:160 bench_model:130 bench_train:160" ;;
   jobs) PLAN="env:90 jobs:450" ;;
   science) PLAN="env:90 science:450" ;;
+  host) PLAN="env:90 host_step:110 host_op:130 host_train:200" ;;
   all) PLAN="env:90 kernel_base:80 bench_kernel:90 bench_model:70 bench_train:70 jobs:140" ;;
   rehearse) exec bash .ci/gpu/rehearse.sh "$@" ;;
   --env-step) ;;
-  *) echo "run.sh: error: unknown call '$MODE' (kernels, bench, jobs, science, all or rehearse) in $0" >&2; exit 2 ;;
+  *) echo "run.sh: error: unknown call '$MODE' (kernels, bench, jobs, science, host, all or rehearse) in $0" >&2; exit 2 ;;
 esac
 ((REHEARSE)) && [ "$MODE" = kernels ] && PLAN="$PLAN kernel_report:200"
 if [ "$MODE" != --env-step ]; then # this call's files only: an earlier call's are not counted
@@ -119,6 +124,20 @@ pytest_step() {
   per_test=$(awk "BEGIN {t = int($per_test * $SCALE); b = $(box "$name") - 20; print (t < b ? t : b)}")
   step "$name" "${pre[@]}" "$PY" -m pytest -q -s -p no:cacheprovider "${parallel[@]}" --timeout "$per_test" \
     --junitxml "$SCRATCH/$name.xml" -o junit_family=xunit1 "$@"
+}
+
+# spied NAME COMMAND...: step NAME, under py-spy (its raw stacks, gzipped, to $OUT/NAME.spy.gz)
+# where it is installed (wheels.sh brings it); else the command alone.
+spied() {
+  local name=$1 spy
+  shift
+  spy=$(command -v py-spy || true)
+  if [ -z "$spy" ] || [ "$DRY" = 1 ]; then
+    step "$name" "$@"
+    return
+  fi
+  step "$name" "$spy" record -r 100 --idle --threads -f raw -o "$SCRATCH/$name.spy" -- "$@"
+  [ -f "$SCRATCH/$name.spy" ] && gzip -c "$SCRATCH/$name.spy" >"$OUT/$name.spy.gz"
 }
 
 # The wheels are CPython 3.12 x86-64 builds: another interpreter keeps its own packages.
@@ -242,6 +261,13 @@ for item in $PLAN; do
       --markdown ;;
     bench_train) step bench_train "$PY" tools/bench/bench_train.py --device "$DEVICE" --precision bf16 \
       --vs-bare --sizes "$BENCH_SIZE" --archs bert,shatter,bert-rpe,bert-rab --steps "$BENCH_STEPS" ;;
+    host_step) step host_step "$PY" tools/bench/host_profile.py step --device "$DEVICE" \
+      --size "$BENCH_SIZE" ;;
+    host_op) if [ "$DEVICE" = cuda ]; then
+      spied host_op "$PY" tools/bench/host_profile.py op --loop-seconds 6
+    else SUMMARY+=("host_op: not rehearsed (it times CUDA kernels)"); fi ;;
+    host_train) spied host_train "$PY" tools/bench/bench_train.py --device "$DEVICE" --precision bf16 \
+      --vs-bare --sizes "$BENCH_SIZE" --archs bert,shatter --micro-batch 64 --steps "$BENCH_STEPS" ;;
     jobs) pytest_step jobs 150 "$JOB_WORKERS" -m gpu "${JOBS[@]}" "$@" ;;
     science) if [ -f .science/l128/index.json ] || [ "$DRY" = 1 ]; then
       step science "$PY" tools/reproduce.py science "${SCIENCE_ARGS[@]}"

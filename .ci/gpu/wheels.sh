@@ -13,7 +13,8 @@ PYTHON=${PYTHON:-python3}
 DEST=.whl
 # Pins: the releases the CPU suite runs. DeepSpeed ships an sdist only: its pure wheel is built.
 DEEPSPEED=deepspeed==0.19.8
-PINS=(apache-beam==2.77.0 "$DEEPSPEED")
+# py-spy: the `host` call samples the trainer's host stacks with it
+PINS=(apache-beam==2.77.0 "$DEEPSPEED" py-spy==0.4.3)
 # The GPU machine's Python packages (pip names), as its image lists them.
 IMAGE=(
   absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch
