@@ -12,8 +12,9 @@
 #   jobs      the DeepSpeed and finetuning jobs of tests/train/test_gpu.py and
 #             tests/finetune/test_gpu.py (the V100 path among them), in parallel
 #   host      where a step's wall time goes: tools/bench/host_profile.py's bare step (eager
-#             against a replayed CUDA graph) and the `triton` attention's host cost and kernels,
-#             then bench_train's trainer against its bare step, under py-spy (wheels.sh brings
+#             against a replayed CUDA graph, and Shatter compiled with inductor's CUDA graphs)
+#             and the `triton` attention's host cost and kernels, then bench_train's (compiled)
+#             trainer against its bare step, under py-spy (wheels.sh brings
 #             it; the raw stacks come back gzipped)
 #   science   tools/reproduce.py science --scale gpu-small on the carried dataset .science/
 #             (make science-data): bert-small against shatter-small, extended to twice the length
@@ -48,7 +49,7 @@ case $MODE in
   bench) PLAN="env:90 bench_kernel:160 bench_model:130 bench_train:160" ;;
   jobs) PLAN="env:90 jobs:450" ;;
   science) PLAN="env:90 science:450" ;;
-  host) PLAN="env:90 host_step:110 host_op:130 host_train:200" ;;
+  host) PLAN="env:90 host_step:150 host_op:80 host_train:220" ;;
   all) PLAN="env:90 kernel_base:80 bench_kernel:90 bench_model:70 bench_train:70 jobs:140" ;;
   rehearse) exec bash .ci/gpu/rehearse.sh "$@" ;;
   --env-step) ;;
@@ -262,7 +263,7 @@ for item in $PLAN; do
     bench_train) step bench_train "$PY" tools/bench/bench_train.py --device "$DEVICE" --precision bf16 \
       --vs-bare --sizes "$BENCH_SIZE" --archs bert,shatter,bert-rpe,bert-rab --steps "$BENCH_STEPS" ;;
     host_step) step host_step "$PY" tools/bench/host_profile.py step --device "$DEVICE" \
-      --size "$BENCH_SIZE" ;;
+      --size "$BENCH_SIZE" --compile shatter ;;
     host_op) if [ "$DEVICE" = cuda ]; then
       spied host_op "$PY" tools/bench/host_profile.py op --loop-seconds 6
     else SUMMARY+=("host_op: not rehearsed (it times CUDA kernels)"); fi ;;

@@ -13,8 +13,9 @@ size. Random full-length rows from tools/bench/bench_loader.synthetic_dataset (v
 With `--device cuda` the defaults are what users run (configs/h100x8-base-256.yaml): bf16,
 ZeRO-1, length 256, micro-batches 16 and 64 (`--micro-batch 16,64`). `--vs-bare` (the default
 with `--device cuda`): per contender, the trainer's own loop (train/loop.py over the real loader,
-tokens/s and MFU of its metrics.jsonl line after a warm-up window) beside the bare model step
-(forward, backward, torch's fused AdamW, the same precision, batches already on the device) and
+tokens/s and MFU of its metrics.jsonl line after a warm-up window; the model compiled where
+`run.compile` unset compiles, a GPU) beside the bare model step (eager: forward, backward,
+torch's fused AdamW, the same precision, batches already on the device) and
 their ratio: what the trainer's host work, DeepSpeed's wrapper and syncs cost. Each contender
 starts from freed memory with the peak counter reset, so its peak GiB is its own.
 """
@@ -206,6 +207,10 @@ def trainer_tokens_per_s(model, index, data_dir: Path, run_dir: Path, args) -> d
         cfg.optim,
         replace(cfg.run, tensorboard=False),
     )
+    from shatter.train.compiling import compile_model, wants_compile
+
+    if wants_compile(cfg.run.compile, args.device, cfg.run.zero_stage):
+        compile_model(model)  # as train/pretrain.py does: `run.compile` unset compiles on a GPU
     engine = build_engine(model, cfg, deepspeed_config(cfg, 1))
     run_dir.mkdir(parents=True, exist_ok=True)
     writer = MetricsWriter(run_dir, 0, False)

@@ -4,10 +4,11 @@
     python tools/bench/host_profile.py op [--lengths 256,1024] [--batch-tokens 16384]
 
 `step`: the bare model step (forward, backward, torch's fused AdamW, bf16 autocast, batches on the
-device) of each base arch three ways, ms a step, median of --steps: eager; eager with one host
-sync a step (`loss.item()`, as a trainer's logging does); the whole step captured once as a CUDA
-graph and replayed (no host work: the GPU's own time, the floor that CUDA graphs or fewer, larger
-kernels could reach). eager / graph is the host's share.
+device) of each base arch, ms a step, median of --steps: eager; eager with the MLM head's
+positions gathered by an index made beforehand (no host sync in the forward); that step captured
+once as a CUDA graph and replayed (no host work: the GPU's own time, the floor that CUDA graphs or
+fewer, larger kernels could reach); with `--compile ARCHS`, torch.compile's "reduce-overhead"
+mode (inductor's CUDA graphs) over batches of varying masks. eager / graph is the host's share.
 
 `op`: the `triton` attention (fwd+bwd) at each length, at the batch of --batch-tokens and at
 batch 1 (where the GPU idles and the time is the host's), eager and as a replayed CUDA graph;
@@ -57,9 +58,9 @@ def _graphed(fn, warmup: int = 3):
 
 
 def _batch(
-    micro_batch: int, seq_len: int, device: str, vocab: int = 32000
+    micro_batch: int, seq_len: int, device: str, vocab: int = 32000, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, vocab, (micro_batch, seq_len), generator=g)
     labels = torch.where(torch.rand(micro_batch, seq_len, generator=g) < 0.15, ids, -100)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
@@ -115,6 +116,58 @@ def step_rows(
     return rows
 
 
+def compiled_ms(
+    arch: str, micro_batch: int, seq_len: int, steps: int, device: str, size: str, mode
+):
+    """(seconds of the first 8 steps, which compile; ms a step after) of the model's own forward
+    compiled by torch.compile in `mode`, over 4 batches of different masks."""
+    import itertools
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = shatter.build_model(f"{arch}-{size}", vocab_size=32000, max_len=max(512, seq_len))
+    model = model.to(device)
+    model.compile(mode=mode)
+    cuda = device == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    batches = itertools.cycle([_batch(micro_batch, seq_len, device, seed=i) for i in range(4)])
+
+    def step():
+        if mode:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(**next(batches))["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    for _ in range(8):  # every mask's graphs compiled, and recompiled with M dynamic
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, _ms(step, steps, cuda)
+
+
+def graphed_compile_rows(
+    arch: str, micro_batch: int, seq_len: int, steps: int, device: str, size: str
+):
+    """ms a step compiled in torch.compile's "reduce-overhead" mode: inductor's CUDA graphs, where
+    graphs whose shapes vary (the MLM head's, whose gathered positions change from batch to
+    batch) run without them. The trainer's own compilation (inductor's default mode) is
+    bench_train.py's."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.triton.cudagraph_skip_dynamic_graphs = True
+    mode = "reduce-overhead"
+    try:
+        first, ms = compiled_ms(arch, micro_batch, seq_len, steps, device, size, mode)
+    except Exception as e:  # noqa: BLE001  (a failure to compile is a finding, not the end)
+        print(f"{arch}: {mode} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return {}
+    return {f"compiled, CUDA graphs (first 8 steps {first:.0f} s)": ms}
+
+
 def op_rows(L: int, B: int, steps: int) -> dict[str, float]:
     from shatter.tools.bench.bench_kernel import _fwd_bwd, contenders
 
@@ -162,6 +215,11 @@ def main() -> None:
     parser.add_argument("--micro-batch", default="16,64")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--size", default="base")
+    parser.add_argument(
+        "--compile",
+        default="",
+        help="step: these archs also compiled with CUDA graphs (last --micro-batch)",
+    )
     parser.add_argument("--lengths", default="256,1024")
     parser.add_argument("--batch-tokens", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=20)
@@ -175,9 +233,14 @@ def main() -> None:
         raise SystemExit("host_profile: needs a CUDA device (tools/bench/host_profile.py)")
     print(f"{torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}, bf16")
     if args.what == "step":
-        for mb in map(int, args.micro_batch.split(",")):
+        sizes = list(map(int, args.micro_batch.split(",")))
+        for mb in sizes:
             for arch in args.archs.split(","):
                 rows = step_rows(arch, mb, args.seq_len, args.steps, args.device, args.size)
+                if arch in args.compile.split(",") and mb == sizes[-1]:
+                    rows |= graphed_compile_rows(
+                        arch, mb, args.seq_len, args.steps, args.device, args.size
+                    )
                 floor = rows.get("CUDA graph", rows["eager, no sync"])
                 cells = ", ".join(f"{k} {v:.2f} ms ({v / floor:.2f}x)" for k, v in rows.items())
                 print(f"{arch}-{args.size}, {mb} x {args.seq_len}: {cells}", flush=True)
