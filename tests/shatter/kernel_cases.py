@@ -5,6 +5,7 @@ partition_mix_naive on Z0 = Q Xᵀ/√d, autograd through it), values and gradie
 import math
 import os
 
+import pytest
 import torch
 
 from shatter.attention.lean import partition_mix_naive
@@ -53,6 +54,26 @@ CASES = {  # B, L, d, n, bias, key lengths, sigmoid: L not a multiple of the 16-
     "1h-softmax, one sequence all padding": (3, 20, 32, 4, False, [20, 13, 0], False),
     "softmax with the part bias, n=12": (1, 20, 48, 12, True, [14], False),
 }
+
+# Under the interpreter (CPU seconds a case) fp32 takes every case and the 16-bit dtypes two each:
+# between them sigmoid and softmax, with and without the part bias, and a sequence of padding only
+# in each dtype (the dtype changes the loads', stores' and dots' types, not the branches a case
+# takes). Compiled (the GPU lane), every case in every dtype.
+ROUNDED_CASES = {
+    torch.float16: ("1h-sigmoid, one sequence all padding", "softmax with the part bias, n=12"),
+    torch.bfloat16: ("1h-softmax, one sequence all padding", "shatter n=8"),
+}
+DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def equality_params(dtypes) -> list:
+    """The (case, dtype) parameters of the equality tests in `dtypes`, ids "case-fp16"."""
+    return [
+        pytest.param(case, dtype, id=f"{case}-{DTYPE_IDS[dtype]}")
+        for dtype in dtypes
+        for case in CASES
+        if not INTERPRET or dtype == torch.float32 or case in ROUNDED_CASES[dtype]
+    ]
 
 
 def assert_equals_naive(impl, case: str, dtype: torch.dtype) -> None:

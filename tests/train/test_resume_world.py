@@ -3,17 +3,18 @@ and of 2 resumed on 1, through DeepSpeed's universal checkpoint, trains on at th
 sample: with the same global batch (2 ranks × 1 micro-batch = 1 rank × 2) the losses are those of
 a run that never stopped, to the reduction order. And a resume with another --max-steps follows
 the new run's schedule. The four chains of runs are independent: each runs when a test first
-reads it. Each chain goes 1 -> 2 -> 1 ranks: both directions of a resume, one 2-rank launch."""
+reads it. Each chain goes 1 -> 2 -> 1 ranks: both directions of a resume, one 2-rank launch; a
+world of one trains in this process (the same run as `python train/pretrain.py`, without its
+process's start-up)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from shatter.train.config import OptimArgs, lr_at
 from tests.jobs import Outcome, Runs
-from tests.train.runs import at_step, cheap_config, command, metrics, run_to_end
+from tests.train.runs import at_step, cheap_config, command, in_process, metrics, run_to_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
 
@@ -32,17 +33,18 @@ def _config(tmp: Path, decay: str) -> Path:
     )
 
 
-def _segment(data: Path, run: Path, config: Path, ranks: int, zero: int, max_steps: int):
-    """Train `run` to `max_steps` on `ranks` ranks: 4 rows a micro-batch, 8 a step."""
-    args = ("--config", str(config), "--zero-stage", str(zero), "--micro-batch", "4")
-    args += ("--grad-accum", str(2 // ranks), "--max-steps", str(max_steps), "--lr", "2e-3")
-    args += ("--save-every", str(SEGMENT), "--eval-every", "0", "--log-every", "1")
-    args += ("--num-workers", "0", "--no-progress")
+def _segment(data: Path, run: Path, config: Path, ranks: int, zero: int, max_steps: int) -> str:
+    """Train `run` to `max_steps` on `ranks` ranks: 4 rows a micro-batch, 8 a step; its stderr.
+    One rank trains in this process (a world of one without a launcher, as `python
+    train/pretrain.py`), 2 under the deepspeed launcher."""
+    args = ("--zero-stage", str(zero), "--micro-batch", "4", "--grad-accum", str(2 // ranks))
+    args += ("--max-steps", str(max_steps), "--lr", "2e-3", "--save-every", str(SEGMENT))
+    args += ("--eval-every", "0", "--log-every", "1", "--num-workers", "0", "--no-progress")
     if ranks == 1:
-        cmd = command(data, run, *args, launcher=[sys.executable])
-    else:
-        cmd = command(data, run, *args, ranks=ranks)
-    return run_to_end(cmd, timeout=300)
+        done = in_process(data, run, *args, config=config)
+        assert done.exit_code == 0, (done.exception, done.output[-4000:])
+        return done.output
+    return run_to_end(command(data, run, *args, ranks=ranks, config=config), timeout=300).stderr
 
 
 def _check(chain: dict[int, float], reference: dict[int, float], label: str) -> float:
@@ -60,15 +62,21 @@ def _reference_and_zero1(data: Path, tmp: Path, config: Path) -> tuple[dict, dic
     reference = tmp / "reference"
     _segment(data, reference, config, ranks=1, zero=1, max_steps=3 * SEGMENT)
     chain = at_step(reference, SEGMENT, tmp / "zero1")
-    done = _segment(data, chain, config, ranks=2, zero=1, max_steps=2 * SEGMENT)
-    assert "written by 1 ranks, this run has 2: converting" in done.stderr, done.stderr[-3000:]
-    done = _segment(data, chain, config, ranks=1, zero=1, max_steps=3 * SEGMENT)
-    assert "written by 2 ranks, this run has 1: converting" in done.stderr, done.stderr[-3000:]
+    stderr = _segment(data, chain, config, ranks=2, zero=1, max_steps=2 * SEGMENT)
+    assert "written by 1 ranks, this run has 2: converting" in stderr, stderr[-3000:]
+    stderr = _segment(data, chain, config, ranks=1, zero=1, max_steps=3 * SEGMENT)
+    assert "written by 2 ranks, this run has 1: converting" in stderr, stderr[-3000:]
     return metrics(reference)[0], metrics(chain)[0]
 
 
-def _one_two_one(data: Path, chain: Path, config: Path, zero: int) -> Path:
-    for step, ranks in enumerate((1, 2, 1), start=1):
+def _one_two_one(data: Path, tmp: Path, config: Path, zero: int) -> Path:
+    """ZeRO-`zero`, SEGMENT steps on 1 rank, on 2, then on 1. The first run's lock is this
+    process's until it ends (a run holds RUN/run.lock for its process's life): the launch
+    continues a copy of it."""
+    first = tmp / "first"
+    _segment(data, first, config, ranks=1, zero=zero, max_steps=SEGMENT)
+    chain = at_step(first, SEGMENT, tmp / "run")
+    for step, ranks in enumerate((2, 1), start=2):
         _segment(data, chain, config, ranks=ranks, zero=zero, max_steps=step * SEGMENT)
     return chain
 
@@ -76,7 +84,7 @@ def _one_two_one(data: Path, chain: Path, config: Path, zero: int) -> Path:
 def _longer(data: Path, run: Path, config: Path) -> str:
     """A finished 4-step run, then the same run to 8 steps: the second run's stderr."""
     _segment(data, run, config, ranks=1, zero=1, max_steps=4)
-    return _segment(data, run, config, ranks=1, zero=1, max_steps=8).stderr
+    return _segment(data, run, config, ranks=1, zero=1, max_steps=8)
 
 
 def run_chains(books_data, tmp_path_factory) -> dict[str, Outcome]:
@@ -87,8 +95,8 @@ def run_chains(books_data, tmp_path_factory) -> dict[str, Outcome]:
     return Runs(
         {
             "zero1": lambda: _reference_and_zero1(books_data, tmp["zero1"], constant),
-            "zero2": lambda: _one_two_one(books_data, tmp["zero2"] / "run", constant, 2),
-            "zero3": lambda: _one_two_one(books_data, tmp["zero3"] / "run", constant, 3),
+            "zero2": lambda: _one_two_one(books_data, tmp["zero2"], constant, 2),
+            "zero3": lambda: _one_two_one(books_data, tmp["zero3"], constant, 3),
             "longer": lambda: (
                 tmp["longer"] / "run",
                 _longer(books_data, tmp["longer"] / "run", linear),
