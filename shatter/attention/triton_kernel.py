@@ -59,25 +59,31 @@ def kernel_meta(d: int, n: int, dtype: torch.dtype) -> dict:
 
 
 def _check(Q, X, V, c, mask, table, impl="triton"):
+    """The shapes and dtypes the kernels take, else a ValueError naming the first problem. Each
+    message is a lambda, formatted only when its check fails: this runs on every call, and the
+    host's time per call is what an eager step pays for (docs/benchmarks.md)."""
     B, L, d = Q.shape
     n = table.shape[0]
     max_len = (table.shape[1] + 1) // 2
+    shape = lambda t: tuple(t.shape) if t is not None else None  # noqa: E731
     problems = [
-        (X.shape != Q.shape, f"X has shape {tuple(X.shape)}, Q {tuple(Q.shape)}"),
-        (n % 2 or not 4 <= n <= MAX_PARTS, f"n = {n} parts; the kernel takes an even n in 4..16"),
-        (d % n or d // n > 128, f"d = {d} is not n = {n} parts of at most 128"),
-        (tuple(V.shape) != (B, n, L, d // n), f"V has shape {tuple(V.shape)}, not {(B, n, L, d // n)}"),
-        (c is not None and tuple(c.shape) != (B, L, n), f"c has shape {tuple(c.shape) if c is not None else None}"),
-        (tuple(mask.shape) != (B, L), f"mask has shape {tuple(mask.shape)}, not {(B, L)}"),
-        (L > max_len, f"sequence length {L} exceeds the table's max_len {max_len}"),
-        (Q.dtype not in (torch.float16, torch.bfloat16, torch.float32), f"dtype {Q.dtype}"),
-        (X.dtype != Q.dtype or V.dtype != Q.dtype, f"Q, X, V dtypes {Q.dtype}, {X.dtype}, {V.dtype} differ"),
-        (table.dtype != torch.float32, f"the partition table is {table.dtype}, not float32"),
-        (Q.device.type == "cpu" and not INTERPRET, "CPU tensors need TRITON_INTERPRET=1"),
+        (X.shape != Q.shape, lambda: f"X has shape {shape(X)}, Q {shape(Q)}"),
+        (n % 2 or not 4 <= n <= MAX_PARTS, lambda: f"n = {n} parts; the kernel takes an even n in 4..16"),
+        (d % n or d // n > 128, lambda: f"d = {d} is not n = {n} parts of at most 128"),
+        (tuple(V.shape) != (B, n, L, d // n), lambda: f"V has shape {shape(V)}, not {(B, n, L, d // n)}"),
+        (c is not None and tuple(c.shape) != (B, L, n), lambda: f"c has shape {shape(c)}"),
+        (tuple(mask.shape) != (B, L), lambda: f"mask has shape {shape(mask)}, not {(B, L)}"),
+        (L > max_len, lambda: f"sequence length {L} exceeds the table's max_len {max_len}"),
+        (Q.dtype not in (torch.float16, torch.bfloat16, torch.float32), lambda: f"dtype {Q.dtype}"),
+        (X.dtype != Q.dtype or V.dtype != Q.dtype, lambda: f"Q, X, V dtypes {Q.dtype}, {X.dtype}, {V.dtype} differ"),
+        (table.dtype != torch.float32, lambda: f"the partition table is {table.dtype}, not float32"),
+        (Q.device.type == "cpu" and not INTERPRET, lambda: "CPU tensors need TRITON_INTERPRET=1"),
     ]  # fmt: skip
     for bad, what in problems:
         if bad:
-            raise ValueError(f"attention_impl {impl}: {what} (shatter/attention/triton_kernel.py)")
+            raise ValueError(
+                f"attention_impl {impl}: {what()} (shatter/attention/triton_kernel.py)"
+            )
 
 
 def _grid(L, block, per_batch, half=0):
