@@ -2,15 +2,14 @@
 the newest checkpoint is never loaded (the run falls back to the one before and keeps it), a
 partially copied run directory is refused in one line and left as it was, and nothing is ever
 deleted to make a resume work. What is decided by rank 0 alone before the engine is built (a
-refusal, a restart) and a full disk's line run in this process (tests/train/runs.py
-`in_process`, a world of one)."""
+refusal, a restart), a full disk's line and a divergence's run in this process
+(tests/train/runs.py `in_process`, a world of one)."""
 
 import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -220,28 +219,32 @@ def test_a_damaged_checkpoint_is_never_loaded_and_never_deleted(data, stops, tmp
     assert "--zero-stage 1 -> 0; --seed 0 -> 7" in errors[-1]
 
 
-def test_a_finite_divergence_stops_in_one_line_keeping_the_checkpoint_before_it(data, tmp_path):
-    """From step 13 on every loss is 100 times larger (tests/train/faulty_pretrain.py): three log
-    lines above 3 × the running median stop the run at step 15, in one line a rank; step 12's
-    checkpoint, from before the spike, survived the pruning of saves 13 and 14 (keep 2), which
-    are moved aside, so the same command resumes from it. One plain process: the verdict is on
-    the logged loss, which every rank shares."""
+def test_a_finite_divergence_stops_in_one_line_keeping_the_checkpoint_before_it(
+    data, tmp_path, monkeypatch
+):
+    """From step 13 on every loss is 100 times larger (as tests/train/faulty_pretrain.py's
+    SHATTER_TEST_SPIKE injects it, here in this process): three log lines above 3 × the running
+    median stop the run at step 15, in one line a rank; step 12's checkpoint, from before the
+    spike, survived the pruning of saves 13 and 14 (keep 2), which are moved aside, so the same
+    command resumes from it. A world of one: the verdict is on the logged loss, which every rank
+    shares."""
+    import deepspeed
+
+    forward = deepspeed.DeepSpeedEngine.forward
+
+    def spiking_forward(engine, *args, **kwargs):
+        out = forward(engine, *args, **kwargs)
+        if engine.training and engine.micro_steps >= 12:
+            out["loss"] = out["loss"] * 100.0  # a finite divergence from there on
+        return out
+
     run = tmp_path / "run"
-    cmd = command(
-        data, run, *FLAGS, "--max-steps", "40", "--save-every", "1", launcher=[sys.executable]
-    )
-    cmd[cmd.index(SCRIPT)] = str(REPO / "tests" / "train" / "faulty_pretrain.py")
-    done = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=480,
-        cwd=REPO,
-        env=child_env(SHATTER_TEST_SPIKE="12"),
-    )
-    assert done.returncode != 0, done.stderr[-3000:]
-    errors = [x for x in (done.stdout + done.stderr).splitlines() if x.startswith("Error: ")]
-    assert 1 <= len(errors) <= 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    with monkeypatch.context() as patch:
+        patch.setattr(deepspeed.DeepSpeedEngine, "forward", spiking_forward)
+        done = alone(data, run, "--max-steps", "40", "--save-every", "1")
+    assert done.exit_code != 0, done.output[-3000:]
+    errors = [x for x in done.output.splitlines() if x.startswith("Error: ")]
+    assert 1 <= len(errors) <= 2 and "Traceback" not in done.output, done.output[-3000:]
     for line in errors:
         assert "at step 15 is above 3 × its running median" in line, line
         assert "healthy until step 12" in line and "step00000012, is the one a resume" in line
