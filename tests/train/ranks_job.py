@@ -11,9 +11,12 @@ what a multi-rank run must not get wrong; tests/train/test_ranks.py runs it and 
   (ranks × micro-batch), each evaluated on both ranks and, as the reference, by one process with
   the gathered weights over the same rows.
 - Then, for each `--pretrain ARGS...`, train/pretrain.py's command with ARGS on the job's ranks
-  (its process group already up), so that the tests of 2-rank runs share this launch.
+  (its process group already up), so that the tests of 2-rank runs share this launch; the last
+  as the process's program (`run_cli`): a failure of it ends the job in one line a rank.
 
     deepspeed --num_gpus 2 tests/train/ranks_job.py DATA RUN OUT.json [--pretrain ARGS...]...
+
+PRECISIONS `none` leaves the checks out: only the --pretrain runs.
 """
 
 import json
@@ -224,6 +227,7 @@ def main() -> None:
     args, pretrain_runs = groups[0], groups[1:]
     data, run, out = (Path(a) for a in args[:3])
     precisions = (args[3] if len(args) > 3 else "bf16,fp32").split(",")
+    precisions = [] if precisions == ["none"] else precisions
     stages = [int(z) for z in (args[4] if len(args) > 4 else "0,1,2,3").split(",")]
     rank, world = init_distributed()
     index = read_index(data)
@@ -256,10 +260,13 @@ def main() -> None:
     if rank == 0:
         out.write_text(json.dumps(report, indent=1))
     torch.distributed.barrier()
+    from shatter.train.lifecycle import run_cli
     from shatter.train.pretrain import main as pretrain
 
-    for pretrain_args in pretrain_runs:
+    for pretrain_args in pretrain_runs[:-1]:
         pretrain.main(pretrain_args, standalone_mode=False)
+    if pretrain_runs:
+        run_cli(lambda: pretrain.main(pretrain_runs[-1]))
 
 
 if __name__ == "__main__":

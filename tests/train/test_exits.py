@@ -1,7 +1,8 @@
 """Every exit path ends every rank: real failures under the real deepspeed launcher (two CPU
 ranks, gloo, two loader workers each) end the job with a non-zero exit soon after the failure,
-with one line naming the cause; a second signal exits at once; two "nodes" of one rank each
-through DeepSpeed's own multi-node path read disjoint data, checkpoint and resume."""
+with one line naming the cause; a corrupted shard does so in one plain process (its loader
+workers' failure is each rank's own); a second signal exits at once; two "nodes" of one rank
+each through DeepSpeed's own multi-node path read disjoint data, checkpoint and resume."""
 
 import json
 import os
@@ -10,13 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from shatter.train.lifecycle import one_line
 from tests.jobs import Job, Outcome, Runs, child_env, free_port
-from tests.train.runs import SCRIPT, command
+from tests.train.runs import SCRIPT, cheap_config, command
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -39,9 +41,18 @@ def _copy(data: Path, tmp: Path) -> Path:
     return out
 
 
-def launch(data: Path, run: Path, *extra: str, launcher: list[str] | None = None) -> list[str]:
+def launch(
+    data: Path,
+    run: Path,
+    *extra: str,
+    launcher: list[str] | None = None,
+    config: Path | None = None,
+) -> list[str]:
+    """The run's command (`config`: by default the tiny one with 16 validation rows and no
+    TensorBoard, written beside `run`)."""
     flags = ("--micro-batch", "4", "--num-workers", "2", "--no-progress")
-    return command(data, run, *flags, *extra, launcher=launcher)
+    config = config or cheap_config(run.parent / f"{run.name}.yaml")
+    return command(data, run, *flags, *extra, launcher=launcher, config=config)
 
 
 def _failure(job: Job, marker: str) -> tuple[Job, int, float]:
@@ -180,11 +191,13 @@ print("still alive", flush=True)
 
 
 def _corrupted(books_data: Path, tmp: Path, split: str, *extra: str) -> Job:
-    """A launch on a copy of the data whose `split` shards are all corrupted."""
+    """One plain process (a world of one, no launcher) on a copy of the data whose `split`
+    shards are all corrupted: each rank's loader workers fail on their own shards, so the
+    failure and its exit are one rank's (the launcher's end of the others is the faults')."""
     data = _copy(books_data, tmp)
     for shard in data.glob(f"{split}-*.arrow"):
         _corrupt(shard)
-    return Job(launch(data, tmp / "run", *extra))
+    return Job(launch(data, tmp / "run", *extra, launcher=[sys.executable]))
 
 
 def _unwritable_checkpoint(books_data: Path, tmp: Path) -> Job:
@@ -211,7 +224,7 @@ def _sigterm_during_checkpoints(books_data: Path, tmp: Path) -> tuple[Job, float
 
 
 def run_failures(books_data, tmp_path_factory) -> dict[str, Outcome]:
-    """The four failing launches of the tests below (tests/jobs.py Runs)."""
+    """The four failing runs of the tests below (tests/jobs.py Runs)."""
     tmp = {k: tmp_path_factory.mktemp(k) for k in ("train", "validation", "save", "sigterm")}
     validation = ("--max-steps", "6", "--eval-every", "2")
     return Runs(
@@ -270,54 +283,71 @@ def test_sigterm_during_checkpoints_saves_and_exits(failures):
     assert int(latest.removeprefix("step")) >= 2
 
 
-def two_nodes(data: Path, tmp: Path, runs: tuple, *extra: str, env: dict) -> list[Job]:
+RANKS_JOB = str(REPO / "tests" / "train" / "ranks_job.py")
+
+
+def two_nodes(data: Path, tmp: Path, runs) -> list[Job]:
     """One launcher per "node" of one rank (--no_ssh --node_rank), a shared hostfile, the master
-    on 127.0.0.1; node n writes to runs[n]."""
+    on 127.0.0.1; node n's rank runs tests/train/ranks_job.py's --pretrain runs `runs(n)` (its
+    engine checks left out)."""
     hostfile = tmp / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     port, jobs = free_port(), []
     for node in (0, 1):
         launcher = [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh"]
         launcher += ["--node_rank", str(node), "--master_addr", "127.0.0.1"]
-        launcher += ["--master_port", str(port)]
-        jobs.append(Job(launch(data, runs[node], *extra, launcher=launcher), env=env))
+        launcher += ["--master_port", str(port), RANKS_JOB, str(data)]
+        launcher += [str(tmp / f"job{node}"), str(tmp / f"job{node}.json"), "none"]
+        jobs.append(Job(launcher + runs(node)))
     return jobs
 
 
-def two_node_ranks(data: Path, runs: tuple, *extra: str) -> list[Job]:
-    """The ranks of `two_nodes` without their launchers: each a plain process given what its
-    node's launcher (deepspeed/launcher/launch.py) sets; node n writes to runs[n]."""
-    world = {"WORLD_SIZE": "2", "LOCAL_SIZE": "1", "CROSS_SIZE": "2", "LOCAL_RANK": "0"}
-    world |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    return [
-        Job(
-            launch(data, runs[node], *extra, launcher=[sys.executable]),
-            env={**world, "RANK": str(node), "CROSS_RANK": str(node)},
-        )
-        for node in (0, 1)
-    ]
+@dataclass
+class TwoNodes:
+    jobs: list[Job]  # node 0's, node 1's
+    run: Path  # the first two runs'
+    samples: Path  # their --sample-log
+    local: tuple[Path, Path]  # the third run's --output, one a node
+
+
+@pytest.fixture(scope="module")
+def two_node_job(books_data, tmp_path_factory) -> TwoNodes:
+    """`two_nodes` running three pretraining runs on the same two ranks: 3 steps, the resume of
+    their checkpoint to step 6, then a run whose --output is each node's own directory (as on
+    two disks), which must stop at start-up. A run that fails or stops raises out of
+    ranks_job.py before the next one starts: each rank's line about the third run says the
+    first two ended with exit 0."""
+    tmp = tmp_path_factory.mktemp("two-nodes")
+    run, log = tmp / "run", tmp / "samples"
+    local = (tmp / "node0" / "run", tmp / "node1" / "run")
+    for path in local:
+        path.parent.mkdir()
+    extra = ("--num-workers", "1", "--save-every", "3", "--eval-every", "0")
+    extra += ("--sample-log", str(log))
+
+    def runs(node: int) -> list[str]:
+        args = []
+        for max_steps in (3, 6):  # the second run resumes from the first's checkpoint
+            cmd = launch(books_data, run, *extra, "--max-steps", str(max_steps), launcher=[])
+            args += ["--pretrain", *cmd[1:]]
+        cmd = launch(books_data, local[node], "--num-workers", "0", "--max-steps", "3", launcher=[])
+        return [*args, "--pretrain", *cmd[1:]]
+
+    jobs = two_nodes(books_data, tmp, runs)
+    for job in jobs:
+        job.finish(timeout=400)
+    return TwoNodes(jobs, run, log, local)
 
 
 @pytest.mark.slow
 @pytest.mark.shared_data
-def test_two_nodes_of_one_rank_read_disjoint_data_and_resume(books_data, tmp_path):
+def test_two_nodes_of_one_rank_read_disjoint_data_and_resume(two_node_job):
     """DeepSpeed's multi-node path without ssh: one launcher per "node" (--no_ssh --node_rank),
-    a shared hostfile, the master on 127.0.0.1. The first run's ranks are started as those
-    launchers start them (`two_node_ranks`); the resume is launched."""
-    run, log = tmp_path / "run", tmp_path / "samples"
-
-    def nodes(max_steps: int) -> list[Job]:
-        extra = ("--num-workers", "1", "--max-steps", str(max_steps), "--save-every", "3")
-        extra += ("--eval-every", "0", "--sample-log", str(log))
-        if max_steps == 3:
-            return two_node_ranks(books_data, (run, run), *extra)
-        return two_nodes(books_data, tmp_path, (run, run), *extra, env={})
-
-    for max_steps in (3, 6):  # the second run resumes from the first's checkpoint
-        jobs = nodes(max_steps)
-        for job in jobs:
-            code, _ = job.finish(timeout=400)
-            assert code == 0, job.text[-4000:]
+    a shared hostfile, the master on 127.0.0.1; a run of 3 steps, then its resume to step 6."""
+    run, log = two_node_job.run, two_node_job.samples
+    for rank, job in enumerate(two_node_job.jobs):  # the first two runs ended with exit 0
+        assert f"Error: rank {rank}: " in job.text and "Traceback" not in job.text, job.text[-4000:]
+    assert "resuming from step 3" in two_node_job.jobs[0].text, two_node_job.jobs[0].text[-4000:]
     config = json.loads((run / "config.json").read_text())
     assert config["world_size"] == 2
     assert (run / "checkpoints" / "latest").read_text().strip() == "step00000006"
@@ -332,6 +362,22 @@ def test_two_nodes_of_one_rank_read_disjoint_data_and_resume(books_data, tmp_pat
     assert len(ids[0]) + len(ids[1]) == 6 * 2 * 4  # every global sample once
 
 
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_a_run_directory_local_to_each_node_stops_the_run_on_every_rank(two_node_job):
+    """Two "nodes" whose --output is each one's own disk (two directories): both stop at start-up
+    with one line saying the run directory must be shared, and nothing is trained. The check is
+    the ranks' own collective (the third run of `two_node_job`)."""
+    for rank, job in enumerate(two_node_job.jobs):
+        assert job.proc.returncode != 0, job.text[-3000:]
+        said = [line for _, line in job.lines if line.startswith(f"Error: rank {rank}:")]
+        assert len(said) == 1 and "is not shared: rank(s) 1 (" in said[0], job.text[-3000:]
+        assert "(NFS, Lustre, a FUSE mount)" in said[0] and "Traceback" not in job.text
+        print(said[0])  # the report's message (-s)
+    for run in two_node_job.local:
+        assert not (run / "checkpoints").exists() and not list(run.glob(".shared-check-*"))
+
+
 FAULTY = str(REPO / "tests" / "train" / "faulty_pretrain.py")
 TIMEOUT_S = 8  # run.collective_timeout_s of the fault runs: a blocked peer is noticed this soon
 
@@ -342,13 +388,9 @@ KINDS = ("raise", "block", "kill")
 def _fault(books_data: Path, tmp: Path, kind: str) -> tuple[Job, int, float]:
     """A launch whose rank 1 fails with `kind` in step 3's backward: (job, exit code, seconds
     from the fault's line to the end of the job's output)."""
-    config = tmp / "fault.yaml"
-    config.write_text(
-        (REPO / "configs" / "cpu-tiny.yaml")
-        .read_text()
-        .replace("run:\n", f"run:\n  collective_timeout_s: {TIMEOUT_S}\n")
-    )
-    cmd = launch(books_data, tmp / "run", "--max-steps", "20", "--config", str(config))
+    timeout = {"run:\n": f"run:\n  collective_timeout_s: {TIMEOUT_S}\n"}
+    config = cheap_config(tmp / "fault.yaml", timeout)
+    cmd = launch(books_data, tmp / "run", "--max-steps", "20", config=config)
     cmd[cmd.index(SCRIPT)] = FAULTY
     job = Job(cmd, env={"SHATTER_TEST_FAULT": f"{kind}:1:3"})
     try:
@@ -411,22 +453,3 @@ def test_a_fault_on_one_rank_ends_every_rank_within_a_minute(faults, kind):
         assert "injected failure in the backward" in errors[-1].split(cause)[1]
     if kind == "kill":
         assert "ended without a line (SIGKILL" in errors[-1]
-
-
-@pytest.mark.slow
-@pytest.mark.shared_data
-def test_a_run_directory_local_to_each_node_stops_the_run_on_every_rank(books_data, tmp_path):
-    """Two "nodes" whose --output is each one's own disk (two directories): both stop at start-up
-    with one line saying the run directory must be shared, and nothing is trained. The check is
-    the ranks' own collective: their launchers (test_two_nodes_... above) are left out."""
-    runs = (tmp_path / "node0" / "run", tmp_path / "node1" / "run")
-    jobs = two_node_ranks(books_data, runs, "--num-workers", "0", "--max-steps", "3")
-    for rank, job in enumerate(jobs):
-        code, _ = job.finish(timeout=300)
-        assert code != 0, job.text[-3000:]
-        said = [line for _, line in job.lines if line.startswith(f"Error: rank {rank}:")]
-        assert len(said) == 1 and "is not shared: rank(s) 1 (" in said[0], job.text[-3000:]
-        assert "(NFS, Lustre, a FUSE mount)" in said[0] and "Traceback" not in job.text
-        print(said[0])  # the report's message (-s)
-    for run in runs:
-        assert not (run / "checkpoints").exists() and not list(run.glob(".shared-check-*"))

@@ -2,13 +2,14 @@
 the newest checkpoint is never loaded (the run falls back to the one before and keeps it), a
 partially copied run directory is refused in one line and left as it was, and nothing is ever
 deleted to make a resume work. What is decided by rank 0 alone before the engine is built (a
-refusal, a restart) and a full disk's line run as one plain `python train/pretrain.py` process."""
+refusal, a restart), a full disk's line and a divergence's run in this process
+(tests/train/runs.py `in_process`, a world of one)."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 
 from shatter import safe_load
 from tests.jobs import Runs, child_env
-from tests.train.runs import SCRIPT, command
+from tests.train.runs import SCRIPT, command, in_process
 from tests.train.shardutil import write_dataset
 
 pytestmark = pytest.mark.slow
@@ -26,20 +27,24 @@ FLAGS = ("--micro-batch", "2", "--num-workers", "0", "--no-progress", "--eval-ev
 FLAGS += ("--save-every", "2", "--log-every", "1")
 
 
-def launch(data: Path, run: Path, *extra: str, ranks: int = 2) -> subprocess.CompletedProcess:
-    """The run under the deepspeed launcher, or (`ranks` 1) as one plain process: no launcher,
-    a world of one."""
-    cmd = command(data, run, *FLAGS, *extra, launcher=[sys.executable] if ranks == 1 else None)
+def launch(data: Path, run: Path, *extra: str) -> subprocess.CompletedProcess:
+    """The run under the deepspeed launcher."""
+    cmd = command(data, run, *FLAGS, *extra)
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=480, cwd=REPO, env=child_env()
     )
 
 
-def our_lines(done: subprocess.CompletedProcess) -> list[str]:
+def alone(data: Path, run: Path, *extra: str):
+    """The run in this process, a world of one: click's result (`exit_code`, `output`)."""
+    return in_process(data, run, *FLAGS, *extra)
+
+
+def our_lines(output: str) -> list[str]:
     """The trainer's own lines (DeepSpeed's launcher and logger lines left out)."""
     return [
         line
-        for line in (done.stdout + done.stderr).splitlines()
+        for line in output.splitlines()
         if line.strip() and not line.startswith("[") and "[launch.py" not in line
     ]
 
@@ -57,56 +62,6 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
-def test_a_damaged_checkpoint_is_never_loaded_and_never_deleted(data, tmp_path):
-    run = tmp_path / "run"
-    checkpoints = run / "checkpoints"
-    first = launch(data, run, "--max-steps", "6")  # saves 2, 4, 6; keeps 4 and 6
-    assert first.returncode == 0, first.stderr[-3000:]
-    manifest = json.loads((checkpoints / "step00000006" / "manifest.json").read_text())
-    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values()), manifest
-    optim = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    _flip(checkpoints / "step00000006" / optim)
-
-    second = launch(data, run, "--max-steps", "8")
-    text = second.stderr
-    assert second.returncode == 0, text[-3000:]
-    assert f"checkpoint {checkpoints / 'step00000006'} is damaged" in text, text[-3000:]
-    assert "falling back to the newest intact checkpoint step00000004" in text
-    assert "resuming from step 4" in text
-    assert (checkpoints / "damaged-step00000006" / optim).is_file()  # kept for a look
-    kept = sorted(p.name for p in checkpoints.glob("step*"))
-    assert kept == ["step00000004", "step00000006", "step00000008"], kept  # 4: protected
-
-    # a copy of the run directory still in progress: one optimizer file of each short
-    for step in (6, 8):
-        path = checkpoints / f"step{step:08d}" / optim
-        path.write_bytes(path.read_bytes()[:1000])
-    history = (run / "metrics.jsonl").read_text()
-    third = launch(data, run, "--max-steps", "10", ranks=1)  # rank 0 refuses
-    assert third.returncode != 0
-    assert "Traceback" not in third.stdout + third.stderr
-    mine = [line for line in our_lines(third) if "step00000006" in line and "damaged" in line]
-    assert mine and str(checkpoints / "step00000006" / optim) in mine[-1], third.stderr[-3000:]
-    assert "--restart" in mine[-1]
-    after = sorted(p.name for p in checkpoints.glob("step*"))
-    assert after == kept and (run / "metrics.jsonl").read_text() == history  # nothing touched
-
-    fourth = launch(data, run, "--max-steps", "2", "--restart", ranks=1)
-    assert fourth.returncode == 0, fourth.stderr[-3000:]
-    aside = next(run.glob("before-restart-*"))
-    assert sorted(p.name for p in (aside / "checkpoints").glob("step*")) == kept
-    assert (aside / "metrics.jsonl").read_text() == history
-    assert sorted(p.name for p in checkpoints.glob("step*")) == ["step00000002"]
-
-    # a resume with the settings its files and stream depend on changed: one line (DeepSpeed's
-    # own load failed with an AttributeError, and another seed silently broke the exact stream)
-    fifth = launch(data, run, "--max-steps", "4", "--zero-stage", "0", "--seed", "7", ranks=1)
-    assert fifth.returncode != 0 and "Traceback" not in fifth.stdout + fifth.stderr
-    errors = [x for x in our_lines(fifth) if x.startswith("Error: ")]
-    assert errors and "was written with other settings" in errors[-1], fifth.stderr[-3000:]
-    assert "--zero-stage 1 -> 0; --seed 0 -> 7" in errors[-1]
-
-
 def _processes_of(run: Path) -> list[int]:
     """The pids whose command line names `run` (the ranks of its job, their loader workers)."""
     pids = []
@@ -120,7 +75,7 @@ def _processes_of(run: Path) -> list[int]:
 
 
 def _stopped(data: Path, run: Path, stop, slow: bool) -> tuple[str, float]:
-    """Launch a long run, `stop(job)` it once 3 steps are logged; wait until none of its
+    """Launch a long run in `run`, `stop(job)` it once 3 steps are logged; wait until none of its
     processes is left: (RUN/train.log, seconds from the stop to the last process's end). A
     `slow` run has 4 micro-batches a step, each slowed down, and the launcher's SIGKILL taken to
     come 1 s after a stop request (tests/train/faulty_pretrain.py)."""
@@ -157,26 +112,40 @@ def _stopped(data: Path, run: Path, stop, slow: bool) -> tuple[str, float]:
     return (run / "train.log").read_text(), took
 
 
-def test_a_lost_runner_and_a_hang_up_each_save_then_exit(data, tmp_path):
+class Stops(Runs):
+    """The two stopped launches of the tests below, each in `root`/its name."""
+
+    def __init__(self, data: Path, root: Path):
+        cases = {
+            "runner": lambda job: os.kill(job.pid, signal.SIGTERM),
+            "hangup": lambda job: os.killpg(job.pid, signal.SIGHUP),
+        }
+        self.root = root
+        super().__init__(
+            {
+                name: lambda s=stop, n=name: _stopped(data, root / n, s, n == "hangup")
+                for name, stop in cases.items()
+            }
+        )
+
+
+@pytest.fixture(scope="module")
+def stops(data, tmp_path_factory) -> Stops:
+    """SIGTERM to the `deepspeed` runner only, and SIGHUP to a slow job's group: 2-rank runs
+    stopped after 3 steps (the runner's is also the damaged-checkpoint test's first run)."""
+    return Stops(data, tmp_path_factory.mktemp("stops"))
+
+
+def test_a_lost_runner_and_a_hang_up_each_save_then_exit(stops):
     """SIGTERM to the `deepspeed` runner only (docker stop, Kubernetes, systemd: the runner
     exits at once, its orphaned launcher keeps the ranks) and SIGHUP to the job's group (an ssh
     drop): every rank writes the cause to train.log, saves at the next step boundary and exits;
     the run lock is released. The hung-up run's steps are too long to finish within the grace:
     both ranks abandon the same step and save the one before, at its stream position."""
-    cases = {
-        "runner": lambda job: os.kill(job.pid, signal.SIGTERM),
-        "hangup": lambda job: os.killpg(job.pid, signal.SIGHUP),
-    }
-    outcomes = Runs(
-        {
-            name: lambda s=stop, n=name: _stopped(data, tmp_path / n, s, n == "hangup")
-            for name, stop in cases.items()
-        }
-    )
     for name, cause in (("runner", "lost the deepspeed runner"), ("hangup", "SIGHUP")):
-        log, took = outcomes[name].get()
+        log, took = stops[name].get()
         print(f"{name}: every process gone {took:.1f} s after the stop")
-        run = tmp_path / name
+        run = stops.root / name
         for rank in (0, 1):
             assert f"rank {rank}: {cause}" in log, log[-3000:]
         assert f"{cause}" in log and "checkpoint saved at step" in log, log[-3000:]
@@ -191,28 +160,91 @@ def test_a_lost_runner_and_a_hang_up_each_save_then_exit(data, tmp_path):
                 assert f"rank {rank}: SIGHUP: step {step + 1} abandoned after" in log, log[-3000:]
 
 
-def test_a_finite_divergence_stops_in_one_line_keeping_the_checkpoint_before_it(data, tmp_path):
-    """From step 13 on every loss is 100 times larger (tests/train/faulty_pretrain.py): three log
-    lines above 3 × the running median stop the run at step 15, in one line a rank; step 12's
-    checkpoint, from before the spike, survived the pruning of saves 13 and 14 (keep 2), which
-    are moved aside, so the same command resumes from it. One plain process: the verdict is on
-    the logged loss, which every rank shares."""
+def test_a_damaged_checkpoint_is_never_loaded_and_never_deleted(data, stops, tmp_path):
+    """On a copy of the run the lost runner stopped (its two newest saves kept): a bit flip in
+    the newest's rank-1 optimizer partition; the 2-rank resume falls back to the one before. Then,
+    in this process, what rank 0 decides alone: a partial copy refused, --restart, a resume with
+    other settings refused."""
+    stops["runner"].get()
     run = tmp_path / "run"
-    cmd = command(
-        data, run, *FLAGS, "--max-steps", "40", "--save-every", "1", launcher=[sys.executable]
-    )
-    cmd[cmd.index(SCRIPT)] = str(REPO / "tests" / "train" / "faulty_pretrain.py")
-    done = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=480,
-        cwd=REPO,
-        env=child_env(SHATTER_TEST_SPIKE="12"),
-    )
-    assert done.returncode != 0, done.stderr[-3000:]
-    errors = [x for x in (done.stdout + done.stderr).splitlines() if x.startswith("Error: ")]
-    assert 1 <= len(errors) <= 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    shutil.copytree(stops.root / "runner", run)
+    checkpoints = run / "checkpoints"
+    newest = (checkpoints / "latest").read_text().strip()
+    before, last = sorted(p.name for p in checkpoints.glob("step*"))  # saves every 2, keeps 2
+    assert last == newest, (before, last)
+    manifest = json.loads((checkpoints / newest / "manifest.json").read_text())
+    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values()), manifest
+    optim = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    _flip(checkpoints / newest / optim)
+
+    start = int(before[4:])  # even: a save of the every-2 schedule
+    second = launch(data, run, "--max-steps", str(start + 4))
+    text = second.stderr
+    assert second.returncode == 0, text[-3000:]
+    assert f"checkpoint {checkpoints / newest} is damaged" in text, text[-3000:]
+    assert f"falling back to the newest intact checkpoint {before}" in text
+    assert f"resuming from step {start}" in text
+    assert (checkpoints / f"damaged-{newest}" / optim).is_file()  # kept for a look
+    kept = sorted(p.name for p in checkpoints.glob("step*"))
+    later = [f"step{start + 2:08d}", f"step{start + 4:08d}"]
+    assert kept == [before, *later], kept  # `before`: protected
+
+    # a copy of the run directory still in progress: one optimizer file of each short
+    for name in later:
+        path = checkpoints / name / optim
+        path.write_bytes(path.read_bytes()[:1000])
+    history = (run / "metrics.jsonl").read_text()
+    third = alone(data, run, "--max-steps", str(start + 6))  # rank 0 refuses
+    assert third.exit_code != 0
+    assert "Traceback" not in third.output
+    mine = [line for line in our_lines(third.output) if later[0] in line and "damaged" in line]
+    assert mine and str(checkpoints / later[0] / optim) in mine[-1], third.output[-3000:]
+    assert "--restart" in mine[-1]
+    after = sorted(p.name for p in checkpoints.glob("step*"))
+    assert after == kept and (run / "metrics.jsonl").read_text() == history  # nothing touched
+
+    fourth = alone(data, run, "--max-steps", "2", "--restart")
+    assert fourth.exit_code == 0, fourth.output[-3000:]
+    aside = next(run.glob("before-restart-*"))
+    assert sorted(p.name for p in (aside / "checkpoints").glob("step*")) == kept
+    assert (aside / "metrics.jsonl").read_text() == history
+    assert sorted(p.name for p in checkpoints.glob("step*")) == ["step00000002"]
+
+    # a resume with the settings its files and stream depend on changed: one line (DeepSpeed's
+    # own load failed with an AttributeError, and another seed silently broke the exact stream)
+    fifth = alone(data, run, "--max-steps", "4", "--zero-stage", "0", "--seed", "7")
+    assert fifth.exit_code != 0 and "Traceback" not in fifth.output
+    errors = [x for x in our_lines(fifth.output) if x.startswith("Error: ")]
+    assert errors and "was written with other settings" in errors[-1], fifth.output[-3000:]
+    assert "--zero-stage 1 -> 0; --seed 0 -> 7" in errors[-1]
+
+
+def test_a_finite_divergence_stops_in_one_line_keeping_the_checkpoint_before_it(
+    data, tmp_path, monkeypatch
+):
+    """From step 13 on every loss is 100 times larger (as tests/train/faulty_pretrain.py's
+    SHATTER_TEST_SPIKE injects it, here in this process): three log lines above 3 × the running
+    median stop the run at step 15, in one line a rank; step 12's checkpoint, from before the
+    spike, survived the pruning of saves 13 and 14 (keep 2), which are moved aside, so the same
+    command resumes from it. A world of one: the verdict is on the logged loss, which every rank
+    shares."""
+    import deepspeed
+
+    forward = deepspeed.DeepSpeedEngine.forward
+
+    def spiking_forward(engine, *args, **kwargs):
+        out = forward(engine, *args, **kwargs)
+        if engine.training and engine.micro_steps >= 12:
+            out["loss"] = out["loss"] * 100.0  # a finite divergence from there on
+        return out
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(deepspeed.DeepSpeedEngine, "forward", spiking_forward)
+        done = alone(data, run, "--max-steps", "40", "--save-every", "1")
+    assert done.exit_code != 0, done.output[-3000:]
+    errors = [x for x in done.output.splitlines() if x.startswith("Error: ")]
+    assert 1 <= len(errors) <= 2 and "Traceback" not in done.output, done.output[-3000:]
     for line in errors:
         assert "at step 15 is above 3 × its running median" in line, line
         assert "healthy until step 12" in line and "step00000012, is the one a resume" in line
@@ -239,11 +271,11 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_during_a_save_stops_in_one_line_naming_it(data, small_disk):
     run = small_disk / "run"
-    done = launch(data, run, "--max-steps", "20", ranks=1)
-    assert done.returncode != 0 and "Traceback" not in done.stderr
-    errors = [x for x in our_lines(done) if x.startswith("Error: ")]
+    done = alone(data, run, "--max-steps", "20")
+    assert done.exit_code != 0 and "Traceback" not in done.output
+    errors = [x for x in our_lines(done.output) if x.startswith("Error: ")]
     full = [x for x in errors if "disk full (ENOSPC) while saving checkpoint" in x]
-    assert full, errors or done.stderr[-3000:]
+    assert full, errors or done.output[-3000:]
     assert str(run / "checkpoints") in full[0]
     newest = (run / "checkpoints" / "latest").read_text()
     assert f"the newest complete checkpoint is still {newest}" in full[0]
