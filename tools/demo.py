@@ -29,7 +29,6 @@ from pathlib import Path
 import click
 
 from shatter.shards import sha256_file
-from shatter.tools.reproduce import free_port
 from shatter.train.plot_metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -212,6 +211,9 @@ def main(
             ],
             timings,
         )
+    # imported here, not at the top: it imports torch, 2 CPU-s a sample fetch (--fetch-to) skips
+    from shatter.tools.reproduce import free_port
+
     run_stage(
         "pretrain",
         [

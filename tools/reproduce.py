@@ -16,9 +16,10 @@ l_train with the same tokenizer), `train/pretrain.py` (under `deepspeed` when --
 `shatter-extend` and `train/evaluate_cli.py` (one process per model, at all its lengths). Each run
 is an ordinary run directory under OUTPUT/runs/ with its own log (reproduce.log); running the
 same command again skips what is finished (an export at the last step and the final validation
-line) and resumes the rest from their checkpoints. The two studies share OUTPUT/runs/, so an
+line) and resumes the rest from their checkpoints. The studies share OUTPUT/runs/, so an
 extension study in the directory of an ablation study reuses its shatter, bert, bert-rpe,
-bert-rab and no-position runs.
+bert-rab and no-position runs; they share OUTPUT/eval/ too, so a science call in the directory
+of an extension study of the same scale reuses its evaluations.
 
 Outputs: OUTPUT/ablation.md, ablation.png, extension.md, extension.png and results.jsonl (one
 line per run or evaluation). See docs/results.md for the presets and the figures they gave.
@@ -600,6 +601,13 @@ def append_results(output: Path, study: str, rows: list[dict]) -> None:
 # -- the extension study ---------------------------------------------------------------------
 
 
+def eval_result(study: Study, name: str, length: int) -> Path:
+    """Where the evaluation of model `name` (`{arch}-s{seed}-{variant}-{max_len}`) at `length`
+    is saved: one name per model and length in every study, so a study in the directory of
+    another reuses its figures."""
+    return study.output / "eval" / f"{name}-at-{length}.json"
+
+
 def evaluate_model(
     study: Study,
     name: str,
@@ -658,7 +666,7 @@ def run_extension(study: Study, archs: list[str]) -> None:
             for model, variant, max_len in models:
                 name = f"{arch}-s{seed}-{variant}-{max_len}"
                 results = {
-                    length: study.output / "eval" / f"{name}-at-{length}.json"
+                    length: eval_result(study, name, length)
                     for length in lengths
                     if length <= max_len
                 }
@@ -718,8 +726,8 @@ def run_science(study: Study, archs: list[str]) -> None:
         models = [(study.run_dir(arch, 0) / "export", "pretrained", lengths[0])]
         models += [(extend(study, arch, 0, lengths[1], v), v, lengths[1]) for v in variants[arch]]
         for model, variant, length in models:
-            name = f"{arch}-{variant}-{length}"
-            result = study.output / "eval" / f"{name}.json"
+            name = f"{arch}-s0-{variant}-{length}"
+            result = eval_result(study, name, length)
             evaluate_model(study, name, model, eval_data, {length: result}, max_samples)
             got = read_json(result)
             rows.append({"arch": arch, "variant": variant, "length": length, "loss": got["loss"]})

@@ -1,18 +1,19 @@
 """tools/reproduce.py at micro scale: both studies through the real CLIs, their outputs, a resume
 that skips every finished step, a failing sub-command reported in one line, and the extension
-study's one train/evaluate_cli.py process per model scoring as one process per length."""
+study's one train/evaluate_cli.py process per model scoring as one process per length.
+
+The study command runs in this process (click's runner: its steps are the subprocesses it starts,
+as from a shell); a process of its own would only import torch once more per call."""
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner, Result
 
-from shatter.tools.reproduce import PAPER_NAMES, verdict
+from shatter.tools.reproduce import PAPER_NAMES, main, verdict
 
-REPO = Path(__file__).resolve().parents[2]
 # 2 archs, 20 steps at l = 32 on a 1-layer width-32 model, one process: each run takes seconds.
 MICRO = """
 model:
@@ -32,12 +33,11 @@ ARCHS = ["shatter", "bert"]
 LOST = "bert-s0-copy-128-at-64.json"
 
 
-def reproduce(study: str, out: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+def reproduce(study: str, out: Path, data: Path, *extra: str) -> Result:
+    """`python tools/reproduce.py STUDY ...` at micro scale: its exit code, stdout and stderr."""
     config = out.parent / "micro.yaml"
     config.write_text(MICRO)
-    cmd = [
-        sys.executable,
-        "tools/reproduce.py",
+    args = [
         study,
         "--output",
         str(out),
@@ -57,7 +57,13 @@ def reproduce(study: str, out: Path, data: Path, *extra: str) -> subprocess.Comp
         str(config),
         *extra,
     ]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return CliRunner().invoke(main, args)
+
+
+def succeeded(done: Result) -> bool:
+    """Exit 0; otherwise the assert shows the study's last words and any uncaught exception."""
+    assert done.exit_code == 0, f"{done.stderr[-3000:]}{done.exception!r}"
+    return True
 
 
 def table_rows(markdown: str, first_cell: str) -> list[list[str]]:
@@ -77,14 +83,12 @@ def run_studies(books_data, tmp_path_factory):
     with one evaluation result (LOST) deleted in between."""
     out = tmp_path_factory.mktemp("study") / "out"
     first = [reproduce(s, out, books_data) for s in ("ablation", "extension")]
-    for done in first:
-        assert done.returncode == 0, done.stderr[-3000:]
+    assert all(succeeded(done) for done in first)
     lost = (out / "eval" / LOST).read_text()
     (out / "eval" / LOST).unlink()
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*.json*") if "tensorboard" not in str(p)}
     second = [reproduce(s, out, books_data) for s in ("ablation", "extension")]
-    for done in second:
-        assert done.returncode == 0, done.stderr[-3000:]
+    assert all(succeeded(done) for done in second)
     return out, first, second, stamps, lost
 
 
@@ -198,15 +202,13 @@ def test_each_model_is_evaluated_at_all_its_lengths_in_one_process(studies, book
 def test_evaluate_checks_every_dataset_before_writing_a_result(studies, tmp_path):
     """A dataset the model cannot take refuses the whole call, naming it and the fix, before the
     datasets before it are scored or written."""
-    from click.testing import CliRunner
-
-    from shatter.train.evaluate_cli import main
+    from shatter.train.evaluate_cli import main as evaluate
 
     out, _, _, _, _ = studies
     results = [tmp_path / "at-32.json", tmp_path / "at-128.json"]
     args = ["--checkpoint", out / "runs" / "bert-s0" / "export", "--data", out / "data" / "l32"]
     args += ["--data", out / "data" / "l128", "--output", results[0], "--output", results[1]]
-    done = CliRunner().invoke(main, [str(a) for a in args])
+    done = CliRunner().invoke(evaluate, [str(a) for a in args])
     assert done.exit_code == 1, done.output
     (line,) = done.output.strip().splitlines()
     assert (
@@ -221,7 +223,7 @@ def test_failing_run_is_one_line(books_data, tmp_path):
     bad.write_text("run:\n  no_such_key: 1\n")
     out = tmp_path / "out"
     done = reproduce("ablation", out, books_data, "--config", str(bad))
-    assert done.returncode != 0
+    assert done.exit_code != 0
     (line,) = done.stderr.strip().splitlines()
     log = out / "runs" / "shatter-s0" / "reproduce.log"
     assert "run shatter-s0 failed" in line and "train/pretrain.py" in line and str(log) in line
@@ -238,10 +240,6 @@ def test_verdict_weighs_the_seed_spread():
 
 def test_ablation_defaults_to_the_masked_lm_archs_and_refuses_plm(tmp_path):
     """Figure 3 compares MLM losses: xlnet (a permutation LM) is neither a default nor accepted."""
-    from click.testing import CliRunner
-
-    from shatter.tools.reproduce import main
-
     result = CliRunner().invoke(main, ["ablation", "--archs", "xlnet", "--output", str(tmp_path)])
     assert result.exit_code == 2 and "permutation LM" in result.output
     assert not any(tmp_path.iterdir())  # refused before anything was written
@@ -249,14 +247,17 @@ def test_ablation_defaults_to_the_masked_lm_archs_and_refuses_plm(tmp_path):
 
 @pytest.mark.slow
 def test_science_table_and_plot_in_a_budget_of_seconds(studies):
-    """The GPU lane's science call at micro scale, reusing the studies' runs and extended models:
-    one table (each arch at l_train and extended to 2 l_train, bert with --init copy and random)
-    and one plot of validation loss over tokens; a run over its budget is one line."""
+    """The GPU lane's science call at micro scale, reusing the studies' runs, extended models and
+    evaluations: one table (each arch at l_train and extended to 2 l_train, bert with --init copy
+    and random) and one plot of validation loss over tokens; a run over its budget is one line."""
     out = studies[0]
     done = reproduce("science", out, out.parent / "unused", "--budget-seconds", "300")
-    assert done.returncode != 0 and "has no index.json" in done.stderr  # --data is checked
+    assert done.exit_code != 0 and "has no index.json" in done.stderr  # --data is checked
     done = reproduce("science", out, studies_data(out), "--budget-seconds", "300")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert succeeded(done)
+    # in the studies' directory every step is theirs: their runs, extensions and evaluations
+    progress = [x for x in done.stderr.splitlines() if x.startswith("[")]
+    assert len(progress) == 2 + 3 + 5 and all("already done, skipped" in x for x in progress)
     table = (out / "science.md").read_text()
     (bert,) = table_rows(table, "bert")
     (shatter,) = table_rows(table, "shatter")
@@ -266,11 +267,18 @@ def test_science_table_and_plot_in_a_budget_of_seconds(studies):
     assert len(losses(bert)) == 3 and len(losses(shatter)) == 2, table
     assert all(math.isfinite(x) for x in losses(bert) + losses(shatter))
     assert_png(out / "science.png")
+    # its data laid out as tools/science_data.py does, each length beside the training length's:
+    # the study finds them there and builds none
+    beside = out.parent / "science-data"
+    beside.mkdir()
+    (beside / "l64").symlink_to(studies_data(out))
+    (beside / "l32").symlink_to(out / "data" / "l32")
     late = out.parent / "late"
-    done = reproduce("science", late, studies_data(out), "--budget-seconds", "1")
-    line = done.stderr.strip().splitlines()[-1]  # after the progress lines of its data build
+    done = reproduce("science", late, beside / "l64", "--budget-seconds", "1")
+    assert not (late / "data").exists()
+    line = done.stderr.strip().splitlines()[-1]
     first = f"{ARCHS[0]}-s0"
-    assert done.returncode != 0 and f"run {first} took over its budget of 1 s" in line, line
+    assert done.exit_code != 0 and f"run {first} took over its budget of 1 s" in line, line
     assert line.startswith("Error: ") and str(late / "runs" / first / "reproduce.log") in line
 
 
