@@ -132,7 +132,8 @@ pytest_step() {
 spied() {
   local name=$1 spy
   shift
-  spy=$(command -v py-spy || true)
+  spy="$(dirname "$(command -v "$PY")")/py-spy" # beside the interpreter (the env step's scripts)
+  [ -x "$spy" ] || spy=$(command -v py-spy || true)
   if [ -z "$spy" ] || [ "$DRY" = 1 ]; then
     step "$name" "$@"
     return
@@ -233,10 +234,12 @@ KERNEL_ENV=()
 [ -n "${GPU_REHEARSE_NUMPY:-}" ] && KERNEL_ENV=(env "PYTHONPATH=$GPU_REHEARSE_NUMPY:$PYTHONPATH")
 DEVICE=cuda BENCH_SIZE=base BENCH_STEPS=20 JOB_WORKERS=4 KERNEL_WORKERS=8
 MODEL_ARGS=(--lengths 512,1024,2048 --batch-tokens 16384)
+HOST_ARGS=(--size base --compile shatter)
 JOBS=(tests/train/test_gpu.py tests/finetune/test_gpu.py)
 if ((REHEARSE)); then
   DEVICE=cpu BENCH_SIZE=tiny BENCH_STEPS=2 JOB_WORKERS=2 KERNEL_WORKERS=2
   MODEL_ARGS=(--size tiny --lengths 128 --batch-tokens 512 --repeats 1)
+  HOST_ARGS=(--size tiny --micro-batch 2 --seq-len 64 --steps 2 --compile shatter)
   # one case of each job test: what the rehearsal checks is the lane's environment (imports,
   # console scripts, launchers, paths); the CPU suite covers every ZeRO stage on CPU ranks
   JOBS=(-k "not (memory and (bf16-0 or bf16-1 or bf16-2)) and not zero_0_1_3[0] and not zero_0_1_3[3]"
@@ -262,8 +265,7 @@ for item in $PLAN; do
       --markdown ;;
     bench_train) step bench_train "$PY" tools/bench/bench_train.py --device "$DEVICE" --precision bf16 \
       --vs-bare --sizes "$BENCH_SIZE" --archs bert,shatter,bert-rpe,bert-rab --steps "$BENCH_STEPS" ;;
-    host_step) step host_step "$PY" tools/bench/host_profile.py step --device "$DEVICE" \
-      --size "$BENCH_SIZE" --compile shatter ;;
+    host_step) step host_step "$PY" tools/bench/host_profile.py step --device "$DEVICE" "${HOST_ARGS[@]}" ;;
     host_op) if [ "$DEVICE" = cuda ]; then
       spied host_op "$PY" tools/bench/host_profile.py op --loop-seconds 6
     else SUMMARY+=("host_op: not rehearsed (it times CUDA kernels)"); fi ;;
