@@ -381,12 +381,16 @@ class LiveReport:
             if self._closing:
                 return
             self._stall = line
-            if self._interrupts:
-                signal.pthread_kill(threading.main_thread().ident, STALL_SIGNAL)
-        try:  # Beam's shutdown waits for each worker, which a stuck one never ends
+        # the workers end before the main thread unwinds: Beam's shutdown waits for each worker,
+        # which a stuck one never ends, and a live one prints its own multi-line gRPC error
+        # ("Logging client failed ...") once the runner closes its channels
+        try:
             self.watch.end_workers()
         except Exception as e:  # the grace below still bounds the wait
             log.warning("could not end the build's worker processes: %s", e)
+        with self._print:
+            if self._interrupts and not self._closing:
+                signal.pthread_kill(threading.main_thread().ident, STALL_SIGNAL)
         if self._stop.wait(STALL_GRACE_SECONDS if self._interrupts else 0):
             return
         print(f"shatter-data: error: {line}", file=sys.stderr, flush=True)
