@@ -475,11 +475,18 @@ def _fused(events, chain: list[int], last_read: dict, first_seen: dict) -> tuple
 
 
 def build_meta(build_model, arch: str, size: str, vocab: int, max_len: int, dtype, impl=None):
-    """`build_model(f"{arch}-{size}", ...)` on the CPU, moved to the meta device in `dtype`."""
+    """`build_model(f"{arch}-{size}", ...)` on the CPU, moved to the meta device in `dtype`, in
+    the state of a run's steps after its first: a partition table that the cast left in `dtype`
+    is made again in fp32 by the first forward and kept (partition.PartitionBuffer), so that
+    one-time copy is made here, not traced as every step's."""
     overrides = dict(vocab_size=vocab, max_len=max_len)
     if impl:
         overrides["attention_impl"] = impl
-    return build_model(f"{arch}-{size}", **overrides).to(device="meta", dtype=dtype)
+    model = build_model(f"{arch}-{size}", **overrides).to(device="meta", dtype=dtype)
+    for module in model.modules():
+        if hasattr(module, "exact_partition"):
+            module.exact_partition()
+    return model
 
 
 def main() -> None:
