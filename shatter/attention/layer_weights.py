@@ -21,8 +21,10 @@ The variant's context is [X̄ | A_part | 0] ([B, L, context_width]: A_part's n c
 zeros to a multiple of 16, aligned rows for the kernels and the GEMM), so that W^O applied to it
 is X̄ W^Oᵀ + A_part (W^O V_partᵀ)ᵀ = (X̄ + A_part V_part) W^Oᵀ: §3.3's X̄̄ = X̄ + A_part V_part
 folded exactly into the output projection's GEMM (16 more columns of K for n <= 16), with no
-[T, n] x [n, d] GEMM and no d-wide add. Nothing here is stored: checkpoints keep W^Q, W^V, R and W^O as ever,
-and gradients reach them through the batched products.
+[T, n] x [n, d] GEMM and no d-wide add. Nothing here is stored: checkpoints keep W^Q, W^V, R and
+W^O as ever. The products' gradients are written by hand (`_Assembled`): each weight is copied
+once a forward and each gradient is one batched GEMM, where autograd through stack, cat and bmm
+copied the weights twice and added each gradient's two paths.
 """
 
 from __future__ import annotations
@@ -64,54 +66,115 @@ def without_autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _stack(modules, name: str) -> torch.Tensor:
-    """[K, ...]: the parameter `name` ("query.weight") of every module, stacked."""
-    return torch.stack([module.get_parameter(name) for module in modules])
+def _params(modules, name: str) -> list[torch.Tensor]:
+    """The parameter `name` ("query.weight") of every module."""
+    return [module.get_parameter(name) for module in modules]
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """The identity, whose gradient is made contiguous in one op: R's gradient sums products
-    that leave it transposed, and each layer's slice of it would otherwise be copied into its
-    parameter's .grad on its own."""
+def _interleaved(per_layer: list[list[torch.Tensor]], K: int) -> torch.Tensor:
+    """[K, rows, ...]: each layer's pieces stacked along their first dimension, every layer's in
+    one cat (one copy of each piece)."""
+    pieces = [t for layer in per_layer for t in layer]
+    out = torch.cat(pieces, 0)
+    return out.view(K, -1, *out.shape[1:])
+
+
+class _Assembled(torch.autograd.Function):
+    """(W^P [K, p, d], b^P [K, p], W^F [K, d, context_width] or None) of K single-head layers
+    (module docstring), with the gradients written by hand. Through stack, cat and bmm,
+    autograd copied each weight twice forward and added each gradient's two paths in a
+    d x d-wide add; here the weights are copied once, and each gradient is one (b)addbmm.
+    `shape` is (K, n, bias, value, has W^O); `params` the layers' W^Q, b^Q, W^V, b^V, then R
+    (with the bias or the value term), then W^O (when given), K of each."""
 
     @staticmethod
-    def forward(ctx, t):
-        return t.view_as(t)
+    def forward(ctx, shape, *params):
+        K, n, bias, value, has_output = shape
+        W_Q, b_Q, W_V, b_V = (params[i * K : (i + 1) * K] for i in range(4))
+        rest = params[4 * K :]
+        R = torch.stack(rest[:K]) if bias or value else None  # [K, n, d]
+        W_O = rest[-K:] if has_output else None
+        d = W_Q[0].shape[0]
+        W_P, b_P = _projection_forward(W_Q, b_Q, W_V, b_V, R if bias else None, K)
+        VR = W_P[:, d : 2 * d] @ R.transpose(1, 2) if value and has_output else None  # [K, d, n]
+        W_F = _output_forward(torch.stack(W_O), VR, n) if has_output else None
+        ctx.shape, ctx.d = shape, d
+        ctx.save_for_backward(R, W_P, b_P, W_F, VR)
+        return W_P, b_P, W_F
 
     @staticmethod
-    def backward(ctx, g):
-        return g.contiguous()
+    def backward(ctx, dW_P, db_P, dW_F):
+        K, n, bias, value, has_output = ctx.shape
+        R, W_P, b_P, W_F, VR = ctx.saved_tensors
+        d = ctx.d
+        dW_Q, dW_V, db_Q, db_V = dW_P[:, :d], dW_P[:, d : 2 * d], db_P[:, :d], db_P[:, d : 2 * d]
+        dR = None
+        if bias:  # c's rows: R W^Q and R b^Q (§3.3)
+            dRW, dRb = dW_P[:, 2 * d : 2 * d + n], db_P[:, 2 * d : 2 * d + n, None]
+            dW_Q = torch.baddbmm(dW_Q, R.transpose(1, 2), dRW)
+            db_Q = torch.baddbmm(db_Q[..., None], R.transpose(1, 2), dRb)[..., 0]
+            dR = torch.baddbmm(torch.bmm(dRW, W_P[:, :d].transpose(1, 2)), dRb, b_P[:, None, :d])
+        dW_O = None
+        if has_output:
+            dW_O = dW_F[..., :d]
+            if value:  # W^O V_partᵀ = W^O (W^V Rᵀ)
+                dfold = dW_F[..., d : d + n]
+                dW_O = torch.baddbmm(dW_O, dfold, VR.transpose(1, 2))
+                dVR = torch.bmm(W_F[..., :d].transpose(1, 2), dfold)
+                dW_V = torch.baddbmm(dW_V, dVR, R)
+                dR = _plus(dR, dVR.transpose(1, 2), W_P[:, d : 2 * d])
+            dW_O = dW_O.contiguous()  # one copy for all layers, none per parameter
+        if R is not None and dR is None:  # R given, but neither of its uses asked for
+            dR = torch.zeros_like(R)
+        grads = [dW_Q, db_Q, dW_V, db_V] + [g for g in (dR, dW_O) if g is not None]
+        return (None, *(g for grad in grads for g in grad.unbind(0)))
 
 
-def projection_weights(attention: list, bias: bool):
-    """(W^P [K, p, d], b^P [K, p], W^V [K, d, d], R [K, n, d] or None) of K single-head layers
-    (module docstring; p = projection_width), in the parameters' dtype: call with autocast
-    off. W^V and R are the stacks W^P was made from, for the folded W^O."""
-    W_Q, W_V = _stack(attention, "query.weight"), _stack(attention, "value.weight")  # [K, d, d]
-    b_Q, b_V = _stack(attention, "query.bias"), _stack(attention, "value.bias")  # [K, d]
-    weights, biases, R = [W_Q, W_V], [b_Q, b_V], None
-    if hasattr(attention[0], "partition_embeddings"):
-        R = _ContiguousGrad.apply(_stack(attention, "partition_embeddings"))  # [K, n, d]
-    if bias:  # c = Q Rᵀ = X (R W^Q)ᵀ + R b^Q (§3.3)
-        K, n, d = R.shape
-        zero = R.new_zeros(())
-        pad = projection_width(d, n) - 2 * d - n
-        weights += [R @ W_Q, zero.expand(K, pad, d)]
-        biases += [(R @ b_Q[..., None]).squeeze(-1), zero.expand(K, pad)]
-    return torch.cat(weights, 1), torch.cat(biases, 1), W_V, R
+def _plus(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a b (batched), or a b where nothing has accumulated yet."""
+    return torch.bmm(a, b) if acc is None else torch.baddbmm(acc, a, b)
 
 
-def folded_output(W_O: torch.Tensor, W_V: torch.Tensor, R: torch.Tensor | None, n: int):
-    """W^F = [W^O | W^O V_partᵀ | 0] [K, d, context_width] with V_part = R W^V (§3.3), or
-    [W^O | 0] with R None; the zero columns meet the context's alignment columns (constants:
-    no gradient reaches a parameter through them). In the parameters' dtype: call with autocast
-    off."""
-    K, d, _ = W_O.shape
-    zero = W_O.new_zeros(())
+def _projection_forward(W_Q, b_Q, W_V, b_V, R, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W^P, b^P) of the module docstring: the layers' W^Q and W^V copied once into W^P, then
+    R W^Q and R b^Q into c's rows (R None: no c rows). Every piece of the cats is contiguous
+    (the zero rows too): CUDA's cat copies them all in one launch only then."""
+    d = W_Q[0].shape[0]
     if R is None:
-        return torch.cat([W_O, zero.expand(K, d, context_width(d, n) - d)], 2)
-    fold = W_O @ (W_V @ R.transpose(1, 2))  # W^O (R W^Vᵀ)ᵀ = W^O W^V Rᵀ: [K, d, n]
-    return torch.cat([W_O, fold, zero.expand(K, d, context_width(d, n) - d - n)], 2)
+        W_P = _interleaved([[q, v] for q, v in zip(W_Q, W_V)], K)
+        return W_P, _interleaved([[q, v] for q, v in zip(b_Q, b_V)], K)
+    n = R.shape[1]
+    pad = projection_width(d, n) - 2 * d
+    zero = W_Q[0].new_zeros(pad * (d + 1))  # one fill: W^P's rows and b^P's, each contiguous
+    zero_W, zero_b = zero[: pad * d].view(pad, d), zero[pad * d :]
+    W_P = _interleaved([[q, v, zero_W] for q, v in zip(W_Q, W_V)], K)
+    b_P = _interleaved([[q, v, zero_b] for q, v in zip(b_Q, b_V)], K)
+    W_P[:, 2 * d : 2 * d + n] = R @ W_P[:, :d]  # c = Q Rᵀ = X (R W^Q)ᵀ + R b^Q (§3.3)
+    b_P[:, 2 * d : 2 * d + n] = (R @ b_P[:, :d, None])[..., 0]
+    return W_P, b_P
+
+
+def _output_forward(W_O: torch.Tensor, VR: torch.Tensor | None, n: int) -> torch.Tensor:
+    """W^F = [W^O | W^O V_partᵀ | 0] [K, d, context_width] with V_partᵀ = W^V Rᵀ = VR, or
+    [W^O | 0] with VR None; the zero columns meet the context's alignment columns."""
+    K, d, _ = W_O.shape
+    parts = [W_O] if VR is None else [W_O, W_O @ VR]
+    width = sum(p.shape[-1] for p in parts)
+    return torch.cat([*parts, W_O.new_zeros(K, d, context_width(d, n) - width)], 2)
+
+
+def assembled_weights(attention: list, outputs: list | None, bias: bool, value: bool):
+    """(W^P [K, p, d], b^P [K, p], W^F [K, d, context_width] or None without `outputs`) of K
+    single-head layers (`attention`, their `output` Linears), in the parameters' dtype: call
+    with autocast off. `bias`: c's rows in W^P (R W^Q, R b^Q); `value`: W^F's fold."""
+    names = ["query.weight", "query.bias", "value.weight", "value.bias"]
+    params = [p for name in names for p in _params(attention, name)]
+    if bias or value:
+        params += _params(attention, "partition_embeddings")
+    if outputs is not None:
+        params += _params(outputs, "weight")
+    shape = (len(attention), attention[0].n, bias, value, outputs is not None)
+    return _Assembled.apply(shape, *params)
 
 
 def low_precision(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -126,9 +189,7 @@ def single_head_weights(blocks, bias: bool, value: bool) -> list[LayerWeights]:
     op each; computed in the parameters' dtype, then cast once to autocast's."""
     attention = [block.attention for block in blocks]
     with without_autocast(blocks[0].output.weight.device):
-        W_P, b_P, W_V, R = projection_weights(attention, bias)
-        W_O = _stack(blocks, "output.weight")
-        W_F = folded_output(W_O, W_V, R if value else None, attention[0].n)
+        W_P, b_P, W_F = assembled_weights(attention, [b.output for b in blocks], bias, value)
     W_P, b_P, W_F = low_precision(W_P, b_P, W_F)
     return [
         LayerWeights({"projection": (w, b)}, f)
@@ -138,10 +199,9 @@ def single_head_weights(blocks, bias: bool, value: bool) -> list[LayerWeights]:
 
 __all__ = [
     "LayerWeights",
-    "folded_output",
+    "assembled_weights",
     "layer_weights",
     "low_precision",
-    "projection_weights",
     "single_head_weights",
     "without_autocast",
 ]

@@ -37,8 +37,8 @@ from torch import nn
 from shatter.attention.impls import resolve_layer
 from shatter.attention.layer_weights import (
     LayerWeights,
+    assembled_weights,
     low_precision,
-    projection_weights,
     single_head_weights,
     without_autocast,
 )
@@ -83,9 +83,9 @@ class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
         return single_head_weights(blocks, cls.partition_bias, cls.partition_value)
 
     def projection(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's (W^P, b^P) alone (layer_weights.projection_weights)."""
+        """This layer's (W^P, b^P) alone (layer_weights.assembled_weights)."""
         with without_autocast(self.query.weight.device):
-            W_P, b_P, *_ = projection_weights([self], self.partition_bias)
+            W_P, b_P, _ = assembled_weights([self], None, self.partition_bias, False)
         return tuple(low_precision(W_P[0], b_P[0]))
 
     def forward(

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shatter.attention import impls
-from shatter.attention.layer_weights import folded_output, layer_weights
+from shatter.attention.layer_weights import assembled_weights, layer_weights
 from shatter.attention.projection import (
     ProjectWithKeys,
     context_views,
@@ -34,18 +34,17 @@ TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-
 def test_fold_equals_x_bar_plus_a_part_v_part(dtype):
     """[X̄ | A_part] [W^O | W^O V_partᵀ]ᵀ + b^O = (X̄ + A_part V_part) W^Oᵀ + b^O, V_part = R W^V
     (weight only): values, and the gradients of W^O, R, W^V, X̄ and A_part."""
-    T, d, n = 37, 24, 6
+    T = 37
     g = torch.Generator().manual_seed(0)
-
-    def leaf(*shape):  # unit-scale products: weights N(0, 1/d)
-        scale = shape[-1] ** -0.5 if len(shape) == 2 and shape[-1] == d else 1.0
-        return (torch.randn(*shape, generator=g, dtype=dtype) * scale).requires_grad_()
-
-    W_O, b_O, W_V, R, x_bar, a_part = leaf(d, d), leaf(d), leaf(d, d), leaf(n, d), leaf(T, d), leaf(T, n)  # fmt: skip
+    block = tiny("shatter").to(dtype).encoder.layers[0]
+    att = block.attention
+    d, n = att.query.weight.shape[0], att.n
+    x_bar, a_part = (torch.randn(T, k, generator=g, dtype=dtype).requires_grad_() for k in (d, n))
     g_y = torch.randn(T, d, generator=g, dtype=dtype)
+    W_O, b_O, W_V, R = block.output.weight, block.output.bias, att.value.weight, att.partition_embeddings  # fmt: skip
     leaves = (W_O, R, W_V, x_bar, a_part)
     want = F.linear(x_bar + a_part @ F.linear(R, W_V), W_O, b_O)  # §3.3, then W^O
-    W_F = folded_output(W_O[None], W_V[None], R[None], n)[0]
+    W_F = assembled_weights([att], [block.output], True, True)[2][0]
     context = F.pad(torch.cat([x_bar, a_part], -1), (0, context_width(d, n) - d - n))
     got = F.linear(context, W_F, b_O)
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -54,11 +53,61 @@ def test_fold_equals_x_bar_plus_a_part_v_part(dtype):
         torch.testing.assert_close(a, b, **TOL[dtype], msg=name)
 
 
-def test_fold_without_the_value_term_is_w_o_and_zeros():
-    W_O = torch.randn(3, 8, 8)
-    W_F = folded_output(W_O, torch.randn(3, 8, 8), None, 4)
-    assert W_F.shape == (3, 8, context_width(8, 4)) == (3, 8, 24)
-    assert torch.equal(W_F[..., :8], W_O) and not W_F[..., 8:].any()
+def _plain_weights(attention, outputs, bias: bool, value: bool):
+    """The module docstring's W^P, b^P and W^F of each layer in plain autograd ops, layer by
+    layer: the reference for assembled_weights."""
+    W_P, b_P, W_F = [], [], []
+    for att, out in zip(attention, outputs, strict=True):
+        d, n = att.query.weight.shape[0], att.n
+        w, b = [att.query.weight, att.value.weight], [att.query.bias, att.value.bias]
+        if bias:
+            R, pad = att.partition_embeddings, projection_width(d, n) - 2 * d - n
+            w += [R @ att.query.weight, R.new_zeros(pad, d)]
+            b += [R @ att.query.bias, R.new_zeros(pad)]
+        W_P.append(torch.cat(w))
+        b_P.append(torch.cat(b))
+        f = [out.weight]
+        if value:
+            f.append(out.weight @ (att.value.weight @ att.partition_embeddings.T))
+        width = sum(t.shape[1] for t in f)
+        W_F.append(F.pad(torch.cat(f, 1), (0, context_width(d, n) - width)))
+    return torch.stack(W_P), torch.stack(b_P), torch.stack(W_F)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("arch", SINGLE_HEAD)
+def test_assembled_weights_equal_the_plain_ops(arch, dtype):
+    """W^P, b^P and W^F of three layers, assembled with hand-written gradients, equal the plain
+    ops layer by layer: values, and the gradient of every parameter (W^Q, b^Q, W^V, b^V, R,
+    W^O) under random cotangents; the single layer's (W^P, b^P) too."""
+    model = tiny(arch, layers=3).to(dtype)
+    blocks = list(model.encoder.layers)
+    attention, outputs = [b.attention for b in blocks], [b.output for b in blocks]
+    kind = type(attention[0])
+    flags = (kind.partition_bias, kind.partition_value)
+    params = [p for p in model.encoder.layers.parameters()]
+    with torch.no_grad():  # biases too (they start at zero): R b^Q's gradient reaches R
+        for p, seed in zip(params, range(100, 200)):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) / 4)
+    got = assembled_weights(attention, outputs, *flags)
+    want = _plain_weights(attention, outputs, *flags)
+    g = torch.Generator().manual_seed(4)
+    cotangents = [torch.randn(t.shape, generator=g, dtype=dtype) for t in want]
+    for name, a, b in zip(("W^P", "b^P", "W^F"), got, want, strict=True):
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=name)
+
+    def grads(outs):
+        loss = sum((o * c).sum() for o, c in zip(outs, cotangents, strict=True))
+        return torch.autograd.grad(loss, params, allow_unused=True)
+
+    names = [name for name, _ in model.encoder.layers.named_parameters()]
+    for name, a, b in zip(names, grads(got), grads(want), strict=True):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, **TOL[dtype], msg=name)
+    alone = attention[1].projection()
+    for name, a, b in zip(("W^P", "b^P"), alone, (want[0][1], want[1][1]), strict=True):
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=f"{name} of one layer")
 
 
 def _unfolded_attention(att, x, mask, impl):

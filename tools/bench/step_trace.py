@@ -73,6 +73,9 @@ NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_str
              "alias", "lift_fresh", "_unsafe_view", "_local_scalar_dense", "sym_size", "sym_stride", "is_same_size",
              "_to_copy_noop"}  # fmt: skip
 
+# Fills whose tensor argument gives only the dtype, device or shape: nothing of it is read
+TEMPLATE_ONLY = {"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"}
+
 # CUDA autocast's op lists (torch.amp's "Autocast Op Reference"), by the Python function's name
 LOW = {"__matmul__", "__rmatmul__", "addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm",
        "chain_matmul", "multi_dot", "linear", "matmul", "mm", "mv", "einsum",
@@ -206,7 +209,7 @@ class StepTrace(TorchDispatchMode):
         return tuple((_view_key(t), tensor_bytes(t)) for t in tensors)
 
     def record(self, func, name, args, kwargs, out):
-        read_t = _tensors((args, kwargs))
+        read_t = [] if name in TEMPLATE_ONLY else _tensors((args, kwargs))
         write_t = _written(func, args, kwargs) or _tensors(out)
         reads, writes = self._views(read_t), self._views(write_t)
         nbytes = sum(b for _, b in reads) + sum(b for _, b in writes)
