@@ -14,13 +14,15 @@ from click.testing import CliRunner, Result
 
 from shatter.tools.reproduce import PAPER_NAMES, main, verdict
 
-# 2 archs, 20 steps at l = 32 on a 1-layer width-32 model, one process: each run takes seconds.
-MICRO = """
+# 2 archs, STEPS steps at l = 32 on a 1-layer width-32 model, one process, validated at two steps
+# on EVAL_ROWS rows: a run's CPU-seconds are its process's start.
+STEPS, EVAL_EVERY, EVAL_ROWS = 4, 2, 16
+MICRO = f"""
 model:
-  overrides: {hidden: 32, layers: 1, heads: 4, ffn: 64}
+  overrides: {{hidden: 32, layers: 1, heads: 4, ffn: 64}}
 data:
   num_workers: 0
-  eval_samples: 64
+  eval_samples: {EVAL_ROWS}
 run:
   micro_batch: 8
   save_every: 10
@@ -46,9 +48,9 @@ def reproduce(study: str, out: Path, data: Path, *extra: str) -> Result:
         "--seq-len",
         "32",
         "--steps",
-        "20",
+        str(STEPS),
         "--eval-every",
-        "10",
+        str(EVAL_EVERY),
         "--ranks",
         "1",
         "--archs",
@@ -113,7 +115,8 @@ def test_ablation_outputs(studies):
     ablation = [x for x in lines if x["study"] == "ablation"]
     assert sorted(x["arch"] for x in ablation) == sorted(ARCHS)
     for x in ablation:
-        assert x["curve"][-1] == [20, x["loss"]] and [s for s, _ in x["curve"]] == [10, 20]
+        assert x["curve"][-1] == [STEPS, x["loss"]]
+        assert [s for s, _ in x["curve"]] == [EVAL_EVERY, STEPS]
         run = Path(x["run"])
         assert (run / "export" / "model.safetensors").is_file()
         assert "$ " in (run / "reproduce.log").read_text()  # the command, then its output
@@ -193,7 +196,7 @@ def test_each_model_is_evaluated_at_all_its_lengths_in_one_process(studies, book
         ("bert-s0-128-copy", "bert-s0-copy-128"),
     ):
         for length, dataset in data.items():
-            alone = evaluate_export(out / "extended" / model, dataset, max_samples=64)
+            alone = evaluate_export(out / "extended" / model, dataset, max_samples=EVAL_ROWS)
             stored = json.loads((out / "eval" / f"{name}-at-{length}.json").read_text())
             assert stored == json.loads(json.dumps(alone)) and stored["seq_len"] == length
 

@@ -160,14 +160,15 @@ def check_export(engine, index, run: Path, rank: int, stage: int, batch: dict) -
 
 
 def uneven_validation(engine, index, cfg, rank: int, world: int) -> list[dict]:
-    """Validation sizes with every remainder of rows mod (world × MICRO): 2 ranks vs 1 process."""
+    """Validation sizes with every remainder of rows mod (world × MICRO), 2 full batches a rank
+    before it: 2 ranks vs 1 process (rank 0's, the rank that writes the report)."""
     single = shatter.build_model("shatter-tiny", **model_overrides(cfg, index, index.seq_len))
     single.load_state_dict(checkpoint.fp32_masters(engine), strict=False)
     per = world * MICRO
     results = []
     forwards = [0]
     engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-    for rows in [4 * per + r for r in range(per)]:
+    for rows in [2 * per + r for r in range(per)]:
         data = cfg.data.__class__(eval_samples=rows)
         forwards[0] = 0
         started = time.perf_counter()
@@ -190,17 +191,13 @@ def uneven_validation(engine, index, cfg, rank: int, world: int) -> list[dict]:
         seconds = time.perf_counter() - started
         every = [None] * world  # each rank's forwards and result: all the same
         torch.distributed.all_gather_object(every, (forwards[0], both))
-        alone = evaluate(
-            single,
-            (
-                inputs(b, engine.device)
-                for b in validation_stream(
-                    index, data, batch_size=MICRO, seq_len=index.seq_len, rank=0, world_size=1
-                )
-            ),
-            torch.device("cpu"),
-            distributed=False,
-        )
+        alone = None  # only rank 0's result is reported
+        if rank == 0:
+            rows_alone = validation_stream(
+                index, data, batch_size=MICRO, seq_len=index.seq_len, rank=0, world_size=1
+            )
+            batches = (inputs(b, engine.device) for b in rows_alone)
+            alone = evaluate(single, batches, torch.device("cpu"), distributed=False)
         results.append(
             {
                 "rows": rows,

@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from shatter.extend_cli import main as extend
 from shatter.shards import read_index
 from shatter.train import budget
 from shatter.train.compiling import compile_problem
@@ -19,11 +21,11 @@ from shatter.train.config import ConfigError, OptimArgs, TrainConfig, lr_at, res
 from shatter.train.init_from import check
 from shatter.train.schedule import lr_factor
 from tests.jobs import run_command
-from tests.train.runs import at_step, cheap_config, command, run_to_end
+from tests.train.runs import at_step, cheap_config, command, in_process, run_to_end
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-BUDGET_S = 15.0  # the budget run's budget_hours, in seconds
+BUDGET_S = 10.0  # the budget run's budget_hours, in seconds (its engine build included)
 
 
 def _logged(run: Path) -> dict[int, dict]:
@@ -31,11 +33,22 @@ def _logged(run: Path) -> dict[int, dict]:
     return {x["step"]: x for x in lines if "lr" in x}
 
 
+SINGLE = ("--eval-every", "0", "--save-every", "0", "--log-every", "1", "--num-workers", "0")
+SINGLE += ("--no-progress",)
+
+
 def _single(data: Path, run: Path, *args: str, preset: str = "shatter-tiny", timeout=300):
-    base = ("--eval-every", "0", "--save-every", "0", "--log-every", "1", "--num-workers", "0")
-    cmd = command(data, run, *base, "--no-progress", *args, launcher=[sys.executable])
+    cmd = command(data, run, *SINGLE, *args, launcher=[sys.executable])
     cmd[cmd.index("--preset") + 1] = preset
     return run_to_end(cmd, timeout=timeout)
+
+
+def _here(data: Path, run: Path, *args: str, preset: str = "shatter-tiny") -> str:
+    """`_single`'s run in this process (no interpreter, torch and DeepSpeed to start again): its
+    output."""
+    done = in_process(data, run, *SINGLE, *args, "--preset", preset)
+    assert done.exit_code == 0, f"{done.output[-3000:]}{done.exception!r}"
+    return done.output
 
 
 def test_the_decays_shapes():
@@ -83,8 +96,8 @@ def run_budget(books_data, tmp_path_factory) -> tuple[Path, dict, float]:
     run, started = tmp / "run", time.time()
     args = ("--config", str(config), "--decay", "wsd", "--max-steps", "100000")
     args += ("--micro-batch", "4", "--seq-len", "32")
-    done = _single(books_data, run, *args, "--budget-hours", str(BUDGET_S / 3600), timeout=560)
-    assert "complete: step" in done.stderr and (run / "export" / "model.safetensors").is_file()
+    output = _here(books_data, run, *args, "--budget-hours", str(BUDGET_S / 3600))
+    assert "complete: step" in output and (run / "export" / "model.safetensors").is_file()
     return run, json.loads((run / budget.FILE).read_text()), time.time() - started
 
 
@@ -96,7 +109,7 @@ def budget_run(books_data, tmp_path_factory) -> tuple[Path, dict, float]:
 @pytest.mark.slow
 @pytest.mark.shared_data
 def test_a_budget_of_seconds_plans_the_wsd_schedule_and_ends_with_an_export(budget_run):
-    """budget_hours = 15 s: the run times its steps, plans its length from them (re-planning as
+    """budget_hours = BUDGET_S: the run times its steps, plans its length from them (re-planning as
     they change), follows wsd to its decayed end inside the budget and ends with its export; its
     progress counts to the planned step and the budget's time left, not --max-steps."""
     run, planned, took = budget_run
@@ -131,12 +144,14 @@ def metrics_left(line: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def books_128(shared_data, tmp_path_factory) -> Path:
-    """The books sample built once at 128 (vocab 2000): every shorter length cuts its rows."""
+def books_128(shared_data, books_data, tmp_path_factory) -> Path:
+    """The books sample built once at 128, with books_data's tokenizer (vocab 2000, not trained
+    again): every shorter length cuts its rows."""
     out = tmp_path_factory.mktemp("books128") / "data"
     cmd = [str(BIN / "shatter-data"), "build", "--corpus", "books", "--input",
-           str(shared_data / "books"), "--output", str(out), "--seq-len", "128", "--vocab-size",
-           "2000", "--dupe-factor", "2", "--num-shards", "4", "--validation-fraction", "0.05"]  # fmt: skip
+           str(shared_data / "books"), "--output", str(out), "--seq-len", "128", "--tokenizer",
+           str(books_data / "tokenizer.model"), "--dupe-factor", "2", "--num-shards", "4",
+           "--validation-fraction", "0.05"]  # fmt: skip
     done = run_command(cmd, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
@@ -149,18 +164,18 @@ PHASE1 = ("--max-steps", "16", "--seq-len", "32", "--save-every", "8")
 @pytest.fixture(scope="module")
 def phases(books_128, tmp_path_factory) -> dict:
     """The two-phase recipe on bert-tiny: phase 1 at 32 (16 steps), the same run resumed from its
-    step-8 checkpoint, `shatter-extend` of its export to 64, phase 2 at 64 from it (4 steps,
-    --init-from, 1-sqrt) with run.compile (inductor on CPU). Their directories, and phase 2's
-    stderr."""
+    step-8 checkpoint, `shatter-extend` of its export to 64 (those three in this process), phase 2
+    at 64 from it (4 steps, --init-from, 1-sqrt) with run.compile (inductor on CPU, in a process of its
+    own). Their directories, and phase 2's stderr."""
     tmp = tmp_path_factory.mktemp("phases")
     out = {k: tmp / k for k in ("p1", "ext", "p2")}
     common = ("--config", str(cheap_config(tmp / "recipe.yaml")), *COMMON)
-    _single(books_128, out["p1"], *common, *PHASE1, preset="bert-tiny")
+    _here(books_128, out["p1"], *common, *PHASE1, preset="bert-tiny")
     out["resumed"] = at_step(out["p1"], 8, tmp / "resumed")
-    _single(books_128, out["resumed"], *common, *PHASE1, preset="bert-tiny")
-    ext = [str(BIN / "shatter-extend"), str(out["p1"] / "export"), "--max-len", "64"]
-    done = run_command(ext + ["--output", str(out["ext"])], timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    _here(books_128, out["resumed"], *common, *PHASE1, preset="bert-tiny")
+    ext = [str(out["p1"] / "export"), "--max-len", "64", "--output", str(out["ext"])]
+    done = CliRunner().invoke(extend, ext)  # shatter-extend's command, in this process
+    assert done.exit_code == 0, f"{done.output[-2000:]}{done.exception!r}"
     two = ("--max-steps", "4", "--decay", "1-sqrt", "--seq-len", "64", "--compile")
     done = _single(books_128, out["p2"], *common, *two, "--init-from", str(out["ext"]),
                    preset="bert-tiny", timeout=840)  # fmt: skip
