@@ -1,7 +1,7 @@
 """Helpers of the trainer's tests that launch pretraining: the command under the deepspeed
-launcher (or another), a run to its end or in this process, its logged metrics, the tiny config
-cheap to run, a copy of a run as of an older checkpoint, and the checks of
-tests/train/ranks_job.py's report."""
+launcher (or another), several runs on one launch's ranks, a run to its end or in this process,
+its logged metrics, the tiny config cheap to run, a copy of a run as of an older checkpoint, and
+the checks of tests/train/ranks_job.py's report."""
 
 import json
 import os
@@ -16,6 +16,7 @@ from tests.jobs import free_port, run_command
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SCRIPT = str(REPO / "train" / "pretrain.py")
+RANKS_JOB = str(REPO / "tests" / "train" / "ranks_job.py")
 TINY = REPO / "configs" / "cpu-tiny.yaml"
 RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -85,6 +86,18 @@ def command(
         str(config),
         *extra,
     ]
+
+
+def one_launch(data: Path, tmp: Path, *runs: list[str], ranks: int = 2) -> list[str]:
+    """The command of one launch (`ranks` on this machine) whose ranks run each of `runs` (the
+    arguments of train/pretrain.py, as `command(..., launcher=[])[1:]` gives them) in turn:
+    tests/train/ranks_job.py with its engine checks left out (its files in `tmp`, `data` the
+    dataset it opens). A run that fails ends the job before the next one starts."""
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    cmd += [RANKS_JOB, str(data), str(tmp / "job"), str(tmp / "job.json"), "none"]
+    for run in runs:
+        cmd += ["--pretrain", *run]
+    return cmd
 
 
 def run_to_end(

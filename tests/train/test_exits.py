@@ -18,7 +18,7 @@ import pytest
 
 from shatter.train.lifecycle import one_line
 from tests.jobs import Job, Outcome, Runs, child_env, free_port
-from tests.train.runs import SCRIPT, cheap_config, command
+from tests.train.runs import RANKS_JOB, SCRIPT, cheap_config, command
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -281,9 +281,6 @@ def test_sigterm_during_checkpoints_saves_and_exits(failures):
     assert "Traceback" not in job.text
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert int(latest.removeprefix("step")) >= 2
-
-
-RANKS_JOB = str(REPO / "tests" / "train" / "ranks_job.py")
 
 
 def two_nodes(data: Path, tmp: Path, runs) -> list[Job]:

@@ -1,8 +1,8 @@
 """End to end under the deepspeed launcher (two CPU ranks, gloo) on real text built by the real
-`shatter-data build`: the loss falls; kill -9 at each point of a save then restart, reading the
-data from object storage, reproduces the uninterrupted losses exactly (fp32); SIGTERM saves
-before exit; the export is the engine's model. (bf16 with ZeRO-2 runs in tests/train/test_ranks.py's
-launch.)"""
+`shatter-data build`: the loss falls; kill -9 at each point of a save then restart (between the
+ranks' files: two ranks reading the data from object storage; before and after them: a world of
+one) reproduces the uninterrupted losses exactly (fp32); SIGTERM saves before exit; the export
+is the engine's model. (bf16 with ZeRO-2 runs in tests/train/test_ranks.py's launch.)"""
 
 import json
 import os
@@ -250,35 +250,30 @@ def _killed_at(cmd: list[str], kill: str, log: Path) -> int:
 
 
 def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
-    books_data, config, reference, tmp_path, s3_server, monkeypatch
+    books_data, config, few_rows, reference, tmp_path, s3_server, monkeypatch
 ):
     """kill -9 of the whole job at each point of a save; each restart resumes from the newest
     complete checkpoint (the save's own after `latest`, the one before otherwise), and the
-    final losses are the unbroken run's, bit for bit, the steps redone after each kill
-    included. While the first job is held at its kill point, a second launch on the same
-    --output stops in one line. The data is on object storage (s3://, a loopback server): both
-    ranks read it through one node-local cache, each shard fetched once for all four jobs."""
+    final losses are those of a run that never stopped, bit for bit, the steps redone after each
+    kill included. Between rank 0's files and rank 1's (ZeRO-1's partitions), two ranks under
+    the launcher, their data on object storage (s3://, a loopback server): both ranks read it
+    through one node-local cache, each shard fetched once for both jobs. Before any file of the
+    save and after `latest` names it, points no rank's partition tells apart: a world of one (a
+    plain process), killed at both in turn."""
     remote = s3_server.upload(books_data, "books-train")
     gets = count_requests("GET /shards/books-train/train-")
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the cache: $TMPDIR/shatter-cache-<user>
     run = tmp_path / "run"
     cmd = command(remote, run, *FP32_ARGS, config=config)
     cmd[cmd.index(SCRIPT)] = FAULTY
-    assert _killed_at(cmd, "before:20", tmp_path / "1.log") == -9
+    assert _killed_at(cmd, "between:30", tmp_path / "between.log") == -9
     assert not shm_left(cmd)  # 64 MiB of RAM per rank, unlinked while the job ran
-    assert (run / "checkpoints" / "latest").read_text() == "step00000010"
-    assert _killed_at(cmd, "between:30", tmp_path / "2.log") == -9
-    second = (tmp_path / "2.log").read_text()
-    assert "resuming from step 10" in second, second[-3000:]
     assert not (run / "checkpoints" / "step00000030" / "manifest.json").exists()
     assert (run / "checkpoints" / "latest").read_text() == "step00000020"
-    assert _killed_at(cmd, "after:40", tmp_path / "3.log") == -9
-    third = (tmp_path / "3.log").read_text()
-    skipped = f"checkpoint {run / 'checkpoints' / 'step00000030'} is incomplete (no manifest"
-    assert skipped in third and "resuming from step 20" in third, third[-3000:]
-    assert "run.lock: the lock of a run that is gone" in third
     done = run_to_end(command(remote, run, *FP32_ARGS, config=config))
-    assert "resuming from step 40" in done.stderr, done.stderr[-3000:]
+    skipped = f"checkpoint {run / 'checkpoints' / 'step00000030'} is incomplete (no manifest"
+    assert skipped in done.stderr and "resuming from step 20" in done.stderr, done.stderr[-3000:]
+    assert "run.lock: the lock of a run that is gone" in done.stderr
     manifest = json.loads((run / "checkpoints" / "step00000060" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["zero_stage"] == 1
     assert len([f for f in manifest["files"] if "optim_states" in f]) == 2
@@ -287,18 +282,46 @@ def test_kill_9_during_a_save_resumes_exactly_or_from_the_checkpoint_before(
     index = read_index(books_data)
     shards = {f"{s.sha256}.arrow" for s in index.shards("train") + index.shards("validation")}
     assert cached and cached <= shards and not list(node_cache.rglob(".tmp-*"))
-    assert gets and len(gets) == len(set(gets)), gets  # once per node, all jobs, both ranks
+    assert gets and len(gets) == len(set(gets)), gets  # once per node, both jobs, both ranks
     # train/evaluate_cli.py on the remote dataset: the scores of the local one
     scores = [
         evaluate_export(run / "export", data, max_samples=64) for data in (remote, books_data)
     ]
     assert scores[0]["loss"] == scores[1]["loss"] and scores[0]["predictions"] > 0
-    ref_train, ref_val = metrics(reference[0])
+    _same_losses(run, reference[0])  # the steps redone after the kill included
+    # a world of one: killed before the save of step 4 (the one of step 2 stands), then, resumed
+    # from it, once `latest` names step 6; the last run, and one that never stopped, in this
+    # process
+    one, args = tmp_path / "one", (*FP32_ARGS, "--max-steps", "8", "--save-every", "2")
+    args += ("--eval-every", "4", "--num-workers", "0")
+    cmd = command(books_data, one, *args, launcher=[sys.executable], config=few_rows)
+    cmd[cmd.index(SCRIPT)] = FAULTY
+    assert _killed_at(cmd, "before:4", tmp_path / "before.log") == -9
+    assert (one / "checkpoints" / "latest").read_text() == "step00000002"
+    assert not (one / "checkpoints" / "step00000004").exists()
+    assert _killed_at(cmd, "after:6", tmp_path / "after.log") == -9
+    after = (tmp_path / "after.log").read_text()
+    assert "resuming from step 2" in after, after[-3000:]
+    assert "run.lock: the lock of a run that is gone" in after
+    assert (one / "checkpoints" / "latest").read_text() == "step00000006"
+    last = in_process(books_data, one, *args, config=few_rows)
+    assert last.exit_code == 0 and "resuming from step 6" in last.output, last.output[-3000:]
+    never = in_process(books_data, tmp_path / "never", *args, config=few_rows)
+    assert never.exit_code == 0, never.output[-3000:]
+    _same_losses(one, tmp_path / "never")
+
+
+def _same_losses(run: Path, unbroken: Path) -> None:
+    """`run`'s training losses are `unbroken`'s, bit for bit, and so are its validation losses;
+    its GPU-hours grow across its sessions (each resumed one adds to the killed one's)."""
+    ref_train, ref_val = metrics(unbroken)
     train, val = metrics(run)
-    assert train == ref_train  # bit for bit, the steps redone after each kill included
-    assert {s: v["loss"] for s, v in val.items()} == {s: v["loss"] for s, v in ref_val.items()}
+    assert train == ref_train
+    assert val and {s: v["loss"] for s, v in val.items()} == {
+        s: v["loss"] for s, v in ref_val.items()
+    }
     lines = [r for r in map(json.loads, (run / "metrics.jsonl").open()) if "split" not in r]
-    hours = [r["gpu_hours"] for r in lines]  # each resumed session adds to the killed one's
+    hours = [r["gpu_hours"] for r in lines]
     assert hours == sorted(hours), hours
 
 

@@ -1,9 +1,9 @@
 """Training data on object storage (a loopback S3 server, `tests.s3server`): a dataset three
 times the node cache's bound trains two epochs on two ranks, with validation, to the losses of
-the same data on local disk; the store stops answering during a run, and the trainer checkpoints
-and exits with one line naming the object; an object replaced by different bytes is refused by
-its sha256. (The 2-rank run from s3:// with an exact resume: tests/train/test_pretrain.py, the
-kill -9 test.)"""
+the same data on local disk (both runs on one launch's ranks); the store stops answering during
+a run, and the trainer checkpoints and exits with one line naming the object; an object replaced
+by different bytes is refused by its sha256. (The 2-rank run from s3:// with an exact resume:
+tests/train/test_pretrain.py, the kill -9 test.)"""
 
 import os
 import sys
@@ -16,7 +16,7 @@ from shatter.shards import DatasetError, read_index
 from shatter.shards.store import NodeCache, configure, current
 from tests.jobs import Job
 from tests.s3server import BUCKET
-from tests.train.runs import command, metrics, run_to_end
+from tests.train.runs import cheap_config, command, metrics, one_launch, run_to_end
 from tests.train.shardutil import write_dataset
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,8 @@ def test_a_dataset_three_times_the_cache_trains_two_epochs_as_from_local_disk(
     """Shards are evicted and fetched again while both ranks' loader workers read, and a
     validation runs in each epoch: no reader loses a shard under it, and the losses, training
     and validation, are those of the same dataset on local disk, bit for bit (fp32). The S3 run's
-    ranks cannot import Beam: a training node reads the store through fsspec alone."""
+    ranks cannot import Beam: a training node reads the store through fsspec alone. Both runs
+    share one launch's ranks, the local one first."""
     from tests.s3server import count_requests
 
     # six train shards (a step of two ranks reads two of them), one validation shard
@@ -42,21 +43,23 @@ def test_a_dataset_three_times_the_cache_trains_two_epochs_as_from_local_disk(
     remote = s3_server.upload(local, "three-times")
     gets = count_requests("GET /shards/three-times/train-")
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the node cache: $TMPDIR/shatter-cache-<user>
-    config = tmp_path / "cache.yaml"
-    tiny = (REPO / "configs" / "cpu-tiny.yaml").read_text()
-    config.write_text(tiny.replace("data:\n", f"data:\n  cache_limit_gb: {limit / 2**30!r}\n", 1))
+    limit_line = {"data:\n": f"data:\n  cache_limit_gb: {limit / 2**30!r}\n"}
+    config = cheap_config(tmp_path / "cache.yaml", limit_line, eval_rows=24)  # every row
     steps = -(-2 * index.rows("train") // 32) + 1  # two epochs and a step of the third
-    args = ["--config", str(config), "--max-steps", str(steps), "--micro-batch", "16"]
-    args += ["--eval-every", str(steps // 3), "--save-every", "0", "--log-every", "1"]
-    args += ["--warmup-steps", "5", "--lr", "2e-3", "--seq-len", "32"]
+    args = ["--max-steps", str(steps), "--micro-batch", "16", "--eval-every", str(steps // 3)]
+    args += ["--save-every", "0", "--log-every", "1", "--warmup-steps", "5", "--lr", "2e-3"]
+    args += ["--seq-len", "32"]
     runs = {"local": tmp_path / "local", "s3": tmp_path / "s3"}
-    # a training node without Beam: in the S3 run's ranks, `import apache_beam` fails
+    # a training node without Beam: in the ranks, `import apache_beam` fails
     no_beam = tmp_path / "no-beam" / "apache_beam"
     no_beam.mkdir(parents=True)
     (no_beam / "__init__.py").write_text('raise ImportError("Beam is not installed here")\n')
     s3_env = {**os.environ, "PYTHONPATH": f"{no_beam.parent}:{REPO}"}
-    run_to_end(command(local, runs["local"], *args))
-    run_to_end(command(remote, runs["s3"], *args), env=s3_env)
+    both = [
+        command(data, runs[name], *args, launcher=[], config=config)[1:]
+        for name, data in (("local", local), ("s3", remote))
+    ]
+    run_to_end(one_launch(local, tmp_path, *both), env=s3_env)
     fetched = {name: gets.count(name) for name in set(gets)}
     assert len(fetched) == len(index.shards("train")) and max(fetched.values()) > 1, fetched
     cache = next(tmp_path.glob("shatter-cache-*"))
