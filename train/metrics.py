@@ -212,10 +212,17 @@ def postfix(record: dict, lr: float, per: str = "gpu") -> str:
 
 def log_to_run(run_dir: Path, rank: int) -> None:
     """Rank 0 writes its event and progress lines to RUN/train.log (appended across resumes);
-    Python warnings go through logging there and to stderr, above the bar, once each."""
-    if rank != 0 or any(getattr(h, "shatter_run", False) for h in log.handlers):
+    Python warnings go through logging there and to stderr, above the bar, once each. A second
+    run in the same process (an API caller's, or the tests') takes the log over from the first."""
+    if rank != 0:
         return
-    handler = logging.FileHandler(run_dir / LOG_FILE, encoding="utf-8")
+    path = (run_dir / LOG_FILE).resolve()
+    for old in [h for h in log.handlers if getattr(h, "shatter_run", False)]:
+        if Path(old.baseFilename) == path:
+            return
+        log.removeHandler(old)
+        old.close()
+    handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     handler.shatter_run = True
     log.addHandler(handler)

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.finetune.data import train_tokenizer
 
@@ -30,9 +31,12 @@ def export(tmp_path, tokenizer_model):
 
     def make(arch="shatter", max_len=64):
         path = tmp_path / f"export-{arch}"
-        model = shatter.build_model(
-            f"{arch}-tiny", vocab_size=200, max_len=max_len, hidden=32, ffn=64
-        )
+        # its own seed: the weights do not depend on the tests the xdist worker ran before
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = shatter.build_model(
+                f"{arch}-tiny", vocab_size=200, max_len=max_len, hidden=32, ffn=64
+            )
         shatter.save_pretrained(model, path, tokenizer=tokenizer_model)
         return path
 

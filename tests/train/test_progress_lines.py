@@ -1,6 +1,8 @@
 """An evaluation in a log (stderr not a terminal) shows a plain progress line every
 LINE_EVERY_S seconds, no carriage returns; finetuning's predict goes through it."""
 
+import warnings
+
 import torch
 
 from shatter.train import metrics
@@ -39,3 +41,27 @@ def test_finetuning_evaluation_shows_progress_in_a_log(monkeypatch, capsys):
     outputs = predict(Logits(), Data(), batch_size=2, show=True)
     assert len(outputs["logits"]) == 5
     assert "evaluate: 3/3 batches" in capsys.readouterr().err
+
+
+def test_a_second_run_in_one_process_logs_to_its_own_train_log(tmp_path):
+    """Two runs in one process (an API caller's, the in-process tests'): each run's lines go
+    to its own RUN/train.log, none to the first's; the same run again keeps its one handler."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    before = list(metrics.log.handlers)
+    state = metrics.log.level, metrics.log.propagate, warnings.showwarning
+    try:
+        metrics.log_to_run(first, 0)
+        metrics.log.info("line of a")
+        metrics.log_to_run(second, 0)
+        metrics.log_to_run(second, 0)
+        metrics.log.info("line of b")
+        ours = [h for h in metrics.log.handlers if getattr(h, "shatter_run", False)]
+        assert len(ours) == 1
+    finally:
+        for handler in set(metrics.log.handlers) - set(before):
+            metrics.log.removeHandler(handler)
+            handler.close()
+        metrics.log.level, metrics.log.propagate, warnings.showwarning = state
+    a, b = ((d / metrics.LOG_FILE).read_text() for d in (first, second))
+    assert "line of a" in a and "line of b" not in a and "line of b" in b, (a, b)
