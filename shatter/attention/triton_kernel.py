@@ -35,6 +35,7 @@ from shatter.attention.projection import (
     write_context,
 )
 from shatter.kernels.cost import register_costs
+from shatter.kernels.family import delta_inside, family_of
 from shatter.kernels.partition_mixing import (
     INTERPRET,
     MAX_PARTS,
@@ -94,6 +95,13 @@ def _grid(L, block, per_batch, half=0):
         return triton.cdiv(L, META[block]), per_batch * (2 * half // META["GROUP"] if half else 1)
 
     return grid
+
+
+def _delta_inside(X: torch.Tensor) -> bool:
+    """Whether the dZ kernel makes δ itself on X's device (family.delta_inside); under
+    the interpreter, as on sm_80+ (the tests set it both ways)."""
+    family = family_of(torch.cuda.get_device_capability(X.device)) if X.is_cuda else None
+    return delta_inside(family)
 
 
 def _unit(t: torch.Tensor) -> torch.Tensor:
@@ -195,19 +203,24 @@ def backward_kernels(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmo
     mix_bwd_dv_kernel[_grid(L, "BLOCK_N", B, n // 2)](
         DV=gV, sg_b=gV.stride(0), sg_h=gV.stride(1), sg_l=gV.stride(2), **shared
     )
-    delta = torch.empty(B, L, device=X.device, dtype=torch.float32)
-    gs = (g_out.stride(0), g_out.stride(1), g_out.stride(2))
-    delta_kernel[_grid(L, "BLOCK_M", B)](
-        out, g_out, part, g_part, delta, out.stride(0), out.stride(1), out.stride(2), *gs,
-        part.stride(0), part.stride(1), g_part.stride(0), g_part.stride(1), L=L,
-        L_KEY=shared["L_KEY"], K_PART=d // n, N_PARTS=n, BLOCK_K=meta["BLOCK_K"], NP=meta["NP"],
+    inside = _delta_inside(X)
+    delta = stat[0] if inside else torch.empty(B, L, device=X.device, dtype=torch.float32)
+    outputs = dict(
+        OUT=out, AP=part, so_b=out.stride(0), so_h=out.stride(1), so_l=out.stride(2),
+        sa_b=part.stride(0), sa_l=part.stride(1), sp_b=g_part.stride(0), sp_l=g_part.stride(1),
     )  # fmt: skip
+    if not inside:  # δ in a launch of its own (family.delta_inside)
+        delta_kernel[_grid(L, "BLOCK_M", B)](
+            DO=g_out, DAP=g_part, DELTA=delta, sd_b=shared["sd_b"], sd_h=shared["sd_h"],
+            sd_l=shared["sd_l"], L=L, L_KEY=shared["L_KEY"], K_PART=d // n, N_PARTS=n,
+            BLOCK_K=meta["BLOCK_K"], NP=meta["NP"], **outputs,
+        )  # fmt: skip
     dZ = X.new_empty(B, L, padded(L))  # dS/√d; the padded keys' columns are never read
     mix_bwd_dz_kernel[_grid(L, "BLOCK_M", B)](
         V=V, DELTA=delta, DAP=g_part, DZ=dZ, DC=dcc, sdz_b=dZ.stride(0), sdz_l=dZ.stride(1),
-        sv_b=V.stride(0), sv_h=V.stride(1), sv_l=V.stride(2), sp_b=g_part.stride(0),
-        sp_l=g_part.stride(1), sdc_b=dcc.stride(0), sdc_l=dcc.stride(1), NP=meta["NP"],
-        DC_COLS=P.shape[-1] - 2 * d, **shared,
+        sv_b=V.stride(0), sv_h=V.stride(1), sv_l=V.stride(2), sdc_b=dcc.stride(0),
+        sdc_l=dcc.stride(1), NP=meta["NP"], DC_COLS=P.shape[-1] - 2 * d, DELTA_INSIDE=inside,
+        **outputs, **shared,
     )  # fmt: skip
     dS = dZ[:, :, :L]  # dS/√d
     torch.matmul(dS, X, out=dQ)  # cuBLAS: dQ = dS X / √d, into dP's columns

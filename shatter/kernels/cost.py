@@ -53,7 +53,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from shatter.kernels.family import family_of  # noqa: F401 (the cost model's users read it here)
+from shatter.kernels.family import delta_inside, family_of  # noqa: F401 (family_of: the cost model's users read it here)
 
 KINDS = ("gemm", "custom", "memory")
 
@@ -139,10 +139,16 @@ def mixing_bwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     if a["g_out"].stride(-1) != 1:  # dX̄ made contiguous in its last dimension
         kernels.append(Kernel("dX̄ contiguous", "memory", 0.0, float(2 * x)))
     sweep = mixing_dot_flops(B, L, d)
+    if delta_inside(family):  # δ in the dZ kernel's prologue: X̄ read there, no launch of its own
+        delta = [Kernel("dZ and δ", "custom", sweep, float(2 * z + 3 * x))]
+    else:
+        delta = [
+            Kernel("δ", "memory", 0.0, float(2 * x)),  # X̄ and dX̄
+            Kernel("dZ", "custom", sweep, float(2 * z + 2 * x)),  # Z, V, dX̄ in, dZ out
+        ]
     return kernels + [
         Kernel("dV", "custom", sweep, float(_z_reads(n, d, "dv", False, family) * z + 2 * x)),
-        Kernel("δ", "memory", 0.0, float(2 * x)),  # X̄ and dX̄
-        Kernel("dZ", "custom", sweep, float(2 * z + 2 * x)),  # Z, V, dX̄ in, dZ out
+        *delta,
         Kernel("dQ = dZ X", "gemm", 2.0 * B * L * L * d, float(s + 2 * x)),
         Kernel("dX = dZᵀ Q", "gemm", 2.0 * B * L * L * d, float(s + 2 * x)),
     ]

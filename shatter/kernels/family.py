@@ -6,3 +6,11 @@ def family_of(capability: tuple[int, int]) -> int:
     """The arch family a GPU of `capability` is priced and tuned as: 90, 80 or 70 (below sm_80:
     Triton's dots on FMAs)."""
     return 90 if capability[0] >= 9 else 80 if capability[0] >= 8 else 70
+
+
+def delta_inside(family: int | None) -> bool:
+    """Whether the mixing backward's dZ kernel makes δ itself (no `delta_kernel` launch; X̄ and
+    dX̄ read once less): on the FMA family (sm_70), whose dZ configuration takes the prologue
+    without spilling (tools/bench/kernel_report.py); sm_80's spilled with it under Triton 3.6.
+    `family` None: the interpreter's, as on sm_80+."""
+    return family == 70

@@ -110,6 +110,8 @@ DZ_CONFIGS = [  # sm_90's M64 N64 w4 and M64 N128 w8 spilled under 3.6
     _cfg(64, 64, 8, 2),
     _cfg(32, 32, 8, 1, archs=(70,), sources=(False,)),  # sm_70's M64 N64 w8 spilled 2.7 KB
 ]
+
+
 # every compile-time constant that changes the code: a kernel is keyed on those it takes
 AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID", "BLOCK_K", "PREC", "NP", "RECOMPUTE", "BLOCK_D"]  # fmt: skip
 ACC_COLUMNS = 384  # fp32 accumulator columns of a program's group: 6 parts of 64
@@ -436,7 +438,7 @@ def delta_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch): DELTA = δ [B, L] of its rows (`_row_delta`). A launch of its
-    own: taken in the dZ pass's prologue, it spilled that kernel on sm_80 under Triton 3.6."""
+    own on sm_80+ (`delta_inside`); on sm_70 the dZ kernel makes δ in its prologue."""
     b = tl.program_id(1).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -516,17 +518,20 @@ def mix_bwd_dv_kernel(
 @_autotune(DZ_CONFIGS)
 @triton.jit
 def mix_bwd_dz_kernel(
-    Z, X, C, Mk, T, V, STAT, STAT2, DELTA, DO, DAP, DZ, DC,
+    Z, X, C, Mk, T, V, STAT, STAT2, DELTA, DO, DAP, DZ, DC, OUT, AP,
     sz_b, sz_l, sx_b, sx_l, sdz_b, sdz_l, sc_b, sc_l, st_h, sv_b, sv_h, sv_l, sd_b, sd_h, sd_l,
-    sp_b, sp_l, sdc_b, sdc_l, L, L_KEY, K_PART, T_CENTRE, D, scale, DC_COLS,
+    sp_b, sp_l, sdc_b, sdc_l, so_b, so_h, so_l, sa_b, sa_l, L, L_KEY, K_PART, T_CENTRE, D,
+    scale, DC_COLS,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr,
+    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, DELTA_INSIDE: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch) over all key blocks: DZ = dS · scale (strides sdz_*, the
     input dtype) and, with the part bias, DC = dc [B, L, n] (sdc_*) followed by zeros up to
-    DC_COLS <= NP columns (dP's alignment columns after c's). DELTA is δ [B, L]
-    (`delta_kernel`), DO dX̄ [B, n, L, d/n] (sd_*), DAP dA_part [B, L, n] (sp_*)."""
+    DC_COLS <= NP columns (dP's alignment columns after c's). δ [B, L] is read from DELTA
+    (`delta_kernel`) or, with DELTA_INSIDE, made here first from the saved outputs OUT X̄
+    (so_*) and AP A_part (sa_*) (`_row_delta`); DO is dX̄ [B, n, L, d/n] (sd_*), DAP dA_part
+    [B, L, n] (sp_*)."""
     b = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
@@ -534,7 +539,13 @@ def mix_bwd_dz_kernel(
     row_ok = offs_m < L
     k_ok = (offs_k < K_PART)[None, :]
     stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M)
-    delta = tl.load(DELTA + b * L + offs_m, mask=row_ok, other=0.0)
+    if DELTA_INSIDE:
+        delta = _row_delta(
+            OUT, DO, AP, DAP, b, offs_m, offs_k, row_ok, k_ok, so_b, so_h, so_l, sd_b, sd_h,
+            sd_l, sa_b, sa_l, sp_b, sp_l, N_PARTS, NP, BLOCK_M, BLOCK_K,
+        )  # fmt: skip
+    else:
+        delta = tl.load(DELTA + b * L + offs_m, mask=row_ok, other=0.0)
     dc = tl.zeros([BLOCK_M, NP], dtype=tl.float32)
     parts = tl.arange(0, NP)[None, :]
     do_ptrs = DO + b * sd_b + offs_m[:, None] * sd_l + offs_k[None, :]

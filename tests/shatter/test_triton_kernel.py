@@ -128,3 +128,36 @@ def test_two_programs_per_side_equal_naive(kernel, case, monkeypatch):
     want = _values_and_grads(lambda *a: _reference(*a, sigmoid=sigmoid), *inputs)
     for name, a, b in zip(["X_bar", "A_part", "dQ", "dX", "dV", "dc"], got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{case}: {name} differs")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case, dtype",
+    [("1h-sigmoid, one sequence all padding", torch.float32),
+     ("softmax with the part bias, n=12", torch.float32),
+     ("shatter n=8", torch.float16)],
+)  # fmt: skip
+def test_delta_made_in_the_dz_kernel_equals_naive(case, dtype, monkeypatch):
+    """sm_70's backward (family.delta_inside): the dZ kernel makes δ in its prologue, with no
+    `delta_kernel` launch; values and gradients still equal naive's (sigmoid and softmax, the
+    part bias, a sequence of padding only, fp16)."""
+    if not INTERPRET:
+        pytest.skip("the compiled kernels take the path of the GPU they run on")
+    from shatter.attention import triton_kernel
+
+    monkeypatch.setattr(triton_kernel, "delta_inside", lambda family: True)
+    launched = []
+    monkeypatch.setattr(triton_kernel, "delta_kernel", _Refused(launched))
+    assert_equals_naive(_impl("triton"), case, dtype)
+    assert not launched
+
+
+class _Refused:
+    """A kernel that must not be launched: records the attempt."""
+
+    def __init__(self, launched: list):
+        self.launched = launched
+
+    def __getitem__(self, grid):
+        self.launched.append(grid)
+        return lambda *args, **kwargs: None
