@@ -22,6 +22,8 @@ choice); fp32 runs too (IEEE dots, for the tests). n even in 4..16, d/n ≤ 128,
 tensors of compute capability ≥ 8.0, or CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -100,8 +102,13 @@ def _grid(L, block, per_batch, half=0):
 def _delta_inside(X: torch.Tensor) -> bool:
     """Whether the dZ kernel makes δ itself on X's device (family.delta_inside); under
     the interpreter, as on sm_80+ (the tests set it both ways)."""
-    family = family_of(torch.cuda.get_device_capability(X.device)) if X.is_cuda else None
-    return delta_inside(family)
+    return delta_inside(_family(X.device.index) if X.is_cuda else None)
+
+
+@functools.cache
+def _family(index: int | None) -> int:
+    """The arch family of CUDA device `index`, read once (every backward call asks)."""
+    return family_of(torch.cuda.get_device_capability(index))
 
 
 def _unit(t: torch.Tensor) -> torch.Tensor:
@@ -204,6 +211,7 @@ def backward_kernels(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmo
         DV=gV, sg_b=gV.stride(0), sg_h=gV.stride(1), sg_l=gV.stride(2), **shared
     )
     inside = _delta_inside(X)
+    # with δ made inside, DELTA is a placeholder pointer the kernel never reads
     delta = stat[0] if inside else torch.empty(B, L, device=X.device, dtype=torch.float32)
     outputs = dict(
         OUT=out, AP=part, so_b=out.stride(0), so_h=out.stride(1), so_l=out.stride(2),

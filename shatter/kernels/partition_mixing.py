@@ -113,7 +113,7 @@ DZ_CONFIGS = [  # sm_90's M64 N64 w4 and M64 N128 w8 spilled under 3.6
 
 
 # every compile-time constant that changes the code: a kernel is keyed on those it takes
-AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID", "BLOCK_K", "PREC", "NP", "RECOMPUTE", "BLOCK_D"]  # fmt: skip
+AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID", "BLOCK_K", "PREC", "NP", "RECOMPUTE", "BLOCK_D", "DELTA_INSIDE"]  # fmt: skip
 ACC_COLUMNS = 384  # fp32 accumulator columns of a program's group: 6 parts of 64
 
 
