@@ -216,9 +216,9 @@ def log_to_run(run_dir: Path, rank: int) -> None:
     run in the same process (an API caller's, or the tests') takes the log over from the first."""
     if rank != 0:
         return
-    path = (run_dir / LOG_FILE).resolve()
+    path = os.path.abspath(run_dir / LOG_FILE)  # as FileHandler keeps it (baseFilename)
     for old in [h for h in log.handlers if getattr(h, "shatter_run", False)]:
-        if Path(old.baseFilename) == path:
+        if old.baseFilename == path:
             return
         log.removeHandler(old)
         old.close()

@@ -85,14 +85,15 @@ class _Assembled(torch.autograd.Function):
     autograd copied each weight twice forward and added each gradient's two paths in a
     d x d-wide add; here the weights are copied once, and each gradient is one (b)addbmm.
     `shape` is (K, n, bias, value, has W^O); `params` the layers' W^Q, b^Q, W^V, b^V, then R
-    (with the bias or the value term), then W^O (when given), K of each."""
+    (where it is used: with the bias, or the value term and W^O), then W^O (when given), K of
+    each."""
 
     @staticmethod
     def forward(ctx, shape, *params):
         K, n, bias, value, has_output = shape
         W_Q, b_Q, W_V, b_V = (params[i * K : (i + 1) * K] for i in range(4))
         rest = params[4 * K :]
-        R = torch.stack(rest[:K]) if bias or value else None  # [K, n, d]
+        R = torch.stack(rest[:K]) if _uses_r(*shape[2:]) else None  # [K, n, d]
         W_O = rest[-K:] if has_output else None
         d = W_Q[0].shape[0]
         W_P, b_P = _projection_forward(W_Q, b_Q, W_V, b_V, R if bias else None, K)
@@ -124,10 +125,13 @@ class _Assembled(torch.autograd.Function):
                 dW_V = torch.baddbmm(dW_V, dVR, R)
                 dR = _plus(dR, dVR.transpose(1, 2), W_P[:, d : 2 * d])
             dW_O = dW_O.contiguous()  # one copy for all layers, none per parameter
-        if R is not None and dR is None:  # R given, but neither of its uses asked for
-            dR = torch.zeros_like(R)
         grads = [dW_Q, db_Q, dW_V, db_V] + [g for g in (dR, dW_O) if g is not None]
         return (None, *(g for grad in grads for g in grad.unbind(0)))
+
+
+def _uses_r(bias: bool, value: bool, has_output: bool) -> bool:
+    """Whether R enters the products: in c's rows (the bias), or in W^F's fold (the value term)."""
+    return bias or (value and has_output)
 
 
 def _plus(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -169,7 +173,7 @@ def assembled_weights(attention: list, outputs: list | None, bias: bool, value: 
     with autocast off. `bias`: c's rows in W^P (R W^Q, R b^Q); `value`: W^F's fold."""
     names = ["query.weight", "query.bias", "value.weight", "value.bias"]
     params = [p for name in names for p in _params(attention, name)]
-    if bias or value:
+    if _uses_r(bias, value, outputs is not None):
         params += _params(attention, "partition_embeddings")
     if outputs is not None:
         params += _params(outputs, "weight")

@@ -53,7 +53,10 @@ import math
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from shatter.kernels.family import delta_inside, family_of  # noqa: F401 (family_of: the cost model's users read it here)
+from shatter.kernels.family import (
+    delta_inside,
+    family_of,  # noqa: F401 (the cost model's users read it here)
+)
 
 KINDS = ("gemm", "custom", "memory")
 
