@@ -46,6 +46,7 @@ from shatter.kernels.partition_mixing import (
     mix_bwd_dz_kernel,
     mix_fwd_kernel,
     row_stats_kernel,
+    stats_inside,
 )
 
 
@@ -105,6 +106,13 @@ def _delta_inside(X: torch.Tensor) -> bool:
     return delta_inside(_family(X.device.index) if X.is_cuda else None)
 
 
+def _stats_inside(X: torch.Tensor, n: int, block_k: int, sigmoid: bool, recompute: bool) -> bool:
+    """Whether the mixing forward makes ρ itself on X's device (partition_mixing.stats_inside);
+    under the interpreter, as on sm_90 (the tests set it both ways)."""
+    family = _family(X.device.index) if X.is_cuda else None
+    return stats_inside(n, block_k, family, sigmoid, recompute)
+
+
 @functools.cache
 def _family(index: int | None) -> int:
     """The arch family of CUDA device `index`, read once (every backward call asks)."""
@@ -154,14 +162,16 @@ def forward_kernels(P, X, mask, table, sigmoid: bool, Z):
         L=L, L_KEY=triton.next_power_of_2(L), T_CENTRE=(table.shape[1] - 1) // 2,
         HAS_C=c is not None, N_PARTS=n, SIGMOID=sigmoid, PREC=meta["PREC"], **source,
     )  # fmt: skip
-    row_stats_kernel[_grid(L, "BLOCK_M", B)](STAT=stat[0], STAT2=stat[1], **shared)
+    inside = _stats_inside(X, n, meta["BLOCK_K"], sigmoid, Z is None)
+    if not inside:  # ρ (or the softmax statistics) in a launch of its own
+        row_stats_kernel[_grid(L, "BLOCK_M", B)](STAT=stat[0], STAT2=stat[1], **shared)
     ctx = new_context(X, n, zero_pad=False)  # the mixing forward zeroes the alignment columns
     out, part = context_views(ctx, n)
     mix_fwd_kernel[_grid(L, "BLOCK_M", B, n // 2)](  # batch x side x group of parts
         V=V, STAT=stat[0], STAT2=stat[1], OUT=out, AP=part, sv_b=V.stride(0), sv_h=V.stride(1),
         sv_l=V.stride(2), so_b=out.stride(0), so_h=out.stride(1), so_l=out.stride(2),
         sa_b=part.stride(0), sa_l=part.stride(1), K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
-        AP_COLS=ctx.shape[-1] - d, NP=meta["NP"], **shared,
+        AP_COLS=ctx.shape[-1] - d, NP=meta["NP"], STATS_INSIDE=inside, **shared,
     )  # fmt: skip
     return ctx, stat
 

@@ -100,7 +100,7 @@ def _dims(a: dict) -> tuple[int, int, int, int, int, int]:
     return B, L, -(-L // 16) * 16, d, a["table"].shape[0], a["X"].element_size()
 
 
-def _z_reads(n: int, d: int, kernel: str, recompute: bool = False, family: int = 90) -> int:
+def _z_reads(n: int, d: int, kernel: str, recompute: bool = False, family: int | None = 90) -> int:
     """Sweeps of the scores by the mixing forward or dV kernel (reads of Z, or with `recompute`
     Q Xᵀ made again): each side's keys once per group of parts, the two sides together once per
     group, with the GROUP of the kernel's configurations for n on the arch family (sm_90 unless
@@ -108,9 +108,13 @@ def _z_reads(n: int, d: int, kernel: str, recompute: bool = False, family: int =
     from shatter.kernels import partition_mixing as pm
 
     configs = {"fwd": pm.FWD_CONFIGS, "dv": pm.DV_CONFIGS}[kernel]
-    block_k = max(16, 1 << (d // n - 1).bit_length())
-    best = pm.usable(configs, n, block_k, family=family, recompute=recompute)[0]
+    best = pm.usable(configs, n, _block_k(d, n), family=family, recompute=recompute)[0]
     return n // 2 // best.kwargs["GROUP"]
+
+
+def _block_k(d: int, n: int) -> int:
+    """The kernels' BLOCK_K for parts of d/n (triton_kernel.kernel_meta's)."""
+    return max(16, 1 << (d // n - 1).bit_length())
 
 
 def mixing_dot_flops(B: int, L: int, d: int) -> float:
@@ -119,22 +123,24 @@ def mixing_dot_flops(B: int, L: int, d: int) -> float:
     return 1.0 * B * L * (L + 1) * d
 
 
-def mixing_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
+def mixing_fwd_cost(args, kwargs, outputs, family: int | None = 90) -> list[Kernel]:
+    from shatter.kernels.partition_mixing import stats_inside
+
     a = _bind("shatter::mixing_fwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
     z, x, xp = B * L * Lp * e, B * L * d * e, B * Lp * d * e  # Z, a [B, L, d], the padded keys
     kernels = [Kernel("pad the keys to Lp", "memory", 0.0, float(x + xp))] if L % 16 else []
-    return kernels + [
-        Kernel("Z = Q Xᵀ/√d", "gemm", 2.0 * B * L * Lp * d, float(x + xp + z)),
-        Kernel("row statistics", "memory", 0.0, float(z)),
-        Kernel(  # Z per group of parts, V, X̄ written
-            "mixing forward", "custom", mixing_dot_flops(B, L, d),
-            float(_z_reads(n, d, "fwd", False, family) * z + 2 * x),
-        ),
-    ]  # fmt: skip
+    kernels.append(Kernel("Z = Q Xᵀ/√d", "gemm", 2.0 * B * L * Lp * d, float(x + xp + z)))
+    reads = _z_reads(n, d, "fwd", False, family)  # Z per group of parts; V read, X̄ written
+    if stats_inside(n, _block_k(d, n), family, a["sigmoid"], False):
+        reads += 1  # ρ made in the forward: each side's program sweeps the other side's keys
+    else:
+        kernels.append(Kernel("row statistics", "memory", 0.0, float(z)))
+    flops = mixing_dot_flops(B, L, d)
+    return kernels + [Kernel("mixing forward", "custom", flops, float(reads * z + 2 * x))]
 
 
-def mixing_bwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
+def mixing_bwd_cost(args, kwargs, outputs, family: int | None = 90) -> list[Kernel]:
     a = _bind("shatter::mixing_bwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
     z, x, s = B * L * Lp * e, B * L * d * e, B * L * L * e  # Z, a [B, L, d], dS = dZ[:, :, :L]
@@ -209,7 +215,7 @@ def rows_kernels(B: int, L: int, d: int, n: int, e: int = 2, keep: bool = False)
     ]
 
 
-def fused_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
+def fused_fwd_cost(args, kwargs, outputs, family: int | None = 90) -> list[Kernel]:
     """The fused forward: the row statistics sweep Q Xᵀ once (made on chip from Q and X), the
     mixing forward again per group of parts (each side its own keys: one l x l per group)."""
     a = _bind("shatter::fused_fwd", args, kwargs)
@@ -225,7 +231,7 @@ def fused_fwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
     ]  # fmt: skip
 
 
-def fused_bwd_cost(args, kwargs, outputs, family: int = 90) -> list[Kernel]:
+def fused_bwd_cost(args, kwargs, outputs, family: int | None = 90) -> list[Kernel]:
     """The fused backward: dV and dS (with dc) recompute Q Xᵀ; dS/√d [B, L, Lp] is written for
     the two cuBLAS GEMMs, as in the hybrid."""
     a = _bind("shatter::fused_bwd", args, kwargs)
@@ -303,8 +309,9 @@ class _Spec(NamedTuple):
 
 def layer_kernels(impl: str, shape: tuple[int, int, int, int], element: int, family: int = 90) -> list[Kernel]:  # fmt: skip
     """The kernels of one layer's forward and backward under `impl` ("triton", "fused", "rows"
-    or "rows-keep") for `element`-byte inputs of `shape` = (B, l, d, n) with the partition bias: plain arithmetic on
-    the shapes (no tensor is made, so `auto` can call it inside a compiled forward)."""
+    or "rows-keep") for `element`-byte inputs of `shape` = (B, l, d, n) with the partition bias
+    and sigmoid scores (Shatter's): plain arithmetic on the shapes (no tensor is made, so `auto`
+    can call it inside a compiled forward)."""
     from shatter.attention.projection import projection_width
 
     B, L, d, n = shape
@@ -312,7 +319,7 @@ def layer_kernels(impl: str, shape: tuple[int, int, int, int], element: int, fam
         return rows_kernels(B, L, d, n, element, keep=impl == "rows-keep")
     a = dict(
         P=_Spec((B, L, projection_width(d, n)), element), X=_Spec((B, L, d), element),
-        mask=_Spec((B, L), 1), table=_Spec((n, 1), 4),
+        mask=_Spec((B, L), 1), table=_Spec((n, 1), 4), sigmoid=True,
         g_out=_Spec((B, n, L, d // n), element),  # dX̄ row-major, as autograd hands it
     )  # fmt: skip
     forward, backward = IMPL_OPS[impl]

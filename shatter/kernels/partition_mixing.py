@@ -13,7 +13,8 @@ f_h(j−i) is gathered from the layer's constant table (shatter/partition.py). P
 left of the diagonal and parts n/2..n−1 right of it (the appendix's mirror halves).
 
 Forward: `row_stats_kernel` (one program per row block) sweeps Z once for ρ (or the row maximum
-and log-sum), then `mix_fwd_kernel` (one program per row block, side and group of parts) sweeps that
+and log-sum), except where the mixing forward makes ρ itself (sigmoid scores read from Z on sm_90:
+`stats_inside`), then `mix_fwd_kernel` (one program per row block, side and group of parts) sweeps that
 side's keys with one accumulator of [BLOCK_M, d/n] per part of its group (64-wide dots) and writes
 X̄ and A_part normalised, in the input dtype. A group's GROUP parts come from the autotune
 configuration (`usable`): all n/2 parts of the side where their accumulators fit the registers
@@ -111,7 +112,7 @@ DZ_CONFIGS = [  # sm_90's M64 N64 w4 and M64 N128 w8 spilled under 3.6
     _cfg(32, 32, 8, 1, archs=(70,), sources=(False,)),  # sm_70's M64 N64 w8 spilled 2.7 KB
 ]
 # every compile-time constant that changes the code: a kernel is keyed on those it takes
-AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID", "BLOCK_K", "PREC", "NP", "RECOMPUTE", "BLOCK_D", "DELTA_INSIDE"]  # fmt: skip
+AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID", "BLOCK_K", "PREC", "NP", "RECOMPUTE", "BLOCK_D", "DELTA_INSIDE", "STATS_INSIDE"]  # fmt: skip
 ACC_COLUMNS = 384  # fp32 accumulator columns of a program's group: 6 parts of 64
 
 
@@ -124,6 +125,17 @@ def usable(configs, n: int, block_k: int, family: int | None = None, recompute=F
     fit = [c for c in mine if not group[c] or (n // 2 % group[c] == 0 and group[c] * block_k <= ACC_COLUMNS)]  # fmt: skip
     best = max((group[c] for c in fit), default=0)
     return [c for c in fit if group[c] in (0, best)]
+
+
+def stats_inside(n: int, block_k: int, family: int | None, sigmoid: bool, recompute: bool) -> bool:
+    """Whether the mixing forward makes ρ itself (no `row_stats_kernel` launch): sigmoid scores
+    read from Z, on sm_90 where one program takes all n/2 parts of a side (a program sweeps the
+    other side's keys for ρ once, as the statistics kernel did: the same bytes, a launch fewer);
+    not where a side's parts take several programs (each would sweep the other side), nor below
+    sm_90 (sm_80: GROUP 2; sm_70: FMA-bound). `family` None: the interpreter's, as sm_90."""
+    if not sigmoid or recompute or family not in (90, None):
+        return False
+    return family is None or usable(FWD_CONFIGS, n, block_k, family)[0].kwargs["GROUP"] == n // 2
 
 
 def _for_this_call(configs, named_args, **kwargs):
@@ -260,10 +272,15 @@ def _program_parts(N_PARTS: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _load_stats(STAT, STAT2, b, i0, L, BLOCK_M: tl.constexpr):
+def _load_stats(STAT, STAT2, b, i0, L, BLOCK_M: tl.constexpr, UNIT: tl.constexpr = False):
+    """The row statistics the weights take, or with UNIT ones (weights left unnormalised)."""
     offs_m = i0 + tl.arange(0, BLOCK_M)
-    stat = tl.load(STAT + b * L + offs_m, mask=offs_m < L, other=0.0)
-    stat2 = tl.load(STAT2 + b * L + offs_m, mask=offs_m < L, other=0.0)
+    if UNIT:
+        stat = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        stat2 = stat
+    else:
+        stat = tl.load(STAT + b * L + offs_m, mask=offs_m < L, other=0.0)
+        stat2 = tl.load(STAT2 + b * L + offs_m, mask=offs_m < L, other=0.0)
     return stat, stat2
 
 
@@ -284,9 +301,10 @@ def _dv_part(acc, a, f_ptr, col, ok, do_ptrs, do_ok, PREC: tl.constexpr):
 
 
 @triton.jit
-def _store_part(o_ptrs, acc, o_ok, a_ptrs, ap, row_ok):
-    tl.store(o_ptrs, acc.to(o_ptrs.dtype.element_ty), mask=o_ok)
-    tl.store(a_ptrs, ap.to(a_ptrs.dtype.element_ty), mask=row_ok)
+def _store_part(o_ptrs, acc, o_ok, a_ptrs, ap, row_ok, r):
+    """One part's X̄ and A_part column, each row times its factor r (ρ, or 1)."""
+    tl.store(o_ptrs, (acc * r[:, None]).to(o_ptrs.dtype.element_ty), mask=o_ok)
+    tl.store(a_ptrs, (ap * r).to(a_ptrs.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -313,6 +331,41 @@ def _row_delta(
     return tl.sum(acc, 1) + tl.sum(ap.to(tl.float32) * dap.to(tl.float32), 1)
 
 
+@triton.jit
+def _squares(
+    Z, X, C, Mk, T, b, i0, j_lo, j_hi, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D,
+    scale, HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Σ_j p_ij² over the key tiles from j_lo to j_hi (eq. 5: padded keys zeroed before the L2
+    normalisation), in fp32 for the rows of the block at i0."""
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for j0 in range(j_lo, j_hi, BLOCK_N):
+        z, col, ok, m = _score_tile(
+            Z, X, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D,
+            scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
+        )  # fmt: skip
+        p = tl.where(ok, tl.sigmoid(z) * m[None, :], 0.0)
+        ss += tl.sum(p * p, 1)
+    return ss
+
+
+@triton.jit
+def _zero_alignment(AP, b, sa_b, sa_l, offs_m, L, AP_COLS, N_PARTS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, NP: tl.constexpr):  # fmt: skip
+    """The AP_COLS − n <= NP columns that follow A_part in the context
+    (projection.context_width): zeros, for the folded W^O's zero columns."""
+    cols = N_PARTS + tl.arange(0, NP)
+    pad_ptrs = AP + b * sa_b + offs_m[:, None] * sa_l + cols[None, :]
+    pad_ok = (offs_m < L)[:, None] & (cols < AP_COLS)[None, :]
+    tl.store(pad_ptrs, tl.zeros([BLOCK_M, NP], dtype=AP.dtype.element_ty), mask=pad_ok)
+
+
+@triton.jit
+def _rho(ss):
+    return 1.0 / tl.maximum(tl.sqrt(ss), 1e-12)
+
+
 # ---------------------------------------------------------------------------------- kernels
 
 
@@ -329,26 +382,26 @@ def row_stats_kernel(
     b = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    mx = tl.full([BLOCK_M], FP32_MIN, dtype=tl.float32)
-    for j0 in range(0, L, BLOCK_N):
-        z, col, ok, m = _score_tile(
-            Z, X, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D,
-            scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
+    row_ok = offs_m < L
+    if SIGMOID:
+        ss = _squares(
+            Z, X, C, Mk, T, b, i0, 0, L, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h,
+            D, scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
         )  # fmt: skip
-        if SIGMOID:  # eq. 5: padded keys zeroed before the L2 normalisation
-            p = tl.where(ok, tl.sigmoid(z) * m[None, :], 0.0)
-            ss += tl.sum(p * p, 1)
-        else:
+        tl.store(STAT + b * L + offs_m, _rho(ss), mask=row_ok)
+    else:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        mx = tl.full([BLOCK_M], FP32_MIN, dtype=tl.float32)
+        for j0 in range(0, L, BLOCK_N):
+            z, col, ok, m = _score_tile(
+                Z, X, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h,
+                D, scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
+            )  # fmt: skip
             logit = tl.where(m[None, :] > 0, z, FP32_MIN)
             logit = tl.where(ok, logit, float("-inf"))
             mx_new = tl.maximum(mx, tl.max(logit, 1))
             ss = ss * tl.exp(mx - mx_new) + tl.sum(tl.exp(logit - mx_new[:, None]), 1)
             mx = mx_new
-    row_ok = offs_m < L
-    if SIGMOID:
-        tl.store(STAT + b * L + offs_m, 1.0 / tl.maximum(tl.sqrt(ss), 1e-12), mask=row_ok)
-    else:
         tl.store(STAT + b * L + offs_m, mx, mask=row_ok)
         tl.store(STAT2 + b * L + offs_m, tl.log(tl.where(row_ok, ss, 1.0)), mask=row_ok)
 
@@ -361,28 +414,31 @@ def mix_fwd_kernel(
     L, L_KEY, K_PART, T_CENTRE, D, scale, AP_COLS,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, NP: tl.constexpr,
+    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, NP: tl.constexpr, STATS_INSIDE: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch × side × group): X̄[h] and A_part[:, h] of GROUP of the side's
-    n/2 parts (GROUP accumulators; groups of fewer than n/2 parts re-read the side's Z); the
-    program of part 0 also zeroes the AP_COLS − n <= NP alignment columns that follow A_part in
-    the context (projection.context_width)."""
+    n/2 parts (fewer than n/2 re-read the side's Z); part 0's also zeroes `_zero_alignment`'s
+    columns. With STATS_INSIDE (`stats_inside`) ρ is made here: Σ p² over the other side's keys,
+    then this side's in the mixing sweep of unnormalised weights; X̄ and A_part times ρ last."""
     b, side, h0 = _program_parts(N_PARTS, GROUP)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    if h0 == 0:  # the context's alignment columns: zeros for the folded W^O's zero columns
-        cols = N_PARTS + tl.arange(0, NP)  # first, while no accumulator holds registers
-        pad_ptrs = AP + b * sa_b + offs_m[:, None] * sa_l + cols[None, :]
-        pad_ok = (offs_m < L)[:, None] & (cols < AP_COLS)[None, :]
-        tl.store(pad_ptrs, tl.zeros([BLOCK_M, NP], dtype=AP.dtype.element_ty), mask=pad_ok)
-    stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M)
+    if h0 == 0:  # first, while no accumulator holds registers
+        _zero_alignment(AP, b, sa_b, sa_l, offs_m, L, AP_COLS, N_PARTS, BLOCK_M, NP)
+    lo = tl.where(side == 0, (i0 // BLOCK_N) * BLOCK_N, 0)
+    hi = tl.where(side == 0, L, tl.minimum(L, i0 + BLOCK_M))
+    if STATS_INSIDE:  # the other side's key tiles (this side's sweep covers the rest of the row)
+        ss = _squares(
+            Z, X, C, Mk, T, b, i0, tl.where(side == 0, 0, tl.cdiv(hi, BLOCK_N) * BLOCK_N),
+            tl.where(side == 0, lo, L), L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D,
+            scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
+        )  # fmt: skip
+    stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M, STATS_INSIDE)
     acc0 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
     ap0 = tl.zeros([BLOCK_M], dtype=tl.float32)
     ap1, ap2, ap3, ap4, ap5, ap6, ap7 = ap0, ap0, ap0, ap0, ap0, ap0, ap0
-    lo = tl.where(side == 0, (i0 // BLOCK_N) * BLOCK_N, 0)
-    hi = tl.where(side == 0, L, tl.minimum(L, i0 + BLOCK_M))
     f_ptr = T + h0 * st_h
     for j0 in range(lo, hi, BLOCK_N):
         z, col, ok, m = _score_tile(
@@ -390,6 +446,8 @@ def mix_fwd_kernel(
             scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
         )  # fmt: skip
         a, _ = _weights(z, m, ok, stat, stat2, SIGMOID)
+        if STATS_INSIDE:
+            ss += tl.sum(a * a, 1)
         offs_n = j0 + tl.arange(0, BLOCK_N)
         v_ptrs = V + b * sv_b + h0 * sv_h + offs_n[:, None] * sv_l + offs_k[None, :]
         v_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
@@ -408,23 +466,28 @@ def mix_fwd_kernel(
         if GROUP > 7:
             acc7, ap7 = _fwd_part(acc7, ap7, a, f_ptr + 7 * st_h, col, ok, v_ptrs + 7 * sv_h, v_ok, PREC)  # fmt: skip
     row_ok = offs_m < L
+    r = tl.full([BLOCK_M], 1.0, dtype=tl.float32)  # the weights' statistics applied already
+    if STATS_INSIDE:
+        r = _rho(ss)
+        if h0 == 0:
+            tl.store(STAT + b * L + offs_m, r, mask=row_ok)
     o = OUT + b * so_b + h0 * so_h + offs_m[:, None] * so_l + offs_k[None, :]
     o_ok = row_ok[:, None] & (offs_k < K_PART)[None, :]
     a_ptrs = AP + b * sa_b + offs_m * sa_l + h0
-    _store_part(o, acc0, o_ok, a_ptrs, ap0, row_ok)
-    _store_part(o + so_h, acc1, o_ok, a_ptrs + 1, ap1, row_ok)
+    _store_part(o, acc0, o_ok, a_ptrs, ap0, row_ok, r)
+    _store_part(o + so_h, acc1, o_ok, a_ptrs + 1, ap1, row_ok, r)
     if GROUP > 2:
-        _store_part(o + 2 * so_h, acc2, o_ok, a_ptrs + 2, ap2, row_ok)
+        _store_part(o + 2 * so_h, acc2, o_ok, a_ptrs + 2, ap2, row_ok, r)
     if GROUP > 3:
-        _store_part(o + 3 * so_h, acc3, o_ok, a_ptrs + 3, ap3, row_ok)
+        _store_part(o + 3 * so_h, acc3, o_ok, a_ptrs + 3, ap3, row_ok, r)
     if GROUP > 4:
-        _store_part(o + 4 * so_h, acc4, o_ok, a_ptrs + 4, ap4, row_ok)
+        _store_part(o + 4 * so_h, acc4, o_ok, a_ptrs + 4, ap4, row_ok, r)
     if GROUP > 5:
-        _store_part(o + 5 * so_h, acc5, o_ok, a_ptrs + 5, ap5, row_ok)
+        _store_part(o + 5 * so_h, acc5, o_ok, a_ptrs + 5, ap5, row_ok, r)
     if GROUP > 6:
-        _store_part(o + 6 * so_h, acc6, o_ok, a_ptrs + 6, ap6, row_ok)
+        _store_part(o + 6 * so_h, acc6, o_ok, a_ptrs + 6, ap6, row_ok, r)
     if GROUP > 7:
-        _store_part(o + 7 * so_h, acc7, o_ok, a_ptrs + 7, ap7, row_ok)
+        _store_part(o + 7 * so_h, acc7, o_ok, a_ptrs + 7, ap7, row_ok, r)
 
 
 @_autotune(DELTA_CONFIGS)

@@ -28,7 +28,7 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
 from shatter.attention import triton_kernel  # noqa: E402
 from shatter.attention.triton_kernel import partition_attention_triton  # noqa: E402
 from shatter.kernels import fused_attention  # noqa: E402
-from shatter.kernels.cost import OP_COSTS, op_totals  # noqa: E402
+from shatter.kernels.cost import OP_COSTS, family_of, op_totals  # noqa: E402
 
 IMPLS = {
     "triton": (partition_attention_triton, triton_kernel.mixing_fwd, triton_kernel.mixing_bwd),
@@ -40,6 +40,8 @@ IMPLS = {
 }
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the arch family whose kernel configurations run here, for the costs: None under the interpreter
+FAMILY = family_of(torch.cuda.get_device_capability()) if DEVICE == "cuda" else None
 
 
 def _inputs(device, B=2, L=20, d=32, n=4, bias=True, grad=True):
@@ -190,7 +192,7 @@ def test_op_costs_list_every_kernel_the_ops_launch(monkeypatch, L, impl):
     _count_triton(monkeypatch, launches)
     with launches:
         fwd_out = forward_op._init_fn(P, X, mask, table, True)
-    fwd = OP_COSTS[forward_op._qualname]((P, X, mask, table, True), {}, fwd_out)
+    fwd = OP_COSTS[forward_op._qualname]((P, X, mask, table, True), {}, fwd_out, FAMILY)
     assert len(fwd) == len(launches.kernels), (fwd, launches.kernels)
     kinds = ["gemm", "custom"] if impl == "triton" else ["custom", "custom"]
     assert [k.kind for k in fwd if k.flops] == kinds
@@ -203,7 +205,7 @@ def test_op_costs_list_every_kernel_the_ops_launch(monkeypatch, L, impl):
     with launches:
         dP_dX = backward_op._init_fn(*args)
     assert not dP_dX[0][..., 2 * d + n :].any()  # c's alignment columns zeroed by the dZ kernel
-    bwd = OP_COSTS[backward_op._qualname](args, {}, dP_dX)
+    bwd = OP_COSTS[backward_op._qualname](args, {}, dP_dX, FAMILY)
     assert len(bwd) == len(launches.kernels), str(([k.name for k in bwd], launches.kernels))
     assert sorted(k.kind for k in bwd if k.flops) == ["custom", "custom", "gemm", "gemm"]
     assert P.shape[-1] == projection_width(d, n)

@@ -152,6 +152,55 @@ def test_delta_made_in_the_dz_kernel_equals_naive(case, dtype, monkeypatch):
     assert not launched
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case, dtype",
+    [("1h-sigmoid, one sequence all padding", torch.float32),
+     ("shatter n=8", torch.float16)],
+)  # fmt: skip
+def test_rho_from_the_statistics_kernel_equals_naive(case, dtype, monkeypatch):
+    """sm_70's and sm_80's forward (partition_mixing.stats_inside false): ρ from
+    `row_stats_kernel`, read by the mixing forward, which the interpreter otherwise makes in the
+    forward itself (as sm_90): values and gradients still equal naive's."""
+    if not INTERPRET:
+        pytest.skip("the compiled kernels take the path of the GPU they run on")
+    from shatter.attention import triton_kernel
+
+    monkeypatch.setattr(triton_kernel, "stats_inside", lambda *args: False)
+    launched = []
+    real = triton_kernel.row_stats_kernel
+    monkeypatch.setattr(triton_kernel, "row_stats_kernel", _Counted(real, launched))
+    assert_equals_naive(_impl("triton"), case, dtype)
+    assert launched
+
+
+def test_rho_made_in_the_forward_kernel_launches_no_statistics_kernel(monkeypatch):
+    """sm_90's forward with sigmoid scores (the interpreter's default): the mixing forward makes
+    ρ, and no `row_stats_kernel` is launched; softmax still launches it (its maximum and sum)."""
+    if not INTERPRET:
+        pytest.skip("the compiled kernels take the path of the GPU they run on")
+    from shatter.attention import triton_kernel
+
+    launched = []
+    real = triton_kernel.row_stats_kernel
+    monkeypatch.setattr(triton_kernel, "row_stats_kernel", _Counted(real, launched))
+    assert_equals_naive(_impl("triton"), "part-bias n=12, d=48", torch.float32)
+    assert not launched
+    assert_equals_naive(_impl("triton"), "softmax with the part bias, n=12", torch.float32)
+    assert launched
+
+
+class _Counted:
+    """A kernel whose launches are recorded, then run."""
+
+    def __init__(self, kernel, launched: list):
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(grid)
+        return self.kernel[grid]
+
+
 class _Refused:
     """A kernel that must not be launched: records the attempt."""
 

@@ -172,6 +172,7 @@ def compile_one(
 
     from shatter.attention.triton_kernel import kernel_meta
     from shatter.kernels.family import delta_inside, family_of
+    from shatter.kernels.partition_mixing import stats_inside
 
     jit = tuned_kernels()[kernel][0]
     fn = jit.fn if hasattr(jit, "configs") else jit  # an autotuner's kernel, or the kernel
@@ -179,7 +180,11 @@ def compile_one(
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     values = {**kernel_meta(d, n, torch_dtype), **config.kwargs}
     values.update(HAS_C=has_c, SIGMOID=activation == "sigmoid", RECOMPUTE=SOURCES[source])
-    values["DELTA_INSIDE"] = delta_inside(family_of((arch // 10, arch % 10)))
+    family = family_of((arch // 10, arch % 10))
+    values["DELTA_INSIDE"] = delta_inside(family)
+    values["STATS_INSIDE"] = stats_inside(
+        n, values["BLOCK_K"], family, values["SIGMOID"], values["RECOMPUTE"]
+    )  # the variant that runs on the arch (the forward's ρ, partition_mixing.stats_inside)
     constexprs = {name: values[name] for name in fn.arg_names if name in values}
     args = _args(d, n, dtype, L, SOURCES[source], kernel in ROW_KERNELS)
     signature, attrs = {}, {}
