@@ -41,6 +41,7 @@ from shatter.kernels.family import delta_inside, family_of
 from shatter.kernels.partition_mixing import (
     INTERPRET,
     MAX_PARTS,
+    block_k,
     delta_kernel,
     mix_bwd_dv_kernel,
     mix_bwd_dz_kernel,
@@ -52,10 +53,9 @@ from shatter.kernels.partition_mixing import (
 
 def kernel_meta(d: int, n: int, dtype: torch.dtype) -> dict:
     """The shape-derived compile-time constants the kernels share (tools/bench/kernel_report.py too)."""
-    block_k = max(16, triton.next_power_of_2(d // n))
     return {
         "N_PARTS": n,
-        "BLOCK_K": block_k,
+        "BLOCK_K": block_k(d, n),
         "PREC": "ieee" if dtype == torch.float32 else "tf32",
         "NP": max(16, triton.next_power_of_2(n)),
         "BLOCK_D": min(64, max(16, triton.next_power_of_2(d))),  # Q Xᵀ's steps over d (RECOMPUTE)
@@ -106,11 +106,11 @@ def _delta_inside(X: torch.Tensor) -> bool:
     return delta_inside(_family(X.device.index) if X.is_cuda else None)
 
 
-def _stats_inside(X: torch.Tensor, n: int, block_k: int, sigmoid: bool, recompute: bool) -> bool:
+def _stats_inside(X: torch.Tensor, n: int, sigmoid: bool, recompute: bool) -> bool:
     """Whether the mixing forward makes ρ itself on X's device (partition_mixing.stats_inside);
     under the interpreter, as on sm_90 (the tests set it both ways)."""
     family = _family(X.device.index) if X.is_cuda else None
-    return stats_inside(n, block_k, family, sigmoid, recompute)
+    return stats_inside(n, block_k(X.shape[-1], n), family, sigmoid, recompute)
 
 
 @functools.cache
@@ -162,7 +162,7 @@ def forward_kernels(P, X, mask, table, sigmoid: bool, Z):
         L=L, L_KEY=triton.next_power_of_2(L), T_CENTRE=(table.shape[1] - 1) // 2,
         HAS_C=c is not None, N_PARTS=n, SIGMOID=sigmoid, PREC=meta["PREC"], **source,
     )  # fmt: skip
-    inside = _stats_inside(X, n, meta["BLOCK_K"], sigmoid, Z is None)
+    inside = _stats_inside(X, n, sigmoid, Z is None)
     if not inside:  # ρ (or the softmax statistics) in a launch of its own
         row_stats_kernel[_grid(L, "BLOCK_M", B)](STAT=stat[0], STAT2=stat[1], **shared)
     ctx = new_context(X, n, zero_pad=False)  # the mixing forward zeroes the alignment columns

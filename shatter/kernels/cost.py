@@ -108,13 +108,8 @@ def _z_reads(n: int, d: int, kernel: str, recompute: bool = False, family: int |
     from shatter.kernels import partition_mixing as pm
 
     configs = {"fwd": pm.FWD_CONFIGS, "dv": pm.DV_CONFIGS}[kernel]
-    best = pm.usable(configs, n, _block_k(d, n), family=family, recompute=recompute)[0]
+    best = pm.usable(configs, n, pm.block_k(d, n), family=family, recompute=recompute)[0]
     return n // 2 // best.kwargs["GROUP"]
-
-
-def _block_k(d: int, n: int) -> int:
-    """The kernels' BLOCK_K for parts of d/n (triton_kernel.kernel_meta's)."""
-    return max(16, 1 << (d // n - 1).bit_length())
 
 
 def mixing_dot_flops(B: int, L: int, d: int) -> float:
@@ -124,7 +119,7 @@ def mixing_dot_flops(B: int, L: int, d: int) -> float:
 
 
 def mixing_fwd_cost(args, kwargs, outputs, family: int | None = 90) -> list[Kernel]:
-    from shatter.kernels.partition_mixing import stats_inside
+    from shatter.kernels.partition_mixing import block_k, stats_inside
 
     a = _bind("shatter::mixing_fwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
@@ -132,7 +127,7 @@ def mixing_fwd_cost(args, kwargs, outputs, family: int | None = 90) -> list[Kern
     kernels = [Kernel("pad the keys to Lp", "memory", 0.0, float(x + xp))] if L % 16 else []
     kernels.append(Kernel("Z = Q Xᵀ/√d", "gemm", 2.0 * B * L * Lp * d, float(x + xp + z)))
     reads = _z_reads(n, d, "fwd", False, family)  # Z per group of parts; V read, X̄ written
-    if stats_inside(n, _block_k(d, n), family, a["sigmoid"], False):
+    if stats_inside(n, block_k(d, n), family, a["sigmoid"], False):
         reads += 1  # ρ made in the forward: each side's program sweeps the other side's keys
     else:
         kernels.append(Kernel("row statistics", "memory", 0.0, float(z)))

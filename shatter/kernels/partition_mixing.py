@@ -44,6 +44,7 @@ cores. Under TRITON_INTERPRET=1 (CPU tests) one small configuration is tuned ove
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -127,6 +128,12 @@ def usable(configs, n: int, block_k: int, family: int | None = None, recompute=F
     return [c for c in fit if group[c] in (0, best)]
 
 
+def block_k(d: int, n: int) -> int:
+    """BLOCK_K, the accumulator width of a part's d/n values (at least 16: tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(d // n))
+
+
+@functools.cache  # asked on every forward call
 def stats_inside(n: int, block_k: int, family: int | None, sigmoid: bool, recompute: bool) -> bool:
     """Whether the mixing forward makes ρ itself (no `row_stats_kernel` launch): sigmoid scores
     read from Z, on sm_90 where one program takes all n/2 parts of a side (a program sweeps the

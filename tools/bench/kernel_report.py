@@ -224,7 +224,7 @@ def jobs(archs, kernels, sources, activations, has_cs, shapes, dtypes, lengths, 
     """(arch, kernel, source, activation, HAS_C, shape, dtype, l, config) of every compile: each
     kernel's configurations for the arch family and score source that serve the shape
     (partition_mixing.usable), or the first of them."""
-    from shatter.kernels.partition_mixing import usable
+    from shatter.kernels.partition_mixing import block_k, usable
 
     tuned = tuned_kernels()
     for cap, kernel in itertools.product(archs, kernels):
@@ -242,8 +242,7 @@ def jobs(archs, kernels, sources, activations, has_cs, shapes, dtypes, lengths, 
             if kernel in ROW_KERNELS:
                 yield cap, kernel, source, act, has_c, shape, dtype, L, row_config(L)
                 continue
-            block_k = max(16, 1 << (d // n - 1).bit_length())
-            configs = usable(tuned[kernel][1], n, block_k, cap, SOURCES[source])
+            configs = usable(tuned[kernel][1], n, block_k(d, n), cap, SOURCES[source])
             for config in configs[:1] if first_config else configs:
                 yield cap, kernel, source, act, has_c, shape, dtype, L, config
 
