@@ -247,12 +247,12 @@ LINE_EVERY_S = 30.0  # a piped evaluation's progress line, every this many secon
 
 
 def counted(items, total: int, desc: str, show: bool = True):
-    """`items` with their progress on stderr: a tqdm bar on a terminal (gone when done), else a
-    plain line every LINE_EVERY_S seconds (also in RUN/train.log when a run logs there), so a
-    long evaluation in a job's log shows it is alive and how far it got."""
-    if sys.stderr.isatty():
-        yield from tqdm(items, total=total, desc=desc, unit="batch", leave=False, disable=not show)
-        return
+    """`items` with their progress: on stderr a tqdm bar on a terminal (gone when done), else a
+    plain line every LINE_EVERY_S seconds; that line also goes to RUN/train.log when a run logs
+    there, terminal or not. A long evaluation in a job's log shows it is alive and how far it got."""
+    terminal = sys.stderr.isatty()
+    if terminal:
+        items = tqdm(items, total=total, desc=desc, unit="batch", leave=False, disable=not show)
     start = last = time.monotonic()
     for done, item in enumerate(items, 1):
         yield item
@@ -260,7 +260,8 @@ def counted(items, total: int, desc: str, show: bool = True):
         if show and now - last >= LINE_EVERY_S:
             last = now
             line = f"{desc}: {done}/{total} batches, {now - start:.0f} s"
-            print(line, file=sys.stderr, flush=True)
+            if not terminal:
+                print(line, file=sys.stderr, flush=True)
             if log.handlers:
                 log.info("%s", line)
 

@@ -241,6 +241,9 @@ def test_regression_and_multirc_grouping(tmp_path, export, write_jsonl):
     assert result.exit_code == 0, result.output
     metrics = json.loads((tmp_path / "sts" / "metrics.json").read_text())
     assert metrics["main_metric"] == "spearman" and {"pearson", "spearman"} <= set(metrics["best"])
+    best = metrics["best"]
+    assert best["mean_spearman"] == 0.0  # always the training mean: a constant, no correlation
+    assert ("warnings" in metrics) == (best["spearman"] <= 0.1), metrics.get("warnings")
     config = json.loads((tmp_path / "sts" / "config.json").read_text())
     assert config["deepspeed"]["zero_optimization"]["stage"] == 1  # bf16's default stage
     weights = shatter.from_pretrained(tmp_path / "sts" / "best").state_dict().values()

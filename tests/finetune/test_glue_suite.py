@@ -4,6 +4,7 @@ row and its average, glue.json; the runs whose metrics.json is gone are the only
 spread over two device slots (two processes at once)."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -12,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from shatter.train.finetuning.glue_hub import FORMATS, write_split
-from shatter.train.finetuning.glue_suite import COLUMNS, NOTHING_MARK, TASKS, Job, row, table
+from shatter.train.finetuning.glue_suite import (
+    COLUMNS,
+    NOTHING_MARK,
+    TASKS,
+    Job,
+    output_to,
+    row,
+    table,
+)
 from tests.jobs import child_env
 
 from .data import sentiment_rows
@@ -150,6 +159,22 @@ def test_the_table_marks_a_column_with_a_run_that_learned_nothing_and_counts_the
     assert cells["SST-2"].strip() == "65.0" + NOTHING_MARK and NOTHING_MARK not in cells["RTE"]
     assert summary.startswith(f"{NOTHING_MARK} learned nothing in 1 of 4 runs")
     assert "sst2/lr-default-seed1" in summary
+
+
+def test_an_inline_run_prints_into_its_log_down_to_the_file_descriptors(tmp_path, capfd):
+    """What a run in the suite's process writes, through Python or straight to fd 1 and 2 (a
+    linker's error under DeepSpeed's op probe), goes to its log, not to the suite's console."""
+    log = tmp_path / "finetune.log"
+    with output_to(log):
+        print("python's stdout")
+        print("python's stderr", file=sys.stderr)
+        os.write(1, b"fd 1\n")
+        os.write(2, b"/usr/bin/ld: cannot find -laio\n")
+    print("the suite again", file=sys.stderr)
+    out, err = capfd.readouterr()
+    assert out == "" and err == "the suite again\n", (out, err)
+    text = log.read_text()
+    assert all(x in text for x in ("python's stdout", "python's stderr", "fd 1", "-laio")), text
 
 
 @pytest.mark.parametrize(

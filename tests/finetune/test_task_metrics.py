@@ -110,6 +110,32 @@ def test_the_learned_nothing_warning_names_at_most_ten_labels():
     best = {"accuracy": 0.001, "majority_accuracy": 0.002, "step": 3, "per_class": per_class}
     warning = m.learned_nothing(best, "accuracy")
     assert "and 1371 more" in warning and len(warning) < 500, len(warning)
+    assert "\n" not in warning and warning.endswith("add --regression")
+
+
+@pytest.mark.parametrize(
+    "labels, hint",
+    [(("1", "2", "3", "4", "5"), True), (("0", "1"), False), (("neg", "neutral", "pos"), False)],
+    ids=["stars", "glue-binary", "words"],
+)
+def test_numeric_classes_that_learned_nothing_point_at_regression(labels, hint):
+    """More than two labels, all numbers: perhaps a score read as classes, so the warning names
+    --regression; GLUE's 0/1 and named classes do not get that hint."""
+    per_class = {label: {"predicted": 0 if label != labels[0] else 9} for label in labels}
+    best = {"accuracy": 0.2, "majority_accuracy": 0.2, "step": 5, "per_class": per_class}
+    warning = m.learned_nothing(best, "accuracy")
+    assert "learned nothing" in warning and ("--regression" in warning) == hint, warning
+
+
+def test_a_regression_no_better_than_its_training_mean_is_warned_of():
+    """A constant prediction (the training mean) correlates 0 with the gold scores; a best
+    Spearman less than REGRESSION_MARGIN above that learned nothing."""
+    assert m.pearson_spearman([1.0, 3.0, 2.0], [2.0, 2.0, 2.0])["spearman"] == 0.0
+    best = {"spearman": 0.05, "pearson": 0.1, "mean_spearman": 0.0, "step": 4}
+    warning = m.learned_nothing(best, "spearman")
+    assert "less than 0.1 above always predicting the training set's mean score" in warning
+    assert "the model learned nothing" in warning and "--lr" in warning
+    assert m.learned_nothing({**best, "spearman": 0.6}, "spearman") is None
 
 
 def test_one_question_per_paragraph_has_no_question_blind_baseline():

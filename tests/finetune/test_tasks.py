@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from shatter.train.finetuning.data import looks_like_scores
 from shatter.train.finetuning.tasks import (
     TASKS,
     TaskDataError,
@@ -185,3 +186,20 @@ def test_real_rotten_tomatoes_reads(shared_data):
     )
     assert set(ex.dataset["label"]) == {"fresh", "rotten", "plot"}
     assert len(ex.dataset) > 5000
+
+
+@pytest.mark.parametrize(
+    "labels, rows, scores",
+    [
+        ([f"{i * 0.37:.2f}" for i in range(30)], 30, True),  # every row its own float
+        ([f"{i * 0.2:.1f}" for i in range(26)], 400, True),  # STS-B-like steps: fractional
+        ([str(i) for i in range(1381)], 1500, True),  # integers, mostly distinct
+        ([str(i) for i in range(1, 6)], 400, False),  # 1-5 stars
+        ([f"{i * 0.5:.1f}" for i in range(1, 11)], 400, False),  # ten half-stars: still classes
+        ([str(i) for i in range(40)], 4000, False),  # 40 integer class ids
+        ([f"c{i}" for i in range(40)], 40, False),  # names, not numbers
+    ],
+    ids=["distinct", "fractional", "integers", "stars", "half-stars", "ids", "names"],
+)
+def test_which_numeric_labels_look_like_a_score(labels, rows, scores):
+    assert looks_like_scores(labels, rows) == scores

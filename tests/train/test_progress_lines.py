@@ -1,6 +1,10 @@
 """An evaluation in a log (stderr not a terminal) shows a plain progress line every
-LINE_EVERY_S seconds, no carriage returns; finetuning's predict goes through it."""
+LINE_EVERY_S seconds, no carriage returns; on a terminal a bar, and RUN/train.log gets the lines
+either way; finetuning's predict goes through it."""
 
+import io
+import logging
+import sys
 import warnings
 
 import torch
@@ -16,6 +20,29 @@ def test_a_piped_evaluation_prints_a_line_every_interval(monkeypatch, capsys):
     assert "evaluate validation: 3/3 batches" in err and "\r" not in err, err
     assert list(metrics.counted(range(3), 3, "quiet", show=False)) == [0, 1, 2]
     assert capsys.readouterr().err == ""
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_the_bar_shows_and_train_log_gets_the_lines(monkeypatch, tmp_path):
+    monkeypatch.setattr(metrics, "LINE_EVERY_S", 0.0)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    handler = logging.FileHandler(tmp_path / "train.log")
+    level = metrics.log.level
+    metrics.log.addHandler(handler)
+    metrics.log.setLevel(logging.INFO)
+    try:
+        assert list(metrics.counted(range(3), 3, "evaluate")) == [0, 1, 2]
+    finally:
+        metrics.log.removeHandler(handler)
+        metrics.log.setLevel(level)
+        handler.close()
+    assert "evaluate: 3/3 batches" in (tmp_path / "train.log").read_text()
+    shown = sys.stderr.getvalue()
+    assert "\r" in shown and "batches," not in shown, shown  # the bar, not the lines
 
 
 class Logits(torch.nn.Module):

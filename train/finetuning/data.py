@@ -130,7 +130,13 @@ class ClassificationData:
         ids = [f["id"] for f in self.eval_features]
         if self.labels is None:
             preds = logits.reshape(len(gold), -1)[:, 0]
-            return M.pearson_spearman(gold, preds), {i: float(p) for i, p in zip(ids, preds)}
+            scores = M.pearson_spearman(gold, preds)
+            # the score of always predicting the training set's mean (a constant: 0)
+            mean = float(np.mean([f["label"] for f in self.train_features]))
+            scores[f"mean_{self.main_metric}"] = M.pearson_spearman(gold, [mean] * len(gold))[
+                self.main_metric
+            ]
+            return scores, {i: float(p) for i, p in zip(ids, preds)}
         preds = logits.argmax(-1).tolist()
         if self.task == "multirc":
             groups = [f["group"] for f in self.eval_features]
@@ -197,29 +203,27 @@ def _label_set(cfg: DataConfig, spec: TaskSpec, train: Examples) -> tuple[str, .
     labels = cfg.labels or tuple(sorted(set(train.dataset["label"])))
     if len(labels) < 2:
         raise TaskDataError(f"{cfg.train_file}: needs at least two labels, found {list(labels)}")
-    if not cfg.labels and _looks_numeric(labels, len(train.dataset)):
+    if not cfg.labels and looks_like_scores(labels, len(train.dataset)):
         shown = ", ".join(labels[:: max(1, len(labels) // 4)][:4])
         raise TaskDataError(
-            f"{cfg.train_file}: its {len(labels)} labels all read as numbers and most rows have "
-            f"their own ({len(labels)} distinct in {len(train.dataset)} rows: {shown}, ...): a "
-            "score, not classes; add --regression (or name the classes with --labels)"
+            f"{cfg.train_file}: its {len(labels)} labels all read as numbers ({len(labels)} "
+            f"distinct in {len(train.dataset)} rows: {shown}, ...): a score, not classes; add "
+            "--regression (or name the classes with --labels)"
         )
     return labels
 
 
-NUMERIC_CLASSES = 10  # more distinct numeric labels than this, half the rows or more: a score
+NUMERIC_CLASSES = 10  # this many distinct numbers or fewer are classes (1-5 stars), never a score
 
 
-def _looks_numeric(labels: Sequence[str], rows: int) -> bool:
-    """Labels that all parse as floats and are mostly distinct (more than NUMERIC_CLASSES, and
-    at least half as many as rows): a regression target read as classes."""
-    if len(labels) <= NUMERIC_CLASSES or len(labels) < rows / 2:
+def looks_like_scores(labels: Sequence[str], rows: int) -> bool:
+    """Labels that are a regression target read as classes: all parse as floats, more than
+    NUMERIC_CLASSES distinct, and either some are fractional (STS-B's 3.8, 2.25) or they are
+    mostly distinct (at least half as many as `rows`)."""
+    if len(labels) <= NUMERIC_CLASSES or not M.all_numbers(labels):
         return False
-    try:
-        [float(x) for x in labels]
-    except ValueError:
-        return False
-    return True
+    fractional = any(not float(x).is_integer() for x in labels)
+    return fractional or len(labels) >= rows / 2
 
 
 def _classification_features(

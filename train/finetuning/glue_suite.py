@@ -23,6 +23,7 @@ GPUs, one process per GPU at a time (CUDA_VISIBLE_DEVICES); without, one at a ti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -93,11 +94,31 @@ def done(job: Job) -> bool:
     return (job.out / "metrics.json").is_file()
 
 
+@contextlib.contextmanager
+def output_to(path: Path):
+    """This process's stdout and stderr into `path`, Python's and the file descriptors' alike:
+    what compilers, gloo or DeepSpeed's op probes write to fd 2 lands in the run's log, as a
+    subprocess's would, not on the suite's console."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    try:
+        with open(path, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            for fd in saved:
+                os.dup2(f.fileno(), fd)
+            try:
+                yield
+            finally:
+                f.flush()
+    finally:
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
 def run_inline(job: Job, args: dict) -> None:
     """One run in this process (no --gpus): the imports and the process group are paid once for
     the suite, not once a run."""
-    import contextlib
-
     from shatter.train.finetune import main as finetune_main
 
     if job.out.exists():  # an interrupted run: started again from scratch
@@ -105,7 +126,7 @@ def run_inline(job: Job, args: dict) -> None:
     job.out.mkdir(parents=True)
     click.echo(f"start: {job.out.parent.name}/{job.out.name} here", err=True)
     log = job.out / "finetune.log"
-    with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+    with output_to(log):
         try:
             finetune_main.main(job.command(args)[2:], standalone_mode=False)
             code = 0
@@ -261,7 +282,7 @@ def row(result: dict) -> str:
         more = f" and {len(nothing) - 10} more" if len(nothing) > 10 else ""
         lines.append(
             f"{NOTHING_MARK} learned nothing in {len(nothing)} of {result['runs']} runs (no "
-            f"better than the majority class; see their metrics.json): {names}{more}"
+            f"better than a constant prediction; see their metrics.json's warnings): {names}{more}"
         )
     return "\n".join(lines)
 

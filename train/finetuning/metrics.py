@@ -158,27 +158,51 @@ def class_report(labels: Sequence[int], preds: Sequence[int], names: Sequence[st
 
 MAX_NAMED = 10  # the labels a learned-nothing warning names at most
 SPAN_MARGIN = 1.0  # F1 points (of 100) a span model must beat its question-blind baseline by
+# correlation a regression model must beat a constant prediction's (0) by: below it, the
+# predictions barely track the scores (real STS-B models reach 0.8 and more)
+REGRESSION_MARGIN = 0.1
+ADVICE = "raise --lr (docs/finetune.md: the lr rule for small models) or train longer"
 
 
 def learned_nothing(best: Mapping, main: str) -> str | None:
-    """A warning when the best evaluation's `main` score is no better than always predicting
-    the training set's majority class (its `majority_{main}`), or, for span tasks, than giving
-    every question of a paragraph the same answer (its `question_blind_{main}`), else None."""
+    """A warning when the best evaluation's `main` score is no better than a prediction that
+    ignores the input: always the training set's majority class (its `majority_{main}`), its
+    mean score for regression (`mean_{main}`), or for span tasks the same answer for every
+    question of a paragraph (`question_blind_{main}`); else None."""
     if f"question_blind_{main}" in best:
         return _span_learned_nothing(best, main)
-    baseline = best.get(f"majority_{main}")
-    if baseline is None or best[main] > baseline + 1e-9:
+    if f"mean_{main}" in best:
+        baseline, what = best[f"mean_{main}"], "the training set's mean score"
+        compared, margin = f"less than {REGRESSION_MARGIN:g} above", REGRESSION_MARGIN
+    elif f"majority_{main}" in best:
+        baseline, what = best[f"majority_{main}"], "the majority class"
+        compared, margin = "no better than", 1e-9
+    else:
         return None
-    never = [k for k, v in best.get("per_class", {}).items() if v["predicted"] == 0]
+    if best[main] > baseline + margin:
+        return None
+    per_class = best.get("per_class", {})
+    never = [k for k, v in per_class.items() if v["predicted"] == 0]
     named = ", ".join(never[:MAX_NAMED]) + (
         f" and {len(never) - MAX_NAMED} more" if len(never) > MAX_NAMED else ""
     )
+    scores = len(per_class) > 2 and all_numbers(per_class)
     return (
-        f"warning: the best {main} {best[main]:.4f} (step {best['step']}) is no better than "
-        f"always predicting the majority class ({baseline:.4f}): the model learned nothing"
+        f"warning: the best {main} {best[main]:.4f} (step {best['step']}) is {compared} "
+        f"always predicting {what} ({baseline:.4f}): the model learned nothing"
         + (f" (never predicted: {named})" if never else "")
-        + "; raise --lr (docs/finetune.md: the lr rule for small models) or train longer"
+        + f"; {ADVICE}"
+        + ("; if the labels are scores, not classes, add --regression" if scores else "")
     )
+
+
+def all_numbers(labels: Iterable[str]) -> bool:
+    """Every label reads as a number (a float)."""
+    try:
+        [float(x) for x in labels]
+    except ValueError:
+        return False
+    return True
 
 
 def _span_learned_nothing(best: Mapping, main: str) -> str | None:
@@ -190,8 +214,7 @@ def _span_learned_nothing(best: Mapping, main: str) -> str | None:
         f"questions that share a paragraph) is no better than answering every question of a "
         f"paragraph the same ({baseline:.1f}; {best.get('same_answer_share', 0.0):.0%} of those "
         "questions got their paragraph's common answer): the model learned nothing from the "
-        "questions; "
-        "raise --lr (docs/finetune.md: the lr rule for small models) or train longer"
+        f"questions; {ADVICE}"
     )
 
 
