@@ -124,8 +124,8 @@ def run_inline(job: Job, args: dict) -> None:
     if job.out.exists():  # an interrupted run: started again from scratch
         shutil.rmtree(job.out)
     job.out.mkdir(parents=True)
-    click.echo(f"start: {job.out.parent.name}/{job.out.name} here", err=True)
     log = job.out / "finetune.log"
+    click.echo(f"start: {job.out.parent.name}/{job.out.name} here (log: {log})", err=True)
     with output_to(log):
         try:
             finetune_main.main(job.command(args)[2:], standalone_mode=False)
@@ -176,7 +176,9 @@ def start(job: Job, gpu: str, args: dict) -> tuple[Job, subprocess.Popen]:
     job.out.mkdir(parents=True)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
     log = open(job.out / "finetune.log", "w")
-    click.echo(f"start: {job.out.parent.name}/{job.out.name} on GPU {gpu}", err=True)
+    click.echo(
+        f"start: {job.out.parent.name}/{job.out.name} on GPU {gpu} (log: {log.name})", err=True
+    )
     process = subprocess.Popen(job.command(args), stdout=log, stderr=subprocess.STDOUT, env=env)
     return job, process
 
