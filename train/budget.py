@@ -94,11 +94,17 @@ class Budget:
         steps, at least MEASURE) and the median of its last three checks' (one validation pass
         does not move it): a slow-down is planned for at once, a speed-up slowly."""
         marks = [*self.marks, (step, now)]
-        rate = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(marks, marks[1:])]
         mean = (now - marks[0][1]) / (step - marks[0][0])
         recent = max(MEASURE, (step - marks[0][0]) // 4)
         then = [m for m in marks if m[0] <= step - recent] or marks[:1]
-        return max(mean, (now - then[-1][1]) / (step - then[-1][0]), sorted(rate[-3:])[-2:][0])
+        return max(mean, (now - then[-1][1]) / (step - then[-1][0]), self._usual_step(step, now))
+
+    def _usual_step(self, step: int, now: float) -> float:
+        """The median of this session's last three checks' step times: a step's time apart from
+        a one-off pause (a validation pass, a host that stalled)."""
+        marks = [*self.marks, (step, now)]
+        rate = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(marks, marks[1:])]
+        return sorted(rate[-3:])[-2:][0]
 
     def _decide(self, step: int, ceiling: int) -> tuple | None:
         """Rank 0: ("end", step, None) when the budget is spent, ("plan", last step, squeeze)
@@ -128,7 +134,7 @@ class Budget:
         the last step, over the steps OVERRUN of the budget holds (TAIL_MIN to the plan's)."""
         if self.planned is None or step >= self.planned:
             return "end", step, None
-        holds = int(OVERRUN * self.seconds / self._per_step(step, now))
+        holds = int(OVERRUN * self.seconds / self._usual_step(step, now))
         last = step + min(self.planned - step, max(TAIL_MIN, holds))
         iteration = step - 2  # the scheduler's iteration for `step` (train/schedule.py)
         return "tail", last, (iteration, self.plan.factor(iteration), last - 1)
@@ -152,36 +158,39 @@ class Budget:
         if self.world > 1:
             torch.distributed.broadcast_object_list(decision, src=0)
         kind, last, squeeze = decision[0] or (None, None, None)
-        if kind == "plan":
-            self.note = self._planned_note(step, last, squeeze)
-        elif kind == "tail":
-            self.note = self._tail_note(step, last, squeeze)
-        elif kind == "end":
-            self.note = self._ended_note(step)
-            self.ended = last
-        self.marks.append((step, time.perf_counter()))
+        was = self.planned
         if kind in ("plan", "tail"):
             self.planned, self.plan.squeeze = last, squeeze or self.plan.squeeze
             self.tail = kind == "tail"
             self._apply(last)
+        if kind == "plan":
+            self.note = self._planned_note(step, last, squeeze, was)
+        elif kind == "tail":
+            self.note = self._tail_note(step, last, squeeze, was)
+        elif kind == "end":
+            self.note = self._ended_note(step)
+            self.ended = last
+        self.marks.append((step, time.perf_counter()))
         if self.rank == 0:
             self._record()
         return last
 
-    def _planned_note(self, step: int, last: int, squeeze: tuple | None) -> str:
-        was = f" (was {self.planned})" if self.planned is not None else ""
-        line = f"budget: {last} steps planned{was}, {self.left():.0f} s left at step {step}"
+    def _planned_note(self, step: int, last: int, squeeze: tuple | None, was: int | None) -> str:
+        before = f" (was {was})" if was is not None else ""
+        line = f"budget: {last} steps planned{before}, {self.left():.0f} s left at step {step}"
         if squeeze is not None:
             line += f"; its decay now runs from {squeeze[1]:.0%} of the peak lr to 0 at {last}"
         return line
 
-    def _tail_note(self, step: int, last: int, squeeze: tuple) -> str:
-        over = (last - step) * self._per_step(step, time.perf_counter())
+    def _tail_note(self, step: int, last: int, squeeze: tuple, was: int | None) -> str:
+        steps = last - step
+        over = steps * self._usual_step(step, time.perf_counter())
         return (
-            f"budget: spent at step {step}, before its planned step {self.planned} (its steps "
+            f"budget: spent at step {step}, before its planned step {was} (its steps "
             f"slowed down more than planned for): so that the export is annealed, its lr falls "
-            f"from {squeeze[1]:.0%} of the peak to 0 over {last - step} more steps, about "
-            f"{over:.0f} s past the budget; a longer --budget-hours trains to the plan"
+            f"from {squeeze[1]:.0%} of the peak over {steps} more steps (to "
+            f"{self.plan.factor(last - 2):.0%} at the last), about {over:.0f} s past the budget; "
+            "a longer --budget-hours trains to the plan"
         )
 
     def _ended_note(self, step: int) -> str:
