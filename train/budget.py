@@ -13,9 +13,13 @@ fits the budget as steps slow down (validation, a busier host):
   the lr it is at, linearly to 0 at the new last step: `Plan.squeeze`), so it still ends
   annealed; a run found early keeps its plan and ends before its budget.
 
-A run past its budget before its planned end ends there (with its checkpoint and export, as at
-its last step) and says how far its lr was from annealed. The plan and the time spent are kept in
-RUN/budget.json, so a resumed run keeps its schedule and its remaining time.
+A run found past its budget before its planned end (a step far slower than the ones before, a
+resume after the budget was spent) still ends annealed: it takes a short tail past its budget
+whose lr falls linearly from the lr it is at to 0 after its last step, over the steps an
+`OVERRUN` share of the budget holds (at least `TAIL_MIN`, at most its plan's), and says so. A run
+spent before its first plan (its warm-up) ends there. The plan, any squeeze or tail and the time
+spent are kept in RUN/budget.json, so a resumed run keeps its schedule and its remaining time.
+Every decision is rank 0's, broadcast at steps every rank knows, so the ranks follow one plan.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ FILE = "budget.json"
 MEASURE = 5  # optimizer steps timed before the schedule's length is set, and between re-plans
 RESERVE = 0.05  # the share of the time left that a plan leaves for the final save and export
 TOLERANCE = 0.02  # a re-plan that moves the last step by less than this share is not made
+OVERRUN = 0.05  # the share of the budget a run found late may run past it to end its decay
+TAIL_MIN = 5  # the fewest steps that decay: fewer would export a model near its lr
 
 
 def saved(run_dir: Path) -> dict:
@@ -63,6 +69,7 @@ class Budget:
         self.spent_before = float(before.get("spent_s", 0.0))
         self.planned = before.get("planned_steps")
         self.ended = before.get("ended_at")  # the step at which the budget was spent
+        self.tail = bool(before.get("tail"))  # past the budget, decaying to its end: no more checks
         if before.get("squeeze"):
             plan.squeeze = tuple(before["squeeze"])
         if self.planned:
@@ -87,23 +94,29 @@ class Budget:
         steps, at least MEASURE) and the median of its last three checks' (one validation pass
         does not move it): a slow-down is planned for at once, a speed-up slowly."""
         marks = [*self.marks, (step, now)]
-        rate = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(marks, marks[1:])]
         mean = (now - marks[0][1]) / (step - marks[0][0])
         recent = max(MEASURE, (step - marks[0][0]) // 4)
         then = [m for m in marks if m[0] <= step - recent] or marks[:1]
-        return max(mean, (now - then[-1][1]) / (step - then[-1][0]), sorted(rate[-3:])[-2:][0])
+        return max(mean, (now - then[-1][1]) / (step - then[-1][0]), self._usual_step(step, now))
+
+    def _usual_step(self, step: int, now: float) -> float:
+        """The median of this session's last three checks' step times: a step's time apart from
+        a one-off pause (a validation pass, a host that stalled)."""
+        marks = [*self.marks, (step, now)]
+        rate = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(marks, marks[1:])]
+        return sorted(rate[-3:])[-2:][0]
 
     def _decide(self, step: int, ceiling: int) -> tuple | None:
         """Rank 0: ("end", step, None) when the budget is spent, ("plan", last step, squeeze)
         when the schedule changes, or None to go on as planned."""
         now, left = time.perf_counter(), self.seconds - self.spent()
         if left <= 0:
-            return "end", step, None
+            return self._late(step, now)
         if step - self.marks[0][0] < MEASURE:
             return None
         fits = min(ceiling, step + int(left * (1 - RESERVE) / self._per_step(step, now)))
-        if fits <= step:  # not one more step: the run ends here
-            return "end", step, None
+        if fits <= step:  # not one more step
+            return self._late(step, now)
         iteration = step - 1  # the scheduler's iteration for the next step (train/schedule.py)
         if self.planned is not None and abs(fits - self.planned) <= TOLERANCE * self.planned:
             return None
@@ -114,6 +127,17 @@ class Budget:
         if iteration >= self.plan.decay_start(fits):  # the new plan's decay would have begun
             return "plan", fits, (iteration, self.plan.factor(iteration), fits)
         return "plan", fits, None
+
+    def _late(self, step: int, now: float) -> tuple:
+        """Rank 0, the budget spent at `step`: ("end", step, None) before the first plan or at its
+        last step, else ("tail", last step, squeeze): the lr of `step` falling linearly to 0 after
+        the last step, over the steps OVERRUN of the budget holds (TAIL_MIN to the plan's)."""
+        if self.planned is None or step >= self.planned:
+            return "end", step, None
+        holds = int(OVERRUN * self.seconds / self._usual_step(step, now))
+        last = step + min(self.planned - step, max(TAIL_MIN, holds))
+        iteration = step - 2  # the scheduler's iteration for `step` (train/schedule.py)
+        return "tail", last, (iteration, self.plan.factor(iteration), last - 1)
 
     def _due(self, step: int) -> bool:
         since = step - self.marks[0][0]
@@ -128,39 +152,54 @@ class Budget:
         if not self.marks:
             self.marks.append((step, time.perf_counter()))
             return None
-        if not self._due(step):
+        if self.tail or not self._due(step):  # every rank knows both: no rank waits alone
             return None
         decision = [self._decide(step, ceiling) if self.rank == 0 else None]
         if self.world > 1:
             torch.distributed.broadcast_object_list(decision, src=0)
         kind, last, squeeze = decision[0] or (None, None, None)
-        self.marks.append((step, time.perf_counter()))
-        if kind == "plan":
-            self.note = self._planned_note(step, last, squeeze)
+        was = self.planned
+        if kind in ("plan", "tail"):
             self.planned, self.plan.squeeze = last, squeeze or self.plan.squeeze
+            self.tail = kind == "tail"
             self._apply(last)
+        if kind == "plan":
+            self.note = self._planned_note(step, last, squeeze, was)
+        elif kind == "tail":
+            self.note = self._tail_note(step, last, squeeze, was)
         elif kind == "end":
             self.note = self._ended_note(step)
             self.ended = last
+        self.marks.append((step, time.perf_counter()))
         if self.rank == 0:
             self._record()
         return last
 
-    def _planned_note(self, step: int, last: int, squeeze: tuple | None) -> str:
-        was = f" (was {self.planned})" if self.planned is not None else ""
-        line = f"budget: {last} steps planned{was}, {self.left():.0f} s left at step {step}"
+    def _planned_note(self, step: int, last: int, squeeze: tuple | None, was: int | None) -> str:
+        before = f" (was {was})" if was is not None else ""
+        line = f"budget: {last} steps planned{before}, {self.left():.0f} s left at step {step}"
         if squeeze is not None:
             line += f"; its decay now runs from {squeeze[1]:.0%} of the peak lr to 0 at {last}"
         return line
 
-    def _ended_note(self, step: int) -> str:
-        if self.planned is None or step >= self.planned:
-            return f"budget: spent at step {step}"
-        share = self.plan.factor(step - 1)
+    def _tail_note(self, step: int, last: int, squeeze: tuple, was: int | None) -> str:
+        steps = last - step
+        over = steps * self._usual_step(step, time.perf_counter())
         return (
-            f"budget: spent at step {step}, before its planned step {self.planned}: the export is "
-            f"at {share:.0%} of the peak lr, not annealed (its steps slowed down more than planned "
-            "for; give a longer --budget-hours or a shorter optim.cooldown)"
+            f"budget: spent at step {step}, before its planned step {was} (its steps "
+            f"slowed down more than planned for): so that the export is annealed, its lr falls "
+            f"from {squeeze[1]:.0%} of the peak over {steps} more steps (to "
+            f"{self.plan.factor(last - 2):.0%} at the last), about {over:.0f} s past the budget; "
+            "a longer --budget-hours trains to the plan"
+        )
+
+    def _ended_note(self, step: int) -> str:
+        if self.planned is not None:
+            return f"budget: spent at step {step}"
+        return (
+            f"budget: spent at step {step}, before its schedule was planned (from the time of the "
+            f"{MEASURE} steps after the first): the export is from its warm-up, not annealed; give "
+            "a longer --budget-hours"
         )
 
     def _record(self) -> None:
@@ -169,5 +208,6 @@ class Budget:
             "ended_at": self.ended,
             "spent_s": self.spent(),
             "squeeze": list(self.plan.squeeze) if self.plan.squeeze else None,
+            "tail": self.tail,
         }
         self.path.write_text(json.dumps(record) + "\n")

@@ -246,7 +246,8 @@ class RunArgs:
         min=0,
         min_open=True,
         doc="wall-clock hours of training: the schedule's length comes from the measured step "
-        "time (max_steps is then a ceiling); the run ends with an export when they are spent",
+        "time, re-planned as it changes so that the decay ends inside them (max_steps is then a "
+        "ceiling); the run ends annealed, with an export",
     )
     compile: bool | None = option(
         None,

@@ -5,11 +5,13 @@ model stretched to 1024); the optimizer, its moments and the schedule start afre
 process group exists the export is checked against the run: the same arch and shape as
 --preset, the data's vocabulary (its size, special ids and tokenizer file), a max_len at least
 the training length, and no finetuning head; each mismatch is one line saying what to change.
-Once the run has a checkpoint it resumes from that, and --init-from is not read again.
+Once the run has a checkpoint it resumes from that, and --init-from is not read again. The log
+says which, and what the run took from the export and what it starts afresh (`describe`).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from torch import nn
@@ -84,3 +86,21 @@ def load_weights(model: nn.Module, export: Path) -> None:
 
     source = shatter.from_pretrained(export)
     model.load_state_dict(source.state_dict())
+
+
+def describe(export: Path) -> str:
+    """What --init-from takes from `export`: its checkpoint (when it is a run's export), the
+    model and the number of weights (every one of them: the load is strict)."""
+    import safetensors
+
+    from shatter.checkpoint import WEIGHTS, load_config
+
+    config = load_config(export)
+    with safetensors.safe_open(str(export / WEIGHTS), framework="pt") as weights:
+        values = sum(math.prod(weights.get_slice(k).get_shape()) for k in weights.keys())
+    step = export / "STEP"  # a run's export names its checkpoint (train/checkpoint.py: export)
+    origin = f" ({step.read_text().strip()})" if step.is_file() else ""
+    return (
+        f"{export}{origin}, all {values:,} of its {config.arch} model ({config.layers} layers, "
+        f"hidden {config.hidden}, max_len {config.max_len})"
+    )

@@ -190,10 +190,11 @@ def device_word(device) -> str:
     return "GPU" if getattr(device, "type", device) == "cuda" else "device"
 
 
-def h_mm(hours: float) -> str:
-    """0.0204 -> '0:02' (hours:minutes, rounded up: minutes to go never show as 0:00)."""
-    minutes = math.ceil(max(hours, 0.0) * 60)
-    return f"{minutes // 60}:{minutes % 60:02d}"
+def h_mm_ss(hours: float) -> str:
+    """0.0204 -> '0:01:14' (hours:minutes:seconds, rounded up: seconds to go never show as
+    0:00:00; a budget of seconds reads as such, not as 0:01)."""
+    seconds = math.ceil(max(hours, 0.0) * 3600 - 1e-6)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def postfix(record: dict, lr: float, per: str = "gpu") -> str:
@@ -206,7 +207,7 @@ def postfix(record: dict, lr: float, per: str = "gpu") -> str:
     if record.get("mfu") is not None:
         parts.append(f"mfu={record['mfu']:.1%}")
     if "hours_to_max_steps" in record:
-        parts.append(f"left={h_mm(record['hours_to_max_steps'])}")
+        parts.append(f"left={h_mm_ss(record['hours_to_max_steps'])}")
     return " ".join(parts)
 
 

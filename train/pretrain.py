@@ -337,8 +337,8 @@ def _say_init_from(cfg: TrainConfig, state) -> None:
 
     export = init_from.export_dir(cfg.run.init_from)
     line = (
-        f"--init-from: weights from {export}; the optimizer and the {cfg.optim.decay} schedule "
-        "start fresh"
+        f"--init-from: weights from {init_from.describe(export)}; new: the optimizer's state, "
+        f"the {cfg.optim.decay} schedule (from its warm-up) and the data stream (from its start)"
         if state.step == 0
         else f"--init-from {export}: not used, resuming this run's checkpoint at step {state.step}"
     )

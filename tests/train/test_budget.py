@@ -66,13 +66,35 @@ def test_a_run_late_inside_its_decay_squeezes_the_rest_of_it(tmp_path, monkeypat
     assert any("its decay now runs from" in n for n in notes), notes
 
 
-def test_a_run_that_still_runs_over_says_how_far_from_annealed(tmp_path, monkeypatch):
-    """A step of 60 s at step 40 spends the budget at once: the run ends there and its log
-    says the export is not annealed."""
+def test_a_run_found_past_its_budget_ends_annealed_in_a_short_tail(tmp_path, monkeypatch):
+    """A step of 60 s at step 40 spends the budget at once: the run takes TAIL_MIN more steps
+    past it, whose lr falls from the lr it was at towards 0, and says so; a resume keeps the tail
+    (no check ends it early, though its budget is spent)."""
     last, factors, run, spent, notes = simulate(
         tmp_path, monkeypatch, 100.0, lambda s: 60.0 if s == 40 else 1.0
     )
-    assert run.ended == last < 100 and "not annealed" in notes[-1], notes
+    assert run.tail and run.ended is None and last == 40 + budget_module.TAIL_MIN, (last, notes)
+    assert all(factors[s + 1] < factors[s] for s in range(40, last)), factors
+    assert factors[last] <= factors[40] / budget_module.TAIL_MIN
+    assert spent <= 100.0 + budget_module.TAIL_MIN and "the export is annealed" in notes[-1]
+    cfg = TrainConfig(run=RunArgs(budget_hours=1 / 36, max_steps=100_000, log_every=10))
+    resumed = Budget(cfg, Plan("wsd", 2, 100_000, 0.5), tmp_path, rank=0, world=1)
+    assert resumed.tail and resumed.planned == last and resumed.plan.total == last
+    assert [resumed.plan.factor(s - 2) for s in range(41, last + 1)] == [
+        factors[s] for s in range(41, last + 1)
+    ]
+    resumed.seconds = 0.0  # spent: a check would end the run
+    assert [resumed.check(s, 100_000) for s in range(41, last + 1)] == [None] * (last - 40)
+
+
+def test_a_run_spent_before_its_first_plan_ends_and_says_why(tmp_path, monkeypatch):
+    """A budget spent by the first steps (a model too slow for it): the run ends at its first
+    check, before any plan, and says that its export is from the warm-up."""
+    last, _, run, _, notes = simulate(
+        tmp_path, monkeypatch, 10.0, lambda s: 20.0 if s == 2 else 1.0
+    )
+    assert run.ended == last == 1 + budget_module.MEASURE and not run.tail, (last, notes)
+    assert "before its schedule was planned" in notes[-1], notes
 
 
 @pytest.mark.parametrize("decay", ["linear", "cosine", "1-sqrt", "constant"])

@@ -82,10 +82,11 @@ def test_device_names_match_exactly():
     assert CostModel(1e9, None, 1, 100).fields(1.0, 1.0, 0, 0.0)["mfu"] is None
 
 
-def test_time_left_reads_as_hours_and_minutes_and_devices_by_kind():
-    from shatter.train.metrics import device_word, h_mm, postfix
+def test_time_left_reads_as_hours_minutes_and_seconds_and_devices_by_kind():
+    from shatter.train.metrics import device_word, h_mm_ss, postfix
 
-    assert [h_mm(h) for h in (0, 0.0204, 1.5, 26.01)] == ["0:00", "0:02", "1:30", "26:01"]
+    hours = (0, 19 / 3600, 0.0204, 1.5, 26.01)
+    assert [h_mm_ss(h) for h in hours] == ["0:00:00", "0:00:19", "0:01:14", "1:30:00", "26:00:36"]
     assert device_word("cuda") == "GPU" and device_word("cpu") == "device"
     line = postfix({"loss": 2.0, "tokens_per_s": 10.0, "tokens_per_s_per_gpu": 5.0}, 1e-4, "device")
     assert "tok/s/device=5" in line
