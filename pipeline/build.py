@@ -1,16 +1,17 @@
 """`shatter-data build`: the driver that runs the Beam pipelines and writes index.json last.
 
 Two pipelines when a tokenizer must be trained (it necessarily sits between them), one otherwise:
-  1. read → clean → sample lines (the n smallest line hashes), find the hold-out document's key
-     (the smallest) and cache the clean text → the driver trains sentencepiece;
+  1. read → clean → sample lines (the n smallest line hashes), count the documents for the
+     validation hold-out (`shatter.pipeline.holdout`) and cache the clean text → the driver
+     trains sentencepiece and decides the hold-out;
   2. read the cache (or, with a given tokenizer, --tokenizer or --hf-tokenizer, read → clean) →
      tokenize → pack → shard → mask → write, then index.json from the shards' manifest (each writer leaves its shard's entry in the
      work directory) and Beam's counters.
 No side input is computed over the documents (a runner buffers every element that waits on one),
 and no branch beside the build reads them (Dask keeps a task's output until all its readers have
-run), so a worker's memory does not grow with the corpus. With a given tokenizer, a build that
-held out no document by hash (a corpus of a few documents) is followed by a pass for the hold-out
-key and, if that document has to move, a build with it held out.
+run), so a worker's memory does not grow with the corpus. With a given tokenizer, the build holds
+out whole documents by hash and counts the documents as it tokenizes them; where the count calls
+for another hold-out (a corpus of a few documents), it runs again with that one.
 Any Beam runner works (`shatter.pipeline.runners`: the options beyond ours become `PipelineOptions`;
 without `--runner` the in-process FnApiRunner). A runner without metrics (Dask) gets the counts
 that the written shards give. `--overwrite` builds beside the old dataset and swaps on success.
@@ -35,6 +36,7 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
 from shatter.pipeline import hf_tokenizer, progress, readers, runners, store, tokenizer
 from shatter.pipeline.config import BuildConfig
+from shatter.pipeline.holdout import HoldOut, HoldOutStats, decide, whole_document_share
 from shatter.pipeline.inspect import held_out_share, validation_warnings
 from shatter.pipeline.sharding import ShardSize
 from shatter.pipeline.sink import ShardAndWrite, read_manifest
@@ -42,15 +44,14 @@ from shatter.pipeline.transforms import (
     NAMESPACE,
     CacheFn,
     Clean,
-    HoldOutFn,
     MaskSpec,
+    MergeStats,
     Pack,
     ReadCache,
     ReadDocuments,
     SampleLines,
-    SmallestKey,
     Tokenize,
-    batch_smallest_key,
+    batch_hold_out_stats,
 )
 from shatter.shards import INDEX_FILE, TOKENIZER_FILE, build_index, write_index
 from shatter.shards.store import fs
@@ -59,7 +60,7 @@ from shatter.shards.writer import record_batch_rows
 
 log = logging.getLogger(__name__)
 SAMPLE_FILE, WORK_DIR = ".tokenizer-sample.txt", ".work"
-KEY_FILE = ".smallest-key.json"
+STATS_FILE = ".hold-out-stats.json"
 CACHE_LIST = ".work/clean-files.json"
 # every name a build writes in OUT: what --overwrite replaces (never other files kept there)
 BUILD_FILES = (
@@ -70,7 +71,7 @@ BUILD_FILES = (
     "validation-*-of-*.arrow",
     ".tmp-*",
     SAMPLE_FILE,
-    KEY_FILE,
+    STATS_FILE,
     WORK_DIR,
 )
 # the counters a runner without metrics cannot give (index.json says so); rows and shards_written
@@ -246,32 +247,37 @@ def _read_text(path: str) -> str:
 def cache_clean_text(
     config: BuildConfig, out: str, beam_args: list[str], report=print, sample: int = 0
 ) -> dict | None:
-    """The first pipeline: read → clean → cached clean text (`CacheFn`) and the hold-out document's
-    key (`SmallestKey`), plus the tokenizer's sample of `sample` lines if asked; returns its
-    counters. The build pipeline then reads the cache: the hold-out key is known before it starts,
+    """The first pipeline: read → clean → cached clean text (`CacheFn`) and the documents'
+    `HoldOutStats`, plus the tokenizer's sample of `sample` lines if asked; returns its
+    counters. The build pipeline then reads the cache: the hold-out is decided before it starts,
     so it needs no side input over the corpus (which would make the runner buffer every document
-    until the key is known), and the text is cleaned once."""
+    until it is known), and the text is cleaned once."""
     p = runners.make_pipeline(beam_args)
     cache_list = fs.join(out, CACHE_LIST)
     docs = _read_clean(p, config)
-    smallest = docs | "batch keys" >> beam.Map(batch_smallest_key) | "smallest key" >> SmallestKey()
+    fraction = config.validation_fraction
+    stats = (
+        docs
+        | "batch stats" >> beam.Map(batch_hold_out_stats, fraction)
+        | "corpus stats" >> MergeStats()
+    )
     extra = {}
     if sample:
         max_bytes = int(config.tokenizer_sample_mb * 1e6)
         lines = SampleLines(sample, max_bytes)
         extra["sample"] = beam.pvalue.AsSingleton(docs | "sample" >> lines)
 
-    def write_outputs(paths, smallest_key, sample=None):
+    def write_outputs(paths, stats, sample=None):
         if sample is not None:
             _write_text(fs.join(out, SAMPLE_FILE), json.dumps(sample))
-        _write_text(cache_list, json.dumps({"files": paths, "smallest_key": smallest_key}))
+        _write_text(cache_list, json.dumps({"files": paths, "hold_out_stats": stats.to_dict()}))
 
     _ = (  # one sink (runners that compute only what a sink needs run every branch)
         docs
         | "cache clean text" >> beam.ParDo(CacheFn(fs.join(out, WORK_DIR)))
         | "cache files" >> beam.combiners.ToList()
         | "write cache list"
-        >> beam.Map(write_outputs, smallest_key=beam.pvalue.AsSingleton(smallest), **extra)
+        >> beam.Map(write_outputs, stats=beam.pvalue.AsSingleton(stats), **extra)
     )
     return run_and_report(p, "tokenizer sample" if sample else "clean text", config, report)
 
@@ -367,17 +373,18 @@ def _build_into(config: BuildConfig, out: str, beam_args: list[str], report=prin
     stages: the tokenizer, the shards, their manifest checked, index.json."""
     tok = _tokenizer_stage(config, out, beam_args, report)
     plan = _plan(config, out, tok)
-    build_counters = _shards_stage(plan, beam_args, report)
+    build_counters, hold_out = _shards_stage(plan, beam_args, report)
     shards = _written_shards(plan)
     index = _index(config, tok, shards, build_counters, plan.batch_rows)
+    share = held_out_share(index)
+    if hold_out.fraction > 0 and share is not None:  # how, and how much, was held out
+        index["counters"]["validation_hold_out"] = hold_out.describe()
+        index["counters"]["validation_fraction_obtained"] = round(share, 6)
     warnings = validation_warnings(index)
     for warning in warnings:
         log.warning("%s", warning)
     if warnings:  # in index.json too, where a later reader of the dataset sees them
         index["counters"]["warnings"] = warnings
-        share = held_out_share(index)
-        if share is not None:
-            index["counters"]["validation_fraction_obtained"] = round(share, 6)
     write_index(out, index)
     return json.loads(json.dumps(index))  # exactly what index.json holds (lists, not tuples)
 
@@ -390,7 +397,7 @@ class TokenizerStage:
     file: str  # its name in OUT: TOKENIZER_FILE, or TOKENIZER_JSON with --hf-tokenizer
     model: bytes  # the file's bytes
     vocab_size: int  # its ids (a trained one may have fewer than --vocab-size)
-    cached: dict | None  # the cleaned text's cache {files, smallest_key}, when one was written
+    cached: dict | None  # the cleaned text's cache {files, hold_out_stats}, when one was written
     counters: dict | None  # the sampling pipeline's counters ({} with a given tokenizer)
     trained: bool  # trained here: --vocab-size is what was asked for, not what it has
 
@@ -432,7 +439,7 @@ class BuildPlan:
     config: BuildConfig
     out: str
     model_path: str  # OUT/tokenizer.model or OUT/tokenizer.json
-    fraction: float  # documents held out by hash (0 with --validation-input)
+    fraction: float  # --validation-fraction (0 with --validation-input)
     cached: dict | None  # TokenizerStage.cached
     given: dict  # {split: shard count or None (from the size target)}
     size: ShardSize
@@ -467,66 +474,80 @@ def _plan(config: BuildConfig, out: str, tok: TokenizerStage) -> BuildPlan:
     )
 
 
-def _shards_stage(plan: BuildPlan, beam_args: list[str], report) -> dict | None:
-    """Run the build pipeline; returns its counters (None: a runner without metrics).
+def _shards_stage(plan: BuildPlan, beam_args: list[str], report) -> tuple[dict | None, HoldOut]:
+    """Run the build pipeline; returns its counters (None: a runner without metrics) and the
+    validation hold-out it applied (`shatter.pipeline.holdout.decide`).
 
-    With the cleaned text cached, the hold-out key is known before it starts. With a given
-    tokenizer: one pipeline, and only where it held out no document (a corpus of a few
-    documents, below the hash threshold) a pass for the smallest key and a build with that
-    document held out. No second branch beside the build: a runner that keeps an output until
-    all its readers are done (Dask) would hold the documents meanwhile."""
-    cached, fraction = plan.cached, plan.fraction
-    if cached is not None or fraction == 0:  # the hold-out key known (or not needed)
-        held_out = cached["smallest_key"] if cached and fraction > 0 else None
-        return _run_build(plan, held_out, beam_args, report)
-    counters = _run_build(plan, None, beam_args, report)
-    written = read_manifest(plan.work_dir)
-    if not any(r["rows"] for r in written if r["split"] == "validation"):
-        held_out = _find_smallest_key(plan, beam_args, report)
-        if HoldOutFn(fraction).moves(held_out):
-            report("no document held out by hash: building again with one held out")
-            _delete_tree(plan.work_dir)
-            counters = _run_build(plan, held_out, beam_args, report)
-    return counters
+    With the cleaned text cached, its statistics decide the hold-out before the build starts.
+    With a given tokenizer: one pipeline, holding out whole documents by hash and counting the
+    documents as it tokenizes them; only where the count decides otherwise (a corpus of a few
+    documents) it runs again with that hold-out. No second branch reads the documents beside the
+    build: a runner that keeps an output until all its readers are done (Dask) would hold them."""
+    if plan.fraction == 0:
+        return _run_build(plan, HoldOut(0.0), beam_args, report), HoldOut(0.0)
+    if plan.cached is not None:
+        stats = HoldOutStats(**plan.cached["hold_out_stats"])
+        hold_out = decide(stats, plan.fraction)
+        _report_hold_out(hold_out, stats, report)
+        return _run_build(plan, hold_out, beam_args, report), hold_out
+    by_hash, stats_path = HoldOut(plan.fraction), fs.join(plan.out, STATS_FILE)
+    counters = _run_build(plan, by_hash, beam_args, report, stats_path)
+    stats = HoldOutStats(**json.loads(_read_text(stats_path)))
+    FileSystems.delete([stats_path])
+    hold_out = decide(stats, plan.fraction)
+    if hold_out != by_hash:
+        _report_hold_out(hold_out, stats, report)
+        report("building again with that hold-out")
+        _delete_tree(plan.work_dir)
+        counters = _run_build(plan, hold_out, beam_args, report)
+    return counters, hold_out
 
 
-def _run_build(plan: BuildPlan, held_out: int | None, beam_args: list[str], report) -> dict | None:
-    """The build pipeline: (cached or freshly cleaned) documents → tokenize → pack → shard, mask
-    and write; `held_out` is the smallest-key document where the hash threshold held none."""
+def _report_hold_out(hold_out: HoldOut, stats: HoldOutStats, report) -> None:
+    """Say how the validation split is held out where it is not whole documents by hash."""
+    f, n = hold_out.fraction, stats.documents
+    if hold_out.tails:
+        report(
+            f"validation: the last {f:.1%} of each document's text (--validation-fraction {f:g}), "
+            f"as whole documents would make {whole_document_share(stats):.1%} of it ({n} "
+            f"document{'s' if n != 1 else ''}); to hold out text of your own, give "
+            "--validation-input FILE"
+        )
+    elif hold_out.smallest_key is not None:
+        report(
+            f"validation: no document of {n} is held out by hash at --validation-fraction {f:g}, "
+            f"so the one of smallest key ({whole_document_share(stats):.1%} of the text)"
+        )
+
+
+def _run_build(
+    plan: BuildPlan, hold_out: HoldOut, beam_args: list[str], report, stats_path: str = ""
+) -> dict | None:
+    """The build pipeline: (cached or freshly cleaned) documents → tokenize (split by `hold_out`)
+    → pack → shard, mask and write; with `stats_path`, the documents' `HoldOutStats` there."""
     config, p = plan.config, runners.make_pipeline(beam_args)
     if plan.cached is None:
         docs = _read_clean(p, config)
     else:
         docs = p | "read cleaned" >> ReadCache(plan.cached["files"])
-    if held_out is not None:
-        docs = docs | "hold out" >> beam.ParDo(HoldOutFn(plan.fraction), held_out)
+    tokenized = docs | "tokenize" >> Tokenize(plan.model_path, hold_out, stats=bool(stats_path))
+    if stats_path:
+        _ = (
+            tokenized.stats
+            | "corpus stats" >> MergeStats()
+            | "write stats" >> beam.Map(lambda s: _write_text(stats_path, json.dumps(s.to_dict())))
+        )
+        tokenized = tokenized.tokenized
     write = ShardAndWrite(
         plan.out, plan.work_dir, plan.given, plan.mask, config.spill_rows, plan.size,
         plan.batch_rows,
     )  # fmt: skip
     _ = (
-        docs
-        | "tokenize" >> Tokenize(plan.model_path, plan.fraction)
+        tokenized
         | "pack" >> Pack(config.seq_len, config.cross_document)
         | "shard, mask and write" >> write
     )
     return run_and_report(p, "build", config, report)
-
-
-def _find_smallest_key(plan: BuildPlan, beam_args: list[str], report) -> int | None:
-    """A pass over the cleaned documents for the hold-out key alone: read, clean, hash."""
-    key_path = fs.join(plan.out, KEY_FILE)
-    p = runners.make_pipeline(beam_args)
-    _ = (
-        _read_clean(p, plan.config)
-        | "batch keys" >> beam.Map(batch_smallest_key)
-        | "smallest key" >> SmallestKey()
-        | "write smallest key" >> beam.Map(lambda k: _write_text(key_path, json.dumps(k)))
-    )
-    run_and_report(p, "hold-out key", plan.config, report)
-    key = json.loads(_read_text(key_path))
-    FileSystems.delete([key_path])
-    return key
 
 
 def _written_shards(plan: BuildPlan) -> dict[str, list[dict]]:

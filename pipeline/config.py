@@ -34,10 +34,12 @@ class BuildConfig:
 
     inputs: tuple[InputSpec, ...]  # training corpora, mixed in one build (--input, --corpus)
     output: str = option(help="dataset directory (local or gs://, s3://, ...)", required=True)
-    # a separate validation corpus (--validation-input); else held out by hash
+    # a separate validation corpus (--validation-input); else held out (`shatter.pipeline.holdout`)
     validation_inputs: tuple[InputSpec, ...] = ()
     validation_fraction: float = option(
-        0.005, "share of documents held out by document hash (without --validation-input)"
+        0.005,
+        "share of the text held out for validation (without --validation-input): whole documents "
+        "by hash, or the last part of each where there are too few documents",
     )
     seq_len: int = option(256, "ids per row, [CLS] and closing [SEP] included")
     vocab_size: int = option(32000, "sentencepiece vocabulary, special ids included")

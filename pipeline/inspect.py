@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from shatter.pipeline.holdout import in_band
 from shatter.pipeline.masking import CLS_ID, SEP_ID
 from shatter.shards import read_index, read_shard, schema, sha256_file
 from shatter.shards.store import fs
@@ -113,16 +114,32 @@ def validation_warnings(index: dict) -> list[str]:
         )
     obtained = held_out_share(index)
     asked = config.get("validation_fraction") or 0.0
-    if obtained is not None and asked > 0 and not asked / 2 <= obtained <= 2 * asked:
-        documents = index.get("counters", {}).get("documents_tokenized")
-        few = f"{documents} documents" if documents else "few or long documents"
-        out.append(
-            f"the validation split holds {obtained:.1%} of the rows, --validation-fraction asked "
-            f"{asked:.1%}: the hold-out is by whole document and the corpus has {few}; give "
-            "--validation-input FILE (text you hold out), or split the documents smaller (a "
-            "chapter or a few paragraphs each) so that whole documents make up the fraction"
-        )
+    if obtained is not None and asked > 0 and not in_band(obtained, asked):
+        out.append(_share_warning(index, obtained, asked))
     return out
+
+
+def _share_warning(index: dict, obtained: float, asked: float) -> str:
+    """Why a hold-out's share of the rows is far from --validation-fraction, and the fix."""
+    counters = index.get("counters", {})
+    head = (
+        f"the validation split holds {obtained:.1%} of the rows, --validation-fraction asked "
+        f"{asked:.1%}"
+    )
+    fix = "give --validation-input FILE (text you hold out)"
+    if counters.get("validation_hold_out") == "document tails":
+        return (
+            f"{head}: the last {asked:.1%} of each document's text was held out, and the "
+            f"documents are short for rows of {index.get('seq_len')} ids (a short piece still "
+            f"makes a row of its own); {fix}"
+        )
+    documents = counters.get("documents_tokenized")
+    few = f"{documents} documents" if documents else "few or long documents"
+    return (
+        f"{head}: the hold-out is by whole document and the corpus has {few}; {fix}, or split "
+        "the documents smaller (a chapter or a few paragraphs each) so that whole documents make "
+        "up the fraction"
+    )
 
 
 def held_out_share(index: dict) -> float | None:

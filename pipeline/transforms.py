@@ -9,7 +9,6 @@ drop increments a Metrics counter in the "shatter" namespace; nothing is swallow
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import logging
 import uuid
@@ -23,6 +22,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
 from shatter.pipeline import cleaning, hf_tokenizer, masking, packing, progress, readers, tokenizer
+from shatter.pipeline.holdout import HoldOut, HoldOutStats, batch_stats, content_key, merge
 from shatter.pipeline.wiki import InputError
 from shatter.pipeline.wikitext import clean_wikitext
 from shatter.shards.writer import rows_table
@@ -102,10 +102,6 @@ class MaskSpec:
     dupe_factor: int  # static maskings per row
     rate: float  # share of non-special tokens masked (BERT §3.1)
     whole_word: bool  # mask whole words (word_start) instead of single tokens
-
-
-def content_key(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 class ReadFn(beam.DoFn):
@@ -339,10 +335,13 @@ def SampleLines(n: int, max_bytes: int | None = None):
 
 
 class TokenizeFn(beam.DoFn):
-    """DocBatch → Tokenized per split, with the tokenizer's batch API; held-out docs by hash."""
+    """DocBatch → Tokenized per split, with the tokenizer's batch API; an "auto" batch's documents
+    split by the build's `HoldOut` (whole documents by hash, or each one's tail). With `stats`,
+    also each "auto" batch's `HoldOutStats` (tagged "stats"): a build with a given tokenizer
+    counts the documents as it goes, and is built again only where `decide` says so."""
 
-    def __init__(self, model_path: str, validation_fraction: float):
-        self.model_path, self.validation_fraction = model_path, validation_fraction
+    def __init__(self, model_path: str, hold_out: HoldOut, stats: bool = False):
+        self.model_path, self.hold_out, self.stats = model_path, hold_out, stats
 
     def setup(self):
         with FileSystems.open(self.model_path) as f:
@@ -351,89 +350,63 @@ class TokenizeFn(beam.DoFn):
         self.empty = counter("skipped_empty_after_tokenizing")
 
     def process(self, batch: DocBatch):
-        encoded = self.encoder.encode(list(batch.docs))
-        if batch.split != "auto" or self.validation_fraction == 0:
-            splits = [batch.split if batch.split != "auto" else "train"] * len(batch.docs)
-        else:  # each document's content key, hashed once
-            threshold = self.validation_fraction * 2.0**64
-            keys = (content_key(text.encode()) for text in batch.docs)
-            splits = ["validation" if key < threshold else "train" for key in keys]
-        by_split = {"train": [], "validation": []}
-        for split, array in zip(splits, encoded):
-            if len(array):
-                by_split[split].append(array)
-            else:
-                self.empty.inc()
-        self.docs.inc(sum(len(v) for v in by_split.values()))
-        self.tokens.inc(sum(len(ids) for ids in encoded))
+        if batch.split == "auto":
+            keys = [content_key(text.encode()) for text in batch.docs]
+            if self.stats:
+                counted = zip(keys, map(len, batch.docs))
+                yield beam.pvalue.TaggedOutput(
+                    "stats", batch_stats(counted, self.hold_out.fraction)
+                )
+            pieces = [self.hold_out.split(text, key) for text, key in zip(batch.docs, keys)]
+        else:
+            pieces = [[(batch.split, text)] for text in batch.docs]
+        encoded = iter(self.encoder.encode([text for doc in pieces for _, text in doc]))
+        by_split, empty = {"train": [], "validation": []}, 0
+        for doc in pieces:  # a document split in two is one document tokenized
+            kept = [(split, ids) for split, ids in ((s, next(encoded)) for s, _ in doc) if len(ids)]
+            empty += not kept
+            for split, ids in kept:
+                by_split[split].append(ids)
+        if empty:
+            self.empty.inc(empty)
+        self.docs.inc(len(pieces) - empty)
+        self.tokens.inc(sum(len(ids) for docs in by_split.values() for ids in docs))
         for split, docs in by_split.items():
             if docs:
                 yield Tokenized(split, tuple(docs))
 
 
-def Tokenize(model_path: str, validation_fraction: float):
-    return beam.ParDo(TokenizeFn(model_path, validation_fraction))
+def Tokenize(model_path: str, hold_out: HoldOut, stats: bool = False):
+    """`TokenizeFn`; with `stats`, its outputs are ("tokenized", "stats")."""
+    fn = beam.ParDo(TokenizeFn(model_path, hold_out, stats))
+    return fn.with_outputs("stats", main="tokenized") if stats else fn
 
 
-def batch_smallest_key(batch: DocBatch) -> tuple[int | None, int]:
-    """(smallest content key, documents) of an "auto" batch; (None, 0) for any other."""
+def batch_hold_out_stats(batch: DocBatch, fraction: float) -> HoldOutStats:
+    """The `HoldOutStats` of an "auto" batch (another one's: none)."""
     if batch.split != "auto":
-        return (None, 0)
-    return (min(content_key(d.encode()) for d in batch.docs), len(batch.docs))
+        return HoldOutStats()
+    return batch_stats(((content_key(d.encode()), len(d)) for d in batch.docs), fraction)
 
 
-class _SmallestKey(beam.CombineFn):
-    """The smallest of the batches' smallest keys, if there are at least two documents (else None)."""
-
+class _MergeStats(beam.CombineFn):
     def create_accumulator(self):
-        return (None, 0)
+        return HoldOutStats()
 
-    def add_input(self, acc, pair):
-        return self.merge_accumulators([acc, pair])
+    def add_input(self, acc, stats):
+        return merge([acc, stats])
 
     def merge_accumulators(self, accs):
-        accs = list(accs)
-        keys = [k for k, _ in accs if k is not None]
-        return (min(keys, default=None), sum(n for _, n in accs))
+        return merge(accs)
 
     def extract_output(self, acc):
-        return acc[0] if acc[1] > 1 else None
+        return acc
 
 
-class SmallestKey(beam.PTransform):
-    """(smallest key, documents) per batch (`batch_smallest_key`) → the corpus's smallest "auto"
-    document key (a singleton). Batches are reduced to pairs first, so that no text goes through
-    the combine's shuffle on a runner without combiner lifting."""
-
-    def expand(self, pairs):
-        return pairs | "smallest" >> beam.CombineGlobally(_SmallestKey())
-
-
-class HoldOutFn(beam.DoFn):
-    """DocBatch → the same, except that the "auto" document with the corpus's smallest content key
-    (`SmallestKey`: found before the build pipeline, or with a given tokenizer after a build that
-    held out no document, which then runs again) moves to a "validation" batch of its own when
-    the hash threshold of `Tokenize` would not hold it out: a small corpus (a few books) still
-    gets a validation split. Where the threshold holds it out anyway (any large corpus), batches
-    pass unchanged."""
-
-    def __init__(self, validation_fraction: float):
-        self.threshold = validation_fraction * 2.0**64
-
-    def moves(self, held_out: int | None) -> bool:
-        """Whether the document of key `held_out` moves (else every batch passes unchanged)."""
-        return held_out is not None and held_out >= self.threshold
-
-    def process(self, batch: DocBatch, held_out: int | None):
-        if batch.split != "auto" or not self.moves(held_out):
-            yield batch
-            return
-        keep = [d for d in batch.docs if content_key(d.encode()) != held_out]
-        if len(keep) < len(batch.docs):
-            moved = tuple(d for d in batch.docs if content_key(d.encode()) == held_out)
-            yield DocBatch(batch.corpus, "validation", moved)
-        if keep:
-            yield DocBatch(batch.corpus, batch.split, tuple(keep))
+def MergeStats():
+    """Per-batch `HoldOutStats` → the corpus's (a singleton; batches are reduced to their
+    statistics first, so no text goes through the combine's shuffle)."""
+    return beam.CombineGlobally(_MergeStats())
 
 
 _ROW_KEY_SALT = np.uint64(0x524F574B4559)

@@ -1,7 +1,10 @@
 """MLM evaluation of an export on a split of a shard dataset: loss and accuracy at the masked positions
 (for xlnet its own objective, the permutation LM: the query stream at the targets, train/plm.py).
 
-`shatter-evaluate --checkpoint EXPORT --data OUT [--split validation] [--output F.json]`
+`shatter-evaluate --checkpoint EXPORT --data OUT [--split validation] [--seq-len L] [--output F.json]`
+
+`--seq-len L` cuts the data's rows to L as the trainer does at L (`shatter.train.loader`'s one
+cut), so one build at the longest length scores a model at every shorter one.
 
 EXPORT and OUT may be remote (`s3://`, `gs://`): both are read through the node's cache.
 
@@ -31,6 +34,7 @@ from shatter.sources import open_export
 from shatter.train.config import DataArgs, check_output
 from shatter.train.evaluate import default_device, evaluate
 from shatter.train.loader import validation_stream
+from shatter.train.loader.order import cut_factor
 from shatter.train.plm import default_objective
 
 
@@ -137,7 +141,7 @@ def score(
     )
     from shatter.train.metrics import counted
 
-    rows = index.rows(split) * max(1, index.seq_len // length)  # a cut row is k pieces
+    rows = index.rows(split) * cut_factor(index.seq_len, length)  # a cut row is k pieces
     rows = rows if max_samples is None else min(rows, max_samples)
     # a bar on a terminal's stderr (the result line stays on stdout), a line every 30 s in a log
     stream = counted(stream, -(-rows // batch_size), f"evaluate {split}")

@@ -121,8 +121,10 @@ def test_a_vocabulary_larger_than_the_corpus_supports_is_warned_and_recorded(cor
 
 
 @pytest.mark.slow
-def test_validation_fraction_holds_out_a_document_of_a_small_corpus(built, tmp_path):
-    """Three documents and the default 0.5%: by hash alone, almost surely none would be held out."""
+def test_validation_fraction_holds_out_the_tails_of_a_small_corpus(built, tmp_path):
+    """Three documents and the default 0.5%: by hash alone, almost surely none would be held out,
+    and one whole document would be a third; with a given tokenizer, the build counts them as it
+    goes and builds again with each document's tail held out."""
     docs = tmp_path / "three.txt"
     docs.write_text("\n\n".join(d.replace("\n", " ") for d in generated_documents(3, seed=5)))
     out = tmp_path / "three"
@@ -130,17 +132,20 @@ def test_validation_fraction_holds_out_a_document_of_a_small_corpus(built, tmp_p
     assert result.exit_code == 0, result.output
     index = shards.read_index(str(out))
     assert index.rows("validation") > 0 and index.rows("train") > 0
+    assert index.raw["counters"]["validation_hold_out"] == "document tails"
+    assert "the last 0.5% of each document's text" in result.output
+    assert "building again with that hold-out" in result.output
     assert any("validation split has" in line for line in result.output.splitlines())
     shown = CliRunner().invoke(main, ["inspect", str(out), "--rows", "0"])
     assert shown.exit_code == 0, shown.output
     assert "validation:" in shown.output and "% of rows" in shown.output
     assert "warning: the validation split has" in shown.output
-    # one document: it stays in train
+    # one document: its tail too
     one = tmp_path / "one.txt"
     one.write_text(generated_documents(1, seed=5)[0].replace("\n", " "))
     result = _build(tmp_path / "one", [one], tokenizer=built[0] / "tokenizer.model")
     assert result.exit_code == 0, result.output
-    assert shards.read_index(str(tmp_path / "one")).raw["splits"]["validation"]["rows"] == 0
+    assert shards.read_index(str(tmp_path / "one")).rows("validation") == 1
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ pytest.importorskip("tokenizers")
 from tokenizers import Tokenizer  # noqa: E402
 
 from shatter.pipeline import hf_tokenizer  # noqa: E402
-from shatter.pipeline.build import build  # noqa: E402
+from shatter.pipeline.build import TRAINING_ONLY, build  # noqa: E402
 from shatter.pipeline.cli import main  # noqa: E402
 from shatter.pipeline.config import InputSpec  # noqa: E402
 from shatter.pipeline.inspect import inspect_dataset, verify_dataset  # noqa: E402
@@ -143,6 +143,9 @@ def test_a_wordpiece_build_masks_whole_words_and_rebuilds_byte_identically(
     assert index["tokenizer"]["special_ids"] == {t: i for i, t in enumerate(ROLES)}
     tok = Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json"))
     assert index["tokenizer"]["vocab_size"] == tok.get_vocab_size()
+    # config: no option of training a sentencepiece model (no vocab_size 32000, no cased False)
+    assert not set(TRAINING_ONLY) & set(index["config"]), index["config"]
+    assert index["config"]["hf_tokenizer"] == str(wordpiece_json)
     continued = 0
     for shard in index["splits"]["train"]["shards"]:
         table = read_table(tmp_path / "ds" / shard["file"]).to_pylist()

@@ -85,27 +85,30 @@ def test_dask_runner_writes_the_bytes_of_the_fn_api_runner(corpus_dir, tmp_path,
     fn_index = json.loads((fn_api / "index.json").read_text())
     assert dask_index["splits"] == fn_index["splits"]
     # counters: what the shards tell, and index.json says which are missing
-    # the hold-out's share and its warning come from the written rows, on every runner
-    holdout = ("warnings", "validation_fraction_obtained")
+    # the hold-out (the driver's decision), its share and its warning (from the written rows)
+    # are there on every runner
+    holdout = ("warnings", "validation_fraction_obtained", "validation_hold_out")
     counters = {k: v for k, v in dask_index["counters"].items() if k not in holdout}
     assert counters == {
         "rows": fn_index["counters"]["rows"],
         "shards_written": fn_index["counters"]["shards_written"],
     }
     # the share held out is the same; the warning's wording may name counters Dask lacks
-    share = "validation_fraction_obtained"
-    assert dask_index["counters"].get(share) == fn_index["counters"].get(share)
+    for key in ("validation_fraction_obtained", "validation_hold_out"):
+        assert dask_index["counters"][key] == fn_index["counters"][key]
     assert len(dask_index["counters"].get("warnings", [])) == len(
         fn_index["counters"].get("warnings", [])
     )
     assert "documents_read" in dask_index["counters_unavailable"]
     assert "counters_unavailable" not in fn_index
     assert not [p for p in (tmp_path / "dask").iterdir() if p.name.startswith(".")]
-    # a given tokenizer: one pipeline (and the hold-out passes if no document was held out by hash)
+    # a given tokenizer: one pipeline, and a second where its count of the documents decides
+    # another hold-out (here: 120 documents, 3.8% of the text below the hash threshold)
     given = [a if a != str(tmp_path / "dask") else str(tmp_path / "given") for a in args]
     given += ["--tokenizer", str(fn_api / "tokenizer.model")]
     result = CliRunner().invoke(main, given)
     assert result.exit_code == 0, result.output
+    assert "building again with that hold-out" in result.output
     assert _files(tmp_path / "given") == _files(fn_api)
 
 

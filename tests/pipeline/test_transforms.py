@@ -11,6 +11,7 @@ from apache_beam.testing.util import assert_that, equal_to
 from shatter import shards
 from shatter.pipeline import packing, tokenizer
 from shatter.pipeline.config import BuildConfig, InputSpec
+from shatter.pipeline.holdout import HoldOut, content_key, tail_split
 from shatter.pipeline.masking import SPECIAL_IDS
 from shatter.pipeline.readers import ReadSpec
 from shatter.pipeline.sink import ShardAndWrite
@@ -24,7 +25,6 @@ from shatter.pipeline.transforms import (
     SampleLines,
     Tokenize,
     Tokenized,
-    content_key,
     mask_table,
     row_keys,
 )
@@ -153,7 +153,7 @@ def test_sample_merges_accumulators_like_one():
     assert fn.extract_output(fn.merge_accumulators(parts)) == naive
 
 
-def test_tokenize_splits_by_document_hash(model_path):
+def test_tokenize_splits_by_document_hash_or_tails(model_path):
     sp = tokenizer.load(open(model_path, "rb").read())
     docs = tuple(generated_documents(40, seed=5))
     fraction = 0.3
@@ -165,9 +165,18 @@ def test_tokenize_splits_by_document_hash(model_path):
         assert [list(a) for a in by_split["validation"]] == sp.encode(held)
         assert len(by_split["train"]) == len(docs) - len(held)
 
+    tails = [tail_split(d, fraction) for d in docs]
+
+    def check_tails(outputs):
+        by_split = {t.split: t.docs for t in outputs}
+        assert [list(a) for a in by_split["validation"]] == sp.encode([t for _, t in tails if t])
+        assert [list(a) for a in by_split["train"]] == sp.encode([h for h, _ in tails])
+
     with _pipeline() as p:
-        out = p | beam.Create([DocBatch("text", "auto", docs)]) | Tokenize(model_path, fraction)
-        assert_that(out, check)
+        batch = p | beam.Create([DocBatch("text", "auto", docs)])
+        assert_that(batch | Tokenize(model_path, HoldOut(fraction)), check)
+        split = batch | "tails" >> Tokenize(model_path, HoldOut(fraction, tails=True))
+        assert_that(split, check_tails, label="tails")
 
 
 def test_pack_pads_and_keys_rows_by_content():
