@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shatter.accelerator import say_deepspeed_accelerator
 from shatter.train.config import ConfigError, EngineArgs, TrainConfig
 from shatter.train.lifecycle import COLLECTIVE_TIMEOUT
 from shatter.train.schedule import DEEPSPEED_DECAYS, Plan, client_scheduler
@@ -104,43 +105,51 @@ def _file_store() -> str:
 
 
 CPU_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory comm op, JIT-built on first use
-# its build, measured (DeepSpeed 0.19.8, torch 2.13, g++ on a 2-core AMD EPYC VM): 107 CPU-seconds
-# over two files compiled side by side
-CPU_OP_COST = "about 110 CPU-seconds: a minute on 2 idle cores, several on a busy machine"
+# its build, measured twice (DeepSpeed 0.19.8, torch 2.13, g++ on a 2-core AMD EPYC VM, two files
+# compiled side by side): 107 CPU-seconds; 79 CPU-seconds and 2 min 23 s at load average 5-6
+CPU_OP_COST = "80-110 CPU-seconds: a minute or two on 2 idle cores, several on a busy machine"
 
 
 CHECKOUT = Path(__file__).resolve().parents[1]  # the repository this code runs from
 
 
 def extensions_dir(checkout: Path = CHECKOUT) -> str:
-    """A JIT-extension cache per Python environment, checkout and build (torch and DeepSpeed
-    versions): DeepSpeed builds its CPU shm_comm op on first use (CPU_OP_COST), and two of them
-    sharing torch's default cache rebuild each other's build."""
-    from importlib.metadata import version  # not the packages: importing DeepSpeed is slow
-
-    key = "|".join((sys.prefix, str(checkout), version("torch"), version("deepspeed")))
-    tag = hashlib.sha1(key.encode()).hexdigest()[:10]
-    return str(Path.home() / ".cache" / "torch_extensions" / f"env-{tag}")
+    """Our JIT-extension cache: one per Python environment and checkout (two of them sharing
+    torch's default cache would rebuild each other's ops, CPU_OP_COST each time), keyed inside
+    by the build (`keyed`)."""
+    tag = hashlib.sha1(f"{sys.prefix}|{checkout}".encode()).hexdigest()[:10]
+    return keyed(str(Path.home() / ".cache" / "torch_extensions" / f"env-{tag}"))
 
 
 def build_key() -> str:
-    """The versions a JIT-built op depends on: torch's, DeepSpeed's and Python's."""
-    from importlib.metadata import version
+    """What a JIT-built op's binary depends on: torch's version (its local label names the
+    build: +cpu, +cu126), DeepSpeed's (the op's sources) and the Python ABI (cpython-311,
+    cpython-313t), e.g. `torch2.13.0+cpu-deepspeed0.19.8-cpython-311`."""
+    from importlib.metadata import version  # not the packages: importing DeepSpeed is slow
 
-    python = f"{sys.version_info.major}.{sys.version_info.minor}"
-    return f"torch{version('torch')}-deepspeed{version('deepspeed')}-py{python}"
+    python = sys.implementation.cache_tag + sys.abiflags
+    return f"torch{version('torch')}-deepspeed{version('deepspeed')}-{python}"
+
+
+BUILD_KEY = re.compile(r"torch[^/]+-deepspeed[^/]+-[a-z]+-\d+[a-z]*")  # a build_key()
+
+
+def keyed(cache: str, key: str | None = None) -> str:
+    """The subdirectory of JIT cache `cache` for this build (`key`, default `build_key()`): an op
+    built by one torch and loaded by another crashes the second with `undefined symbol`, so two
+    builds never share one. A `cache` that names a build already (a parent process's setting,
+    inherited) gives its sibling: the same directory for the same build, another for another."""
+    path = Path(cache)
+    if BUILD_KEY.fullmatch(path.name):
+        path = path.parent
+    return str(path / (key or build_key()))
 
 
 def use_extensions_dir() -> str:
-    """TORCH_EXTENSIONS_DIR for this process and its children: unset, our own cache per
-    environment and checkout (`extensions_dir`); set by the user, a subdirectory of theirs named
-    by `build_key`: an op built by one torch and loaded by another crashes the second one with
-    `undefined symbol`, so two torch versions never share a build."""
+    """TORCH_EXTENSIONS_DIR for this process and its children: unset, our own cache
+    (`extensions_dir`); set by the user, its subdirectory for this build (`keyed`)."""
     given = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not given:
-        os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()
-    elif given != extensions_dir() and Path(given).name != build_key():
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(given) / build_key())
+    os.environ["TORCH_EXTENSIONS_DIR"] = keyed(given) if given else extensions_dir()
     return os.environ["TORCH_EXTENSIONS_DIR"]
 
 
@@ -153,7 +162,7 @@ def announce_build(name: str, what: str) -> None:
     if os.environ.get("LOCAL_RANK", "0") == "0" and unbuilt:
         cost = CPU_OP_COST if name == CPU_OP else "minutes of the compiler"
         print(
-            f"building {what} into {built.parent} (once per environment and checkout; {cost})...",
+            f"building {what} into {built.parent} (once per environment and torch build; {cost})...",
             file=sys.stderr,
             flush=True,
         )
@@ -194,11 +203,11 @@ def announce_jit_builds() -> None:
 def load_built(name: str, built: Path):
     """Op `name`'s module from a finished build in `built` (the .so, and ninja's log of linking
     it), or None. Loaded as it is, without torch's JIT builder: that builder runs ninja in every
-    process, and ninja rebuilds (about 110 CPU-seconds, every other process waiting on its lock)
+    process, and ninja rebuilds (CPU_OP_COST, every other process waiting on its lock)
     whenever its compile command differs from the last one in any way, as it does between some
-    of the processes that share this cache. The cache is per environment, checkout, torch and
-    DeepSpeed version (`extensions_dir`), so the sources and the ABI are those it was built for;
-    a module that fails to load is rebuilt."""
+    of the processes that share this cache. The cache is per torch, DeepSpeed and Python ABI
+    (`keyed`), so the sources and the ABI are those it was built for; a module that fails to
+    load is rebuilt."""
     import importlib.util
 
     so, log = built / f"{name}.so", built / ".ninja_log"
@@ -235,7 +244,7 @@ def build_extensions() -> None:
     use_extensions_dir()
     if not on_cpu():
         return
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    say_deepspeed_accelerator()
     announce_jit_builds()
     from deepspeed.comm.torch import build_shm_op
 
@@ -300,8 +309,7 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     use_extensions_dir()
     # NCCL: a timed-out collective tears the process down instead of leaving it blocked
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    if on_cpu():  # said, not guessed: no "Setting accelerator to CPU" warning from each rank
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    say_deepspeed_accelerator()  # no "Setting accelerator to CPU" warning from each rank
     import deepspeed
 
     quiet_other_ranks()
