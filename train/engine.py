@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -105,8 +106,9 @@ def _file_store() -> str:
 
 
 CPU_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory comm op, JIT-built on first use
-# its build, measured twice (DeepSpeed 0.19.8, torch 2.13, g++ on a 2-core AMD EPYC VM, two files
-# compiled side by side): 107 CPU-seconds; 79 CPU-seconds and 2 min 23 s at load average 5-6
+CPU_OP_WHAT = "DeepSpeed's CPU communication op"  # its name in what the user reads
+# its build, measured (DeepSpeed 0.19.8, torch 2.13, g++ on a 2-core AMD EPYC VM, two files
+# compiled side by side): 107 CPU-seconds; 75 and 52 s at load average 1-2; 79 and 2 min 23 s at 5-6
 CPU_OP_COST = "80-110 CPU-seconds: a minute or two on 2 idle cores, several on a busy machine"
 
 
@@ -169,7 +171,7 @@ def announce_build(name: str, what: str) -> None:
 
 
 def announce_cpu_build() -> None:
-    announce_build(CPU_OP, "DeepSpeed's CPU communication op")
+    announce_build(CPU_OP, CPU_OP_WHAT)
 
 
 def announce_jit_builds() -> None:
@@ -184,20 +186,29 @@ def announce_jit_builds() -> None:
     def jit_load(self, verbose=True):
         built = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir())) / self.name
         module = load_built(self.name, built)
-        if module is not None:
-            OpBuilder._loaded_ops[self.name] = module  # as its own load() does
-            return module
-        what = (
-            "DeepSpeed's CPU communication op"
-            if self.name == CPU_OP
-            else f"DeepSpeed's {self.name} op"
-        )
-        announce_build(self.name, what)
-        with _sole_builder(self.name):
-            return original(self, verbose)
+        if module is None:
+            what = CPU_OP_WHAT if self.name == CPU_OP else f"DeepSpeed's {self.name} op"
+            announce_build(self.name, what)  # before waiting on another process's build
+            with _sole_builder(self.name):
+                module = load_built(self.name, built)  # built by the process waited on
+                if module is None:
+                    if drop_unloadable(self.name, built):
+                        announce_build(self.name, what)
+                    return original(self, verbose)
+        OpBuilder._loaded_ops[self.name] = module  # as its own load() does
+        return module
 
     jit_load.announces = True
     OpBuilder.jit_load = jit_load
+
+
+def finished(name: str, built: Path) -> bool:
+    """Whether `built` holds a finished build of op `name`: its .so, and ninja's log of linking
+    it (a build killed midway may leave a .so without that line)."""
+    log = built / ".ninja_log"
+    return (
+        (built / f"{name}.so").is_file() and log.is_file() and f"\t{name}.so\t" in log.read_text()
+    )
 
 
 def load_built(name: str, built: Path):
@@ -207,13 +218,12 @@ def load_built(name: str, built: Path):
     whenever its compile command differs from the last one in any way, as it does between some
     of the processes that share this cache. The cache is per torch, DeepSpeed and Python ABI
     (`keyed`), so the sources and the ABI are those it was built for; a module that fails to
-    load is rebuilt."""
+    load is rebuilt (`drop_unloadable`)."""
     import importlib.util
 
-    so, log = built / f"{name}.so", built / ".ninja_log"
-    if not so.is_file() or not log.is_file() or f"\t{name}.so\t" not in log.read_text():
+    if not finished(name, built):
         return None
-    spec = importlib.util.spec_from_file_location(name, so)
+    spec = importlib.util.spec_from_file_location(name, built / f"{name}.so")
     if spec is None or spec.loader is None:
         return None
     try:
@@ -222,6 +232,21 @@ def load_built(name: str, built: Path):
     except ImportError:
         return None
     return module
+
+
+def drop_unloadable(name: str, built: Path) -> bool:
+    """Remove a finished build of op `name` in `built` that does not load (another torch's,
+    found `undefined symbol`; a truncated file), so that it is built again: ninja, finding its
+    outputs newer than its inputs, would keep it, and torch's loader would fail on it as a
+    traceback. True when there was one. Called holding the op's lock (`_sole_builder`)."""
+    if not finished(name, built):
+        return False
+    for entry in built.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    return True
 
 
 @contextlib.contextmanager

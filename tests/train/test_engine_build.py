@@ -136,10 +136,11 @@ def test_a_build_killed_midway_leaves_no_lock_that_hangs_the_next_load(tmp_path,
         baton.release()
 
 
-def test_a_finished_build_is_loaded_without_the_jit_builder(tmp_path, monkeypatch):
+def test_a_finished_build_is_loaded_without_the_jit_builder(tmp_path, monkeypatch, capsys):
     """An op whose build finished (its .so, and ninja's log of linking it) loads as it is: torch's
     JIT builder (ninja, which rebuilds whenever its command line differs from the last one) is
-    not run. A .so that ninja's log does not show linked, or that does not load, is rebuilt."""
+    not run. A .so that ninja's log does not show linked, or that does not load (another torch's:
+    `undefined symbol`), is rebuilt, and said: the latter removed first, as ninja would keep it."""
     import os
     import shutil
 
@@ -168,3 +169,12 @@ def test_a_finished_build_is_loaded_without_the_jit_builder(tmp_path, monkeypatc
         name = CPU_OP
 
     assert OpBuilder.jit_load(Shm()) is not None and CPU_OP in OpBuilder._loaded_ops
+    seen = []  # what torch's JIT builder would find in the build directory
+    monkeypatch.setattr(OpBuilder, "jit_load", lambda self, verbose=True: seen.append(
+        sorted(p.name for p in copy.iterdir())) or "rebuilt")  # fmt: skip
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    capsys.readouterr()
+    announce_jit_builds()
+    assert OpBuilder.jit_load(Shm()) == "rebuilt" and seen == [[]], seen
+    assert "building DeepSpeed's CPU communication op" in capsys.readouterr().err
