@@ -38,7 +38,7 @@ $(STAMP): setup.cfg setup.py pyproject.toml $(CONSTRAINTS) $(MODULES)
 	@echo "==> installing shatter and its extras at the tested versions ($(or $(CONSTRAINTS),unpinned))"
 	$(PY) -m pip install $(PIN) --config-settings editable_mode=strict -e \
 		'.[pipeline,train,test,demo,pipeline-dask,pipeline-hf,s3]'
-	@echo "==> building DeepSpeed's CPU communication op (once)"
+	@echo "==> DeepSpeed's CPU communication op: built here, once per torch build, not in the first launch"
 	$(PY) -c "from shatter.train.engine import build_extensions; build_extensions()"
 	@touch $(STAMP)
 	@echo "==> set-up done: $(VENV) ($$($(PY) -c 'import torch; print("torch", torch.__version__)'))"

@@ -20,6 +20,8 @@ from contextlib import contextmanager
 
 import torch
 
+from shatter.accelerator import say_deepspeed_accelerator
+
 
 class UnsafeCheckpointError(ValueError):
     """A file that holds more than weights (a class outside the allowlist): refused, not run."""
@@ -29,6 +31,7 @@ class UnsafeCheckpointError(ValueError):
 def deepspeed_globals() -> tuple:
     """The classes DeepSpeed's checkpoint files pickle besides tensors and containers: the
     fp32/bf16 partitions' slice mappings, the loss scalers (fp32, fp16) and the ZeRO stage."""
+    say_deepspeed_accelerator()  # before DeepSpeed's first import: no warning of its guess
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

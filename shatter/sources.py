@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from shatter import safe_load
+from shatter.accelerator import say_deepspeed_accelerator
 from shatter.checkpoint import (
     CONFIG,
     WEIGHTS,
@@ -136,8 +136,7 @@ def load_deepspeed(tag_dir: Path) -> tuple[ShatterForMaskedLM, dict]:
     if any(tag_dir.glob("*zero_pp_rank_*optim_states.pt")):
         # ZeRO: the fp32 master weights live partitioned in the optimizer states (and under
         # stage 3 `module` is empty); bf16/fp16 `module` weights would lose precision.
-        if not torch.cuda.is_available():  # said, so DeepSpeed prints no guess about it
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        say_deepspeed_accelerator()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         said = io.StringIO()  # its progress lines and bars: internals, and \r in a log

@@ -16,6 +16,7 @@ from tests.docs_commands import REPO, SHELL_LANGS, blocks, commands
 TUTORIAL = REPO / "docs" / "tutorial.md"
 PRINTED: dict[str, str] = {}  # each tutorial command's standard output, by its first words
 REDRAWN: list[str] = []  # the commands whose piped output has carriage returns or escapes
+WARNED: list[str] = []  # every command's log lines at WARNING level (DeepSpeed's, its launcher's)
 
 
 def tutorial_commands() -> list[list[str]]:
@@ -41,6 +42,7 @@ def run_tutorial(tmp_path_factory) -> Path:
         )
         timings.append((" ".join(argv[:3]), time.perf_counter() - start))
         PRINTED[" ".join(argv[:3])] = result.stdout
+        WARNED.extend(x for x in (result.stdout + result.stderr).splitlines() if "[WARNING]" in x)
         if "\r" in result.stdout + result.stderr or "\x1b" in result.stdout + result.stderr:
             REDRAWN.append(" ".join(argv[:3]))  # a bar redrawn into a pipe: a log full of \r
         assert result.returncode == 0, (
@@ -79,6 +81,8 @@ def test_the_tutorial_runs_verbatim(tutorial):
     from shatter.train.config import lr_at, resolve
 
     assert not REDRAWN, f"progress bars drawn into a pipe by: {REDRAWN}"
+    # the one warning the tutorial explains: the launcher found no hostfile (this host only)
+    assert [x for x in WARNED if "Unable to find hostfile" not in x] == [], WARNED
     index = json.loads((tutorial / "data-64" / "index.json").read_text())
     assert index["seq_len"] == 64 and index["splits"]["validation"]["shards"]
     # pretraining: 40 steps on two ranks, validation at 20 and 40, the lr as DeepSpeed applies it

@@ -156,8 +156,6 @@ def main(
         shutil.copyfile(fetch_sample(WIKI_SAMPLE, cache / "samples"), fetch_to)
         click.echo(f"sample: {fetch_to} (a {WIKI_SAMPLE.requirement} test file, sha256 ok)")
         return
-    # the demo's ranks run on this CPU: said, so the launcher prints no guess about it
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if fresh and workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -211,8 +209,11 @@ def main(
             ],
             timings,
         )
-    # imported here, not at the top: it imports torch, 2 CPU-s a sample fetch (--fetch-to) skips
+    # imported here, not at the top: they import torch, 2 CPU-s a sample fetch (--fetch-to) skips
+    from shatter.accelerator import say_deepspeed_accelerator
     from shatter.tools.reproduce import free_port
+
+    say_deepspeed_accelerator()  # the launcher and each rank then print no guess about it
 
     run_stage(
         "pretrain",

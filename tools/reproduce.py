@@ -42,6 +42,7 @@ from pathlib import Path
 import click
 import yaml
 
+from shatter.accelerator import say_deepspeed_accelerator
 from shatter.attention import ATTENTIONS
 from shatter.extras import require
 from shatter.train.plm import default_objective
@@ -423,6 +424,7 @@ class Study:
         launch = cmd
         if self.ranks > 1:  # a port of its own: two studies on one host must not share a master
             launch = [*cmd[:3], "--master_port", str(free_port()), *cmd[3:]]
+        say_deepspeed_accelerator()  # the launcher's and ranks' logs then hold no guess of it
         seconds = self.execute(run.name, launch, run / "reproduce.log", self.budget)
         if not self.finished(run):
             raise StudyError(

@@ -11,6 +11,9 @@
   `nvidia-smi --query-gpu=compute_cap` reports a GPU below 8.0 (the last CUDA build with sm_70);
   and `default` (PyPI's CUDA build) on newer GPUs.
 - `--dry-run` prints the pip command it would run and installs nothing.
+- A CPU index chosen here that does not answer is left out (pip would retry it for minutes): torch
+  then comes from pip's own indexes and find-links, and the log says so. An index the user named
+  in `TORCH_INDEX` is always passed to pip.
 - From the CPU index it installs `torch==CPU_VERSION` (the version the suite runs on), not the
   range: pip's configured find-links and extra indexes still apply, and a newer CUDA build on one
   of them would win the range. `==2.13.0` matches the CPU index's `2.13.0+cpu`, which pip prefers
@@ -202,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         installed = None
     index, capability = os.environ.get("TORCH_INDEX") or None, gpu_capability()
     args = plan(installed, wanted, index, capability is not None, capability)
-    if not dry and CPU_INDEX in args and not reachable(CPU_INDEX + "/torch/"):
-        print(f"==> {CPU_INDEX} is unreachable: torch=={CPU_VERSION} from pip's own indexes")
+    # only the CPU index chosen here is dropped: one the user named (TORCH_INDEX) goes to pip
+    if index is None and CPU_INDEX in args and not reachable(CPU_INDEX + "/torch/"):
+        print(f"==> {CPU_INDEX} is unreachable: left out (pip would retry it for minutes)")
         args = ["install", f"torch=={CPU_VERSION}"]
     if not args:
         print(f"==> torch {installed} is installed and in the project's range {wanted}: kept")

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shatter.accelerator import say_deepspeed_accelerator
 from shatter.train.config import ConfigError, EngineArgs, TrainConfig
 from shatter.train.lifecycle import COLLECTIVE_TIMEOUT
 from shatter.train.schedule import DEEPSPEED_DECAYS, Plan, client_scheduler
@@ -104,43 +106,52 @@ def _file_store() -> str:
 
 
 CPU_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory comm op, JIT-built on first use
-# its build, measured (DeepSpeed 0.19.8, torch 2.13, g++ on a 2-core AMD EPYC VM): 107 CPU-seconds
-# over two files compiled side by side
-CPU_OP_COST = "about 110 CPU-seconds: a minute on 2 idle cores, several on a busy machine"
+CPU_OP_WHAT = "DeepSpeed's CPU communication op"  # its name in what the user reads
+# its build, measured (DeepSpeed 0.19.8, torch 2.13, g++ on a 2-core AMD EPYC VM, two files
+# compiled side by side): 107 CPU-seconds; 75 and 52 s at load average 1-2; 79 and 2 min 23 s at 5-6
+CPU_OP_COST = "80-110 CPU-seconds: a minute or two on 2 idle cores, several on a busy machine"
 
 
 CHECKOUT = Path(__file__).resolve().parents[1]  # the repository this code runs from
 
 
 def extensions_dir(checkout: Path = CHECKOUT) -> str:
-    """A JIT-extension cache per Python environment, checkout and build (torch and DeepSpeed
-    versions): DeepSpeed builds its CPU shm_comm op on first use (CPU_OP_COST), and two of them
-    sharing torch's default cache rebuild each other's build."""
-    from importlib.metadata import version  # not the packages: importing DeepSpeed is slow
-
-    key = "|".join((sys.prefix, str(checkout), version("torch"), version("deepspeed")))
-    tag = hashlib.sha1(key.encode()).hexdigest()[:10]
-    return str(Path.home() / ".cache" / "torch_extensions" / f"env-{tag}")
+    """Our JIT-extension cache: one per Python environment and checkout (two of them sharing
+    torch's default cache would rebuild each other's ops, CPU_OP_COST each time), keyed inside
+    by the build (`keyed`)."""
+    tag = hashlib.sha1(f"{sys.prefix}|{checkout}".encode()).hexdigest()[:10]
+    return keyed(str(Path.home() / ".cache" / "torch_extensions" / f"env-{tag}"))
 
 
 def build_key() -> str:
-    """The versions a JIT-built op depends on: torch's, DeepSpeed's and Python's."""
-    from importlib.metadata import version
+    """What a JIT-built op's binary depends on: torch's version (its local label names the
+    build: +cpu, +cu126), DeepSpeed's (the op's sources) and the Python ABI (cpython-311,
+    cpython-313t), e.g. `torch2.13.0+cpu-deepspeed0.19.8-cpython-311`."""
+    from importlib.metadata import version  # not the packages: importing DeepSpeed is slow
 
-    python = f"{sys.version_info.major}.{sys.version_info.minor}"
-    return f"torch{version('torch')}-deepspeed{version('deepspeed')}-py{python}"
+    python = sys.implementation.cache_tag + sys.abiflags
+    return f"torch{version('torch')}-deepspeed{version('deepspeed')}-{python}"
+
+
+BUILD_KEY = re.compile(r"torch[^/]+-deepspeed[^/]+-[a-z]+-\d+[a-z]*")  # a build_key()
+
+
+def keyed(cache: str, key: str | None = None) -> str:
+    """The subdirectory of JIT cache `cache` for this build (`key`, default `build_key()`): an op
+    built by one torch and loaded by another crashes the second with `undefined symbol`, so two
+    builds never share one. A `cache` that names a build already (a parent process's setting,
+    inherited) gives its sibling: the same directory for the same build, another for another."""
+    path = Path(cache)
+    if BUILD_KEY.fullmatch(path.name):
+        path = path.parent
+    return str(path / (key or build_key()))
 
 
 def use_extensions_dir() -> str:
-    """TORCH_EXTENSIONS_DIR for this process and its children: unset, our own cache per
-    environment and checkout (`extensions_dir`); set by the user, a subdirectory of theirs named
-    by `build_key`: an op built by one torch and loaded by another crashes the second one with
-    `undefined symbol`, so two torch versions never share a build."""
+    """TORCH_EXTENSIONS_DIR for this process and its children: unset, our own cache
+    (`extensions_dir`); set by the user, its subdirectory for this build (`keyed`)."""
     given = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not given:
-        os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()
-    elif given != extensions_dir() and Path(given).name != build_key():
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(given) / build_key())
+    os.environ["TORCH_EXTENSIONS_DIR"] = keyed(given) if given else extensions_dir()
     return os.environ["TORCH_EXTENSIONS_DIR"]
 
 
@@ -153,14 +164,14 @@ def announce_build(name: str, what: str) -> None:
     if os.environ.get("LOCAL_RANK", "0") == "0" and unbuilt:
         cost = CPU_OP_COST if name == CPU_OP else "minutes of the compiler"
         print(
-            f"building {what} into {built.parent} (once per environment and checkout; {cost})...",
+            f"building {what} into {built.parent} (once per environment and torch build; {cost})...",
             file=sys.stderr,
             flush=True,
         )
 
 
 def announce_cpu_build() -> None:
-    announce_build(CPU_OP, "DeepSpeed's CPU communication op")
+    announce_build(CPU_OP, CPU_OP_WHAT)
 
 
 def announce_jit_builds() -> None:
@@ -175,36 +186,44 @@ def announce_jit_builds() -> None:
     def jit_load(self, verbose=True):
         built = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir())) / self.name
         module = load_built(self.name, built)
-        if module is not None:
-            OpBuilder._loaded_ops[self.name] = module  # as its own load() does
-            return module
-        what = (
-            "DeepSpeed's CPU communication op"
-            if self.name == CPU_OP
-            else f"DeepSpeed's {self.name} op"
-        )
-        announce_build(self.name, what)
-        with _sole_builder(self.name):
-            return original(self, verbose)
+        if module is None:
+            what = CPU_OP_WHAT if self.name == CPU_OP else f"DeepSpeed's {self.name} op"
+            announce_build(self.name, what)  # before waiting on another process's build
+            with _sole_builder(self.name):
+                module = load_built(self.name, built)  # built by the process waited on
+                if module is None:
+                    if drop_unloadable(self.name, built):
+                        announce_build(self.name, what)
+                    return original(self, verbose)
+        OpBuilder._loaded_ops[self.name] = module  # as its own load() does
+        return module
 
     jit_load.announces = True
     OpBuilder.jit_load = jit_load
 
 
+def finished(name: str, built: Path) -> bool:
+    """Whether `built` holds a finished build of op `name`: its .so, and ninja's log of linking
+    it (a build killed midway may leave a .so without that line)."""
+    log = built / ".ninja_log"
+    return (
+        (built / f"{name}.so").is_file() and log.is_file() and f"\t{name}.so\t" in log.read_text()
+    )
+
+
 def load_built(name: str, built: Path):
     """Op `name`'s module from a finished build in `built` (the .so, and ninja's log of linking
     it), or None. Loaded as it is, without torch's JIT builder: that builder runs ninja in every
-    process, and ninja rebuilds (about 110 CPU-seconds, every other process waiting on its lock)
+    process, and ninja rebuilds (CPU_OP_COST, every other process waiting on its lock)
     whenever its compile command differs from the last one in any way, as it does between some
-    of the processes that share this cache. The cache is per environment, checkout, torch and
-    DeepSpeed version (`extensions_dir`), so the sources and the ABI are those it was built for;
-    a module that fails to load is rebuilt."""
+    of the processes that share this cache. The cache is per torch, DeepSpeed and Python ABI
+    (`keyed`), so the sources and the ABI are those it was built for; a module that fails to
+    load is rebuilt (`drop_unloadable`)."""
     import importlib.util
 
-    so, log = built / f"{name}.so", built / ".ninja_log"
-    if not so.is_file() or not log.is_file() or f"\t{name}.so\t" not in log.read_text():
+    if not finished(name, built):
         return None
-    spec = importlib.util.spec_from_file_location(name, so)
+    spec = importlib.util.spec_from_file_location(name, built / f"{name}.so")
     if spec is None or spec.loader is None:
         return None
     try:
@@ -213,6 +232,21 @@ def load_built(name: str, built: Path):
     except ImportError:
         return None
     return module
+
+
+def drop_unloadable(name: str, built: Path) -> bool:
+    """Remove a finished build of op `name` in `built` that does not load (another torch's,
+    found `undefined symbol`; a truncated file), so that it is built again: ninja, finding its
+    outputs newer than its inputs, would keep it, and torch's loader would fail on it as a
+    traceback. True when there was one. Called holding the op's lock (`_sole_builder`)."""
+    if not finished(name, built):
+        return False
+    for entry in built.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    return True
 
 
 @contextlib.contextmanager
@@ -235,7 +269,7 @@ def build_extensions() -> None:
     use_extensions_dir()
     if not on_cpu():
         return
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    say_deepspeed_accelerator()
     announce_jit_builds()
     from deepspeed.comm.torch import build_shm_op
 
@@ -300,8 +334,7 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     use_extensions_dir()
     # NCCL: a timed-out collective tears the process down instead of leaving it blocked
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    if on_cpu():  # said, not guessed: no "Setting accelerator to CPU" warning from each rank
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    say_deepspeed_accelerator()  # no "Setting accelerator to CPU" warning from each rank
     import deepspeed
 
     quiet_other_ranks()

@@ -47,7 +47,11 @@ class Stopped(Exception):
 @pytest.mark.parametrize("given", [None, "29999"])
 def test_the_demo_launches_on_a_free_port_or_the_one_given(tmp_path, monkeypatch, given):
     """The pretraining stage names its --master_port: a free one, never the launcher's shared
-    default 29500, or --master-port's."""
+    default 29500, or --master-port's; and DS_ACCELERATOR where there is no CUDA (without it the
+    launcher and each rank warn of their guess)."""
+    import os
+
+    import torch
     from click.testing import CliRunner
 
     from shatter.tools import demo
@@ -59,6 +63,8 @@ def test_the_demo_launches_on_a_free_port_or_the_one_given(tmp_path, monkeypatch
             launched.append([str(x) for x in cmd])
             raise Stopped
 
+    monkeypatch.setenv("DS_ACCELERATOR", "")  # restored after the test, then unset
+    monkeypatch.delenv("DS_ACCELERATOR")
     monkeypatch.setattr(demo, "fetch_sample", lambda *a: tmp_path / "dump.xml.bz2")
     monkeypatch.setattr(demo, "run_stage", stage)
     args = ["--workdir", str(tmp_path / "demo")]
@@ -72,3 +78,5 @@ def test_the_demo_launches_on_a_free_port_or_the_one_given(tmp_path, monkeypatch
     cmd = launched[0]
     port = cmd[cmd.index("--master_port") + 1]
     assert port == given if given else port != "29500" and int(port) > 0
+    cpu = not torch.cuda.is_available()
+    assert os.environ.get("DS_ACCELERATOR") == ("cpu" if cpu else None)

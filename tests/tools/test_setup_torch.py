@@ -12,6 +12,7 @@ from shatter.tools.setup_torch import (
     CPU_VERSION,
     SM70_INDEX,
     plan,
+    reachable,
     release,
     source,
     torch_requirement,
@@ -98,10 +99,11 @@ esac
 """
 
 
-def _dry_run(tmp_path, cap: str | None) -> str:
+def _dry_run(tmp_path, cap: str | None, torch_index: str | None = None) -> tuple[str, str]:
     """tools/setup_torch.py --dry-run with a stand-in nvidia-smi reporting `cap` (None: no
-    nvidia-smi on PATH), in an interpreter without site-packages: no torch installed."""
-    bin_dir = tmp_path / f"bin-{cap}"
+    nvidia-smi on PATH), in an interpreter without site-packages (no torch installed), with
+    TORCH_INDEX `torch_index`: (the pip command, what it printed)."""
+    bin_dir = tmp_path / f"bin-{cap}-{torch_index is not None}"
     bin_dir.mkdir()
     if cap is not None:
         smi = bin_dir / "nvidia-smi"
@@ -109,19 +111,32 @@ def _dry_run(tmp_path, cap: str | None) -> str:
         smi.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "TORCH_INDEX"}
     env["PATH"] = str(bin_dir)
+    if torch_index is not None:
+        env["TORCH_INDEX"] = torch_index
     cmd = [sys.executable, "-S", "tools/setup_torch.py", "--dry-run"]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("dry run, nothing installed: ") == 1, result.stdout
-    return result.stdout.split("dry run, nothing installed: ")[1].strip()
+    return result.stdout.split("dry run, nothing installed: ")[1].strip(), result.stdout
 
 
 def test_dry_run_names_the_index_for_the_machine(tmp_path):
+    """The command a real run would run (a CPU index chosen here that does not answer left
+    out, as then), and the source said is the one pip is given: a CPU index named in
+    TORCH_INDEX goes to pip, never said to be unreachable on the line before."""
     wanted = str(torch_requirement())
     pip = f"{sys.executable} -m pip install"
-    assert _dry_run(tmp_path, "7.0") == f"{pip} --index-url {SM70_INDEX} '{wanted}'"
-    assert _dry_run(tmp_path, "9.0") == f"{pip} '{wanted}'"
-    assert _dry_run(tmp_path, None) == f"{pip} --index-url {CPU_INDEX} torch=={CPU_VERSION}"
+    assert _dry_run(tmp_path, "7.0")[0] == f"{pip} --index-url {SM70_INDEX} '{wanted}'"
+    assert _dry_run(tmp_path, "9.0")[0] == f"{pip} '{wanted}'"
+    command, said = _dry_run(tmp_path, None)
+    if reachable(CPU_INDEX + "/torch/"):
+        assert command == f"{pip} --index-url {CPU_INDEX} torch=={CPU_VERSION}", said
+    else:
+        assert command == f"{pip} torch=={CPU_VERSION}" and "is unreachable: left out" in said
+        assert "pip's own indexes" in said and f"from {CPU_INDEX}" not in said, said
+    command, said = _dry_run(tmp_path, None, torch_index=CPU_INDEX)
+    assert command == f"{pip} --index-url {CPU_INDEX} '{wanted}'", said
+    assert f"installing it from {CPU_INDEX};" in said and "unreachable" not in said, said
 
 
 def test_unknown_arguments_are_refused():

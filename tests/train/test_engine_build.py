@@ -29,19 +29,27 @@ def test_a_build_is_announced_only_when_there_is_none(tmp_path, monkeypatch, cap
 
 
 def test_a_user_s_extensions_dir_is_keyed_by_the_torch_version(tmp_path, monkeypatch):
-    """TORCH_EXTENSIONS_DIR set outside: the build goes to a subdirectory named by torch's,
-    DeepSpeed's and Python's versions (a second torch would crash on the first one's op), once
-    (a child process inheriting it keeps it); unset: our own cache."""
+    """TORCH_EXTENSIONS_DIR set outside, and our own cache: the build goes to a subdirectory
+    named by torch's (with its build label), DeepSpeed's and the Python ABI's versions, once (a
+    child process inheriting it keeps it); another torch inheriting it gets a sibling, never the
+    first one's op (which crashes it with `undefined symbol`)."""
+    import sys
+
     import torch
 
-    from shatter.train.engine import build_key, use_extensions_dir
+    from shatter.train.engine import BUILD_KEY, build_key, keyed, use_extensions_dir
 
+    key = build_key()
+    assert BUILD_KEY.fullmatch(key) and f"torch{torch.__version__}-" in key
+    assert key.endswith(sys.implementation.cache_tag + sys.abiflags)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    keyed = use_extensions_dir()
-    assert keyed == str(tmp_path / build_key()) and f"torch{torch.__version__}" in keyed
-    assert use_extensions_dir() == keyed  # a child's call keeps its parent's
+    ours = use_extensions_dir()
+    assert ours == str(tmp_path / key) and use_extensions_dir() == ours  # a child keeps it
+    other = "torch2.11.0+cu130-deepspeed0.19.8-cpython-312"
+    assert keyed(ours, other) == str(tmp_path / other) != ours
+    assert keyed(str(tmp_path / other)) == ours  # and back: one directory per build
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
-    assert use_extensions_dir() == extensions_dir()
+    assert use_extensions_dir() == extensions_dir() and Path(extensions_dir()).name == key
 
 
 def test_every_jit_build_is_announced_before_it_starts(tmp_path, monkeypatch, capsys):
@@ -128,10 +136,11 @@ def test_a_build_killed_midway_leaves_no_lock_that_hangs_the_next_load(tmp_path,
         baton.release()
 
 
-def test_a_finished_build_is_loaded_without_the_jit_builder(tmp_path, monkeypatch):
+def test_a_finished_build_is_loaded_without_the_jit_builder(tmp_path, monkeypatch, capsys):
     """An op whose build finished (its .so, and ninja's log of linking it) loads as it is: torch's
     JIT builder (ninja, which rebuilds whenever its command line differs from the last one) is
-    not run. A .so that ninja's log does not show linked, or that does not load, is rebuilt."""
+    not run. A .so that ninja's log does not show linked, or that does not load (another torch's:
+    `undefined symbol`), is rebuilt, and said: the latter removed first, as ninja would keep it."""
     import os
     import shutil
 
@@ -160,3 +169,12 @@ def test_a_finished_build_is_loaded_without_the_jit_builder(tmp_path, monkeypatc
         name = CPU_OP
 
     assert OpBuilder.jit_load(Shm()) is not None and CPU_OP in OpBuilder._loaded_ops
+    seen = []  # what torch's JIT builder would find in the build directory
+    monkeypatch.setattr(OpBuilder, "jit_load", lambda self, verbose=True: seen.append(
+        sorted(p.name for p in copy.iterdir())) or "rebuilt")  # fmt: skip
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    capsys.readouterr()
+    announce_jit_builds()
+    assert OpBuilder.jit_load(Shm()) == "rebuilt" and seen == [[]], seen
+    assert "building DeepSpeed's CPU communication op" in capsys.readouterr().err

@@ -1,0 +1,24 @@
+"""DeepSpeed's accelerator, said rather than guessed.
+
+Without `DS_ACCELERATOR` DeepSpeed probes for one when it is first imported, and on a machine
+without CUDA it prints `[WARNING] ... Setting accelerator to CPU. If you have GPU or other
+accelerator, we were unable to detect it.` from every process that imports it (the `deepspeed`
+launcher, its per-node launcher, each rank, `shatter-extend` reading a DeepSpeed checkpoint). The
+toolkit runs on CUDA or on the CPU, so it says which before any import of DeepSpeed; a value the
+user set is kept.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def say_deepspeed_accelerator(environ: dict | None = None) -> None:
+    """`DS_ACCELERATOR=cpu` in `environ` (os.environ, which child processes inherit) on a machine
+    without CUDA, unless it is set already; with CUDA, DeepSpeed's own detection finds it
+    without a warning."""
+    environ = os.environ if environ is None else environ
+    if not torch.cuda.is_available():
+        environ.setdefault("DS_ACCELERATOR", "cpu")
