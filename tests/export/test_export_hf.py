@@ -574,10 +574,13 @@ def test_a_native_bert_export_fails_past_its_length_as_the_card_and_docs_say(
 def test_auto_model_on_a_native_bert_export_has_no_random_pooler_when_asked(
     tokenizer_file, tmp_path
 ):
-    """A bert export is transformers' own BertForMaskedLM, which has no pooler: AutoModel's
-    BertModel reports the pooler missing (random) beside the masked-LM head's keys it leaves
-    out; with add_pooling_layer=False (the FAQ's advice) nothing is missing, nothing random."""
+    """A bert export is transformers' own BertForMaskedLM, and the toolkit's masked LM has no
+    pooler to export: AutoModel's BertModel reports the pooler missing (random) beside the
+    masked-LM head's keys it leaves out; with add_pooling_layer=False (the FAQ's advice) the
+    head's keys alone, nothing random; AutoModelForSequenceClassification starts the pooler at
+    random with its classifier, as the FAQ says."""
     model = tiny("bert", tokenizer_file, max_len=64)
+    assert not any("pooler" in name for name in model.state_dict())
     out = tmp_path / "hf"
     export(model, tokenizer_file, tmp_path / "export", out)
     said = {}
@@ -587,5 +590,12 @@ def test_auto_model_on_a_native_bert_export_has_no_random_pooler_when_asked(
         said[pooler] = "\n".join(records)
     assert "pooler" in said[True] and "MISSING" in said[True], said[True]
     assert "pooler" not in said[False] and "MISSING" not in said[False], said[False]
+    assert "UNEXPECTED" in said[False], said[False]
+    with hf_warnings() as records:
+        transformers.AutoModelForSequenceClassification.from_pretrained(out, num_labels=2)
+    text = "\n".join(records)
+    assert "bert.pooler.dense.weight" in text and "classifier.weight" in text, text
     faq = (Path(__file__).resolve().parents[2] / "docs" / "faq.md").read_text()
-    assert "add_pooling_layer=False" in faq
+    faq = " ".join(faq.split())
+    for advice in ("add_pooling_layer=False", "last_hidden_state[:, 0]", "no trained pooler"):
+        assert advice in faq, advice
