@@ -16,6 +16,7 @@ from pathlib import Path
 
 from torch import nn
 
+from shatter.attention import ATTENTIONS, SingleHeadPartitionAttention
 from shatter.checkpoint import tokenizer_path
 from shatter.hf.tokenizer import describe
 from shatter.model import count_parameters
@@ -121,15 +122,26 @@ def metadata(config, report, license: str | None, datasets: tuple[str, ...], sco
 
 def longer_inputs(config, report) -> str:
     """What an input longer than max_len does in transformers, up to the card's extend command:
-    relative positions run it; the remote code's absolute table refuses it in one line; a native
-    BertFor* is transformers' own code, which fails with torch's shape error (its tokenizer warns
-    first), as every BERT on the Hub does."""
+    relative positions run it (memory linear in the length for the single-head archs, whose
+    remote code takes attention in row blocks); the remote code's absolute table refuses it in
+    one line; a native BertFor* is transformers' own code, which fails with torch's shape error
+    (its tokenizer warns first), as every BERT on the Hub does."""
     n = config.max_len
     if config.arch not in ("bert", "bert-rab"):
+        single_head = issubclass(ATTENTIONS[config.arch], SingleHeadPartitionAttention)
+        memory = (
+            "memory grows linearly with the length (attention is taken in blocks of rows) and "
+            "time as its square"
+            if single_head
+            else "memory grows as the length squared"
+        )
         return (
-            f"Inputs longer than {n} tokens run (position is relative in this arch), at lengths "
-            "it was not trained at and with memory growing as the length squared; to train or "
-            "finetune at a longer length, extend it with no new weights: "
+            f"Inputs longer than {n} tokens run: this arch has no absolute position embeddings "
+            "(its positions are functions of the distance j - i), so any length is well "
+            f"defined; {memory}. They are lengths it was not trained at (the tokenizer, whose "
+            f"`model_max_length` is {n}, warns and `truncation=True` cuts there): the paper "
+            "extends a model to twice its pretraining length by finetuning it at that length. "
+            "To train or finetune at a longer length, extend it with no new weights: "
         )
     if not report.native:
         return (

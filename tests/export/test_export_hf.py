@@ -105,6 +105,13 @@ def test_auto_model_loads_the_encoder_of_an_mlm_export_quietly(arch, tokenizer_f
         encoder = transformers.AutoModel.from_pretrained(out, trust_remote_code=True).eval()
     text = "\n".join(records)
     assert "UNEXPECTED" not in text and "MISSING" not in text, text
+    # a head class on it reports its new head (random, for finetuning) as the FAQ says
+    with hf_warnings() as records:
+        transformers.AutoModelForSequenceClassification.from_pretrained(
+            out, num_labels=2, trust_remote_code=True
+        )
+    text = "\n".join(records)
+    assert "classifier.weight" in text and "MISSING" in text and "UNEXPECTED" not in text, text
     inputs = batch(model.config.vocab_size, (24, 11))
     with torch.no_grad():
         ours = model.eval().encoder(inputs["input_ids"], inputs["attention_mask"])
@@ -138,12 +145,14 @@ def hf_warnings():
 def test_remote_code_is_our_model(tokenizer_file):
     """The carried modelling code cannot drift from ours: the same arch lists and the same
     partition of unity (the logits are compared per arch above)."""
-    from shatter.attention import ATTENTIONS
+    from shatter.attention import ATTENTIONS, SingleHeadPartitionAttention
     from shatter.partition import partition_table
 
     assert set(convert.REMOTE_ARCHS) == set(shatter.ARCHS)
     absolute = {a for a, cls in ATTENTIONS.items() if cls.absolute_positions}
     assert set(modeling_shatter.ABSOLUTE_POSITIONS) == absolute
+    single = {a for a, cls in ATTENTIONS.items() if issubclass(cls, SingleHeadPartitionAttention)}
+    assert set(modeling_shatter.SINGLE_HEAD) == single  # the archs taken in row blocks
     for n, layer, layers in ((4, 0, 2), (12, 11, 12), (16, 3, 24)):
         ours = partition_table(n, layer, layers, 300)
         assert torch.equal(modeling_shatter.partition_table(n, layer, layers, 300), ours)
@@ -162,6 +171,60 @@ def test_remote_code_is_our_model(tokenizer_file):
             if isinstance(n, ast.ImportFrom) and n.level == 0
         }
         assert roots <= {"__future__", "math", "functools", "torch", "transformers"}, roots
+
+
+def whole_partition_attention(att, x, mask):
+    """The single-head attention as the paper writes it, all n parts' A ⊙ N at once
+    ([B, n, L, L]): the reference the remote code's row blocks must equal."""
+    ms = modeling_shatter
+    B, L, d = x.shape
+    Q, V = att.query(x), ms._heads(att.value(x), att.n)
+    N = ms.toeplitz(ms.partition_table(att.n, att.layer, att.layers, L), L).to(x.dtype)
+    Z = (Q / math.sqrt(d)) @ x.transpose(-1, -2)
+    R = getattr(att, "partition_embeddings", None)
+    if R is not None:  # + B_ij = sum_h (Q R^T)_ih N[h, i, j]
+        Z = Z + torch.einsum("bih,hij->bij", Q @ R.t(), N)
+    A = ms.activate(Z, mask, att.sigmoid)[:, None] * N[None]  # A ⊙ N[h]
+    context = ms._merge(A @ V)
+    if att.partition_value:  # + A_part V_part
+        context = context + A.sum(-1).transpose(1, 2) @ torch.nn.functional.linear(
+            R, att.value.weight
+        )
+    return context
+
+
+@pytest.mark.parametrize("arch", modeling_shatter.SINGLE_HEAD)
+def test_row_blocks_equal_the_whole_formula_and_hold_no_score_matrix(arch, monkeypatch):
+    """The remote code's single-head attention, taken in blocks of 32 query rows (three blocks,
+    the last one short), gives the values and gradients of the formula with all of A ⊙ N (in
+    float64, so that only a different formula, not a summation order, can differ), and no
+    tensor of its forward or backward holds a whole [B, L, L] score matrix."""
+    config = configuration_shatter.ShatterConfig(
+        arch=arch, hidden_size=16, num_attention_heads=4, num_hidden_layers=2
+    )
+    torch.manual_seed(0)
+    att = modeling_shatter.SingleHeadAttention(config, layer=1).double()
+    for p in att.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(2, 80, 16, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 80, dtype=torch.bool)
+    mask[1, 50:] = False
+    monkeypatch.setattr(modeling_shatter, "BLOCK_VALUES", 1)
+    assert modeling_shatter.block_rows(2, 4, 80) == 32
+    weights = torch.randn(2, 80, 16, dtype=torch.float64)
+    results = {}
+    for name, attend in (("whole", whole_partition_attention), ("blocks", None)):
+        with Shapes() as seen:
+            out = att(x, mask) if attend is None else attend(att, x, mask)
+            (out * weights).sum().backward()
+        grads = [x.grad.clone(), *(p.grad.clone() for p in att.parameters())]
+        results[name] = (seen.shapes, [out.detach(), *grads])
+        x.grad = None
+        att.zero_grad()
+    for ref, blocked in zip(results["whole"][1], results["blocks"][1]):
+        torch.testing.assert_close(blocked, ref, rtol=1e-10, atol=1e-10)
+    largest = max(results["blocks"][0], key=math.prod)
+    assert math.prod(largest) < 2 * 80 * 80, largest
 
 
 def finetune_run(run: Path, model, tokenizer: Path, labels) -> Path:
@@ -242,6 +305,10 @@ def test_finetuned_heads_match(arch, head, native, tokenizer_file, tmp_path):
         assert hf.config.id2label == dict(enumerate(labels))
         assert hf.config.label2id["neutral"] == 1
     assert max_diff(model, hf.eval(), batch(backbone.config.vocab_size, (30, 13))) <= TOL
+    if not native:  # AutoModel: the encoder alone, the head's weights left out quietly
+        with hf_warnings() as records:
+            transformers.AutoModel.from_pretrained(tmp_path / "hf", trust_remote_code=True)
+        assert not any("UNEXPECTED" in r or "MISSING" in r for r in records), records
 
 
 @pytest.mark.slow
@@ -259,10 +326,8 @@ def test_an_extended_export_matches_at_1024(tokenizer_file, tmp_path):
         hf(**inputs, labels=inputs["input_ids"]).loss.backward()  # finetuning's path too
     assert seen.shapes, "nothing traced"
     n, rows = model.config.heads, inputs["input_ids"].shape[0]
-    whole = [s for s in seen.shapes if math.prod(s) >= n * rows * 1024 * 1024]
-    assert not whole, (
-        f"a tensor of all n parts' B·L² values ([B, n, L, L], [B, L, n·L]): {whole[:3]}"
-    )
+    whole = [s for s in seen.shapes if s[-2:] == (1024, 1024) or math.prod(s) >= n * rows * 1024**2]
+    assert not whole, f"a whole score matrix ([L, L], [B, n, L, L], [B, L, n·L]): {whole[:3]}"
 
 
 class Shapes(TorchDispatchMode):
@@ -467,7 +532,7 @@ def test_longer_inputs_work_with_relative_positions_and_are_one_line_with_absolu
             with torch.no_grad():
                 assert loaded.eval()(**inputs).logits.shape[1] == 40
             card = (out / "README.md").read_text()
-            assert "longer than 16 tokens run" in card, card
+            assert "longer than 16 tokens run" in card and "grows linearly" in card, card
             continue
         with pytest.raises(ValueError, match="exceeds max_position_embeddings 16") as refused:
             loaded(**inputs)
@@ -509,10 +574,13 @@ def test_a_native_bert_export_fails_past_its_length_as_the_card_and_docs_say(
 def test_auto_model_on_a_native_bert_export_has_no_random_pooler_when_asked(
     tokenizer_file, tmp_path
 ):
-    """A bert export is transformers' own BertForMaskedLM, which has no pooler: AutoModel's
-    BertModel reports the pooler missing (random) beside the masked-LM head's keys it leaves
-    out; with add_pooling_layer=False (the FAQ's advice) nothing is missing, nothing random."""
+    """A bert export is transformers' own BertForMaskedLM, and the toolkit's masked LM has no
+    pooler to export: AutoModel's BertModel reports the pooler missing (random) beside the
+    masked-LM head's keys it leaves out; with add_pooling_layer=False (the FAQ's advice) the
+    head's keys alone, nothing random; AutoModelForSequenceClassification starts the pooler at
+    random with its classifier, as the FAQ says."""
     model = tiny("bert", tokenizer_file, max_len=64)
+    assert not any("pooler" in name for name in model.state_dict())
     out = tmp_path / "hf"
     export(model, tokenizer_file, tmp_path / "export", out)
     said = {}
@@ -522,5 +590,12 @@ def test_auto_model_on_a_native_bert_export_has_no_random_pooler_when_asked(
         said[pooler] = "\n".join(records)
     assert "pooler" in said[True] and "MISSING" in said[True], said[True]
     assert "pooler" not in said[False] and "MISSING" not in said[False], said[False]
+    assert "UNEXPECTED" in said[False], said[False]
+    with hf_warnings() as records:
+        transformers.AutoModelForSequenceClassification.from_pretrained(out, num_labels=2)
+    text = "\n".join(records)
+    assert "bert.pooler.dense.weight" in text and "classifier.weight" in text, text
     faq = (Path(__file__).resolve().parents[2] / "docs" / "faq.md").read_text()
-    assert "add_pooling_layer=False" in faq
+    faq = " ".join(faq.split())
+    for advice in ("add_pooling_layer=False", "last_hidden_state[:, 0]", "no trained pooler"):
+        assert advice in faq, advice

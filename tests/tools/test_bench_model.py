@@ -24,6 +24,8 @@ def test_bench_model_runs_every_cpu_impl_and_prints_markdown():
     for label in labels:
         assert f"| {label} |" in result.output
     assert "attention fwd+bwd s (ratio to bert)" in result.output
+    assert "train tokens/s (ratio to bert)" in result.output  # the README's column
+    assert "load average before: " in result.output
     assert "| bert | " in result.output and "(1.00)" in result.output
 
 

@@ -8,7 +8,8 @@ memory-efficient backend with `torch.nn.attention.sdpa_kernel`, which is what V1
 only), and every other arch as is (xlnet: its permutation-LM step, two streams). For each sequence length every contender is built at base
 width (hidden 768, 12 heads or parts, FFN 3072) with a few layers, and in one run
 
-- timed on full MLM train steps (forward, backward, fused AdamW step) on the same batch,
+- timed on full MLM train steps (forward, backward, fused AdamW step) on the same batch, also
+  given as train tokens/s (the batch's tokens over the median step),
 - timed on block 0's attention module alone (forward and backward of its context on random
   hidden states [batch, l, hidden]): the kernel comparison without the dense layers,
 - measured: the bytes autograd saves for the backward in one untimed forward (deduplicated by
@@ -43,6 +44,7 @@ from shatter.config import ARCHS, ATTENTION_IMPLS
 
 SINGLE_HEAD = ("1h-softmax", "1h-sigmoid", "part-bias", "shatter")
 COLUMNS = (
+    ("tokens_s", "train tokens/s"),  # tokens of the batch / the median step: the README's figure
     ("step_s", "train step s"),
     ("attn_s", "attention fwd+bwd s"),
     ("attn_mb", "attention saved MB"),
@@ -80,6 +82,7 @@ class BenchConfig:
     mask_rate: float  # fraction of positions predicted by the MLM head
     attention_dropout: float  # config.attention_dropout of the softmax archs (BERT's: 0.1)
     device: str = "cpu"
+    load_before: float = float("nan")  # the 1-minute load average when the run started
 
 
 def impls_for(device: torch.device) -> tuple[str, ...]:
@@ -288,6 +291,7 @@ def run(cfg: BenchConfig) -> list[dict]:
                     batch=batch["input_ids"].shape[0],
                     label=c.label,
                     step_s=statistics.median(times[c][0]),
+                    tokens_s=batch["input_ids"].numel() / statistics.median(times[c][0]),
                     attn_s=statistics.median(times[c][1]),
                     act_mb=memory[c][0] / 2**20,
                     attn_mb=memory[c][1] / 2**20,
@@ -327,7 +331,7 @@ def footer(rows: list[dict], cfg: BenchConfig) -> str:
         f"device {device_name(cfg.device)}; batch sizes {batches}; layers {cfg.layers}, size {cfg.size}, "
         f"vocab {cfg.vocab_size}, median of {cfg.repeats} after {cfg.warmup} warm-up, "
         f"attention dropout {cfg.attention_dropout} (bert-nodrop: 0), torch {torch.__version__}, "
-        f"load before: {os.getloadavg()[0]:.2f}"
+        f"load average before: {cfg.load_before:.2f}, after: {os.getloadavg()[0]:.2f}"
     )
 
 
@@ -346,6 +350,10 @@ def table(rows: list[dict], cfg: BenchConfig) -> str:
     return "\n".join([*out, footer(rows, cfg)])
 
 
+def _value(key: str, value: float) -> str:
+    return f"{value:,.0f}" if key == "tokens_s" else f"{value:.3f}"
+
+
 def markdown(rows: list[dict], cfg: BenchConfig) -> str:
     """One markdown table per measured column: contenders x lengths, ratio to bert in brackets."""
     lengths = sorted({r["length"] for r in rows})
@@ -357,7 +365,8 @@ def markdown(rows: list[dict], cfg: BenchConfig) -> str:
         out += [f"{name} (ratio to bert):", "", head, sep]
         for c in cfg.contenders:
             cells = [
-                f"{by[c.label, n][key]:.3f} ({by[c.label, n][key + '_ratio']:.2f})" for n in lengths
+                f"{_value(key, by[c.label, n][key])} ({by[c.label, n][key + '_ratio']:.2f})"
+                for n in lengths
             ]
             out.append(f"| {c.label} | " + " | ".join(cells) + " |")
         out.append("")
@@ -451,6 +460,7 @@ def main(
         mask_rate=0.15,
         attention_dropout=attention_dropout,
         device=device,
+        load_before=os.getloadavg()[0],
     )
     torch.set_num_threads(threads)
     click.echo(f"device: {device_name(device)}", err=True)

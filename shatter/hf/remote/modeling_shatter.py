@@ -19,8 +19,12 @@ bert and bert-rab, eq. 4), then post-LN blocks around one attention variant:
     shatter            part-bias plus A_part V_part, V_part = R W^V                     §3.3
     xlnet              Transformer-XL relative attention with XLNet's segment encoding
 
-with N[h, i, j] = f_h(j - i) the partition of unity of the appendix. Attention is computed
-naively (the [B, n, L, L] tensor A ⊙ N), so it runs on any device.
+with N[h, i, j] = f_h(j - i) the partition of unity of the appendix. Attention is computed in
+plain torch, so it runs on any device. The single-head archs take it over blocks of query rows
+(A's rows are independent: both eq. 5's normalisation and the softmax are per row), part by
+part within a block, so that neither [B, n, L, L] nor [B, L, L] is ever held: memory grows
+linearly with L, at any input length (N is a function of j - i, so lengths past
+max_position_embeddings are well defined). The multi-head archs hold [B, n, L, L], as BERT does.
 """
 
 from __future__ import annotations
@@ -75,11 +79,18 @@ def partition_table(n: int, layer: int, n_layers: int, length: int) -> torch.Ten
     return torch.cat([right, left]).float()
 
 
+def relative_index(table: torch.Tensor, rows: range, length: int) -> torch.Tensor:
+    """[r, L]: (j - i) + (m - 1) for the rows i in `rows` and every j < L, the column of
+    f(j - i) in a table of width 2m - 1."""
+    m = (table.shape[1] + 1) // 2
+    i = torch.arange(rows.start, rows.stop, device=table.device)
+    j = torch.arange(length, device=table.device)
+    return j[None, :] - i[:, None] + (m - 1)
+
+
 def toeplitz(table: torch.Tensor, length: int) -> torch.Tensor:
     """[n, L, L] with out[h, i, j] = table[h, (j - i) + (m - 1)], m = (table width + 1) / 2."""
-    m = (table.shape[1] + 1) // 2
-    pos = torch.arange(length, device=table.device)
-    return table[:, pos[None, :] - pos[:, None] + (m - 1)]
+    return table[:, relative_index(table, range(length), length)]
 
 
 def t5_relative_bucket(rel_pos: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
@@ -186,9 +197,33 @@ class MultiHeadAttention(nn.Module):
         return _merge(self.dropout(a) @ v)[:, 0]
 
 
-def _mix_part(A, V_h, table_h, L):
-    A_h = A * toeplitz(table_h, L)[0]  # A ⊙ N[h]: [B, L, L]
-    return A_h @ V_h, A_h.sum(-1)
+BLOCK_VALUES = 1 << 22  # a row block's n parts A ⊙ N[h], [B, n, r, L]: at most 16 MiB in fp32
+MIN_BLOCK_ROWS = 32  # fewer rows would make each product too small to run well
+
+
+def block_rows(B: int, n: int, L: int) -> int:
+    """Query rows per block: the n parts' [B, n, r, L] (what a block's backward holds) within
+    BLOCK_VALUES, at least MIN_BLOCK_ROWS rows."""
+    return min(L, max(MIN_BLOCK_ROWS, BLOCK_VALUES // max(1, B * n * L)))
+
+
+def mix_rows(Q, X, V, c, mask_BL, table, rows: range, sigmoid: bool):
+    """The single-head attention of the query rows `rows`: ([B, r, d] the n parts' (A ⊙ N[h]) V[h]
+    side by side, eq. 2-3; [B, r, n] A_part[i, h] = sum_j (A ⊙ N[h])_ij, §3.3), from these rows'
+    scores Z = Q X^T / sqrt(d) (+ B, B_ij = sum_h c_ih N[h, i, j] when c = Q R^T is given) and
+    A = activate(Z); N[h] is taken one part at a time, [r, L]."""
+    idx = relative_index(table, rows, X.shape[1])  # N[h][rows] = table[h][idx]
+    Z = (Q[:, rows.start : rows.stop] / math.sqrt(X.shape[-1])) @ X.transpose(-1, -2)
+    if c is not None:
+        for h in range(table.shape[0]):
+            Z = Z + c[:, rows.start : rows.stop, h, None] * table[h][idx]
+    A = activate(Z, mask_BL, sigmoid)
+    outs, sums = [], []
+    for h in range(table.shape[0]):
+        A_h = A * table[h][idx]  # (A ⊙ N[h]) for these rows
+        outs.append(A_h @ V[:, h])
+        sums.append(A_h.sum(-1))
+    return torch.cat(outs, dim=-1), torch.stack(sums, dim=-1)
 
 
 class SingleHeadAttention(nn.Module):
@@ -206,30 +241,26 @@ class SingleHeadAttention(nn.Module):
             self.partition_embeddings = nn.Parameter(torch.empty(self.n, d))  # R
 
     def forward(self, x_BLD: torch.Tensor, mask_BL: torch.Tensor, **_) -> torch.Tensor:
-        """Part by part: no [B, n, L, L] tensor A ⊙ N is formed, in the forward or (each part's
-        product is recomputed there) in the backward; N[h] is one [L, L] Toeplitz slice."""
-        B, L, d = x_BLD.shape
+        """Row block by row block (`mix_rows`); when training, each block is recomputed in the
+        backward (activation checkpointing), so the backward too holds one block at a time."""
+        B, L, _d = x_BLD.shape
         Q = self.query(x_BLD)
         V = _heads(self.value(x_BLD), self.n)  # [B, n, L, d/n]
         table = partition_table(self.n, self.layer, self.layers, L).to(Q.device, Q.dtype)
-        Z = (Q / math.sqrt(d)) @ x_BLD.transpose(-1, -2)  # Q X^T / sqrt(d)
-        if hasattr(self, "partition_embeddings"):  # + B, B_ij = sum_h (Q R^T)_ih N[h, i, j] (§3.3)
-            c = Q @ self.partition_embeddings.t()  # [B, L, n]
-            for h in range(self.n):
-                Z = Z + c[..., h, None] * toeplitz(table[h : h + 1], L)[0]
-        A = activate(Z, mask_BL, self.sigmoid)
-        mixed = [self._part(A, V[:, h], table[h : h + 1], L) for h in range(self.n)]
-        context = torch.cat([out for out, _ in mixed], dim=-1)  # eq. 2-3, parts side by side
-        if self.partition_value:  # + A_part V_part (§3.3), A_part[i, h] = sum_j (A ⊙ N[h])_ij
-            a_part = torch.stack([part for _, part in mixed], dim=-1)  # [B, L, n]
+        c = Q @ self.partition_embeddings.t() if hasattr(self, "partition_embeddings") else None
+        r = block_rows(B, self.n, L)
+        inputs = (Q, x_BLD, V, c, mask_BL, table)
+        blocks = [self._rows(inputs, range(i, min(i + r, L))) for i in range(0, L, r)]
+        context = torch.cat([out for out, _ in blocks], dim=1)
+        if self.partition_value:  # + A_part V_part (§3.3)
+            a_part = torch.cat([part for _, part in blocks], dim=1)  # [B, L, n]
             context = context + a_part @ F.linear(self.partition_embeddings, self.value.weight)
         return context
 
-    def _part(self, A, V_h, table_h, L):
-        """(A ⊙ N[h]) V[h] and its row sums, recomputed in the backward when training."""
+    def _rows(self, inputs, rows: range):
         if torch.is_grad_enabled():
-            return checkpoint(_mix_part, A, V_h, table_h, L, use_reentrant=False)
-        return _mix_part(A, V_h, table_h, L)
+            return checkpoint(mix_rows, *inputs, rows, self.sigmoid, use_reentrant=False)
+        return mix_rows(*inputs, rows, self.sigmoid)
 
     def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         z = (self.query(y_BD)[:, None, :] @ x_BLD.transpose(-1, -2)) / math.sqrt(x_BLD.shape[-1])
@@ -358,8 +389,10 @@ class ShatterModel(ShatterPreTrainedModel):
     """The encoder: [B, L] ids and 1/0 mask -> last hidden states [B, L, d]."""
 
     # AutoModel on an export with a head loads the encoder alone; the head's weights are expected
+    # (`query`: the §3.4 classifier's y^0)
     _keys_to_ignore_on_load_unexpected = [
         r"^mlm_head\.",
+        r"^query$",
         r"^pooler\.",
         r"^classifier\.",
         r"^qa_outputs\.",
