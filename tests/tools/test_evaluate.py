@@ -1,7 +1,5 @@
 """train/evaluate_cli.py's command line: several --data in one call pair with their --output in order."""
 
-from pathlib import Path
-
 import torch
 from click.testing import CliRunner
 
@@ -25,15 +23,3 @@ def test_the_evaluation_runs_on_a_gpu_when_there_is_one(monkeypatch):
     assert default_device() == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert default_device() == torch.device("cuda")
-
-
-def test_the_tools_scripts_are_the_console_commands():
-    """`python tools/evaluate.py` and `python tools/glue.py` run `shatter-evaluate` and
-    `shatter-glue` themselves (the same click commands, so the same options and errors)."""
-    import runpy
-
-    from shatter.train.finetuning.glue_suite import main as glue
-
-    root = Path(__file__).resolve().parents[2]
-    assert runpy.run_path(str(root / "tools" / "evaluate.py"))["main"] is main
-    assert runpy.run_path(str(root / "tools" / "glue.py"))["main"] is glue
