@@ -98,8 +98,9 @@ def require_triton_capability(device: torch.device, impl: str = "triton") -> Non
         )
 
 
-@lru_cache(maxsize=1)
 def _triton_kernel() -> Impl:
+    """The hybrid's entry point (imported once: Python keeps the module; no functools cache,
+    which torch.compile's tracing warns of and steps around), or one line naming the fix."""
     try:
         from shatter.attention.triton_kernel import partition_attention_triton
     except ImportError as e:
@@ -124,8 +125,8 @@ def rows_keep(Q, X, V, c, mask_BL, table, sigmoid: bool, out=None):
     return (x_bar, a_part) if out is None else write_context(out, x_bar, a_part)
 
 
-@lru_cache(maxsize=1)
 def _rows_module():
+    """The rows impl's module, or one line naming the fix (as `_triton_kernel`)."""
     try:
         from shatter.attention import rows as module
     except ImportError as e:
@@ -247,14 +248,21 @@ def auto_impl(device: torch.device, dtype: torch.dtype, shape: tuple | None = No
     return "chunked"
 
 
+@torch.compiler.assume_constant_result
+def _auto(device: torch.device, dtype: torch.dtype, shape: tuple | None) -> str:
+    """`auto_impl`'s choice, which torch.compile takes as a constant: it runs as Python when a
+    forward is traced (its caches and the cost model are not traced, nor warned of)."""
+    return auto_impl(device, dtype, shape)
+
+
 def resolve(name: str, device: torch.device, dtype: torch.dtype, shape=None) -> Impl:
     """The impl function for config.attention_impl `name` on `dtype` inputs on `device`."""
-    return IMPLS[auto_impl(device, dtype, shape) if name == "auto" else name]
+    return IMPLS[_auto(device, dtype, shape and tuple(shape)) if name == "auto" else name]
 
 
 def resolve_layer(name: str, device: torch.device, dtype: torch.dtype, shape=None) -> Layer:
     """The layer-level function (P, X, mask, table, sigmoid) -> context [X̄ | A_part]
     ([B, L, context_width]) for config.attention_impl `name` (single_head.py); `shape` = (B, l, d, n)
     for `auto`."""
-    chosen = auto_impl(device, dtype, shape) if name == "auto" else name
+    chosen = _auto(device, dtype, shape and tuple(shape)) if name == "auto" else name
     return LAYERS.get(chosen) or _through(IMPLS[chosen])

@@ -4,6 +4,7 @@ gradients; `chunked` keeps activations linear in l and no more than BERT's SDPA.
 import importlib
 import json
 import sys
+import warnings
 
 import pytest
 import torch
@@ -129,10 +130,8 @@ def test_auto_picks_lean_on_cpu_and_triton_is_imported_lazily(monkeypatch):
     assert impls.auto_impl(torch.device("cpu"), bf16) == "lean"
     assert impls.resolve("auto", torch.device("cpu"), fp32) is impls.lean
     monkeypatch.delitem(sys.modules, "shatter.attention.triton_kernel", raising=False)
-    impls._triton_kernel.cache_clear()
     tiny("shatter", attention_impl="triton")  # building a model never imports the kernel
     assert "shatter.attention.triton_kernel" not in sys.modules
-    impls._triton_kernel.cache_clear()
     # a CUDA device: by capability and dtype, with or without triton (no device needed)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(impls, "_capability", lambda index: (7, 0))
@@ -183,7 +182,6 @@ def test_auto_picks_lean_on_cpu_and_triton_is_imported_lazily(monkeypatch):
 def test_missing_triton_kernel_names_the_setting(monkeypatch):
     if importlib.util.find_spec("shatter.attention.triton_kernel") is not None:
         pytest.skip("the Triton kernel module is present")
-    impls._triton_kernel.cache_clear()
     with pytest.raises(RuntimeError, match="attention_impl: triton.*fix: set attention_impl"):
         impls.IMPLS["triton"](*_inputs(False), True)
 
@@ -292,3 +290,22 @@ def test_whole_model_with_triton_equals_naive_on_cpu(arch, impl):
         models[impl].named_parameters(), models["naive"].parameters(), strict=True
     ):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_auto_under_torch_compile_is_a_constant_choice(monkeypatch):
+    """On a GPU a forward resolves `auto` by the call's (B, l, d, n); torch.compile takes that
+    choice as a constant: one graph, no functools cache or cost model traced, no Dynamo warning
+    (a user's compiled run would print one)."""
+    monkeypatch.setattr(impls, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(impls, "_triton_available", lambda: True)
+    cuda, small = torch.device("cuda", 0), (16, 1024, 256, 4)
+
+    def forward(x):
+        layer = impls.resolve_layer("auto", cuda, torch.bfloat16, small)
+        return x + (1 if layer is impls._fused_layer else 2)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(forward, backend="eager", fullgraph=True)(torch.zeros(1))
+    assert out.item() == 1  # sm_90, d = 256, l = 1024: fused, as eager
+    assert not [w for w in caught if "Dynamo" in str(w.message)]
