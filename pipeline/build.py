@@ -11,7 +11,7 @@ No side input is computed over the documents (a runner buffers every element tha
 and no branch beside the build reads them (Dask keeps a task's output until all its readers have
 run), so a worker's memory does not grow with the corpus. With a given tokenizer, the build holds
 out whole documents by hash and counts the documents as it tokenizes them; where the count calls
-for another hold-out (a corpus of a few documents), it runs again with that one.
+for another hold-out (whole documents would make under half or over twice the fraction), it runs again with that one.
 Any Beam runner works (`shatter.pipeline.runners`: the options beyond ours become `PipelineOptions`;
 without `--runner` the in-process FnApiRunner). A runner without metrics (Dask) gets the counts
 that the written shards give. `--overwrite` builds beside the old dataset and swaps on success.
@@ -153,6 +153,20 @@ def _owned(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in BUILD_FILES)
 
 
+def _sweep_build_files(out: str) -> None:
+    """Delete what a build writes in `out` (its shards and work files, not its tokenizer or an
+    index.json), never other files kept there: before a build, and before a build made again."""
+    stale = [
+        m.path
+        for pattern in BUILD_FILES
+        if pattern not in (INDEX_FILE, TOKENIZER_FILE, TOKENIZER_JSON, WORK_DIR)
+        for m in FileSystems.match([fs.join(out, pattern)])[0].metadata_list
+    ]
+    if stale:
+        FileSystems.delete(stale)
+    _delete_tree(fs.join(out, WORK_DIR))
+
+
 def _prepare_output(config: BuildConfig, overwrite: bool) -> str:
     """The directory to build into: OUT itself, or, when OUT holds a dataset that --overwrite
     replaces, a new directory beside it (swapped in by `_swap_in` once the build has succeeded)."""
@@ -168,16 +182,7 @@ def _prepare_output(config: BuildConfig, overwrite: bool) -> str:
         )
         FileSystems.mkdirs(staging)
         return staging
-    # an interrupted build (no index.json): only what a build writes, never other files kept there
-    stale = [
-        m.path
-        for pattern in BUILD_FILES
-        if pattern not in (INDEX_FILE, TOKENIZER_FILE, TOKENIZER_JSON, WORK_DIR)
-        for m in FileSystems.match([fs.join(out, pattern)])[0].metadata_list
-    ]
-    if stale:
-        FileSystems.delete(stale)
-    _delete_tree(fs.join(out, WORK_DIR))
+    _sweep_build_files(out)  # an interrupted build's (no index.json)
     if not FileSystems.exists(out):
         FileSystems.mkdirs(out)
     return out
@@ -480,8 +485,8 @@ def _shards_stage(plan: BuildPlan, beam_args: list[str], report) -> tuple[dict |
 
     With the cleaned text cached, its statistics decide the hold-out before the build starts.
     With a given tokenizer: one pipeline, holding out whole documents by hash and counting the
-    documents as it tokenizes them; only where the count decides otherwise (a corpus of a few
-    documents) it runs again with that hold-out. No second branch reads the documents beside the
+    documents as it tokenizes them; only where the count decides otherwise (whole documents would make less than
+    half or more than twice the fraction of the text) it runs again with that hold-out. No second branch reads the documents beside the
     build: a runner that keeps an output until all its readers are done (Dask) would hold them."""
     if plan.fraction == 0:
         return _run_build(plan, HoldOut(0.0), beam_args, report), HoldOut(0.0)
@@ -498,7 +503,7 @@ def _shards_stage(plan: BuildPlan, beam_args: list[str], report) -> tuple[dict |
     if hold_out != by_hash:
         _report_hold_out(hold_out, stats, report)
         report("building again with that hold-out")
-        _delete_tree(plan.work_dir)
+        _sweep_build_files(plan.out)  # the first build's shards: their count may differ
         counters = _run_build(plan, hold_out, beam_args, report)
     return counters, hold_out
 

@@ -39,7 +39,8 @@ class BuildConfig:
     validation_fraction: float = option(
         0.005,
         "share of the text held out for validation (without --validation-input): whole documents "
-        "by hash, or the last part of each where there are too few documents",
+        "by hash, or the last part of each where whole documents would make under half or over "
+        "twice the fraction",
     )
     seq_len: int = option(256, "ids per row, [CLS] and closing [SEP] included")
     vocab_size: int = option(32000, "sentencepiece vocabulary, special ids included")

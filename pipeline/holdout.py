@@ -1,5 +1,6 @@
 """How a build holds out its validation split for `--validation-fraction` (without
-`--validation-input`): pure functions, which `shatter.pipeline.transforms` only calls.
+`--validation-input`): pure functions, which the build's DoFns (`shatter.pipeline.transforms`),
+the build and its report call.
 
 By default whole documents are held out, by content hash (a document whose key / 2^64 is below the
 fraction): no text of a validation document is trained on, and the split is the same for any

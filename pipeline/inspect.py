@@ -143,7 +143,7 @@ def _share_warning(index: dict, obtained: float, asked: float) -> str:
 
 
 def held_out_share(index: dict) -> float | None:
-    """The share of the rows in a hash-held-out validation split (None: a --validation-input's
+    """The share of the rows in a held-out validation split (None: a --validation-input's
     split, or no rows)."""
     if index.get("config", {}).get("validation_inputs"):
         return None

@@ -156,7 +156,7 @@ class ReadDocuments(beam.PTransform):
 class CacheFn(beam.DoFn):
     """DocBatch → Arrow files of cleaned text under `work_dir` (one record batch per DocBatch).
 
-    The build's first pipeline (the tokenizer's sample, the hold-out key) caches the cleaned text
+    The build's first pipeline (the tokenizer's sample, the hold-out statistics) caches the cleaned text
     and the build pipeline reads the cache. DocBatches are kept whole, so the build's output is
     the same bytes as when cleaning runs in the build pipeline itself (a given --tokenizer and
     --validation-fraction 0).
@@ -351,7 +351,8 @@ class TokenizeFn(beam.DoFn):
 
     def process(self, batch: DocBatch):
         if batch.split == "auto":
-            keys = [content_key(text.encode()) for text in batch.docs]
+            hashed = self.stats or (self.hold_out.fraction and not self.hold_out.tails)
+            keys = [content_key(text.encode()) if hashed else 0 for text in batch.docs]
             if self.stats:
                 counted = zip(keys, map(len, batch.docs))
                 yield beam.pvalue.TaggedOutput(

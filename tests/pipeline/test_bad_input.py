@@ -25,8 +25,8 @@ def _sha256_tree(root) -> dict[str, str]:
     }
 
 
-def _build(out, inputs, *extra, tokenizer=None):
-    args = ["build", "--output", str(out), "--seq-len", "32", "--num-shards", "2"]
+def _build(out, inputs, *extra, tokenizer=None, sharding=("--num-shards", "2")):
+    args = ["build", "--output", str(out), "--seq-len", "32", *sharding]
     for path in inputs:
         args += ["--input", str(path)]
     if tokenizer:
@@ -128,9 +128,12 @@ def test_validation_fraction_holds_out_the_tails_of_a_small_corpus(built, tmp_pa
     docs = tmp_path / "three.txt"
     docs.write_text("\n\n".join(d.replace("\n", " ") for d in generated_documents(3, seed=5)))
     out = tmp_path / "three"
-    result = _build(out, [docs], tokenizer=built[0] / "tokenizer.model")
+    tiny_shards = ("--shard-size-mb", "0.0003")  # by size: the two builds' shard counts differ
+    result = _build(out, [docs], tokenizer=built[0] / "tokenizer.model", sharding=tiny_shards)
     assert result.exit_code == 0, result.output
     index = shards.read_index(str(out))
+    listed = {s["file"] for split in index.raw["splits"].values() for s in split["shards"]}
+    assert {p.name for p in out.glob("*.arrow")} == listed  # no shard of the first build left
     assert index.rows("validation") > 0 and index.rows("train") > 0
     assert index.raw["counters"]["validation_hold_out"] == "document tails"
     assert "the last 0.5% of each document's text" in result.output

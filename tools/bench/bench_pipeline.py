@@ -315,8 +315,9 @@ def main():
                     f"  round {r + 1}, {mb:g} MB: {name:<44} {elapsed:7.1f} s  (load {os.getloadavg()[0]:.2f})",
                     flush=True,
                 )
-    # what does not grow with the corpus: the same build of one document (nothing held out: one
-    # document alone would add the pass for the hold-out key that a small corpus needs)
+    # what does not grow with the corpus: the same build of one document (nothing held out: a
+    # held-out fraction would take each document's tail, which one document alone makes a
+    # second build of with a given tokenizer)
     one_doc = work / "corpus-one-document.jsonl"
     one_doc.write_text(json.dumps({"text": corpora[sizes[0]][2][0]}) + "\n")
     nothing_held_out = ["--validation-fraction", "0"]
