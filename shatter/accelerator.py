@@ -15,10 +15,9 @@ import os
 import torch
 
 
-def say_deepspeed_accelerator(environ: dict | None = None) -> None:
-    """`DS_ACCELERATOR=cpu` in `environ` (os.environ, which child processes inherit) on a machine
-    without CUDA, unless it is set already; with CUDA, DeepSpeed's own detection finds it
-    without a warning."""
-    environ = os.environ if environ is None else environ
+def say_deepspeed_accelerator() -> None:
+    """`DS_ACCELERATOR=cpu` in os.environ (which child processes inherit) on a machine without
+    CUDA, unless it is set already; with CUDA, DeepSpeed's own detection finds it without a
+    warning."""
     if not torch.cuda.is_available():
-        environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")

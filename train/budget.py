@@ -70,6 +70,7 @@ class Budget:
         self.planned = before.get("planned_steps")
         self.ended = before.get("ended_at")  # the step at which the budget was spent
         self.tail = bool(before.get("tail"))  # past the budget, decaying to its end: no more checks
+        self.tail_from = before.get("tail_from")  # the step at which the tail was decided
         if before.get("squeeze"):
             plan.squeeze = tuple(before["squeeze"])
         if self.planned:
@@ -102,13 +103,14 @@ class Budget:
     def _usual_step(self, step: int, now: float) -> float:
         """The median of this session's last three checks' step times: a step's time apart from
         a one-off pause (a validation pass, a host that stalled)."""
-        marks = [*self.marks, (step, now)]
+        marks = [*self.marks[-3:], (step, now)]
         rate = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(marks, marks[1:])]
-        return sorted(rate[-3:])[-2:][0]
+        return sorted(rate)[-2:][0]
 
     def _decide(self, step: int, ceiling: int) -> tuple | None:
-        """Rank 0: ("end", step, None) when the budget is spent, ("plan", last step, squeeze)
-        when the schedule changes, or None to go on as planned."""
+        """Rank 0: ("end", step, None) or ("tail", last step, squeeze) when the budget is spent
+        (`_late`), ("plan", last step, squeeze) when the schedule changes, or None to go on as
+        planned."""
         now, left = time.perf_counter(), self.seconds - self.spent()
         if left <= 0:
             return self._late(step, now)
@@ -129,15 +131,18 @@ class Budget:
         return "plan", fits, None
 
     def _late(self, step: int, now: float) -> tuple:
-        """Rank 0, the budget spent at `step`: ("end", step, None) before the first plan or at its
-        last step, else ("tail", last step, squeeze): the lr of `step` falling linearly to 0 after
-        the last step, over the steps OVERRUN of the budget holds (TAIL_MIN to the plan's)."""
+        """Rank 0, the budget spent (or not one more step left) at `step`: ("end", step, None)
+        before the first plan or at its last step, else ("tail", last step, squeeze) over the
+        steps OVERRUN of the budget holds at the step time plans use (at least TAIL_MIN): the
+        plan's own remaining steps, decay and all, where they fit in that (squeeze None), else
+        the lr of `step` falling linearly to 0 after the tail's last step."""
         if self.planned is None or step >= self.planned:
             return "end", step, None
-        holds = int(OVERRUN * self.seconds / self._usual_step(step, now))
-        last = step + min(self.planned - step, max(TAIL_MIN, holds))
+        holds = max(TAIL_MIN, int(OVERRUN * self.seconds / self._per_step(step, now)))
+        if self.planned - step <= holds:
+            return "tail", self.planned, None
         iteration = step - 2  # the scheduler's iteration for `step` (train/schedule.py)
-        return "tail", last, (iteration, self.plan.factor(iteration), last - 1)
+        return "tail", step + holds, (iteration, self.plan.factor(iteration), step + holds - 1)
 
     def _due(self, step: int) -> bool:
         since = step - self.marks[0][0]
@@ -146,10 +151,11 @@ class Budget:
 
     def check(self, step: int, ceiling: int) -> int | None:
         """The run's new last step (its schedule re-planned, or this step when the budget is
-        spent), or None; collective at the steps where ranks decide (every MEASURE steps and at
-        log steps)."""
+        spent), or None; collective at a session's first check and where ranks decide (every
+        MEASURE steps and at log steps, until a tail starts)."""
         self.note = None
         if not self.marks:
+            self._agree_on_tail(step)
             self.marks.append((step, time.perf_counter()))
             return None
         if self.tail or not self._due(step):  # every rank knows both: no rank waits alone
@@ -162,6 +168,7 @@ class Budget:
         if kind in ("plan", "tail"):
             self.planned, self.plan.squeeze = last, squeeze or self.plan.squeeze
             self.tail = kind == "tail"
+            self.tail_from = step if self.tail else None
             self._apply(last)
         if kind == "plan":
             self.note = self._planned_note(step, last, squeeze, was)
@@ -175,6 +182,16 @@ class Budget:
             self._record()
         return last
 
+    def _agree_on_tail(self, step: int) -> None:
+        """At a session's first check: every rank takes rank 0's restored tail (a rank whose node
+        has no copy of RUN/budget.json would otherwise check alone and wait for ever), and a tail
+        decided after the checkpoint this run resumed from is dropped (budget.json is newer than
+        that checkpoint): the next due check decides again, within OVERRUN of the budget."""
+        tail = [self.tail and self.tail_from is not None and step >= self.tail_from]
+        if self.world > 1:
+            torch.distributed.broadcast_object_list(tail, src=0)
+        self.tail = tail[0]
+
     def _planned_note(self, step: int, last: int, squeeze: tuple | None, was: int | None) -> str:
         before = f" (was {was})" if was is not None else ""
         line = f"budget: {last} steps planned{before}, {self.left():.0f} s left at step {step}"
@@ -182,15 +199,19 @@ class Budget:
             line += f"; its decay now runs from {squeeze[1]:.0%} of the peak lr to 0 at {last}"
         return line
 
-    def _tail_note(self, step: int, last: int, squeeze: tuple, was: int | None) -> str:
+    def _tail_note(self, step: int, last: int, squeeze: tuple | None, was: int | None) -> str:
         steps = last - step
-        over = steps * self._usual_step(step, time.perf_counter())
+        over = steps * self._per_step(step, time.perf_counter())
+        decay = (
+            f"its lr falls from {squeeze[1]:.0%} of the peak over {steps} more steps (to "
+            f"{self.plan.factor(last - 2):.0%} at the last)"
+            if squeeze is not None
+            else f"its plan's last {steps} steps, decay and all, run on"
+        )
         return (
-            f"budget: spent at step {step}, before its planned step {was} (its steps "
-            f"slowed down more than planned for): so that the export is annealed, its lr falls "
-            f"from {squeeze[1]:.0%} of the peak over {steps} more steps (to "
-            f"{self.plan.factor(last - 2):.0%} at the last), about {over:.0f} s past the budget; "
-            "a longer --budget-hours trains to the plan"
+            f"budget: spent at step {step}, before its planned step {was} (its steps slowed down "
+            f"more than planned for): so that the export is annealed, {decay}, about {over:.0f} s "
+            "past the budget; a longer --budget-hours trains to the plan"
         )
 
     def _ended_note(self, step: int) -> str:
@@ -209,5 +230,6 @@ class Budget:
             "spent_s": self.spent(),
             "squeeze": list(self.plan.squeeze) if self.plan.squeeze else None,
             "tail": self.tail,
+            "tail_from": self.tail_from,
         }
         self.path.write_text(json.dumps(record) + "\n")

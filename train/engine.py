@@ -108,8 +108,9 @@ def _file_store() -> str:
 CPU_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory comm op, JIT-built on first use
 CPU_OP_WHAT = "DeepSpeed's CPU communication op"  # its name in what the user reads
 # its build, measured (DeepSpeed 0.19.8, torch 2.13, g++ on a 2-core AMD EPYC VM, two files
-# compiled side by side): 107 CPU-seconds; 75 and 52 s at load average 1-2; 79 and 2 min 23 s at 5-6
-CPU_OP_COST = "80-110 CPU-seconds: a minute or two on 2 idle cores, several on a busy machine"
+# compiled side by side): 107 CPU-seconds; 75 CPU-s in 52 s of wall time at load average 1-2; 79
+# CPU-s in 2 min 23 s at 5-6
+CPU_OP_COST = "75-110 CPU-seconds: a minute or two on 2 idle cores, several on a busy machine"
 
 
 CHECKOUT = Path(__file__).resolve().parents[1]  # the repository this code runs from
@@ -159,9 +160,7 @@ def announce_build(name: str, what: str) -> None:
     """Say so before a JIT build's silent minute of the compiler, when op `name` is not built yet
     (local rank 0 only: the other ranks wait on its lock)."""
     built = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir())) / name
-    # ninja compiles again where its log is gone (a build killed midway), .so or not
-    unbuilt = not any(built.glob("*.so")) or not (built / ".ninja_log").is_file()
-    if os.environ.get("LOCAL_RANK", "0") == "0" and unbuilt:
+    if os.environ.get("LOCAL_RANK", "0") == "0" and not finished(name, built):
         cost = CPU_OP_COST if name == CPU_OP else "minutes of the compiler"
         print(
             f"building {what} into {built.parent} (once per environment and torch build; {cost})...",

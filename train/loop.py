@@ -341,8 +341,8 @@ def _log(ctx: RunContext, loop: Loop, state, lr: float) -> None:
     s_per_step = lap["training_s"] / max(state.step - loop.steps_shown, 1)
     costs = loop.cost.fields(tokens_per_s, s_per_step, state.step, loop.clock.gpu_hours())
     costs.update(lap, gpu_hours_lost=loop.clock.hours_lost)
-    if ctx.budget is not None:  # a budgeted run's time left is its budget's, whatever its plan
-        costs["hours_to_max_steps"] = ctx.budget.left() / 3600
+    if ctx.budget is not None and not ctx.budget.tail:  # its budget's time left, whatever its
+        costs["hours_to_max_steps"] = ctx.budget.left() / 3600  # plan (in a tail: its steps')
     record = _log_line(ctx, state, lr, tokens_per_s, costs)
     loop.progress.update(state.step - loop.steps_shown, record["loss"], lr, tokens_per_s, costs)
     loop.tokens_at, loop.steps_shown = state.tokens, state.step

@@ -87,6 +87,29 @@ def test_a_run_found_past_its_budget_ends_annealed_in_a_short_tail(tmp_path, mon
     assert [resumed.check(s, 100_000) for s in range(41, last + 1)] == [None] * (last - 40)
 
 
+def test_a_tail_is_overruns_length_keeps_a_plan_that_fits_it_and_not_a_newer_budget_file(
+    tmp_path, monkeypatch
+):
+    """A 1000 s budget spent by a 600 s stall at step 500: the tail is the steps OVERRUN of the
+    budget holds at the plan's step time, more than TAIL_MIN and under OVERRUN of the budget at
+    1 s a step. A resume from a checkpoint older than the tail's decision drops it (the next
+    check decides again). Found late near its planned end, a run keeps its plan's own decay
+    past the budget (no squeeze)."""
+    last, factors, run, _, notes = simulate(
+        tmp_path, monkeypatch, 1000.0, lambda s: 600.0 if s == 500 else 1.0
+    )
+    assert run.tail and budget_module.TAIL_MIN < last - 500 < 50, (last, notes)
+    assert run.plan.squeeze is not None and factors[last] < factors[500] / 5
+    cfg = TrainConfig(run=RunArgs(budget_hours=1000 / 3600, max_steps=100_000, log_every=10))
+    older = Budget(cfg, Plan("wsd", 2, 100_000, 0.5), tmp_path, rank=0, world=1)
+    assert older.tail and older.check(300, 100_000) is None and not older.tail
+    (tmp_path / "near").mkdir()
+    near = simulate(tmp_path / "near", monkeypatch, 1000.0, lambda s: 100.0 if s == 940 else 1.0)
+    last, factors, run, _, notes = near
+    assert run.tail and run.plan.squeeze is None and factors[last] <= 0.01, (last, notes)
+    assert "decay and all, run on" in notes[-1], notes
+
+
 def test_a_run_spent_before_its_first_plan_ends_and_says_why(tmp_path, monkeypatch):
     """A budget spent by the first steps (a model too slow for it): the run ends at its first
     check, before any plan, and says that its export is from the warm-up."""

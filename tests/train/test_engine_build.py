@@ -1,4 +1,4 @@
-"""DeepSpeed's CPU op is JIT-built once per environment and checkout, and the build says so
+"""DeepSpeed's CPU op is JIT-built once per environment, checkout and torch build, and the build says so
 before its silent minutes of gcc."""
 
 from pathlib import Path
@@ -24,6 +24,9 @@ def test_a_build_is_announced_only_when_there_is_none(tmp_path, monkeypatch, cap
     announce_cpu_build()  # a .so without ninja's log: ninja compiles again, so it is said
     assert "building DeepSpeed's CPU communication op" in capsys.readouterr().err
     (tmp_path / CPU_OP / ".ninja_log").write_text("# ninja log v5\n")
+    announce_cpu_build()  # a log without the link's line: a build killed midway, said
+    assert "building DeepSpeed's CPU communication op" in capsys.readouterr().err
+    (tmp_path / CPU_OP / ".ninja_log").write_text(f"# ninja log v5\n0\t9\t0\t{CPU_OP}.so\tab\n")
     announce_cpu_build()
     assert capsys.readouterr().err == ""
 
@@ -72,11 +75,16 @@ def test_every_jit_build_is_announced_before_it_starts(tmp_path, monkeypatch, ca
 
     assert OpBuilder.jit_load(FusedAdam()) == "loaded"
     assert said_before[0].count("building DeepSpeed's fused_adam op") == 1, said_before
+    # a build that loads (load_built's) is used as it is: nothing said, the JIT builder not called
+    from shatter.train import engine
+
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {})  # DeepSpeed's cache of loaded ops, restored
+    monkeypatch.setattr(
+        engine, "load_built", lambda name, built: "built" if built.is_dir() else None
+    )
     (tmp_path / "fused_adam").mkdir(exist_ok=True)
-    (tmp_path / "fused_adam" / "fused_adam.so").write_bytes(b"")
-    (tmp_path / "fused_adam" / ".ninja_log").write_text("# ninja log v5\n")
-    OpBuilder.jit_load(FusedAdam())
-    assert said_before[1] == ""
+    assert OpBuilder.jit_load(FusedAdam()) == "built"
+    assert len(said_before) == 1 and capsys.readouterr().err == ""
 
 
 def test_ranks_on_one_host_leave_the_launcher_s_default_port(tmp_path, monkeypatch):
