@@ -25,6 +25,12 @@ folded exactly into the output projection's GEMM (16 more columns of K for n <= 
 W^O as ever. The products' gradients are written by hand (`_Assembled`): each weight is copied
 once a forward and each gradient is one batched GEMM, where autograd through stack, cat and bmm
 copied the weights twice and added each gradient's two paths.
+
+Under torch.compile all of this runs eagerly (`layer_weights` is `@eager`, and the autograd
+Functions here mark their backward): inductor would copy each parameter of a `cat` with a kernel
+of its own (BERT-base's fused QKV: 72 launches a forward), where CUDA's eager `cat` copies them
+in one. Each Function returns every layer's weights as views and takes their gradients back as
+they are, so that nothing between it and the layers runs in autograd's own nodes.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import NamedTuple
 import torch
 
 from shatter.attention.projection import context_width, projection_width
+from shatter.eager import eager, eager_region
 
 
 class LayerWeights(NamedTuple):
@@ -42,6 +49,7 @@ class LayerWeights(NamedTuple):
     output: torch.Tensor  # the W^O the block applies to the variant's context
 
 
+@eager
 def layer_weights(blocks) -> list[LayerWeights]:
     """One LayerWeights per block (all blocks of one variant): the variant's `prepare`, or each
     block's own W^O."""
@@ -57,6 +65,11 @@ def _matmul_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return dtype
+
+
+def matmul_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype autocast gives matmuls of `t` (its own outside autocast)."""
+    return _matmul_dtype(t.device, t.dtype)
 
 
 def without_autocast(device: torch.device):
@@ -79,17 +92,45 @@ def _interleaved(per_layer: list[list[torch.Tensor]], K: int) -> torch.Tensor:
     return out.view(K, -1, *out.shape[1:])
 
 
-class _Assembled(torch.autograd.Function):
-    """(W^P [K, p, d], b^P [K, p], W^F [K, d, context_width] or None) of K single-head layers
-    (module docstring), with the gradients written by hand. Through stack, cat and bmm,
-    autograd copied each weight twice forward and added each gradient's two paths in a
-    d x d-wide add; here the weights are copied once, and each gradient is one (b)addbmm.
-    `shape` is (K, n, bias, value, has W^O); `params` the layers' W^Q, b^Q, W^V, b^V, then R
-    (where it is used: with the bias, or the value term and W^O), then W^O (when given), K of
-    each."""
+class _Interleaved(torch.autograd.Function):
+    """`_interleaved` in `dtype`, as K per-layer views; each piece's gradient is its rows of its
+    layer's gradient (a view: no kernel where `dtype` is the pieces' own)."""
 
     @staticmethod
-    def forward(ctx, shape, *params):
+    def forward(ctx, K: int, dtype: torch.dtype, *pieces):
+        per = len(pieces) // K
+        out = _interleaved([pieces[k * per : (k + 1) * per] for k in range(K)], K).to(dtype)
+        ctx.rows, ctx.dtype = [p.shape[0] for p in pieces], pieces[0].dtype
+        return tuple(out.unbind(0))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        with eager_region():
+            per = len(ctx.rows) // len(grads)
+            out = []
+            for k, g in enumerate(grads):
+                out += g.to(ctx.dtype).split(ctx.rows[k * per : (k + 1) * per], 0)
+        return (None, None, *out)
+
+
+def interleaved(per_layer: list[list[torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each layer's pieces (tensors alike past their first dimension) stacked along it, in
+    `dtype`, all layers in one cat (`_Interleaved`): one tensor per layer."""
+    pieces = [t for layer in per_layer for t in layer]
+    return list(_Interleaved.apply(len(per_layer), dtype, *pieces))
+
+
+class _Assembled(torch.autograd.Function):
+    """(W^P [p, d], b^P [p], W^F [d, context_width] when given) of each of K single-head layers
+    (module docstring) in `dtype`, as views, with the gradients written by hand. Through stack,
+    cat and bmm, autograd copied each weight twice forward and added each gradient's two paths
+    in a d x d-wide add; here the weights are copied once, and each gradient is one
+    (b)addbmm. `shape` is (K, n, bias, value, has W^O); `params` the layers' W^Q, b^Q, W^V, b^V,
+    then R (where it is used: with the bias, or the value term and W^O), then W^O (when given),
+    K of each, computed in their own dtype."""
+
+    @staticmethod
+    def forward(ctx, shape, dtype, *params):
         K, n, bias, value, has_output = shape
         W_Q, b_Q, W_V, b_V = (params[i * K : (i + 1) * K] for i in range(4))
         rest = params[4 * K :]
@@ -99,34 +140,44 @@ class _Assembled(torch.autograd.Function):
         W_P, b_P = _projection_forward(W_Q, b_Q, W_V, b_V, R if bias else None, K)
         VR = W_P[:, d : 2 * d] @ R.transpose(1, 2) if value and has_output else None  # [K, d, n]
         W_F = _output_forward(torch.stack(W_O), VR, n) if has_output else None
-        ctx.shape, ctx.d = shape, d
+        ctx.shape, ctx.d, ctx.dtype = shape, d, W_Q[0].dtype
         ctx.save_for_backward(R, W_P, b_P, W_F, VR)
-        return W_P, b_P, W_F
+        made = [W_P, b_P] + ([W_F] if has_output else [])
+        return tuple(view for t in made for view in t.to(dtype).unbind(0))
 
     @staticmethod
-    def backward(ctx, dW_P, db_P, dW_F):
-        K, n, bias, value, has_output = ctx.shape
-        R, W_P, b_P, W_F, VR = ctx.saved_tensors
-        d = ctx.d
-        dW_Q, dW_V, db_Q, db_V = dW_P[:, :d], dW_P[:, d : 2 * d], db_P[:, :d], db_P[:, d : 2 * d]
-        dR = None
-        if bias:  # c's rows: R W^Q and R b^Q (§3.3)
-            dRW, dRb = dW_P[:, 2 * d : 2 * d + n], db_P[:, 2 * d : 2 * d + n, None]
-            dW_Q = torch.baddbmm(dW_Q, R.transpose(1, 2), dRW)
-            db_Q = torch.baddbmm(db_Q[..., None], R.transpose(1, 2), dRb)[..., 0]
-            dR = torch.baddbmm(torch.bmm(dRW, W_P[:, :d].transpose(1, 2)), dRb, b_P[:, None, :d])
-        dW_O = None
-        if has_output:
-            dW_O = dW_F[..., :d]
-            if value:  # W^O V_partᵀ = W^O (W^V Rᵀ)
-                dfold = dW_F[..., d : d + n]
-                dW_O = torch.baddbmm(dW_O, dfold, VR.transpose(1, 2))
-                dVR = torch.bmm(W_F[..., :d].transpose(1, 2), dfold)
-                dW_V = torch.baddbmm(dW_V, dVR, R)
-                dR = _plus(dR, dVR.transpose(1, 2), W_P[:, d : 2 * d])
-            dW_O = dW_O.contiguous()  # one copy for all layers, none per parameter
-        grads = [dW_Q, db_Q, dW_V, db_V] + [g for g in (dR, dW_O) if g is not None]
-        return (None, *(g for grad in grads for g in grad.unbind(0)))
+    def backward(ctx, *grads):
+        K = ctx.shape[0]
+        with eager_region():
+            stacked = [torch.stack(grads[i : i + K]).to(ctx.dtype) for i in range(0, len(grads), K)]
+            return (None, None, *_assembled_grads(ctx, *stacked, *[None] * (3 - len(stacked))))
+
+
+def _assembled_grads(ctx, dW_P, db_P, dW_F) -> list[torch.Tensor]:
+    """The parameters' gradients of `_Assembled` (its `params` order) from those of its
+    stacked W^P, b^P and W^F (dW_F None without W^O)."""
+    K, n, bias, value, has_output = ctx.shape
+    R, W_P, b_P, W_F, VR = ctx.saved_tensors
+    d = ctx.d
+    dW_Q, dW_V, db_Q, db_V = dW_P[:, :d], dW_P[:, d : 2 * d], db_P[:, :d], db_P[:, d : 2 * d]
+    dR = None
+    if bias:  # c's rows: R W^Q and R b^Q (§3.3)
+        dRW, dRb = dW_P[:, 2 * d : 2 * d + n], db_P[:, 2 * d : 2 * d + n, None]
+        dW_Q = torch.baddbmm(dW_Q, R.transpose(1, 2), dRW)
+        db_Q = torch.baddbmm(db_Q[..., None], R.transpose(1, 2), dRb)[..., 0]
+        dR = torch.baddbmm(torch.bmm(dRW, W_P[:, :d].transpose(1, 2)), dRb, b_P[:, None, :d])
+    dW_O = None
+    if has_output:
+        dW_O = dW_F[..., :d]
+        if value:  # W^O V_partᵀ = W^O (W^V Rᵀ)
+            dfold = dW_F[..., d : d + n]
+            dW_O = torch.baddbmm(dW_O, dfold, VR.transpose(1, 2))
+            dVR = torch.bmm(W_F[..., :d].transpose(1, 2), dfold)
+            dW_V = torch.baddbmm(dW_V, dVR, R)
+            dR = _plus(dR, dVR.transpose(1, 2), W_P[:, d : 2 * d])
+        dW_O = dW_O.contiguous()  # one copy for all layers, none per parameter
+    grads = [dW_Q, db_Q, dW_V, db_V] + [g for g in (dR, dW_O) if g is not None]
+    return [g for grad in grads for g in grad.unbind(0)]
 
 
 def _uses_r(bias: bool, value: bool, has_output: bool) -> bool:
@@ -167,45 +218,48 @@ def _output_forward(W_O: torch.Tensor, VR: torch.Tensor | None, n: int) -> torch
     return torch.cat([*parts, W_O.new_zeros(K, d, context_width(d, n) - width)], 2)
 
 
-def assembled_weights(attention: list, outputs: list | None, bias: bool, value: bool):
-    """(W^P [K, p, d], b^P [K, p], W^F [K, d, context_width] or None without `outputs`) of K
-    single-head layers (`attention`, their `output` Linears), in the parameters' dtype: call
-    with autocast off. `bias`: c's rows in W^P (R W^Q, R b^Q); `value`: W^F's fold."""
+def assembled_weights(attention: list, outputs: list | None, bias: bool, value: bool, dtype):
+    """([W^P [p, d]] * K, [b^P [p]] * K, [W^F [d, context_width]] * K or None without `outputs`)
+    of K single-head layers (`attention`, their `output` Linears), computed in the parameters'
+    dtype (call with autocast off), given in `dtype`. `bias`: c's rows in W^P (R W^Q, R b^Q);
+    `value`: W^F's fold."""
     names = ["query.weight", "query.bias", "value.weight", "value.bias"]
     params = [p for name in names for p in _params(attention, name)]
     if _uses_r(bias, value, outputs is not None):
         params += _params(attention, "partition_embeddings")
     if outputs is not None:
         params += _params(outputs, "weight")
-    shape = (len(attention), attention[0].n, bias, value, outputs is not None)
-    return _Assembled.apply(shape, *params)
+    K = len(attention)
+    shape = (K, attention[0].n, bias, value, outputs is not None)
+    views = _Assembled.apply(shape, dtype, *params)
+    W_P, b_P, W_F = (list(views[i : i + K]) for i in range(0, 3 * K, K))
+    return W_P, b_P, (W_F or None)
 
 
 def low_precision(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors in the dtype autocast gives matmuls (unchanged outside autocast): one cast
-    for all layers, none in each layer's GEMM."""
-    t = tensors[0]
-    return [x.to(_matmul_dtype(t.device, t.dtype)) for x in tensors]
+    """The tensors in the dtype autocast gives matmuls (unchanged outside autocast)."""
+    return [x.to(matmul_dtype(x)) for x in tensors]
 
 
 def single_head_weights(blocks, bias: bool, value: bool) -> list[LayerWeights]:
     """The single-head layers' W^P, b^P and W^F (module docstring), every layer in one batched
-    op each; computed in the parameters' dtype, then cast once to autocast's."""
+    op each; computed in the parameters' dtype, given in autocast's (one cast for all layers)."""
     attention = [block.attention for block in blocks]
-    with without_autocast(blocks[0].output.weight.device):
-        W_P, b_P, W_F = assembled_weights(attention, [b.output for b in blocks], bias, value)
-    W_P, b_P, W_F = low_precision(W_P, b_P, W_F)
-    return [
-        LayerWeights({"projection": (w, b)}, f)
-        for w, b, f in zip(W_P.unbind(0), b_P.unbind(0), W_F.unbind(0), strict=True)
-    ]
+    weight = blocks[0].output.weight
+    with without_autocast(weight.device):
+        W_P, b_P, W_F = assembled_weights(
+            attention, [b.output for b in blocks], bias, value, matmul_dtype(weight)
+        )
+    return [LayerWeights({"projection": (w, b)}, f) for w, b, f in zip(W_P, b_P, W_F, strict=True)]
 
 
 __all__ = [
     "LayerWeights",
     "assembled_weights",
+    "interleaved",
     "layer_weights",
     "low_precision",
+    "matmul_dtype",
     "single_head_weights",
     "without_autocast",
 ]

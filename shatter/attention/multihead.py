@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shatter.attention.layer_weights import LayerWeights, low_precision
+from shatter.attention.layer_weights import LayerWeights, interleaved, matmul_dtype
 from shatter.partition import PartitionBuffer, partition_mask
 
 if TYPE_CHECKING:  # annotations only: shatter.config reads this registry
@@ -83,15 +83,14 @@ class BertAttention(nn.Module):
         come from one [d, 3d] GEMM; the parameters keep their names (query, key, value)."""
         if not blocks[0].attention.fused_qkv:
             return [LayerWeights({}, block.output.weight) for block in blocks]
-        K, d = len(blocks), blocks[0].attention.query.weight.shape[1]
         names = ("query", "key", "value")
-        layers = [block.attention.get_submodule(name) for block in blocks for name in names]
-        W = torch.cat([m.weight for m in layers]).view(K, 3 * d, d)  # no copy back: cat's views
-        b = torch.cat([m.bias for m in layers]).view(K, 3 * d)
-        W, b = low_precision(W, b)
+        layers = [[block.attention.get_submodule(n) for n in names] for block in blocks]
+        dtype = matmul_dtype(layers[0][0].weight)
+        W = interleaved([[m.weight for m in layer] for layer in layers], dtype)
+        b = interleaved([[m.bias for m in layer] for layer in layers], dtype)
         return [
             LayerWeights({"qkv": (w, c)}, block.output.weight)
-            for w, c, block in zip(W.unbind(0), b.unbind(0), blocks, strict=True)
+            for w, c, block in zip(W, b, blocks, strict=True)
         ]
 
     def _qkv(self, x_BLD: torch.Tensor, qkv) -> tuple[torch.Tensor, ...]:

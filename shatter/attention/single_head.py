@@ -38,7 +38,7 @@ from shatter.attention.impls import resolve_layer
 from shatter.attention.layer_weights import (
     LayerWeights,
     assembled_weights,
-    low_precision,
+    matmul_dtype,
     single_head_weights,
     without_autocast,
 )
@@ -84,9 +84,12 @@ class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
 
     def projection(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's (W^P, b^P) alone (layer_weights.assembled_weights)."""
-        with without_autocast(self.query.weight.device):
-            W_P, b_P, _ = assembled_weights([self], None, self.partition_bias, False)
-        return tuple(low_precision(W_P[0], b_P[0]))
+        weight = self.query.weight
+        with without_autocast(weight.device):
+            W_P, b_P, _ = assembled_weights(
+                [self], None, self.partition_bias, False, matmul_dtype(weight)
+            )
+        return W_P[0], b_P[0]
 
     def forward(
         self,

@@ -44,7 +44,7 @@ def test_fold_equals_x_bar_plus_a_part_v_part(dtype):
     W_O, b_O, W_V, R = block.output.weight, block.output.bias, att.value.weight, att.partition_embeddings  # fmt: skip
     leaves = (W_O, R, W_V, x_bar, a_part)
     want = F.linear(x_bar + a_part @ F.linear(R, W_V), W_O, b_O)  # §3.3, then W^O
-    W_F = assembled_weights([att], [block.output], True, True)[2][0]
+    W_F = assembled_weights([att], [block.output], True, True, dtype)[2][0]
     context = F.pad(torch.cat([x_bar, a_part], -1), (0, context_width(d, n) - d - n))
     got = F.linear(context, W_F, b_O)
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -89,7 +89,7 @@ def test_assembled_weights_equal_the_plain_ops(arch, dtype):
     with torch.no_grad():  # biases too (they start at zero): R b^Q's gradient reaches R
         for p, seed in zip(params, range(100, 200)):
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) / 4)
-    got = assembled_weights(attention, outputs, *flags)
+    got = [torch.stack(t) for t in assembled_weights(attention, outputs, *flags, dtype)]
     want = _plain_weights(attention, outputs, *flags)
     g = torch.Generator().manual_seed(4)
     cotangents = [torch.randn(t.shape, generator=g, dtype=dtype) for t in want]

@@ -34,13 +34,16 @@ kernels (its cuBLAS GEMMs as gemm, its Triton kernels as custom or memory) the s
 FLOPs and its bytes, plus one launch each.
 
 Two modes, both printed and in the JSON: `eager`, one kernel per ATen op, and `compiled`, the
-model under torch.compile as inductor runs it: in the forward and the backward, each chain of
-consecutive pointwise ops between two GEMMs, reductions or other kernels is one kernel that reads
-its inputs once and writes its outputs once (tools/bench/step_trace.py: fuse_pointwise); GEMMs,
-SDPA, the custom ops, reductions and the DeepSpeed optimizer step are as in eager. The compiled
-figures are the main ones, as a GPU run compiles unless told not to (`run.compile` unset: on a
-GPU, shatter/train/compiling.py); `--eager` (or the config's `run.compile: false`) makes the
-eager figures the main ones.
+model under torch.compile as inductor runs it, from inductor's own plan of the step
+(tools/bench/inductor_plan.py: inductor's scheduler and Triton code generator asked on this CPU,
+for a CUDA target, which kernels it makes, with the bytes it counts for each): its Triton kernels
+replace the forward's and backward's ops it compiles, while the GEMMs, SDPA and the custom ops
+(its extern kernels), the ops outside the compiled graphs (`shatter.eager`'s ranges, the MLM
+head's boolean index) and the DeepSpeed optimizer step are as in eager. The first plan of a
+base-size step takes about a minute of CPU (cached: SHATTER_PLAN_CACHE). The compiled figures
+are the main ones, as a GPU run compiles unless told not to (`run.compile` unset: on a GPU,
+shatter/train/compiling.py); `--eager` (or the config's `run.compile: false`) makes the eager
+figures the main ones.
 
 The GPU's choices are the real ones: bf16 on sm_80+ (fp16 and no flash kernel on the V100),
 Shatter's `auto` attention impl (on sm_80+ `triton` or `fused`, on the V100 `rows` or
@@ -84,6 +87,7 @@ import torch
 from shatter.config import ATTENTION_IMPLS
 from shatter.kernels.cost import EFFICIENCY, family_of, kind_peak  # the frozen table (its home)
 from shatter.tools.bench.attention_cost import GPUS
+from shatter.tools.bench.inductor_plan import planned
 from shatter.tools.bench.step_trace import build_meta, records, trace_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -285,6 +289,18 @@ def trace_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int):
         ) from None
 
 
+def plan_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int) -> list[dict]:
+    """Inductor's kernels for this checkout's step, as `trace_here` traces it
+    (tools/bench/inductor_plan.py)."""
+    from shatter.attention import ATTENTIONS, SingleHeadPartitionAttention
+
+    single = issubclass(ATTENTIONS[arch], SingleHeadPartitionAttention)
+    return planned(
+        arch, run.size, length, run.tokens // length, vocab, gpu.partition_impl if single else None,
+        gpu.low, gpu.flash, padding, gpu.capability,
+    )  # fmt: skip
+
+
 def priced(rows: list[dict], gpu: Gpu, run: Run, tokens: int) -> dict:
     """The figures of one mode (eager or compiled) of a traced step."""
     split = price(rows, gpu, accum=run.grad_accum)
@@ -314,9 +330,10 @@ def figures(archs, lengths, gpu_names, padding, run: Run = Run(), vocab=REPLAY_V
                 rec = traces[key]
                 rows = run.tokens // L
                 tokens = rows * L * run.grad_accum  # per GPU per step
+                plan = plan_here(arch, L, replace(gpu, partition_impl=impl), run, padding, vocab)
                 modes = {
-                    mode: priced(records(rec, compiled=mode == "compiled"), gpu, run, tokens)
-                    for mode in MODES
+                    "eager": priced(records(rec), gpu, run, tokens),
+                    "compiled": priced(records(rec, plan), gpu, run, tokens),
                 }
                 f = dict(modes["compiled" if run.compiled else "eager"])
                 f["mode"] = "compiled" if run.compiled else "eager"

@@ -37,11 +37,13 @@ this checkout has it: a row of kind "custom" carries the op's kernels, (name, ki
 bytes) each, one launch each, and its model FLOPs from `model_flops`; ops it lacks count their
 tensors' bytes, one launch.
 
-`records(rec)` is the step as eager PyTorch runs it, one kernel per op; `records(rec,
-compiled=True)` as inductor runs the compiled model (`fuse_pointwise`): in the forward and the
-backward, each chain of consecutive pointwise ops (between two GEMMs, reductions, or other
-non-pointwise kernels) is one kernel that reads its inputs once and writes once the outputs that
-are read after it (or that it writes into an older tensor); the optimizer stays eager.
+`records(rec)` is the step as eager PyTorch runs it, one kernel per op; `records(rec, plan)` as
+inductor runs the compiled model, from `plan`, inductor's own kernels for the step
+(tools/bench/inductor_plan.py): in the forward and the backward, the GEMMs, SDPA and the custom
+ops stay as traced (inductor calls them as extern kernels), the ops that run outside the
+compiled graphs stay as traced (`eager` events: the profiler range shatter.eager.EAGER, and the
+MLM head's boolean index, where Dynamo breaks the graph, and its backward), and every other op
+is replaced by the plan's Triton kernels; the optimizer stays eager.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ SDPA = {
     "_scaled_dot_product_efficient_attention_backward": "efficient",
 }
 # Ops that launch no kernel: allocation without a fill, metadata
+EAGER = (
+    "shatter::eager"  # shatter.eager.EAGER (read by value: this module imports no project module)
+)
+PROFILER_RANGES = ("_record_function_enter_new", "_record_function_exit")
+INDEX_OPS = ("index", "index_put", "index_put_", "_index_put_impl_")
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
              "alias", "lift_fresh", "_unsafe_view", "_local_scalar_dense", "sym_size", "sym_stride", "is_same_size",
              "_to_copy_noop"}  # fmt: skip
@@ -145,36 +152,17 @@ def _kernels(cost) -> tuple[tuple[str, str, float, float], ...]:
     return tuple((str(k[0]), str(k[1]), float(k[2]), float(k[3])) for k in cost)
 
 
-# Ops inductor fuses as pointwise beyond those torch tags so: casts, copies, fills, dropout
-POINTWISE = {"_to_copy", "copy_", "clone", "fill_", "fill", "zero_", "full", "full_like", "zeros",
-             "zeros_like", "ones", "ones_like", "new_zeros", "new_ones", "new_full", "masked_fill_",
-             "native_dropout", "native_dropout_backward", "gelu_", "floor_divide", "scalar_tensor",
-             "_masked_scale"}  # fmt: skip
-
-
-def _pointwise(func, name: str) -> bool:
-    return torch.Tag.pointwise in func.tags or name in POINTWISE
-
-
-def _view_key(t: torch.Tensor) -> tuple:
-    """A tensor as the storage it lives in and the region it spans there."""
-    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-
-
 class StepTrace(TorchDispatchMode):
     """Records, in order, each kernel-launching op: its row key (op, phase, kind, executed FLOPs,
-    model FLOPs, bytes, launches, kernels), whether it is pointwise, and the tensors (as
-    `_view_key`, bytes) it reads and writes; `phase` is set by the caller (forward, backward,
-    optimizer)."""
+    model FLOPs, bytes, launches, kernels) and whether it runs eagerly in a compiled step (module
+    doc); `phase` is set by the caller (forward, backward, optimizer)."""
 
     def __init__(self, predicted: float, family: int | None = None):
         super().__init__()
         self.predicted = predicted
         self.phase = "forward"
-        self.events: list[tuple] = []  # (key, pointwise, reads, writes)
-        # every storage seen, kept so that no address is reused (the storage, not the tensor: a
-        # gradient held elsewhere would be copied by autograd instead of taken)
-        self.alive: list = []
+        self.events: list[tuple] = []  # (key, eager)
+        self.regions: list[bool] = []  # the open profiler ranges: each EAGER or not
         self.custom, self.custom_model_flops = _custom_costs(family)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -182,19 +170,32 @@ class StepTrace(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name == "_local_scalar_dense":  # a host read (an old commit's mask check): no values
             return {torch.bool: True}.get(args[0].dtype, 1)
-        if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
-            args = self._bool_index(args)
+        if name in PROFILER_RANGES:  # a profiler range opens or closes: no kernel
+            self._range(name, args)
+            return func(*args, **kwargs)
+        eager = any(self.regions)
+        if name in INDEX_OPS:
+            args, by_bool = self._bool_index(args)
+            eager = eager or by_bool or (self.phase == "backward" and name != "index")
         out = func(*args, **kwargs)
         if name not in NO_KERNEL and not _is_view(func):
-            self.record(func, name, args, kwargs, out)
+            self.record(func, name, args, kwargs, out, eager)
         return out
 
-    def _bool_index(self, args):
+    def _range(self, name: str, args) -> None:
+        """A profiler range: EAGER's ops run outside torch.compile's graphs (shatter.eager)."""
+        if name == "_record_function_enter_new":
+            self.regions.append(args[0] == EAGER)
+        elif self.regions:
+            self.regions.pop()
+
+    def _bool_index(self, args) -> tuple[tuple, bool]:
         """A bool index of the MLM head's predicted positions -> `predicted` of its elements as
-        one long index per dimension (meta tensors have no values to count)."""
+        one long index per dimension (meta tensors have no values to count), and whether it was
+        one (its output's shape depends on values: Dynamo breaks the graph there)."""
         indices = args[1]
         if not any(i is not None and i.dtype == torch.bool for i in indices):
-            return args
+            return args, False
         new = []
         for i in indices:
             if i is not None and i.dtype == torch.bool:
@@ -202,17 +203,12 @@ class StepTrace(TorchDispatchMode):
                 new += [torch.empty(m, dtype=torch.long, device=i.device)] * i.dim()
             else:
                 new.append(i)
-        return (args[0], new, *args[2:])
+        return (args[0], new, *args[2:]), True
 
-    def _views(self, tensors) -> tuple:
-        self.alive += [t.untyped_storage() for t in tensors]
-        return tuple((_view_key(t), tensor_bytes(t)) for t in tensors)
-
-    def record(self, func, name, args, kwargs, out):
+    def record(self, func, name, args, kwargs, out, eager: bool = False):
         read_t = [] if name in TEMPLATE_ONLY else _tensors((args, kwargs))
         write_t = _written(func, args, kwargs) or _tensors(out)
-        reads, writes = self._views(read_t), self._views(write_t)
-        nbytes = sum(b for _, b in reads) + sum(b for _, b in writes)
+        nbytes = sum(tensor_bytes(t) for t in (*read_t, *write_t))
         flops = model_flops = 0.0
         kind, kernels, launches = "memory", (), 1
         qualified = str(func.overloadpacket._qualified_op_name)
@@ -231,8 +227,14 @@ class StepTrace(TorchDispatchMode):
         if name.startswith(("_foreach_", "_fused_")):  # multi_tensor_apply: ~110 tensors a launch
             launches = max(1, math.ceil(len(_tensors(args[0])) / 110))
         key = (qualified, self.phase, kind, flops, model_flops, nbytes, launches, kernels)
-        pointwise = kind == "memory" and _pointwise(func, name)
-        self.events.append((key, pointwise, reads, writes))
+        if (
+            eager
+            and name in INDEX_OPS
+            and self.events
+            and self.events[-1][0][0] == "aten::new_zeros"
+        ):
+            self.events[-1] = (self.events[-1][0], True)  # the index's backward's zeros
+        self.events.append((key, eager))
 
 
 class GpuEmulation(TorchFunctionMode):
@@ -283,24 +285,28 @@ class GpuEmulation(TorchFunctionMode):
         return aten.native_dropout(x, p, True)[0] if training and p > 0 else x
 
     def sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
-        """The kernel CUDA's SDPA picks: flash without a mask (sm_80+, half precision), else the
-        memory-efficient kernel with the mask as an additive float bias."""
-        half = q.dtype in (torch.bfloat16, torch.float16)
-        if attn_mask is None and self.flash and half:
-            return aten._scaled_dot_product_flash_attention(
-                q, k, v, dropout_p, is_causal, False, scale=scale
-            )[0]
-        bias = attn_mask
-        if bias is not None and bias.dtype == torch.bool:
-            bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill(
-                ~bias, float("-inf")
-            )
-        if bias is not None:
-            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        need_lse = q.requires_grad or k.requires_grad or v.requires_grad
-        return aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias, need_lse, dropout_p, is_causal, scale=scale
+        return gpu_sdpa(self.flash, q, k, v, attn_mask, dropout_p, is_causal, scale)
+
+
+def gpu_sdpa(flash, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    """SDPA on the kernel CUDA's SDPA picks: flash without a mask (`flash`: sm_80+, and half
+    precision), else the memory-efficient kernel with the mask as an additive float bias."""
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    if attn_mask is None and flash and half:
+        return aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal, False, scale=scale
         )[0]
+    bias = attn_mask
+    if bias is not None and bias.dtype == torch.bool:
+        bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~bias, float("-inf")
+        )
+    if bias is not None:
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    need_lse = q.requires_grad or k.requires_grad or v.requires_grad
+    return aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, need_lse, dropout_p, is_causal, scale=scale
+    )[0]
 
 
 class MetaAutocast:
@@ -418,10 +424,11 @@ def _patched_autocast(autocast):
 ROW_KEYS = ("op", "phase", "kind", "flops", "model_flops", "bytes", "launches", "kernels")
 
 
-def records(rec: StepTrace, compiled: bool = False) -> list[dict]:
+def records(rec: StepTrace, plan: list[dict] | None = None) -> list[dict]:
     """The trace as JSON-able rows: one per distinct (op, phase, kind, FLOPs, bytes), counted;
-    `compiled`: with the forward's and backward's pointwise chains fused (`fuse_pointwise`)."""
-    keys = fuse_pointwise(rec.events) if compiled else [e[0] for e in rec.events]
+    with `plan` (inductor_plan.plan_step's kernels for this step), the step compiled
+    (`compiled_keys`)."""
+    keys = [e[0] for e in rec.events] if plan is None else compiled_keys(rec.events, plan)
     rows = []
     for k, c in Counter(keys).items():
         row = dict(zip(ROW_KEYS, k), count=c)
@@ -430,51 +437,15 @@ def records(rec: StepTrace, compiled: bool = False) -> list[dict]:
     return rows
 
 
-def fuse_pointwise(events: list[tuple]) -> list[tuple]:
-    """The row keys of the step as inductor runs it: each run of consecutive pointwise events of
-    the forward or the backward becomes one kernel (`_fused`); every other event stays as it is."""
-    last_read: dict[int, int] = {}
-    first_seen: dict[int, int] = {}
-    for i, (_, _, reads, writes) in enumerate(events):
-        for view, _ in reads:
-            last_read[view[0]] = i
-        for view, _ in reads + writes:
-            first_seen.setdefault(view[0], i)
-    keys, chain = [], []
-    for i, event in enumerate(events):
-        key, pointwise = event[0], event[1]
-        fusable = pointwise and key[1] in ("forward", "backward")
-        if chain and not (fusable and events[chain[0]][0][1] == key[1]):
-            keys.append(_fused(events, chain, last_read, first_seen))
-            chain = []
-        if fusable:
-            chain.append(i)
-        else:
-            keys.append(key)
-    if chain:
-        keys.append(_fused(events, chain, last_read, first_seen))
+def compiled_keys(events: list[tuple], plan: list[dict]) -> list[tuple]:
+    """The row keys of the step as inductor runs it: the optimizer's events, the forward's and
+    backward's extern kernels (every kind but "memory": GEMMs, SDPA, custom ops) and eager
+    events, then each kernel of inductor's `plan`, one launch each."""
+    keys = [key for key, eager in events if key[1] == "optimizer" or key[2] != "memory" or eager]
+    for k in plan:
+        key = (f"inductor::{k['name']}", k["phase"], "memory", 0.0, 0.0, float(k["bytes"]), 1, ())
+        keys += [key] * k["launches"]
     return keys
-
-
-def _fused(events, chain: list[int], last_read: dict, first_seen: dict) -> tuple:
-    """One kernel for the chain of events `chain`: it reads each tensor it did not write itself
-    once, and writes once each tensor read after it or older than it (one launch)."""
-    if len(chain) == 1:
-        return events[chain[0]][0]
-    start, end = chain[0], chain[-1]
-    inputs, outputs, written = {}, {}, set()
-    for i in chain:
-        _, _, reads, writes = events[i]
-        for view, nbytes in reads:
-            if view[0] not in written:
-                inputs.setdefault(view, nbytes)
-        for view, nbytes in writes:
-            written.add(view[0])
-            older = first_seen[view[0]] < start or any(v[0] == view[0] for v in inputs)
-            if older or last_read.get(view[0], -1) > end:
-                outputs[view] = nbytes
-    nbytes = sum(inputs.values()) + sum(outputs.values())
-    return ("inductor::pointwise", events[start][0][1], "memory", 0.0, 0.0, nbytes, 1, ())
 
 
 def build_meta(build_model, arch: str, size: str, vocab: int, max_len: int, dtype, impl=None):

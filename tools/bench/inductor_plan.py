@@ -1,0 +1,292 @@
+"""Inductor's own kernels for one compiled training step on a GPU, planned on a machine without one.
+
+    python tools/bench/inductor_plan.py --arch bert --size base --length 256 --rows 64 --json -
+
+torch.compile's inductor splits a model's forward and backward into extern kernels (cuBLAS GEMMs,
+SDPA, our `shatter::` custom ops) and the Triton kernels it writes itself for everything else: its
+scheduler fuses pointwise ops into each other, into the reductions that read them (LayerNorm and
+its backward, the softmax of the loss) and side by side where they read the same tensors. Which
+ops land in which kernel is inductor's decision, and this module asks inductor for it rather than
+guessing it: the step is compiled on this machine's CPU with inductor's Triton backend for the CPU
+(`cpu_backend = "triton"`, the scheduler and code generator a CUDA device uses) against a CUDA
+sm_90 target, and nothing is executed on a GPU:
+
+- each Triton kernel inductor generates is recorded (not compiled), with the HBM bytes inductor
+  itself counts for it (`kernel_num_gb`, its `benchmark_kernel` metadata: every buffer it reads
+  or writes once); every launch of it in the forward or the backward is counted;
+- the extern kernels do not run: the GEMMs are no-ops, SDPA is an opaque op of the same shapes
+  (FlashAttention on a GPU: one extern kernel each way, as here), and each `shatter::` op returns
+  its fake impl's shapes. Values are garbage; only the plan is read.
+
+So the plan is real tensors of the step's real shapes (untouched memory: `empty` allocates pages
+it never writes) for seconds of CPU plus inductor's compile time (about a minute at base size).
+What a GPU would do differently: inductor's device-dependent heuristics (split reductions, block
+sizes) see the CPU's properties, and it keeps a GEMM's bias inside `addmm` on a CPU where on a GPU
+it may move it into the next pointwise kernel (the same bytes). The GEMMs, SDPA and custom ops are
+priced from the eager trace (tools/bench/step_trace.py), not from here.
+
+JSON: {"torch", "kernels": [{"name", "phase" (forward or backward), "bytes", "launches"}]}.
+
+`planned(...)` is the same from another process (the patches above change this process for
+good), cached per argument set, torch and triton version and the checkout's code in
+$SHATTER_PLAN_CACHE (default ~/.cache/shatter/inductor-plans): the first plan of a base-size
+step takes about a minute of CPU, a cached one milliseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import click
+import torch
+
+EXTERN_GEMMS = ("mm", "addmm", "bmm", "baddbmm")
+PREDICTED = 0.15  # the share of positions the MLM head decodes, as the eager trace takes it
+PHASE = {"now": "forward"}
+LAUNCHES: Counter = Counter()  # (kernel name, phase) -> launches
+BYTES: dict[str, float] = {}
+
+
+class _Planned:
+    """A generated Triton kernel, recorded instead of compiled: each run is one launch."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def run(self, *args, **kwargs) -> None:
+        LAUNCHES[self.name, PHASE["now"]] += 1
+
+
+def _record(self, kernel_name: str, source_code: str, device_str: str = "cuda") -> _Planned:
+    found = re.search(r"'kernel_num_gb': ([0-9.eE+-]+)", source_code)
+    if not found:
+        raise SystemExit(f"inductor_plan: kernel {kernel_name} has no kernel_num_gb metadata")
+    BYTES[kernel_name] = float(found.group(1)) * 1e9
+    return _Planned(kernel_name)
+
+
+def plan_for_gpu(capability: tuple[int, int] = (9, 0), flash: bool = True) -> None:
+    """Make inductor plan Triton kernels for a CUDA `capability` target from CPU tensors, recording
+    them instead of compiling them, and make the extern kernels no-ops (module doc); `flash`: SDPA
+    without a mask runs FlashAttention-2 (sm_80+), else the memory-efficient kernel. For this
+    process only, before it imports shatter's kernels: it changes inductor's and torch's state
+    for good, and takes our Triton ops' CPU path (TRITON_INTERPRET=1: never run, as stubbed)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch._inductor.async_compile as async_compile
+    import torch._inductor.config as inductor
+    import torch.utils._triton as torch_triton
+    from torch._inductor.select_algorithm import extern_kernels
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    torch_triton.triton_backend = functools.cache(
+        lambda: make_backend(GPUTarget("cuda", capability[0] * 10 + capability[1], 128))
+    )
+    async_compile.AsyncCompile.triton = _record
+    inductor.cpu_backend = "triton"
+    inductor.benchmark_kernel = True  # each kernel's source carries kernel_num_gb
+    inductor.compile_threads = 1
+    for name in EXTERN_GEMMS:
+        setattr(extern_kernels, name, lambda *args, out=None, **kwargs: out)
+    aten = torch.library.Library("aten", "IMPL")
+    _KEEP.append(aten)
+    _stub_sdpa(aten, flash)
+    _stub_custom_ops()
+    aten.impl("nonzero", _predicted_positions, "CPU")
+
+
+@torch.compiler.disable  # a kernel: Dynamo would compile it into kernels that do not run
+def _predicted_positions(mask: torch.Tensor) -> torch.Tensor:
+    """`nonzero` of the MLM head's bool index of predicted positions, whose values came from a
+    kernel that did not run: the first PREDICTED of its positions, as the eager trace counts them
+    (step_trace.StepTrace)."""
+    m = max(1, round(PREDICTED * mask.numel()))
+    flat = torch.arange(m)
+    return torch.stack(torch.unravel_index(flat, mask.shape), dim=1)
+
+
+SDPA_OPS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+)
+_KEEP: list = []  # the stubs' library registrations, alive for the process
+
+
+def _stub_sdpa(aten, flash: bool) -> None:
+    """SDPA as CUDA runs it (step_trace.gpu_sdpa: FlashAttention-2 or the memory-efficient
+    kernel, one extern kernel each way, its output laid out as that kernel's meta impl lays it
+    out), those aten ops given CPU kernels that return empty tensors of their meta shapes."""
+    from shatter.tools.bench.step_trace import gpu_sdpa
+
+    for name in SDPA_OPS:
+        aten.impl(name, _shaped_like_meta(getattr(torch.ops.aten, name).default), "CPU")
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        return gpu_sdpa(flash, q, k, v, attn_mask, dropout_p, is_causal, scale)
+
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+
+
+def _shaped_like_meta(op):
+    """A CPU kernel for `op`: its meta impl's outputs, as empty CPU tensors."""
+    from torch.utils._pytree import tree_map
+
+    def on_meta(t):
+        return t.to("meta") if isinstance(t, torch.Tensor) else t
+
+    @torch.compiler.disable
+    def kernel(*args, **kwargs):
+        out = op(*tree_map(on_meta, args), **tree_map(on_meta, kwargs))
+        return tree_map(_empty_cpu, out)
+
+    return kernel
+
+
+def _empty_cpu(t):
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+
+
+def _stub_custom_ops() -> None:
+    """Every `shatter::` custom op returns empty tensors of its fake impl's shapes on the CPU."""
+    import shatter.attention.rows  # noqa: F401 (registers the ops)
+    import shatter.attention.triton_kernel  # noqa: F401
+    import shatter.kernels.fused_attention  # noqa: F401
+    from shatter.kernels.cost import OP_SCHEMA
+
+    for qualname in OP_SCHEMA:
+        torch.library.register_kernel(qualname, "cpu", _shaped_like_fake(qualname))
+
+
+def _shaped_like_fake(qualname: str):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
+
+    op = getattr(torch.ops.shatter, qualname.split("::")[1])
+
+    @torch.compiler.disable
+    def kernel(*args, **kwargs):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            out = op(*args, **kwargs)
+        return tree_map(_empty_cpu, out)
+
+    return kernel
+
+
+def plan_step(model, length: int, rows: int, low: torch.dtype, padding=False) -> list[dict]:
+    """The Triton kernels inductor makes for one training step of `model` (built on the CPU) at
+    `rows` x `length` tokens in `low`, compiled as the trainer compiles it (`nn.Module.compile`),
+    with PREDICTED of its positions predicted and, with `padding`, an all-ones attention mask:
+    [{"name", "phase", "bytes", "launches"}]."""
+    from shatter.partition import relative_index
+
+    model = model.to(low).train()
+    # the state of a run's steps after its first, whose values no kernel here would make: the
+    # fp32 partition tables (step_trace.build_meta) and the relative-position index
+    for module in model.modules():
+        if hasattr(module, "exact_partition"):
+            module.exact_partition()
+    relative_index(length, model.config.max_len, torch.device("cpu"))
+    model.compile()
+    ids = torch.randint(5, 100, (rows, length))
+    labels = ids.clone()  # which are predicted is `_predicted_positions`' choice
+    mask = torch.ones(rows, length, dtype=torch.long) if padding else None
+    PHASE["now"] = "forward"
+    loss = model(ids, mask, labels)["loss"]
+    PHASE["now"] = "backward"
+    loss.backward()
+    return [
+        {"name": name, "phase": phase, "bytes": BYTES[name], "launches": n}
+        for (name, phase), n in LAUNCHES.items()
+    ]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _code_hash() -> str:
+    """A hash of the checkout's Python code (the model, the kernels, this tool)."""
+    h = hashlib.sha256()
+    for path in sorted(ROOT.glob("shatter/**/*.py")) + sorted(ROOT.glob("tools/**/*.py")):
+        h.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def planned(arch, size, length, rows, vocab, impl, low, flash, padding, capability) -> list[dict]:
+    """`plan_step`'s kernels for one step, made in a subprocess (`main`) or read from the cache
+    (module doc); a failure exits with its last line."""
+    import triton
+
+    args = ["--arch", arch, "--size", size, "--length", str(length), "--rows", str(rows)]
+    args += ["--vocab", str(vocab), "--dtype", str(low).removeprefix("torch.")]
+    args += ["--capability", "{}.{}".format(*capability), "--flash" if flash else "--no-flash"]
+    args += ["--impl", impl] * bool(impl) + ["--padding"] * padding
+    key = " ".join([torch.__version__, triton.__version__, _code_hash(), *args])
+    cache = Path(
+        os.environ.get("SHATTER_PLAN_CACHE", Path.home() / ".cache/shatter/inductor-plans")
+    )
+    path = cache / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+    if path.exists():
+        return json.loads(path.read_text())["kernels"]
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [sys.executable, "-m", "shatter.tools.bench.inductor_plan", *args, "--json", str(tmp)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_plan_env())
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"inductor_plan: {arch} at length {length} could not be planned: {last}")
+    tmp.replace(path)
+    return json.loads(path.read_text())["kernels"]
+
+
+def _plan_env() -> dict:
+    """The planning process's environment: this checkout first on its path, a private inductor
+    cache (FX graphs of CPU tensors with stubbed kernels are not a run's)."""
+    env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache/shatter/inductor-plan-fx"))
+    return env
+
+
+@click.command(help=__doc__.split("\n\n")[0])
+@click.option("--arch", required=True)
+@click.option("--size", default="base", show_default=True)
+@click.option("--length", type=int, required=True)
+@click.option("--rows", type=int, required=True)
+@click.option("--vocab", type=int, default=30000, show_default=True)
+@click.option("--impl", default=None, help="the single-head archs' attention_impl")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16"]), default="bfloat16")
+@click.option("--capability", default="9.0", show_default=True, help="the CUDA target")
+@click.option("--flash/--no-flash", default=True, show_default=True, help="SDPA's kernel")
+@click.option("--padding", is_flag=True, help="every batch passes its attention mask")
+@click.option("--json", "json_to", default="-", show_default=True, help="file, or - for stdout")
+def main(arch, size, length, rows, vocab, impl, dtype, capability, flash, padding, json_to):
+    import shatter
+
+    plan_for_gpu(tuple(int(x) for x in capability.split(".")), flash)
+    overrides = dict(vocab_size=vocab, max_len=max(length, 512))
+    if impl:
+        overrides["attention_impl"] = impl
+    model = shatter.build_model(f"{arch}-{size}", **overrides)
+    kernels = plan_step(model, length, rows, getattr(torch, dtype), padding)
+    text = json.dumps({"torch": torch.__version__, "kernels": kernels})
+    if json_to == "-":
+        sys.stdout.write(text + "\n")
+    else:
+        with open(json_to, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
