@@ -124,9 +124,13 @@ class PartitionBuffer:
     def exact_partition(self) -> torch.Tensor:
         table = self.partition
         if table.dtype != torch.float32:  # metadata only: no host sync
-            table = partition_table(*self._partition_args, device=table.device)
-            self.partition = table
+            table = self._rebuilt(table.device)
         return table
+
+    @torch.compiler.disable  # once a run, eagerly: Dynamo would trace the table's cache
+    def _rebuilt(self, device: torch.device) -> torch.Tensor:
+        self.partition = partition_table(*self._partition_args, device=device)
+        return self.partition
 
 
 def partition_mask(table: torch.Tensor, length: int) -> torch.Tensor:

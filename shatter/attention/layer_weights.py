@@ -246,10 +246,9 @@ def single_head_weights(blocks, bias: bool, value: bool) -> list[LayerWeights]:
     op each; computed in the parameters' dtype, given in autocast's (one cast for all layers)."""
     attention = [block.attention for block in blocks]
     weight = blocks[0].output.weight
+    dtype = matmul_dtype(weight)  # autocast's, asked before it is turned off
     with without_autocast(weight.device):
-        W_P, b_P, W_F = assembled_weights(
-            attention, [b.output for b in blocks], bias, value, matmul_dtype(weight)
-        )
+        W_P, b_P, W_F = assembled_weights(attention, [b.output for b in blocks], bias, value, dtype)
     return [LayerWeights({"projection": (w, b)}, f) for w, b, f in zip(W_P, b_P, W_F, strict=True)]
 
 

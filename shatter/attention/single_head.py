@@ -85,10 +85,9 @@ class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
     def projection(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's (W^P, b^P) alone (layer_weights.assembled_weights)."""
         weight = self.query.weight
+        dtype = matmul_dtype(weight)  # autocast's, asked before it is turned off
         with without_autocast(weight.device):
-            W_P, b_P, _ = assembled_weights(
-                [self], None, self.partition_bias, False, matmul_dtype(weight)
-            )
+            W_P, b_P, _ = assembled_weights([self], None, self.partition_bias, False, dtype)
         return W_P[0], b_P[0]
 
     def forward(

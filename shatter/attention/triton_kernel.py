@@ -102,7 +102,7 @@ def _grid(L, block, per_batch, half=0):
 
 def _delta_inside(X: torch.Tensor) -> bool:
     """Whether the dZ kernel makes δ itself on X's device (family.delta_inside); under
-    the interpreter, as on sm_80+ (the tests set it both ways)."""
+    the interpreter, as on sm_80 (the tests set it both ways)."""
     return delta_inside(_family(X.device.index) if X.is_cuda else None)
 
 

@@ -10,7 +10,8 @@ def family_of(capability: tuple[int, int]) -> int:
 
 def delta_inside(family: int | None) -> bool:
     """Whether the mixing backward's dZ kernel makes δ itself (no `delta_kernel` launch; X̄ and
-    dX̄ read once less): on the FMA family (sm_70), whose dZ configuration takes the prologue
-    without spilling (tools/bench/kernel_report.py); sm_80's spilled with it under Triton 3.6.
-    `family` None: the interpreter's, as on sm_80+."""
-    return family == 70
+    dX̄ read once less): on sm_90 and the FMA family (sm_70), whose dZ configurations take the
+    prologue without spilling under Triton 3.6 and 3.9 (tools/bench/kernel_report.py; on sm_90
+    in the registers the kernel used without it); sm_80's spilled with it under Triton 3.6.
+    `family` None: the interpreter's, as on sm_80 (the tests take both paths)."""
+    return family in (70, 90)

@@ -506,7 +506,7 @@ def delta_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch): DELTA = δ [B, L] of its rows (`_row_delta`). A launch of its
-    own on sm_80+ (`delta_inside`); on sm_70 the dZ kernel makes δ in its prologue."""
+    own on sm_80 (`delta_inside`); on sm_90 and sm_70 the dZ kernel makes δ in its prologue."""
     b = tl.program_id(1).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)

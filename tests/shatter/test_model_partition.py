@@ -125,6 +125,20 @@ def test_table_stays_fp32_under_a_bf16_deepspeed_engine():
         assert float(err) < 1e-6, lines[impl]
 
 
+def test_a_compiled_first_step_after_a_cast_rebuilds_the_table_without_a_dynamo_warning():
+    """A bf16 engine casts the model before its first compiled step: the table is rebuilt in
+    fp32 outside Dynamo's graph (which would trace its functools cache and warn the user)."""
+    import warnings
+
+    model = shatter.build_model("shatter-tiny", vocab_size=50, max_len=16).bfloat16()
+    x = torch.randint(0, 50, (2, 12))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="aot_eager")(x)
+    assert not [w.message for w in caught if "Dynamo" in str(w.message)]
+    assert model.encoder.layers[0].attention.partition.dtype == torch.float32
+
+
 @pytest.mark.parametrize("arch", ["part-mask", "shatter"])
 def test_table_is_rebuilt_after_a_module_wide_half(arch):
     model = shatter.build_model(f"{arch}-tiny", vocab_size=50, max_len=16).half()

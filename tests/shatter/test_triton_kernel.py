@@ -138,9 +138,9 @@ def test_two_programs_per_side_equal_naive(kernel, case, monkeypatch):
      ("shatter n=8", torch.float16)],
 )  # fmt: skip
 def test_delta_made_in_the_dz_kernel_equals_naive(case, dtype, monkeypatch):
-    """sm_70's backward (family.delta_inside): the dZ kernel makes δ in its prologue, with no
-    `delta_kernel` launch; values and gradients still equal naive's (sigmoid and softmax, the
-    part bias, a sequence of padding only, fp16)."""
+    """sm_90's and sm_70's backward (family.delta_inside): the dZ kernel makes δ in its
+    prologue, with no `delta_kernel` launch; values and gradients still equal naive's (sigmoid
+    and softmax, the part bias, a sequence of padding only, fp16)."""
     if not INTERPRET:
         pytest.skip("the compiled kernels take the path of the GPU they run on")
     from shatter.attention import triton_kernel
