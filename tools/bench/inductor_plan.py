@@ -216,9 +216,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _code_hash() -> str:
-    """A hash of the checkout's Python code (the model, the kernels, this tool)."""
+    """A hash of the code a plan depends on: the model package (its own files, not the linked
+    pipeline, train and tools), this tool and the SDPA choice it takes from step_trace."""
+    package = ROOT / "shatter"
+    files = [p for p in package.glob("**/*.py") if p.resolve().is_relative_to(package)]
+    files += [Path(__file__).resolve(), Path(__file__).resolve().with_name("step_trace.py")]
     h = hashlib.sha256()
-    for path in sorted(ROOT.glob("shatter/**/*.py")) + sorted(ROOT.glob("tools/**/*.py")):
+    for path in sorted(files):
         h.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
     return h.hexdigest()[:16]
 

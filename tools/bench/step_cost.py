@@ -322,7 +322,7 @@ def figures(archs, lengths, gpu_names, padding, run: Run = Run(), vocab=REPLAY_V
         for arch in archs:
             for L in lengths:
                 impl = shatter_impl(gpu, arch, run.size, L, run.tokens // L)
-                key = (gpu.low, gpu.flash, impl, arch, L)  # the A100 is the H100's
+                key = (gpu.low, gpu.flash, impl, arch, L, family_of(gpu.capability))
                 if key not in traces:
                     traces[key] = trace_here(
                         arch, L, replace(gpu, partition_impl=impl), run, padding, vocab
