@@ -4,8 +4,8 @@
 the profiler range EAGER, and `eager_region()` opens that range by hand (a custom autograd
 Function's backward, which autograd runs outside the compiled graphs when its forward ran
 outside them). Used where inductor would run the code worse than eager: a `cat` of many
-parameters, which inductor copies with one kernel per parameter (each layer's W^Q, W^K, W^V: 36
-launches for BERT-base) where CUDA's eager `cat` copies them all in one. torch.profiler shows
+parameters, which inductor copies with one kernel per parameter (each layer's W^Q, W^K, W^V and
+their biases: 72 launches a forward for BERT-base) where CUDA's eager `cat` copies them in one. torch.profiler shows
 the range by its name; tools/bench/step_trace.py reads it to price those kernels as eager ones
 in a compiled step.
 """

@@ -26,10 +26,10 @@ W^O as ever. The products' gradients are written by hand (`_Assembled`): each we
 once a forward and each gradient is one batched GEMM, where autograd through stack, cat and bmm
 copied the weights twice and added each gradient's two paths.
 
-Under torch.compile all of this runs eagerly (`layer_weights` is `@eager`, and the autograd
-Functions here mark their backward): inductor would copy each parameter of a `cat` with a kernel
-of its own (BERT-base's fused QKV: 72 launches a forward), where CUDA's eager `cat` copies them
-in one. Each Function returns every layer's weights as views and takes their gradients back as
+Under torch.compile `layer_weights` runs eagerly (`@eager`, and the autograd Functions here
+mark their backward): inductor would copy each parameter of a `cat` with a kernel of its own
+(BERT-base's fused QKV: 72 launches a forward, each layer's W^Q, W^K, W^V and their biases),
+where CUDA's eager `cat` copies them in one. Each Function returns every layer's weights as views and takes their gradients back as
 they are, so that nothing between it and the layers runs in autograd's own nodes.
 """
 
@@ -59,17 +59,12 @@ def layer_weights(blocks) -> list[LayerWeights]:
     return prepare(blocks)
 
 
-def _matmul_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The dtype autocast gives matmuls on `device` (`dtype` outside autocast)."""
-    kind = device.type
-    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return dtype
-
-
 def matmul_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype autocast gives matmuls of `t` (its own outside autocast)."""
-    return _matmul_dtype(t.device, t.dtype)
+    kind = t.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return t.dtype
 
 
 def without_autocast(device: torch.device):
@@ -236,11 +231,6 @@ def assembled_weights(attention: list, outputs: list | None, bias: bool, value: 
     return W_P, b_P, (W_F or None)
 
 
-def low_precision(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors in the dtype autocast gives matmuls (unchanged outside autocast)."""
-    return [x.to(matmul_dtype(x)) for x in tensors]
-
-
 def single_head_weights(blocks, bias: bool, value: bool) -> list[LayerWeights]:
     """The single-head layers' W^P, b^P and W^F (module docstring), every layer in one batched
     op each; computed in the parameters' dtype, given in autocast's (one cast for all layers)."""
@@ -257,7 +247,6 @@ __all__ = [
     "assembled_weights",
     "interleaved",
     "layer_weights",
-    "low_precision",
     "matmul_dtype",
     "single_head_weights",
     "without_autocast",

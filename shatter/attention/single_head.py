@@ -50,14 +50,6 @@ if TYPE_CHECKING:  # annotations only: shatter.config reads this registry
     from shatter.config import ModelConfig
 
 
-def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype autocast gives x's matmuls (x's own outside autocast)."""
-    device = x.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return x.dtype
-
-
 class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
     """The shared form; subclasses only choose the activation and which uses of R they have."""
 
@@ -98,7 +90,7 @@ class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
     ) -> torch.Tensor:
         """The context [X̄ | A_part | 0] ([B, L, context_width]) for the block's folded W^O. `projection`:
         this layer's (W^P, b^P) from `prepare` (made here when not given)."""
-        X = x_BLD.to(_matmul_dtype(x_BLD))  # the keys (K = X), cast once: bf16 under autocast
+        X = x_BLD.to(matmul_dtype(x_BLD))  # the keys (K = X), cast once: bf16 under autocast
         if projection is None:
             projection = self.projection()
         P, K = project_with_keys(X, *projection)  # [Q | V | c] in one GEMM; K = X (§3.2-3.3)

@@ -30,13 +30,16 @@ JSON: {"torch", "kernels": [{"name", "phase" (forward or backward), "bytes", "la
 `planned(...)` is the same from another process (the patches above change this process for
 good), cached per argument set, torch and triton version and the checkout's code in
 $SHATTER_PLAN_CACHE (default ~/.cache/shatter/inductor-plans): the first plan of a base-size
-step takes about a minute of CPU, a cached one milliseconds.
+step takes about 40 s of CPU, a cached one milliseconds. Inductor's and Triton's own environment
+variables (TORCHINDUCTOR_*, TRITON_*) are not in the key: a plan made under other settings of
+them is not made again.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -230,6 +233,11 @@ def _code_hash() -> str:
 def planned(arch, size, length, rows, vocab, impl, low, flash, padding, capability) -> list[dict]:
     """`plan_step`'s kernels for one step, made in a subprocess (`main`) or read from the cache
     (module doc); a failure exits with its last line."""
+    if importlib.util.find_spec("triton") is None:
+        raise SystemExit(
+            "inductor_plan: the compiled figures are inductor's Triton plan, and triton is not "
+            "installed: pip install triton (or read the eager figures: --eager)"
+        )
     import triton
 
     args = ["--arch", arch, "--size", size, "--length", str(length), "--rows", str(rows)]
@@ -244,6 +252,10 @@ def planned(arch, size, length, rows, vocab, impl, low, flash, padding, capabili
     if path.exists():
         return json.loads(path.read_text())["kernels"]
     cache.mkdir(parents=True, exist_ok=True)
+    print(
+        f"inductor_plan: planning {arch} at length {length} (about 40 s at base size)",
+        file=sys.stderr,
+    )
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     cmd = [sys.executable, "-m", "shatter.tools.bench.inductor_plan", *args, "--json", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=_plan_env())
@@ -256,10 +268,11 @@ def planned(arch, size, length, rows, vocab, impl, low, flash, padding, capabili
 
 def _plan_env() -> dict:
     """The planning process's environment: this checkout first on its path, a private inductor
-    cache (FX graphs of CPU tensors with stubbed kernels are not a run's)."""
+    cache (FX graphs of CPU tensors with stubbed kernels are not a run's), and Triton's FP
+    fusion default said (Triton 3.9 warns where it is unset; the kernels are not compiled)."""
     env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache/shatter/inductor-plan-fx"))
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(Path.home() / ".cache/shatter/inductor-plan-fx")
     return env
 
 

@@ -268,11 +268,8 @@ def trace_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int):
     """This checkout's model, traced with the GPU's precision, SDPA kernel and Shatter impl, at
     the run's tokens per GPU and world size."""
     import shatter
-    from shatter.attention import ATTENTIONS, SingleHeadPartitionAttention
 
-    impl = (
-        gpu.partition_impl if issubclass(ATTENTIONS[arch], SingleHeadPartitionAttention) else None
-    )
+    impl = _attention_impl(arch, gpu)
     model = build_meta(shatter.build_model, arch, run.size, vocab, max(length, 512), gpu.low, impl)
     rows = run.tokens // length
     try:
@@ -292,13 +289,18 @@ def trace_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int):
 def plan_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int) -> list[dict]:
     """Inductor's kernels for this checkout's step, as `trace_here` traces it
     (tools/bench/inductor_plan.py)."""
+    return planned(
+        arch, run.size, length, run.tokens // length, vocab, _attention_impl(arch, gpu),
+        gpu.low, gpu.flash, padding, gpu.capability,
+    )  # fmt: skip
+
+
+def _attention_impl(arch: str, gpu: Gpu) -> str | None:
+    """The GPU's attention impl for the single-head archs (None for the others)."""
     from shatter.attention import ATTENTIONS, SingleHeadPartitionAttention
 
     single = issubclass(ATTENTIONS[arch], SingleHeadPartitionAttention)
-    return planned(
-        arch, run.size, length, run.tokens // length, vocab, gpu.partition_impl if single else None,
-        gpu.low, gpu.flash, padding, gpu.capability,
-    )  # fmt: skip
+    return gpu.partition_impl if single else None
 
 
 def priced(rows: list[dict], gpu: Gpu, run: Run, tokens: int) -> dict:

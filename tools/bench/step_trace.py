@@ -21,7 +21,7 @@ base-size step traces in seconds on a CPU:
 A TorchDispatchMode records every ATen op (and every custom op) with its executed FLOPs and the
 HBM bytes it reads and writes (a tensor's bytes over its dimensions of non-zero stride, so a
 broadcast operand counts once; an output that aliases an input is a view: no kernel, no bytes),
-in order, with the storages it reads and writes. What a GPU would do differently from the meta
+in order, and whether it runs outside torch.compile's graphs. What a GPU would do differently from the meta
 device is emulated above the dispatcher, in a TorchFunctionMode:
 
 - CUDA autocast (torch's documented op lists: GEMMs and SDPA in the low precision; softmax, sums,
@@ -70,12 +70,11 @@ SDPA = {
     "_scaled_dot_product_efficient_attention": "efficient",
     "_scaled_dot_product_efficient_attention_backward": "efficient",
 }
-# Ops that launch no kernel: allocation without a fill, metadata
-EAGER = (
-    "shatter::eager"  # shatter.eager.EAGER (read by value: this module imports no project module)
-)
+# shatter.eager.EAGER, read by value: this module imports no project module
+EAGER = "shatter::eager"
 PROFILER_RANGES = ("_record_function_enter_new", "_record_function_exit")
 INDEX_OPS = ("index", "index_put", "index_put_", "_index_put_impl_")
+# Ops that launch no kernel: allocation without a fill, metadata
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
              "alias", "lift_fresh", "_unsafe_view", "_local_scalar_dense", "sym_size", "sym_stride", "is_same_size",
              "_to_copy_noop"}  # fmt: skip
@@ -163,6 +162,7 @@ class StepTrace(TorchDispatchMode):
         self.phase = "forward"
         self.events: list[tuple] = []  # (key, eager)
         self.regions: list[bool] = []  # the open profiler ranges: each EAGER or not
+        self.bool_indexed = 0  # bool indexes of the forward whose backward is still to come
         self.custom, self.custom_model_flops = _custom_costs(family)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -176,7 +176,10 @@ class StepTrace(TorchDispatchMode):
         eager = any(self.regions)
         if name in INDEX_OPS:
             args, by_bool = self._bool_index(args)
-            eager = eager or by_bool or (self.phase == "backward" and name != "index")
+            self.bool_indexed += by_bool and self.phase == "forward"
+            backward = self.phase == "backward" and name != "index" and self.bool_indexed > 0
+            self.bool_indexed -= backward  # each bool index's backward: one index_put
+            eager = eager or by_bool or backward
         out = func(*args, **kwargs)
         if name not in NO_KERNEL and not _is_view(func):
             self.record(func, name, args, kwargs, out, eager)
