@@ -187,7 +187,7 @@ def test_compiled_step_keeps_externs_eager_ops_and_the_optimizer_and_takes_induc
 
 
 def _plan(arch, impl=None, flash=True, low=torch.bfloat16):
-    return planned(arch, "tiny", LENGTH, ROWS, REPLAY_VOCAB, impl, low, flash, False, (9, 0))
+    return planned(arch, "tiny", LENGTH, ROWS, REPLAY_VOCAB, 512, impl, low, flash, False, (9, 0))
 
 
 def _launches(plan, phase, *words):

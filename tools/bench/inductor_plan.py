@@ -14,12 +14,14 @@ sm_90 target, and nothing is executed on a GPU:
 - each Triton kernel inductor generates is recorded (not compiled), with the HBM bytes inductor
   itself counts for it (`kernel_num_gb`, its `benchmark_kernel` metadata: every buffer it reads
   or writes once); every launch of it in the forward or the backward is counted;
-- the extern kernels do not run: the GEMMs are no-ops, SDPA is an opaque op of the same shapes
-  (FlashAttention on a GPU: one extern kernel each way, as here), and each `shatter::` op returns
-  its fake impl's shapes. Values are garbage; only the plan is read.
+- the extern kernels do not run: the GEMMs are no-ops; SDPA is the aten op CUDA runs
+  (FlashAttention-2, or the memory-efficient kernel: step_trace.gpu_sdpa), one extern kernel
+  each way, and it and each `shatter::` op return empty tensors of their fake impl's shapes;
+  the MLM head's `nonzero` gives PREDICTED of the positions. Values are garbage; only the plan is
+  read.
 
 So the plan is real tensors of the step's real shapes (untouched memory: `empty` allocates pages
-it never writes) for seconds of CPU plus inductor's compile time (about a minute at base size).
+it never writes) for seconds of CPU plus inductor's compile time (about 40 s at base size).
 What a GPU would do differently: inductor's device-dependent heuristics (split reductions, block
 sizes) see the CPU's properties, and it keeps a GEMM's bias inside `addmm` on a CPU where on a GPU
 it may move it into the next pointwise kernel (the same bytes). The GEMMs, SDPA and custom ops are
@@ -128,31 +130,16 @@ _KEEP: list = []  # the stubs' library registrations, alive for the process
 def _stub_sdpa(aten, flash: bool) -> None:
     """SDPA as CUDA runs it (step_trace.gpu_sdpa: FlashAttention-2 or the memory-efficient
     kernel, one extern kernel each way, its output laid out as that kernel's meta impl lays it
-    out), those aten ops given CPU kernels that return empty tensors of their meta shapes."""
+    out), those aten ops given CPU kernels that return empty tensors of their shapes."""
     from shatter.tools.bench.step_trace import gpu_sdpa
 
     for name in SDPA_OPS:
-        aten.impl(name, _shaped_like_meta(getattr(torch.ops.aten, name).default), "CPU")
+        aten.impl(name, _shaped_stub(getattr(torch.ops.aten, name).default), "CPU")
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
         return gpu_sdpa(flash, q, k, v, attn_mask, dropout_p, is_causal, scale)
 
     torch.nn.functional.scaled_dot_product_attention = sdpa
-
-
-def _shaped_like_meta(op):
-    """A CPU kernel for `op`: its meta impl's outputs, as empty CPU tensors."""
-    from torch.utils._pytree import tree_map
-
-    def on_meta(t):
-        return t.to("meta") if isinstance(t, torch.Tensor) else t
-
-    @torch.compiler.disable
-    def kernel(*args, **kwargs):
-        out = op(*tree_map(on_meta, args), **tree_map(on_meta, kwargs))
-        return tree_map(_empty_cpu, out)
-
-    return kernel
 
 
 def _empty_cpu(t):
@@ -169,16 +156,16 @@ def _stub_custom_ops() -> None:
     from shatter.kernels.cost import OP_SCHEMA
 
     for qualname in OP_SCHEMA:
-        torch.library.register_kernel(qualname, "cpu", _shaped_like_fake(qualname))
+        op = getattr(torch.ops.shatter, qualname.split("::")[1])
+        torch.library.register_kernel(qualname, "cpu", _shaped_stub(op))
 
 
-def _shaped_like_fake(qualname: str):
+def _shaped_stub(op):
+    """A CPU kernel for `op`: empty tensors of its fake impl's outputs (shapes, strides, dtypes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_map
 
-    op = getattr(torch.ops.shatter, qualname.split("::")[1])
-
-    @torch.compiler.disable
+    @torch.compiler.disable  # a kernel: Dynamo would compile it into kernels that do not run
     def kernel(*args, **kwargs):
         with FakeTensorMode(allow_non_fake_inputs=True):
             out = op(*args, **kwargs)
@@ -230,7 +217,9 @@ def _code_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def planned(arch, size, length, rows, vocab, impl, low, flash, padding, capability) -> list[dict]:
+def planned(
+    arch, size, length, rows, vocab, max_len, impl, low, flash, padding, capability
+) -> list[dict]:
     """`plan_step`'s kernels for one step, made in a subprocess (`main`) or read from the cache
     (module doc); a failure exits with its last line."""
     if importlib.util.find_spec("triton") is None:
@@ -241,7 +230,8 @@ def planned(arch, size, length, rows, vocab, impl, low, flash, padding, capabili
     import triton
 
     args = ["--arch", arch, "--size", size, "--length", str(length), "--rows", str(rows)]
-    args += ["--vocab", str(vocab), "--dtype", str(low).removeprefix("torch.")]
+    args += ["--vocab", str(vocab), "--max-len", str(max_len)]
+    args += ["--dtype", str(low).removeprefix("torch.")]
     args += ["--capability", "{}.{}".format(*capability), "--flash" if flash else "--no-flash"]
     args += ["--impl", impl] * bool(impl) + ["--padding"] * padding
     key = " ".join([torch.__version__, triton.__version__, _code_hash(), *args])
@@ -282,17 +272,20 @@ def _plan_env() -> dict:
 @click.option("--length", type=int, required=True)
 @click.option("--rows", type=int, required=True)
 @click.option("--vocab", type=int, default=30000, show_default=True)
+@click.option("--max-len", type=int, default=512, show_default=True, help="the model's max_len")
 @click.option("--impl", default=None, help="the single-head archs' attention_impl")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16"]), default="bfloat16")
 @click.option("--capability", default="9.0", show_default=True, help="the CUDA target")
 @click.option("--flash/--no-flash", default=True, show_default=True, help="SDPA's kernel")
 @click.option("--padding", is_flag=True, help="every batch passes its attention mask")
 @click.option("--json", "json_to", default="-", show_default=True, help="file, or - for stdout")
-def main(arch, size, length, rows, vocab, impl, dtype, capability, flash, padding, json_to):
+def main(
+    arch, size, length, rows, vocab, max_len, impl, dtype, capability, flash, padding, json_to
+):
     import shatter
 
     plan_for_gpu(tuple(int(x) for x in capability.split(".")), flash)
-    overrides = dict(vocab_size=vocab, max_len=max(length, 512))
+    overrides = dict(vocab_size=vocab, max_len=max_len)
     if impl:
         overrides["attention_impl"] = impl
     model = shatter.build_model(f"{arch}-{size}", **overrides)

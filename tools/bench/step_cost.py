@@ -39,8 +39,8 @@ model under torch.compile as inductor runs it, from inductor's own plan of the s
 for a CUDA target, which kernels it makes, with the bytes it counts for each): its Triton kernels
 replace the forward's and backward's ops it compiles, while the GEMMs, SDPA and the custom ops
 (its extern kernels), the ops outside the compiled graphs (`shatter.eager`'s ranges, the MLM
-head's boolean index) and the DeepSpeed optimizer step are as in eager. The first plan of a
-base-size step takes about a minute of CPU (cached: SHATTER_PLAN_CACHE). The compiled figures
+head's boolean index) and the DeepSpeed optimizer step are as in eager. Each plan of a
+base-size step takes about 40 s of CPU (cached: SHATTER_PLAN_CACHE). The compiled figures
 are the main ones, as a GPU run compiles unless told not to (`run.compile` unset: on a GPU,
 shatter/train/compiling.py); `--eager` (or the config's `run.compile: false`) makes the eager
 figures the main ones.
@@ -270,7 +270,7 @@ def trace_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int):
     import shatter
 
     impl = _attention_impl(arch, gpu)
-    model = build_meta(shatter.build_model, arch, run.size, vocab, max(length, 512), gpu.low, impl)
+    model = build_meta(shatter.build_model, arch, run.size, vocab, _max_len(length), gpu.low, impl)
     rows = run.tokens // length
     try:
         return trace_step(
@@ -290,9 +290,14 @@ def plan_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int) -> li
     """Inductor's kernels for this checkout's step, as `trace_here` traces it
     (tools/bench/inductor_plan.py)."""
     return planned(
-        arch, run.size, length, run.tokens // length, vocab, _attention_impl(arch, gpu),
-        gpu.low, gpu.flash, padding, gpu.capability,
+        arch, run.size, length, run.tokens // length, vocab, _max_len(length),
+        _attention_impl(arch, gpu), gpu.low, gpu.flash, padding, gpu.capability,
     )  # fmt: skip
+
+
+def _max_len(length: int) -> int:
+    """The traced model's max_len: the presets' 512, or the length where it is longer."""
+    return max(length, 512)
 
 
 def _attention_impl(arch: str, gpu: Gpu) -> str | None:
