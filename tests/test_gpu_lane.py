@@ -132,7 +132,7 @@ def dry_run(call: str, out: Path, *args: str) -> list[tuple[int, str]]:
     return [(int(box), command) for box, command in steps]
 
 
-@pytest.mark.parametrize("call", ["kernels", "bench", "jobs", "science", "host", "all"])
+@pytest.mark.parametrize("call", ["kernels", "bench", "jobs", "science", "host", "measure", "all"])
 def test_each_call_fits_ten_minutes_with_tests_timed_out_inside_their_box(tmp_path, call):
     steps = dry_run(call, tmp_path, "-k", "x")
     assert sum(box for box, _ in steps) <= 540, steps

@@ -16,6 +16,10 @@
 #             and the `triton` attention's host cost and kernels, then bench_train's (compiled)
 #             trainer against its bare step, under py-spy (wheels.sh brings
 #             it; the raw stacks come back gzipped)
+#   measure   tools/bench/step_measure.py: the step of bert and shatter at l = 256 and 1024, eager
+#             and compiled, beside step_cost.py's model of it (runs/modelled.json, made here by
+#             `step_cost.py --gpus H100,H200 --json runs/modelled.json` and carried), with the
+#             profiler's split; then bench_train's trainer against its bare step
 #   science   tools/reproduce.py science --scale gpu-small on the carried dataset .science/
 #             (make science-data): bert-small against shatter-small, extended to twice the length
 #   all       (the default) the base-shape kernels, the three benchmarks, the jobs: 9 minutes
@@ -50,10 +54,11 @@ case $MODE in
   jobs) PLAN="env:90 jobs:450" ;;
   science) PLAN="env:90 science:450" ;;
   host) PLAN="env:90 host_step:150 host_op:80 host_train:220" ;;
+  measure) PLAN="env:90 measure:360 trainer:90" ;;
   all) PLAN="env:90 kernel_base:80 bench_kernel:90 bench_model:70 bench_train:70 jobs:140" ;;
   rehearse) exec bash .ci/gpu/rehearse.sh "$@" ;;
   --env-step) ;;
-  *) echo "run.sh: error: unknown call '$MODE' (kernels, bench, jobs, science, host, all or rehearse) in $0" >&2; exit 2 ;;
+  *) echo "run.sh: error: unknown call '$MODE' (kernels, bench, jobs, science, host, measure, all or rehearse) in $0" >&2; exit 2 ;;
 esac
 ((REHEARSE)) && [ "$MODE" = kernels ] && PLAN="$PLAN kernel_report:200"
 if [ "$MODE" != --env-step ]; then # this call's files only: an earlier call's are not counted
@@ -235,11 +240,15 @@ KERNEL_ENV=()
 DEVICE=cuda BENCH_SIZE=base BENCH_STEPS=20 JOB_WORKERS=4 KERNEL_WORKERS=8
 MODEL_ARGS=(--lengths 512,1024,2048 --batch-tokens 16384)
 HOST_ARGS=(--size base --compile shatter)
+MEASURE_ARGS=(--json "$OUT/measured.json")
+TRAINER_ARGS=(--sizes base --micro-batch 64 --steps 10)
 JOBS=(tests/train/test_gpu.py tests/finetune/test_gpu.py)
 if ((REHEARSE)); then
   DEVICE=cpu BENCH_SIZE=tiny BENCH_STEPS=2 JOB_WORKERS=2 KERNEL_WORKERS=2
   MODEL_ARGS=(--size tiny --lengths 128 --batch-tokens 512 --repeats 1)
   HOST_ARGS=(--size tiny --micro-batch 2 --seq-len 64 --steps 2 --compile shatter)
+  MEASURE_ARGS+=(--device cpu --size tiny --tokens 256 --lengths 64 --steps 2 --warmup 2)
+  TRAINER_ARGS=(--sizes tiny --micro-batch 2 --steps 2)
   # one case of each job test: what the rehearsal checks is the lane's environment (imports,
   # console scripts, launchers, paths); the CPU suite covers every ZeRO stage on CPU ranks
   JOBS=(-k "not (memory and (bf16-0 or bf16-1 or bf16-2)) and not zero_0_1_3[0] and not zero_0_1_3[3]"
@@ -271,6 +280,10 @@ for item in $PLAN; do
     else SUMMARY+=("host_op: not rehearsed (it times CUDA kernels)"); fi ;;
     host_train) spied host_train "$PY" tools/bench/bench_train.py --device "$DEVICE" --precision bf16 \
       --vs-bare --sizes "$BENCH_SIZE" --archs bert,shatter --micro-batch 64 --steps "$BENCH_STEPS" ;;
+    measure) step measure "$PY" tools/bench/step_measure.py "${MEASURE_ARGS[@]}" \
+      $([ -f runs/modelled.json ] && echo --modelled runs/modelled.json) ;;
+    trainer) step trainer "$PY" tools/bench/bench_train.py --device "$DEVICE" --precision bf16 \
+      --vs-bare --archs bert,shatter "${TRAINER_ARGS[@]}" ;;
     jobs) pytest_step jobs 150 "$JOB_WORKERS" -m gpu "${JOBS[@]}" "$@" ;;
     science) if [ -f .science/l128/index.json ] || [ "$DRY" = 1 ]; then
       step science "$PY" tools/reproduce.py science "${SCIENCE_ARGS[@]}"

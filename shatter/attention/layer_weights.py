@@ -59,17 +59,27 @@ def layer_weights(blocks) -> list[LayerWeights]:
     return prepare(blocks)
 
 
+# Devices with autocast, asked without a call: torch 2.11's Dynamo cannot trace
+# torch.amp.is_autocast_available (a graph break in every layer's forward, whose resumed frame
+# then recompiles each step until the recompile limit)
+AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+def has_autocast(kind: str) -> bool:
+    return kind in AUTOCAST_DEVICES or torch.amp.is_autocast_available(kind)
+
+
 def matmul_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype autocast gives matmuls of `t` (its own outside autocast)."""
     kind = t.device.type
-    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+    if has_autocast(kind) and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return t.dtype
 
 
 def without_autocast(device: torch.device):
     """A region where `device`'s autocast is off (nothing to turn off where it has none)."""
-    if torch.amp.is_autocast_available(device.type):
+    if has_autocast(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
 

@@ -1,0 +1,310 @@
+"""The training step measured on this GPU beside tools/bench/step_cost.py's model of it, with the
+profiler's split of the GPU's time into the model's groups.
+
+    python tools/bench/step_cost.py --gpus H200 --json modelled.json     # on any machine
+    python tools/bench/step_measure.py --modelled modelled.json --gpu H200  # on the GPU
+
+Each (arch, length, mode) runs the step step_cost.py models, on real tensors: base size,
+vocabulary 30,000, 16,384 tokens of full rows (no attention mask: SDPA's flash kernel), the
+model's weights in bf16 as DeepSpeed's bf16 mode keeps them, and ZeRO-1's optimizer step on one
+rank (`Zero1`: every gradient copied into a flat bf16 bucket, made fp32, its norm, one fused
+AdamW over the flat fp32 master, the master copied back into the flat bf16 parameters). `eager`
+runs the model as it is; `compiled` compiles it as the trainer does (shatter/train/compiling.py).
+
+Printed per row: ms a step (median of --steps after warm-up) beside the model's, and the
+profiler's CUDA time a step per group beside the model's split:
+    GEMMs        kernels named as cuBLAS's (gemm, nvjet, cutlass, xmma) outside the groups below
+    attention    every kernel launched inside an SDPA op or a `shatter::` custom op
+    elementwise  every other kernel of the forward and backward, copies and memsets included
+    optimizer    every kernel launched inside the optimizer step
+    gaps         the step's (unprofiled) wall time that no kernel filled (the model's "launches")
+and the kernels a step, measured and modelled. Then Shatter / BERT per length and mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+GROUPS = ("gemm", "attention", "elementwise", "optimizer", "gaps")
+MODEL_GROUPS = {"gemm": "gemm", "attention": "attention", "elementwise": "elementwise"}
+MODEL_GROUPS |= {"optimizer": "optimizer", "gaps": "launches"}
+GEMM_NAMES = re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)
+ATTENTION_OPS = re.compile(r"^shatter::|flash_attention|efficient_attention|cudnn_attention")
+OPTIMIZER_RANGE = "step_measure::optimizer"
+TOP = 15  # kernels listed per contender, by GPU time
+
+
+class Zero1:
+    """DeepSpeed's ZeRO-1 step on one rank, as step_trace.zero1_step traces it, on real
+    buffers: the parameters are views of one flat low-precision buffer."""
+
+    def __init__(self, model: torch.nn.Module, lr: float = 1e-4):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in self.params)
+        dev, low = self.params[0].device, self.params[0].dtype
+        self.flat = torch.empty(numel, dtype=low, device=dev)
+        self.bucket = torch.empty(numel, dtype=low, device=dev)
+        offset = 0
+        for p in self.params:
+            self.flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.master = self.flat.float()
+        self.m, self.v = torch.zeros_like(self.master), torch.zeros_like(self.master)
+        self.step_count = torch.zeros((), device=dev)
+        self.lr = lr
+
+    def step(self) -> None:
+        offset = 0
+        for p in self.params:
+            self.bucket[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            offset += p.numel()
+            p.grad = None
+        grad = self.bucket.float()
+        norm = torch.linalg.vector_norm(grad)
+        grad.mul_(torch.where(torch.isfinite(norm), 1.0, 0.0))  # the overflow test, no sync
+        self.step_count += 1
+        torch._fused_adamw_(
+            [self.master], [grad], [self.m], [self.v], [], [self.step_count], lr=self.lr,
+            beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False,
+        )  # fmt: skip
+        self.flat.copy_(self.master)
+
+
+def batch(rows: int, length: int, vocab: int, seed: int, device: str):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (rows, length), generator=g)
+    labels = torch.where(torch.rand(rows, length, generator=g) < 0.15, ids, -100)
+    return ids.to(device), labels.to(device)
+
+
+def build(arch: str, length: int, args, compiled: bool):
+    """The model of `arch` in bf16 on the device (compiled as the trainer compiles it) and its
+    ZeRO-1 optimizer."""
+    import shatter
+    from shatter.tools.bench.step_cost import _max_len
+    from shatter.train.compiling import compile_model
+
+    torch.manual_seed(0)
+    model = shatter.build_model(
+        f"{arch}-{args.size}", vocab_size=args.vocab, max_len=_max_len(length)
+    )
+    model = model.to(device=args.device, dtype=torch.bfloat16).train()
+    opt = Zero1(model)
+    if compiled:
+        compile_model(model)
+    return model, opt
+
+
+def step_fn(model, opt, batches):
+    def step():
+        ids, labels = next(batches)
+        model(ids, None, labels)["loss"].backward()
+        with torch.profiler.record_function(OPTIMIZER_RANGE):
+            opt.step()
+
+    return step
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(step, steps: int, device: str) -> float:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def profiled(step, steps: int, device: str) -> dict:
+    """The profiler's kernels over `steps` steps: ms a step per group, kernels a step, the wall
+    ms a step under the profiler, and the kernels of most GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(device)
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    split = split_kernels(events)
+    out = {g: split[g] / 1e3 / steps for g in GROUPS if g != "gaps"}
+    out["kernels"] = split["kernels"] / steps
+    out["wall"] = wall
+    top = sorted(split["by_name"].items(), key=lambda kv: -kv[1][0])[:TOP]
+    out["top"] = [[name, group, t / steps, n / steps] for (name, group), (t, n) in top]
+    return out
+
+
+def split_kernels(events: list[dict]) -> dict:
+    """µs of GPU time per group and the kernel count, from a chrome trace's events: a kernel's
+    group is the range its launch (matched by correlation id) sits in, else its name's."""
+    ranges = []  # (start, end, group) of the CPU ranges that decide a kernel's group
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("cpu_op", "user_annotation"):
+            continue
+        name = e.get("name", "")
+        group = "optimizer" if name == OPTIMIZER_RANGE else None
+        if group is None and ATTENTION_OPS.search(name):
+            group = "attention"
+        if group:
+            ranges.append((e["ts"], e["ts"] + e.get("dur", 0), group))
+    launches = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = e["ts"]
+    split = dict.fromkeys(GROUPS, 0.0) | {"kernels": 0, "by_name": {}}
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        at = launches.get(e.get("args", {}).get("correlation"))
+        inside = [g for s, t, g in ranges if at is not None and s <= at <= t]
+        group = "optimizer" if "optimizer" in inside else (inside[0] if inside else None)
+        if group is None:
+            group = "gemm" if GEMM_NAMES.search(e.get("name", "")) else "elementwise"
+        split[group] += e.get("dur", 0)
+        split["kernels"] += 1
+        key = (e.get("name", "?")[:90], group)
+        total, count = split["by_name"].get(key, (0.0, 0))
+        split["by_name"][key] = (total + e.get("dur", 0), count + 1)
+    return split
+
+
+def measure(arch: str, length: int, mode: str, args) -> dict:
+    torch._dynamo.reset()
+    model, opt = build(arch, length, args, mode == "compiled")
+    rows = args.tokens // length
+    data = [batch(rows, length, args.vocab, seed, args.device) for seed in range(4)]
+    step = step_fn(model, opt, iter(data * 10_000))
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):  # compiles (every mask count's graphs) and autotunes
+        step()
+    sync(args.device)
+    first = time.perf_counter() - t0
+    ms = timed(step, args.steps, args.device)
+    prof = profiled(step, 3, args.device)
+    prof["gaps"] = max(ms - sum(prof[g] for g in GROUPS if g != "gaps"), 0.0)  # unprofiled wall
+    del model, opt
+    return {"ms": ms, "tokens_per_s": rows * length / ms * 1e3, "warmup_s": first, **prof}
+
+
+def modelled_of(path: str | None, gpu: str) -> dict:
+    """step_cost.py's figures for `gpu` from its --json file ({} without one)."""
+    if not path:
+        return {}
+    try:
+        figures = json.loads(Path(path).read_text())["figures"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"step_measure: cannot read step_cost's JSON {path} ({e})") from None
+    if gpu not in figures:
+        raise SystemExit(
+            f"step_measure: {path} models {', '.join(figures)}, not the {gpu}: run "
+            f"tools/bench/step_cost.py --gpus {gpu} --json {path}"
+        )
+    return figures[gpu]
+
+
+def row(arch: str, length: int, mode: str, m: dict, model: dict | None) -> str:
+    """One table row: each measured figure, then the model's beside it ("-" without one)."""
+
+    def pair(measured: float, modelled: float | None, fmt: str = "{:.2f}") -> str:
+        return fmt.format(measured) + " / " + ("-" if modelled is None else fmt.format(modelled))
+
+    split = (model or {}).get("split_ms", {})
+    cells = [arch, str(length), mode, pair(m["ms"], model and model["ms_per_step"], "{:.1f}")]
+    cells += [f"{m['tokens_per_s'] / 1e3:.0f}k"]
+    cells += [pair(m[g], split.get(MODEL_GROUPS[g])) for g in GROUPS]
+    cells += [pair(m["kernels"], model and model["kernels"], "{:.0f}"), f"{m['warmup_s']:.0f}"]
+    return "| " + " | ".join(cells) + " |"
+
+
+HEAD = ["arch", "l", "mode", "ms/step", "tokens/s", "GEMMs ms", "attention ms", "elementwise ms"]
+HEAD += ["optimizer ms", "gaps ms", "kernels", "warm-up s"]
+
+
+def ratios(results: dict, modelled: dict) -> None:
+    """Shatter / BERT, measured and modelled, per length and mode."""
+    for (arch, length, mode), m in results.items():
+        bert = results.get(("bert", length, mode))
+        if arch == "bert" or not bert:
+            continue
+        model = modelled.get(arch, {}).get(str(length), {}).get(mode, {})
+        said = f" (modelled {model['ratio_to_bert']:.3f})" if model.get("ratio_to_bert") else ""
+        print(f"{arch} / bert, l = {length}, {mode}: {m['ms'] / bert['ms']:.3f}{said}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--archs", default="bert,shatter")
+    parser.add_argument("--lengths", default="256,1024")
+    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens a step (full rows)")
+    parser.add_argument("--vocab", type=int, default=30000)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (median)")
+    parser.add_argument("--warmup", type=int, default=6, help="untimed steps first (compiling)")
+    parser.add_argument("--modelled", help="step_cost.py's --json file, for the model's figures")
+    parser.add_argument(
+        "--gpu", help="the modelled GPU (default: this one's name: H100, H200, A100)"
+    )
+    parser.add_argument("--json", help="write the measured figures here")
+    parser.add_argument("--size", default="base")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the tool (tiny)")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "step_measure: needs a CUDA GPU, or --device cpu (tools/bench/step_measure.py)"
+        )
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    args.gpu = args.gpu or next((g for g in ("H100", "H200", "A100", "V100") if g in name), "H100")
+    modelled = modelled_of(args.modelled, args.gpu)
+    print(f"{name}, torch {torch.__version__}, bf16; measured / modelled ({args.gpu})")
+    print("| " + " | ".join(HEAD) + " |\n|" + "---|" * len(HEAD), flush=True)
+    results, failed = {}, []
+    for length in map(int, args.lengths.split(",")):
+        for arch in args.archs.split(","):
+            for mode in args.modes.split(","):
+                try:
+                    m = measure(arch, length, mode, args)
+                except Exception as e:  # noqa: BLE001  (one contender failing is a finding)
+                    what = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                    failed.append(f"{arch}, l = {length}, {mode}: {type(e).__name__}: {what}")
+                    print(f"step_measure: {failed[-1]}", flush=True)
+                    continue
+                results[(arch, length, mode)] = m
+                model = modelled.get(arch, {}).get(str(length), {}).get(mode)
+                print(row(arch, length, mode, m, model), flush=True)
+    ratios(results, modelled)
+    for (arch, length, mode), m in results.items():
+        print(
+            f"\n{arch}, l = {length}, {mode}: the {TOP} kernels of most GPU time (µs a step, launches a step)"
+        )
+        for name, group, us, n in m["top"]:
+            print(f"  {us:9.1f} {n:5.1f}  {group:11} {name}")
+    if args.json:
+        out = [{"arch": a, "length": L, "mode": md, **m} for (a, L, md), m in results.items()]
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    if failed:
+        raise SystemExit(f"step_measure: {len(failed)} contender(s) failed (above)")
+
+
+if __name__ == "__main__":
+    main()
