@@ -54,7 +54,7 @@ case $MODE in
   jobs) PLAN="env:90 jobs:450" ;;
   science) PLAN="env:90 science:450" ;;
   host) PLAN="env:90 host_step:150 host_op:80 host_train:220" ;;
-  measure) PLAN="env:90 measure:360 trainer:90" ;;
+  measure) PLAN="env:90 measure:330 trainer:120" ;;
   all) PLAN="env:90 kernel_base:80 bench_kernel:90 bench_model:70 bench_train:70 jobs:140" ;;
   rehearse) exec bash .ci/gpu/rehearse.sh "$@" ;;
   --env-step) ;;
