@@ -207,9 +207,16 @@ def _rows_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-@cache
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
 def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)  # a driver query, cached: no sync per call
+    """The GPU's compute capability, a driver query made once (no sync per call). A plain dict,
+    not functools.cache: torch.compile traces this from every layer's forward and warns of
+    each cached function it meets."""
+    if index not in _CAPABILITIES:
+        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITIES[index]
 
 
 KERNEL_CHOICES = {90: ("triton", "fused"), 80: ("triton", "fused"), 70: ("rows", "triton")}

@@ -77,10 +77,11 @@ def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None, sources=(F
 # with tensor-core instructions, at every configuration in every variant it serves (HAS_C,
 # sigmoid/softmax, l = 512 and 509, d = 768/n = 12 and d = 1024/n = 16, bf16 and fp16), under
 # the GPU image's Triton and the CPU's. The forward and dV kernels hold one [BLOCK, d/n] fp32
-# accumulator per part of their GROUP: sm_90 takes all n/2 parts of a side in one program at
-# n = 12 (the side's Z tiles read once) and, in the forward, 4 at n = 16 (the dV kernel 2: 4
-# spilled 8 bytes under Triton 3.9); sm_80 (mma.sync, more registers per accumulator) 2;
-# GROUP 1 serves any n. Below sm_80 (family 70: V100, T4) the dots are FMAs, whose operands sit
+# accumulator per part of their GROUP. The autotuner times every GROUP that divides a side's n/2
+# parts (`usable`): on sm_90 up to all 6 of a side at n = 12 (the side's Z tiles read once, but
+# one program an SM, 16 keys a step) down to 2 over 64-key tiles; at n = 16 the forward up to 4
+# (the dV kernel 2: 4 spilled 8 bytes under Triton 3.9); sm_80 (mma.sync, more registers per
+# accumulator) 2; GROUP 1 only where no wider group serves n. Below sm_80 (family 70: V100, T4) the dots are FMAs, whose operands sit
 # in registers: smaller tiles, GROUP 2, only Z read (no tensor-core instruction expected).
 STATS_CONFIGS = [  # sm_90's M64 N128 w4 spilled 96-128 bytes under 3.6
     _cfg(128, 64, 8, 2, archs=(90,)),
@@ -92,6 +93,7 @@ FWD_CONFIGS = [
     _cfg(64, 16, 8, 2, archs=(90,), group=6),
     _cfg(64, 32, 8, 2, archs=(90,), group=4),
     _cfg(64, 32, 8, 2, archs=(90,), group=3),
+    _cfg(64, 64, 8, 2, archs=(90,), group=2),  # N64 G3 spilled 16-80 B, N64 w4 G2 72-240 B
     _cfg(64, 32, 8, 2, archs=(80,), group=2),
     _cfg(64, 32, 8, 2, archs=(70,), group=2, sources=(False,)),  # M64 N32 w4 spilled 928 bytes
     _cfg(64, 32, 8, 2, archs=(70,), group=1, sources=(False,)),
@@ -119,13 +121,17 @@ ACC_COLUMNS = 384  # fp32 accumulator columns of a program's group: 6 parts of 6
 
 def usable(configs, n: int, block_k: int, family: int | None = None, recompute=False) -> list:
     """The configurations for an arch family (None: any) and score source (`recompute`) that
-    serve n parts of BLOCK_K: those whose GROUP divides a side's n/2 parts, fits ACC_COLUMNS and
-    is the largest such."""
+    serve n parts of BLOCK_K: those whose GROUP divides a side's n/2 parts and fits ACC_COLUMNS,
+    the largest GROUP first (the one the cost model prices and `stats_inside` asks about). The
+    autotuner times them all: on an H200 the widest group alone (sm_90's M64 N16 G6: one
+    program an SM at 244 registers, 16 keys a step) ran the forward at 2-8% of the tensor peak,
+    so narrower groups over wider key tiles (more programs, fewer serial steps) compete."""
     mine = [c for c in configs if (family is None or family in c.archs) and recompute in c.sources]
     group = {c: c.kwargs.get("GROUP", 0) for c in mine}
     fit = [c for c in mine if not group[c] or (n // 2 % group[c] == 0 and group[c] * block_k <= ACC_COLUMNS)]  # fmt: skip
-    best = max((group[c] for c in fit), default=0)
-    return [c for c in fit if group[c] in (0, best)]
+    if any(group[c] > 1 for c in fit):  # GROUP 1 only where no wider group serves n
+        fit = [c for c in fit if group[c] != 1]
+    return sorted(fit, key=lambda c: -group[c])  # stable: the list's order within a group
 
 
 def block_k(d: int, n: int) -> int:
@@ -139,7 +145,9 @@ def stats_inside(n: int, block_k: int, family: int | None, sigmoid: bool, recomp
     read from Z, on sm_90 where one program takes all n/2 parts of a side (a program sweeps the
     other side's keys for ρ once, as the statistics kernel did: the same bytes, a launch fewer);
     not where a side's parts take several programs (each would sweep the other side), nor below
-    sm_90 (sm_80: GROUP 2; sm_70: FMA-bound). `family` None: the interpreter's, as sm_90."""
+    sm_90 (sm_80: GROUP 2; sm_70: FMA-bound). `family` None: the interpreter's, as sm_90. Where
+    the autotuner picks a narrower group, each of its programs sweeps the other side: the same
+    values, with that cost in the timing it chose by."""
     if not sigmoid or recompute or family not in (90, None):
         return False
     return family is None or usable(FWD_CONFIGS, n, block_k, family)[0].kwargs["GROUP"] == n // 2

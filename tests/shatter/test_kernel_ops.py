@@ -127,9 +127,9 @@ def test_meta_trace_sees_the_ops_and_the_flop_counter_counts_them(impl):
     fwd = op_totals(OP_COSTS[f"shatter::{prefix}_fwd"](*ops[f"shatter::{prefix}_fwd"]))[0]
     if impl == "triton":  # Z = Q Xᵀ over Z's padded rows (2 B L Lp d), the mixing dots
         assert fwd == 2 * B * L * 32 * d + sweep
-    else:  # Q Xᵀ in the row statistics (2 B L L d), again in the mixing for each of its two
-        # groups per side (n = 4: sm_90's GROUP 1; each 2 sweeps), and the mixing dots
-        assert fwd == 2 * B * L * L * d + 2 * 2 * sweep + sweep
+    else:  # Q Xᵀ in the row statistics (2 B L L d), again in the mixing for its one group
+        # per side (n = 4: sm_90's widest GROUP, 2; 2 sweeps), and the mixing dots
+        assert fwd == 2 * B * L * L * d + 2 * 1 * sweep + sweep
 
 
 def test_fused_saves_no_score_matrix():
