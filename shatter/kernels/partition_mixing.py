@@ -459,7 +459,10 @@ def mix_fwd_kernel(
         v_ptrs = V + b * sv_b + h0 * sv_h + offs_n[:, None] * sv_l + offs_k[None, :]
         v_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
         acc0, ap0 = _fwd_part(acc0, ap0, a, f_ptr, col, ok, v_ptrs, v_ok, PREC)
-        acc1, ap1 = _fwd_part(acc1, ap1, a, f_ptr + st_h, col, ok, v_ptrs + sv_h, v_ok, PREC)
+        # GROUP 1 (sm_90 at n = 4, 10, 14) takes part h0 alone: h0 + 1 is the other side's
+        # part, or past the table and the context's last part (their reads and writes race)
+        if GROUP > 1:
+            acc1, ap1 = _fwd_part(acc1, ap1, a, f_ptr + st_h, col, ok, v_ptrs + sv_h, v_ok, PREC)
         if GROUP > 2:
             acc2, ap2 = _fwd_part(acc2, ap2, a, f_ptr + 2 * st_h, col, ok, v_ptrs + 2 * sv_h, v_ok, PREC)  # fmt: skip
         if GROUP > 3:
@@ -482,7 +485,8 @@ def mix_fwd_kernel(
     o_ok = row_ok[:, None] & (offs_k < K_PART)[None, :]
     a_ptrs = AP + b * sa_b + offs_m * sa_l + h0
     _store_part(o, acc0, o_ok, a_ptrs, ap0, row_ok, r)
-    _store_part(o + so_h, acc1, o_ok, a_ptrs + 1, ap1, row_ok, r)
+    if GROUP > 1:
+        _store_part(o + so_h, acc1, o_ok, a_ptrs + 1, ap1, row_ok, r)
     if GROUP > 2:
         _store_part(o + 2 * so_h, acc2, o_ok, a_ptrs + 2, ap2, row_ok, r)
     if GROUP > 3:
@@ -551,7 +555,8 @@ def mix_bwd_dv_kernel(
         do = DO + b * sd_b + h0 * sd_h + offs_m[:, None] * sd_l + offs_k[None, :]
         do_ok = (offs_m < L)[:, None] & (offs_k < K_PART)[None, :]
         acc0 = _dv_part(acc0, a, f_ptr, col, ok, do, do_ok, PREC)
-        acc1 = _dv_part(acc1, a, f_ptr + st_h, col, ok, do + sd_h, do_ok, PREC)
+        if GROUP > 1:
+            acc1 = _dv_part(acc1, a, f_ptr + st_h, col, ok, do + sd_h, do_ok, PREC)
         if GROUP > 2:
             acc2 = _dv_part(acc2, a, f_ptr + 2 * st_h, col, ok, do + 2 * sd_h, do_ok, PREC)
         if GROUP > 3:
@@ -568,7 +573,8 @@ def mix_bwd_dv_kernel(
     dv_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
     ty = DV.dtype.element_ty
     tl.store(dv, acc0.to(ty), mask=dv_ok)
-    tl.store(dv + sg_h, acc1.to(ty), mask=dv_ok)
+    if GROUP > 1:
+        tl.store(dv + sg_h, acc1.to(ty), mask=dv_ok)
     if GROUP > 2:
         tl.store(dv + 2 * sg_h, acc2.to(ty), mask=dv_ok)
     if GROUP > 3:
