@@ -459,8 +459,8 @@ def mix_fwd_kernel(
         v_ptrs = V + b * sv_b + h0 * sv_h + offs_n[:, None] * sv_l + offs_k[None, :]
         v_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
         acc0, ap0 = _fwd_part(acc0, ap0, a, f_ptr, col, ok, v_ptrs, v_ok, PREC)
-        # GROUP 1 (sm_90 at n = 4, 10, 14) takes part h0 alone: h0 + 1 is the other side's
-        # part, or past the table and the context's last part (their reads and writes race)
+        # GROUP 1 (sm_90 at n = 4, below sm_90 at n = 6, any GPU at n = 10 or 14) takes part
+        # h0 alone: h0 + 1 is the other side's part, or past the table and the context
         if GROUP > 1:
             acc1, ap1 = _fwd_part(acc1, ap1, a, f_ptr + st_h, col, ok, v_ptrs + sv_h, v_ok, PREC)
         if GROUP > 2:
