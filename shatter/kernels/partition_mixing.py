@@ -80,8 +80,11 @@ def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None, sources=(F
 # accumulator per part of their GROUP: sm_90 takes all n/2 parts of a side in one program at
 # n = 12 (the side's Z tiles read once) and, in the forward, 4 at n = 16 (the dV kernel 2: 4
 # spilled 8 bytes under Triton 3.9); sm_80 (mma.sync, more registers per accumulator) 2;
-# GROUP 1 serves any n. Below sm_80 (family 70: V100, T4) the dots are FMAs, whose operands sit
-# in registers: smaller tiles, GROUP 2, only Z read (no tensor-core instruction expected).
+# GROUP 1 serves any n (sm_90 at n = 4, below sm_90 at n = 6, any GPU at n = 10 and 14): its
+# program takes part h0 alone, the kernels' second part being under `GROUP > 1` (h0 + 1 would be
+# the other side's part, or past the table and the context's last one). Below sm_80 (family 70:
+# V100, T4) the dots are FMAs, whose operands sit in registers: smaller tiles, GROUP 2, only Z
+# read (no tensor-core instruction expected).
 STATS_CONFIGS = [  # sm_90's M64 N128 w4 spilled 96-128 bytes under 3.6
     _cfg(128, 64, 8, 2, archs=(90,)),
     _cfg(128, 16, 8, 2, archs=(70,), sources=(False,)),  # N64 and N32 spilled 8 bytes at l = 509
@@ -373,6 +376,15 @@ def _rho(ss):
     return 1.0 / tl.maximum(tl.sqrt(ss), 1e-12)
 
 
+@triton.jit
+def _rho_kept(ss, stat_ptrs, row_ok, h0):
+    """ρ from the rows' Σ p², stored at `stat_ptrs` by part 0's program (the backward reads it)."""
+    r = _rho(ss)
+    if h0 == 0:
+        tl.store(stat_ptrs, r, mask=row_ok)
+    return r
+
+
 # ---------------------------------------------------------------------------------- kernels
 
 
@@ -459,8 +471,6 @@ def mix_fwd_kernel(
         v_ptrs = V + b * sv_b + h0 * sv_h + offs_n[:, None] * sv_l + offs_k[None, :]
         v_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
         acc0, ap0 = _fwd_part(acc0, ap0, a, f_ptr, col, ok, v_ptrs, v_ok, PREC)
-        # GROUP 1 (sm_90 at n = 4, below sm_90 at n = 6, any GPU at n = 10 or 14) takes part
-        # h0 alone: h0 + 1 is the other side's part, or past the table and the context
         if GROUP > 1:
             acc1, ap1 = _fwd_part(acc1, ap1, a, f_ptr + st_h, col, ok, v_ptrs + sv_h, v_ok, PREC)
         if GROUP > 2:
@@ -478,9 +488,7 @@ def mix_fwd_kernel(
     row_ok = offs_m < L
     r = tl.full([BLOCK_M], 1.0, dtype=tl.float32)  # the weights' statistics applied already
     if STATS_INSIDE:
-        r = _rho(ss)
-        if h0 == 0:
-            tl.store(STAT + b * L + offs_m, r, mask=row_ok)
+        r = _rho_kept(ss, STAT + b * L + offs_m, row_ok, h0)
     o = OUT + b * so_b + h0 * so_h + offs_m[:, None] * so_l + offs_k[None, :]
     o_ok = row_ok[:, None] & (offs_k < K_PART)[None, :]
     a_ptrs = AP + b * sa_b + offs_m * sa_l + h0
