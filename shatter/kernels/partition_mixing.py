@@ -81,8 +81,11 @@ def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None, sources=(F
 # parts (`usable`): on sm_90 up to all 6 of a side at n = 12 (the side's Z tiles read once, but
 # one program an SM, 16 keys a step) down to 2 over 64-key tiles; at n = 16 the forward up to 4
 # (the dV kernel 2: 4 spilled 8 bytes under Triton 3.9); sm_80 (mma.sync, more registers per
-# accumulator) 2; GROUP 1 only where no wider group serves n. Below sm_80 (family 70: V100, T4) the dots are FMAs, whose operands sit
-# in registers: smaller tiles, GROUP 2, only Z read (no tensor-core instruction expected).
+# accumulator) 2. GROUP 1 only where no wider group serves n (n = 10 and 14; below sm_90 n = 6):
+# its program takes part h0 alone, the kernels' second part being under `GROUP > 1` (h0 + 1
+# would be the other side's part, or past the table and the context's last one). Below sm_80
+# (family 70: V100, T4) the dots are FMAs, whose operands sit in registers: smaller tiles,
+# GROUP 2, only Z read (no tensor-core instruction expected).
 STATS_CONFIGS = [  # sm_90's M64 N128 w4 spilled 96-128 bytes under 3.6
     _cfg(128, 64, 8, 2, archs=(90,)),
     _cfg(128, 16, 8, 2, archs=(70,), sources=(False,)),  # N64 and N32 spilled 8 bytes at l = 509
@@ -381,6 +384,15 @@ def _rho(ss):
     return 1.0 / tl.maximum(tl.sqrt(ss), 1e-12)
 
 
+@triton.jit
+def _rho_kept(ss, stat_ptrs, row_ok, h0):
+    """ρ from the rows' Σ p², stored at `stat_ptrs` by part 0's program (the backward reads it)."""
+    r = _rho(ss)
+    if h0 == 0:
+        tl.store(stat_ptrs, r, mask=row_ok)
+    return r
+
+
 # ---------------------------------------------------------------------------------- kernels
 
 
@@ -467,7 +479,8 @@ def mix_fwd_kernel(
         v_ptrs = V + b * sv_b + h0 * sv_h + offs_n[:, None] * sv_l + offs_k[None, :]
         v_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
         acc0, ap0 = _fwd_part(acc0, ap0, a, f_ptr, col, ok, v_ptrs, v_ok, PREC)
-        acc1, ap1 = _fwd_part(acc1, ap1, a, f_ptr + st_h, col, ok, v_ptrs + sv_h, v_ok, PREC)
+        if GROUP > 1:
+            acc1, ap1 = _fwd_part(acc1, ap1, a, f_ptr + st_h, col, ok, v_ptrs + sv_h, v_ok, PREC)
         if GROUP > 2:
             acc2, ap2 = _fwd_part(acc2, ap2, a, f_ptr + 2 * st_h, col, ok, v_ptrs + 2 * sv_h, v_ok, PREC)  # fmt: skip
         if GROUP > 3:
@@ -483,14 +496,13 @@ def mix_fwd_kernel(
     row_ok = offs_m < L
     r = tl.full([BLOCK_M], 1.0, dtype=tl.float32)  # the weights' statistics applied already
     if STATS_INSIDE:
-        r = _rho(ss)
-        if h0 == 0:
-            tl.store(STAT + b * L + offs_m, r, mask=row_ok)
+        r = _rho_kept(ss, STAT + b * L + offs_m, row_ok, h0)
     o = OUT + b * so_b + h0 * so_h + offs_m[:, None] * so_l + offs_k[None, :]
     o_ok = row_ok[:, None] & (offs_k < K_PART)[None, :]
     a_ptrs = AP + b * sa_b + offs_m * sa_l + h0
     _store_part(o, acc0, o_ok, a_ptrs, ap0, row_ok, r)
-    _store_part(o + so_h, acc1, o_ok, a_ptrs + 1, ap1, row_ok, r)
+    if GROUP > 1:
+        _store_part(o + so_h, acc1, o_ok, a_ptrs + 1, ap1, row_ok, r)
     if GROUP > 2:
         _store_part(o + 2 * so_h, acc2, o_ok, a_ptrs + 2, ap2, row_ok, r)
     if GROUP > 3:
@@ -559,7 +571,8 @@ def mix_bwd_dv_kernel(
         do = DO + b * sd_b + h0 * sd_h + offs_m[:, None] * sd_l + offs_k[None, :]
         do_ok = (offs_m < L)[:, None] & (offs_k < K_PART)[None, :]
         acc0 = _dv_part(acc0, a, f_ptr, col, ok, do, do_ok, PREC)
-        acc1 = _dv_part(acc1, a, f_ptr + st_h, col, ok, do + sd_h, do_ok, PREC)
+        if GROUP > 1:
+            acc1 = _dv_part(acc1, a, f_ptr + st_h, col, ok, do + sd_h, do_ok, PREC)
         if GROUP > 2:
             acc2 = _dv_part(acc2, a, f_ptr + 2 * st_h, col, ok, do + 2 * sd_h, do_ok, PREC)
         if GROUP > 3:
@@ -576,7 +589,8 @@ def mix_bwd_dv_kernel(
     dv_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
     ty = DV.dtype.element_ty
     tl.store(dv, acc0.to(ty), mask=dv_ok)
-    tl.store(dv + sg_h, acc1.to(ty), mask=dv_ok)
+    if GROUP > 1:
+        tl.store(dv + sg_h, acc1.to(ty), mask=dv_ok)
     if GROUP > 2:
         tl.store(dv + 2 * sg_h, acc2.to(ty), mask=dv_ok)
     if GROUP > 3:

@@ -110,17 +110,22 @@ def test_compiled_kernel_equals_naive_at_base_shape(impl, dtype, bias, sigmoid):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["shatter n=8", "softmax with the part bias, n=12"])
-def test_two_programs_per_side_equal_naive(kernel, case, monkeypatch):
-    """GROUP = 2 (sm_80's configurations: a side's n/2 parts in groups of 2, one program each)
-    gives the naive reference's values and gradients too: 2 and 3 programs a side, sigmoid and
-    softmax."""
+@pytest.mark.parametrize(
+    "case, group",
+    [("shatter n=8", 2), ("softmax with the part bias, n=12", 2),
+     ("1h-sigmoid, one sequence all padding", 1)],
+)  # fmt: skip
+def test_several_programs_per_side_equal_naive(kernel, case, group, monkeypatch):
+    """A side's n/2 parts in groups of GROUP, one program each, give the naive reference's
+    values and gradients too: GROUP 2 (sm_80's configurations; 2 and 3 programs a side, sigmoid
+    and softmax) and GROUP 1 (any GPU at n = 10 and 14, and sm_90's forward at n = 4 until it
+    had a G2 configuration: a program takes one part, and writes no neighbour's)."""
     if not INTERPRET:
         pytest.skip("the compiled kernels tune over their own configurations")
     from shatter.kernels import partition_mixing as pm
 
     for tuned in (pm.mix_fwd_kernel, pm.mix_bwd_dv_kernel):
-        monkeypatch.setattr(tuned, "configs", [pm._cfg(16, 16, 1, 1, group=2)])
+        monkeypatch.setattr(tuned, "configs", [pm._cfg(16, 16, 1, 1, group=group)])
         monkeypatch.setattr(tuned, "cache", {})
     B, L, d, n, bias, lengths, sigmoid = CASES[case]
     inputs = _inputs(B, L, d, n, bias, lengths)

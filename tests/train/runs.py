@@ -185,26 +185,33 @@ def at_step(run: Path, step: int, to: Path) -> Path:
     return to
 
 
+def shown_case(report: dict, key: str) -> str:
+    """Case `key` of tests/train/ranks_job.py's report in full, its export's and its NaN step's
+    figures, as an assert's message (pytest cuts the repr of a tuple short; a string it shows
+    whole)."""
+    return f"{key}: export {report['export'].get(key)}; NaN step {report['nan'].get(key)}"
+
+
 def check_exports(report: dict, keys: list[str]) -> None:
     """Each export is the engine's fp32 masters (also tests/train/test_gpu.py's fp16 cases)."""
     for key in keys:
-        case = report["export"][key]
-        assert case["masters_equal"], key  # the export is what the optimizer holds
-        assert case["refused_weights_only"] == [], key  # DeepSpeed's files: weights only
-        assert case.get("zero_to_fp32_equal", True), key  # and what DeepSpeed's files hold
+        case, shown = report["export"][key], shown_case(report, key)
+        assert case["masters_equal"], shown  # the export is what the optimizer holds
+        assert case["refused_weights_only"] == [], shown  # DeepSpeed's files: weights only
+        assert case.get("zero_to_fp32_equal", True), shown  # and what DeepSpeed's files hold
         if key.startswith(("bf16", "fp16")):
             # fp32 values, not the 16-bit module weights; logits as the engine's up to rounding
-            assert case["tensors_finer_than_module_dtype"] > 30, (key, case)
-            assert case["max_logit_diff"] < 0.05, (key, case)
+            assert case["tensors_finer_than_module_dtype"] > 30, shown
+            assert case["max_logit_diff"] < 0.05, shown
         else:
-            assert case["max_logit_diff"] < 1e-4, (key, case)
+            assert case["max_logit_diff"] < 1e-4, shown
 
 
 def check_nan_skips(report: dict, keys: list[str]) -> None:
     """The NaN step was skipped and counted, the masters left as they were and finite."""
     for key in keys:
-        case = report["nan"][key]
-        assert case["skipped_at_the_nan_step"] == 1, (key, case)
-        assert case["nan_step_unchanged"] and case["masters_finite"], (key, case)
-        assert case["module_finite"], (key, case)
-        assert (case["loss_scale"] is not None) == key.startswith("fp16"), (key, case)
+        case, shown = report["nan"][key], shown_case(report, key)
+        assert case["skipped_at_the_nan_step"] == 1, shown
+        assert case["nan_step_unchanged"] and case["masters_finite"], shown
+        assert case["module_finite"], shown
+        assert (case["loss_scale"] is not None) == key.startswith("fp16"), shown
