@@ -5,7 +5,8 @@ profiler's split of the GPU's time into the model's groups.
     python tools/bench/step_measure.py --modelled modelled.json --gpu H200  # on the GPU
 
 Each (arch, length, mode) runs the step step_cost.py models, on real tensors: base size,
-vocabulary 30,000, 16,384 tokens of full rows (no attention mask: SDPA's flash kernel), the
+vocabulary 30,000, 16,384 tokens of full rows (no attention mask: SDPA's fastest kernel, which
+under torch 2.11 on an H200 is cuDNN's, not FlashAttention-2 as the model assumes), the
 model's weights in bf16 as DeepSpeed's bf16 mode keeps them, and ZeRO-1's optimizer step on one
 rank (`Zero1`: every gradient copied into a flat bf16 bucket, made fp32, its norm, one fused
 AdamW over the flat fp32 master, the master copied back into the flat bf16 parameters). `eager`
