@@ -32,4 +32,19 @@ def eager(fn):
         with eager_region():
             return fn(*args, **kwargs)
 
-    return torch.compiler.disable(run)
+    return outside_graphs(run)
+
+
+def outside_graphs(fn):
+    """`torch.compiler.disable(fn)`, made on `fn`'s first call: importing torch._dynamo takes
+    1.5-3 s, which every `import shatter` (each data-pipeline worker too) would pay at import
+    time. torch's own lazy form where it has one (a private API), else the public one."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+
+
+def constant_under_compile(fn):
+    """`torch.compiler.assume_constant_result(fn)` without importing torch._dynamo: that
+    decorator only marks `fn` (tests/shatter/test_eager.py checks that it still does)."""
+    fn._dynamo_marked_constant = True
+    return fn

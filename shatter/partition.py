@@ -30,6 +30,8 @@ from functools import lru_cache
 
 import torch
 
+from shatter.eager import outside_graphs
+
 
 def partition_params(n_parts: int, layer: int, n_layers: int) -> tuple[int, float, float]:
     """(D, alpha, beta) of the appendix for layer `layer` (0-based) of `n_layers`."""
@@ -127,7 +129,7 @@ class PartitionBuffer:
             table = self._rebuilt(table.device)
         return table
 
-    @torch.compiler.disable  # once a run, eagerly: Dynamo would trace the table's cache
+    @outside_graphs  # once a run, eagerly: Dynamo would trace the table's cache
     def _rebuilt(self, device: torch.device) -> torch.Tensor:
         self.partition = partition_table(*self._partition_args, device=device)
         return self.partition

@@ -49,6 +49,7 @@ import torch
 from shatter.attention.chunked import partition_attention_chunked
 from shatter.attention.lean import partition_mix_lean, partition_mix_naive
 from shatter.attention.projection import new_context, projection_views, write_context
+from shatter.eager import constant_under_compile
 
 Impl = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -255,7 +256,7 @@ def auto_impl(device: torch.device, dtype: torch.dtype, shape: tuple | None = No
     return "chunked"
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def _auto(device: torch.device, dtype: torch.dtype, shape: tuple | None) -> str:
     """`auto_impl`'s choice, which torch.compile takes as a constant: it runs as Python when a
     forward is traced (its caches and the cost model are not traced, nor warned of)."""
