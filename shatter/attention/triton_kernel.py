@@ -52,14 +52,26 @@ from shatter.kernels.partition_mixing import (
 
 
 def kernel_meta(d: int, n: int, dtype: torch.dtype) -> dict:
-    """The shape-derived compile-time constants the kernels share (tools/bench/kernel_report.py too)."""
-    return {
+    """The shape-derived compile-time constants the kernels share (tools/bench/kernel_report.py
+    too): a copy of `_kernel_meta`'s, made once per shape (every call asks: the host's time)."""
+    return dict(_kernel_meta(d, n, dtype))
+
+
+@functools.cache
+def _kernel_meta(d: int, n: int, dtype: torch.dtype) -> tuple:
+    return tuple({
         "N_PARTS": n,
         "BLOCK_K": block_k(d, n),
         "PREC": "ieee" if dtype == torch.float32 else "tf32",
-        "NP": max(16, triton.next_power_of_2(n)),
-        "BLOCK_D": min(64, max(16, triton.next_power_of_2(d))),  # Q Xᵀ's steps over d (RECOMPUTE)
-    }
+        "NP": max(16, pow2(n)),
+        "BLOCK_D": min(64, max(16, pow2(d))),  # Q Xᵀ's steps over d (RECOMPUTE)
+    }.items())  # fmt: skip
+
+
+def pow2(x: int) -> int:
+    """triton.next_power_of_2 as plain Python: Triton 3.9's is a constexpr function whose call
+    from Python costs about 6 µs, on every kernel call's host path."""
+    return 1 << (x - 1).bit_length() if x > 0 else 0
 
 
 def _check(Q, X, V, c, mask, table, impl="triton"):
@@ -159,7 +171,7 @@ def forward_kernels(P, X, mask, table, sigmoid: bool, Z):
     meta = kernel_meta(d, n, X.dtype)
     shared = dict(
         C=cc, Mk=mask.contiguous(), T=table, sc_b=cc.stride(0), sc_l=cc.stride(1), st_h=table.stride(0),
-        L=L, L_KEY=triton.next_power_of_2(L), T_CENTRE=(table.shape[1] - 1) // 2,
+        L=L, L_KEY=pow2(L), T_CENTRE=(table.shape[1] - 1) // 2,
         HAS_C=c is not None, N_PARTS=n, SIGMOID=sigmoid, PREC=meta["PREC"], **source,
     )  # fmt: skip
     inside = _stats_inside(X, n, sigmoid, Z is None)
@@ -213,7 +225,7 @@ def backward_kernels(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmo
     shared = dict(
         C=cc, Mk=mask.contiguous(), T=table, STAT=stat[0], STAT2=stat[1], DO=g_out, sc_b=cc.stride(0),
         sc_l=cc.stride(1), st_h=table.stride(0), sd_b=g_out.stride(0), sd_h=g_out.stride(1),
-        sd_l=g_out.stride(2), L=L, L_KEY=triton.next_power_of_2(L), HAS_C=c is not None,
+        sd_l=g_out.stride(2), L=L, L_KEY=pow2(L), HAS_C=c is not None,
         N_PARTS=n, SIGMOID=sigmoid, K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
         T_CENTRE=(table.shape[1] - 1) // 2, PREC=meta["PREC"], **source,
     )  # fmt: skip

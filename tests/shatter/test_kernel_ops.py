@@ -252,3 +252,16 @@ def test_no_copies_around_the_kernels():
     big = 2 * 32 * 32  # B l min(l, d): activations, not the weight-sized products
     copies = [name for name, _, _, out in trace.names if name in COPIES and out.numel() >= big]
     assert not copies, copies
+
+
+def test_the_host_path_s_constants_are_triton_s():
+    """pow2 (plain Python on every call's host path) is triton.next_power_of_2, and kernel_meta's
+    cached constants come back as a fresh dict each call."""
+    import triton
+
+    assert [triton_kernel.pow2(x) for x in range(0, 3000)] == [
+        triton.next_power_of_2(x) for x in range(0, 3000)
+    ]
+    meta = triton_kernel.kernel_meta(768, 12, torch.bfloat16)
+    meta["BLOCK_K"] = -1
+    assert triton_kernel.kernel_meta(768, 12, torch.bfloat16)["BLOCK_K"] == 64
