@@ -274,7 +274,9 @@ def trace_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int):
     import shatter
 
     impl = _attention_impl(arch, gpu)
-    model = build_meta(shatter.build_model, arch, run.size, vocab, _max_len(length), gpu.low, impl)
+    model = build_meta(
+        shatter.build_model, arch, run.size, vocab, traced_max_len(length), gpu.low, impl
+    )
     rows = run.tokens // length
     try:
         return trace_step(
@@ -294,12 +296,12 @@ def plan_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int) -> li
     """Inductor's kernels for this checkout's step, as `trace_here` traces it
     (tools/bench/inductor_plan.py)."""
     return planned(
-        arch, run.size, length, run.tokens // length, vocab, _max_len(length),
+        arch, run.size, length, run.tokens // length, vocab, traced_max_len(length),
         _attention_impl(arch, gpu), gpu.low, gpu.flash, padding, gpu.capability,
     )  # fmt: skip
 
 
-def _max_len(length: int) -> int:
+def traced_max_len(length: int) -> int:
     """The traced model's max_len: the presets' 512, or the length where it is longer."""
     return max(length, 512)
 

@@ -25,6 +25,7 @@ and the kernels a step, measured and modelled. Then Shatter / BERT per length an
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -33,6 +34,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from shatter.tools.bench.step_trace import adamw
 
 GROUPS = ("gemm", "attention", "elementwise", "optimizer", "gaps")
 MODEL_GROUPS = {"gemm": "gemm", "attention": "attention", "elementwise": "elementwise"}
@@ -47,7 +50,7 @@ class Zero1:
     """DeepSpeed's ZeRO-1 step on one rank, as step_trace.zero1_step traces it, on real
     buffers: the parameters are views of one flat low-precision buffer."""
 
-    def __init__(self, model: torch.nn.Module, lr: float = 1e-4):
+    def __init__(self, model: torch.nn.Module):
         self.params = [p for p in model.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
         dev, low = self.params[0].device, self.params[0].dtype
@@ -61,7 +64,6 @@ class Zero1:
         self.master = self.flat.float()
         self.m, self.v = torch.zeros_like(self.master), torch.zeros_like(self.master)
         self.step_count = torch.zeros((), device=dev)
-        self.lr = lr
 
     def step(self) -> None:
         offset = 0
@@ -73,10 +75,7 @@ class Zero1:
         norm = torch.linalg.vector_norm(grad)
         grad.mul_(torch.where(torch.isfinite(norm), 1.0, 0.0))  # the overflow test, no sync
         self.step_count += 1
-        torch._fused_adamw_(
-            [self.master], [grad], [self.m], [self.v], [], [self.step_count], lr=self.lr,
-            beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False,
-        )  # fmt: skip
+        adamw([self.master], [grad], [self.m], [self.v], [self.step_count])  # as the trace's
         self.flat.copy_(self.master)
 
 
@@ -91,12 +90,12 @@ def build(arch: str, length: int, args, compiled: bool):
     """The model of `arch` in bf16 on the device (compiled as the trainer compiles it) and its
     ZeRO-1 optimizer."""
     import shatter
-    from shatter.tools.bench.step_cost import _max_len
+    from shatter.tools.bench.step_cost import traced_max_len
     from shatter.train.compiling import compile_model
 
     torch.manual_seed(0)
     model = shatter.build_model(
-        f"{arch}-{args.size}", vocab_size=args.vocab, max_len=_max_len(length)
+        f"{arch}-{args.size}", vocab_size=args.vocab, max_len=traced_max_len(length)
     )
     model = model.to(device=args.device, dtype=torch.bfloat16).train()
     opt = Zero1(model)
@@ -184,7 +183,7 @@ def split_kernels(events: list[dict]) -> dict:
             group = "gemm" if GEMM_NAMES.search(e.get("name", "")) else "elementwise"
         split[group] += e.get("dur", 0)
         split["kernels"] += 1
-        key = (e.get("name", "?")[:90], group)
+        key = (e.get("name", "?"), group)
         total, count = split["by_name"].get(key, (0.0, 0))
         split["by_name"][key] = (total + e.get("dur", 0), count + 1)
     return split
@@ -195,7 +194,7 @@ def measure(arch: str, length: int, mode: str, args) -> dict:
     model, opt = build(arch, length, args, mode == "compiled")
     rows = args.tokens // length
     data = [batch(rows, length, args.vocab, seed, args.device) for seed in range(4)]
-    step = step_fn(model, opt, iter(data * 10_000))
+    step = step_fn(model, opt, itertools.cycle(data))
     t0 = time.perf_counter()
     for _ in range(args.warmup):  # compiles (every mask count's graphs) and autotunes
         step()
@@ -299,7 +298,7 @@ def main() -> None:
             f"\n{arch}, l = {length}, {mode}: the {TOP} kernels of most GPU time (µs a step, launches a step)"
         )
         for name, group, us, n in m["by_name"][:TOP]:
-            print(f"  {us:9.1f} {n:5.1f}  {group:11} {name}")
+            print(f"  {us:9.1f} {n:5.1f}  {group:11} {name[:90]}")
     if args.json:
         out = [{"arch": a, "length": L, "mode": md, **m} for (a, L, md), m in results.items()]
         Path(args.json).write_text(json.dumps(out, indent=1))
