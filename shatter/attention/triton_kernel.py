@@ -118,11 +118,11 @@ def _delta_inside(X: torch.Tensor) -> bool:
     return delta_inside(_family(X.device.index) if X.is_cuda else None)
 
 
-def _stats_inside(X: torch.Tensor, n: int, sigmoid: bool, recompute: bool) -> bool:
+def _stats_inside(X: torch.Tensor, n: int, sigmoid: bool, recompute: bool, has_c: bool) -> bool:
     """Whether the mixing forward makes ρ itself on X's device (partition_mixing.stats_inside);
     under the interpreter, as on sm_90 (the tests set it both ways)."""
     family = _family(X.device.index) if X.is_cuda else None
-    return stats_inside(n, block_k(X.shape[-1], n), family, sigmoid, recompute)
+    return stats_inside(n, block_k(X.shape[-1], n), family, sigmoid, recompute, has_c)
 
 
 @functools.cache
@@ -174,7 +174,7 @@ def forward_kernels(P, X, mask, table, sigmoid: bool, Z):
         L=L, L_KEY=pow2(L), T_CENTRE=(table.shape[1] - 1) // 2,
         HAS_C=c is not None, N_PARTS=n, SIGMOID=sigmoid, PREC=meta["PREC"], **source,
     )  # fmt: skip
-    inside = _stats_inside(X, n, sigmoid, Z is None)
+    inside = _stats_inside(X, n, sigmoid, Z is None, c is not None)
     if not inside:  # ρ (or the softmax statistics) in a launch of its own
         row_stats_kernel[_grid(L, "BLOCK_M", B)](STAT=stat[0], STAT2=stat[1], **shared)
     ctx = new_context(X, n, zero_pad=False)  # the mixing forward zeroes the alignment columns

@@ -27,7 +27,8 @@ runs, small ones included (a mask cast, a fill). To price a new op: write
 where the op is defined, hands the FLOPs to torch.utils.flop_counter.
 
 The `triton` impl's two ops (shatter/attention/triton_kernel.py): Z = Q Xᵀ/√d, dQ = dZ X and
-dX = dZᵀ Q are cuBLAS GEMMs; the row statistics and δ are memory-bound Triton kernels; the mixing
+dX = dZᵀ Q are cuBLAS GEMMs; the row statistics and δ are memory-bound Triton kernels (with the
+partition bias the row statistics also write z + b back into Z: Z read and written); the mixing
 forward, dV and dZ kernels run the mixing dots. A part f_h(j − i) is zero on one side of the
 diagonal, so the mixing dots of a key tile cover only the n/2 parts of its side: about half of the
 dense A V that model FLOPs count (train/cost.py, l·d per token); `model_flops` gives that
@@ -127,10 +128,11 @@ def mixing_fwd_cost(args, kwargs, outputs, family: int | None = 90) -> list[Kern
     kernels = [Kernel("pad the keys to Lp", "memory", 0.0, float(x + xp))] if L % 16 else []
     kernels.append(Kernel("Z = Q Xᵀ/√d", "gemm", 2.0 * B * L * Lp * d, float(x + xp + z)))
     reads = _z_reads(n, d, "fwd", False, family)  # Z per group of parts; V read, X̄ written
-    if stats_inside(n, block_k(d, n), family, a["sigmoid"], False):
+    has_c = a["P"].shape[-1] > 2 * d
+    if stats_inside(n, block_k(d, n), family, a["sigmoid"], False, has_c):
         reads += 1  # ρ made in the forward: each side's program sweeps the other side's keys
-    else:
-        kernels.append(Kernel("row statistics", "memory", 0.0, float(z)))
+    else:  # with the part bias it also writes z + b into Z
+        kernels.append(Kernel("row statistics", "memory", 0.0, float(z * (2 if has_c else 1))))
     flops = mixing_dot_flops(B, L, d)
     return kernels + [Kernel("mixing forward", "custom", flops, float(reads * z + 2 * x))]
 

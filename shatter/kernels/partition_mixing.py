@@ -13,8 +13,10 @@ f_h(j−i) is gathered from the layer's constant table (shatter/partition.py). P
 left of the diagonal and parts n/2..n−1 right of it (the appendix's mirror halves).
 
 Forward: `row_stats_kernel` (one program per row block) sweeps Z once for ρ (or the row maximum
-and log-sum), except where the mixing forward makes ρ itself (sigmoid scores read from Z on sm_90:
-`stats_inside`), then `mix_fwd_kernel` (one program per row block, side and group of parts) sweeps that
+and log-sum) and, with the part bias, writes z + b back into Z, so that the kernels after it read
+eq. 5's argument as it is and make b nowhere else; without the bias, where the mixing forward makes
+ρ itself (sigmoid scores read from Z on sm_90: `stats_inside`), it is not launched. Then
+`mix_fwd_kernel` (one program per row block, side and group of parts) sweeps that
 side's keys with one accumulator of [BLOCK_M, d/n] per part of its group (64-wide dots) and writes
 X̄ and A_part normalised, in the input dtype. A group's GROUP parts come from the autotune
 configuration (`usable`): all n/2 parts of the side where their accumulators fit the registers
@@ -33,9 +35,18 @@ block) gives dc and writes dZ = dS/√d in the input dtype: the 1/√d of Z's GE
 rounding keeps fp16 values no larger than the dQ and dX that the GEMMs make from them.
 
 Every kernel that reads scores takes them from one of two sources (the compile-time RECOMPUTE,
-`_score_tile`): the saved Z (the hybrid `triton` impl), or tiles of Q Xᵀ/√d made on chip from Q
-and the keys X over d in BLOCK_D steps (`_qx_tile`; the `fused` impl,
-shatter/kernels/fused_attention.py, in which Z never reaches HBM and dZ holds dS/√d).
+`_score_tile`): the saved Z, which holds z + b (the hybrid `triton` impl), or tiles of Q Xᵀ/√d
+made on chip from Q and the keys X over d in BLOCK_D steps, b added on chip (`_qx_tile`; the
+`fused` impl, shatter/kernels/fused_attention.py, in which Z never reaches HBM and dZ holds
+dS/√d).
+
+Each kernel's sweep over key (or row) tiles is a loop with no loop inside it wherever Z is read:
+Triton software-pipelines only such a loop (the next tile's loads in flight as cp.async while
+this tile's dots run as asynchronous wgmma). On an H200 the sweeps that had a loop over the bias's
+parts inside them ran at 2-8% of the tensor peak, their loads and dots in series. So b is made
+once (above) and a program's parts are unrolled; in the dZ kernel the loop over a tile's parts
+is the innermost one, pipelined across parts. `tools/bench/kernel_report.py` fails a dot kernel with no
+cp.async.
 
 n ∈ {4, 6, ..., 16} (at most 8 unrolled accumulators). `tools/bench/kernel_report.py` compiles every
 autotune configuration ahead of time for sm_80/sm_90 and checks shared memory, spills and tensor
@@ -114,7 +125,11 @@ DV_CONFIGS = [
 ]
 DELTA_CONFIGS = [_cfg(64, 16, 4, 1, archs=(70, 80, 90))]
 DZ_CONFIGS = [  # sm_90's M64 N64 w4 and M64 N128 w8 spilled under 3.6
-    _cfg(64, 64, 8, 2),
+    _cfg(64, 64, 8, 2, archs=(90,)),
+    _cfg(64, 64, 8, 2, archs=(80,), sources=(True,)),  # M32 N32 w4 spilled 16 B (3.9)
+    _cfg(
+        32, 32, 4, 2, archs=(80,), sources=(False,)
+    ),  # M64 N64 w8, M64 N32 w8 and M32 N64 w4 spilled 8-24 B
     _cfg(32, 32, 8, 1, archs=(70,), sources=(False,)),  # sm_70's M64 N64 w8 spilled 2.7 KB
 ]
 # every compile-time constant that changes the code: a kernel is keyed on those it takes
@@ -143,15 +158,18 @@ def block_k(d: int, n: int) -> int:
 
 
 @functools.cache  # asked on every forward call
-def stats_inside(n: int, block_k: int, family: int | None, sigmoid: bool, recompute: bool) -> bool:
+def stats_inside(
+    n: int, block_k: int, family: int | None, sigmoid: bool, recompute: bool, has_c: bool
+) -> bool:
     """Whether the mixing forward makes ρ itself (no `row_stats_kernel` launch): sigmoid scores
     read from Z, on sm_90 where one program takes all n/2 parts of a side (a program sweeps the
     other side's keys for ρ once, as the statistics kernel did: the same bytes, a launch fewer);
     not where a side's parts take several programs (each would sweep the other side), nor below
     sm_90 (sm_80: GROUP 2; sm_70: FMA-bound). `family` None: the interpreter's, as sm_90. Where
     the autotuner picks a narrower group, each of its programs sweeps the other side: the same
-    values, with that cost in the timing it chose by."""
-    if not sigmoid or recompute or family not in (90, None):
+    values, with that cost in the timing it chose by. Not with the part bias either: there the
+    statistics kernel also writes z + b into Z once, for every kernel after it."""
+    if not sigmoid or recompute or has_c or family not in (90, None):
         return False
     return family is None or usable(FWD_CONFIGS, n, block_k, family)[0].kwargs["GROUP"] == n // 2
 
@@ -235,28 +253,32 @@ def _qx_tile(
 def _score_tile(
     Z, X, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D, scale,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, KEEP: tl.constexpr = False,
 ):  # fmt: skip
     """z + b on the tile in fp32 (eq. 5's argument), the table column of j − i, the in-sequence
-    mask and the key mask m. z is read from Z (already / √d, strides sz_*), or with RECOMPUTE
-    made on chip from Q (passed as Z, strides sz_*) and the keys X (sx_*)."""
+    mask and the key mask m. z is made on chip with RECOMPUTE from Q (passed as Z, strides sz_*)
+    and the keys X (sx_*), and b added; else it is read from Z (already / √d, strides sz_*),
+    which holds z + b after the row statistics' sweep: with KEEP (that sweep, HAS_C) b is added
+    here and z + b written back into Z, in its dtype, so that no later kernel makes b again."""
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_n = j0 + tl.arange(0, BLOCK_N)
     row_ok = offs_m < L
     col_ok = offs_n < L
     ok = row_ok[:, None] & col_ok[None, :]
+    z_ptrs = Z + b * sz_b + offs_m[:, None] * sz_l + offs_n[None, :]
     if RECOMPUTE:
         z = _qx_tile(Z, X, b, i0, j0, L, D, scale, sz_b, sz_l, sx_b, sx_l, BLOCK_M, BLOCK_N, BLOCK_D, PREC)  # fmt: skip
     else:
-        z_ptrs = Z + b * sz_b + offs_m[:, None] * sz_l + offs_n[None, :]
         z = tl.load(z_ptrs, mask=ok, other=0.0).to(tl.float32)
     col = offs_n[None, :] - offs_m[:, None] + T_CENTRE  # f_h(j - i) is table column j-i+m-1
-    if HAS_C:  # b_ij = sum_h c_ih f_h(j - i), §3.3
+    if HAS_C and (RECOMPUTE or KEEP):  # b_ij = sum_h c_ih f_h(j - i), §3.3
         lo, hi = _part_range(i0, j0, BLOCK_M, BLOCK_N, N_PARTS)
         for h in range(lo, hi):
             f = tl.load(T + h * st_h + col, mask=ok, other=0.0)
             c_h = tl.load(C + b * sc_b + offs_m * sc_l + h, mask=row_ok, other=0.0)
             z += c_h.to(tl.float32)[:, None] * f
+        if KEEP:
+            tl.store(z_ptrs, z.to(Z.dtype.element_ty), mask=ok)
     m = tl.load(Mk + b * L + offs_n, mask=col_ok, other=0).to(tl.float32)  # bool or int as is
     return z, col, ok, m
 
@@ -354,14 +376,16 @@ def _squares(
     Z, X, C, Mk, T, b, i0, j_lo, j_hi, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D,
     scale, HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+    KEEP: tl.constexpr = False,
 ):  # fmt: skip
     """Σ_j p_ij² over the key tiles from j_lo to j_hi (eq. 5: padded keys zeroed before the L2
-    normalisation), in fp32 for the rows of the block at i0."""
+    normalisation), in fp32 for the rows of the block at i0; with KEEP z + b written into Z
+    (`_score_tile`)."""
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     for j0 in range(j_lo, j_hi, BLOCK_N):
         z, col, ok, m = _score_tile(
             Z, X, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D,
-            scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
+            scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC, KEEP,
         )  # fmt: skip
         p = tl.where(ok, tl.sigmoid(z) * m[None, :], 0.0)
         ss += tl.sum(p * p, 1)
@@ -405,7 +429,9 @@ def row_stats_kernel(
     PREC: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch): ρ = 1/‖p‖ (sigmoid; STAT2 unused) or the row maximum and
-    log Σ exp(z − max) (softmax, online over the key blocks)."""
+    log Σ exp(z − max) (softmax, online over the key blocks); with the bias and Z read, z + b
+    written back into Z for the kernels after it (`_score_tile`'s KEEP)."""
+    KEEP: tl.constexpr = HAS_C and not RECOMPUTE
     b = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
@@ -413,7 +439,7 @@ def row_stats_kernel(
     if SIGMOID:
         ss = _squares(
             Z, X, C, Mk, T, b, i0, 0, L, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h,
-            D, scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
+            D, scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC, KEEP,
         )  # fmt: skip
         tl.store(STAT + b * L + offs_m, _rho(ss), mask=row_ok)
     else:
@@ -422,7 +448,7 @@ def row_stats_kernel(
         for j0 in range(0, L, BLOCK_N):
             z, col, ok, m = _score_tile(
                 Z, X, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h,
-                D, scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
+                D, scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC, KEEP,
             )  # fmt: skip
             logit = tl.where(m[None, :] > 0, z, FP32_MIN)
             logit = tl.where(ok, logit, float("-inf"))

@@ -180,8 +180,10 @@ def test_rho_from_the_statistics_kernel_equals_naive(case, dtype, monkeypatch):
 
 
 def test_rho_made_in_the_forward_kernel_launches_no_statistics_kernel(monkeypatch):
-    """sm_90's forward with sigmoid scores (the interpreter's default): the mixing forward makes
-    ρ, and no `row_stats_kernel` is launched; softmax still launches it (its maximum and sum)."""
+    """sm_90's forward with sigmoid scores and no part bias (the interpreter's default): the
+    mixing forward makes ρ, and no `row_stats_kernel` is launched; with the part bias it is
+    launched (it writes z + b into Z for the kernels after it), and so is it for softmax (its
+    maximum and sum)."""
     if not INTERPRET:
         pytest.skip("the compiled kernels take the path of the GPU they run on")
     from shatter.attention import triton_kernel
@@ -189,10 +191,35 @@ def test_rho_made_in_the_forward_kernel_launches_no_statistics_kernel(monkeypatc
     launched = []
     real = triton_kernel.row_stats_kernel
     monkeypatch.setattr(triton_kernel, "row_stats_kernel", _Counted(real, launched))
-    assert_equals_naive(_impl("triton"), "part-bias n=12, d=48", torch.float32)
+    assert_equals_naive(_impl("triton"), "1h-sigmoid, one sequence all padding", torch.float32)
     assert not launched
+    assert_equals_naive(_impl("triton"), "part-bias n=12, d=48", torch.float32)
+    assert len(launched) == 1
     assert_equals_naive(_impl("triton"), "softmax with the part bias, n=12", torch.float32)
-    assert launched
+    assert len(launched) == 2
+
+
+@pytest.mark.parametrize("case", ["part-bias n=12, d=48", "1h-sigmoid, one sequence all padding"])
+def test_saved_scores_hold_the_part_bias(case):
+    """The Z that the forward keeps for the backward is eq. 5's argument z + b in the input
+    dtype: Q Xᵀ/√d plus b_ij = Σ_h c_ih f_h(j − i) (§3.3) at every pair of real positions (the
+    statistics kernel adds b once; no kernel after it makes b again), and Q Xᵀ/√d alone
+    without c."""
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("neither TRITON_INTERPRET=1 nor a CUDA device")
+    from shatter.attention.projection import gather_projections
+
+    B, L, d, n, bias, lengths, sigmoid = CASES[case]
+    Q, X, V, c, mask, table = _inputs(B, L, d, n, bias, lengths, device=DEVICE)
+    P = gather_projections(Q, V, c)
+    _, Z, _ = torch.ops.shatter.mixing_fwd(P.detach(), X.detach(), mask, table, sigmoid)
+    want = Q @ X.transpose(-1, -2) / d**0.5
+    if c is not None:
+        m = table.shape[1] // 2  # table column of j − i = 0
+        offsets = torch.arange(L)[None, :] - torch.arange(L)[:, None] + m
+        want = want + torch.einsum("bih,hij->bij", c, table[:, offsets].to(c))
+    assert Z.shape == (B, L, -(-L // 16) * 16)
+    torch.testing.assert_close(Z[:, :, :L], want.detach(), rtol=1e-5, atol=1e-5)
 
 
 class _Counted:

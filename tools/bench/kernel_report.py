@@ -10,10 +10,13 @@ and fp16, a length that is a multiple of 16 and one that is not: l = 512 and l =
 compiles the kernel
 for each requested arch with `triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))`,
 reads shared memory from the compiled kernel's metadata, and runs the wheel's `cuobjdump` on the
-cubin for registers, spill (stack) bytes and HMMA/HGMMA tensor-core instruction counts. It prints
-one table row per compile and exits non-zero when a configuration exceeds the arch's shared memory
-per block, spills, or (a kernel with dots, in bf16/fp16) has no tensor-core instruction: such
-configurations must leave the autotune lists of shatter/kernels/partition_mixing.py.
+cubin for registers, spill (stack) bytes, cp.async copies (LDGSTS: the loads of a loop Triton
+software-pipelined) and HMMA/HGMMA tensor-core instruction counts. It prints one table row per
+compile and exits non-zero when a configuration exceeds the arch's shared memory per block,
+spills, or (a kernel with dots, in bf16/fp16, sm_80+) has no tensor-core instruction or no
+cp.async (no sweep of it pipelined: Triton pipelines only a loop with no loop inside it): such
+configurations must leave the autotune lists of shatter/kernels/partition_mixing.py, and such a
+kernel change must not land.
 
 The row kernels (rows_fwd, rows_bwd: shatter/kernels/row_mixing.py) hold a whole row of l keys a
 program, with row_mixing.row_warps(l) warps: they have no dot and no autotune list, and are
@@ -77,6 +80,7 @@ class Row:
     has_c: bool = True
     length: int = 512
     source: str = "z"
+    ldgsts: int = -1  # cp.async copies (LDGSTS): a pipelined loop's loads; -1 not read
 
     def problems(self) -> list[str]:
         out = []
@@ -87,6 +91,8 @@ class Row:
         dots = self.kernel in DOT_KERNELS and self.dtype != "fp32" and self.arch not in FMA_ARCHS
         if dots and not self.hmma + self.hgmma:
             out.append("no tensor-core instruction")
+        if dots and self.ldgsts == 0:
+            out.append("no cp.async: its sweep is not pipelined (a loop inside it?)")
         return out
 
 
@@ -183,7 +189,7 @@ def compile_one(
     family = family_of((arch // 10, arch % 10))
     values["DELTA_INSIDE"] = delta_inside(family)
     values["STATS_INSIDE"] = stats_inside(
-        n, values["BLOCK_K"], family, values["SIGMOID"], values["RECOMPUTE"]
+        n, values["BLOCK_K"], family, values["SIGMOID"], values["RECOMPUTE"], has_c
     )  # the variant that runs on the arch (the forward's ρ, partition_mixing.stats_inside)
     constexprs = {name: values[name] for name in fn.arg_names if name in values}
     args = _args(d, n, dtype, L, SOURCES[source], kernel in ROW_KERNELS)
@@ -216,7 +222,7 @@ def compile_one(
     return Row(
         arch, kernel, activation, shape, dtype, cfg, compiled.metadata.shared, regs, stack,
         len(re.findall(r"\bHMMA\b", sass)), len(re.findall(r"\bHGMMA\b", sass)), has_c, L,
-        source,
+        source, len(re.findall(r"\bLDGSTS\b", sass)) if sass else -1,
     )  # fmt: skip
 
 
@@ -262,7 +268,7 @@ def _split(text: str) -> list[str]:
 def summary(rows: list[Row]) -> list[str]:
     """Per arch and kernel, over every variant and configuration: the ranges of the columns."""
     lines = [f"{'arch':>5} {'kernel':9} {'compiles':>8} {'regs':>9} {'spill':>5} {'smem':>13} "
-             f"{'HMMA':>9} {'HGMMA':>9}"]  # fmt: skip
+             f"{'LDGSTS':>9} {'HMMA':>9} {'HGMMA':>9}"]  # fmt: skip
     groups: dict[tuple[int, str], list[Row]] = {}
     for r in rows:
         groups.setdefault((r.arch, f"{r.kernel}/{r.source}"), []).append(r)
@@ -276,7 +282,8 @@ def summary(rows: list[Row]) -> list[str]:
         lines.append(
             f"sm_{cap:<2} {kernel:9} {len(rs):>8} {span([r.regs for r in rs]):>9} "
             f"{max(r.spill for r in rs):>5} {span([r.smem for r in rs]):>13} "
-            f"{span([r.hmma for r in low]):>9} {span([r.hgmma for r in low]):>9}"
+            f"{span([r.ldgsts for r in rs]):>9} {span([r.hmma for r in low]):>9} "
+            f"{span([r.hgmma for r in low]):>9}"
         )
     return lines
 
@@ -328,7 +335,8 @@ def main(arch, kernels, sources, activations, has_cs, shapes, dtypes, lengths, f
 
     print(f"triton {triton.__version__} (python {sys.version.split()[0]})")
     header = f"{'arch':>5} {'kernel':9} {'act':7} {'c':1} {'shape':5} {'dtype':5} {'l':>4} "
-    header += f"{'config':21} {'smem':>7} {'regs':>4} {'spill':>5} {'HMMA':>5} {'HGMMA':>5}  check"
+    header += f"{'config':21} {'smem':>7} {'regs':>4} {'spill':>5} {'LDGSTS':>6} {'HMMA':>5} "
+    header += f"{'HGMMA':>5}  check"
     print(header)
     has = [v == "true" for v in _split(has_cs)]
     todo = list(jobs(archs, _split(kernels), _split(sources), _split(activations), has,
@@ -351,7 +359,7 @@ def main(arch, kernels, sources, activations, has_cs, shapes, dtypes, lengths, f
             print(
                 f"sm_{r.arch:<2} {r.kernel + '/' + r.source:9} {r.activation:7} {'yn'[not r.has_c]} {r.shape:5} "
                 f"{r.dtype:5} {r.length:>4} {r.config:21} {r.smem:>7} {r.regs:>4} {r.spill:>5} "
-                f"{r.hmma:>5} {r.hgmma:>5}  " + ("; ".join(bad) or "ok"),
+                f"{r.ldgsts:>6} {r.hmma:>5} {r.hgmma:>5}  " + ("; ".join(bad) or "ok"),
                 flush=True,
             )
     print("\nsummary over the variants above (ranges; HMMA/HGMMA over bf16/fp16)")
