@@ -27,6 +27,7 @@ from torch import nn
 from shatter.attention import ATTENTIONS
 from shatter.attention.layer_weights import LayerWeights, layer_weights
 from shatter.config import ModelConfig, preset_config
+from shatter.partition import exact_partitions
 from shatter.xlnet import two_stream_encode
 
 IGNORE_INDEX = -100
@@ -130,6 +131,9 @@ class Encoder(nn.Module):
         mask_BL = self.key_mask(input_ids, attention_mask)
         inputs = self.attention_inputs(input_ids)
         x = self.embeddings(input_ids)
+        # tables a cast rounded, made exact here at once: under torch.compile that is one graph
+        # break before the loop, where one inside it would leave the loop to eager Python
+        exact_partitions([block.attention for block in self.layers])
         hidden = (
             [x] if output_hidden_states else None
         )  # else each X^k is freed once used (inference)

@@ -113,15 +113,31 @@ def relative_index(length: int, max_len: int, device: torch.device) -> torch.Ten
 
 class PartitionBuffer:
     """Mixin for the attention modules that hold their layer's table as the non-persistent buffer
-    `partition`. A module-wide `.bfloat16()`/`.half()`, or a DeepSpeed engine with
-    `data_types.buffer_dtype` set, rounds buffers; a rounded table no longer sums to 1 (a bf16
-    f_h has 8 bits). `exact_partition()` is what the forward reads: the fp32 table, rebuilt from the
-    float64 values (and the buffer restored) if anything cast it."""
+    `partition` (listed before nn.Module among the bases, for its `_apply`). A module-wide
+    `.bfloat16()`/`.half()`/`.to(dtype)`, or a DeepSpeed engine with `data_types.buffer_dtype`
+    set, rounds buffers; a rounded table no longer sums to 1 (a bf16 f_h has 8 bits).
+    `exact_partition()` is what the forward reads: the fp32 table, rebuilt from the float64
+    values (and the buffer restored) if anything cast it.
+
+    The module casts (`_apply`) rebuild it at once: a table found rounded under torch.compile is
+    a graph break inside the encoder's loop over the layers, and Dynamo then runs that loop
+    eagerly for good (each layer's forward a graph of its own, a few more per layer: host-bound
+    on a GPU). A cast that bypasses the module (DeepSpeed's `b.data = b.data.to(...)`) is caught
+    by `exact_partitions`, one call for every layer before the loop."""
 
     def register_partition(self, n_parts: int, layer: int, n_layers: int, max_len: int) -> None:
         self._partition_args = (n_parts, layer, n_layers, max_len)
         table = partition_table(n_parts, layer, n_layers, max_len)
         self.register_buffer("partition", table, persistent=False)  # (n, 2 max_len - 1)
+
+    def _apply(self, fn, recurse=True):
+        """nn.Module's `_apply` (every `.to`, `.cuda`, `.bfloat16`), then the table made exact
+        again where `fn` cast it."""
+        module = super()._apply(fn, recurse)
+        table = self._buffers.get("partition")
+        if table is not None and table.dtype != torch.float32:
+            self._exact_table(table.device)
+        return module
 
     def exact_partition(self) -> torch.Tensor:
         table = self.partition
@@ -129,10 +145,26 @@ class PartitionBuffer:
             table = self._rebuilt(table.device)
         return table
 
-    @outside_graphs  # once a run, eagerly: Dynamo would trace the table's cache
-    def _rebuilt(self, device: torch.device) -> torch.Tensor:
+    def _exact_table(self, device: torch.device) -> torch.Tensor:
         self.partition = partition_table(*self._partition_args, device=device)
         return self.partition
+
+    # once a run, eagerly: Dynamo would trace the table's cache
+    _rebuilt = outside_graphs(_exact_table)
+
+
+def exact_partitions(modules) -> None:
+    """Every PartitionBuffer among `modules` given its exact table again, in one call outside
+    Dynamo's graphs when any was cast (dtypes only: nothing runs when none was)."""
+    tables = [m for m in modules if isinstance(m, PartitionBuffer)]
+    if any(m.partition.dtype != torch.float32 for m in tables):
+        _rebuild_all(tables)
+
+
+@outside_graphs
+def _rebuild_all(modules) -> None:
+    for module in modules:
+        module.exact_partition()
 
 
 def partition_mask(table: torch.Tensor, length: int) -> torch.Tensor:

@@ -43,15 +43,24 @@ def skew(G: torch.Tensor, i0: int = 0) -> torch.Tensor:
     G = G.contiguous()
     B, r, W = G.shape
     L = (W + 1) // 2
-    return G.as_strided((B, r, L), (r * W, W - 1, 1), G.storage_offset() + L - 1 - i0)
+    # the view starts at G[:, 0, L - 1 - i0]: as_strided keeps the slice's storage offset, which
+    # Dynamo cannot read as a number (storage_offset(): a graph break in every layer)
+    return G[:, :, L - 1 - i0 :].as_strided((B, r, L), (r * W, W - 1, 1))
 
 
 def unskew(X: torch.Tensor, i0: int = 0) -> torch.Tensor:
     """[B, r, L] absolute rows i0.. -> [B, r, 2L-1] relative (zeros where j - i is outside)."""
     B, r, L = X.shape
-    G = X.new_zeros(B, r, 2 * L - 1)
-    skew(G, i0).copy_(X)
-    return G
+    W = 2 * L - 1
+    if L == 1:  # rows W - 1 = 0 apart: G is X
+        return X.clone()
+    flat = X.new_zeros(B, r * W + L)
+    # X[:, t] goes to G[:, t] from column L - 1 - i0 - t: one run of rows W - 1 apart in the
+    # flat buffer, written through slices and views (torch.compile cannot functionalize a write
+    # through skew's as_strided)
+    start = L - 1 - i0
+    flat[:, start : start + r * (W - 1)].view(B, r, W - 1)[:, :, :L].copy_(X)
+    return flat[:, : r * W].view(B, r, W)
 
 
 def activate(Z: torch.Tensor, mask_BL: torch.Tensor, sigmoid: bool) -> torch.Tensor:

@@ -219,7 +219,7 @@ class RpeAttention(BertAttention):
         return _merge(a @ v + a_rel @ v_rel)
 
 
-class PartMaskAttention(BertAttention, PartitionBuffer):
+class PartMaskAttention(PartitionBuffer, BertAttention):
     """eq. 4, §3.1: A = softmax(Q K^T / sqrt(d/n)) ⊙ N, head h restricted by N[h] = f_h(j - i)."""
 
     absolute_positions = False

@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # annotations only: shatter.config reads this registry
     from shatter.config import ModelConfig
 
 
-class SingleHeadPartitionAttention(nn.Module, PartitionBuffer):
+class SingleHeadPartitionAttention(PartitionBuffer, nn.Module):
     """The shared form; subclasses only choose the activation and which uses of R they have."""
 
     absolute_positions = False

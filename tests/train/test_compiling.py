@@ -100,3 +100,61 @@ def test_validation_compiles_nothing():
     assert compiled.training
     want = evaluate(eager, split, torch.device("cpu"), distributed=False)
     assert result == pytest.approx(want, rel=1e-6)
+
+
+class GraphCalls:
+    """A Dynamo backend that runs each graph as traced and counts the graphs a call runs."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, gm, example_inputs):
+        def run(*args):
+            self.calls += 1
+            return gm.forward(*args)
+
+        return run
+
+
+def module_cast(model):
+    model.bfloat16()
+
+
+def data_cast(model):
+    """As a DeepSpeed engine with data_types.buffer_dtype casts: each tensor's .data, the
+    module never told."""
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_floating_point():
+            t.data = t.data.to(torch.bfloat16)
+
+
+def graphs_a_forward(layers: int, cast, impl: str) -> int:
+    """The graphs one forward of a fresh compile runs (Dynamo's caches emptied first: the frames
+    other tests compiled, with their recompiles and shapes marked dynamic, change the count)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    kwargs = dict(vocab_size=50, max_len=32, layers=layers, attention_impl=impl)
+    model = shatter.build_model("shatter-tiny", **kwargs)
+    cast(model)
+    counter = GraphCalls()
+    model.compile(backend=counter)
+    x = torch.randint(5, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.where(x % 3 == 0, x, -100)
+    for _ in range(2):  # the first call makes the cast tables exact; the second recompiles
+        model(x, None, labels)
+    counter.calls = 0
+    model(x, None, labels)
+    return counter.calls
+
+
+@pytest.mark.parametrize(
+    ("impl", "cast"),
+    [("naive", module_cast), ("naive", data_cast), ("lean", module_cast), ("chunked", data_cast)],
+)
+def test_compiled_graphs_a_forward_do_not_grow_with_the_layers(impl, cast):
+    """A graph break inside the encoder's loop over the layers makes Dynamo run the loop in
+    Python from then on, each layer's forward a few graphs of its own (a host-bound step on a
+    GPU). Two did: a bf16 cast rounds each layer's partition table, which was made exact again
+    inside the loop (now by the cast itself, or in one call before the loop), and lean's and
+    chunked's skew read a storage offset. As many graphs for 4 layers as for 2."""
+    assert graphs_a_forward(4, cast, impl) == graphs_a_forward(2, cast, impl)

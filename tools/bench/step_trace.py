@@ -454,8 +454,9 @@ def compiled_keys(events: list[tuple], plan: list[dict]) -> list[tuple]:
 def build_meta(build_model, arch: str, size: str, vocab: int, max_len: int, dtype, impl=None):
     """`build_model(f"{arch}-{size}", ...)` on the CPU, moved to the meta device in `dtype`, in
     the state of a run's steps after its first: a partition table that the cast left in `dtype`
-    is made again in fp32 by the first forward and kept (partition.PartitionBuffer), so that
-    one-time copy is made here, not traced as every step's."""
+    (a checkout whose cast does not remake it) is made again in fp32 by the first forward and
+    kept (partition.PartitionBuffer), so that one-time copy is made here, not traced as every
+    step's."""
     overrides = dict(vocab_size=vocab, max_len=max_len)
     if impl:
         overrides["attention_impl"] = impl
