@@ -137,6 +137,7 @@ def test_a_compiled_first_step_after_a_cast_rebuilds_the_table_without_a_dynamo_
     fp32 outside Dynamo's graph (which would trace its functools cache and warn the user)."""
     import warnings
 
+    torch._dynamo.reset()  # a first compile: no frame left compiled by another test
     model = shatter.build_model("shatter-tiny", vocab_size=50, max_len=16)
     cast_tables(model, torch.bfloat16)
     x = torch.randint(0, 50, (2, 12))
