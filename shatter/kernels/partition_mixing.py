@@ -181,20 +181,24 @@ def _for_this_call(configs, named_args, **kwargs):
     return usable(configs, args["N_PARTS"], block_k, family, args.get("RECOMPUTE", False))
 
 
-def _autotune(configs):
+def _autotune(configs, restore=()):
     """triton.autotune over `configs`, pruned to those that serve the call's arch and n (under
     the interpreter: 16 x 16 tiles, all of a side's parts in one program), keyed on the
-    AUTOTUNE_KEY constants that the kernel takes."""
+    AUTOTUNE_KEY constants that the kernel takes. `restore`: the arguments a kernel writes in
+    place, copied before each timed run and put back after it (the timing runs a kernel many
+    times, Triton 3.6 even with one configuration left)."""
 
     def wrap(fn):
         key = [name for name in AUTOTUNE_KEY if name in fn.arg_names]
         if INTERPRET:
             groups = range(MAX_PARTS // 2, 0, -1) if "GROUP" in configs[0].kwargs else [None]
             configs_ = [_cfg(16, 16, 1, 1, group=g) for g in groups]
-        prune = {"early_config_prune": _for_this_call}
+        tune = dict(key=key, prune_configs_by={"early_config_prune": _for_this_call})
+        if restore:
+            tune["restore_value"] = list(restore)
         if INTERPRET:
-            return triton.autotune(configs=configs_, key=key, prune_configs_by=prune, do_bench=_untimed)(fn)  # fmt: skip
-        return triton.autotune(configs=configs, key=key, prune_configs_by=prune)(fn)
+            return triton.autotune(configs=configs_, do_bench=_untimed, **tune)(fn)
+        return triton.autotune(configs=configs, **tune)(fn)
 
     return wrap
 
@@ -420,7 +424,7 @@ def _rho_kept(ss, stat_ptrs, row_ok, h0):
 # ---------------------------------------------------------------------------------- kernels
 
 
-@_autotune(STATS_CONFIGS)
+@_autotune(STATS_CONFIGS, restore=("Z",))  # it writes z + b into Z
 @triton.jit
 def row_stats_kernel(
     Z, X, C, Mk, T, STAT, STAT2, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, L, L_KEY, T_CENTRE,

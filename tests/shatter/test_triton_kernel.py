@@ -207,9 +207,39 @@ def test_saved_scores_hold_the_part_bias(case):
     without c."""
     if not INTERPRET and not torch.cuda.is_available():
         pytest.skip("neither TRITON_INTERPRET=1 nor a CUDA device")
+    assert_saved_scores(case)
+
+
+def test_saved_scores_hold_the_bias_once_after_the_autotuners_timing(monkeypatch):
+    """On a GPU the autotuner times the statistics kernel before its real run, several runs a
+    configuration (Triton 3.6 even with one left), and the kernel adds b into Z in place: each
+    timed run's Z is put back (`restore_value`), so the saved Z holds b once. The GPU's timing
+    simulated under the interpreter: two configurations, each run three times, on a shape no
+    other test tuned."""
+    if not INTERPRET:
+        pytest.skip("simulates on the interpreter what a GPU's autotuner does")
+    from shatter.kernels import partition_mixing
+
+    kernel = partition_mixing.row_stats_kernel
+
+    def timing(kernel_call, quantiles):
+        for _ in range(3):
+            kernel_call()
+        return [1.0] * len(quantiles)
+
+    monkeypatch.setattr(kernel, "configs", kernel.configs * 2)
+    monkeypatch.setattr(kernel, "cache", {})
+    monkeypatch.setattr(kernel, "_do_bench", timing)
+    assert_saved_scores("part-bias n=12, d=48", length=24)
+
+
+def assert_saved_scores(case: str, length: int | None = None) -> None:
+    """mixing_fwd's saved Z equals Q Xᵀ/√d + b (without c: Q Xᵀ/√d) at every real pair."""
+    import shatter.attention.triton_kernel  # noqa: F401 (registers shatter::mixing_fwd)
     from shatter.attention.projection import gather_projections
 
     B, L, d, n, bias, lengths, sigmoid = CASES[case]
+    L = length or L
     Q, X, V, c, mask, table = _inputs(B, L, d, n, bias, lengths, device=DEVICE)
     P = gather_projections(Q, V, c)
     _, Z, _ = torch.ops.shatter.mixing_fwd(P.detach(), X.detach(), mask, table, sigmoid)
