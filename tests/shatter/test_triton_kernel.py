@@ -199,6 +199,7 @@ def test_rho_made_in_the_forward_kernel_launches_no_statistics_kernel(monkeypatc
     assert len(launched) == 2
 
 
+@pytest.mark.gpu  # also a GPU-lane case: there the autotuner really times the kernel first
 @pytest.mark.parametrize("case", ["part-bias n=12, d=48", "1h-sigmoid, one sequence all padding"])
 def test_saved_scores_hold_the_part_bias(case):
     """The Z that the forward keeps for the backward is eq. 5's argument z + b in the input
@@ -246,7 +247,7 @@ def assert_saved_scores(case: str, length: int | None = None) -> None:
     want = Q @ X.transpose(-1, -2) / d**0.5
     if c is not None:
         m = table.shape[1] // 2  # table column of j − i = 0
-        offsets = torch.arange(L)[None, :] - torch.arange(L)[:, None] + m
+        offsets = (torch.arange(L)[None, :] - torch.arange(L)[:, None] + m).to(table.device)
         want = want + torch.einsum("bih,hij->bij", c, table[:, offsets].to(c))
     assert Z.shape == (B, L, -(-L // 16) * 16)
     torch.testing.assert_close(Z[:, :, :L], want.detach(), rtol=1e-5, atol=1e-5)

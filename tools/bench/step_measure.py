@@ -190,7 +190,10 @@ def split_kernels(events: list[dict]) -> dict:
 
 
 def measure(arch: str, length: int, mode: str, args) -> dict:
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     model, opt = build(arch, length, args, mode == "compiled")
     rows = args.tokens // length
     data = [batch(rows, length, args.vocab, seed, args.device) for seed in range(4)]
@@ -204,7 +207,13 @@ def measure(arch: str, length: int, mode: str, args) -> dict:
     prof = profiled(step, 3, args.device)
     prof["gaps"] = max(ms - sum(prof[g] for g in GROUPS if g != "gaps"), 0.0)  # unprofiled wall
     del model, opt
-    return {"ms": ms, "tokens_per_s": rows * length / ms * 1e3, "warmup_s": first, **prof}
+    graphs = {  # Dynamo's: graphs compiled, and the graph breaks with their reasons
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": {
+            reason.splitlines()[0][:120]: n for reason, n in counters["graph_break"].items()
+        },
+    }
+    return {"ms": ms, "tokens_per_s": rows * length / ms * 1e3, "warmup_s": first, **prof, **graphs}
 
 
 def modelled_of(path: str | None, gpu: str) -> dict:
@@ -293,6 +302,10 @@ def main() -> None:
                 model = modelled.get(arch, {}).get(str(length), {}).get(mode)
                 print(row(arch, length, mode, m, model), flush=True)
     ratios(results, modelled)
+    for (arch, length, mode), m in results.items():
+        if mode == "compiled":  # a break inside the loop over the layers multiplies the graphs
+            breaks = "; ".join(f"{n} x {why}" for why, n in m["breaks"].items()) or "none"
+            print(f"{arch}, l = {length}, compiled: {m['graphs']} graphs; breaks: {breaks}")
     for (arch, length, mode), m in results.items():
         print(
             f"\n{arch}, l = {length}, {mode}: the {TOP} kernels of most GPU time (µs a step, launches a step)"
