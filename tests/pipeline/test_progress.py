@@ -279,6 +279,25 @@ def test_a_stall_interrupts_the_main_thread():
     assert ended == [1]
 
 
+def test_a_worker_drops_beams_logging_client_reconnect_messages():
+    """A live worker's log stream cancelled by the runner (its shutdown after another worker
+    died) makes Beam's logging client print a multi-line gRPC error to stderr, as Beam prints
+    it (apache_beam/runners/worker/log_handler.py); the worker's stderr drops it, and keeps the
+    rest."""
+    import io
+
+    from shatter.pipeline.beam_worker import QuietStderr
+
+    out = io.StringIO()
+    stderr = QuietStderr(out)
+    ex = 'RPC that terminated with:\n\tstatus = StatusCode.UNAVAILABLE\n\tdebug_error_string = "x"\n>'
+    print("WARNING a: kept", file=stderr)
+    print(f"Logging client failed: {ex}... resetting", file=stderr)
+    print("", file=stderr)
+    print("ERROR b: kept", file=stderr)
+    assert out.getvalue() == "WARNING a: kept\n\nERROR b: kept\n"
+
+
 @pytest.mark.slow
 def test_a_killed_worker_ends_the_build_in_one_line(built, corpus_dir, tmp_path):
     """A `multi_processing` worker killed (as by the OOM killer) before its first bundle leaves
