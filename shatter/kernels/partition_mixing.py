@@ -99,6 +99,9 @@ def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None, sources=(F
 # GROUP 2, only Z read (no tensor-core instruction expected).
 STATS_CONFIGS = [  # sm_90's M64 N128 w4 spilled 96-128 bytes under 3.6
     _cfg(128, 64, 8, 2, archs=(90,)),
+    # reading Z it also writes z + b, a sweep bound by its loads' latency: twice the programs
+    # (B·l/64), timed against the one above
+    _cfg(64, 64, 4, 2, archs=(80, 90), sources=(False,)),
     _cfg(128, 16, 8, 2, archs=(70,), sources=(False,)),  # N64 and N32 spilled 8 bytes at l = 509
     _cfg(128, 64, 8, 2, archs=(80,), sources=(False,)),
     _cfg(128, 32, 8, 2, archs=(80,), sources=(True,)),  # recomputing, N64 spilled 8 bytes (3.6)
