@@ -128,7 +128,9 @@ def mixing_fwd_cost(args, kwargs, outputs, family: int | None = 90) -> list[Kern
     kernels = [Kernel("pad the keys to Lp", "memory", 0.0, float(x + xp))] if L % 16 else []
     kernels.append(Kernel("Z = Q Xᵀ/√d", "gemm", 2.0 * B * L * Lp * d, float(x + xp + z)))
     reads = _z_reads(n, d, "fwd", False, family)  # Z per group of parts; V read, X̄ written
-    has_c = a["P"].shape[-1] > 2 * d
+    from shatter.attention.projection import projection_width
+
+    has_c = a["P"].shape[-1] != projection_width(d, n, bias=False)  # P = [Q | V | c] or [Q | V]
     if stats_inside(n, block_k(d, n), family, a["sigmoid"], False, has_c):
         reads += 1  # ρ made in the forward: each side's program sweeps the other side's keys
     else:  # with the part bias it also writes z + b into Z
