@@ -19,7 +19,9 @@
 #   measure   tools/bench/step_measure.py: the step of bert and shatter at l = 256 and 1024, eager
 #             and compiled, beside step_cost.py's model of it (runs/modelled.json, made here by
 #             `step_cost.py --gpus H100,H200 --json runs/modelled.json` and carried), with the
-#             profiler's split; then bench_train's trainer against its bare step
+#             profiler's split; then tools/bench/launch_cost.py (the host's µs per Triton launch,
+#             Triton's path against shatter.kernels.launch's) and bench_train's trainer against
+#             its bare step
 #   science   tools/reproduce.py science --scale gpu-small on the carried dataset .science/
 #             (make science-data): bert-small against shatter-small, extended to twice the length
 #   all       (the default) the base-shape kernels, the three benchmarks, the jobs: 9 minutes
@@ -54,7 +56,7 @@ case $MODE in
   jobs) PLAN="env:90 jobs:450" ;;
   science) PLAN="env:90 science:450" ;;
   host) PLAN="env:90 host_step:150 host_op:80 host_train:220" ;;
-  measure) PLAN="env:90 measure:330 trainer:120" ;;
+  measure) PLAN="env:90 measure:300 launch:30 trainer:120" ;;
   all) PLAN="env:90 kernel_base:80 bench_kernel:90 bench_model:70 bench_train:70 jobs:140" ;;
   rehearse) exec bash .ci/gpu/rehearse.sh "$@" ;;
   --env-step) ;;
@@ -282,6 +284,7 @@ for item in $PLAN; do
       --vs-bare --sizes "$BENCH_SIZE" --archs bert,shatter --micro-batch 64 --steps "$BENCH_STEPS" ;;
     measure) step measure "$PY" tools/bench/step_measure.py "${MEASURE_ARGS[@]}" \
       $([ -f runs/modelled.json ] && echo --modelled runs/modelled.json) ;;
+    launch) step launch "$PY" tools/bench/launch_cost.py --rows 4 --calls 500 ;;
     trainer) step trainer "$PY" tools/bench/bench_train.py --device "$DEVICE" --precision bf16 \
       --vs-bare --archs bert,shatter "${TRAINER_ARGS[@]}" ;;
     jobs) pytest_step jobs 150 "$JOB_WORKERS" -m gpu "${JOBS[@]}" "$@" ;;

@@ -39,7 +39,6 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 
 from shatter.attention.projection import (
     context,
@@ -49,6 +48,7 @@ from shatter.attention.projection import (
     projection_views,
 )
 from shatter.kernels.cost import register_costs
+from shatter.kernels.launch import fast, pow2
 from shatter.kernels.row_mixing import MAX_ROW, row_warps, rows_bwd_kernel, rows_fwd_kernel
 
 
@@ -90,7 +90,7 @@ def _shared(Z, c, mask, table, sigmoid: bool) -> tuple[list, list, dict]:
     cc = c if c is not None else Z  # a placeholder pointer without the bias
     args = [Z, cc, mask, table]
     strides = [Z.stride(0), Z.stride(1), cc.stride(0), cc.stride(1), mask.stride(0), table.stride(0)]  # fmt: skip
-    block = triton.next_power_of_2(L)
+    block = pow2(L)
     meta = dict(
         HAS_C=c is not None, N_PARTS=table.shape[0], SIGMOID=sigmoid, BLOCK_L=block,
         num_warps=row_warps(block),
@@ -109,7 +109,7 @@ def rows_fwd(
     W = Z.new_empty(B, n, L, Lp)
     part = Z.new_empty(B, L, n)
     args, strides, meta = _shared(Z, c, _keys(mask), table, sigmoid)
-    rows_fwd_kernel[(L, B)](
+    fast(rows_fwd_kernel)[(L, B)](
         *args, W, part, *strides, W.stride(0), W.stride(1), W.stride(2), part.stride(0),
         part.stride(1), L, (table.shape[1] - 1) // 2, **meta,
     )  # fmt: skip
@@ -142,7 +142,7 @@ def rows_bwd(
     dc = Z.new_empty(B, L, n if c is not None else 0)
     dcc = dc if c is not None else Z
     args, strides, meta = _shared(Z, c, _keys(mask), table, sigmoid)
-    rows_bwd_kernel[(L, B)](
+    fast(rows_bwd_kernel)[(L, B)](
         *args, dW, g_part, dZ, dcc, *strides, dW.stride(0), dW.stride(1), dW.stride(2),
         g_part.stride(0), g_part.stride(1), dcc.stride(0), dcc.stride(1), L,
         (table.shape[1] - 1) // 2, scale, **meta,

@@ -26,7 +26,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from shatter.attention.projection import (
     context_views,
@@ -38,6 +37,7 @@ from shatter.attention.projection import (
 )
 from shatter.kernels.cost import register_costs
 from shatter.kernels.family import delta_inside, family_of
+from shatter.kernels.launch import fast, pow2
 from shatter.kernels.partition_mixing import (
     INTERPRET,
     MAX_PARTS,
@@ -66,12 +66,6 @@ def _kernel_meta(d: int, n: int, dtype: torch.dtype) -> tuple:
         "NP": max(16, pow2(n)),
         "BLOCK_D": min(64, max(16, pow2(d))),  # Q Xᵀ's steps over d (RECOMPUTE)
     }.items())  # fmt: skip
-
-
-def pow2(x: int) -> int:
-    """triton.next_power_of_2 as plain Python: Triton 3.9's is a constexpr function whose call
-    from Python costs about 6 µs, on every kernel call's host path."""
-    return 1 << (x - 1).bit_length() if x > 0 else 0
 
 
 def _check(Q, X, V, c, mask, table, impl="triton"):
@@ -107,7 +101,8 @@ def _grid(L, block, per_batch, half=0):
     has `half` = n/2 parts)."""
 
     def grid(META):
-        return triton.cdiv(L, META[block]), per_batch * (2 * half // META["GROUP"] if half else 1)
+        # -(-a // b): triton.cdiv is a constexpr function in Triton 3.9, about 5 µs a call
+        return -(-L // META[block]), per_batch * (2 * half // META["GROUP"] if half else 1)
 
     return grid
 
@@ -176,10 +171,10 @@ def forward_kernels(P, X, mask, table, sigmoid: bool, Z):
     )  # fmt: skip
     inside = _stats_inside(X, n, sigmoid, Z is None, c is not None)
     if not inside:  # ρ (or the softmax statistics) in a launch of its own
-        row_stats_kernel[_grid(L, "BLOCK_M", B)](STAT=stat[0], STAT2=stat[1], **shared)
+        fast(row_stats_kernel)[_grid(L, "BLOCK_M", B)](STAT=stat[0], STAT2=stat[1], **shared)
     ctx = new_context(X, n, zero_pad=False)  # the mixing forward zeroes the alignment columns
     out, part = context_views(ctx, n)
-    mix_fwd_kernel[_grid(L, "BLOCK_M", B, n // 2)](  # batch x side x group of parts
+    fast(mix_fwd_kernel)[_grid(L, "BLOCK_M", B, n // 2)](  # batch x side x group of parts
         V=V, STAT=stat[0], STAT2=stat[1], OUT=out, AP=part, sv_b=V.stride(0), sv_h=V.stride(1),
         sv_l=V.stride(2), so_b=out.stride(0), so_h=out.stride(1), so_l=out.stride(2),
         sa_b=part.stride(0), sa_l=part.stride(1), K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
@@ -229,7 +224,7 @@ def backward_kernels(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmo
         N_PARTS=n, SIGMOID=sigmoid, K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
         T_CENTRE=(table.shape[1] - 1) // 2, PREC=meta["PREC"], **source,
     )  # fmt: skip
-    mix_bwd_dv_kernel[_grid(L, "BLOCK_N", B, n // 2)](
+    fast(mix_bwd_dv_kernel)[_grid(L, "BLOCK_N", B, n // 2)](
         DV=gV, sg_b=gV.stride(0), sg_h=gV.stride(1), sg_l=gV.stride(2), **shared
     )
     inside = _delta_inside(X)
@@ -240,13 +235,13 @@ def backward_kernels(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmo
         sa_b=part.stride(0), sa_l=part.stride(1), sp_b=g_part.stride(0), sp_l=g_part.stride(1),
     )  # fmt: skip
     if not inside:  # δ in a launch of its own (family.delta_inside)
-        delta_kernel[_grid(L, "BLOCK_M", B)](
+        fast(delta_kernel)[_grid(L, "BLOCK_M", B)](
             DO=g_out, DAP=g_part, DELTA=delta, sd_b=shared["sd_b"], sd_h=shared["sd_h"],
             sd_l=shared["sd_l"], L=L, L_KEY=shared["L_KEY"], K_PART=d // n, N_PARTS=n,
             BLOCK_K=meta["BLOCK_K"], NP=meta["NP"], **outputs,
         )  # fmt: skip
     dZ = X.new_empty(B, L, padded(L))  # dS/√d; the padded keys' columns are never read
-    mix_bwd_dz_kernel[_grid(L, "BLOCK_M", B)](
+    fast(mix_bwd_dz_kernel)[_grid(L, "BLOCK_M", B)](
         V=V, DELTA=delta, DAP=g_part, DZ=dZ, DC=dcc, sdz_b=dZ.stride(0), sdz_l=dZ.stride(1),
         sv_b=V.stride(0), sv_h=V.stride(1), sv_l=V.stride(2), sdc_b=dcc.stride(0),
         sdc_l=dcc.stride(1), NP=meta["NP"], DC_COLS=P.shape[-1] - 2 * d, DELTA_INSIDE=inside,

@@ -56,15 +56,14 @@ cores. Under TRITON_INTERPRET=1 (CPU tests) one small configuration is tuned ove
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from shatter.kernels.family import family_of
+from shatter.kernels.launch import INTERPRET, pow2
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INTERPRETING = tl.constexpr(INTERPRET)
 MAX_PARTS = 16  # n/2 <= 8 unrolled per-part accumulators
 FP32_MIN = tl.constexpr(-3.4028234663852886e38)  # padded keys, as multihead.masked_softmax
@@ -156,7 +155,7 @@ def usable(configs, n: int, block_k: int, family: int | None = None, recompute=F
 
 def block_k(d: int, n: int) -> int:
     """BLOCK_K, the accumulator width of a part's d/n values (at least 16: tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(d // n))
+    return max(16, pow2(d // n))
 
 
 @functools.cache  # asked on every forward call

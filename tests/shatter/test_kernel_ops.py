@@ -259,7 +259,9 @@ def test_the_host_path_s_constants_are_triton_s():
     cached constants come back as a fresh dict each call."""
     import triton
 
-    assert [triton_kernel.pow2(x) for x in range(0, 3000)] == [
+    from shatter.kernels import launch
+
+    assert [launch.pow2(x) for x in range(0, 3000)] == [
         triton.next_power_of_2(x) for x in range(0, 3000)
     ]
     meta = triton_kernel.kernel_meta(768, 12, torch.bfloat16)
