@@ -244,11 +244,15 @@ class ShatterForMaskedLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         perm_rank: torch.Tensor | None = None,
+        predicted: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor | None]:
         """With labels ([B, L], -100 where not predicted): logits [M, V] at the M predicted
         positions and loss = their mean cross-entropy. Without: logits [B, L, V], loss None.
         With perm_rank ([B, L], the factorisation order; xlnet): the permutation LM, decoded
-        from the query stream (shatter/xlnet.py)."""
+        from the query stream (shatter/xlnet.py). `predicted`: those M positions, made from the
+        labels where they are on the host (`predicted_positions`), as the trainer's batches
+        carry them: without, the model finds them itself on the labels' device, and on a GPU
+        that waits for the GPU (a host sync in the forward, a graph break under torch.compile)."""
         if perm_rank is None:
             h = self.encoder(input_ids, attention_mask)
         else:
@@ -259,11 +263,20 @@ class ShatterForMaskedLM(nn.Module):
             raise ValueError(
                 f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}"
             )
-        predicted = labels != IGNORE_INDEX
-        logits = self.mlm_head(h[predicted])  # [M, V]: decode only the predicted positions
-        target = labels[predicted]
+        if predicted is None:
+            predicted = predicted_positions(labels)
+        # [M, V]: only the predicted positions decoded, in the order labels[labels != -100] has
+        logits = self.mlm_head(h.flatten(0, 1).index_select(0, predicted))
+        target = labels.reshape(-1).index_select(0, predicted)
         loss = F.cross_entropy(logits, target) if target.numel() else logits.sum() * 0.0
         return {"loss": loss, "logits": logits}
+
+
+def predicted_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The positions of `labels` [B, L] that are predicted (not -100), flat (row × L + column),
+    in row-major order: [M] int64. On a GPU tensor this waits for the GPU (M is its count);
+    made from the host's labels, as the trainer's loader makes it, it costs the GPU nothing."""
+    return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 def build_model(preset: str, **overrides) -> ShatterForMaskedLM:

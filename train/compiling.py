@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 
 import torch
 from torch import nn
@@ -60,6 +61,16 @@ def compile_model(model: nn.Module) -> nn.Module:
         raise ConfigError(problem)
     model.compile()
     return model
+
+
+def mark_varying(inputs: dict) -> None:
+    """The count of predicted positions (`predicted`) changes with every batch: a dynamic size
+    under torch.compile from the first batch on. Without the mark, Dynamo compiles the first
+    batch's count, then the whole step once more at the second's. Nothing without torch.compile
+    (torch._dynamo not loaded)."""
+    predicted = inputs.get("predicted")
+    if predicted is not None and "torch._dynamo" in sys.modules:
+        torch._dynamo.maybe_mark_dynamic(predicted, 0)
 
 
 def one_line(err: Exception) -> str:

@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from shatter.train.masking import IGNORE
+from shatter.model import predicted_positions
 
 
 def default_device() -> torch.device:
@@ -31,10 +31,14 @@ def masked_lm_sums(model, batch: dict) -> torch.Tensor:
     out = model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels, **order
     )
+    # the loader's predicted positions (made here, on the labels' device, without); the model
+    # (any masked LM: an export's too) finds its own
+    predicted = batch.get("predicted")
+    predicted = predicted_positions(labels) if predicted is None else predicted
     logits = out["logits"]
-    target = labels[labels != IGNORE]
+    target = labels.reshape(-1)[predicted]
     if logits.dim() == 3:  # a model that decodes every position
-        logits = logits[labels != IGNORE]
+        logits = logits.flatten(0, 1)[predicted]
     logits = logits.float()
     loss_sum = F.cross_entropy(logits, target, reduction="sum")
     correct = (logits.argmax(-1) == target).sum()

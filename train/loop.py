@@ -23,6 +23,7 @@ from shatter.pipeline.masking import mix64
 from shatter.shards import Index
 from shatter.train import checkpoint, lifecycle
 from shatter.train.budget import Budget
+from shatter.train.compiling import mark_varying
 from shatter.train.config import TrainConfig
 from shatter.train.cost import cost_model
 from shatter.train.engine import LossScaleStall, loss_scale, skipped_steps
@@ -42,7 +43,8 @@ from shatter.train.loader import (
 from shatter.train.loader.stream import STORE_ERROR
 from shatter.train.metrics import MetricsWriter, Progress, RunClock, device_word, gpu_memory
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "perm_rank")  # perm_rank: plm only
+# perm_rank: plm only; predicted: the labels' positions, counted by the loader (no host sync)
+MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "perm_rank", "predicted")
 
 
 def dropout_seed(seed: int, samples: int, rank: int) -> int:
@@ -285,6 +287,7 @@ def _micro_batch(ctx: RunContext, loop: Loop, state, batch: dict) -> float:
     full = tokens == batch["attention_mask"].numel()
     names = [k for k in MODEL_INPUTS if k in batch and not (full and k == "attention_mask")]
     inputs = {k: batch[k].to(engine.device, non_blocking=True) for k in names}
+    mark_varying(inputs)
     lr = engine.optimizer.param_groups[0]["lr"]
     loss = engine(**inputs)["loss"]
     stop = ctx.stop

@@ -122,3 +122,39 @@ def test_heads_save_and_load(tmp_path):
     shatter.save_pretrained(tiny("shatter"), tmp_path / "mlm")
     head = SequenceClassificationModel(shatter.from_pretrained(tmp_path / "mlm"), 2)
     assert head(x)["logits"].shape == (2, 2)
+
+
+@pytest.mark.parametrize("arch", ["bert", "shatter", "xlnet"])
+@pytest.mark.parametrize("given", [False, True])
+def test_the_mlm_head_decodes_the_predicted_positions(arch, given):
+    """The loss and logits with labels, the loader's flat positions given (`predicted`) or
+    found by the model, are the full decoding's rows at labels != -100 in row-major order and
+    their mean cross-entropy, with the same gradients (xlnet: its query stream)."""
+    x = ids(3, 12)
+    mask = torch.ones_like(x)
+    mask[2, 9:] = 0
+    labels = torch.where((x % 4 == 0) & (mask == 1), x, -100)
+    order = {}
+    if arch == "xlnet":
+        rank = torch.rand(x.shape, generator=torch.Generator().manual_seed(3)).argsort(-1)
+        order = {"perm_rank": torch.where(labels != -100, rank.argsort(-1), -1)}
+    model = tiny(arch).eval()  # no dropout: two forwards, the same function
+    full = model(x, mask, **order)["logits"][labels != -100]
+    want = torch.nn.functional.cross_entropy(full, labels[labels != -100])
+    want_grads = torch.autograd.grad(want, list(model.parameters()), allow_unused=True)
+    predicted = shatter.model.predicted_positions(labels) if given else None
+    out = model(x, mask, labels, predicted=predicted, **order)
+    grads = torch.autograd.grad(out["loss"], list(model.parameters()), allow_unused=True)
+    assert full.shape[0] == 8 and out["logits"].shape == full.shape
+    torch.testing.assert_close(out["logits"], full)
+    torch.testing.assert_close(out["loss"], want)
+    for a, b in zip(grads, want_grads, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_predicted_positions_are_the_labels_flat_row_major():
+    labels = torch.tensor([[-100, 5, -100], [7, -100, 8]])
+    assert shatter.model.predicted_positions(labels).tolist() == [1, 3, 5]
+    assert shatter.model.predicted_positions(torch.full((2, 3), -100)).numel() == 0

@@ -159,3 +159,44 @@ def test_compiled_graphs_a_forward_do_not_grow_with_the_layers(impl, cast):
     inside the loop (now by the cast itself, or in one call before the loop), and lean's and
     chunked's skew read a storage offset. As many graphs for 4 layers as for 2."""
     assert graphs_a_forward(4, cast, impl) == graphs_a_forward(2, cast, impl)
+
+
+@pytest.mark.parametrize("arch", ["bert", "shatter"])
+def test_the_loader_s_predicted_positions_compile_once_and_break_nothing(arch):
+    """With the loader's `predicted` (marked varying, as the trainer marks it) the masked-LM
+    head runs inside the forward's graphs: fewer graphs a forward than the model's own boolean
+    gather (a `nonzero`: a graph break, and a host sync on a GPU), and three batches of
+    different counts compile one set of graphs."""
+    from torch._dynamo.testing import CompileCounter
+
+    from shatter.model import predicted_positions
+    from shatter.partition import relative_index
+
+    def batch(seed: int) -> dict:
+        x = torch.randint(5, 50, (2, 16), generator=torch.Generator().manual_seed(seed))
+        labels = torch.full_like(x, -100)
+        labels[:, 1 : 1 + 3 * seed] = x[:, 1 : 1 + 3 * seed]  # 6, 12, 18 predicted
+        return {"input_ids": x, "labels": labels, "predicted": predicted_positions(labels)}
+
+    def graphs(given: bool) -> tuple[int, int]:
+        torch._dynamo.reset()
+        model = shatter.build_model(f"{arch}-tiny", vocab_size=50, max_len=32, layers=2)
+        relative_index(16, 32, torch.device("cpu"))  # cached before: its first fill recompiles
+        counter, calls = CompileCounter(), GraphCalls()
+        model.compile(backend=lambda gm, inputs: (counter(gm, inputs), calls(gm, inputs))[1])
+        counts = []
+        for seed in (1, 2, 3):
+            inputs = batch(seed)
+            if not given:
+                del inputs["predicted"]
+            compiling.mark_varying(inputs)
+            calls.calls = 0
+            model(**inputs)["loss"].backward()
+            counts.append(counter.frame_count)
+        torch._dynamo.reset()
+        assert len({len(batch(s)["predicted"]) for s in (1, 2, 3)}) == 3
+        return counts, calls.calls
+
+    given, own = graphs(True), graphs(False)
+    assert given[0][0] == given[0][2], f"recompiled: {given[0]}"
+    assert given[1] < own[1], (given, own)

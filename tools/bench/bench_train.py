@@ -41,7 +41,8 @@ from shatter.train.config import resolve
 from shatter.train.engine import build_engine, deepspeed_config, init_distributed
 from shatter.train.loader import MaskingSpec, ShardStream
 
-INPUTS = ("input_ids", "attention_mask", "labels")
+# the model's inputs of the trainer's batches: `predicted`, the labels' positions the loader counts
+INPUTS = ("input_ids", "attention_mask", "labels", "predicted")
 
 
 def main() -> None:

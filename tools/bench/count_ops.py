@@ -102,11 +102,10 @@ def mlm_batch(batch: int, length: int, vocab: int, seed: int) -> dict:
     ids = torch.randint(5, vocab, (batch, length), generator=gen)
     chosen = torch.rand(batch, length, generator=gen) < 0.15
     chosen[:, 0] = True  # at least one prediction per row
-    return {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "labels": torch.where(chosen, ids, torch.full_like(ids, -100)),
-    }
+    labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+    predicted = shatter.model.predicted_positions(labels)  # as the trainer's loader gives them
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+            "predicted": predicted}  # fmt: skip
 
 
 def engine_step(engine, batches: list[dict], counter: OpCounter | None) -> None:

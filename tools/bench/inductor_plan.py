@@ -16,9 +16,9 @@ sm_90 target, and nothing is executed on a GPU:
   or writes once); every launch of it in the forward or the backward is counted;
 - the extern kernels do not run: the GEMMs are no-ops; SDPA is the aten op CUDA runs
   (FlashAttention-2, or the memory-efficient kernel: step_trace.gpu_sdpa), one extern kernel
-  each way, and it and each `shatter::` op return empty tensors of their fake impl's shapes;
-  the MLM head's `nonzero` gives PREDICTED of the positions. Values are garbage; only the plan is
-  read.
+  each way, and it and each `shatter::` op return empty tensors of their fake impl's shapes.
+  The MLM head decodes PREDICTED of the positions, given as the trainer's loader gives them
+  (`predicted`). Values are garbage; only the plan is read.
 
 So the plan is real tensors of the step's real shapes (untouched memory: `empty` allocates pages
 it never writes) for seconds of CPU plus inductor's compile time (about 40 s at base size).
@@ -105,17 +105,6 @@ def plan_for_gpu(capability: tuple[int, int] = (9, 0), flash: bool = True) -> No
     _KEEP.append(aten)
     _stub_sdpa(aten, flash)
     _stub_custom_ops()
-    aten.impl("nonzero", _predicted_positions, "CPU")
-
-
-@torch.compiler.disable  # a kernel: Dynamo would compile it into kernels that do not run
-def _predicted_positions(mask: torch.Tensor) -> torch.Tensor:
-    """`nonzero` of the MLM head's bool index of predicted positions, whose values came from a
-    kernel that did not run: the first PREDICTED of its positions, as the eager trace counts them
-    (step_trace.StepTrace)."""
-    m = max(1, round(PREDICTED * mask.numel()))
-    flat = torch.arange(m)
-    return torch.stack(torch.unravel_index(flat, mask.shape), dim=1)
 
 
 SDPA_OPS = (
@@ -180,6 +169,7 @@ def plan_step(model, length: int, rows: int, low: torch.dtype, padding=False) ->
     with PREDICTED of its positions predicted and, with `padding`, an all-ones attention mask:
     [{"name", "phase", "bytes", "launches"}]."""
     from shatter.partition import relative_index
+    from shatter.train.compiling import mark_varying
 
     model = model.to(low).train()
     # the state of a run's steps after its first, whose values no kernel here would make: the
@@ -190,10 +180,14 @@ def plan_step(model, length: int, rows: int, low: torch.dtype, padding=False) ->
     relative_index(length, model.config.max_len, torch.device("cpu"))
     model.compile()
     ids = torch.randint(5, 100, (rows, length))
-    labels = ids.clone()  # which are predicted is `_predicted_positions`' choice
+    labels = ids.clone()
+    # the positions the loader counts on the host: the first PREDICTED of them, as the eager
+    # trace counts them (step_trace.trace_step), a varying size as the trainer marks it
+    predicted = torch.arange(max(1, round(PREDICTED * rows * length)))
+    mark_varying({"predicted": predicted})
     mask = torch.ones(rows, length, dtype=torch.long) if padding else None
     PHASE["now"] = "forward"
-    loss = model(ids, mask, labels)["loss"]
+    loss = model(ids, mask, labels, predicted=predicted)["loss"]
     PHASE["now"] = "backward"
     loss.backward()
     return [

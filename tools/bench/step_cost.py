@@ -38,8 +38,8 @@ model under torch.compile as inductor runs it, from inductor's own plan of the s
 (tools/bench/inductor_plan.py: inductor's scheduler and Triton code generator asked on this CPU,
 for a CUDA target, which kernels it makes, with the bytes it counts for each): its Triton kernels
 replace the forward's and backward's ops it compiles, while the GEMMs, SDPA and the custom ops
-(its extern kernels), the ops outside the compiled graphs (`shatter.eager`'s ranges, the MLM
-head's boolean index) and the DeepSpeed optimizer step are as in eager. Each plan of a
+(its extern kernels), the ops outside the compiled graphs (`shatter.eager`'s ranges) and the
+DeepSpeed optimizer step are as in eager. Each plan of a
 base-size step takes about 40 s of CPU (cached: SHATTER_PLAN_CACHE). The compiled figures
 are the main ones, as a GPU run compiles unless told not to (`run.compile` unset: on a GPU,
 shatter/train/compiling.py); `--eager` (or the config's `run.compile: false`) makes the eager

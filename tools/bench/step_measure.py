@@ -35,7 +35,9 @@ from pathlib import Path
 
 import torch
 
+from shatter.model import predicted_positions
 from shatter.tools.bench.step_trace import adamw
+from shatter.train.compiling import mark_varying
 
 GROUPS = ("gemm", "attention", "elementwise", "optimizer", "gaps")
 MODEL_GROUPS = {"gemm": "gemm", "attention": "attention", "elementwise": "elementwise"}
@@ -83,7 +85,8 @@ def batch(rows: int, length: int, vocab: int, seed: int, device: str):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, vocab, (rows, length), generator=g)
     labels = torch.where(torch.rand(rows, length, generator=g) < 0.15, ids, -100)
-    return ids.to(device), labels.to(device)
+    predicted = predicted_positions(labels)  # on the host, as the trainer's loader counts them
+    return ids.to(device), labels.to(device), predicted.to(device)
 
 
 def build(arch: str, length: int, args, compiled: bool):
@@ -106,8 +109,9 @@ def build(arch: str, length: int, args, compiled: bool):
 
 def step_fn(model, opt, batches):
     def step():
-        ids, labels = next(batches)
-        model(ids, None, labels)["loss"].backward()
+        ids, labels, predicted = next(batches)
+        mark_varying({"predicted": predicted})
+        model(ids, None, labels, predicted=predicted)["loss"].backward()
         with torch.profiler.record_function(OPTIMIZER_RANGE):
             opt.step()
 

@@ -7,7 +7,10 @@ checkout's, or an older commit's: the module imports no project module at load t
 checkout's PYTHONPATH) on meta tensors, which have shapes, dtypes and strides but no values, so a
 base-size step traces in seconds on a CPU:
 
-    forward    model(input_ids, attention_mask, labels)["loss"]
+    forward    model(input_ids, attention_mask, labels, predicted=...)["loss"]: the
+               predicted positions as the trainer's loader counts them on the host (a
+               `predicted` share of the tokens); a model without the argument finds them
+               itself, with a boolean index (below)
     backward   loss.backward()
     optimizer  `fused`: torch's fused AdamW over the fp32 parameters (the model fp32 under
                bf16 autocast); `zero1`: DeepSpeed's ZeRO-1 step on one of `world` ranks (the
@@ -29,8 +32,8 @@ device is emulated above the dispatcher, in a TorchFunctionMode:
   forward as torch caches them;
 - SDPA's backend choice on CUDA: the flash kernel when there is no mask and the GPU is sm_80+,
   else the memory-efficient kernel (a bool mask becomes a float bias first);
-- the boolean index of the MLM head (decode only the predicted positions): a `predicted` share of
-  the tokens, as the data's masking would give.
+- the boolean index of the MLM head of an older model, which finds its predicted positions itself:
+  a `predicted` share of the tokens, as the data's masking would give.
 
 Custom ops named `shatter::...` are priced per kernel from `shatter.kernels.cost.OP_COSTS` when
 this checkout has it: a row of kind "custom" carries the op's kernels, (name, kind, FLOPs,
@@ -42,7 +45,7 @@ inductor runs the compiled model, from `plan`, inductor's own kernels for the st
 (tools/bench/inductor_plan.py): in the forward and the backward, the GEMMs, SDPA and the custom
 ops stay as traced (inductor calls them as extern kernels), the ops that run outside the
 compiled graphs stay as traced (`eager` events: the profiler range shatter.eager.EAGER, and the
-MLM head's boolean index, where Dynamo breaks the graph, and its backward), and every other op
+MLM head's boolean index of an older model, where Dynamo breaks the graph, and its backward), and every other op
 is replaced by the plan's Triton kernels; the optimizer stays eager.
 """
 
@@ -397,12 +400,15 @@ def trace_step(
     ids = torch.empty(rows, length, dtype=torch.long, device=dev)
     mask = torch.empty(rows, length, dtype=torch.long, device=dev) if padding_mask else None
     labels = torch.empty(rows, length, dtype=torch.long, device=dev)
+    count = max(1, round(predicted * rows * length))  # the positions the loader counts
+    given = {"predicted": torch.empty(count, dtype=torch.long, device=dev)}
+    given = given if "predicted" in inspect.signature(model.forward).parameters else {}
     params = [p for p in model.parameters() if p.requires_grad]
     rec = StepTrace(predicted, family)
     emulate = GpuEmulation(low if optimizer == "fused" else None, flash, low)
     model.train()
     with emulate, rec, _patched_autocast(MetaAutocast(emulate)):
-        loss = model(ids, mask, labels)["loss"]
+        loss = model(ids, mask, labels, **given)["loss"]
         rec.phase = "backward"
         loss.backward()
         rec.phase = "optimizer"

@@ -316,6 +316,9 @@ def assemble(parts: list[Masked], B: int) -> dict[str, torch.Tensor]:
         "input_ids": torch.from_numpy(input_ids),
         "attention_mask": torch.from_numpy(attention_mask),
         "labels": torch.from_numpy(labels),
+        # the labels' predicted positions, flat (the model's `predicted`): counted here on the
+        # host, so that the model's head needs no host sync to gather them on a GPU
+        "predicted": torch.from_numpy(np.flatnonzero(labels != IGNORE)),
         "sample_id": torch.from_numpy(uids),  # canonical row id: base of its shard + row
         "epoch": torch.from_numpy(epochs),
     }

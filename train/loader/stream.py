@@ -155,6 +155,7 @@ class ShardStream(IterableDataset):
         a metric's sums."""
         batch = self.batch(np.array([self.start]))
         batch["labels"].fill_(IGNORE)
+        batch["predicted"] = batch["predicted"][:0]
         batch["sample_id"].fill_(-1)
         return batch
 
