@@ -396,7 +396,9 @@ class Study:
 
     def finished(self, run: Path) -> bool:
         """An export of the last step and the last step's validation line."""
-        step_file = run / "export" / "STEP"
+        from shatter.train.checkpoint import EXPORT, EXPORT_STEP
+
+        step_file = run / EXPORT / EXPORT_STEP
         if not step_file.is_file() or not (run / "metrics.jsonl").is_file():
             return False
         if int(step_file.read_text().split()[0].removeprefix("step")) != self.steps:

@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,13 +154,19 @@ def plan(
     index: str | None,
     gpu: bool,
     capability: tuple[int, int] | None = None,
+    cpu_index_up: Callable[[], bool] = lambda: True,
 ) -> list[str]:
     """The pip arguments that install torch, or [] to keep the installed one. `capability`:
-    the GPU's compute capability when `gpu` (gpu_capability)."""
+    the GPU's compute capability when `gpu` (gpu_capability); `cpu_index_up`: asked only where
+    the CPU index would be chosen (no GPU, no TORCH_INDEX), whether it answers: pip retries an
+    unreachable index for every package it resolves, so then torch comes from pip's own indexes
+    and find-links (a local wheel of it, where one is there)."""
     fits = installed is not None and wanted.contains(installed)
     if fits and (index is not None or runs_here(installed, capability if gpu else None)):
         return []
     if index is None and not gpu:
+        if not cpu_index_up():
+            return ["install", f"torch=={CPU_VERSION}"]
         return ["install", "--index-url", CPU_INDEX, f"torch=={CPU_VERSION}"]
     if index is None and old_gpu(capability):
         index = SM70_INDEX
@@ -175,6 +182,15 @@ def reachable(url: str, timeout: float = 8.0) -> bool:
         return True
     except OSError:
         return False
+
+
+def cpu_index_up() -> bool:
+    """Whether the CPU index answers, and a line saying it is left out where it does not (only
+    the CPU index chosen here is: one the user named, TORCH_INDEX, goes to pip)."""
+    up = reachable(CPU_INDEX + "/torch/")
+    if not up:
+        print(f"==> {CPU_INDEX} is unreachable: left out (pip would retry it for minutes)")
+    return up
 
 
 def source(index: str | None, capability: tuple[int, int] | None, args: list[str]) -> str:
@@ -204,11 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     except importlib.metadata.PackageNotFoundError:
         installed = None
     index, capability = os.environ.get("TORCH_INDEX") or None, gpu_capability()
-    args = plan(installed, wanted, index, capability is not None, capability)
-    # only the CPU index chosen here is dropped: one the user named (TORCH_INDEX) goes to pip
-    if index is None and CPU_INDEX in args and not reachable(CPU_INDEX + "/torch/"):
-        print(f"==> {CPU_INDEX} is unreachable: left out (pip would retry it for minutes)")
-        args = ["install", f"torch=={CPU_VERSION}"]
+    args = plan(installed, wanted, index, capability is not None, capability, cpu_index_up)
     if not args:
         print(f"==> torch {installed} is installed and in the project's range {wanted}: kept")
         return 0

@@ -56,6 +56,7 @@ from shatter.train.engine import skipped_steps
 
 CHECKPOINTS = "checkpoints"
 EXPORT = "export"
+EXPORT_STEP = "STEP"  # RUN/export/STEP: the checkpoint (stepN) the export was made from
 
 
 @dataclass
@@ -395,7 +396,7 @@ def export(engine, run_dir: Path, name: str, tokenizer: Path) -> Path | None:
         tmp = run_dir / f".{EXPORT}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shatter.save_pretrained(model, tmp, tokenizer=tokenizer)
-        (tmp / "STEP").write_text(name + "\n")
+        (tmp / EXPORT_STEP).write_text(name + "\n")
         old = run_dir / f".{EXPORT}.old"
         shutil.rmtree(old, ignore_errors=True)
         if out.exists():

@@ -94,11 +94,12 @@ def describe(export: Path) -> str:
     import safetensors
 
     from shatter.checkpoint import WEIGHTS, load_config
+    from shatter.train.checkpoint import EXPORT_STEP
 
     config = load_config(export)
     with safetensors.safe_open(str(export / WEIGHTS), framework="pt") as weights:
         values = sum(math.prod(weights.get_slice(k).get_shape()) for k in weights.keys())
-    step = export / "STEP"  # a run's export names its checkpoint (train/checkpoint.py: export)
+    step = export / EXPORT_STEP  # a run's export names its checkpoint
     origin = f" ({step.read_text().strip()})" if step.is_file() else ""
     return (
         f"{export}{origin}, all {values:,} of its {config.arch} model ({config.layers} layers, "

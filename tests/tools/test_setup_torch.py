@@ -12,7 +12,6 @@ from shatter.tools.setup_torch import (
     CPU_VERSION,
     SM70_INDEX,
     plan,
-    reachable,
     release,
     source,
     torch_requirement,
@@ -37,13 +36,24 @@ def test_the_plan_per_machine():
 
 
 def test_the_source_said_is_the_one_pip_is_given():
-    """The CPU index named only where pip gets it: an unreachable one is dropped from the
-    arguments, and the line after the one saying so must not name it as the source."""
-    cpu = plan(None, torch_requirement(), None, gpu=False)
+    """The CPU index named only where pip gets it: an unreachable one is left out of the
+    arguments, and the line after the one saying so must not name it as the source. The index
+    is asked after only where it would be chosen."""
+    wanted = torch_requirement()
+    cpu = plan(None, wanted, None, gpu=False)
     assert source(None, None, cpu).startswith(CPU_INDEX)
-    unreachable = ["install", f"torch=={CPU_VERSION}"]
+    asked = []
+    down = lambda: asked.append(1) or False  # noqa: E731
+    unreachable = plan(None, wanted, None, gpu=False, cpu_index_up=down)
+    assert unreachable == ["install", f"torch=={CPU_VERSION}"] and asked == [1]
     assert CPU_INDEX not in source(None, None, unreachable)
     assert "pip's own indexes" in source(None, None, unreachable)
+    for machine in [("2.12.0", None, False), (None, "default", False), (None, None, True)]:
+        installed, index, gpu = machine
+        plan(
+            installed, wanted, index, gpu=gpu, capability=(9, 0) if gpu else None, cpu_index_up=down
+        )
+    assert asked == [1], "the CPU index asked after where it is not chosen"
 
 
 def test_the_installed_torch_is_kept_and_said_so():
@@ -128,12 +138,12 @@ def test_dry_run_names_the_index_for_the_machine(tmp_path):
     pip = f"{sys.executable} -m pip install"
     assert _dry_run(tmp_path, "7.0")[0] == f"{pip} --index-url {SM70_INDEX} '{wanted}'"
     assert _dry_run(tmp_path, "9.0")[0] == f"{pip} '{wanted}'"
-    command, said = _dry_run(tmp_path, None)
-    if reachable(CPU_INDEX + "/torch/"):
-        assert command == f"{pip} --index-url {CPU_INDEX} torch=={CPU_VERSION}", said
-    else:
-        assert command == f"{pip} torch=={CPU_VERSION}" and "is unreachable: left out" in said
+    command, said = _dry_run(tmp_path, None)  # the CPU index, or pip's own where it is down
+    if "is unreachable: left out" in said:
+        assert command == f"{pip} torch=={CPU_VERSION}", said
         assert "pip's own indexes" in said and f"from {CPU_INDEX}" not in said, said
+    else:
+        assert command == f"{pip} --index-url {CPU_INDEX} torch=={CPU_VERSION}", said
     command, said = _dry_run(tmp_path, None, torch_index=CPU_INDEX)
     assert command == f"{pip} --index-url {CPU_INDEX} '{wanted}'", said
     assert f"installing it from {CPU_INDEX};" in said and "unreachable" not in said, said
