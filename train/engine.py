@@ -655,6 +655,41 @@ def guard_nonfinite_steps(engine) -> None:
         and optimizer.compute_grad_norm
     ):
         optimizer.check_overflow = lambda partition_gradients=True: None
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        fuse_grad_norm(optimizer)
+
+
+def fuse_grad_norm(optimizer) -> None:
+    """ZeRO-1/2's global gradient norm in a few kernels: DeepSpeed 0.19.8 casts each gradient
+    tensor of the rank's partition to fp32 and takes its norm one tensor at a time (two kernels
+    a tensor: ~380 of the ~490 ops of a bert-base optimizer step, tools/bench/count_ops.py);
+    torch's multi-tensor `_foreach_norm` takes them all at once, accumulating in fp32 as the
+    cast did. The rest is DeepSpeed's own: the squares summed, the sum all-reduced over the
+    data-parallel and model-parallel groups, the root, a NaN or inf norm set to -1 (the step is
+    then skipped). Only where each gradient counts once: no CPU offload, no model parallelism,
+    no parameter a pipeline replicates (else DeepSpeed's own norm). Equal to it to fp32
+    rounding (tests/train/test_fused_step.py)."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+
+    params = [p for group in optimizer.bit16_groups for p in group]
+    replicated = any(getattr(p, "ds_pipe_replicated", False) for p in params)
+    if optimizer.cpu_offload or optimizer.model_parallel_group is not None or replicated:
+        return
+    own = optimizer.get_grad_norm_direct
+
+    def get_grad_norm_direct(gradients, params, norm_type=2):
+        grads = [g for g in gradients if not getattr(g, "_zero_padding", False)]
+        if float(norm_type) != 2.0 or not grads:
+            return own(gradients, params, norm_type)
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        total = torch.stack(norms).pow(2).sum()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
+        total = total.pow(0.5)
+        mask_nan_or_inf_with_val_inplace(total, device=optimizer.device)
+        return total
+
+    optimizer.get_grad_norm_direct = get_grad_norm_direct
 
 
 def skipped_steps(engine) -> int:

@@ -37,3 +37,47 @@ def test_fused_adamw_equals_the_eager_loop():
     assert all(not torch.equal(a, b) for a, b in zip(want, start, strict=True))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_zero1_s_gradient_norm_in_few_kernels_equals_deepspeed_s():
+    """DeepSpeed's ZeRO-1 global norm (a cast and a norm per gradient tensor) and the trainer's
+    (`fuse_grad_norm`: torch's multi-tensor norm) on a real bf16 engine: equal to fp32
+    rounding, both -1 (the step skipped) for a NaN gradient, and the trainer's in a handful of
+    ops where DeepSpeed's takes two per tensor."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from shatter.tools.bench.count_ops import OpCounter, mlm_batch
+    from shatter.train.config import resolve
+    from shatter.train.engine import build_engine, deepspeed_config, init_distributed
+
+    init_distributed()
+    cfg = resolve(None, {"precision": "bf16", "zero_stage": 1, "micro_batch": 2, "max_steps": 10})
+    torch.manual_seed(0)
+    model = shatter.build_model("bert-tiny", vocab_size=300, max_len=64)
+    ds = deepspeed_config(cfg, 1, cpu=False)
+    ds["zero_optimization"]["overlap_comm"] = False
+    engine = build_engine(model, cfg, ds)
+    engine.backward(engine(**mlm_batch(2, 32, 300, 0))["loss"])
+    opt = engine.optimizer
+    tensors = len(opt.averaged_gradients[0])
+    assert "get_grad_norm_direct" in vars(opt) and tensors > 10  # the trainer's, installed
+
+    def norms() -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        counted = []
+        for fn in (
+            opt.get_grad_norm_direct,
+            DeepSpeedZeroOptimizer.get_grad_norm_direct.__get__(opt),
+        ):
+            counter = OpCounter()
+            with counter, counter.counting("step"):
+                norm = fn(opt.averaged_gradients[0], opt.params_in_partition[0])
+            counted.append((norm, counter.tally.ops["step"]))
+        return counted[0][0], counted[1][0], counted[0][1], counted[1][1]
+
+    mine, theirs, my_ops, their_ops = norms()
+    assert float(theirs) > 0
+    torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=0)
+    assert my_ops <= 12 and their_ops >= 2 * tensors, (my_ops, their_ops)  # any size: 10
+    opt.averaged_gradients[0][3].view(-1)[0] = float("nan")
+    mine, theirs, _, _ = norms()
+    assert float(mine) == float(theirs) == -1.0
