@@ -119,8 +119,8 @@ def test_custom_ops_are_priced_per_kernel():
 
 
 def test_zero1_updates_a_world_share_on_each_rank():
-    """ZeRO-1 over 8 ranks: every gradient still goes into the bucket whole, but the cast, the
-    norm, AdamW and the copy back run on 1/8 of the parameters."""
+    """ZeRO-1 over 8 ranks: every gradient still goes into the bucket whole, but the partition's
+    copies, the cast, the norm, AdamW and the copy back run on 1/8 of the parameters."""
     one, eight = (_trace("bert", world=w) for w in (1, 8))
     opt = lambda rows, op: sum(  # noqa: E731
         r["bytes"] * r["count"] for r in rows if r["phase"] == "optimizer" and r["op"] == op
@@ -131,12 +131,37 @@ def test_zero1_updates_a_world_share_on_each_rank():
     assert opt(eight, "aten::_to_copy") == pytest.approx(opt(one, "aten::_to_copy") / 8, rel=1e-3)
     model = shatter.build_model("bert-tiny", vocab_size=VOCAB, max_len=128)
     params = sum(p.numel() for p in model.parameters())
-    # the bucket's copies alike; the master's copy back (fp32 read, bf16 read and written) 1/8
-    master_copy = (4 + 2 + 2) * params
+    # the bucket's copies alike; 1/8 of the partition's copies (bf16 read; bf16 read and
+    # written) and of the master's copy back (fp32 read, bf16 read and written)
+    partition_copy, master_copy = (2 + 2 + 2) * params, (4 + 2 + 2) * params
     saved = opt(one, "aten::copy_") - opt(eight, "aten::copy_")
-    assert saved == pytest.approx(7 / 8 * master_copy, rel=1e-3)
+    assert saved == pytest.approx(7 / 8 * (partition_copy + master_copy), rel=1e-3)
     rest = [r for r in one if r["phase"] != "optimizer"]
     assert rest == [r for r in eight if r["phase"] != "optimizer"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["bert", "shatter"])
+def test_the_traced_zero1_step_launches_as_many_kernels_as_deepspeed_s(arch):
+    """The ZeRO-1 step the model prices (step_trace.zero1_step) against a real DeepSpeed engine
+    with the trainer's bf16 config on one rank (tools/bench/count_ops.py): its gradient copies in
+    the backward (beyond the model's own) and its step's kernels, give or take 3."""
+    import argparse
+
+    from shatter.tools.bench.count_ops import count_engine, count_plain
+    from shatter.train.engine import init_distributed
+
+    init_distributed()
+    args = argparse.Namespace(micro_batch=2, seq_len=LENGTH, vocab=VOCAB, grad_accum=1, warmup=1)
+    real = count_engine(f"{arch}-tiny", "bf16", 1, {}, args)
+    plain = count_plain(f"{arch}-tiny", "bf16", False, args)
+    no_kernel = ("_local_scalar_dense", "profiler::", "c10d::")
+    names = real.names.items()
+    step = sum(n for k, n in names if k.startswith("step ") and not any(w in k for w in no_kernel))
+    copies = real.names["backward copy_"] - plain.names.get("backward copy_", 0)
+    traced = sum(r["launches"] * r["count"] for r in _trace(arch) if r["phase"] == "optimizer")
+    assert copies > 2 * len(list(shatter.build_model(f"{arch}-tiny").parameters())) - 2
+    assert abs(traced - (copies + step)) <= 3, (traced, copies, step)
 
 
 def _hand_made_step() -> StepTrace:
@@ -214,7 +239,9 @@ def test_inductor_plans_the_layers_fusions_and_leaves_the_weight_cat_eager():
     assert _launches(plan, "forward", "cat") == 0
     rec = _step("bert", vocab=REPLAY_VOCAB, max_len=512)
     eager, compiled = records(rec), records(rec, plan)
-    count = lambda rows, op: sum(r["count"] for r in rows if r["op"] == op)  # noqa: E731
+    count = lambda rows, op: sum(  # noqa: E731  (the forward and backward: not the optimizer's)
+        r["count"] for r in rows if r["op"] == op and r["phase"] != "optimizer"
+    )
     assert count(compiled, "aten::cat") == 2  # W and b, once each: the eager ones
     assert count(eager, "aten::cat") > 2
     memory = lambda rows, field, phase: sum(  # noqa: E731

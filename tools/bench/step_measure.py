@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from shatter.model import predicted_positions
-from shatter.tools.bench.step_trace import adamw
+from shatter.tools.bench.step_trace import DEEPSPEED_SCALAR_OPS, adamw
 from shatter.train.compiling import mark_varying
 
 GROUPS = ("gemm", "attention", "elementwise", "optimizer", "gaps")
@@ -50,35 +50,64 @@ TOP = 15  # kernels printed per contender, by GPU time (the JSON has them all)
 
 class Zero1:
     """DeepSpeed's ZeRO-1 step on one rank, as step_trace.zero1_step traces it, on real
-    buffers: the parameters are views of one flat low-precision buffer."""
+    buffers: each parameter group's parameters are views of the group's flat low-precision
+    buffer (the weights; the 1-D parameters), as DeepSpeed keeps them."""
 
     def __init__(self, model: torch.nn.Module):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        numel = sum(p.numel() for p in self.params)
         dev, low = self.params[0].device, self.params[0].dtype
-        self.flat = torch.empty(numel, dtype=low, device=dev)
-        self.bucket = torch.empty(numel, dtype=low, device=dev)
-        offset = 0
+        self.bucket = torch.empty(sum(p.numel() for p in self.params), dtype=low, device=dev)
+        self.offsets, offset = {}, 0
         for p in self.params:
+            self.offsets[id(p)] = offset
+            offset += p.numel()
+        self.groups = []
+        for group in (
+            [p for p in self.params if p.dim() >= 2],
+            [p for p in self.params if p.dim() < 2],
+        ):
+            if group:
+                self.groups.append(_Group(group))
+        self.scalar = torch.zeros((), device=dev)
+
+    def step(self) -> None:
+        for p in self.params:  # each gradient into the bucket, as its hook fires
+            o = self.offsets[id(p)]
+            self.bucket[o : o + p.numel()].copy_(p.grad.reshape(-1))
+        for g in self.groups:  # the partition's, into its gradient buffer
+            for p, view in zip(g.params, g.views, strict=True):
+                o = self.offsets[id(p)]
+                view.copy_(self.bucket[o : o + p.numel()])
+                p.grad = None
+        for _ in range(DEEPSPEED_SCALAR_OPS):
+            self.scalar.add_(1.0)
+        for g in self.groups:
+            grad = torch.cat(g.views).float()
+            norm = torch.stack(torch._foreach_norm(g.views, 2, dtype=torch.float32)).norm()
+            grad.mul_(torch.where(torch.isfinite(norm), 1.0, 0.0))  # the overflow test, no sync
+            g.step_count += 1
+            adamw([g.master], [grad], [g.m], [g.v], [g.step_count])  # as the trace's
+            g.flat.copy_(g.master)
+
+
+class _Group:
+    """One parameter group of Zero1: its flat parameters, gradients, fp32 master and moments."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        dev, low = params[0].device, params[0].dtype
+        numel = sum(p.numel() for p in params)
+        self.flat = torch.empty(numel, dtype=low, device=dev)
+        self.grads = torch.empty(numel, dtype=low, device=dev)
+        self.views, offset = [], 0
+        for p in params:
             self.flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
             p.data = self.flat[offset : offset + p.numel()].view_as(p)
+            self.views.append(self.grads[offset : offset + p.numel()])
             offset += p.numel()
         self.master = self.flat.float()
         self.m, self.v = torch.zeros_like(self.master), torch.zeros_like(self.master)
         self.step_count = torch.zeros((), device=dev)
-
-    def step(self) -> None:
-        offset = 0
-        for p in self.params:
-            self.bucket[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
-            offset += p.numel()
-            p.grad = None
-        grad = self.bucket.float()
-        norm = torch.linalg.vector_norm(grad)
-        grad.mul_(torch.where(torch.isfinite(norm), 1.0, 0.0))  # the overflow test, no sync
-        self.step_count += 1
-        adamw([self.master], [grad], [self.m], [self.v], [self.step_count])  # as the trace's
-        self.flat.copy_(self.master)
 
 
 def batch(rows: int, length: int, vocab: int, seed: int, device: str):

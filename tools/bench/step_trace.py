@@ -15,11 +15,12 @@ base-size step traces in seconds on a CPU:
     optimizer  `fused`: torch's fused AdamW over the fp32 parameters (the model fp32 under
                bf16 autocast); `zero1`: DeepSpeed's ZeRO-1 step on one of `world` ranks (the
                model in bf16 or fp16; each gradient copied into the flat bucket, whole, as its
-               hook fires; then, on the rank's 1/world partition only: its gradients flattened
-               into one tensor and cast to fp32, their norm and finiteness, the unscale, AdamW on
-               the fp32 master, the master cast back to the low-precision parameters). The
-               collectives between (the gradients' reduce-scatter, the parameters' all-gather)
-               are communication: not traced, not priced.
+               hook fires; then, on the rank's 1/world partition only: its gradients copied
+               into the partition's buffer, and per parameter group flattened and cast to fp32,
+               their norm, the unscale, AdamW on the fp32 master, the master cast back to the
+               low-precision parameters; DeepSpeed's one-element bookkeeping: `zero1_step`).
+               The collectives between (the gradients' reduce-scatter, the parameters'
+               all-gather) are communication: not traced, not priced.
 
 A TorchDispatchMode records every ATen op (and every custom op) with its executed FLOPs and the
 HBM bytes it reads and writes (a tensor's bytes over its dimensions of non-zero stride, so a
@@ -339,29 +340,52 @@ class MetaAutocast:
             self.emulation.dtype = saved
 
 
+# The one-element kernels of DeepSpeed 0.19.8's bf16 ZeRO-1 step at any model size (its loss
+# scale, the global norm's validity and the clip, the AdamW step counters), counted on a real
+# engine: tools/bench/count_ops.py (tests/tools/test_step_cost.py checks the whole step's count)
+DEEPSPEED_SCALAR_OPS = 69
+
+
 def zero1_step(params: list[torch.Tensor], world: int = 1) -> None:
-    """DeepSpeed's ZeRO-1 optimizer step on one of `world` ranks, over flat buffers as it keeps
-    them: every gradient into the flat bucket (whole, as each hook fires), then the rank's
-    1/world partition (rounded up) only. The reduce-scatter of the bucket and the all-gather of
-    the updated parameters are communication, left out."""
+    """DeepSpeed's ZeRO-1 optimizer step on one of `world` ranks as the trainer runs it
+    (contiguous gradients; the global norm by one multi-tensor norm: train/engine.py), over the
+    flat buffers it keeps: every gradient copied into the flat bucket as its hook fires (whole);
+    then the rank's 1/world partition (rounded up): its gradients copied again, into the
+    partition's gradient buffer; per parameter group (the weights; the biases and norms, the
+    1-D parameters) the partition flattened and cast to fp32, its norm, the unscale and clip,
+    AdamW on the fp32 master and the master cast back into the low-precision parameters; and
+    DEEPSPEED_SCALAR_OPS one-element kernels. The reduce-scatter of the bucket and the
+    all-gather of the updated parameters are communication, left out."""
     numel = sum(p.numel() for p in params)
     part = -(-numel // world)
     dev, low = params[0].device, params[0].dtype
     bucket = torch.empty(numel, dtype=low, device=dev)
+    grads = torch.empty(part, dtype=low, device=dev)
+    held: tuple[list, list] = ([], [])  # the partition's gradients by group: weights, 1-D
     offset = 0
     for p in params:  # each gradient into the flat bucket as its hook fires
         bucket[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
         offset += p.numel()
-    # after the reduce-scatter: the partition's gradients flattened into one tensor, then fp32
-    grad = bucket[:part].clone().float()
-    norm = torch.linalg.vector_norm(grad)
-    torch.isfinite(norm).logical_not()  # the overflow test on the norm
-    grad.mul_(1.0)  # unscale and clip by the combined scale
-    master, m, v = (torch.empty(part, device=dev) for _ in range(3))
-    step = torch.empty((), device=dev)
-    adamw([master], [grad], [m], [v], [step])
-    flat = torch.empty(part, dtype=low, device=dev)
-    flat.copy_(master)  # the updated master into the partition's low-precision parameters
+    offset = 0
+    for p in params:  # after the reduce-scatter: the partition's, into its gradient buffer
+        n = min(p.numel(), part - offset)
+        if n > 0:
+            grads[offset : offset + n].copy_(bucket[offset : offset + n])
+            held[p.dim() < 2].append(grads[offset : offset + n])
+        offset += p.numel()
+    scalar = torch.empty((), device=dev)
+    for _ in range(DEEPSPEED_SCALAR_OPS):
+        scalar.add_(1.0)
+    for group in held:
+        if not group:
+            continue
+        grad = torch.cat(group).float()
+        torch._foreach_norm(group, 2, dtype=torch.float32)
+        grad.mul_(1.0)  # unscale and clip by the combined scale
+        master, m, v = (torch.empty(grad.numel(), device=dev) for _ in range(3))
+        step = torch.empty((), device=dev)
+        adamw([master], [grad], [m], [v], [step])
+        torch.empty(grad.numel(), dtype=low, device=dev).copy_(master)  # into the parameters
 
 
 def adamw(params, grads, m, v, steps) -> None:
