@@ -10,6 +10,9 @@ FlashAttention-2 from the same run:
                     attn_mask: a mask silently sends SDPA to another backend)
     sdpa-efficient  the same with a [B, 1, 1, l] padding mask, `sdpa_kernel(EFFICIENT_ATTENTION)`
                     (what BERT with padding and V100s run)
+    sdpa-cudnn      no mask, `sdpa_kernel(CUDNN_ATTENTION)`: cuDNN's fused attention
+    sdpa-default    no mask, SDPA's own choice among its backends: what BERT's layer runs (on
+                    an H200 under torch 2.11, cuDNN's kernels: docs/benchmarks.md)
     triton          the hybrid impl (shatter/attention/triton_kernel.py), with the padding mask
     rows            cuBLAS GEMMs around Triton row kernels (shatter/attention/rows.py, auto's
                     choice on V100s in fp16), on the projections as the layer runs it
@@ -26,6 +29,7 @@ backward kernels and the PyTorch glue between them (CUDA time per group). Needs 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import click
@@ -62,7 +66,7 @@ def contenders(B, L, d, n, dtype, bias: bool, sigmoid: bool, device: str = "cuda
 
     def sdpa(backend, attn_mask):
         def fn():  # BERT: n heads of d/n, the keys a projection of their own (here X)
-            with sdpa_kernel(backend):
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                 o = F.scaled_dot_product_attention(
                     heads(Q), heads(X), heads(V_BLD), attn_mask=attn_mask
                 )
@@ -79,6 +83,8 @@ def contenders(B, L, d, n, dtype, bias: bool, sigmoid: bool, device: str = "cuda
     return {
         "sdpa-flash": (sdpa(SDPBackend.FLASH_ATTENTION, None), leaves[:3]),
         "sdpa-efficient": (sdpa(SDPBackend.EFFICIENT_ATTENTION, keep), leaves[:3]),
+        "sdpa-cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION, None), leaves[:3]),
+        "sdpa-default": (sdpa(None, None), leaves[:3]),
         "triton": (lambda: (partition_attention_layer(P, X, mask, table, sigmoid),), [P, X]),
         "rows": (lambda: (rows_layer(P, X, mask, table, sigmoid),), [P, X]),
         "rows-keep": (lambda: (rows_layer(P, X, mask, table, sigmoid, keep=True),), [P, X]),
