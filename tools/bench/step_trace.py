@@ -45,9 +45,9 @@ tensors' bytes, one launch.
 inductor runs the compiled model, from `plan`, inductor's own kernels for the step
 (tools/bench/inductor_plan.py): in the forward and the backward, the GEMMs, SDPA and the custom
 ops stay as traced (inductor calls them as extern kernels), the ops that run outside the
-compiled graphs stay as traced (`eager` events: the profiler range shatter.eager.EAGER, and the
-MLM head's boolean index of an older model, where Dynamo breaks the graph, and its backward), and every other op
-is replaced by the plan's Triton kernels; the optimizer stays eager.
+compiled graphs stay as traced (`eager` events: the profiler range shatter.eager.EAGER, and an
+older model's boolean index at the MLM head, where Dynamo breaks the graph, and its backward),
+and every other op is replaced by the plan's Triton kernels; the optimizer stays eager.
 """
 
 from __future__ import annotations
