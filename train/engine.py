@@ -657,6 +657,7 @@ def guard_nonfinite_steps(engine) -> None:
         optimizer.check_overflow = lambda partition_gradients=True: None
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
         fuse_grad_norm(optimizer)
+        clip_without_host_reads(optimizer)
 
 
 def fuse_grad_norm(optimizer) -> None:
@@ -690,6 +691,30 @@ def fuse_grad_norm(optimizer) -> None:
         return total
 
     optimizer.get_grad_norm_direct = get_grad_norm_direct
+
+
+def clip_without_host_reads(optimizer) -> None:
+    """ZeRO-1/2's unscale and clip without reading the norm on the host: DeepSpeed 0.19.8's
+    `unscale_and_clip_grads` first tests the norm's validity in Python (`is_invalid_grad_norm`:
+    a host read, once per parameter group, each a wait for the GPU) though `step` has already
+    skipped a step whose norm is invalid. Here the same factor is made on the device, an invalid
+    norm taken as infinite as DeepSpeed takes it: grad / (loss scale · max(1, (norm / loss scale
+    + 1e-6) / clip)). Equal to DeepSpeed's (tests/train/test_fused_step.py)."""
+
+    def unscale_and_clip_grads(grad_groups_flat, total_norm):
+        scale, clip_grad = optimizer.loss_scale, optimizer.clip_grad
+        if clip_grad == 0.0 and scale == 1.0:
+            return
+        combined = scale
+        if clip_grad > 0.0:
+            norm = torch.as_tensor(total_norm, dtype=torch.float, device=optimizer.device)
+            norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, float("inf"))
+            combined = torch.clamp(((norm / scale) + 1e-6) / clip_grad, min=1.0) * scale
+        for grad in grad_groups_flat:
+            for g in grad if isinstance(grad, list) else [grad]:
+                g.data.mul_(1.0 / combined)
+
+    optimizer.unscale_and_clip_grads = unscale_and_clip_grads
 
 
 def skipped_steps(engine) -> int:

@@ -81,3 +81,35 @@ def test_zero1_s_gradient_norm_in_few_kernels_equals_deepspeed_s():
     opt.averaged_gradients[0][3].view(-1)[0] = float("nan")
     mine, theirs, _, _ = norms()
     assert float(mine) == float(theirs) == -1.0
+
+
+def test_zero1_s_clip_without_host_reads_equals_deepspeed_s():
+    """The trainer's unscale and clip (`clip_without_host_reads`: the factor made on the device)
+    against DeepSpeed's own on a real bf16 ZeRO-1 engine's flat fp32 gradient: equal for a norm
+    above the clip, one below it and an invalid one (-1: infinite, as DeepSpeed takes it), with
+    no host read where DeepSpeed's reads once."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from shatter.tools.bench.count_ops import OpCounter
+    from shatter.train.config import resolve
+    from shatter.train.engine import build_engine, deepspeed_config, init_distributed
+
+    init_distributed()
+    cfg = resolve(None, {"precision": "bf16", "zero_stage": 1, "micro_batch": 2, "max_steps": 10})
+    model = shatter.build_model("bert-tiny", vocab_size=300, max_len=64)
+    ds = deepspeed_config(cfg, 1, cpu=False)
+    ds["zero_optimization"]["overlap_comm"] = False
+    opt = build_engine(model, cfg, ds).optimizer
+    assert "unscale_and_clip_grads" in vars(opt) and opt.clip_grad > 0
+    theirs = DeepSpeedZeroOptimizer.unscale_and_clip_grads.__get__(opt)
+    grad = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+    for norm in (40 * opt.clip_grad, 0.5 * opt.clip_grad, -1.0):
+        got, want = grad.clone(), grad.clone()
+        reads = []
+        for fn, g in ((opt.unscale_and_clip_grads, got), (theirs, want)):
+            counter = OpCounter()
+            with counter, counter.counting("step"):
+                fn([g], torch.tensor(norm))
+            reads.append(counter.tally.reads["step"])
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        assert reads == [0, 1], reads
