@@ -255,6 +255,23 @@ def test_inductor_plans_the_layers_fusions_and_leaves_the_weight_cat_eager():
     assert memory(compiled, "bytes", "backward") <= memory(eager, "bytes", "backward")
 
 
+def test_the_plan_folds_layernorm_s_weight_gradients_as_a_gpu_s_inductor_does():
+    """Inductor folds a LayerNorm backward's weight and bias gradients (sums down the tokens) into
+    the kernel that sums each token's row on CUDA, for tensors of at least 5 Mi elements and 4,096
+    rows (its mix-order reductions): the plan takes them so, and leaves them out below that size,
+    as a GPU does. bert-tiny (d = 64) at 160 x 512 tokens: each layer's two LayerNorms and the
+    embeddings'; at the module's small step none."""
+    mixed = lambda plan: sum(  # noqa: E731
+        k["launches"]
+        for k in plan
+        if k["grid"] == "MixOrderReductionGrid" and "native_layer_norm_backward" in k["name"]
+    )
+    large = planned("bert", "tiny", 512, 160, VOCAB, 512, None, torch.bfloat16, True, False, (9, 0))
+    assert mixed(large) >= 2 * 2 + 1
+    assert {k["phase"] for k in large if k["grid"] == "MixOrderReductionGrid"} == {"backward"}
+    assert mixed(_plan("bert")) == 0
+
+
 def test_shatters_layer_weights_are_made_outside_the_compiled_graphs():
     """shatter-tiny on the `triton` impl, as --json's figures plan it (the same plan, cached):
     no copy kernel of inductor's for W^P, b^P or W^F (made eagerly, `shatter.eager`), and the

@@ -13,7 +13,14 @@ sm_90 target, and nothing is executed on a GPU:
 
 - each Triton kernel inductor generates is recorded (not compiled), with the HBM bytes inductor
   itself counts for it (`kernel_num_gb`, its `benchmark_kernel` metadata: every buffer it reads
-  or writes once); every launch of it in the forward or the backward is counted;
+  or writes once) and its grid (`grid_type`); every launch of it in the forward or the backward
+  is counted;
+- the scheduler's fusions that inductor keeps to GPU devices are taken as a GPU takes them: its
+  mix-order reductions (on by default for CUDA; `MixOrderReductionGrid`), which fold a
+  LayerNorm backward's weight and bias gradients (sums down the tokens) into the kernel that
+  sums each token's row, where the CPU's plan would read the tensors again in a kernel of their
+  own. A torch whose scheduler gates them inline (no `_is_gpu_triton_backend`) keeps the CPU's
+  choice, and the plan says so on stderr;
 - the extern kernels do not run: the GEMMs are no-ops; SDPA is the aten op CUDA runs
   (FlashAttention-2, or the memory-efficient kernel: step_trace.gpu_sdpa), one extern kernel
   each way, and it and each `shatter::` op return empty tensors of their fake impl's shapes.
@@ -27,7 +34,7 @@ sizes) see the CPU's properties, and it keeps a GEMM's bias inside `addmm` on a 
 it may move it into the next pointwise kernel (the same bytes). The GEMMs, SDPA and custom ops are
 priced from the eager trace (tools/bench/step_trace.py), not from here.
 
-JSON: {"torch", "kernels": [{"name", "phase" (forward or backward), "bytes", "launches"}]}.
+JSON: {"torch", "kernels": [{"name", "phase" (forward or backward), "bytes", "launches", "grid"}]}.
 
 `planned(...)` is the same from another process (the patches above change this process for
 good), cached per argument set, torch and triton version and the checkout's code in
@@ -58,6 +65,7 @@ PREDICTED = 0.15  # the share of positions the MLM head decodes, as the eager tr
 PHASE = {"now": "forward"}
 LAUNCHES: Counter = Counter()  # (kernel name, phase) -> launches
 BYTES: dict[str, float] = {}
+GRIDS: dict[str, str] = {}  # kernel name -> inductor's grid type (Grid1D, MixOrderReductionGrid..)
 
 
 class _Planned:
@@ -75,6 +83,8 @@ def _record(self, kernel_name: str, source_code: str, device_str: str = "cuda") 
     if not found:
         raise SystemExit(f"inductor_plan: kernel {kernel_name} has no kernel_num_gb metadata")
     BYTES[kernel_name] = float(found.group(1)) * 1e9
+    grid = re.search(r"'grid_type': '(\w+)'", source_code)
+    GRIDS[kernel_name] = grid.group(1) if grid else "?"
     return _Planned(kernel_name)
 
 
@@ -105,6 +115,22 @@ def plan_for_gpu(capability: tuple[int, int] = (9, 0), flash: bool = True) -> No
     _KEEP.append(aten)
     _stub_sdpa(aten, flash)
     _stub_custom_ops()
+    _gpu_fusions()
+
+
+def _gpu_fusions() -> None:
+    """The scheduler's GPU-only fusions (mix-order reductions) allowed for the CPU's Triton
+    nodes, as inductor allows them for CUDA's (module doc)."""
+    import torch._inductor.scheduler as scheduler
+
+    if hasattr(scheduler, "_is_gpu_triton_backend"):
+        scheduler._is_gpu_triton_backend = lambda node1, node2: True
+    else:
+        print(
+            f"inductor_plan: torch {torch.__version__} gates its mix-order reductions to CUDA "
+            "inline: the plan keeps the CPU's kernels for LayerNorm's weight gradients",
+            file=sys.stderr,
+        )
 
 
 SDPA_OPS = (
@@ -167,7 +193,7 @@ def plan_step(model, length: int, rows: int, low: torch.dtype, padding=False) ->
     """The Triton kernels inductor makes for one training step of `model` (built on the CPU) at
     `rows` x `length` tokens in `low`, compiled as the trainer compiles it (`nn.Module.compile`),
     with PREDICTED of its positions predicted and, with `padding`, an all-ones attention mask:
-    [{"name", "phase", "bytes", "launches"}]."""
+    [{"name", "phase", "bytes", "launches", "grid"}]."""
     from shatter.partition import relative_index
     from shatter.train.compiling import mark_varying
 
@@ -191,7 +217,7 @@ def plan_step(model, length: int, rows: int, low: torch.dtype, padding=False) ->
     PHASE["now"] = "backward"
     loss.backward()
     return [
-        {"name": name, "phase": phase, "bytes": BYTES[name], "launches": n}
+        {"name": name, "phase": phase, "bytes": BYTES[name], "launches": n, "grid": GRIDS[name]}
         for (name, phase), n in LAUNCHES.items()
     ]
 
@@ -252,11 +278,14 @@ def planned(
 
 def _plan_env() -> dict:
     """The planning process's environment: this checkout first on its path, a private inductor
-    cache (FX graphs of CPU tensors with stubbed kernels are not a run's), and Triton's FP
-    fusion default said (Triton 3.9 warns where it is unset; the kernels are not compiled)."""
+    cache (FX graphs of CPU tensors with stubbed kernels are not a run's) without its graph
+    caches (their keys leave out this module's patches: a graph planned before a change of them
+    would come back unchanged; `planned` caches the plans), and Triton's FP fusion default said
+    (Triton 3.9 warns where it is unset; the kernels are not compiled)."""
     env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["TORCHINDUCTOR_CACHE_DIR"] = str(Path.home() / ".cache/shatter/inductor-plan-fx")
+    env["TORCHINDUCTOR_FX_GRAPH_CACHE"] = env["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
     return env
 
 
