@@ -2,15 +2,17 @@
 
 Shatter has one head: the score matrix Z = Q Xᵀ/√d is a single l x l matrix per sequence (B·l²
 elements in the input dtype, less than the Q, K, V and O that BERT's flash attention saves), so
-the three d-wide products are cuBLAS GEMMs in the input dtype with fp32 accumulation:
+the three d-wide products are plain GEMMs in the input dtype with fp32 accumulation:
 
-    forward    Z = Q Xᵀ/√d                         saved for the backward pass
+    forward    Z = Q Xᵀ/√d + b                     saved for the backward pass
     backward   dQ = dZ X,   dX_key = dZᵀ Q         dZ = dS/√d, written by the mixing kernel
 
-and only the memory-bound part mixing runs in Triton (shatter/kernels/partition_mixing.py): the
-mask, the sigmoid (or 1h-softmax's softmax), the partition bias c·f(j−i), the n/2 parts per side
-with 64-wide dots, ‖p‖, and the outputs normalised in the input dtype; the backward pass takes δ
-from the saved outputs, then dV and dZ (with dc).
+Z is made by the row statistics kernel from sm_80 (tensor-core dots over d, the statistics and
+the partition bias in the same pass: `family.z_inside`), by cuBLAS below it; the backward's two
+are cuBLAS GEMMs. The rest runs in Triton (shatter/kernels/partition_mixing.py): the mask, the
+sigmoid (or 1h-softmax's softmax), the partition bias c·f(j−i), the n/2 parts per side with
+64-wide dots, ‖p‖, and the outputs normalised in the input dtype; the backward pass takes δ from
+the saved outputs, then dV and dZ (with dc).
 
 The layer calls `partition_attention_layer(P, X, mask, table, v_part, sigmoid)` on its projections
 P = [Q | V | c] (projection.projection_views) and gets dP back whole; the impls' common signature
@@ -36,7 +38,7 @@ from shatter.attention.projection import (
     write_context,
 )
 from shatter.kernels.cost import register_costs
-from shatter.kernels.family import delta_inside, family_of
+from shatter.kernels.family import delta_inside, family_of, z_inside
 from shatter.kernels.launch import fast, pow2
 from shatter.kernels.partition_mixing import (
     INTERPRET,
@@ -47,7 +49,6 @@ from shatter.kernels.partition_mixing import (
     mix_bwd_dz_kernel,
     mix_fwd_kernel,
     row_stats_kernel,
-    stats_inside,
 )
 
 
@@ -113,11 +114,10 @@ def _delta_inside(X: torch.Tensor) -> bool:
     return delta_inside(_family(X.device.index) if X.is_cuda else None)
 
 
-def _stats_inside(X: torch.Tensor, n: int, sigmoid: bool, recompute: bool, has_c: bool) -> bool:
-    """Whether the mixing forward makes ρ itself on X's device (partition_mixing.stats_inside);
-    under the interpreter, as on sm_90 (the tests set it both ways)."""
-    family = _family(X.device.index) if X.is_cuda else None
-    return stats_inside(n, block_k(X.shape[-1], n), family, sigmoid, recompute, has_c)
+def _z_inside(X: torch.Tensor) -> bool:
+    """Whether the row statistics make Z on X's device (family.z_inside); under the
+    interpreter, as on sm_80+ (the tests set it both ways)."""
+    return z_inside(_family(X.device.index) if X.is_cuda else None)
 
 
 @functools.cache
@@ -152,11 +152,13 @@ def _source(Q, X, Z, dtype) -> dict:
     )  # fmt: skip
 
 
-def forward_kernels(P, X, mask, table, sigmoid: bool, Z):
+def forward_kernels(P, X, mask, table, sigmoid: bool, Z, make_z: bool = False):
     """(the context [X̄ | A_part | 0] [B, L, context_width] (projection.context_views), stat [2, B, L] fp32)
     from the projections P = [Q | V | c]: the row statistics, then the mixing forward writing X̄
     and A_part into the context, their scores read from Z [B, L, Lp] or, with Z None, recomputed
-    from Q and X tile by tile. The key mask is read as it is (bool or integer)."""
+    from Q and X tile by tile; with `make_z` the row statistics make Z's tiles on chip and
+    write z + b into Z (`z_inside`), which the mixing forward reads. The key mask is read as
+    it is (bool or integer)."""
     B, L, d = X.shape
     n = table.shape[0]
     Q, V, c = projection_views(P, d, n)
@@ -169,16 +171,19 @@ def forward_kernels(P, X, mask, table, sigmoid: bool, Z):
         L=L, L_KEY=pow2(L), T_CENTRE=(table.shape[1] - 1) // 2,
         HAS_C=c is not None, N_PARTS=n, SIGMOID=sigmoid, PREC=meta["PREC"], **source,
     )  # fmt: skip
-    inside = _stats_inside(X, n, sigmoid, Z is None, c is not None)
-    if not inside:  # ρ (or the softmax statistics) in a launch of its own
-        fast(row_stats_kernel)[_grid(L, "BLOCK_M", B)](STAT=stat[0], STAT2=stat[1], **shared)
+    zo = source["Z"]  # Z, written in place where z + b is kept (else a placeholder)
+    fast(row_stats_kernel)[_grid(L, "BLOCK_M", B)](
+        STAT=stat[0], STAT2=stat[1], ZO=zo, szo_b=zo.stride(0), szo_l=zo.stride(1),
+        KEEP=make_z or (c is not None and Z is not None),
+        **(shared | (_source(Q, X, None, X.dtype) if make_z else {})),
+    )  # fmt: skip
     ctx = new_context(X, n, zero_pad=False)  # the mixing forward zeroes the alignment columns
     out, part = context_views(ctx, n)
     fast(mix_fwd_kernel)[_grid(L, "BLOCK_M", B, n // 2)](  # batch x side x group of parts
         V=V, STAT=stat[0], STAT2=stat[1], OUT=out, AP=part, sv_b=V.stride(0), sv_h=V.stride(1),
         sv_l=V.stride(2), so_b=out.stride(0), so_h=out.stride(1), so_l=out.stride(2),
         sa_b=part.stride(0), sa_l=part.stride(1), K_PART=d // n, BLOCK_K=meta["BLOCK_K"],
-        AP_COLS=ctx.shape[-1] - d, NP=meta["NP"], STATS_INSIDE=inside, **shared,
+        AP_COLS=ctx.shape[-1] - d, NP=meta["NP"], **shared,
     )  # fmt: skip
     return ctx, stat
 
@@ -188,8 +193,14 @@ def mixing_fwd(
     P: torch.Tensor, X: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, sigmoid: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the context [X̄ | A_part | 0] [B, L, context_width], Z [B, L, Lp], stat [2, B, L] fp32) from the
-    layer's projections P = [Q | V | c] (projection.projection_views): the scores GEMM, the row
-    statistics and the mixing forward; Z and stat are kept for `mixing_bwd`."""
+    layer's projections P = [Q | V | c] (projection.projection_views): the row statistics (Z's
+    tiles made on chip and z + b written into Z from sm_80, `z_inside`; below, cuBLAS's Z GEMM
+    before them) and the mixing forward; Z and stat are kept for `mixing_bwd`. Z's columns past
+    L are never read."""
+    if _z_inside(X):
+        Z = X.new_empty(X.shape[0], X.shape[1], padded(X.shape[1]))
+        ctx, stat = forward_kernels(P, X, mask, table, sigmoid, Z, make_z=True)
+        return ctx, Z, stat
     Q, _, _ = projection_views(P, X.shape[-1], table.shape[0])
     Z = _scores(Q, X)
     ctx, stat = forward_kernels(P, X, mask, table, sigmoid, Z)

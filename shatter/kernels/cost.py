@@ -26,10 +26,11 @@ runs, small ones included (a mask cast, a fill). To price a new op: write
 `model_flops`; `op_totals(kernels)` is its (FLOPs, bytes), and `register_costs((name,))`, called
 where the op is defined, hands the FLOPs to torch.utils.flop_counter.
 
-The `triton` impl's two ops (shatter/attention/triton_kernel.py): Z = Q Xᵀ/√d, dQ = dZ X and
-dX = dZᵀ Q are cuBLAS GEMMs; the row statistics and δ are memory-bound Triton kernels (with the
-partition bias the row statistics also write z + b back into Z: Z read and written); the mixing
-forward, dV and dZ kernels run the mixing dots. A part f_h(j − i) is zero on one side of the
+The `triton` impl's two ops (shatter/attention/triton_kernel.py): from sm_80 the row statistics
+make Z = Q Xᵀ/√d on chip and write z + b (a Triton GEMM with the statistics inside: Q and X read,
+Z written); below sm_80 Z is a cuBLAS GEMM and the statistics a memory-bound Triton kernel that
+reads it (with the partition bias also writing z + b back). dQ = dZ X and dX = dZᵀ Q are cuBLAS
+GEMMs, δ a memory-bound kernel; the mixing forward, dV and dZ kernels run the mixing dots. A part f_h(j − i) is zero on one side of the
 diagonal, so the mixing dots of a key tile cover only the n/2 parts of its side: about half of the
 dense A V that model FLOPs count (train/cost.py, l·d per token); `model_flops` gives that
 convention. Z is read once per group of parts by the forward and dV kernels (`_z_reads`, the
@@ -57,6 +58,7 @@ from typing import NamedTuple
 from shatter.kernels.family import (
     delta_inside,
     family_of,  # noqa: F401 (the cost model's users read it here)
+    z_inside,
 )
 
 KINDS = ("gemm", "custom", "memory")
@@ -120,21 +122,20 @@ def mixing_dot_flops(B: int, L: int, d: int) -> float:
 
 
 def mixing_fwd_cost(args, kwargs, outputs, family: int | None = 90) -> list[Kernel]:
-    from shatter.kernels.partition_mixing import block_k, stats_inside
+    from shatter.attention.projection import projection_width
 
     a = _bind("shatter::mixing_fwd", args, kwargs)
     B, L, Lp, d, n, e = _dims(a)
     z, x, xp = B * L * Lp * e, B * L * d * e, B * Lp * d * e  # Z, a [B, L, d], the padded keys
-    kernels = [Kernel("pad the keys to Lp", "memory", 0.0, float(x + xp))] if L % 16 else []
-    kernels.append(Kernel("Z = Q Xᵀ/√d", "gemm", 2.0 * B * L * Lp * d, float(x + xp + z)))
-    reads = _z_reads(n, d, "fwd", False, family)  # Z per group of parts; V read, X̄ written
-    from shatter.attention.projection import projection_width
-
-    has_c = a["P"].shape[-1] != projection_width(d, n, bias=False)  # P = [Q | V | c] or [Q | V]
-    if stats_inside(n, block_k(d, n), family, a["sigmoid"], False, has_c):
-        reads += 1  # ρ made in the forward: each side's program sweeps the other side's keys
-    else:  # with the part bias it also writes z + b into Z
+    if z_inside(family):  # Q and X read, z + b written: the GEMM with the statistics inside
+        qx = 2.0 * B * L * L * d
+        kernels = [Kernel("Z = Q Xᵀ/√d and row statistics", "custom", qx, float(2 * x + z))]
+    else:  # cuBLAS's Z, read by the statistics (and with the part bias z + b written back)
+        has_c = a["P"].shape[-1] != projection_width(d, n, bias=False)  # [Q | V | c] or [Q | V]
+        kernels = [Kernel("pad the keys to Lp", "memory", 0.0, float(x + xp))] if L % 16 else []
+        kernels.append(Kernel("Z = Q Xᵀ/√d", "gemm", 2.0 * B * L * Lp * d, float(x + xp + z)))
         kernels.append(Kernel("row statistics", "memory", 0.0, float(z * (2 if has_c else 1))))
+    reads = _z_reads(n, d, "fwd", False, family)  # Z per group of parts; V read, X̄ written
     flops = mixing_dot_flops(B, L, d)
     return kernels + [Kernel("mixing forward", "custom", flops, float(reads * z + 2 * x))]
 

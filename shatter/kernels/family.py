@@ -15,3 +15,11 @@ def delta_inside(family: int | None) -> bool:
     in the registers the kernel used without it); sm_80's spilled with it under Triton 3.6.
     `family` None: the interpreter's, as on sm_80 (the tests take both paths)."""
     return family in (70, 90)
+
+
+def z_inside(family: int | None) -> bool:
+    """Whether the hybrid's row statistics kernel makes Z = Q Xᵀ/√d itself (its tiles on chip
+    over d, z + b written once: no cuBLAS GEMM, Z not read back): from sm_80, where Triton's dots
+    run on tensor cores; below it (sm_70's FMAs) cuBLAS makes Z. `family` None: the
+    interpreter's, as sm_80+ (the tests take both paths)."""
+    return family != 70

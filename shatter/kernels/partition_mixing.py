@@ -12,10 +12,11 @@ the part bias b_ij = Σ_h c_ih f_h(j−i) (c = Q Rᵀ, §3.3) and the key mask m
 f_h(j−i) is gathered from the layer's constant table (shatter/partition.py). Parts 0..n/2−1 vanish
 left of the diagonal and parts n/2..n−1 right of it (the appendix's mirror halves).
 
-Forward: `row_stats_kernel` (one program per row block) sweeps Z once for ρ (or the row maximum
-and log-sum) and, with the part bias, writes z + b back into Z, so that the kernels after it read
-eq. 5's argument as it is and make b nowhere else; without the bias, where the mixing forward makes
-ρ itself (sigmoid scores read from Z on sm_90: `stats_inside`), it is not launched. Then
+Forward: `row_stats_kernel` (one program per row block) sweeps the scores once for ρ (or the
+row maximum and log-sum) and writes z + b into Z, so that the kernels after it read eq. 5's
+argument as it is and make b nowhere else: from sm_80 it makes Z's tiles itself (Q Xᵀ/√d over d
+on chip, the GEMM cuBLAS would run, with the statistics and the bias in its epilogue:
+`family.z_inside`); below sm_80 it reads cuBLAS's Z and, with the bias, writes z + b back. Then
 `mix_fwd_kernel` (one program per row block, side and group of parts) sweeps that
 side's keys with one accumulator of [BLOCK_M, d/n] per part of its group (64-wide dots) and writes
 X̄ and A_part normalised, in the input dtype. A group's GROUP parts come from the autotune
@@ -54,8 +55,6 @@ cores. Under TRITON_INTERPRET=1 (CPU tests) one small configuration is tuned ove
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -96,14 +95,12 @@ def _cfg(block_m, block_n, warps, stages, archs=(80, 90), group=None, sources=(F
 # would be the other side's part, or past the table and the context's last one). Below sm_80
 # (family 70: V100, T4) the dots are FMAs, whose operands sit in registers: smaller tiles,
 # GROUP 2, only Z read (no tensor-core instruction expected).
+# the statistics kernel makes Z's tiles on chip on sm_80+ (Q Xᵀ/√d over d, `z_inside`; the
+# fused impl's sweep, which writes nothing) and reads cuBLAS's Z below sm_80
 STATS_CONFIGS = [  # sm_90's M64 N128 w4 spilled 96-128 bytes under 3.6
-    _cfg(128, 64, 8, 2, archs=(90,)),
-    # reading Z it also writes z + b, a sweep bound by its loads' latency: twice the programs
-    # (B·l/64), timed against the one above
-    _cfg(64, 64, 4, 2, archs=(80, 90), sources=(False,)),
+    _cfg(128, 64, 8, 2, archs=(90,), sources=(True,)),
     _cfg(128, 16, 8, 2, archs=(70,), sources=(False,)),  # N64 and N32 spilled 8 bytes at l = 509
-    _cfg(128, 64, 8, 2, archs=(80,), sources=(False,)),
-    _cfg(128, 32, 8, 2, archs=(80,), sources=(True,)),  # recomputing, N64 spilled 8 bytes (3.6)
+    _cfg(128, 32, 8, 2, archs=(80,), sources=(True,)),  # N64 spilled 8 bytes (3.6)
 ]
 FWD_CONFIGS = [
     _cfg(64, 16, 8, 2, archs=(90,), group=6),
@@ -134,14 +131,14 @@ DZ_CONFIGS = [  # sm_90's M64 N64 w4 and M64 N128 w8 spilled under 3.6
     _cfg(32, 32, 8, 1, archs=(70,), sources=(False,)),  # sm_70's M64 N64 w8 spilled 2.7 KB
 ]
 # every compile-time constant that changes the code: a kernel is keyed on those it takes
-AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID", "BLOCK_K", "PREC", "NP", "RECOMPUTE", "BLOCK_D", "DELTA_INSIDE", "STATS_INSIDE"]  # fmt: skip
+AUTOTUNE_KEY = ["L_KEY", "N_PARTS", "HAS_C", "SIGMOID", "BLOCK_K", "PREC", "NP", "RECOMPUTE", "BLOCK_D", "DELTA_INSIDE", "KEEP"]  # fmt: skip
 ACC_COLUMNS = 384  # fp32 accumulator columns of a program's group: 6 parts of 64
 
 
 def usable(configs, n: int, block_k: int, family: int | None = None, recompute=False) -> list:
     """The configurations for an arch family (None: any) and score source (`recompute`) that
     serve n parts of BLOCK_K: those whose GROUP divides a side's n/2 parts and fits ACC_COLUMNS,
-    the largest GROUP first (the one the cost model prices and `stats_inside` asks about). The
+    the largest GROUP first (the one the cost model prices). The
     autotuner times them all: on an H200 the widest group alone (sm_90's M64 N16 G6: one
     program an SM at 244 registers, 16 keys a step) ran the forward at 2-8% of the tensor peak,
     so narrower groups over wider key tiles (more programs, fewer serial steps) compete."""
@@ -156,23 +153,6 @@ def usable(configs, n: int, block_k: int, family: int | None = None, recompute=F
 def block_k(d: int, n: int) -> int:
     """BLOCK_K, the accumulator width of a part's d/n values (at least 16: tl.dot's minimum)."""
     return max(16, pow2(d // n))
-
-
-@functools.cache  # asked on every forward call
-def stats_inside(
-    n: int, block_k: int, family: int | None, sigmoid: bool, recompute: bool, has_c: bool
-) -> bool:
-    """Whether the mixing forward makes ρ itself (no `row_stats_kernel` launch): sigmoid scores
-    read from Z, on sm_90 where one program takes all n/2 parts of a side (a program sweeps the
-    other side's keys for ρ once, as the statistics kernel did: the same bytes, a launch fewer);
-    not where a side's parts take several programs (each would sweep the other side), nor below
-    sm_90 (sm_80: GROUP 2; sm_70: FMA-bound). `family` None: the interpreter's, as sm_90. Where
-    the autotuner picks a narrower group, each of its programs sweeps the other side: the same
-    values, with that cost in the timing it chose by. Not with the part bias either: there the
-    statistics kernel also writes z + b into Z once, for every kernel after it."""
-    if not sigmoid or recompute or has_c or family not in (90, None):
-        return False
-    return family is None or usable(FWD_CONFIGS, n, block_k, family)[0].kwargs["GROUP"] == n // 2
 
 
 def _for_this_call(configs, named_args, **kwargs):
@@ -263,8 +243,8 @@ def _score_tile(
     """z + b on the tile in fp32 (eq. 5's argument), the table column of j − i, the in-sequence
     mask and the key mask m. z is made on chip with RECOMPUTE from Q (passed as Z, strides sz_*)
     and the keys X (sx_*), and b added; else it is read from Z (already / √d, strides sz_*),
-    which holds z + b after the row statistics' sweep: with KEEP (that sweep, HAS_C) b is added
-    here and z + b written back into Z, in its dtype, so that no later kernel makes b again."""
+    which holds z + b after the row statistics' sweep: with KEEP (that sweep, which writes
+    z + b for the kernels after it: `_kept`) b is added here to the z it reads."""
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_n = j0 + tl.arange(0, BLOCK_N)
     row_ok = offs_m < L
@@ -282,8 +262,6 @@ def _score_tile(
             f = tl.load(T + h * st_h + col, mask=ok, other=0.0)
             c_h = tl.load(C + b * sc_b + offs_m * sc_l + h, mask=row_ok, other=0.0)
             z += c_h.to(tl.float32)[:, None] * f
-        if KEEP:
-            tl.store(z_ptrs, z.to(Z.dtype.element_ty), mask=ok)
     m = tl.load(Mk + b * L + offs_n, mask=col_ok, other=0).to(tl.float32)  # bool or int as is
     return z, col, ok, m
 
@@ -317,15 +295,11 @@ def _program_parts(N_PARTS: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _load_stats(STAT, STAT2, b, i0, L, BLOCK_M: tl.constexpr, UNIT: tl.constexpr = False):
-    """The row statistics the weights take, or with UNIT ones (weights left unnormalised)."""
+def _load_stats(STAT, STAT2, b, i0, L, BLOCK_M: tl.constexpr):
+    """The row statistics the weights take."""
     offs_m = i0 + tl.arange(0, BLOCK_M)
-    if UNIT:
-        stat = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-        stat2 = stat
-    else:
-        stat = tl.load(STAT + b * L + offs_m, mask=offs_m < L, other=0.0)
-        stat2 = tl.load(STAT2 + b * L + offs_m, mask=offs_m < L, other=0.0)
+    stat = tl.load(STAT + b * L + offs_m, mask=offs_m < L, other=0.0)
+    stat2 = tl.load(STAT2 + b * L + offs_m, mask=offs_m < L, other=0.0)
     return stat, stat2
 
 
@@ -377,21 +351,35 @@ def _row_delta(
 
 
 @triton.jit
+def _kept(ZO, z, ok, b, i0, j0, szo_b, szo_l, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """z + b of the tile written into ZO (strides szo_*) in its dtype, for every kernel after the
+    row statistics' sweep; returned as written (rounded), so that the statistics are of the
+    scores those kernels read."""
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_n = j0 + tl.arange(0, BLOCK_N)
+    kept = z.to(ZO.dtype.element_ty)
+    tl.store(ZO + b * szo_b + offs_m[:, None] * szo_l + offs_n[None, :], kept, mask=ok)
+    return kept.to(tl.float32)
+
+
+@triton.jit
 def _squares(
     Z, X, C, Mk, T, b, i0, j_lo, j_hi, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D,
-    scale, HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
+    scale, ZO, szo_b, szo_l, HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
     KEEP: tl.constexpr = False,
 ):  # fmt: skip
     """Σ_j p_ij² over the key tiles from j_lo to j_hi (eq. 5: padded keys zeroed before the L2
-    normalisation), in fp32 for the rows of the block at i0; with KEEP z + b written into Z
-    (`_score_tile`)."""
+    normalisation), in fp32 for the rows of the block at i0; with KEEP z + b written into ZO
+    (`_kept`)."""
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     for j0 in range(j_lo, j_hi, BLOCK_N):
         z, col, ok, m = _score_tile(
             Z, X, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D,
             scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC, KEEP,
         )  # fmt: skip
+        if KEEP:
+            z = _kept(ZO, z, ok, b, i0, j0, szo_b, szo_l, BLOCK_M, BLOCK_N)
         p = tl.where(ok, tl.sigmoid(z) * m[None, :], 0.0)
         ss += tl.sum(p * p, 1)
     return ss
@@ -413,30 +401,22 @@ def _rho(ss):
     return 1.0 / tl.maximum(tl.sqrt(ss), 1e-12)
 
 
-@triton.jit
-def _rho_kept(ss, stat_ptrs, row_ok, h0):
-    """ρ from the rows' Σ p², stored at `stat_ptrs` by part 0's program (the backward reads it)."""
-    r = _rho(ss)
-    if h0 == 0:
-        tl.store(stat_ptrs, r, mask=row_ok)
-    return r
-
-
 # ---------------------------------------------------------------------------------- kernels
 
 
-@_autotune(STATS_CONFIGS, restore=("Z",))  # it writes z + b into Z
+@_autotune(STATS_CONFIGS, restore=("ZO",))  # ZO may be Z itself, written in place
 @triton.jit
 def row_stats_kernel(
-    Z, X, C, Mk, T, STAT, STAT2, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, L, L_KEY, T_CENTRE,
-    D, scale, HAS_C: tl.constexpr, N_PARTS: tl.constexpr, SIGMOID: tl.constexpr,
+    Z, X, C, Mk, T, STAT, STAT2, ZO, sz_b, sz_l, sx_b, sx_l, szo_b, szo_l, sc_b, sc_l, st_h, L,
+    L_KEY, T_CENTRE, D, scale, HAS_C: tl.constexpr, N_PARTS: tl.constexpr, SIGMOID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, KEEP: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch): ρ = 1/‖p‖ (sigmoid; STAT2 unused) or the row maximum and
-    log Σ exp(z − max) (softmax, online over the key blocks); with the bias and Z read, z + b
-    written back into Z for the kernels after it (`_score_tile`'s KEEP)."""
-    KEEP: tl.constexpr = HAS_C and not RECOMPUTE
+    log Σ exp(z − max) (softmax, online over the key blocks); with KEEP, z + b written into ZO
+    for the kernels after it (`_kept`): Z made here on chip (RECOMPUTE, the hybrid's Z on
+    sm_80+: `z_inside`), or read from cuBLAS's Z with the bias added and written back in place
+    (ZO = Z)."""
     b = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
@@ -444,7 +424,8 @@ def row_stats_kernel(
     if SIGMOID:
         ss = _squares(
             Z, X, C, Mk, T, b, i0, 0, L, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h,
-            D, scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC, KEEP,
+            D, scale, ZO, szo_b, szo_l, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D,
+            PREC, KEEP,
         )  # fmt: skip
         tl.store(STAT + b * L + offs_m, _rho(ss), mask=row_ok)
     else:
@@ -455,6 +436,8 @@ def row_stats_kernel(
                 Z, X, C, Mk, T, b, i0, j0, L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h,
                 D, scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC, KEEP,
             )  # fmt: skip
+            if KEEP:
+                z = _kept(ZO, z, ok, b, i0, j0, szo_b, szo_l, BLOCK_M, BLOCK_N)
             logit = tl.where(m[None, :] > 0, z, FP32_MIN)
             logit = tl.where(ok, logit, float("-inf"))
             mx_new = tl.maximum(mx, tl.max(logit, 1))
@@ -472,12 +455,11 @@ def mix_fwd_kernel(
     L, L_KEY, K_PART, T_CENTRE, D, scale, AP_COLS,
     HAS_C: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, NP: tl.constexpr, STATS_INSIDE: tl.constexpr,
+    RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, NP: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch × side × group): X̄[h] and A_part[:, h] of GROUP of the side's
     n/2 parts (fewer than n/2 re-read the side's Z); part 0's also zeroes `_zero_alignment`'s
-    columns. With STATS_INSIDE (`stats_inside`) ρ is made here: Σ p² over the other side's keys,
-    then this side's in the mixing sweep of unnormalised weights; X̄ and A_part times ρ last."""
+    columns."""
     b, side, h0 = _program_parts(N_PARTS, GROUP)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
@@ -486,13 +468,7 @@ def mix_fwd_kernel(
         _zero_alignment(AP, b, sa_b, sa_l, offs_m, L, AP_COLS, N_PARTS, BLOCK_M, NP)
     lo = tl.where(side == 0, (i0 // BLOCK_N) * BLOCK_N, 0)
     hi = tl.where(side == 0, L, tl.minimum(L, i0 + BLOCK_M))
-    if STATS_INSIDE:  # the other side's key tiles (this side's sweep covers the rest of the row)
-        ss = _squares(
-            Z, X, C, Mk, T, b, i0, tl.where(side == 0, 0, tl.cdiv(hi, BLOCK_N) * BLOCK_N),
-            tl.where(side == 0, lo, L), L, T_CENTRE, sz_b, sz_l, sx_b, sx_l, sc_b, sc_l, st_h, D,
-            scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
-        )  # fmt: skip
-    stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M, STATS_INSIDE)
+    stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M)
     acc0 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
     ap0 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -504,8 +480,6 @@ def mix_fwd_kernel(
             scale, HAS_C, N_PARTS, BLOCK_M, BLOCK_N, RECOMPUTE, BLOCK_D, PREC,
         )  # fmt: skip
         a, _ = _weights(z, m, ok, stat, stat2, SIGMOID)
-        if STATS_INSIDE:
-            ss += tl.sum(a * a, 1)
         offs_n = j0 + tl.arange(0, BLOCK_N)
         v_ptrs = V + b * sv_b + h0 * sv_h + offs_n[:, None] * sv_l + offs_k[None, :]
         v_ok = (offs_n < L)[:, None] & (offs_k < K_PART)[None, :]
@@ -526,8 +500,6 @@ def mix_fwd_kernel(
             acc7, ap7 = _fwd_part(acc7, ap7, a, f_ptr + 7 * st_h, col, ok, v_ptrs + 7 * sv_h, v_ok, PREC)  # fmt: skip
     row_ok = offs_m < L
     r = tl.full([BLOCK_M], 1.0, dtype=tl.float32)  # the weights' statistics applied already
-    if STATS_INSIDE:
-        r = _rho_kept(ss, STAT + b * L + offs_m, row_ok, h0)
     o = OUT + b * so_b + h0 * so_h + offs_m[:, None] * so_l + offs_k[None, :]
     o_ok = row_ok[:, None] & (offs_k < K_PART)[None, :]
     a_ptrs = AP + b * sa_b + offs_m * sa_l + h0

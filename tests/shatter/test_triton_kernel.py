@@ -161,42 +161,44 @@ def test_delta_made_in_the_dz_kernel_equals_naive(case, dtype, monkeypatch):
 @pytest.mark.parametrize(
     "case, dtype",
     [("1h-sigmoid, one sequence all padding", torch.float32),
+     ("softmax with the part bias, n=12", torch.float32),
      ("shatter n=8", torch.float16)],
 )  # fmt: skip
-def test_rho_from_the_statistics_kernel_equals_naive(case, dtype, monkeypatch):
-    """sm_70's and sm_80's forward (partition_mixing.stats_inside false): ρ from
-    `row_stats_kernel`, read by the mixing forward, which the interpreter otherwise makes in the
-    forward itself (as sm_90): values and gradients still equal naive's."""
+def test_z_from_cublas_equals_naive(case, dtype, monkeypatch):
+    """sm_70's forward (family.z_inside false): Z = Q Xᵀ/√d from the scores GEMM, then the row
+    statistics read it (and with the part bias write z + b back in place); values and gradients
+    still equal naive's (sigmoid and softmax, the part bias, a sequence of padding only, fp16)."""
     if not INTERPRET:
         pytest.skip("the compiled kernels take the path of the GPU they run on")
     from shatter.attention import triton_kernel
 
-    monkeypatch.setattr(triton_kernel, "stats_inside", lambda *args: False)
-    launched = []
-    real = triton_kernel.row_stats_kernel
-    monkeypatch.setattr(triton_kernel, "row_stats_kernel", _Counted(real, launched))
+    monkeypatch.setattr(triton_kernel, "z_inside", lambda family: False)
+    made = []
+    real = triton_kernel._scores
+    monkeypatch.setattr(triton_kernel, "_scores", lambda Q, X: made.append(1) or real(Q, X))
     assert_equals_naive(_impl("triton"), case, dtype)
-    assert launched
+    assert made
 
 
-def test_rho_made_in_the_forward_kernel_launches_no_statistics_kernel(monkeypatch):
-    """sm_90's forward with sigmoid scores and no part bias (the interpreter's default): the
-    mixing forward makes ρ, and no `row_stats_kernel` is launched; with the part bias it is
-    launched (it writes z + b into Z for the kernels after it), and so is it for softmax (its
-    maximum and sum)."""
+def test_z_made_by_the_statistics_kernel_without_a_scores_gemm(monkeypatch):
+    """sm_80+'s forward (the interpreter's default): one `row_stats_kernel` launch a forward
+    makes Z's tiles, writes z + b and the statistics, and no scores GEMM runs, for sigmoid scores
+    with and without the part bias and for softmax; the backward, which reads that Z, still
+    equals naive's gradients (`assert_equals_naive`)."""
     if not INTERPRET:
         pytest.skip("the compiled kernels take the path of the GPU they run on")
     from shatter.attention import triton_kernel
 
-    launched = []
+    launched, made = [], []
     real = triton_kernel.row_stats_kernel
     monkeypatch.setattr(triton_kernel, "row_stats_kernel", _Counted(real, launched))
-    assert_equals_naive(_impl("triton"), "1h-sigmoid, one sequence all padding", torch.float32)
-    assert not launched
-    assert_equals_naive(_impl("triton"), "part-bias n=12, d=48", torch.float32)
-    assert len(launched) == 1
-    assert_equals_naive(_impl("triton"), "softmax with the part bias, n=12", torch.float32)
-    assert len(launched) == 2
+    monkeypatch.setattr(triton_kernel, "_scores", lambda Q, X: made.append(1))
+    for k, case in enumerate(
+        ["1h-sigmoid, one sequence all padding", "part-bias n=12, d=48", "softmax with the part bias, n=12"]
+    ):  # fmt: skip
+        assert_equals_naive(_impl("triton"), case, torch.float32)
+        assert len(launched) == k + 1
+    assert not made
 
 
 @pytest.mark.gpu  # also a GPU-lane case: there the autotuner really times the kernel first
@@ -213,13 +215,16 @@ def test_saved_scores_hold_the_part_bias(case):
 
 def test_saved_scores_hold_the_bias_once_after_the_autotuners_timing(monkeypatch):
     """On a GPU the autotuner times the statistics kernel before its real run, several runs a
-    configuration (Triton 3.6 even with one left), and the kernel adds b into Z in place: each
-    timed run's Z is put back (`restore_value`), so the saved Z holds b once. The GPU's timing
-    simulated under the interpreter: two configurations, each run three times, on a shape no
-    other test tuned."""
+    configuration (Triton 3.6 even with one left), and below sm_80 the kernel adds b into
+    cuBLAS's Z in place: each timed run's Z is put back (`restore_value`), so the saved Z holds
+    b once. The GPU's timing simulated under the interpreter: two configurations, each run three
+    times, on a shape no other test tuned."""
     if not INTERPRET:
         pytest.skip("simulates on the interpreter what a GPU's autotuner does")
+    from shatter.attention import triton_kernel
     from shatter.kernels import partition_mixing
+
+    monkeypatch.setattr(triton_kernel, "z_inside", lambda family: False)
 
     kernel = partition_mixing.row_stats_kernel
 

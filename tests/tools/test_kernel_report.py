@@ -52,19 +52,19 @@ def _report(*args: str) -> list[list[str]]:
 def test_every_kernel_compiles_for_sm90_without_spills():
     """The CI subset: each kernel's first sm_90 configuration at the base shape in bf16, with the
     partition bias and a length that is not a multiple of 16, for the sigmoid and the softmax,
-    reading Z (the hybrid impl) and recomputing Q Xᵀ (the fused impl); the forward and dZ
-    kernels use wgmma (HGMMA), the dV kernel reading Z (32 keys a tile, so that all six parts'
-    accumulators fit) mma.sync (HMMA)."""
+    reading Z (the hybrid impl), recomputing Q Xᵀ (the fused impl) and making Z (the hybrid's
+    statistics: no Z-reading statistics on sm_90); the statistics, forward and dZ kernels use
+    wgmma (HGMMA), the dV kernel reading Z (32 keys a tile, so that all six parts' accumulators
+    fit) mma.sync (HMMA)."""
     rows = _report("--arch", "90")
     kernels = [tuple(row[1:3]) for row in rows]
     acts = ("sigmoid", "softmax")
-    want = [
-        (f"{k}/{s}", a) for k in ("stats", "fwd", "dv", "dz") for s in ("z", "qx") for a in acts
-    ]
-    want.insert(4, ("delta/z", "sigmoid"))  # no scores, no activation: once
+    want = [(f"{k}/{s}", a) for k in ("fwd", "dv", "dz") for s in ("z", "qx") for a in acts]
+    want += [(f"stats/{s}", a) for s in ("qx", "make") for a in acts]
+    want.append(("delta/z", "sigmoid"))  # no scores, no activation: once
     assert sorted(kernels) == sorted(want)
     for row in rows:
-        if row[1].split("/")[0] in ("fwd", "dz") or row[1] == "dv/qx":
+        if row[1].split("/")[0] in ("fwd", "dz", "stats") or row[1] == "dv/qx":
             assert int(row[-2]) > 0, row  # HGMMA
         if row[1] == "dv/z":
             assert int(row[-3]) > 0, row  # HMMA

@@ -4,7 +4,8 @@ kernels of the hybrid `triton` and the `fused` impls (sm_80, sm_90) and the row 
 
 For every kernel (stats and fwd of the forward; delta, dv and dz of the backward), every autotune
 configuration and every variant it is compiled for (the score source: Z read from HBM for the
-hybrid `triton` impl, or Q Xᵀ recomputed on chip for `fused`; the partition bias HAS_C on and
+hybrid `triton` impl, Q Xᵀ recomputed on chip for `fused`, or made on chip and written as Z by
+the hybrid's statistics from sm_80; the partition bias HAS_C on and
 off, the sigmoid and the softmax, the base (d=768, n=12) and large (d=1024, n=16) shapes, bf16
 and fp16, a length that is a multiple of 16 and one that is not: l = 512 and l = 509), it
 compiles the kernel
@@ -60,7 +61,9 @@ ROW_KERNELS = ("rows_fwd", "rows_bwd")
 # Z with FMA dots (no tensor-core instruction to expect); sm_80+ the mixing kernels alone
 FMA_ARCHS = (70, 75)
 LENGTHS = (512, 509)  # a multiple of 16 and not: sets which int arguments are multiples of 16
-SOURCES = {"z": False, "qx": True}  # the kernels' RECOMPUTE: Z read (triton), Q Xᵀ made (fused)
+# the kernels' RECOMPUTE: Z read (triton), Q Xᵀ made (fused), or Q Xᵀ made and written as Z (the
+# triton impl's statistics from sm_80: family.z_inside)
+SOURCES = {"z": False, "qx": True, "make": True}
 MAX_LEN = 512
 
 
@@ -109,14 +112,14 @@ def _args(d: int, n: int, dtype: str, L: int, recompute=False, rows=False) -> di
     k, m, Lp = d // n, max(MAX_LEN, L), -(-L // 16) * 16
     w = projection_width(d, n)  # V, c and their gradients are columns of the projections P
     cw = context_width(d, n)  # X̄, A_part and their gradients are columns of the context
-    names = ("Z", "X", "C", "V", "OUT", "AP", "DO", "DV", "DAP", "DZ", "DC")
+    names = ("Z", "ZO", "X", "C", "V", "OUT", "AP", "DO", "DV", "DAP", "DZ", "DC")
     ptrs = {name: dtype for name in names}
     ptrs.update({name: "fp32" for name in ("T", "STAT", "STAT2", "DELTA")})
     ptrs["Mk"] = "i1"  # the key mask, read as the model passes it (bool)
     ptrs.update(W=dtype, DW=dtype)  # the row kernels' n parts' weights [B, n, L, Lp]
     sz = (L * w, w) if recompute else (L * Lp, Lp)
     ints = {
-        "sz_b": sz[0], "sz_l": sz[1], "sx_b": L * d, "sx_l": d, "sdz_b": L * Lp, "sdz_l": Lp,
+        "sz_b": sz[0], "sz_l": sz[1], "szo_b": L * Lp, "szo_l": Lp, "sx_b": L * d, "sx_l": d, "sdz_b": L * Lp, "sdz_l": Lp,
         "D": d, "sc_b": L * w, "sc_l": w, "st_h": 2 * m - 1,
         "sv_b": L * w, "sv_h": k, "sv_l": w, "so_b": L * cw, "so_h": k, "so_l": cw,
         "sd_b": L * cw, "sd_h": k, "sd_l": cw, "sg_b": L * w, "sg_h": k, "sg_l": w,
@@ -178,7 +181,6 @@ def compile_one(
 
     from shatter.attention.triton_kernel import kernel_meta
     from shatter.kernels.family import delta_inside, family_of
-    from shatter.kernels.partition_mixing import stats_inside
 
     jit = tuned_kernels()[kernel][0]
     fn = jit.fn if hasattr(jit, "configs") else jit  # an autotuner's kernel, or the kernel
@@ -186,11 +188,9 @@ def compile_one(
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     values = {**kernel_meta(d, n, torch_dtype), **config.kwargs}
     values.update(HAS_C=has_c, SIGMOID=activation == "sigmoid", RECOMPUTE=SOURCES[source])
-    family = family_of((arch // 10, arch % 10))
-    values["DELTA_INSIDE"] = delta_inside(family)
-    values["STATS_INSIDE"] = stats_inside(
-        n, values["BLOCK_K"], family, values["SIGMOID"], values["RECOMPUTE"], has_c
-    )  # the variant that runs on the arch (the forward's ρ, partition_mixing.stats_inside)
+    values["DELTA_INSIDE"] = delta_inside(family_of((arch // 10, arch % 10)))
+    # the statistics write z + b: Z made on chip (source "make"), or cuBLAS's Z with the bias
+    values["KEEP"] = source == "make" or (source == "z" and has_c)
     constexprs = {name: values[name] for name in fn.arg_names if name in values}
     args = _args(d, n, dtype, L, SOURCES[source], kernel in ROW_KERNELS)
     signature, attrs = {}, {}
@@ -240,6 +240,7 @@ def jobs(archs, kernels, sources, activations, has_cs, shapes, dtypes, lengths, 
             sources_, activations_, has_cs_ = ["z"], activations[:1], has_cs[:1]
         else:  # the row kernels and the FMA archs read Z: no recomputing variant
             sources_ = ["z"] if kernel in ROW_KERNELS or cap in FMA_ARCHS else sources
+            sources_ = [s for s in sources_ if s != "make" or kernel == "stats"]  # Z made: stats
             activations_, has_cs_ = activations, has_cs
         for source, act, has_c, shape, dtype, L in itertools.product(
             sources_, activations_, has_cs_, shapes, dtypes, lengths
@@ -291,7 +292,10 @@ def summary(rows: list[Row]) -> list[str]:
 @click.command()
 @click.option("--arch", default="80,90", help="compute capabilities, comma-separated (70-90)")
 @click.option("--kernel", "kernels", default=",".join(KERNELS), help="kernels to compile")
-@click.option("--source", "sources", default="z,qx", help="scores: z (triton), qx (fused)")
+@click.option(
+    "--source", "sources", default="z,qx,make",
+    help="scores: z (read), qx (made on chip: fused), make (made and written as Z: triton's stats)",
+)  # fmt: skip
 @click.option("--activation", "activations", default="sigmoid,softmax", help="sigmoid, softmax")
 @click.option("--has-c", "has_cs", default="true,false", help="the partition bias: true, false")
 @click.option("--shape", "shapes", default="base,large", help="base (d=768, n=12), large")
