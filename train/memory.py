@@ -17,7 +17,8 @@ so a CPU box can estimate a GPU's micro-batch of 64 without holding its activati
 DeepSpeed's own buffers at ZeRO-1/2: the gradient reduction bucket, `reduce_bucket_size`
 elements of the gradient dtype (the model's, unless `data_types.grad_accum_dtype` says fp32),
 twice with `overlap_comm` (its double buffer; DeepSpeed's stage_1_and_2.setup_buckets): with the
-default 5e8 and bf16 on a GPU, 2 x 5e8 x 2 B = 1.86 GiB. ZeRO-3 adds its reduce bucket and its
+default 5e8 and bf16 on a GPU, 2 x 5e8 x 2 B = 1.86 GiB; none with `contiguous_gradients` off
+(ZeRO-1 on one GPU: train/engine.py). ZeRO-3 adds its reduce bucket and its
 `stage3_prefetch_bucket_size` (DeepSpeed's default 5e7) of weights.
 
 `--target gpu` estimates for a GPU from any box: the DeepSpeed config a GPU run gets (overlap_comm
@@ -119,6 +120,8 @@ def bucket_bytes(ds_config: dict, precision: str) -> float:
     accum = ds_config.get("data_types", {}).get("grad_accum_dtype")
     element = 4 if precision == "fp32" or accum in ("fp32", "float32") else 2
     reduce = int(zero.get("reduce_bucket_size", 5e8)) * element
+    if stage in (1, 2) and not zero.get("contiguous_gradients", True):
+        reduce = 0  # no contiguous bucket: the gradients stay where autograd put them
     buffers = reduce * (2 if zero.get("overlap_comm") else 1)
     if stage == 3:
         buffers += int(zero.get("stage3_prefetch_bucket_size", STAGE3_PREFETCH)) * element

@@ -123,6 +123,22 @@ def test_fp16_config_validated_by_deepspeed():
         deepspeed_config(cfg, 8, cpu=True)
 
 
+def test_contiguous_gradients_off_for_zero1_on_one_gpu_only():
+    """DeepSpeed's contiguous gradient bucket: off for ZeRO-1 on one rank (no reduction to
+    stage; the memory estimate then counts no bucket), on with more ranks (its reduce-scatter
+    path) and for ZeRO-2."""
+    from shatter.train.memory import bucket_bytes
+
+    zero = lambda stage, world: deepspeed_config(  # noqa: E731
+        resolve(None, {"zero_stage": stage, "precision": "bf16"}), world, cpu=False
+    )["zero_optimization"]
+    assert zero(1, 1)["contiguous_gradients"] is False
+    assert zero(1, 8)["contiguous_gradients"] is True
+    assert zero(2, 1)["contiguous_gradients"] is True
+    assert bucket_bytes({"zero_optimization": zero(1, 1)}, "bf16") == 0
+    assert bucket_bytes({"zero_optimization": zero(1, 8)}, "bf16") == 2 * 5e8 * 2  # overlap_comm
+
+
 def test_the_optimizer_implementation_flag(monkeypatch):
     import torch
 

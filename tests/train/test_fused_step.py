@@ -47,16 +47,8 @@ def test_zero1_s_gradient_norm_in_few_kernels_equals_deepspeed_s():
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     from shatter.tools.bench.count_ops import OpCounter, mlm_batch
-    from shatter.train.config import resolve
-    from shatter.train.engine import build_engine, deepspeed_config, init_distributed
 
-    init_distributed()
-    cfg = resolve(None, {"precision": "bf16", "zero_stage": 1, "micro_batch": 2, "max_steps": 10})
-    torch.manual_seed(0)
-    model = shatter.build_model("bert-tiny", vocab_size=300, max_len=64)
-    ds = deepspeed_config(cfg, 1, cpu=False)
-    ds["zero_optimization"]["overlap_comm"] = False
-    engine = build_engine(model, cfg, ds)
+    engine = _bf16_zero1_engine()
     engine.backward(engine(**mlm_batch(2, 32, 300, 0))["loss"])
     opt = engine.optimizer
     tensors = len(opt.averaged_gradients[0])
@@ -91,15 +83,8 @@ def test_zero1_s_clip_without_host_reads_equals_deepspeed_s():
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     from shatter.tools.bench.count_ops import OpCounter
-    from shatter.train.config import resolve
-    from shatter.train.engine import build_engine, deepspeed_config, init_distributed
 
-    init_distributed()
-    cfg = resolve(None, {"precision": "bf16", "zero_stage": 1, "micro_batch": 2, "max_steps": 10})
-    model = shatter.build_model("bert-tiny", vocab_size=300, max_len=64)
-    ds = deepspeed_config(cfg, 1, cpu=False)
-    ds["zero_optimization"]["overlap_comm"] = False
-    opt = build_engine(model, cfg, ds).optimizer
+    opt = _bf16_zero1_engine().optimizer
     assert "unscale_and_clip_grads" in vars(opt) and opt.clip_grad > 0
     theirs = DeepSpeedZeroOptimizer.unscale_and_clip_grads.__get__(opt)
     grad = torch.randn(1000, generator=torch.Generator().manual_seed(2))
@@ -113,3 +98,43 @@ def test_zero1_s_clip_without_host_reads_equals_deepspeed_s():
             reads.append(counter.tally.reads["step"])
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
         assert reads == [0, 1], reads
+
+
+def test_one_rank_zero1_skips_deepspeed_s_reduction_which_changes_nothing_there():
+    """ZeRO-1 on one rank (contiguous gradients off: train/engine.py) on a real bf16 engine:
+    DeepSpeed's bucket "all-reduce" (flatten, divide by 1, copy every gradient back) is
+    skipped (`skip_one_rank_reduction`); run on the gradients the step reads, it takes a launch
+    per tensor and leaves every one bit for bit as it was; the step then runs (not skipped)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from shatter.tools.bench.count_ops import OpCounter, mlm_batch
+
+    engine = _bf16_zero1_engine()
+    assert not engine.optimizer.contiguous_gradients  # one rank: no bucket
+    opt = engine.optimizer
+    assert "buffered_reduce_fallback" in vars(opt)  # the skip, installed
+    engine.backward(engine(**mlm_batch(2, 32, 300, 0))["loss"])
+    grads = [g for group in opt.averaged_gradients.values() for g in group]  # the step's
+    before = [g.clone() for g in grads]
+    counter = OpCounter()
+    with counter, counter.counting("step"):
+        DeepSpeedZeroOptimizer.buffered_reduce_fallback(opt, None, grads, torch.bfloat16)
+    assert counter.tally.ops["step"] > len(grads) > 10
+    assert all(torch.equal(a, b) for a, b in zip(grads, before, strict=True))
+    engine.step()
+    assert (engine.global_steps, engine.skipped_steps) == (1, 0)
+
+
+def _bf16_zero1_engine():
+    """A real bf16 ZeRO-1 engine of bert-tiny on one rank, with the trainer's GPU config
+    (overlap_comm off: gloo has no side streams)."""
+    from shatter.train.config import resolve
+    from shatter.train.engine import build_engine, deepspeed_config, init_distributed
+
+    init_distributed()
+    cfg = resolve(None, {"precision": "bf16", "zero_stage": 1, "micro_batch": 2, "max_steps": 10})
+    torch.manual_seed(0)
+    model = shatter.build_model("bert-tiny", vocab_size=300, max_len=64)
+    ds = deepspeed_config(cfg, 1, cpu=False)
+    ds["zero_optimization"]["overlap_comm"] = False
+    return build_engine(model, cfg, ds)

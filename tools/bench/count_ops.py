@@ -53,6 +53,7 @@ class Tally:
     reads: Counter = field(default_factory=Counter)  # phase -> host reads
     names: Counter = field(default_factory=Counter)  # "phase op" -> count
     read_sites: Counter = field(default_factory=Counter)  # "phase file:line" of each host read
+    held: Counter = field(default_factory=Counter)  # "backward" -> bytes held after it (--memory)
 
 
 class OpCounter(TorchDispatchMode):
@@ -109,15 +110,45 @@ def mlm_batch(batch: int, length: int, vocab: int, seed: int) -> dict:
 
 
 def engine_step(engine, batches: list[dict], counter: OpCounter | None) -> None:
-    """One optimizer step of the engine: len(batches) micro-batches."""
+    """One optimizer step of the engine: len(batches) micro-batches; with a counter, the most
+    bytes the engine holds after a backward or as one starts (`held_bytes`, `watch_buckets`)."""
     for batch in batches:
         ctx = counter.counting if counter else lambda _: contextlib.nullcontext()
         with ctx("forward"):
             loss = engine(**batch)["loss"]
         with ctx("backward"):
             engine.backward(loss)
+        if counter:
+            held = counter.tally.held
+            held["backward"] = max(held["backward"], held_bytes(engine))
         with ctx("step"):
             engine.step()
+
+
+def held_bytes(engine) -> int:
+    """Bytes of every tensor storage the engine holds: the model's parameters and gradients and
+    whatever its optimizer reaches (DeepSpeed's flat buffers, fp32 masters, gradient buckets and
+    partitions, the optimizer's states), each storage once. The same structures on a GPU, so
+    a CPU measures the device memory a step's state takes (not the activations')."""
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
+    todo = [engine.optimizer, *engine.module.parameters()]
+    todo += [p.grad for p in engine.module.parameters()]
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, dict):
+            todo += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set)):
+            todo += list(obj)
+        elif type(obj).__module__.startswith(("deepspeed", "torch.optim")):
+            todo += list(vars(obj).values())
+    return sum(storages.values())
 
 
 def count_engine(preset: str, precision: str, stage: int, options: dict, args) -> Tally:
@@ -147,9 +178,24 @@ def count_engine(preset: str, precision: str, stage: int, options: dict, args) -
     for _ in range(args.warmup):  # optimizer states, lazy buffers, ZeRO-3's parameter trace
         engine_step(engine, batches, None)
     counter = OpCounter()
+    watch_buckets(engine, counter.tally)
     with counter:
         engine_step(engine, batches, counter)
     return counter.tally
+
+
+def watch_buckets(engine, tally: Tally) -> None:
+    """ZeRO-1/2's gradient buckets are made as a backward starts and released as it ends: the
+    bytes held just after they are made also count towards tally.held's peak."""
+    setup = getattr(engine.optimizer, "setup_buckets", None)
+    if setup is None:
+        return
+
+    def setup_buckets():
+        setup()
+        tally.held["backward"] = max(tally.held["backward"], held_bytes(engine))
+
+    engine.optimizer.setup_buckets = setup_buckets
 
 
 def count_plain(preset: str, precision: str, clip: bool, args) -> Tally:
@@ -207,9 +253,10 @@ def row(name: str, tally: Tally, grad_accum: int) -> str:
     f, b, s = (tally.ops[p] for p in ("forward", "backward", "step"))
     reads = "/".join(str(tally.reads[p]) for p in ("forward", "backward", "step"))
     per_micro = (f + b) / grad_accum
+    held = tally.held["backward"]
     return (
         f"| {name} | {f // grad_accum:,} | {b // grad_accum:,} | {s:,} | {per_micro:,.0f} "
-        f"| {f + b + s:,} | {reads} |"
+        f"| {f + b + s:,} | {reads} | " + (f"{held / 2**20:,.0f} |" if held else "— |")
     )
 
 
@@ -282,11 +329,12 @@ def main() -> None:
     )
     print(
         "| path | forward ops / micro | backward ops / micro | step ops / optimizer step "
-        "| fwd+bwd / micro | ops / optimizer step | host reads / optimizer step (fwd/bwd/step) |"
+        "| fwd+bwd / micro | ops / optimizer step | host reads / optimizer step (fwd/bwd/step) "
+        "| MB held after backward |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, tally, error in results:
-        print(row(name, tally, args.grad_accum) if tally else f"| {name} | {error} ||||||")
+        print(row(name, tally, args.grad_accum) if tally else f"| {name} | {error} |||||||")
     if args.top:
         for name, tally, _ in results:
             if tally is None:

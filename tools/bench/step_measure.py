@@ -51,16 +51,11 @@ TOP = 15  # kernels printed per contender, by GPU time (the JSON has them all)
 class Zero1:
     """DeepSpeed's ZeRO-1 step on one rank, as step_trace.zero1_step traces it, on real
     buffers: each parameter group's parameters are views of the group's flat low-precision
-    buffer (the weights; the 1-D parameters), as DeepSpeed keeps them."""
+    buffer (the weights; the 1-D parameters), as DeepSpeed keeps them; the gradients stay where
+    autograd put them (one rank: no contiguous bucket and no reduction, train/engine.py)."""
 
     def __init__(self, model: torch.nn.Module):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        dev, low = self.params[0].device, self.params[0].dtype
-        self.bucket = torch.empty(sum(p.numel() for p in self.params), dtype=low, device=dev)
-        self.offsets, offset = {}, 0
-        for p in self.params:
-            self.offsets[id(p)] = offset
-            offset += p.numel()
         self.groups = []
         for group in (
             [p for p in self.params if p.dim() >= 2],
@@ -68,42 +63,35 @@ class Zero1:
         ):
             if group:
                 self.groups.append(_Group(group))
-        self.scalar = torch.zeros((), device=dev)
+        self.scalar = torch.zeros((), device=self.params[0].device)
 
     def step(self) -> None:
-        for p in self.params:  # each gradient into the bucket, as its hook fires
-            o = self.offsets[id(p)]
-            self.bucket[o : o + p.numel()].copy_(p.grad.reshape(-1))
-        for g in self.groups:  # the partition's, into its gradient buffer
-            for p, view in zip(g.params, g.views, strict=True):
-                o = self.offsets[id(p)]
-                view.copy_(self.bucket[o : o + p.numel()])
-                p.grad = None
         for _ in range(DEEPSPEED_SCALAR_OPS):
             self.scalar.add_(1.0)
         for g in self.groups:
-            grad = torch.cat(g.views).float()
-            norm = torch.stack(torch._foreach_norm(g.views, 2, dtype=torch.float32)).norm()
+            grads = [p.grad.reshape(-1) for p in g.params]
+            grad = torch.cat(grads).float()
+            norm = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).norm()
             grad.mul_(torch.where(torch.isfinite(norm), 1.0, 0.0))  # the overflow test, no sync
             g.step_count += 1
             adamw([g.master], [grad], [g.m], [g.v], [g.step_count])  # as the trace's
             g.flat.copy_(g.master)
+            for p in g.params:
+                p.grad = None
 
 
 class _Group:
-    """One parameter group of Zero1: its flat parameters, gradients, fp32 master and moments."""
+    """One parameter group of Zero1: its flat parameters, fp32 master and moments."""
 
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
         dev, low = params[0].device, params[0].dtype
         numel = sum(p.numel() for p in params)
         self.flat = torch.empty(numel, dtype=low, device=dev)
-        self.grads = torch.empty(numel, dtype=low, device=dev)
-        self.views, offset = [], 0
+        offset = 0
         for p in params:
             self.flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
             p.data = self.flat[offset : offset + p.numel()].view_as(p)
-            self.views.append(self.grads[offset : offset + p.numel()])
             offset += p.numel()
         self.master = self.flat.float()
         self.m, self.v = torch.zeros_like(self.master), torch.zeros_like(self.master)

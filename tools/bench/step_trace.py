@@ -347,32 +347,15 @@ DEEPSPEED_SCALAR_OPS = 69
 
 
 def zero1_step(params: list[torch.Tensor], world: int = 1) -> None:
-    """DeepSpeed's ZeRO-1 optimizer step on one of `world` ranks as the trainer runs it
-    (contiguous gradients; the global norm by one multi-tensor norm: train/engine.py), over the
-    flat buffers it keeps: every gradient copied into the flat bucket as its hook fires (whole);
-    then the rank's 1/world partition (rounded up): its gradients copied again, into the
-    partition's gradient buffer; per parameter group (the weights; the biases and norms, the
-    1-D parameters) the partition flattened and cast to fp32, its norm, the unscale and clip,
-    AdamW on the fp32 master and the master cast back into the low-precision parameters; and
-    DEEPSPEED_SCALAR_OPS one-element kernels. The reduce-scatter of the bucket and the
-    all-gather of the updated parameters are communication, left out."""
-    numel = sum(p.numel() for p in params)
-    part = -(-numel // world)
+    """DeepSpeed's ZeRO-1 optimizer step on one of `world` ranks as the trainer runs it (the
+    global norm by one multi-tensor norm: train/engine.py), over the buffers it keeps
+    (`_zero1_gradients`); then per parameter group (the weights; the biases and norms, the 1-D
+    parameters) the partition flattened and cast to fp32, its norm, the unscale and clip, AdamW
+    on the fp32 master and the master cast back into the low-precision parameters; and
+    DEEPSPEED_SCALAR_OPS one-element kernels. The reduce-scatter or all-reduce of the gradients
+    and the all-gather of the updated parameters are communication, left out."""
     dev, low = params[0].device, params[0].dtype
-    bucket = torch.empty(numel, dtype=low, device=dev)
-    grads = torch.empty(part, dtype=low, device=dev)
-    held: tuple[list, list] = ([], [])  # the partition's gradients by group: weights, 1-D
-    offset = 0
-    for p in params:  # each gradient into the flat bucket as its hook fires
-        bucket[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
-        offset += p.numel()
-    offset = 0
-    for p in params:  # after the reduce-scatter: the partition's, into its gradient buffer
-        n = min(p.numel(), part - offset)
-        if n > 0:
-            grads[offset : offset + n].copy_(bucket[offset : offset + n])
-            held[p.dim() < 2].append(grads[offset : offset + n])
-        offset += p.numel()
+    held = _zero1_gradients(params, world)
     scalar = torch.empty((), device=dev)
     for _ in range(DEEPSPEED_SCALAR_OPS):
         scalar.add_(1.0)
@@ -386,6 +369,37 @@ def zero1_step(params: list[torch.Tensor], world: int = 1) -> None:
         step = torch.empty((), device=dev)
         adamw([master], [grad], [m], [v], [step])
         torch.empty(grad.numel(), dtype=low, device=dev).copy_(master)  # into the parameters
+
+
+def _zero1_gradients(params: list[torch.Tensor], world: int) -> tuple[list, list]:
+    """The gradients of the rank's partition by group (weights, 1-D), as DeepSpeed moves them
+    (train/engine.py: contiguous_gradients, skip_one_rank_reduction). On one rank none: they
+    stay where autograd put them. On more: every gradient copied into the flat bucket as its
+    hook fires (whole), then the rank's 1/world partition (rounded up) copied again, into the
+    partition's gradient buffer."""
+    from shatter.train.engine import contiguous_gradients
+
+    held: tuple[list, list] = ([], [])
+    if not contiguous_gradients(1, world):
+        for p in params:
+            held[p.dim() < 2].append(p.grad.reshape(-1))
+        return held
+    numel = sum(p.numel() for p in params)
+    part = -(-numel // world)
+    bucket = torch.empty(numel, dtype=params[0].dtype, device=params[0].device)
+    grads = torch.empty(part, dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        bucket[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        offset += p.numel()
+    offset = 0
+    for p in params:  # after the reduce-scatter: the partition's, into its gradient buffer
+        n = min(p.numel(), part - offset)
+        if n > 0:
+            grads[offset : offset + n].copy_(bucket[offset : offset + n])
+            held[p.dim() < 2].append(grads[offset : offset + n])
+        offset += p.numel()
+    return held
 
 
 def adamw(params, grads, m, v, steps) -> None:
