@@ -34,6 +34,11 @@ if not torch.cuda.is_available():
 from shatter.train.engine import extensions_dir  # noqa: E402
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+# DeepSpeed's logger writes to the sys.stdout it finds when it is first imported. Imported here,
+# before any test captures output: first imported inside a test that uses `capsys`, it would keep
+# that test's stream, closed after it, and a later DeepSpeed warning ("OVERFLOW! Skipping step")
+# would print a logging error and its traceback into another test's output.
+import deepspeed  # noqa: E402, F401
 
 REPO = Path(__file__).resolve().parents[1]
 # One checkout's code: the suite of this checkout tests this checkout's `shatter` (a second clone
