@@ -197,13 +197,12 @@ def mixing_fwd(
     tiles made on chip and z + b written into Z from sm_80, `z_inside`; below, cuBLAS's Z GEMM
     before them) and the mixing forward; Z and stat are kept for `mixing_bwd`. Z's columns past
     L are never read."""
-    if _z_inside(X):
+    make_z = _z_inside(X)
+    if make_z:
         Z = X.new_empty(X.shape[0], X.shape[1], padded(X.shape[1]))
-        ctx, stat = forward_kernels(P, X, mask, table, sigmoid, Z, make_z=True)
-        return ctx, Z, stat
-    Q, _, _ = projection_views(P, X.shape[-1], table.shape[0])
-    Z = _scores(Q, X)
-    ctx, stat = forward_kernels(P, X, mask, table, sigmoid, Z)
+    else:
+        Z = _scores(projection_views(P, X.shape[-1], table.shape[0])[0], X)
+    ctx, stat = forward_kernels(P, X, mask, table, sigmoid, Z, make_z)
     return ctx, Z, stat
 
 

@@ -30,8 +30,8 @@ The `triton` impl's two ops (shatter/attention/triton_kernel.py): from sm_80 the
 make Z = Q Xᵀ/√d on chip and write z + b (a Triton GEMM with the statistics inside: Q and X read,
 Z written); below sm_80 Z is a cuBLAS GEMM and the statistics a memory-bound Triton kernel that
 reads it (with the partition bias also writing z + b back). dQ = dZ X and dX = dZᵀ Q are cuBLAS
-GEMMs, δ a memory-bound kernel; the mixing forward, dV and dZ kernels run the mixing dots. A part f_h(j − i) is zero on one side of the
-diagonal, so the mixing dots of a key tile cover only the n/2 parts of its side: about half of the
+GEMMs, δ a memory-bound kernel; the mixing forward, dV and dZ kernels run the mixing dots. A part
+f_h(j − i) is zero on one side of the diagonal, so the mixing dots of a key tile cover only the n/2 parts of its side: about half of the
 dense A V that model FLOPs count (train/cost.py, l·d per token); `model_flops` gives that
 convention. Z is read once per group of parts by the forward and dV kernels (`_z_reads`, the
 GROUP of sm_90's configurations); tensors of B·L·n elements and smaller (c, A_part, the mask, the

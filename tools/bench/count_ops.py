@@ -330,7 +330,7 @@ def main() -> None:
     print(
         "| path | forward ops / micro | backward ops / micro | step ops / optimizer step "
         "| fwd+bwd / micro | ops / optimizer step | host reads / optimizer step (fwd/bwd/step) "
-        "| MB held after backward |"
+        "| MiB held (a backward's start or end) |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, tally, error in results:

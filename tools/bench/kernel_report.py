@@ -119,8 +119,8 @@ def _args(d: int, n: int, dtype: str, L: int, recompute=False, rows=False) -> di
     ptrs.update(W=dtype, DW=dtype)  # the row kernels' n parts' weights [B, n, L, Lp]
     sz = (L * w, w) if recompute else (L * Lp, Lp)
     ints = {
-        "sz_b": sz[0], "sz_l": sz[1], "szo_b": L * Lp, "szo_l": Lp, "sx_b": L * d, "sx_l": d, "sdz_b": L * Lp, "sdz_l": Lp,
-        "D": d, "sc_b": L * w, "sc_l": w, "st_h": 2 * m - 1,
+        "sz_b": sz[0], "sz_l": sz[1], "szo_b": L * Lp, "szo_l": Lp, "sx_b": L * d, "sx_l": d,
+        "sdz_b": L * Lp, "sdz_l": Lp, "D": d, "sc_b": L * w, "sc_l": w, "st_h": 2 * m - 1,
         "sv_b": L * w, "sv_h": k, "sv_l": w, "so_b": L * cw, "so_h": k, "so_l": cw,
         "sd_b": L * cw, "sd_h": k, "sd_l": cw, "sg_b": L * w, "sg_h": k, "sg_l": w,
         "sa_b": L * cw, "sa_l": cw, "sp_b": L * cw, "sp_l": cw, "sdc_b": L * w, "sdc_l": w,

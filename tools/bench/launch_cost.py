@@ -124,7 +124,7 @@ def layer_launches(rows: int, length: int, d: int, n: int, device: str):
     P, X = new(rows, length, projection_width(d, n)), new(rows, length, d)
     mask = torch.ones(rows, length, dtype=torch.bool, device=device)
     table = partition_table(n, 0, 12, max(512, length)).to(device)
-    Q, _, c = tk.projection_views(P, d, n)
+    _, _, c = tk.projection_views(P, d, n)
     real, tk.fast, rows_impl.fast = tk.fast, record, record
     try:
         Z = X.new_empty(rows, length, padded(length))  # made by the statistics (sm_80+)
