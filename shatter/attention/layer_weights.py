@@ -142,9 +142,10 @@ class _Assembled(torch.autograd.Function):
         R = torch.stack(rest[:K]) if _uses_r(*shape[2:]) else None  # [K, n, d]
         W_O = rest[-K:] if has_output else None
         d = W_Q[0].shape[0]
-        W_P, b_P = _projection_forward(W_Q, b_Q, W_V, b_V, R if bias else None, K)
+        zero = _zeros(W_Q[0], K, n, bias, value, has_output)
+        W_P, b_P = _projection_forward(W_Q, b_Q, W_V, b_V, R if bias else None, K, zero)
         VR = W_P[:, d : 2 * d] @ R.transpose(1, 2) if value and has_output else None  # [K, d, n]
-        W_F = _output_forward(torch.stack(W_O), VR, n) if has_output else None
+        W_F = _output_forward(torch.stack(W_O), VR, n, zero) if has_output else None
         ctx.shape, ctx.d, ctx.dtype = shape, d, W_Q[0].dtype
         ctx.save_for_backward(R, W_P, b_P, W_F, VR)
         made = [W_P, b_P] + ([W_F] if has_output else [])
@@ -195,32 +196,44 @@ def _plus(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.T
     return torch.bmm(a, b) if acc is None else torch.baddbmm(acc, a, b)
 
 
-def _projection_forward(W_Q, b_Q, W_V, b_V, R, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _zeros(like: torch.Tensor, K: int, n: int, bias: bool, value: bool, has_output: bool):
+    """One zero fill for both products' padding (`_projection_forward`'s rows of W^P and b^P,
+    `_output_forward`'s columns of W^F): the cats only read it, so one buffer serves both."""
+    d = like.shape[0]
+    rows = (projection_width(d, n) - 2 * d) * (d + 1) if bias else 0
+    width = d + (n if value else 0)
+    cols = K * d * (context_width(d, n) - width) if has_output else 0
+    return like.new_zeros(max(rows, cols)) if max(rows, cols) else like.new_empty(0)
+
+
+def _projection_forward(W_Q, b_Q, W_V, b_V, R, K: int, zero) -> tuple[torch.Tensor, torch.Tensor]:
     """(W^P, b^P) of the module docstring: the layers' W^Q and W^V copied once into W^P, then
-    R W^Q and R b^Q into c's rows (R None: no c rows). Every piece of the cats is contiguous
-    (the zero rows too): CUDA's cat copies them all in one launch only then."""
+    R W^Q and R b^Q written into c's rows by their batched GEMMs (`out=`: cuBLAS writes the
+    strided rows in place, no copy; R None: no c rows). Every piece of the cats is contiguous
+    (the zero rows, views of `zero`, too): CUDA's cat copies them all in one launch only then."""
     d = W_Q[0].shape[0]
     if R is None:
         W_P = _interleaved([[q, v] for q, v in zip(W_Q, W_V)], K)
         return W_P, _interleaved([[q, v] for q, v in zip(b_Q, b_V)], K)
     n = R.shape[1]
     pad = projection_width(d, n) - 2 * d
-    zero = W_Q[0].new_zeros(pad * (d + 1))  # one fill: W^P's rows and b^P's, each contiguous
-    zero_W, zero_b = zero[: pad * d].view(pad, d), zero[pad * d :]
+    zero_W, zero_b = zero[: pad * d].view(pad, d), zero[pad * d : pad * (d + 1)]
     W_P = _interleaved([[q, v, zero_W] for q, v in zip(W_Q, W_V)], K)
     b_P = _interleaved([[q, v, zero_b] for q, v in zip(b_Q, b_V)], K)
-    W_P[:, 2 * d : 2 * d + n] = R @ W_P[:, :d]  # c = Q Rᵀ = X (R W^Q)ᵀ + R b^Q (§3.3)
-    b_P[:, 2 * d : 2 * d + n] = (R @ b_P[:, :d, None])[..., 0]
+    c = slice(2 * d, 2 * d + n)  # c = Q Rᵀ = X (R W^Q)ᵀ + R b^Q (§3.3)
+    torch.bmm(R, W_P[:, :d], out=W_P[:, c])
+    torch.bmm(R, b_P[:, :d, None], out=b_P[:, c, None])
     return W_P, b_P
 
 
-def _output_forward(W_O: torch.Tensor, VR: torch.Tensor | None, n: int) -> torch.Tensor:
+def _output_forward(W_O: torch.Tensor, VR: torch.Tensor | None, n: int, zero) -> torch.Tensor:
     """W^F = [W^O | W^O V_partᵀ | 0] [K, d, context_width] with V_partᵀ = W^V Rᵀ = VR, or
-    [W^O | 0] with VR None; the zero columns meet the context's alignment columns."""
+    [W^O | 0] with VR None; the zero columns (a view of `zero`) meet the context's alignment
+    columns."""
     K, d, _ = W_O.shape
     parts = [W_O] if VR is None else [W_O, W_O @ VR]
-    width = sum(p.shape[-1] for p in parts)
-    return torch.cat([*parts, W_O.new_zeros(K, d, context_width(d, n) - width)], 2)
+    pad = context_width(d, n) - sum(p.shape[-1] for p in parts)
+    return torch.cat([*parts, zero[: K * d * pad].view(K, d, pad)], 2)
 
 
 def assembled_weights(attention: list, outputs: list | None, bias: bool, value: bool, dtype):
