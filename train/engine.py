@@ -701,60 +701,98 @@ def skip_one_rank_reduction(optimizer) -> None:
 
 
 def fuse_grad_norm(optimizer) -> None:
-    """ZeRO-1/2's global gradient norm in a few kernels: DeepSpeed 0.19.8 casts each gradient
-    tensor of the rank's partition to fp32 and takes its norm one tensor at a time (two kernels
-    a tensor: ~380 of the ~490 ops of a bert-base optimizer step, tools/bench/count_ops.py);
-    torch's multi-tensor `_foreach_norm` takes them all at once, accumulating in fp32 as the
-    cast did. The rest is DeepSpeed's own: the squares summed, the sum all-reduced over the
-    data-parallel and model-parallel groups, the root, a NaN or inf norm set to -1 (the step is
-    then skipped). Only where each gradient counts once: no CPU offload, no model parallelism,
-    no parameter a pipeline replicates (else DeepSpeed's own norm). Equal to it to fp32
-    rounding (tests/train/test_fused_step.py)."""
+    """ZeRO-1/2's global gradient norm in a few kernels. DeepSpeed 0.19.8 takes a norm per
+    parameter group (`get_grad_norm_direct`: each gradient tensor cast to fp32 and measured on
+    its own, two kernels a tensor, ~380 of the ~490 ops of a bert-base step; then an invalid
+    norm masked to -1), and combines the groups' norms in a dozen one-element kernels more
+    (`scaled_global_norm`). Here one multi-tensor `_foreach_norm` over every group's gradients
+    (accumulating in fp32 as the cast did), the squares summed and all-reduced over the
+    data-parallel group as DeepSpeed's, the root, and a NaN norm set to inf as DeepSpeed's
+    combination sets an invalid one (the step is then skipped): six kernels. Only where each
+    gradient counts once and the groups are plain: no CPU offload, no model parallelism, no
+    parameter a pipeline replicates, no MoE or Muon groups (else DeepSpeed's own norm). Equal
+    to it to fp32 rounding (tests/train/test_fused_step.py)."""
     from deepspeed import comm as dist
-    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
 
     params = [p for group in optimizer.bit16_groups for p in group]
     replicated = any(getattr(p, "ds_pipe_replicated", False) for p in params)
-    if optimizer.cpu_offload or optimizer.model_parallel_group is not None or replicated:
+    muon = "muon" in type(optimizer.optimizer).__name__.lower()  # its updates' own scaling
+    if (
+        optimizer.cpu_offload
+        or optimizer.model_parallel_group is not None
+        or replicated
+        or optimizer.has_moe_layers
+        or muon
+    ):
         return
-    own = optimizer.get_grad_norm_direct
+    own = optimizer.scaled_global_norm
 
-    def get_grad_norm_direct(gradients, params, norm_type=2):
-        grads = [g for g in gradients if not getattr(g, "_zero_padding", False)]
+    def scaled_global_norm(norm_type=2):
+        grads = [
+            g
+            for i in range(len(optimizer.bit16_groups))
+            for g in optimizer.averaged_gradients.get(i) or ()
+            if not getattr(g, "_zero_padding", False)
+        ]
         if float(norm_type) != 2.0 or not grads:
-            return own(gradients, params, norm_type)
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        total = torch.stack(norms).pow(2).sum()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
-        total = total.pow(0.5)
-        mask_nan_or_inf_with_val_inplace(total, device=optimizer.device)
-        return total
+            return own(norm_type)
+        squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
+        inf = float("inf")
+        return squares.sqrt().nan_to_num(nan=inf, posinf=inf)
 
-    optimizer.get_grad_norm_direct = get_grad_norm_direct
+    optimizer.scaled_global_norm = scaled_global_norm
 
 
 def clip_without_host_reads(optimizer) -> None:
-    """ZeRO-1/2's unscale and clip without reading the norm on the host: DeepSpeed 0.19.8's
-    `unscale_and_clip_grads` first tests the norm's validity in Python (`is_invalid_grad_norm`:
-    a host read, once per parameter group, each a wait for the GPU) though `step` has already
-    skipped a step whose norm is invalid. Here the same factor is made on the device, an invalid
-    norm taken as infinite as DeepSpeed takes it: grad / (loss scale · max(1, (norm / loss scale
-    + 1e-6) / clip)). Equal to DeepSpeed's (tests/train/test_fused_step.py)."""
+    """ZeRO-1/2's unscale and clip without reading the norm on the host, once a step: DeepSpeed
+    0.19.8's `unscale_and_clip_grads` first tests the norm's validity in Python
+    (`is_invalid_grad_norm`: a host read, once per parameter group, each a wait for the GPU)
+    though `step` has already skipped a step whose norm is invalid, and makes the factor anew
+    for each group. Here the factor is made on the device once for the norm the groups share,
+    an invalid norm taken as infinite as DeepSpeed takes it: grad / (loss scale · max(1, (norm
+    / loss scale + 1e-6) / clip)). Where the client optimizer is torch's fused AdamW, the
+    factor is its `grad_scale` (its kernel divides each gradient as it reads it, as for torch's
+    GradScaler) instead of a pass that multiplies the flat fp32 gradient (bert-base: 0.44 GB
+    read and written a step). Equal to DeepSpeed's (tests/train/test_fused_step.py)."""
+    client = optimizer.optimizer
+    scaled = (
+        isinstance(client, torch.optim.Adam | torch.optim.AdamW)
+        and all(g.get("fused") for g in client.param_groups)
+        and not getattr(optimizer, "torch_autocast_gradscaler", None)
+        and not optimizer.cpu_offload
+    )
+    made: dict = {}  # the last norm and its factor
 
     def unscale_and_clip_grads(grad_groups_flat, total_norm):
         scale, clip_grad = optimizer.loss_scale, optimizer.clip_grad
+        if scaled:
+            client.grad_scale = None
         if clip_grad == 0.0 and scale == 1.0:
             return
-        combined = scale
-        if clip_grad > 0.0:
-            norm = torch.as_tensor(total_norm, dtype=torch.float, device=optimizer.device)
-            norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, float("inf"))
-            combined = torch.clamp(((norm / scale) + 1e-6) / clip_grad, min=1.0) * scale
+        if clip_grad > 0.0 and made.get("norm") is not total_norm:
+            factor = _clip_factor(total_norm, scale, clip_grad, optimizer.device)
+            made.update(norm=total_norm, factor=factor)
+        combined = made["factor"] if clip_grad > 0.0 else scale
+        if scaled and clip_grad > 0.0:
+            client.grad_scale = combined
+            return
         for grad in grad_groups_flat:
             for g in grad if isinstance(grad, list) else [grad]:
                 g.data.mul_(1.0 / combined)
 
     optimizer.unscale_and_clip_grads = unscale_and_clip_grads
+
+
+def _clip_factor(total_norm, scale: float, clip_grad: float, device) -> torch.Tensor:
+    """DeepSpeed's combined unscale and clip factor, made on the device in a few one-element
+    kernels: loss scale · max(1, (norm / loss scale + 1e-6) / clip), an invalid norm (NaN, inf,
+    its helpers' -1: all fail `norm >= 0` but inf) infinite; no division or product by a loss
+    scale of 1 (bf16)."""
+    norm = torch.as_tensor(total_norm, dtype=torch.float, device=device)
+    norm = torch.where(norm >= 0, norm, float("inf"))
+    factor = torch.clamp(((norm if scale == 1.0 else norm / scale) + 1e-6) / clip_grad, min=1.0)
+    return factor if scale == 1.0 else factor * scale
 
 
 def skipped_steps(engine) -> int:

@@ -40,10 +40,11 @@ def test_fused_adamw_equals_the_eager_loop():
 
 
 def test_zero1_s_gradient_norm_in_few_kernels_equals_deepspeed_s():
-    """DeepSpeed's ZeRO-1 global norm (a cast and a norm per gradient tensor) and the trainer's
-    (`fuse_grad_norm`: torch's multi-tensor norm) on a real bf16 engine: equal to fp32
-    rounding, both -1 (the step skipped) for a NaN gradient, and the trainer's in a handful of
-    ops where DeepSpeed's takes two per tensor."""
+    """DeepSpeed's ZeRO-1 global norm (a cast and a norm per gradient tensor, per parameter
+    group, then the groups' norms combined) and the trainer's (`fuse_grad_norm`: one
+    multi-tensor norm over every group) on a real bf16 engine: equal to fp32 rounding, both
+    infinite (the step skipped) for a NaN gradient in either group, and the trainer's in a
+    handful of ops where DeepSpeed's takes two per tensor."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     from shatter.tools.bench.count_ops import OpCounter, mlm_batch
@@ -51,53 +52,86 @@ def test_zero1_s_gradient_norm_in_few_kernels_equals_deepspeed_s():
     engine = _bf16_zero1_engine()
     engine.backward(engine(**mlm_batch(2, 32, 300, 0))["loss"])
     opt = engine.optimizer
-    tensors = len(opt.averaged_gradients[0])
-    assert "get_grad_norm_direct" in vars(opt) and tensors > 10  # the trainer's, installed
+    tensors = sum(len(g) for g in opt.averaged_gradients.values())
+    assert "scaled_global_norm" in vars(opt) and len(opt.averaged_gradients) == 2 < tensors / 10
 
     def norms() -> tuple[torch.Tensor, torch.Tensor, int, int]:
         counted = []
-        for fn in (
-            opt.get_grad_norm_direct,
-            DeepSpeedZeroOptimizer.get_grad_norm_direct.__get__(opt),
-        ):
+        for fn in (opt.scaled_global_norm, DeepSpeedZeroOptimizer.scaled_global_norm.__get__(opt)):
             counter = OpCounter()
             with counter, counter.counting("step"):
-                norm = fn(opt.averaged_gradients[0], opt.params_in_partition[0])
+                norm = fn()
             counted.append((norm, counter.tally.ops["step"]))
         return counted[0][0], counted[1][0], counted[0][1], counted[1][1]
 
     mine, theirs, my_ops, their_ops = norms()
     assert float(theirs) > 0
     torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=0)
-    assert my_ops <= 12 and their_ops >= 2 * tensors, (my_ops, their_ops)  # any size: 10
-    opt.averaged_gradients[0][3].view(-1)[0] = float("nan")
-    mine, theirs, _, _ = norms()
-    assert float(mine) == float(theirs) == -1.0
+    assert my_ops <= 8 and their_ops >= 2 * tensors, (my_ops, their_ops)  # any size: 7
+    for group in (1, 0):  # the 1-D parameters' group, then both
+        opt.averaged_gradients[group][1].view(-1)[0] = float("nan")
+        mine, theirs, _, _ = norms()
+        assert float(mine) == float(theirs) == float("inf")
 
 
 def test_zero1_s_clip_without_host_reads_equals_deepspeed_s():
-    """The trainer's unscale and clip (`clip_without_host_reads`: the factor made on the device)
-    against DeepSpeed's own on a real bf16 ZeRO-1 engine's flat fp32 gradient: equal for a norm
-    above the clip, one below it and an invalid one (-1: infinite, as DeepSpeed takes it), with
-    no host read where DeepSpeed's reads once."""
+    """The trainer's unscale and clip (`clip_without_host_reads`: the factor made on the device,
+    once for the norm the groups share) against DeepSpeed's own on a real bf16 ZeRO-1 engine's
+    flat fp32 gradient: equal for a norm above the clip, one below it and an invalid one (-1:
+    infinite, as DeepSpeed takes it), with no host read where DeepSpeed's reads once. With
+    torch's fused AdamW as the client the factor is its `grad_scale` (the gradient left as it
+    is, divided in the optimizer's kernel); with any other client, the gradient multiplied."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     from shatter.tools.bench.count_ops import OpCounter
+    from shatter.train.engine import clip_without_host_reads
 
     opt = _bf16_zero1_engine().optimizer
+    client = opt.optimizer
     assert "unscale_and_clip_grads" in vars(opt) and opt.clip_grad > 0
     theirs = DeepSpeedZeroOptimizer.unscale_and_clip_grads.__get__(opt)
     grad = torch.randn(1000, generator=torch.Generator().manual_seed(2))
-    for norm in (40 * opt.clip_grad, 0.5 * opt.clip_grad, -1.0):
-        got, want = grad.clone(), grad.clone()
-        reads = []
-        for fn, g in ((opt.unscale_and_clip_grads, got), (theirs, want)):
-            counter = OpCounter()
-            with counter, counter.counting("step"):
-                fn([g], torch.tensor(norm))
-            reads.append(counter.tally.reads["step"])
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-        assert reads == [0, 1], reads
+    for fused in (True, False):
+        for group in client.param_groups:
+            group["fused"] = fused
+        client.grad_scale = None  # as a client fresh from DeepSpeed
+        clip_without_host_reads(opt)
+        for norm in (40 * opt.clip_grad, 0.5 * opt.clip_grad, -1.0):
+            got, want = grad.clone(), grad.clone()
+            reads = []
+            for fn, g in ((opt.unscale_and_clip_grads, got), (theirs, want)):
+                counter = OpCounter()
+                with counter, counter.counting("step"):
+                    fn([g], torch.tensor(norm))
+                reads.append(counter.tally.reads["step"])
+            scale = getattr(client, "grad_scale", None)
+            assert (scale is not None) == fused and (torch.equal(got, grad) or not fused)
+            torch.testing.assert_close(got / scale if fused else got, want, rtol=1e-6, atol=0)
+            assert reads == [0, 1], reads
+
+
+def test_zero1_s_streamlined_step_equals_deepspeed_s():
+    """A whole bf16 ZeRO-1 step with the trainer's norm and clip (the clip's factor handed to
+    torch's fused AdamW) and one with DeepSpeed's own, from the same weights and batch, the norm
+    above the clip: the same fp32 master weights to fp32 rounding, and the step not skipped."""
+    from shatter.tools.bench.count_ops import mlm_batch
+
+    masters = []
+    for own in (False, True):
+        engine = _bf16_zero1_engine()
+        opt = engine.optimizer
+        if own:  # DeepSpeed's methods back
+            del opt.scaled_global_norm, opt.unscale_and_clip_grads
+        start = [p.detach().clone() for p in opt.single_partition_of_fp32_groups]
+        for seed in range(3):  # the warm-up's first two steps have lr 0
+            engine.backward(engine(**mlm_batch(2, 32, 300, seed))["loss"])
+            engine.step()
+        assert (engine.global_steps, engine.skipped_steps) == (3, 0)
+        assert float(opt._global_grad_norm) > 2 * opt.clip_grad  # the clip acts
+        masters.append([p.detach().clone() for p in opt.single_partition_of_fp32_groups])
+        assert not any(torch.equal(a, b) for a, b in zip(masters[-1], start, strict=True))
+    for a, b in zip(*masters, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_one_rank_zero1_skips_deepspeed_s_reduction_which_changes_nothing_there():

@@ -340,34 +340,35 @@ class MetaAutocast:
             self.emulation.dtype = saved
 
 
-# The one-element kernels of DeepSpeed 0.19.8's bf16 ZeRO-1 step at any model size (its loss
-# scale, the global norm's validity and the clip, the AdamW step counters), counted on a real
-# engine: tools/bench/count_ops.py (tests/tools/test_step_cost.py checks the whole step's count)
-DEEPSPEED_SCALAR_OPS = 69
+# The one-element kernels of DeepSpeed 0.19.8's bf16 ZeRO-1 step as the trainer runs it, at any
+# model size (the global norm's squares, root and validity, the clip's factor, the skip's test,
+# the AdamW step counters), counted on a real engine: tools/bench/count_ops.py
+# (tests/tools/test_step_cost.py checks the whole step's count)
+DEEPSPEED_SCALAR_OPS = 22
 
 
 def zero1_step(params: list[torch.Tensor], world: int = 1) -> None:
-    """DeepSpeed's ZeRO-1 optimizer step on one of `world` ranks as the trainer runs it (the
-    global norm by one multi-tensor norm: train/engine.py), over the buffers it keeps
-    (`_zero1_gradients`); then per parameter group (the weights; the biases and norms, the 1-D
-    parameters) the partition flattened and cast to fp32, its norm, the unscale and clip, AdamW
-    on the fp32 master and the master cast back into the low-precision parameters; and
-    DEEPSPEED_SCALAR_OPS one-element kernels. The reduce-scatter or all-reduce of the gradients
-    and the all-gather of the updated parameters are communication, left out."""
+    """DeepSpeed's ZeRO-1 optimizer step on one of `world` ranks as the trainer runs it
+    (train/engine.py: `streamline_zero`), over the buffers it keeps (`_zero1_gradients`): the
+    global norm by one multi-tensor norm over both parameter groups (the weights; the biases
+    and norms, the 1-D parameters); then per group the partition flattened and cast to fp32,
+    AdamW on the fp32 master with the unscale and clip as its `grad_scale` (the kernel writes
+    the unscaled gradient back), and the master cast back into the low-precision parameters;
+    and DEEPSPEED_SCALAR_OPS one-element kernels. The reduce-scatter or all-reduce of the
+    gradients and the all-gather of the updated parameters are communication, left out."""
     dev, low = params[0].device, params[0].dtype
     held = _zero1_gradients(params, world)
     scalar = torch.empty((), device=dev)
     for _ in range(DEEPSPEED_SCALAR_OPS):
         scalar.add_(1.0)
+    torch._foreach_norm([g for group in held for g in group], 2, dtype=torch.float32)
     for group in held:
         if not group:
             continue
         grad = torch.cat(group).float()
-        torch._foreach_norm(group, 2, dtype=torch.float32)
-        grad.mul_(1.0)  # unscale and clip by the combined scale
         master, m, v = (torch.empty(grad.numel(), device=dev) for _ in range(3))
         step = torch.empty((), device=dev)
-        adamw([master], [grad], [m], [v], [step])
+        adamw([master], [grad], [m], [v], [step], grad_scale=scalar)
         torch.empty(grad.numel(), dtype=low, device=dev).copy_(master)  # into the parameters
 
 
@@ -402,10 +403,10 @@ def _zero1_gradients(params: list[torch.Tensor], world: int) -> tuple[list, list
     return held
 
 
-def adamw(params, grads, m, v, steps) -> None:
+def adamw(params, grads, m, v, steps, grad_scale: torch.Tensor | None = None) -> None:
     torch._fused_adamw_(
         params, grads, m, v, [], steps, lr=1e-4, beta1=0.9, beta2=0.999,
-        weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False,
+        weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False, grad_scale=grad_scale,
     )  # fmt: skip
 
 
