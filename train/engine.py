@@ -671,14 +671,45 @@ def guard_nonfinite_steps(engine) -> None:
 def streamline_zero(optimizer) -> None:
     """DeepSpeed 0.19.8's ZeRO-1/2 step with fewer kernels and no host read but the skip's,
     the same values: the global norm in one multi-tensor norm (`fuse_grad_norm`), the clip on
-    the device (`clip_without_host_reads`), and on one rank no reduction of the gradients
+    the device (`clip_without_host_reads`), the partition's gradients flattened straight into
+    fp32 (`flatten_into_fp32`), and on one rank no reduction of the gradients
     (`skip_one_rank_reduction`)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
         fuse_grad_norm(optimizer)
         clip_without_host_reads(optimizer)
+        flatten_into_fp32(optimizer)
         skip_one_rank_reduction(optimizer)
+
+
+def flatten_into_fp32(optimizer) -> None:
+    """ZeRO-1/2's step flattens the rank's gradients of each parameter group into one
+    low-precision buffer (a `cat`), then casts that to the fp32 master's dtype (a second pass
+    over it); here each group's gradients are copied straight into a flat buffer of the master's
+    dtype by one multi-tensor copy that casts as it goes (`_foreach_copy_`), zero-padded to the
+    partition's size as DeepSpeed's aligned flatten pads it. It is given to DeepSpeed through
+    its hook for a gradient partition flattened beforehand (`_get_preflattened_grad_partition`),
+    whose cast to the master's dtype is then a no-op. bert-base bf16: 0.44 GB a step less read
+    and written, and no bf16 copy held beside the fp32 one. Bit for bit DeepSpeed's
+    (tests/train/test_fused_step.py)."""
+    own = optimizer._get_preflattened_grad_partition
+
+    def _get_preflattened_grad_partition(i):
+        flat = own(i)
+        grads = optimizer.averaged_gradients[i]
+        if flat is not None or not grads:
+            return flat
+        master = optimizer.single_partition_of_fp32_groups[i]
+        size, numel = int(optimizer.partition_size[i]), sum(g.numel() for g in grads)
+        flat = torch.empty(max(size, numel), dtype=master.dtype, device=master.device)
+        if numel < size:
+            flat[numel:].zero_()
+        pieces = flat[:numel].split([g.numel() for g in grads])
+        torch._foreach_copy_(list(pieces), [g.reshape(-1) for g in grads])
+        return flat
+
+    optimizer._get_preflattened_grad_partition = _get_preflattened_grad_partition
 
 
 def skip_one_rank_reduction(optimizer) -> None:

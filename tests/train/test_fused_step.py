@@ -110,9 +110,31 @@ def test_zero1_s_clip_without_host_reads_equals_deepspeed_s():
             assert reads == [0, 1], reads
 
 
+def test_zero1_s_gradients_flattened_into_fp32_equal_deepspeed_s():
+    """The partition's gradients of each parameter group flattened straight into fp32 by one
+    multi-tensor copy (`flatten_into_fp32`) on a real bf16 ZeRO-1 engine: bit for bit
+    DeepSpeed's flatten (padded to the partition's size) then cast, in two ops (an allocation,
+    the copy) where DeepSpeed's make a bf16 copy and then an fp32 one."""
+    from shatter.tools.bench.count_ops import OpCounter, mlm_batch
+
+    engine = _bf16_zero1_engine()
+    engine.backward(engine(**mlm_batch(2, 32, 300, 0))["loss"])
+    opt = engine.optimizer
+    for i, grads in opt.averaged_gradients.items():
+        counter = OpCounter()
+        with counter, counter.counting("step"):
+            mine = opt._get_preflattened_grad_partition(i)
+        size = int(opt.partition_size[i])
+        theirs = opt.flatten_dense_tensors_aligned(grads, size).to(torch.float32)
+        assert mine.dtype == torch.float32 and len(grads) > 5
+        assert torch.equal(mine, theirs) and mine.numel() == size
+        names = counter.tally.names
+        assert counter.tally.ops["step"] <= 3 and names["step _foreach_copy_"] == 1, names
+
+
 def test_zero1_s_streamlined_step_equals_deepspeed_s():
-    """A whole bf16 ZeRO-1 step with the trainer's norm and clip (the clip's factor handed to
-    torch's fused AdamW) and one with DeepSpeed's own, from the same weights and batch, the norm
+    """A whole bf16 ZeRO-1 step with the trainer's norm, clip (the clip's factor handed to
+    torch's fused AdamW) and flattening and one with DeepSpeed's own, from the same weights and batch, the norm
     above the clip: the same fp32 master weights to fp32 rounding, and the step not skipped."""
     from shatter.tools.bench.count_ops import mlm_batch
 
@@ -122,6 +144,7 @@ def test_zero1_s_streamlined_step_equals_deepspeed_s():
         opt = engine.optimizer
         if own:  # DeepSpeed's methods back
             del opt.scaled_global_norm, opt.unscale_and_clip_grads
+            del opt._get_preflattened_grad_partition
         start = [p.detach().clone() for p in opt.single_partition_of_fp32_groups]
         for seed in range(3):  # the warm-up's first two steps have lr 0
             engine.backward(engine(**mlm_batch(2, 32, 300, seed))["loss"])

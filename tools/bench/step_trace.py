@@ -118,6 +118,18 @@ def _is_view(func) -> bool:
     )
 
 
+# In-place ops that only write their `self` (its old values are not read)
+OVERWRITES = {"copy_", "_foreach_copy_", "zero_", "fill_", "_foreach_zero_"}
+
+
+def _read(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op reads: its tensor arguments but an `out=` buffer, and the `self` of an
+    op that only overwrites it (OVERWRITES)."""
+    values = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    only_written = {"out"} | ({"self"} if func.overloadpacket.__name__ in OVERWRITES else set())
+    return _tensors([v for k, v in values.items() if k not in only_written])
+
+
 def _written(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors an in-place or out= op writes (its mutable arguments)."""
     out = []
@@ -213,7 +225,7 @@ class StepTrace(TorchDispatchMode):
         return (args[0], new, *args[2:]), True
 
     def record(self, func, name, args, kwargs, out, eager: bool = False):
-        read_t = [] if name in TEMPLATE_ONLY else _tensors((args, kwargs))
+        read_t = [] if name in TEMPLATE_ONLY else _read(func, args, kwargs)
         write_t = _written(func, args, kwargs) or _tensors(out)
         nbytes = sum(tensor_bytes(t) for t in (*read_t, *write_t))
         flops = model_flops = 0.0
@@ -351,10 +363,11 @@ def zero1_step(params: list[torch.Tensor], world: int = 1) -> None:
     """DeepSpeed's ZeRO-1 optimizer step on one of `world` ranks as the trainer runs it
     (train/engine.py: `streamline_zero`), over the buffers it keeps (`_zero1_gradients`): the
     global norm by one multi-tensor norm over both parameter groups (the weights; the biases
-    and norms, the 1-D parameters); then per group the partition flattened and cast to fp32,
-    AdamW on the fp32 master with the unscale and clip as its `grad_scale` (the kernel writes
-    the unscaled gradient back), and the master cast back into the low-precision parameters;
-    and DEEPSPEED_SCALAR_OPS one-element kernels. The reduce-scatter or all-reduce of the
+    and norms, the 1-D parameters); then per group the gradients copied into one flat fp32
+    buffer by a multi-tensor copy that casts them (`flatten_into_fp32`), AdamW on the fp32
+    master with the unscale and clip as its `grad_scale` (the kernel writes the unscaled
+    gradient back), and the master cast back into the low-precision parameters; and
+    DEEPSPEED_SCALAR_OPS one-element kernels. The reduce-scatter or all-reduce of the
     gradients and the all-gather of the updated parameters are communication, left out."""
     dev, low = params[0].device, params[0].dtype
     held = _zero1_gradients(params, world)
@@ -365,7 +378,8 @@ def zero1_step(params: list[torch.Tensor], world: int = 1) -> None:
     for group in held:
         if not group:
             continue
-        grad = torch.cat(group).float()
+        grad = torch.empty(sum(g.numel() for g in group), device=dev)  # cast as it is flattened
+        torch._foreach_copy_(list(grad.split([g.numel() for g in group])), group)
         master, m, v = (torch.empty(grad.numel(), device=dev) for _ in range(3))
         step = torch.empty((), device=dev)
         adamw([master], [grad], [m], [v], [step], grad_scale=scalar)
