@@ -93,7 +93,7 @@ class Block(nn.Module):
         (Encoder.attention_inputs), passed on."""
         weights = weights if weights is not None else layer_weights([self])[0]
         context = self.attention(x_BLD, mask_BL, **weights.attention, **inputs)
-        return self.finish(context, x_BLD, weights.output)
+        return self.finish(context, x_BLD, weights.output, weights.output_bias)
 
     def pool(self, y_BD: torch.Tensor, x_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         """y^{k+1} from y^k attending over this layer's input X^k with its own weights (§3.4)."""
@@ -104,11 +104,14 @@ class Block(nn.Module):
         context: torch.Tensor,
         residual: torch.Tensor,
         output_weight: torch.Tensor | None = None,
+        output_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """F^k(X_bar, X): W^O, dropout, residual, LayerNorm, GELU FFN, residual, LayerNorm.
-        `output_weight`: the W^O for this context (LayerWeights.output; W^O itself when None)."""
-        weight = self.output.weight if output_weight is None else output_weight
-        h = F.linear(context, weight, self.output.bias)
+        `output_weight`, `output_bias`: the W^O and bias for this context (LayerWeights.output
+        and .output_bias; W^O and b^O themselves when no weight is given)."""
+        if output_weight is None:
+            output_weight, output_bias = self.output.weight, self.output.bias
+        h = F.linear(context, output_weight, output_bias)
         h = self.attention_norm(residual + self.dropout(h))
         return self.ffn_norm(h + self.dropout(self.ffn_out(F.gelu(self.ffn_in(h)))))
 

@@ -1,11 +1,13 @@
 """The weights a block uses that are products of its parameters, made once per forward for every
 layer of the encoder in a few batched ops, instead of in each layer.
 
-`layer_weights(blocks)` gives one `LayerWeights(attention, output)` per block:
+`layer_weights(blocks)` gives one `LayerWeights(attention, output, output_bias)` per block:
 
 - `attention`: keyword arguments of the variant's forward (none for most variants);
 - `output`: the W^O the block applies to the variant's context (its own `output.weight`, or a
-  product of it).
+  product of it);
+- `output_bias`: the bias the block adds with it (its own `output.bias`, or None where `output`
+  carries it).
 
 A variant opts in with a classmethod `prepare(blocks) -> list[LayerWeights]`; the others get
 their block's W^O unchanged. The single-head partition archs prepare (§3.2-3.3, nn.Linear's
@@ -14,15 +16,17 @@ convention: a weight W maps x to x Wᵀ):
     projection  W^P = [W^Q; W^V; R W^Q; 0],  b^P = [b^Q; b^V; R b^Q; 0]
                 P = X W^Pᵀ + b^P = [Q | V | c]: c = Q Rᵀ in the same GEMM, zero rows pad c's
                 columns to projection_width
-    output      W^F = [W^O | W^O V_partᵀ | 0]  (shatter: V_part = R W^V, §3.3)
-                W^F = [W^O | 0]                (the others: no A_part V_part term)
+    output      W^F = [W^O | W^O V_partᵀ | b^O | 0]  (shatter: V_part = R W^V, §3.3)
+                W^F = [W^O | 0 | b^O | 0]            (the others: no A_part V_part term)
 
-The variant's context is [X̄ | A_part | 0] ([B, L, context_width]: A_part's n columns padded with
-zeros to a multiple of 16, aligned rows for the kernels and the GEMM), so that W^O applied to it
-is X̄ W^Oᵀ + A_part (W^O V_partᵀ)ᵀ = (X̄ + A_part V_part) W^Oᵀ: §3.3's X̄̄ = X̄ + A_part V_part
-folded exactly into the output projection's GEMM (16 more columns of K for n <= 16), with no
-[T, n] x [n, d] GEMM and no d-wide add. Nothing here is stored: checkpoints keep W^Q, W^V, R and
-W^O as ever. The products' gradients are written by hand (`_Assembled`): each weight is copied
+The variant's context is [X̄ | A_part | 1 | 0] ([B, L, context_width]: A_part's n columns, a
+column of ones and zeros up to a multiple of 16, aligned rows for the kernels and the GEMM), so
+that W^F applied to it is X̄ W^Oᵀ + A_part (W^O V_partᵀ)ᵀ + b^O = (X̄ + A_part V_part) W^Oᵀ + b^O:
+§3.3's X̄̄ = X̄ + A_part V_part folded exactly into the output projection's GEMM (16 more columns of
+K for n < 16), with no [T, n] x [n, d] GEMM and no d-wide add, and the bias with it: its
+gradient is the ones' column of W^F's weight gradient (the GEMM's sum over the tokens, where a
+bias added apart has a reduction of its own). Nothing here is stored: checkpoints keep W^Q, W^V,
+R, W^O and b^O as ever. The products' gradients are written by hand (`_Assembled`): each weight is copied
 once a forward and each gradient is one batched GEMM, where autograd through stack, cat and bmm
 copied the weights twice and added each gradient's two paths.
 
@@ -47,6 +51,7 @@ from shatter.eager import eager, eager_region
 class LayerWeights(NamedTuple):
     attention: dict  # keyword arguments of the variant's forward
     output: torch.Tensor  # the W^O the block applies to the variant's context
+    output_bias: torch.Tensor | None  # the bias it adds (None: `output` carries it)
 
 
 @eager
@@ -55,7 +60,7 @@ def layer_weights(blocks) -> list[LayerWeights]:
     block's own W^O."""
     prepare = getattr(type(blocks[0].attention), "prepare", None)
     if prepare is None:
-        return [LayerWeights({}, block.output.weight) for block in blocks]
+        return [LayerWeights({}, block.output.weight, block.output.bias) for block in blocks]
     return prepare(blocks)
 
 
@@ -131,21 +136,23 @@ class _Assembled(torch.autograd.Function):
     cat and bmm, autograd copied each weight twice forward and added each gradient's two paths
     in a d x d-wide add; here the weights are copied once, and each gradient is one
     (b)addbmm. `shape` is (K, n, bias, value, has W^O); `params` the layers' W^Q, b^Q, W^V, b^V,
-    then R (where it is used: with the bias, or the value term and W^O), then W^O (when given),
-    K of each, computed in their own dtype."""
+    then R (where it is used: with the bias, or the value term and W^O), then W^O and b^O (when
+    given), K of each, computed in their own dtype."""
 
     @staticmethod
     def forward(ctx, shape, dtype, *params):
         K, n, bias, value, has_output = shape
         W_Q, b_Q, W_V, b_V = (params[i * K : (i + 1) * K] for i in range(4))
         rest = params[4 * K :]
-        R = torch.stack(rest[:K]) if _uses_r(*shape[2:]) else None  # [K, n, d]
-        W_O = rest[-K:] if has_output else None
+        uses_r = _uses_r(*shape[2:])
+        outputs = [rest[-2 * K : -K], rest[-K:]] if has_output else []  # W^O, b^O
+        stacked = _stacked(([rest[:K]] if uses_r else []) + outputs)  # R, W^O, b^O: one cat
+        R = stacked[0] if uses_r else None
         d = W_Q[0].shape[0]
         zero = _zeros(W_Q[0], K, n, bias, value, has_output)
         W_P, b_P = _projection_forward(W_Q, b_Q, W_V, b_V, R if bias else None, K, zero)
         VR = W_P[:, d : 2 * d] @ R.transpose(1, 2) if value and has_output else None  # [K, d, n]
-        W_F = _output_forward(torch.stack(W_O), VR, n, zero) if has_output else None
+        W_F = _output_forward(*stacked[-2:], VR, n, zero) if has_output else None
         ctx.shape, ctx.d, ctx.dtype = shape, d, W_Q[0].dtype
         ctx.save_for_backward(R, W_P, b_P, W_F, VR)
         made = [W_P, b_P] + ([W_F] if has_output else [])
@@ -172,8 +179,9 @@ def _assembled_grads(ctx, dW_P, db_P, dW_F) -> list[torch.Tensor]:
         dW_Q = torch.baddbmm(dW_Q, R.transpose(1, 2), dRW)
         db_Q = torch.baddbmm(db_Q[..., None], R.transpose(1, 2), dRb)[..., 0]
         dR = torch.baddbmm(torch.bmm(dRW, W_P[:, :d].transpose(1, 2)), dRb, b_P[:, None, :d])
-    dW_O = None
+    dW_O = db_O = None
     if has_output:
+        db_O = dW_F[..., d + n].contiguous()  # the ones' column: one copy for all layers
         dW_O = dW_F[..., :d]
         if value:  # W^O V_partᵀ = W^O (W^V Rᵀ)
             dfold = dW_F[..., d : d + n]
@@ -182,7 +190,7 @@ def _assembled_grads(ctx, dW_P, db_P, dW_F) -> list[torch.Tensor]:
             dW_V = torch.baddbmm(dW_V, dVR, R)
             dR = _plus(dR, dVR.transpose(1, 2), W_P[:, d : 2 * d])
         dW_O = dW_O.contiguous()  # one copy for all layers, none per parameter
-    grads = [dW_Q, db_Q, dW_V, db_V] + [g for g in (dR, dW_O) if g is not None]
+    grads = [dW_Q, db_Q, dW_V, db_V] + [g for g in (dR, dW_O, db_O) if g is not None]
     return [g for grad in grads for g in grad.unbind(0)]
 
 
@@ -196,13 +204,26 @@ def _plus(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.T
     return torch.bmm(a, b) if acc is None else torch.baddbmm(acc, a, b)
 
 
+def _stacked(groups: list) -> list[torch.Tensor]:
+    """Each group of K like tensors stacked ([K, ...]), every group in one cat (one launch)."""
+    if not groups:
+        return []
+    flat = torch.cat([t.reshape(-1) for group in groups for t in group])
+    out, at = [], 0
+    for group in groups:
+        size = len(group) * group[0].numel()
+        out.append(flat[at : at + size].view(len(group), *group[0].shape))
+        at += size
+    return out
+
+
 def _zeros(like: torch.Tensor, K: int, n: int, bias: bool, value: bool, has_output: bool):
     """One zero fill for both products' padding (`_projection_forward`'s rows of W^P and b^P,
     `_output_forward`'s columns of W^F): the cats only read it, so one buffer serves both."""
     d = like.shape[0]
     rows = (projection_width(d, n) - 2 * d) * (d + 1) if bias else 0
-    width = d + (n if value else 0)
-    cols = K * d * (context_width(d, n) - width) if has_output else 0
+    width = max(context_width(d, n) - d - n - 1, 0 if value else n)  # W^F's widest zero block
+    cols = K * d * width if has_output else 0
     return like.new_zeros(max(rows, cols)) if max(rows, cols) else like.new_empty(0)
 
 
@@ -226,14 +247,14 @@ def _projection_forward(W_Q, b_Q, W_V, b_V, R, K: int, zero) -> tuple[torch.Tens
     return W_P, b_P
 
 
-def _output_forward(W_O: torch.Tensor, VR: torch.Tensor | None, n: int, zero) -> torch.Tensor:
-    """W^F = [W^O | W^O V_partᵀ | 0] [K, d, context_width] with V_partᵀ = W^V Rᵀ = VR, or
-    [W^O | 0] with VR None; the zero columns (a view of `zero`) meet the context's alignment
-    columns."""
+def _output_forward(W_O, b_O, VR: torch.Tensor | None, n: int, zero) -> torch.Tensor:
+    """W^F = [W^O | W^O V_partᵀ | b^O | 0] [K, d, context_width] with V_partᵀ = W^V Rᵀ = VR, or
+    [W^O | 0 | b^O | 0] with VR None (the zeros are views of `zero`): b^O meets the context's
+    column of ones, the zeros its other alignment columns."""
     K, d, _ = W_O.shape
-    parts = [W_O] if VR is None else [W_O, W_O @ VR]
-    pad = context_width(d, n) - sum(p.shape[-1] for p in parts)
-    return torch.cat([*parts, zero[: K * d * pad].view(K, d, pad)], 2)
+    fold = W_O @ VR if VR is not None else zero[: K * d * n].view(K, d, n)
+    pad = context_width(d, n) - d - n - 1
+    return torch.cat([W_O, fold, b_O[..., None], zero[: K * d * pad].view(K, d, pad)], 2)
 
 
 def assembled_weights(attention: list, outputs: list | None, bias: bool, value: bool, dtype):
@@ -246,7 +267,7 @@ def assembled_weights(attention: list, outputs: list | None, bias: bool, value: 
     if _uses_r(bias, value, outputs is not None):
         params += _params(attention, "partition_embeddings")
     if outputs is not None:
-        params += _params(outputs, "weight")
+        params += _params(outputs, "weight") + _params(outputs, "bias")
     K = len(attention)
     shape = (K, attention[0].n, bias, value, outputs is not None)
     views = _Assembled.apply(shape, dtype, *params)
@@ -262,7 +283,10 @@ def single_head_weights(blocks, bias: bool, value: bool) -> list[LayerWeights]:
     dtype = matmul_dtype(weight)  # autocast's, asked before it is turned off
     with without_autocast(weight.device):
         W_P, b_P, W_F = assembled_weights(attention, [b.output for b in blocks], bias, value, dtype)
-    return [LayerWeights({"projection": (w, b)}, f) for w, b, f in zip(W_P, b_P, W_F, strict=True)]
+    return [
+        LayerWeights({"projection": (w, b)}, f, None)  # b^O is in W^F (module docstring)
+        for w, b, f in zip(W_P, b_P, W_F, strict=True)
+    ]
 
 
 __all__ = [

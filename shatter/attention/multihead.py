@@ -82,14 +82,14 @@ class BertAttention(nn.Module):
         per forward in one cat each (shatter/attention/layer_weights.py), so that Q, K and V
         come from one [d, 3d] GEMM; the parameters keep their names (query, key, value)."""
         if not blocks[0].attention.fused_qkv:
-            return [LayerWeights({}, block.output.weight) for block in blocks]
+            return [LayerWeights({}, block.output.weight, block.output.bias) for block in blocks]
         names = ("query", "key", "value")
         layers = [[block.attention.get_submodule(n) for n in names] for block in blocks]
         dtype = matmul_dtype(layers[0][0].weight)
         W = interleaved([[m.weight for m in layer] for layer in layers], dtype)
         b = interleaved([[m.bias for m in layer] for layer in layers], dtype)
         return [
-            LayerWeights({"qkv": (w, c)}, block.output.weight)
+            LayerWeights({"qkv": (w, c)}, block.output.weight, block.output.bias)
             for w, c, block in zip(W, b, blocks, strict=True)
         ]
 

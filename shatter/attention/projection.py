@@ -1,6 +1,6 @@
 """The single-head layer's projections P = x [W^Q; W^V; R W^Q]^T (one GEMM: c = Q R^T exactly,
 since K = X, §3.2-3.3), the views every impl takes of P's columns, and the layer's context
-[X̄ | A_part | 0] that the block's folded W^O reads (shatter/attention/layer_weights.py). Their own
+[X̄ | A_part | 1 | 0] that the block's folded W^O reads (shatter/attention/layer_weights.py). Their own
 module: the impls registry and the Triton layer both use them."""
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ def projection_width(d: int, n: int, bias: bool = True) -> int:
 
 
 def context_width(d: int, n: int) -> int:
-    """Columns of the layer's context [X̄ | A_part | 0]: d, then A_part's n columns padded with
-    zeros to a multiple of 16, so that the context's rows (which the Triton kernels write and
-    read, and the folded W^O's GEMM reads, layer_weights.py) stay aligned."""
-    return d + aligned(n)
+    """Columns of the layer's context [X̄ | A_part | 1 | 0]: d, then A_part's n columns, then a
+    column of ones and zeros up to a multiple of 16, so that the context's rows (which the
+    Triton kernels write and read, and the folded W^O's GEMM reads, layer_weights.py) stay
+    aligned. The folded W^O keeps the output bias in the ones' column: its GEMM adds the bias,
+    and that column of its weight gradient is the bias gradient (no reduction of its own)."""
+    return d + aligned(n + 1)
 
 
 class ProjectWithKeys(torch.autograd.Function):
@@ -65,22 +67,24 @@ def projection_views(P: torch.Tensor, d: int, n: int):
     return Q, V.unflatten(-1, (n, d // n)).transpose(1, 2), c[0][..., :n] if c else None
 
 
-def new_context(X: torch.Tensor, n: int, zero_pad: bool = True) -> torch.Tensor:
+def new_context(X: torch.Tensor, n: int, fill_alignment: bool = True) -> torch.Tensor:
     """A context [B, L, context_width] for X [B, L, d]: X̄'s parts side by side, then A_part
-    (both left empty), then its alignment columns, zeroed: the folded W^O's zero columns meet
-    zeros there, not whatever the allocator left (a NaN times 0 is NaN). `zero_pad` False: the
-    caller's kernel writes those zeros itself (no launch of its own)."""
+    (both left empty), then its alignment columns, filled (`fill_alignment`): the ones the
+    folded W^O's bias column meets, then zeros, so that its zero columns meet zeros, not
+    whatever the allocator left (a NaN times 0 is NaN). `fill_alignment` False: the caller's
+    kernel writes them itself (no launch of its own)."""
     d = X.shape[-1]
     out = X.new_empty(*X.shape[:-1], context_width(d, n))
-    if zero_pad:
-        out[..., d + n :].zero_()
+    if fill_alignment:
+        out[..., d + n + 1 :].zero_()
+        out[..., d + n].fill_(1)
     return out
 
 
 def context_views(out: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(X̄ [B, n, L, d/n], A_part [B, L, n]): views of the context out = [X̄ | A_part | 0] (eq. 3:
-    X̄'s part h in columns h d/n .. (h + 1) d/n)."""
-    d = out.shape[-1] - aligned(n)
+    """(X̄ [B, n, L, d/n], A_part [B, L, n]): views of the context out = [X̄ | A_part | 1 | 0]
+    (eq. 3: X̄'s part h in columns h d/n .. (h + 1) d/n)."""
+    d = out.shape[-1] - aligned(n + 1)
     return out[..., :d].unflatten(-1, (n, d // n)).transpose(1, 2), out[..., d : d + n]
 
 
@@ -118,12 +122,13 @@ def parts_layout(B: int, L: int, n: int, k: int, like: torch.Tensor) -> torch.Te
 
 
 def context(x_bar: torch.Tensor, a_part: torch.Tensor) -> torch.Tensor:
-    """The layer's context [X̄ | A_part | 0] ([B, L, context_width]) from X̄ [B, n, L, d/n] and
-    A_part [B, L, n] computed apart: one cat (its backward only views), for the ops that do not
-    write into a context of their own."""
+    """The layer's context [X̄ | A_part | 1 | 0] ([B, L, context_width]) from X̄ [B, n, L, d/n]
+    and A_part [B, L, n] computed apart: one cat (its backward only views), for the ops that do
+    not write into a context of their own."""
     B, n, L, k = x_bar.shape
-    pad = a_part.new_zeros(()).expand(B, L, aligned(n) - n)
-    return torch.cat([x_bar.transpose(1, 2).reshape(B, L, n * k), a_part, pad], -1)
+    ones = a_part.new_ones(()).expand(B, L, 1)
+    zeros = a_part.new_zeros(()).expand(B, L, aligned(n + 1) - n - 1)
+    return torch.cat([x_bar.transpose(1, 2).reshape(B, L, n * k), a_part, ones, zeros], -1)
 
 
 __all__ = [

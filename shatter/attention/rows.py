@@ -241,7 +241,7 @@ class RowsAttention(torch.autograd.Function):
 
 
 def rows_layer(P, X_BLD, mask_BL, table, sigmoid: bool, keep: bool = False):
-    """The layer's context [X̄ | A_part | 0] ([B, L, context_width]) from its projections P = [Q | V | c]
+    """The layer's context [X̄ | A_part | 1 | 0] ([B, L, context_width]) from its projections P = [Q | V | c]
     (no copy of them)."""
     _check(P, X_BLD, mask_BL, table)
     out, part = RowsAttention.apply(P, X_BLD, mask_BL, table, bool(sigmoid), keep)

@@ -16,7 +16,7 @@ normalisation. R is the n x d partition embedding matrix of the layer. V_part us
 without its bias, as Shaw's V_rel = R W^V does. These archs have no dropout on the attention
 weights (the paper's eq. 5 has none, and the lean kernel would have to store its mask).
 
-The layer returns the context [X̄ | A_part | 0] ([B, L, context_width]), and the block applies W^O folded
+The layer returns the context [X̄ | A_part | 1 | 0] ([B, L, context_width]), and the block applies W^O folded
 with V_part to it: [X̄ | A_part] [W^O | W^O V_partᵀ]ᵀ = (X̄ + A_part V_part) W^Oᵀ, §3.3's X̄̄
 through W^O in one GEMM ([W^O | 0] for the archs without the A_part V_part term). The folded
 W^O and the projection weights [W^Q; W^V; R W^Q] are made from the parameters once per forward
@@ -88,7 +88,7 @@ class SingleHeadPartitionAttention(PartitionBuffer, nn.Module):
         mask_BL: torch.Tensor,
         projection: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The context [X̄ | A_part | 0] ([B, L, context_width]) for the block's folded W^O. `projection`:
+        """The context [X̄ | A_part | 1 | 0] ([B, L, context_width]) for the block's folded W^O. `projection`:
         this layer's (W^P, b^P) from `prepare` (made here when not given)."""
         X = x_BLD.to(matmul_dtype(x_BLD))  # the keys (K = X), cast once: bf16 under autocast
         if projection is None:

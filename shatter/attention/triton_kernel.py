@@ -153,7 +153,7 @@ def _source(Q, X, Z, dtype) -> dict:
 
 
 def forward_kernels(P, X, mask, table, sigmoid: bool, Z, make_z: bool = False):
-    """(the context [X̄ | A_part | 0] [B, L, context_width] (projection.context_views), stat [2, B, L] fp32)
+    """(the context [X̄ | A_part | 1 | 0] [B, L, context_width] (projection.context_views), stat [2, B, L] fp32)
     from the projections P = [Q | V | c]: the row statistics, then the mixing forward writing X̄
     and A_part into the context, their scores read from Z [B, L, Lp] or, with Z None, recomputed
     from Q and X tile by tile; with `make_z` the row statistics make Z's tiles on chip and
@@ -177,7 +177,7 @@ def forward_kernels(P, X, mask, table, sigmoid: bool, Z, make_z: bool = False):
         KEEP=make_z or (c is not None and Z is not None),
         **(shared | (_source(Q, X, None, X.dtype) if make_z else {})),
     )  # fmt: skip
-    ctx = new_context(X, n, zero_pad=False)  # the mixing forward zeroes the alignment columns
+    ctx = new_context(X, n, fill_alignment=False)  # the mixing forward fills them
     out, part = context_views(ctx, n)
     fast(mix_fwd_kernel)[_grid(L, "BLOCK_M", B, n // 2)](  # batch x side x group of parts
         V=V, STAT=stat[0], STAT2=stat[1], OUT=out, AP=part, sv_b=V.stride(0), sv_h=V.stride(1),
@@ -192,7 +192,7 @@ def forward_kernels(P, X, mask, table, sigmoid: bool, Z, make_z: bool = False):
 def mixing_fwd(
     P: torch.Tensor, X: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, sigmoid: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the context [X̄ | A_part | 0] [B, L, context_width], Z [B, L, Lp], stat [2, B, L] fp32) from the
+    """(the context [X̄ | A_part | 1 | 0] [B, L, context_width], Z [B, L, Lp], stat [2, B, L] fp32) from the
     layer's projections P = [Q | V | c] (projection.projection_views): the row statistics (Z's
     tiles made on chip and z + b written into Z from sm_80, `z_inside`; below, cuBLAS's Z GEMM
     before them) and the mixing forward; Z and stat are kept for `mixing_bwd`. Z's columns past
@@ -330,7 +330,7 @@ def partition_attention_triton(
 
 
 def partition_attention_layer(P, X_BLD, mask_BL, table, sigmoid: bool):
-    """The layer's context [X̄ | A_part | 0] ([B, L, context_width], projection.context) from its
+    """The layer's context [X̄ | A_part | 1 | 0] ([B, L, context_width], projection.context) from its
     projections P = [Q | V | c] (no copy of them), for the block's folded W^O."""
     B, L, d = X_BLD.shape
     Q, V, c = projection_views(P, d, table.shape[0])

@@ -45,7 +45,7 @@ from shatter.kernels.cost import register_costs
 def fused_fwd(
     P: torch.Tensor, X: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, sigmoid: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the context [X̄ | A_part | 0] [B, L, context_width], stat [2, B, L] fp32) from the layer's
+    """(the context [X̄ | A_part | 1 | 0] [B, L, context_width], stat [2, B, L] fp32) from the layer's
     projections P = [Q | V | c]; stat is kept for `fused_bwd`."""
     return forward_kernels(P, X, mask, table, sigmoid, None)
 
@@ -84,7 +84,7 @@ def partition_attention_fused(Q_BLD, X_BLD, V_BnLk, c_BLn_or_None, mask_BL, tabl
 
 
 def fused_attention_layer(P, X_BLD, mask_BL, table, sigmoid: bool):
-    """The layer's context [X̄ | A_part | 0] ([B, L, context_width]) from its projections P = [Q | V | c]
+    """The layer's context [X̄ | A_part | 1 | 0] ([B, L, context_width]) from its projections P = [Q | V | c]
     (no copy of them)."""
     B, L, d = X_BLD.shape
     Q, V, c = projection_views(P, d, table.shape[0])

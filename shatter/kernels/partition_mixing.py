@@ -386,14 +386,16 @@ def _squares(
 
 
 @triton.jit
-def _zero_alignment(AP, b, sa_b, sa_l, offs_m, L, AP_COLS, N_PARTS: tl.constexpr,
+def _fill_alignment(AP, b, sa_b, sa_l, offs_m, L, AP_COLS, N_PARTS: tl.constexpr,
                     BLOCK_M: tl.constexpr, NP: tl.constexpr):  # fmt: skip
     """The AP_COLS − n <= NP columns that follow A_part in the context
-    (projection.context_width): zeros, for the folded W^O's zero columns."""
+    (projection.context_width): a column of ones, for the folded W^O's bias column, then
+    zeros, for its zero columns."""
     cols = N_PARTS + tl.arange(0, NP)
     pad_ptrs = AP + b * sa_b + offs_m[:, None] * sa_l + cols[None, :]
     pad_ok = (offs_m < L)[:, None] & (cols < AP_COLS)[None, :]
-    tl.store(pad_ptrs, tl.zeros([BLOCK_M, NP], dtype=AP.dtype.element_ty), mask=pad_ok)
+    ones = tl.zeros([BLOCK_M, NP], dtype=tl.float32) + (cols == N_PARTS)[None, :].to(tl.float32)
+    tl.store(pad_ptrs, ones.to(AP.dtype.element_ty), mask=pad_ok)
 
 
 @triton.jit
@@ -458,14 +460,14 @@ def mix_fwd_kernel(
     RECOMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, NP: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch × side × group): X̄[h] and A_part[:, h] of GROUP of the side's
-    n/2 parts (fewer than n/2 re-read the side's Z); part 0's also zeroes `_zero_alignment`'s
+    n/2 parts (fewer than n/2 re-read the side's Z); part 0's also fills `_fill_alignment`'s
     columns."""
     b, side, h0 = _program_parts(N_PARTS, GROUP)
     i0 = tl.program_id(0) * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     if h0 == 0:  # first, while no accumulator holds registers
-        _zero_alignment(AP, b, sa_b, sa_l, offs_m, L, AP_COLS, N_PARTS, BLOCK_M, NP)
+        _fill_alignment(AP, b, sa_b, sa_l, offs_m, L, AP_COLS, N_PARTS, BLOCK_M, NP)
     lo = tl.where(side == 0, (i0 // BLOCK_N) * BLOCK_N, 0)
     hi = tl.where(side == 0, L, tl.minimum(L, i0 + BLOCK_M))
     stat, stat2 = _load_stats(STAT, STAT2, b, i0, L, BLOCK_M)

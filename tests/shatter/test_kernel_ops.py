@@ -136,7 +136,7 @@ def test_fused_saves_no_score_matrix():
     """What the fused forward keeps for the backward is O(l) per row: no [B, l, l] tensor."""
     ops, _ = _traced_ops("fused")
     _, _, outputs = ops["shatter::fused_fwd"]
-    context = (2, 20, context_width(32, 4))  # [X̄ | A_part | 0]
+    context = (2, 20, context_width(32, 4))  # [X̄ | A_part | 1 | 0]
     assert [tuple(t.shape) for t in outputs] == [context, (2, 2, 20)]
 
 

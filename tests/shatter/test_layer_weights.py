@@ -66,9 +66,8 @@ def _plain_weights(attention, outputs, bias: bool, value: bool):
             b += [R @ att.query.bias, R.new_zeros(pad)]
         W_P.append(torch.cat(w))
         b_P.append(torch.cat(b))
-        f = [out.weight]
-        if value:
-            f.append(out.weight @ (att.value.weight @ att.partition_embeddings.T))
+        fold = out.weight @ (att.value.weight @ att.partition_embeddings.T) if value else None
+        f = [out.weight, out.weight.new_zeros(d, n) if fold is None else fold, out.bias[:, None]]
         width = sum(t.shape[1] for t in f)
         W_F.append(F.pad(torch.cat(f, 1), (0, context_width(d, n) - width)))
     return torch.stack(W_P), torch.stack(b_P), torch.stack(W_F)
@@ -79,7 +78,7 @@ def _plain_weights(attention, outputs, bias: bool, value: bool):
 def test_assembled_weights_equal_the_plain_ops(arch, dtype):
     """W^P, b^P and W^F of three layers, assembled with hand-written gradients, equal the plain
     ops layer by layer: values, and the gradient of every parameter (W^Q, b^Q, W^V, b^V, R,
-    W^O) under random cotangents; the single layer's (W^P, b^P) too."""
+    W^O, b^O) under random cotangents; the single layer's (W^P, b^P) too."""
     model = tiny(arch, layers=3).to(dtype)
     blocks = list(model.encoder.layers)
     attention, outputs = [b.attention for b in blocks], [b.output for b in blocks]
@@ -262,17 +261,17 @@ if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INT
 
 
 @pytest.mark.parametrize("impl", LAYER_NAMES)
-def test_layer_context_rows_are_aligned_and_padded_with_zeros(impl):
-    """The layer's context [X̄ | A_part | 0] that the kernels write and the folded W^O's GEMM
+def test_layer_context_rows_are_aligned_and_padded_with_ones_then_zeros(impl):
+    """The layer's context [X̄ | A_part | 1 | 0] that the kernels write and the folded W^O's GEMM
     reads: rows a multiple of 16 elements apart (aligned loads, cuBLAS's aligned operand), the
-    alignment columns zeros (they meet W^F's zero columns)."""
+    alignment columns a column of ones (it meets W^F's b^O) then zeros (W^F's zero columns)."""
     Q, X, V, c, mask, table = _impl_inputs(d=48, n=6)
     P = gather_projections(Q, V, c)
     layer = impls.resolve_layer(impl, X.device, X.dtype)
     context = layer(P.detach(), X.detach(), mask, table, True)
     assert context.shape[-1] == context_width(48, 6) == 64
     assert context.stride(1) % 16 == 0 and context.stride(0) % 16 == 0
-    assert not context[..., 48 + 6 :].any()
+    assert (context[..., 48 + 6] == 1).all() and not context[..., 48 + 6 + 1 :].any()
 
 
 @pytest.mark.parametrize("impl", IMPL_NAMES)
