@@ -32,8 +32,9 @@ TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fold_equals_x_bar_plus_a_part_v_part(dtype):
-    """[X̄ | A_part] [W^O | W^O V_partᵀ]ᵀ + b^O = (X̄ + A_part V_part) W^Oᵀ + b^O, V_part = R W^V
-    (weight only): values, and the gradients of W^O, R, W^V, X̄ and A_part."""
+    """[X̄ | A_part | 1 | 0] [W^O | W^O V_partᵀ | b^O | 0]ᵀ = (X̄ + A_part V_part) W^Oᵀ + b^O,
+    V_part = R W^V (weight only): values, and the gradients of W^O, b^O, R, W^V, X̄ and
+    A_part."""
     T = 37
     g = torch.Generator().manual_seed(0)
     block = tiny("shatter").to(dtype).encoder.layers[0]
@@ -42,14 +43,15 @@ def test_fold_equals_x_bar_plus_a_part_v_part(dtype):
     x_bar, a_part = (torch.randn(T, k, generator=g, dtype=dtype).requires_grad_() for k in (d, n))
     g_y = torch.randn(T, d, generator=g, dtype=dtype)
     W_O, b_O, W_V, R = block.output.weight, block.output.bias, att.value.weight, att.partition_embeddings  # fmt: skip
-    leaves = (W_O, R, W_V, x_bar, a_part)
+    leaves = (W_O, b_O, R, W_V, x_bar, a_part)
     want = F.linear(x_bar + a_part @ F.linear(R, W_V), W_O, b_O)  # §3.3, then W^O
     W_F = assembled_weights([att], [block.output], True, True, dtype)[2][0]
-    context = F.pad(torch.cat([x_bar, a_part], -1), (0, context_width(d, n) - d - n))
-    got = F.linear(context, W_F, b_O)
+    ones = torch.ones(T, 1, dtype=dtype)
+    context = F.pad(torch.cat([x_bar, a_part, ones], -1), (0, context_width(d, n) - d - n - 1))
+    got = F.linear(context, W_F)
     torch.testing.assert_close(got, want, **TOL[dtype])
     grads = [torch.autograd.grad((y * g_y).sum(), leaves) for y in (got, want)]
-    for name, a, b in zip(("W^O", "R", "W^V", "X̄", "A_part"), *grads, strict=True):
+    for name, a, b in zip(("W^O", "b^O", "R", "W^V", "X̄", "A_part"), *grads, strict=True):
         torch.testing.assert_close(a, b, **TOL[dtype], msg=name)
 
 

@@ -123,6 +123,23 @@ def test_custom_ops_are_priced_per_kernel():
         assert r["bytes"] == sum(k[3] for k in r["kernels"])
 
 
+@pytest.mark.parametrize("arch", ["bert", "shatter"])
+def test_the_folded_biases_leave_no_reduction_of_their_own(arch):
+    """The backward's bias gradients that are sums over the tokens (each a read of a [T, width]
+    output gradient): of the model's width one a layer for Shatter (the FFN's second bias; b^O
+    is W^F's column that meets the context's ones, summed by W^F's weight-gradient GEMM) where
+    BERT has two (b^O too); of the FFN's width one a layer for both (its first bias)."""
+    config = shatter.config.preset_config(f"{arch}-tiny", max_len=128)
+    tokens, low = ROWS * LENGTH, 2  # bf16 bytes
+    sums = [r for r in _trace(arch) if r["phase"] == "backward" and r["op"] == "aten::sum"]
+
+    def reading(width: int) -> int:  # sums of a [T, width] gradient into [width]
+        return sum(r["count"] for r in sums if r["bytes"] == (tokens + 1) * width * low)
+
+    assert reading(config.ffn) == config.layers
+    assert reading(config.hidden) == config.layers * (1 if arch == "shatter" else 2)
+
+
 def test_zero1_updates_a_world_share_on_each_rank():
     """ZeRO-1 over 8 ranks: every gradient still goes into the bucket whole, but the partition's
     copies, the flattening cast, the norm, AdamW and the copy back run on 1/8 of the
