@@ -387,6 +387,28 @@ def contiguous_gradients(stage: int, world_size: int) -> bool:
     return not (stage == 1 and world_size == 1)
 
 
+# The reduction bucket's cap is rounded up to this many elements
+BUCKET_ROUNDING = 1 << 20
+
+
+def fit_reduce_bucket(ds_config: dict, model: nn.Module) -> dict:
+    """`ds_config` with ZeRO-1/2's `reduce_bucket_size` at most the model's trainable parameter
+    count (rounded up to BUCKET_ROUNDING elements). DeepSpeed 0.19.8 allocates the whole bucket
+    as each backward starts (twice with `overlap_comm`) whatever the model; it reduces a bucket
+    when the next gradient would overflow it, and at the backward's end, so a bucket that holds
+    every gradient is reduced once, at the end, as a larger one was: the same collectives in
+    less memory (bert-base fp16 on 8 GPUs: 2 x 210 MiB where the default 5e8 elements took 2 x
+    954 MiB)."""
+    zero = ds_config.get("zero_optimization", {})
+    if zero.get("stage") not in (1, 2) or "reduce_bucket_size" not in zero:
+        return ds_config
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    cap = -(-numel // BUCKET_ROUNDING) * BUCKET_ROUNDING
+    if int(zero["reduce_bucket_size"]) <= cap:
+        return ds_config
+    return {**ds_config, "zero_optimization": {**zero, "reduce_bucket_size": cap}}
+
+
 def deepspeed_config(
     cfg: TrainConfig | EngineArgs, world_size: int, cpu: bool | None = None
 ) -> dict:
@@ -554,6 +576,7 @@ def build_engine(
     import deepspeed
 
     groups = param_groups(model, cfg.optim.weight_decay)
+    ds_config = fit_reduce_bucket(ds_config, model)
     if "optimizer" in ds_config:
         cuda_arch_list_for_jit()
         optimizer = None

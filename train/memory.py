@@ -16,9 +16,10 @@ so a CPU box can estimate a GPU's micro-batch of 64 without holding its activati
 
 DeepSpeed's own buffers at ZeRO-1/2: the gradient reduction bucket, `reduce_bucket_size`
 elements of the gradient dtype (the model's, unless `data_types.grad_accum_dtype` says fp32),
-twice with `overlap_comm` (its double buffer; DeepSpeed's stage_1_and_2.setup_buckets): with the
-default 5e8 and bf16 on a GPU, 2 x 5e8 x 2 B = 1.86 GiB; none with `contiguous_gradients` off
-(ZeRO-1 on one GPU: train/engine.py). ZeRO-3 adds its reduce bucket and its
+twice with `overlap_comm` (its double buffer; DeepSpeed's stage_1_and_2.setup_buckets), the
+default 5e8 capped at the model's trainable parameters (train/engine.py: fit_reduce_bucket): bf16
+on GPUs, 2 x 5e8 x 2 B = 1.86 GiB uncapped, 2 x 210 MiB for bert-base; none with
+`contiguous_gradients` off (ZeRO-1 on one GPU: train/engine.py). ZeRO-3 adds its reduce bucket and its
 `stage3_prefetch_bucket_size` (DeepSpeed's default 5e7) of weights.
 
 `--target gpu` estimates for a GPU from any box: the DeepSpeed config a GPU run gets (overlap_comm
@@ -157,7 +158,7 @@ def dry_run_report(cfg: TrainConfig, target: str = "auto") -> str:
     """`target`: "gpu" estimates for a GPU from any box, "auto" for this machine's kind."""
     import shatter
     from shatter.shards import DatasetError, read_index
-    from shatter.train.engine import resolved_deepspeed_config
+    from shatter.train.engine import fit_reduce_bucket, resolved_deepspeed_config
 
     index = None
     if cfg.data.path:
@@ -177,6 +178,7 @@ def dry_run_report(cfg: TrainConfig, target: str = "auto") -> str:
     vocab = model.config.vocab_size
     gpu = target == "gpu" or cfg.run.precision == "fp16"
     ds = resolved_deepspeed_config(cfg, cfg.run.num_gpus, cpu=False if gpu else None)
+    ds = fit_reduce_bucket(ds, model)  # as build_engine gives it to DeepSpeed
     est = estimate(cfg, model, seq_len, vocab, bucket_bytes(ds, cfg.run.precision))
     r = cfg.run
     lines = [

@@ -139,6 +139,31 @@ def test_contiguous_gradients_off_for_zero1_on_one_gpu_only():
     assert bucket_bytes({"zero_optimization": zero(1, 8)}, "bf16") == 2 * 5e8 * 2  # overlap_comm
 
 
+def test_the_reduction_bucket_is_capped_at_the_model_s_gradients():
+    """ZeRO-1/2's reduce_bucket_size at most the trainable parameters rounded up to 2^20
+    elements (DeepSpeed allocates the whole bucket whatever the model; one that holds every
+    gradient is reduced once, at the backward's end, as the default 5e8 was); a smaller one
+    (an expert's --deepspeed-config) kept; ZeRO-0 and 3 and the given dict untouched."""
+    import torch
+
+    from shatter.train.engine import fit_reduce_bucket
+
+    model = torch.nn.Sequential(torch.nn.Linear(1000, 1500), torch.nn.Linear(1500, 2))
+    model[1].weight.requires_grad_(False)  # frozen: no gradient to reduce
+    trained = 1000 * 1500 + 1500 + 2
+    ds = deepspeed_config(resolve(None, {"zero_stage": 1, "precision": "bf16"}), 8, cpu=False)
+    fitted = fit_reduce_bucket(ds, model)
+    assert fitted["zero_optimization"]["reduce_bucket_size"] == 2 * 2**20 >= trained
+    assert ds["zero_optimization"]["reduce_bucket_size"] == int(5e8)  # not mutated
+    unchanged = lambda zero: {**zero, "reduce_bucket_size": 0}  # noqa: E731
+    assert unchanged(fitted["zero_optimization"]) == unchanged(ds["zero_optimization"])
+    small = {**ds, "zero_optimization": {**ds["zero_optimization"], "reduce_bucket_size": 10**6}}
+    assert fit_reduce_bucket(small, model) == small
+    for stage in (0, 3):
+        other = deepspeed_config(resolve(None, {"zero_stage": stage, "precision": "bf16"}), 8)
+        assert fit_reduce_bucket(other, model) == other
+
+
 def test_the_optimizer_implementation_flag(monkeypatch):
     import torch
 

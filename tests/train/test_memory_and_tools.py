@@ -64,8 +64,12 @@ def test_dry_run_prints_configs_counts_and_verdict():
     table2 = shatter.count_parameters(model.encoder)  # docs/model.md's count: no MLM head
     assert f"encoder without word embeddings (Table 2 convention): {table2:,}" in out
     assert table2 < shatter.count_parameters(model)
-    # fp32 ZeRO-1 on this box: one 5e8-element fp32 reduction bucket (overlap_comm is off on CPU)
-    assert "DeepSpeed reduction buckets (reduce_bucket_size, x2 with overlap_comm): 1.86 GiB" in out
+    # fp32 ZeRO-1 on this box: one fp32 reduction bucket (overlap_comm is off on CPU) of the
+    # model's parameters rounded up to 2^20, not DeepSpeed's default 5e8 elements (1.86 GiB)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    bucket = -(-trained // 2**20) * 2**20
+    label = "DeepSpeed reduction buckets (reduce_bucket_size, x2 with overlap_comm)"
+    assert f"{label}: {bucket * 4 / 2**30:.2f} GiB" in out and bucket < 5e8 / 16
     largest = int(out.split("largest micro-batch that fits 24 GiB at ZeRO-1: ")[1].split()[0])
     assert largest > 16
     gpu = CliRunner().invoke(
@@ -73,9 +77,10 @@ def test_dry_run_prints_configs_counts_and_verdict():
                "--seq-len", "64", "--precision", "bf16", "--dry-run", "--target", "gpu"],
     )  # fmt: skip
     assert gpu.exit_code == 0, gpu.output
-    # a GPU's config: overlap_comm doubles the bf16 bucket, 2 x 5e8 x 2 B (about 1.9 GiB)
+    # a GPU's config: overlap_comm doubles the bf16 bucket, 2 x the cap x 2 B
     assert '"overlap_comm": true' in gpu.output
-    assert "x2 with overlap_comm): 1.86 GiB" in gpu.output
+    assert f"{label}: {2 * bucket * 2 / 2**30:.2f} GiB" in gpu.output
+    assert f'"reduce_bucket_size": {bucket}' in gpu.output  # the config DeepSpeed is given
 
 
 def test_plot_metrics_draws_runs_and_names_a_bad_one(tmp_path):
