@@ -694,14 +694,16 @@ def guard_nonfinite_steps(engine) -> None:
 def streamline_zero(optimizer) -> None:
     """DeepSpeed 0.19.8's ZeRO-1/2 step with fewer kernels and no host read but the skip's,
     the same values: the global norm in one multi-tensor norm (`fuse_grad_norm`), the clip on
-    the device (`clip_without_host_reads`), the partition's gradients flattened straight into
-    fp32 (`flatten_into_fp32`), and on one rank no reduction of the gradients
+    the device (`clip_without_host_reads`), bf16's skip of a non-finite step on the device
+    (`skip_on_the_device`), the partition's gradients flattened straight into fp32
+    (`flatten_into_fp32`), and on one rank no reduction of the gradients
     (`skip_one_rank_reduction`)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
         fuse_grad_norm(optimizer)
         clip_without_host_reads(optimizer)
+        skip_on_the_device(optimizer)
         flatten_into_fp32(optimizer)
         skip_one_rank_reduction(optimizer)
 
@@ -810,12 +812,7 @@ def clip_without_host_reads(optimizer) -> None:
     GradScaler) instead of a pass that multiplies the flat fp32 gradient (bert-base: 0.44 GB
     read and written a step). Equal to DeepSpeed's (tests/train/test_fused_step.py)."""
     client = optimizer.optimizer
-    scaled = (
-        isinstance(client, torch.optim.Adam | torch.optim.AdamW)
-        and all(g.get("fused") for g in client.param_groups)
-        and not getattr(optimizer, "torch_autocast_gradscaler", None)
-        and not optimizer.cpu_offload
-    )
+    scaled = _fused_client(optimizer)
     made: dict = {}  # the last norm and its factor
 
     def unscale_and_clip_grads(grad_groups_flat, total_norm):
@@ -838,6 +835,55 @@ def clip_without_host_reads(optimizer) -> None:
     optimizer.unscale_and_clip_grads = unscale_and_clip_grads
 
 
+def _fused_client(optimizer) -> bool:
+    """Whether ZeRO's client optimizer is torch's fused Adam(W) on the device, stepped by ZeRO
+    itself: its kernel takes `grad_scale` and `found_inf` tensors."""
+    client = optimizer.optimizer
+    return (
+        isinstance(client, torch.optim.Adam | torch.optim.AdamW)
+        and all(g.get("fused") for g in client.param_groups)
+        and not getattr(optimizer, "torch_autocast_gradscaler", None)
+        and not optimizer.cpu_offload
+    )
+
+
+def skip_on_the_device(optimizer) -> None:
+    """bf16 ZeRO-1/2 with torch's fused AdamW: a step whose global norm is not finite (a NaN or
+    inf gradient anywhere; the norm is all-reduced, so every rank agrees) is skipped by the
+    optimizer's kernel on the device, its `found_inf`: no weight or moment is updated and the
+    step count is kept. DeepSpeed 0.19.8 reads the norm's validity on the host to skip it
+    (`is_invalid_grad_norm` in `step`, its one host read a step: the host waits for the
+    backward to finish before it launches the optimizer's kernels and the next forward's), so
+    its test is turned off (`check_grad_overflow`) on this optimizer only. The skipped steps are
+    counted on the device (`skipped_on_device`), folded into `engine.skipped_steps` by
+    `skipped_steps` at log steps and checkpoints; the lr schedule moves on over a skipped step
+    (DeepSpeed holds it). Elsewhere (fp16's loss scale, another client optimizer) DeepSpeed's
+    test stays."""
+    if not (
+        optimizer.dtype == torch.bfloat16
+        and optimizer.check_grad_overflow
+        and optimizer.compute_grad_norm
+        and _fused_client(optimizer)
+    ):
+        return
+    optimizer.check_grad_overflow = False
+    optimizer.skipped_on_device = None
+    clip, client = optimizer.unscale_and_clip_grads, optimizer.optimizer
+    last: dict = {}  # the last norm and its verdict
+
+    def unscale_and_clip_grads(grad_groups_flat, total_norm):
+        if last.get("norm") is not total_norm:  # once a step: the groups share the norm
+            norm = torch.as_tensor(total_norm, dtype=torch.float, device=optimizer.device)
+            bad = ((norm >= 0) & (norm < float("inf"))).logical_not().float()  # NaN fails both
+            last.update(norm=total_norm, bad=bad)
+            seen = optimizer.skipped_on_device
+            optimizer.skipped_on_device = bad if seen is None else seen + bad
+        client.found_inf = last["bad"]
+        clip(grad_groups_flat, total_norm)
+
+    optimizer.unscale_and_clip_grads = unscale_and_clip_grads
+
+
 def _clip_factor(total_norm, scale: float, clip_grad: float, device) -> torch.Tensor:
     """DeepSpeed's combined unscale and clip factor, made on the device in a few one-element
     kernels: loss scale · max(1, (norm / loss scale + 1e-6) / clip), an invalid norm (NaN, inf,
@@ -851,13 +897,17 @@ def _clip_factor(total_norm, scale: float, clip_grad: float, device) -> torch.Te
 
 def skipped_steps(engine) -> int:
     """Optimizer steps skipped so far for non-finite gradients or an fp16 overflow, by
-    DeepSpeed's wrappers or by `FiniteStepGuard`, whose device-side count it folds into
-    `engine.skipped_steps` (which DeepSpeed's checkpoints keep). One host read: call it at log
-    steps and checkpoints."""
+    DeepSpeed's wrappers, by `FiniteStepGuard` or on the device (`skip_on_the_device`), whose
+    device-side counts it folds into `engine.skipped_steps` (which DeepSpeed's checkpoints
+    keep). One host read: call it at log steps and checkpoints."""
     guard = getattr(engine.optimizer, "step", None)
     if isinstance(guard, FiniteStepGuard) and guard.skipped is not None:
         engine.skipped_steps += int(guard.skipped.item())
         guard.skipped = None
+    on_device = getattr(engine.optimizer, "skipped_on_device", None)
+    if on_device is not None:
+        engine.skipped_steps += int(on_device.item())
+        engine.optimizer.skipped_on_device = None
     return int(engine.skipped_steps)
 
 

@@ -21,14 +21,14 @@ convention: a weight W maps x to x Wᵀ):
 
 The variant's context is [X̄ | A_part | 1 | 0] ([B, L, context_width]: A_part's n columns, a
 column of ones and zeros up to a multiple of 16, aligned rows for the kernels and the GEMM), so
-that W^F applied to it is X̄ W^Oᵀ + A_part (W^O V_partᵀ)ᵀ + b^O = (X̄ + A_part V_part) W^Oᵀ + b^O:
-§3.3's X̄̄ = X̄ + A_part V_part folded exactly into the output projection's GEMM (16 more columns of
-K for n < 16), with no [T, n] x [n, d] GEMM and no d-wide add, and the bias with it: its
-gradient is the ones' column of W^F's weight gradient (the GEMM's sum over the tokens, where a
-bias added apart has a reduction of its own). Nothing here is stored: checkpoints keep W^Q, W^V,
-R, W^O and b^O as ever. The products' gradients are written by hand (`_Assembled`): each weight is copied
-once a forward and each gradient is one batched GEMM, where autograd through stack, cat and bmm
-copied the weights twice and added each gradient's two paths.
+that W^F applied to it is X̄ W^Oᵀ + A_part (W^O V_partᵀ)ᵀ + b^O = (X̄ + A_part V_part) W^Oᵀ +
+b^O: §3.3's X̄̄ = X̄ + A_part V_part folded exactly into the output projection's GEMM (16 more
+columns of K for n < 16), with no [T, n] x [n, d] GEMM and no d-wide add, and the bias with it:
+its gradient is the ones' column of W^F's weight gradient (the GEMM's sum over the tokens, where
+a bias added apart has a reduction of its own). Nothing here is stored: checkpoints keep W^Q,
+W^V, R, W^O and b^O as ever. The products' gradients are written by hand (`_Assembled`): each
+weight is copied once a forward and each gradient is one batched GEMM, where autograd through
+stack, cat and bmm copied the weights twice and added each gradient's two paths.
 
 Under torch.compile `layer_weights` runs eagerly (`@eager`, and the autograd Functions here
 mark their backward): inductor would copy each parameter of a `cat` with a kernel of its own

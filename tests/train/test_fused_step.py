@@ -3,7 +3,9 @@ ZeRO-1 runs over its flat fp32 partition, one tensor per param group) equals the
 per-parameter AdamW loop, with §A.2's groups (no weight decay on biases and LayerNorm weights)."""
 
 import copy
+import json
 
+import pytest
 import torch
 
 import shatter
@@ -180,6 +182,65 @@ def test_one_rank_zero1_skips_deepspeed_s_reduction_which_changes_nothing_there(
     assert all(torch.equal(a, b) for a, b in zip(grads, before, strict=True))
     engine.step()
     assert (engine.global_steps, engine.skipped_steps) == (1, 0)
+
+
+def test_bf16_zero1_skips_a_nonfinite_step_on_the_device_without_a_host_read():
+    """bf16 ZeRO-1 with torch's fused AdamW (`skip_on_the_device`) on a real engine: a step
+    whose gradient holds a NaN leaves the fp32 masters and AdamW's moments and step count as
+    they were, with no host read in the step (DeepSpeed's own test reads the norm's validity);
+    `skipped_steps` counts it once, and the next finite step updates the weights."""
+    from shatter.tools.bench.count_ops import OpCounter, mlm_batch
+    from shatter.train.engine import skipped_steps
+
+    engine = _bf16_zero1_engine()
+    opt = engine.optimizer
+    assert not opt.check_grad_overflow  # DeepSpeed's host test off: the kernel skips
+
+    def step(seed: int, nan: bool = False) -> int:
+        engine.backward(engine(**mlm_batch(2, 32, 300, seed))["loss"])
+        if nan:
+            opt.averaged_gradients[0][1].view(-1)[0] = float("nan")
+        counter = OpCounter()
+        with counter, counter.counting("step"):
+            engine.step()
+        return counter.tally.reads["step"]
+
+    def state() -> list[torch.Tensor]:
+        masters = opt.single_partition_of_fp32_groups
+        kept = [opt.optimizer.state[m][k] for m in masters for k in ("exp_avg", "step")]
+        return [t.detach().clone() for t in (*masters, *kept)]
+
+    for seed in range(3):  # the warm-up's first two steps have lr 0
+        assert step(seed) == 0
+    before = state()
+    assert step(3, nan=True) == 0
+    assert all(torch.equal(a, b) for a, b in zip(state(), before, strict=True))
+    assert skipped_steps(engine) == 1 and engine.global_steps == 4
+    step(4)
+    after = state()
+    assert all(torch.isfinite(t).all() for t in after)
+    assert not torch.equal(after[0], before[0]) and skipped_steps(engine) == 1
+
+
+@pytest.mark.slow
+def test_two_ranks_skip_a_nonfinite_step_on_the_device(tmp_path):
+    """bf16 ZeRO-1 on two ranks with a GPU's config (tests/train/skip_job.py: torch's fused
+    AdamW, the contiguous bucket's reduce-scatter): a NaN loss on the last rank only at step 4
+    leaves both ranks' fp32 masters unchanged (the norm is all-reduced: both kernels skip), the
+    other steps update them (but the warm-up's two at lr 0), all stay finite, no step reads
+    the host, and each rank counts one skipped step."""
+    from tests.jobs import free_port, run_command
+    from tests.train.runs import BIN
+
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2"]
+    cmd += ["--master_port", str(free_port()), "tests/train/skip_job.py", str(tmp_path)]
+    done = run_command(cmd, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert r["device_skip"] and r["contiguous"]
+        assert r["unchanged"] == [True, True, False, False, True, False], r
+        assert all(r["finite"]) and r["reads"] == [0] * 6 and r["skipped"] == 1, r
 
 
 def _bf16_zero1_engine():

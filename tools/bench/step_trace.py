@@ -353,8 +353,8 @@ class MetaAutocast:
 
 
 # The one-element kernels of DeepSpeed 0.19.8's bf16 ZeRO-1 step as the trainer runs it, at any
-# model size (the global norm's squares, root and validity, the clip's factor, the skip's test,
-# the AdamW step counters), counted on a real engine: tools/bench/count_ops.py
+# model size (the global norm's squares, root and validity, the clip's factor, the skip's verdict
+# made on the device, the AdamW step counters and their undoing on a skip), counted on a real engine: tools/bench/count_ops.py
 # (tests/tools/test_step_cost.py checks the whole step's count)
 DEEPSPEED_SCALAR_OPS = 22
 
