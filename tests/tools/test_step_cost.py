@@ -140,6 +140,21 @@ def test_the_folded_biases_leave_no_reduction_of_their_own(arch):
     assert reading(config.hidden) == config.layers * (1 if arch == "shatter" else 2)
 
 
+def test_multi_tensor_ops_launch_as_cuda_s_multi_tensor_apply():
+    """A launch of CUDA's multi_tensor_apply is full at its depth's tensors (110 for one list, 36
+    for a fused Adam's four) or at 320 chunks of 64 Ki elements; a norm adds its cleanup."""
+    from shatter.tools.bench.step_trace import multi_tensor_launches
+
+    meta = lambda *shape: torch.empty(*shape, device="meta")  # noqa: E731
+    flat = [meta(85_000_000)]  # one flat parameter group: 1,297 chunks
+    adam = [flat, flat, flat, flat, [], [meta(())]]
+    assert multi_tensor_launches("_fused_adamw_", adam) == 5
+    small = [meta(10) for _ in range(200)]
+    assert multi_tensor_launches("_foreach_norm", [small]) == 2 + 1
+    assert multi_tensor_launches("_foreach_copy_", [small, small]) == 4  # 64 tensors a launch
+    assert multi_tensor_launches("_fused_adamw_", [small] * 4 + [[], [meta(())] * 200]) == 6
+
+
 def test_zero1_updates_a_world_share_on_each_rank():
     """ZeRO-1 over 8 ranks: every gradient still goes into the bucket whole, but the partition's
     copies, the flattening cast, the norm, AdamW and the copy back run on 1/8 of the

@@ -143,6 +143,26 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
     return out
 
 
+# CUDA's multi_tensor_apply (ATen/native/cuda/MultiTensorApply.cuh): a launch takes at most
+# MTA_TENSORS[depth - 1] tensors of `depth` lists and MTA_BLOCKS chunks of MTA_CHUNK elements
+MTA_TENSORS, MTA_BLOCKS, MTA_CHUNK = (110, 64, 48, 36, 30), 320, 65536
+
+
+def multi_tensor_launches(name: str, args) -> int:
+    """Kernels a `_foreach_` or `_fused_` op launches: launches full at the tensors or the chunks
+    its depth allows (a fused Adam: params, grads and two moments, a third with amsgrad), plus
+    the norm's cleanup kernel."""
+    lists = [a for a in args if isinstance(a, list | tuple) and a and _tensors(a)]
+    first = _tensors(lists[0])
+    if name.startswith("_fused_adam"):
+        depth = 4 + bool(len(lists) > 5 and len(lists[4]) == len(first))
+    else:
+        depth = sum(len(_tensors(a)) == len(first) for a in lists)
+    chunks = sum(math.ceil(t.numel() / MTA_CHUNK) for t in first)
+    full = max(len(first) / MTA_TENSORS[min(depth, 5) - 1], chunks / MTA_BLOCKS)
+    return max(1, math.ceil(full)) + (name == "_foreach_norm")
+
+
 def _custom_costs(family: int | None = None):
     """(OP_COSTS, model_flops) of this checkout's `shatter::` custom ops; with `family`, each cost
     that takes one is for that arch family's kernel configurations (an older checkout's as it
@@ -243,8 +263,8 @@ class StepTrace(TorchDispatchMode):
             kind = "gemm" if name in GEMMS else SDPA[name]
             # the SDPA backward recomputes Q K^T: 5 products where the model count has 4
             model_flops = flops * 0.8 if name.endswith("_backward") else flops
-        if name.startswith(("_foreach_", "_fused_")):  # multi_tensor_apply: ~110 tensors a launch
-            launches = max(1, math.ceil(len(_tensors(args[0])) / 110))
+        if name.startswith(("_foreach_", "_fused_")):
+            launches = multi_tensor_launches(name, args)
         key = (qualified, self.phase, kind, flops, model_flops, nbytes, launches, kernels)
         if (
             eager
