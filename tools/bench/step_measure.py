@@ -8,10 +8,11 @@ Each (arch, length, mode) runs the step step_cost.py models, on real tensors: ba
 vocabulary 30,000, 16,384 tokens of full rows (no attention mask: SDPA's fastest kernel, which
 under torch 2.11 on an H200 is cuDNN's, not FlashAttention-2 as the model assumes), the
 model's weights in bf16 as DeepSpeed's bf16 mode keeps them, and ZeRO-1's optimizer step on one
-rank as the trainer runs it (`Zero1`: one multi-tensor norm of every gradient, then per parameter
-group the gradients flattened and made fp32, one fused AdamW over the flat fp32 master with the
-clip's factor as its `grad_scale`, the master copied back into the flat bf16 parameters). `eager`
-runs the model as it is; `compiled` compiles it as the trainer does (shatter/train/compiling.py).
+rank as the trainer runs it (`Zero1`: one multi-tensor norm of every gradient, then per
+parameter group the gradients flattened and made fp32, one fused AdamW over the flat fp32 master
+with the clip's factor as its `grad_scale` and the skip's verdict as its `found_inf`, the master
+copied back into the flat bf16 parameters). `eager` runs the model as it is; `compiled` compiles
+it as the trainer does (shatter/train/compiling.py).
 
 Printed per row: ms a step (median of --steps after warm-up) beside the model's, and the
 profiler's CUDA time a step per group beside the model's split:
@@ -72,10 +73,11 @@ class Zero1:
         grads = [[p.grad.reshape(-1) for p in g.params] for g in self.groups]
         norm = torch.stack(torch._foreach_norm(sum(grads, []), 2, dtype=torch.float32)).norm()
         factor = torch.clamp(norm + 1e-6, min=1.0)  # the trainer's clip at 1 (train/engine.py)
+        bad = torch.isfinite(norm).logical_not().float()  # its skip, made on the device
         for g, group in zip(self.groups, grads, strict=True):
             grad = torch.cat(group).float()
             g.step_count += 1
-            adamw([g.master], [grad], [g.m], [g.v], [g.step_count], grad_scale=factor)
+            adamw([g.master], [grad], [g.m], [g.v], [g.step_count], factor, bad)
             g.flat.copy_(g.master)
             for p in g.params:
                 p.grad = None

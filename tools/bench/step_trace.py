@@ -373,22 +373,23 @@ class MetaAutocast:
 
 
 # The one-element kernels of DeepSpeed 0.19.8's bf16 ZeRO-1 step as the trainer runs it, at any
-# model size (the global norm's squares, root and validity, the clip's factor, the skip's verdict
-# made on the device, the AdamW step counters and their undoing on a skip), counted on a real engine: tools/bench/count_ops.py
-# (tests/tools/test_step_cost.py checks the whole step's count)
+# model size (the global norm's squares, root and validity, the clip's factor, the skip's
+# verdict made on the device, the AdamW step counters and their undoing on a skip), counted on
+# a real engine: tools/bench/count_ops.py (tests/tools/test_step_cost.py checks the step's count)
 DEEPSPEED_SCALAR_OPS = 22
 
 
 def zero1_step(params: list[torch.Tensor], world: int = 1) -> None:
     """DeepSpeed's ZeRO-1 optimizer step on one of `world` ranks as the trainer runs it
-    (train/engine.py: `streamline_zero`), over the buffers it keeps (`_zero1_gradients`): the
-    global norm by one multi-tensor norm over both parameter groups (the weights; the biases
-    and norms, the 1-D parameters); then per group the gradients copied into one flat fp32
-    buffer by a multi-tensor copy that casts them (`flatten_into_fp32`), AdamW on the fp32
-    master with the unscale and clip as its `grad_scale` (the kernel writes the unscaled
-    gradient back), and the master cast back into the low-precision parameters; and
-    DEEPSPEED_SCALAR_OPS one-element kernels. The reduce-scatter or all-reduce of the
-    gradients and the all-gather of the updated parameters are communication, left out."""
+    (train/engine.py: `streamline_zero`), over the buffers it keeps (`_zero1_gradients`):
+    the global norm by one multi-tensor norm over both parameter groups (the weights; the
+    biases and norms, the 1-D parameters); then per group the gradients copied into one flat
+    fp32 buffer by a multi-tensor copy that casts them (`flatten_into_fp32`), AdamW on the
+    fp32 master with the unscale and clip as its `grad_scale` (the kernel writes the
+    unscaled gradient back) and the skip's verdict as its `found_inf`, and the master cast
+    back into the low-precision parameters; and DEEPSPEED_SCALAR_OPS one-element kernels.
+    The reduce-scatter or all-reduce of the gradients and the all-gather of the updated
+    parameters are communication, left out."""
     dev, low = params[0].device, params[0].dtype
     held = _zero1_gradients(params, world)
     scalar = torch.empty((), device=dev)
@@ -402,7 +403,7 @@ def zero1_step(params: list[torch.Tensor], world: int = 1) -> None:
         torch._foreach_copy_(list(grad.split([g.numel() for g in group])), group)
         master, m, v = (torch.empty(grad.numel(), device=dev) for _ in range(3))
         step = torch.empty((), device=dev)
-        adamw([master], [grad], [m], [v], [step], grad_scale=scalar)
+        adamw([master], [grad], [m], [v], [step], grad_scale=scalar, found_inf=scalar)
         torch.empty(grad.numel(), dtype=low, device=dev).copy_(master)  # into the parameters
 
 
@@ -437,10 +438,10 @@ def _zero1_gradients(params: list[torch.Tensor], world: int) -> tuple[list, list
     return held
 
 
-def adamw(params, grads, m, v, steps, grad_scale: torch.Tensor | None = None) -> None:
+def adamw(params, grads, m, v, steps, grad_scale=None, found_inf=None) -> None:
     torch._fused_adamw_(
-        params, grads, m, v, [], steps, lr=1e-4, beta1=0.9, beta2=0.999,
-        weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False, grad_scale=grad_scale,
+        params, grads, m, v, [], steps, lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.01,
+        eps=1e-8, amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf,
     )  # fmt: skip
 
 
