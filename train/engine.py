@@ -703,7 +703,7 @@ def streamline_zero(optimizer) -> None:
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
         fuse_grad_norm(optimizer)
         clip_without_host_reads(optimizer)
-        skip_on_the_device(optimizer)
+        skip_on_the_device(optimizer)  # wraps the clip: installed after it
         flatten_into_fp32(optimizer)
         skip_one_rank_reduction(optimizer)
 
@@ -873,7 +873,7 @@ def skip_on_the_device(optimizer) -> None:
 
     def unscale_and_clip_grads(grad_groups_flat, total_norm):
         if last.get("norm") is not total_norm:  # once a step: the groups share the norm
-            norm = torch.as_tensor(total_norm, dtype=torch.float, device=optimizer.device)
+            norm = _norm_tensor(total_norm, optimizer.device)
             bad = ((norm >= 0) & (norm < float("inf"))).logical_not().float()  # NaN fails both
             last.update(norm=total_norm, bad=bad)
             seen = optimizer.skipped_on_device
@@ -884,12 +884,18 @@ def skip_on_the_device(optimizer) -> None:
     optimizer.unscale_and_clip_grads = unscale_and_clip_grads
 
 
+def _norm_tensor(total_norm, device) -> torch.Tensor:
+    """DeepSpeed's global norm (a tensor, or a float where its helpers give one) as an fp32
+    tensor on the device."""
+    return torch.as_tensor(total_norm, dtype=torch.float, device=device)
+
+
 def _clip_factor(total_norm, scale: float, clip_grad: float, device) -> torch.Tensor:
     """DeepSpeed's combined unscale and clip factor, made on the device in a few one-element
     kernels: loss scale · max(1, (norm / loss scale + 1e-6) / clip), an invalid norm (NaN, inf,
     its helpers' -1: all fail `norm >= 0` but inf) infinite; no division or product by a loss
     scale of 1 (bf16)."""
-    norm = torch.as_tensor(total_norm, dtype=torch.float, device=device)
+    norm = _norm_tensor(total_norm, device)
     norm = torch.where(norm >= 0, norm, float("inf"))
     factor = torch.clamp(((norm if scale == 1.0 else norm / scale) + 1e-6) / clip_grad, min=1.0)
     return factor if scale == 1.0 else factor * scale
