@@ -1,10 +1,10 @@
-"""Two CPU ranks (gloo) of a bf16 ZeRO-1 engine with a GPU's config (torch's fused AdamW as the
+"""Two CPU ranks (gloo) of a bf16 ZeRO-1 or ZeRO-2 engine with a GPU's config (torch's fused AdamW as the
 client, DeepSpeed's contiguous bucket and reduce-scatter; overlap_comm off: gloo has no side
 streams): at one step the last rank's loss is NaN. Each rank writes OUT/rank<r>.json, which
 tests/train/test_fused_step.py reads: whether each step left the fp32 masters unchanged and
 finite, the host reads of each step, and the skipped steps counted.
 
-    deepspeed --num_gpus 2 tests/train/skip_job.py OUT
+    deepspeed --num_gpus 2 tests/train/skip_job.py OUT [STAGE]    (STAGE 1 or 2; default 1)
 """
 
 import json
@@ -24,7 +24,11 @@ STEPS, NAN_STEP = 6, 4  # the warm-up's first two steps have lr 0
 def main() -> None:
     init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    cfg = resolve(None, {"precision": "bf16", "zero_stage": 1, "micro_batch": 2, "max_steps": 10})
+    out_dir, *rest = [a for a in sys.argv[1:] if not a.startswith("--")]  # the launcher's own
+    stage = int(rest[0]) if rest else 1
+    cfg = resolve(
+        None, {"precision": "bf16", "zero_stage": stage, "micro_batch": 2, "max_steps": 10}
+    )
     torch.manual_seed(0)
     model = shatter.build_model("bert-tiny", vocab_size=300, max_len=64)
     ds = deepspeed_config(cfg, world, cpu=False)
@@ -48,7 +52,6 @@ def main() -> None:
     out = dict(rank=rank, unchanged=unchanged, finite=finite, reads=reads,
                skipped=skipped_steps(engine), device_skip=not opt.check_grad_overflow,
                contiguous=opt.contiguous_gradients)  # fmt: skip
-    out_dir = next(a for a in sys.argv[1:] if not a.startswith("--"))  # the launcher's first
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
 
 

@@ -223,9 +223,11 @@ def test_bf16_zero1_skips_a_nonfinite_step_on_the_device_without_a_host_read():
 
 
 @pytest.mark.slow
-def test_two_ranks_skip_a_nonfinite_step_on_the_device(tmp_path):
-    """bf16 ZeRO-1 on two ranks with a GPU's config (tests/train/skip_job.py: torch's fused
-    AdamW, the contiguous bucket's reduce-scatter): a NaN loss on the last rank only at step 4
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_ranks_skip_a_nonfinite_step_on_the_device(tmp_path, stage):
+    """bf16 ZeRO-1 and ZeRO-2 on two ranks with a GPU's config (tests/train/skip_job.py: torch's
+    fused AdamW, the contiguous bucket's reduce-scatter; ZeRO-2 reduces and partitions the
+    gradients during the backward): a NaN loss on the last rank only at step 4
     leaves both ranks' fp32 masters unchanged (the norm is all-reduced: both kernels skip), the
     other steps update them (but the warm-up's two at lr 0), all stay finite, no step reads
     the host, and each rank counts one skipped step."""
@@ -233,7 +235,7 @@ def test_two_ranks_skip_a_nonfinite_step_on_the_device(tmp_path):
     from tests.train.runs import BIN
 
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2"]
-    cmd += ["--master_port", str(free_port()), "tests/train/skip_job.py", str(tmp_path)]
+    cmd += ["--master_port", str(free_port()), "tests/train/skip_job.py", str(tmp_path), str(stage)]
     done = run_command(cmd, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
