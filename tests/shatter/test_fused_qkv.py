@@ -2,6 +2,8 @@
 per forward for every layer from the same three parameters, equal the three GEMMs of the eager
 layer (values and every gradient), with the same state dict (query, key, value)."""
 
+import math
+
 import pytest
 import torch
 
@@ -53,3 +55,29 @@ def test_fused_qkv_is_one_gemm_per_layer():
             tiny("bert", fused_qkv=fused).encoder(ids(2, 8))
         counts[fused] = Count.n
     assert counts[False] - counts[True] == 2 * 2  # two fewer GEMMs in each of the 2 layers
+
+
+def test_fused_qkv_s_backward_copies_no_token_wide_gradient():
+    """The backward reads SDPA's three gradients where they are: no cat (or other copy) of a
+    [tokens, 3d] gradient (seen failing with the layer's `linear(...).chunk(3)`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = tiny("bert", fused_qkv=True)
+    x = ids(2, 8)
+    tokens, d = x.numel(), model.config.hidden
+
+    class Record(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                Record.ops.append((func.overloadpacket.__name__, tuple(out.shape)))
+            return out
+
+    loss = model(x, None, torch.where(x % 3 == 0, x, -100))["loss"]
+    with Record():
+        loss.backward()
+    wide = [op for op in Record.ops if op[1][-1:] == (3 * d,) and math.prod(op[1][:-1]) == tokens]
+    assert not [op for op in wide if op[0] in ("cat", "clone", "copy_", "_to_copy")], wide
+    assert model.encoder.layers[0].attention.query.weight.grad is not None
