@@ -127,8 +127,10 @@ def test_custom_ops_are_priced_per_kernel():
 def test_the_folded_biases_leave_no_reduction_of_their_own(arch):
     """The backward's bias gradients that are sums over the tokens (each a read of a [T, width]
     output gradient): of the model's width one a layer for Shatter (the FFN's second bias; b^O
-    is W^F's column that meets the context's ones, summed by W^F's weight-gradient GEMM) where
-    BERT has two (b^O too); of the FFN's width one a layer for both (its first bias)."""
+    is W^F's column that meets the context's ones, summed by W^F's weight-gradient GEMM, and
+    b^P's sum reads the [T, 2d + 16] projection gradient) where BERT has five (b^O too, and
+    b^Q, b^K, b^V, each summed from SDPA's own gradient: fused QKV's backward has no [T, 3d]
+    gradient); of the FFN's width one a layer for both (its first bias)."""
     config = shatter.config.preset_config(f"{arch}-tiny", max_len=128)
     tokens, low = ROWS * LENGTH, 2  # bf16 bytes
     sums = [r for r in _trace(arch) if r["phase"] == "backward" and r["op"] == "aten::sum"]
@@ -137,7 +139,8 @@ def test_the_folded_biases_leave_no_reduction_of_their_own(arch):
         return sum(r["count"] for r in sums if r["bytes"] == (tokens + 1) * width * low)
 
     assert reading(config.ffn) == config.layers
-    assert reading(config.hidden) == config.layers * (1 if arch == "shatter" else 2)
+    assert reading(config.hidden) == config.layers * (1 if arch == "shatter" else 5)
+    assert reading(3 * config.hidden) == 0
 
 
 def test_multi_tensor_ops_launch_as_cuda_s_multi_tensor_apply():
