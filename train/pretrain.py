@@ -168,9 +168,34 @@ def _initial_model(cfg: TrainConfig, index, seq_len: int):
     from shatter.train.compiling import compile_model, wants_compile
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda" and cfg.run.precision == "fp16":
+        _keep_rows_where_they_fit(model, cfg, seq_len)
     if wants_compile(cfg.run.compile, device_type, cfg.run.zero_stage):
         compile_model(model)
     return model
+
+
+def _keep_rows_where_they_fit(model, cfg: TrainConfig, seq_len: int) -> None:
+    """`auto` resolved to `rows-keep` in the partition layers where it pays and its kept W fits
+    a tenth of this GPU's memory (shatter.attention.single_head), said in one line."""
+    import torch
+
+    from shatter.attention.impls import KEEP_SHARE
+    from shatter.attention.single_head import keep_rows_where_they_fit
+
+    gpu = torch.cuda.get_device_properties(torch.cuda.current_device())
+    batch = cfg.run.micro_batch
+    if keep_rows_where_they_fit(
+        model, batch, seq_len, torch.float16, (gpu.major, gpu.minor), gpu.total_memory
+    ):
+        c = model.config
+        kept = c.layers * c.heads * batch * seq_len**2 * 2 / 2**30
+        click.echo(
+            f"attention_impl auto: rows-keep on this sm_{gpu.major}{gpu.minor} at {batch} x "
+            f"{seq_len}: W kept from the forward ({kept:.2f} GiB, at most {KEEP_SHARE:.0%} of "
+            f"the GPU's memory); set model.overrides.attention_impl to keep another",
+            err=True,
+        )
 
 
 def compiled_run(ctx, state) -> str:

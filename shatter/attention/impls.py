@@ -34,7 +34,10 @@ bytes, so `fused` wins at small d and `triton` at the paper's d = 768 and 1024);
 (every product on cuBLAS, W through HBM) or `triton` (the part products as FMA dots on chip),
 whichever the same roofline prices faster with the dots at the FMA peak (`triton` at the
 paper's shapes; `rows` without a shape); `chunked` on CUDA otherwise (fp32: the kernels' IEEE
-fp32 dots are slow; no triton); `lean` on the CPU.
+fp32 dots are slow; no triton); `lean` on the CPU. A training run resolves `auto` further before
+its first step, for its batch: `rows-keep` below sm_80 where `keeps_rows` prices it faster and
+its kept W fits a tenth of the GPU's memory (the paper's 8 V100s at l = 1024;
+single_head.keep_rows_where_they_fit).
 """
 
 from __future__ import annotations
@@ -236,6 +239,31 @@ def kernel_choice(capability: tuple[int, int], shape: tuple, dtype: torch.dtype)
         KERNEL_CHOICES[family],
         key=lambda impl: modelled_seconds(impl, shape, dtype.itemsize, family),
     )
+
+
+# The share of a GPU's memory `keeps_rows` lets rows-keep's kept W take
+KEEP_SHARE = 0.1
+
+
+def keeps_rows(
+    capability: tuple[int, int], shape: tuple, dtype: torch.dtype, layers: int, memory: float
+) -> bool:
+    """Whether a training run should resolve `auto` to `rows-keep` for `layers` partition layers
+    of `shape` = (B, l, d, n) on a GPU of `capability` with `memory` bytes: where `rows` is one of
+    the family's choices (below sm_80, fp16), the roofline prices `rows-keep` faster than
+    `kernel_choice`'s pick, and the W it keeps (n l² elements a sequence a layer) takes at most
+    KEEP_SHARE of the memory. The paper's 8 V100s (16 GB, 4 x 1024 tokens each): 1.2 GB, yes."""
+    from shatter.kernels.cost import family_of, modelled_seconds
+
+    family = family_of(capability)
+    if "rows" not in KERNEL_CHOICES[family] or dtype != torch.float16:
+        return False
+    B, L, _, n = shape
+    if layers * n * B * L * L * dtype.itemsize > KEEP_SHARE * memory:
+        return False
+    chosen = kernel_choice(capability, tuple(shape), dtype)
+    price = lambda impl: modelled_seconds(impl, tuple(shape), dtype.itemsize, family)  # noqa: E731
+    return price("rows-keep") < price(chosen)
 
 
 def auto_impl(device: torch.device, dtype: torch.dtype, shape: tuple | None = None) -> str:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from shatter.attention.impls import resolve_layer
+from shatter.attention.impls import keeps_rows, resolve_layer
 from shatter.attention.layer_weights import (
     LayerWeights,
     assembled_weights,
@@ -120,3 +120,25 @@ class PartBiasAttention(SingleHeadPartitionAttention):
 class ShatterAttention(SingleHeadPartitionAttention):
     partition_bias = True
     partition_value = True
+
+
+def keep_rows_where_they_fit(
+    model: nn.Module, batch: int, length: int, dtype: torch.dtype, capability, memory: float
+) -> bool:
+    """Runs `rows-keep` in every partition layer of `model` set to `auto` where `keeps_rows`
+    says so for a training batch of `batch` x `length` in `dtype` on a GPU of `capability` with
+    `memory` bytes; True where it does. Only the layers' runtime choice changes: the config, and
+    so checkpoints and exports, keep `auto`."""
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, SingleHeadPartitionAttention) and m.impl == "auto"
+    ]
+    if not layers:
+        return False
+    shape = (batch, length, layers[0].query.in_features, layers[0].n)
+    if not keeps_rows(capability, shape, dtype, len(layers), memory):
+        return False
+    for layer in layers:
+        layer.impl = "rows-keep"
+    return True

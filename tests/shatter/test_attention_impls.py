@@ -309,3 +309,42 @@ def test_auto_under_torch_compile_is_a_constant_choice(monkeypatch):
         out = torch.compile(forward, backend="eager", fullgraph=True)(torch.zeros(1))
     assert out.item() == 1  # sm_90, d = 256, l = 1024: fused, as eager
     assert not [w for w in caught if "Dynamo" in str(w.message)]
+
+
+def test_a_training_run_keeps_rows_where_they_pay_and_fit():
+    """`keeps_rows`: rows-keep below sm_80 in fp16 where the roofline prices it faster than
+    `auto`'s pick and its kept W (layers x n x B x l² fp16) fits a tenth of the GPU's memory:
+    the paper's 8 V100s (16 GiB, 4 x 1024 tokens each, 1.2 GB kept) yes; at l = 256 (priced
+    slower), past the memory share, on sm_80+ or in bf16, no."""
+    pytest.importorskip("triton")
+    fp16, gib = torch.float16, 2**30
+    v100_1024, v100_256 = (4, 1024, 768, 12), (16, 256, 768, 12)
+    assert impls.keeps_rows((7, 0), v100_1024, fp16, 12, 16 * gib)
+    assert not impls.keeps_rows((7, 0), v100_256, fp16, 12, 16 * gib)  # priced slower
+    assert not impls.keeps_rows((7, 0), (16, 1024, 768, 12), fp16, 12, 32 * gib)  # 4.8 GB
+    kept = 12 * 12 * 4 * 1024**2 * 2
+    assert impls.keeps_rows((7, 0), v100_1024, fp16, 12, kept / impls.KEEP_SHARE)
+    assert not impls.keeps_rows((7, 0), v100_1024, fp16, 12, kept / impls.KEEP_SHARE - 1)
+    assert not impls.keeps_rows((9, 0), v100_1024, fp16, 12, 80 * gib)
+    assert not impls.keeps_rows((7, 0), v100_1024, torch.bfloat16, 12, 16 * gib)
+
+
+def test_keeping_rows_changes_the_layers_choice_not_the_config():
+    """keep_rows_where_they_fit sets every `auto` partition layer's runtime impl to rows-keep
+    where keeps_rows says so, and leaves the config (saved in checkpoints and exports) at
+    `auto`; a layer set to another impl, and BERT, are left as they are."""
+    pytest.importorskip("triton")
+    from shatter.attention.single_head import keep_rows_where_they_fit
+
+    gib, v100 = 2**30, (7, 0)
+    model = tiny("shatter", hidden=768, heads=12)
+    args = (4, 1024, torch.float16, v100)
+    assert keep_rows_where_they_fit(model, *args, 16 * gib)
+    layers = [b.attention for b in model.encoder.layers]
+    assert {a.impl for a in layers} == {"rows-keep"} and model.config.attention_impl == "auto"
+    assert not keep_rows_where_they_fit(
+        tiny("shatter", hidden=768, heads=12), 16, 256, *args[2:], 16 * gib
+    )
+    forced = tiny("shatter", hidden=768, heads=12, attention_impl="triton")
+    assert not keep_rows_where_they_fit(forced, *args, 16 * gib)
+    assert not keep_rows_where_they_fit(tiny("bert"), *args, 16 * gib)

@@ -95,6 +95,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # GPU a lent machine has, so that step_measure.py's measurements have their modelled figures
 GPUS = TABLE_GPUS | {"H200": (989e12, 4.8e12)}
 DEFAULT_GPUS = "H100,A100,V100"
+MEMORY_GIB = {"H100": 80.0, "H200": 141.0, "A100": 80.0, "V100": 32.0}  # the larger model of each
 
 # The grid --fit searches: round values a GPU can plausibly reach, bounded by what is physical
 # (cuBLAS at most 70% of peak at these shapes, elementwise kernels at least 60% of HBM)
@@ -128,6 +129,7 @@ class Gpu:
     flash: bool  # FlashAttention-2 available (sm_80+)
     partition_impl: str  # Shatter's attention impl there ("auto": per shape, `shatter_impl`)
     capability: tuple[int, int] = (9, 0)
+    memory_gib: float = 80.0  # one GPU's memory (auto's rows-keep: impls.keeps_rows)
 
 
 def gpus() -> dict[str, Gpu]:
@@ -135,21 +137,25 @@ def gpus() -> dict[str, Gpu]:
     sm70 = dict(low=torch.float16, flash=False, partition_impl="auto", capability=(7, 0))
     capability = {"H100": (9, 0), "H200": (9, 0), "A100": (8, 0)}
     return {
-        name: Gpu(name, peak, bw, **(sm70 if name == "V100" else dict(sm80, capability=capability[name])))
+        name: Gpu(name, peak, bw, **(sm70 if name == "V100" else dict(sm80, capability=capability[name])),
+                  memory_gib=MEMORY_GIB[name])
         for name, (peak, bw) in GPUS.items()
     }  # fmt: skip
 
 
 def shatter_impl(gpu: Gpu, arch: str, size: str, length: int, rows: int) -> str:
-    """The attention impl Shatter's archs run on `gpu`: its own, or with "auto" the impl `auto`
-    picks for the layer's shape there (shatter.attention.impls.kernel_choice)."""
+    """The attention impl Shatter's archs run on `gpu`: its own, or with "auto" the impl a
+    training run takes for the layer's shape there: `rows-keep` where impls.keeps_rows says so
+    for the GPU's memory, else impls.kernel_choice's."""
     if gpu.partition_impl != "auto":
         return gpu.partition_impl
-    from shatter.attention.impls import kernel_choice
+    from shatter.attention.impls import keeps_rows, kernel_choice
     from shatter.config import preset_config
 
     config = preset_config(f"{arch}-{size}", max_len=max(length, 512))
     shape = (rows, length, config.hidden, config.heads)
+    if keeps_rows(gpu.capability, shape, gpu.low, config.layers, gpu.memory_gib * 2**30):
+        return "rows-keep"  # as a training run resolves auto (train/pretrain.py)
     return kernel_choice(gpu.capability, shape, gpu.low)
 
 
@@ -224,12 +230,13 @@ class Run:
     impl: str | None = None  # Shatter's attention impl on every GPU over `auto`'s choice
     size: str = "base"
     config: str | None = None  # the config file read
+    memory_gib: float | None = None  # one GPU's memory over the GPU table's (run.gpu_memory_gb)
 
 
 def run_of_config(path: str, run: Run) -> Run:
     """`run` with the tokens per GPU (micro-batch x data.seq_len, when it sets one), accumulation,
-    world size, compile, precision, size and attention impl of the training config at `path`
-    (train/config.py's YAML)."""
+    world size, compile, precision, size, attention impl and GPU memory of the training config at
+    `path` (train/config.py's YAML)."""
     from shatter.train.config import ConfigError, resolve
 
     try:
@@ -253,6 +260,7 @@ def run_of_config(path: str, run: Run) -> Run:
         impl=run.impl or (None if impl == "auto" else impl),
         size=cfg.model.preset.rsplit("-", 1)[-1],
         config=path,
+        memory_gib=r.gpu_memory_gb,
     )
 
 
@@ -261,6 +269,8 @@ def gpu_for(name: str, run: Run) -> Gpu:
     gpu = gpus()[name]
     if run.impl:
         gpu = replace(gpu, partition_impl=run.impl)
+    if run.memory_gib:
+        gpu = replace(gpu, memory_gib=run.memory_gib)
     if run.precision == "bf16" and not gpu.flash:
         raise SystemExit(f"step_cost: the {name} has no bf16; train it in fp16 (run.precision)")
     if run.precision:
