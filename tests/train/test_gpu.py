@@ -160,6 +160,7 @@ def extend_and_evaluate(shared_data, books_data, export, length: int, tmp_path) 
 V100_PATHS = {  # what an sm_70 GPU runs in fp16: Shatter's attention impls, and BERT beside them
     "shatter-chunked": ("shatter-tiny", "chunked"),
     "shatter-rows": ("shatter-tiny", "rows"),  # auto's choice on a V100 for long rows
+    "shatter-rows-keep": ("shatter-tiny", "rows-keep"),  # a run's auto at 4 x 1024 (keeps_rows)
     "shatter-triton": ("shatter-tiny", "triton"),  # auto's at the paper's shapes: FMA dots
     "bert": ("bert-tiny", None),
 }
@@ -170,8 +171,8 @@ V100_PATHS = {  # what an sm_70 GPU runs in fp16: Shatter's attention impls, and
 def test_the_v100_path_fp16_loss_scaling_and_attention(shared_data, books_data, tmp_path, path):
     """What an sm_70 GPU runs, forced on this one: fp16 under DeepSpeed's dynamic loss scaling,
     the first steps overflowing (a loss scale of 2^32) and skipped, and Shatter's attention
-    forced with `attention_impl` (chunked, the cuBLAS + Triton row kernels `rows`, or `triton`
-    with its mixing dots on FMAs) or BERT;
+    forced with `attention_impl` (chunked, the cuBLAS + Triton row kernels `rows` and `rows-keep`,
+    or `triton` with its mixing dots on FMAs) or BERT;
     then the export and, for Shatter, shatter-extend to twice the length and an evaluation."""
     preset, impl = V100_PATHS[path]
     config = yaml.safe_load((REPO / "configs" / "cpu-tiny.yaml").read_text())
