@@ -250,13 +250,14 @@ def keeps_rows(
 ) -> bool:
     """Whether a training run should resolve `auto` to `rows-keep` for `layers` partition layers
     of `shape` = (B, l, d, n) on a GPU of `capability` with `memory` bytes: where `rows` is one of
-    the family's choices (below sm_80, fp16), the roofline prices `rows-keep` faster than
-    `kernel_choice`'s pick, and the W it keeps (n l² elements a sequence a layer) takes at most
-    KEEP_SHARE of the memory. The paper's 8 V100s (16 GB, 4 x 1024 tokens each): 1.2 GB, yes."""
+    the family's choices (below sm_80, fp16, triton importable), the roofline prices `rows-keep`
+    faster than `kernel_choice`'s pick, and the W it keeps (n l² elements a sequence a layer)
+    takes at most KEEP_SHARE of the memory. The paper's 8 V100s (16 GB, 4 x 1024 tokens each):
+    1.2 GB, yes."""
     from shatter.kernels.cost import family_of, modelled_seconds
 
     family = family_of(capability)
-    if "rows" not in KERNEL_CHOICES[family] or dtype != torch.float16:
+    if "rows" not in KERNEL_CHOICES[family] or dtype != torch.float16 or not _rows_available():
         return False
     B, L, _, n = shape
     if layers * n * B * L * L * dtype.itemsize > KEEP_SHARE * memory:

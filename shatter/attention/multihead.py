@@ -76,11 +76,16 @@ class _PackedQKV(torch.autograd.Function):
         xc, W = ctx.saved_tensors
         x_Td = xc.reshape(-1, xc.shape[-1])
         g = [t.reshape(-1, t.shape[-1]) for t in grads]  # SDPA's come contiguous: views
-        Wq, Wk, Wv = W.chunk(3, 0)
-        dx = torch.addmm(torch.addmm(g[0] @ Wq, g[1], Wk), g[2], Wv)
-        dW = torch.cat([gi.t() @ x_Td for gi in g])
-        db = torch.cat([gi.sum(0) for gi in g])
-        return dx.view(xc.shape).to(ctx.dtype), dW, db
+        dx = dW = db = None
+        if ctx.needs_input_grad[0]:
+            Wq, Wk, Wv = W.chunk(3, 0)
+            dx = torch.addmm(torch.addmm(g[0] @ Wq, g[1], Wk), g[2], Wv)
+            dx = dx.view(xc.shape).to(ctx.dtype)
+        if ctx.needs_input_grad[1]:
+            dW = torch.cat([gi.t() @ x_Td for gi in g])
+        if ctx.needs_input_grad[2]:
+            db = torch.cat([gi.sum(0) for gi in g])
+        return dx, dW, db
 
 
 class BertAttention(nn.Module):

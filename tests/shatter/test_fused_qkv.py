@@ -81,3 +81,34 @@ def test_fused_qkv_s_backward_copies_no_token_wide_gradient():
     wide = [op for op in Record.ops if op[1][-1:] == (3 * d,) and math.prod(op[1][:-1]) == tokens]
     assert not [op for op in wide if op[0] in ("cat", "clone", "copy_", "_to_copy")], wide
     assert model.encoder.layers[0].attention.query.weight.grad is not None
+
+
+def test_fused_qkv_s_backward_makes_only_the_gradients_asked_for():
+    """With the weights frozen (a finetune's frozen encoder), the backward makes dx alone: no
+    weight-gradient GEMM, no bias sum, and the input's gradient is as with the weights live."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = tiny("bert", fused_qkv=True)
+    x = ids(2, 8)
+    labels = torch.where(x % 3 == 0, x, -100)
+    embeds = model.encoder.embeddings.word_embeddings.weight
+    want = torch.autograd.grad(model(x, None, labels)["loss"], embeds)[0]
+    for name, p in model.named_parameters():
+        p.requires_grad_("embeddings" in name)
+    d, tokens = model.config.hidden, x.numel()
+
+    class Shapes(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ("mm", "sum") and isinstance(out, torch.Tensor):
+                Shapes.seen.append(tuple(out.shape))
+            return out
+
+    loss = model(x, None, labels)["loss"]
+    with Shapes():
+        got = torch.autograd.grad(loss, embeds)[0]
+    assert (d, d) not in Shapes.seen and (d,) not in Shapes.seen, Shapes.seen
+    assert (tokens, d) in Shapes.seen  # dx was made
+    torch.testing.assert_close(got, want)
