@@ -22,6 +22,9 @@ on GPUs, 2 x 5e8 x 2 B = 1.86 GiB uncapped, 2 x 210 MiB for bert-base; none with
 `contiguous_gradients` off (ZeRO-1 on one GPU: train/engine.py). ZeRO-3 adds its reduce bucket and its
 `stage3_prefetch_bucket_size` (DeepSpeed's default 5e7) of weights.
 
+In fp16 (a V100's precision) the peak also holds the W that `auto`'s `rows-keep` keeps where a
+run on a V100 takes it (shatter/attention/single_head.py: rows_to_keep; the base width at l = 1024).
+
 `--target gpu` estimates for a GPU from any box: the DeepSpeed config a GPU run gets (overlap_comm
 on, torch's fused AdamW), its bucket buffers and the CUDA context. Activations are still measured
 on the CPU with the CPU's attention impl: BERT's math-path SDPA saves the l x l probabilities that
@@ -154,6 +157,17 @@ def estimate(
     }
 
 
+def _kept_rows(model: torch.nn.Module, r, seq_len: int) -> int:
+    """The bytes of W a run in fp16 keeps on a V100 (sm_70) of r.gpu_memory_gb where `auto`
+    takes `rows-keep` (shatter.attention.single_head.rows_to_keep); 0 otherwise."""
+    if r.precision != "fp16":
+        return 0
+    from shatter.attention.single_head import rows_to_keep
+
+    memory = r.gpu_memory_gb * GIB
+    return rows_to_keep(model, r.micro_batch, seq_len, torch.float16, (7, 0), memory)
+
+
 def dry_run_report(cfg: TrainConfig, target: str = "auto") -> str:
     """`target`: "gpu" estimates for a GPU from any box, "auto" for this machine's kind."""
     import shatter
@@ -181,6 +195,13 @@ def dry_run_report(cfg: TrainConfig, target: str = "auto") -> str:
     ds = fit_reduce_bucket(ds, model)  # as build_engine gives it to DeepSpeed
     est = estimate(cfg, model, seq_len, vocab, bucket_bytes(ds, cfg.run.precision))
     r = cfg.run
+    kept = _kept_rows(model, r, seq_len)
+    if kept:  # a V100's run keeps the partition layers' W: in the peak, and per sample
+        fixed = est["total"] - est["activations"]
+        est["total"] += kept
+        est["fits"] = est["total"] <= r.gpu_memory_gb * GIB
+        per_sample = (est["activations"] + kept) / r.micro_batch
+        est["largest_micro_batch"] = max(int((r.gpu_memory_gb * GIB - fixed) // per_sample), 0)
     lines = [
         "# resolved config",
         json.dumps(cfg.to_dict(), indent=2),
@@ -203,10 +224,12 @@ def dry_run_report(cfg: TrainConfig, target: str = "auto") -> str:
             f"(weights {w / GIB:.2f}, grads {g / GIB:.2f}, optimizer {o / GIB:.2f}){mark}"
         )
     verdict = "fits" if est["fits"] else "DOES NOT FIT"
+    kept_line = [f"W that auto's rows-keep keeps on a V100 or T4 in fp16: {kept / GIB:.2f} GiB"]
     lines += [
         f"activations per micro-batch (measured on CPU, scaled to {r.precision}): {est['activations'] / GIB:.2f} GiB",
         f"DeepSpeed reduction buckets (reduce_bucket_size, x2 with overlap_comm): {est['buckets'] / GIB:.2f} GiB",
         f"CUDA context and workspace (rule of thumb): {CONTEXT_GIB:.2f} GiB",
+        *(kept_line if kept else []),
         f"estimated peak per GPU at ZeRO-{r.zero_stage}: {est['total'] / GIB:.2f} GiB of {r.gpu_memory_gb:g} GiB: {verdict}",
         f"largest micro-batch that fits {r.gpu_memory_gb:g} GiB at ZeRO-{r.zero_stage}: {est['largest_micro_batch']}",
     ]

@@ -185,15 +185,15 @@ def _keep_rows_where_they_fit(model, cfg: TrainConfig, seq_len: int) -> None:
 
     gpu = torch.cuda.get_device_properties(torch.cuda.current_device())
     batch = cfg.run.micro_batch
-    if keep_rows_where_they_fit(
+    kept = keep_rows_where_they_fit(
         model, batch, seq_len, torch.float16, (gpu.major, gpu.minor), gpu.total_memory
-    ):
-        c = model.config
-        kept = c.layers * c.heads * batch * seq_len**2 * 2 / 2**30
+    )
+    if kept:
         click.echo(
             f"attention_impl auto: rows-keep on this sm_{gpu.major}{gpu.minor} at {batch} x "
-            f"{seq_len}: W kept from the forward ({kept:.2f} GiB, at most {KEEP_SHARE:.0%} of "
-            f"the GPU's memory); set model.overrides.attention_impl to keep another",
+            f"{seq_len}: W kept from the forward ({kept / 2**30:.2f} GiB, at most "
+            f"{KEEP_SHARE:.0%} of the GPU's memory); set model.overrides.attention_impl to "
+            "keep another",
             err=True,
         )
 

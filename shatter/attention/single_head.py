@@ -122,23 +122,38 @@ class ShatterAttention(SingleHeadPartitionAttention):
     partition_value = True
 
 
-def keep_rows_where_they_fit(
-    model: nn.Module, batch: int, length: int, dtype: torch.dtype, capability, memory: float
-) -> bool:
-    """Runs `rows-keep` in every partition layer of `model` set to `auto` where `keeps_rows`
-    says so for a training batch of `batch` x `length` in `dtype` on a GPU of `capability` with
-    `memory` bytes; True where it does. Only the layers' runtime choice changes: the config, and
-    so checkpoints and exports, keep `auto`."""
-    layers = [
+def _auto_layers(model: nn.Module) -> list[SingleHeadPartitionAttention]:
+    return [
         m
         for m in model.modules()
         if isinstance(m, SingleHeadPartitionAttention) and m.impl == "auto"
     ]
+
+
+def rows_to_keep(
+    model: nn.Module, batch: int, length: int, dtype: torch.dtype, capability, memory: float
+) -> int:
+    """The bytes of W that `rows-keep` keeps in `model`'s `auto` partition layers for a training
+    batch of `batch` x `length` in `dtype` on a GPU of `capability` with `memory` bytes, where
+    `keeps_rows` says a run takes it; 0 where it does not."""
+    layers = _auto_layers(model)
     if not layers:
-        return False
-    shape = (batch, length, layers[0].query.in_features, layers[0].n)
+        return 0
+    n = layers[0].n
+    shape = (batch, length, layers[0].query.in_features, n)
     if not keeps_rows(capability, shape, dtype, len(layers), memory):
-        return False
-    for layer in layers:
-        layer.impl = "rows-keep"
-    return True
+        return 0
+    return len(layers) * n * batch * length**2 * dtype.itemsize
+
+
+def keep_rows_where_they_fit(
+    model: nn.Module, batch: int, length: int, dtype: torch.dtype, capability, memory: float
+) -> int:
+    """Runs `rows-keep` in every partition layer of `model` set to `auto` where `rows_to_keep`
+    says so; the bytes it keeps (0: nothing changed). Only the layers' runtime choice changes:
+    the config, and so checkpoints and exports, keep `auto`."""
+    kept = rows_to_keep(model, batch, length, dtype, capability, memory)
+    if kept:
+        for layer in _auto_layers(model):
+            layer.impl = "rows-keep"
+    return kept

@@ -141,3 +141,33 @@ def test_plot_metrics_names_each_run_apart(tmp_path):
     a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
     assert run_names([a, b]) == ["a/run", "b/run"]
     assert run_names([tmp_path / "x", tmp_path / "y"]) == ["x", "y"]
+
+
+def test_dry_run_counts_the_weights_a_v100_run_keeps(tmp_path):
+    """In fp16 (a V100's precision) the dry run adds the W that `auto`'s rows-keep keeps where
+    a run takes it (the base width's shape at 4 x 1024, two layers here: 2 x 12 x 4 x 1024² fp16
+    = 0.19 GiB) to the peak; in bf16, or at l = 256 (rows-keep priced slower), nothing."""
+    from shatter.train.pretrain import main
+
+    config = tmp_path / "v100.yaml"
+    config.write_text(
+        "model:\n  preset: shatter-tiny\n"
+        "  overrides: {hidden: 768, heads: 12, ffn: 768, max_len: 1024}\n"
+        "data:\n  seq_len: 1024\nrun:\n  micro_batch: 4\n  precision: fp16\n  zero_stage: 1\n"
+        "  num_gpus: 8\n  gpu_memory_gb: 16\n"
+    )
+    label = "W that auto's rows-keep keeps on a V100 or T4 in fp16"
+
+    def dry(*flags: str) -> str:
+        result = CliRunner().invoke(main, ["--config", str(config), "--dry-run", *flags])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    def peak(out: str) -> float:
+        return float(out.split("estimated peak per GPU at ZeRO-1: ")[1].split()[0])
+
+    kept = dry()
+    assert f"{label}: {2 * 12 * 4 * 1024**2 * 2 / 2**30:.2f} GiB" in kept
+    bf16 = dry("--precision", "bf16", "--target", "gpu")  # the same DeepSpeed config as fp16's
+    assert label not in bf16 and peak(kept) == pytest.approx(peak(bf16) + 0.19, abs=0.015)
+    assert label not in dry("--seq-len", "256")
