@@ -263,8 +263,11 @@ def keeps_rows(
     if layers * n * B * L * L * dtype.itemsize > KEEP_SHARE * memory:
         return False
     chosen = kernel_choice(capability, tuple(shape), dtype)
-    price = lambda impl: modelled_seconds(impl, tuple(shape), dtype.itemsize, family)  # noqa: E731
-    return price("rows-keep") < price(chosen)
+    keep, pick = (
+        modelled_seconds(impl, tuple(shape), dtype.itemsize, family)
+        for impl in ("rows-keep", chosen)
+    )
+    return keep < pick
 
 
 def auto_impl(device: torch.device, dtype: torch.dtype, shape: tuple | None = None) -> str:
