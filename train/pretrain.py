@@ -177,25 +177,28 @@ def _initial_model(cfg: TrainConfig, index, seq_len: int):
 
 def _keep_rows_where_they_fit(model, cfg: TrainConfig, seq_len: int) -> None:
     """`auto` resolved to `rows-keep` in the partition layers where it pays and its kept W fits
-    a tenth of this GPU's memory (shatter.attention.single_head), said in one line."""
+    a tenth of this GPU's memory (shatter.attention.single_head): every rank's choice, rank 0's
+    line (stderr and RUN/train.log)."""
     import torch
 
     from shatter.attention.impls import KEEP_SHARE
     from shatter.attention.single_head import keep_rows_where_they_fit
+    from shatter.train.metrics import log
 
     gpu = torch.cuda.get_device_properties(torch.cuda.current_device())
     batch = cfg.run.micro_batch
     kept = keep_rows_where_they_fit(
         model, batch, seq_len, torch.float16, (gpu.major, gpu.minor), gpu.total_memory
     )
-    if kept:
-        click.echo(
+    if kept and torch.distributed.get_rank() == 0:
+        line = (
             f"attention_impl auto: rows-keep on this sm_{gpu.major}{gpu.minor} at {batch} x "
             f"{seq_len}: W kept from the forward ({kept / 2**30:.2f} GiB, at most "
             f"{KEEP_SHARE:.0%} of the GPU's memory); set model.overrides.attention_impl to "
-            "keep another",
-            err=True,
+            "keep another"
         )
+        click.echo(line, err=True)
+        log.info("%s", line)
 
 
 def compiled_run(ctx, state) -> str:
