@@ -245,6 +245,13 @@ def kernel_choice(capability: tuple[int, int], shape: tuple, dtype: torch.dtype)
 KEEP_SHARE = 0.1
 
 
+def kept_rows_bytes(shape: tuple, dtype: torch.dtype, layers: int) -> int:
+    """The W = A ⊙ N that `rows-keep` keeps for the backward over `layers` layers of `shape` =
+    (B, l, d, n) in `dtype`: n l² elements a sequence a layer."""
+    B, L, _, n = shape
+    return layers * n * B * L * L * dtype.itemsize
+
+
 def keeps_rows(
     capability: tuple[int, int], shape: tuple, dtype: torch.dtype, layers: int, memory: float
 ) -> bool:
@@ -259,8 +266,7 @@ def keeps_rows(
     family = family_of(capability)
     if "rows" not in KERNEL_CHOICES[family] or dtype != torch.float16 or not _rows_available():
         return False
-    B, L, _, n = shape
-    if layers * n * B * L * L * dtype.itemsize > KEEP_SHARE * memory:
+    if kept_rows_bytes(shape, dtype, layers) > KEEP_SHARE * memory:
         return False
     chosen = kernel_choice(capability, tuple(shape), dtype)
     keep, pick = (

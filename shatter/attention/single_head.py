@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from shatter.attention.impls import keeps_rows, resolve_layer
+from shatter.attention.impls import keeps_rows, kept_rows_bytes, resolve_layer
 from shatter.attention.layer_weights import (
     LayerWeights,
     assembled_weights,
@@ -139,11 +139,10 @@ def rows_to_keep(
     layers = _auto_layers(model)
     if not layers:
         return 0
-    n = layers[0].n
-    shape = (batch, length, layers[0].query.in_features, n)
+    shape = (batch, length, layers[0].query.in_features, layers[0].n)
     if not keeps_rows(capability, shape, dtype, len(layers), memory):
         return 0
-    return len(layers) * n * batch * length**2 * dtype.itemsize
+    return kept_rows_bytes(shape, dtype, len(layers))
 
 
 def keep_rows_where_they_fit(
