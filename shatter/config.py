@@ -20,6 +20,7 @@ ARCHS = tuple(ATTENTIONS)
 # How the single-head partition archs compute attention (shatter/attention/impls.py): every impl
 # gives the same values and gradients from the same weights; `auto` picks one by device.
 ATTENTION_IMPLS = ("auto", "triton", "fused", "rows", "rows-keep", "chunked", "lean", "naive")
+FFN_IMPLS = ("auto", "triton", "torch")  # shatter/ffn.py
 
 # Archs whose attention multiplies by the partition mask N (§3.1): heads are the n parts.
 PARTITION_ARCHS = tuple(name for name, cls in ATTENTIONS.items() if cls.parts)
@@ -45,6 +46,7 @@ class ModelConfig:
     rab_max_distance: int = 128  # bert-rab: T5 max distance for the log-spaced buckets
     attention_impl: str = "auto"  # single-head partition archs: one of ATTENTION_IMPLS
     fused_qkv: bool = True  # multi-head archs: Q, K, V from one [d, 3d] GEMM (same weights)
+    ffn_impl: str = "auto"  # every arch: GELU in the FFN GEMMs' epilogues or not (FFN_IMPLS)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -80,6 +82,10 @@ class ModelConfig:
             raise ValueError(
                 f"unknown attention_impl {self.attention_impl!r}; expected one of "
                 f"{', '.join(ATTENTION_IMPLS)}"
+            )
+        if self.ffn_impl not in FFN_IMPLS:
+            raise ValueError(
+                f"unknown ffn_impl {self.ffn_impl!r}; expected one of {', '.join(FFN_IMPLS)}"
             )
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:

@@ -3,8 +3,8 @@
 - Embeddings: word embeddings, plus learnt absolute position embeddings when the arch asks for
   them (eq. 4: x^0_i = LayerNorm(E(w_i) + P[i])), then dropout.
 - Block: post-LN BERT block. The attention variant (from the registry, shatter/attention/) gives
-  the context; the block applies W^O, dropout, residual, LayerNorm, a GELU FFN, residual,
-  LayerNorm. It never branches on the variant: the per-forward inputs a variant declares
+  the context; the block applies W^O, dropout, residual, LayerNorm, a GELU FFN (shatter/ffn.py:
+  on a GPU, GELU in its GEMMs' epilogues), residual, LayerNorm. It never branches on the variant: the per-forward inputs a variant declares
   (`segments = True`: segment_BL from the [SEP]s, xlnet) are computed once by the encoder
   (`Encoder.attention_inputs`) and passed through the blocks as keyword arguments, unread; the
   weights a variant derives from its parameters (the single-head archs' projection and folded
@@ -27,6 +27,7 @@ from torch import nn
 from shatter.attention import ATTENTIONS
 from shatter.attention.layer_weights import LayerWeights, layer_weights
 from shatter.config import ModelConfig, preset_config
+from shatter.ffn import feed_forward
 from shatter.partition import exact_partitions
 from shatter.xlnet import two_stream_encode
 
@@ -79,6 +80,7 @@ class Block(nn.Module):
         self.ffn_in = nn.Linear(d, config.ffn)
         self.ffn_out = nn.Linear(config.ffn, d)
         self.ffn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.ffn_impl = config.ffn_impl  # shatter/ffn.py
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -113,7 +115,8 @@ class Block(nn.Module):
             output_weight, output_bias = self.output.weight, self.output.bias
         h = F.linear(context, output_weight, output_bias)
         h = self.attention_norm(residual + self.dropout(h))
-        return self.ffn_norm(h + self.dropout(self.ffn_out(F.gelu(self.ffn_in(h)))))
+        ffn = feed_forward(h, self.ffn_in, self.ffn_out, self.ffn_impl)
+        return self.ffn_norm(h + self.dropout(ffn))
 
 
 class Encoder(nn.Module):

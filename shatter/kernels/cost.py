@@ -90,6 +90,8 @@ OP_SCHEMA = {  # the ops' argument names, to read args and kwargs alike
     "shatter::fused_bwd": (
         "P", "X", "mask", "table", "stat", "out", "part", "g_out", "g_part", "sigmoid",
     ),
+    "shatter::linear_gelu": ("x", "weight", "bias"),
+    "shatter::linear_gelu_bwd": ("g_out", "weight_out", "h"),
 }  # fmt: skip
 
 
@@ -250,6 +252,32 @@ def fused_bwd_cost(args, kwargs, outputs, family: int | None = 90) -> list[Kerne
     ]  # fmt: skip
 
 
+# the row tile of every GPU configuration of shatter/kernels/gelu_linear.py (its ROW_TILE): the
+# backward writes one fp32 row of column sums per tile of rows
+FFN_ROW_TILE = 128
+
+
+def linear_gelu_cost(args, kwargs, outputs) -> list[Kernel]:
+    """x Wᵀ + b with GELU in the epilogue: x, W and b read once, h and GELU(h) written."""
+    a = _bind("shatter::linear_gelu", args, kwargs)
+    (M, K), N, e = a["x"].shape, a["weight"].shape[0], a["x"].element_size()
+    nbytes = (M * K + N * K + N + 2 * M * N) * e
+    return [Kernel("h = x Wᵀ + b, GELU(h)", "custom", 2.0 * M * N * K, float(nbytes))]
+
+
+def linear_gelu_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
+    """dy W_out with GELU' and the bias gradient's column sums in the epilogue (dy, W_out and h
+    read, dh and a row of fp32 sums per row tile written), then the sums added up."""
+    a = _bind("shatter::linear_gelu_bwd", args, kwargs)
+    (M, K), N, e = a["g_out"].shape, a["weight_out"].shape[1], a["h"].element_size()
+    sums = -(-M // FFN_ROW_TILE) * N * 4
+    nbytes = (M * K + K * N + 2 * M * N) * e + sums
+    return [
+        Kernel("dh = (dy W) GELU'(h), column sums", "custom", 2.0 * M * N * K, float(nbytes)),
+        Kernel("b_in's gradient: the sums added", "memory", 0.0, float(sums + N * e)),
+    ]
+
+
 OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {
     "shatter::mixing_fwd": mixing_fwd_cost,
     "shatter::mixing_bwd": mixing_bwd_cost,
@@ -257,6 +285,8 @@ OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {
     "shatter::rows_bwd": rows_bwd_cost,
     "shatter::fused_fwd": fused_fwd_cost,
     "shatter::fused_bwd": fused_bwd_cost,
+    "shatter::linear_gelu": linear_gelu_cost,
+    "shatter::linear_gelu_bwd": linear_gelu_bwd_cost,
 }
 
 
@@ -346,6 +376,8 @@ def model_flops(name: str, args, kwargs) -> float:
     trace's total with the model count."""
     if name.startswith("shatter::rows_"):
         return 0.0  # no product inside: the GEMMs around the row kernels carry the FLOPs
+    if name.startswith("shatter::linear_gelu"):  # one GEMM, as train/cost.py counts it
+        return op_totals(OP_COSTS[name](args, kwargs, None))[0]
     a = _bind(name, args, kwargs)
     B, L, _, d, _, _ = _dims(a)
     forward = 2 * 2.0 * B * L * L * d

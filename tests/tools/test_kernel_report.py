@@ -1,4 +1,4 @@
-"""tools/bench/kernel_report.py compiles the Triton mixing and row kernels ahead of time (no GPU) and its checks
+"""tools/bench/kernel_report.py compiles the Triton mixing, row and FFN kernels ahead of time (no GPU) and its checks
 catch what would make an autotune configuration unfit."""
 
 import os
@@ -53,18 +53,22 @@ def test_every_kernel_compiles_for_sm90_without_spills():
     """The CI subset: each kernel's first sm_90 configuration at the base shape in bf16, with the
     partition bias and a length that is not a multiple of 16, for the sigmoid and the softmax,
     reading Z (the hybrid impl), recomputing Q Xᵀ (the fused impl) and making Z (the hybrid's
-    statistics: no Z-reading statistics on sm_90); the statistics, forward and dZ kernels use
-    wgmma (HGMMA), the dV kernel reading Z (32 keys a tile, so that all six parts' accumulators
-    fit) mma.sync (HMMA)."""
+    statistics: no Z-reading statistics on sm_90), and the FFN's GEMMs with GELU in their
+    epilogues; the statistics, forward, dZ and FFN kernels use wgmma (HGMMA), the dV kernel
+    reading Z (32 keys a tile, so that all six parts' accumulators fit) mma.sync (HMMA)."""
     rows = _report("--arch", "90")
     kernels = [tuple(row[1:3]) for row in rows]
     acts = ("sigmoid", "softmax")
     want = [(f"{k}/{s}", a) for k in ("fwd", "dv", "dz") for s in ("z", "qx") for a in acts]
     want += [(f"stats/{s}", a) for s in ("qx", "make") for a in acts]
     want.append(("delta/z", "sigmoid"))  # no scores, no activation: once
+    want += [("ffn_fwd/-", "-"), ("ffn_bwd/-", "-")]  # the FFN: its shape and dtype alone
     assert sorted(kernels) == sorted(want)
     for row in rows:
-        if row[1].split("/")[0] in ("fwd", "dz", "stats") or row[1] == "dv/qx":
+        if (
+            row[1].split("/")[0] in ("fwd", "dz", "stats", "ffn_fwd", "ffn_bwd")
+            or row[1] == "dv/qx"
+        ):
             assert int(row[-2]) > 0, row  # HGMMA
         if row[1] == "dv/z":
             assert int(row[-3]) > 0, row  # HMMA
@@ -95,8 +99,9 @@ def test_the_v100_kernels_compile_for_sm70_without_spills():
 
 @pytest.mark.slow
 def test_fused_kernels_compile_for_sm80_with_mma():
-    """The fused impl's kernels (Q Xᵀ recomputed) on sm_80: no spills, mma.sync (HMMA) in every
-    kernel, the row statistics' Q Xᵀ included."""
+    """The fused impl's kernels (Q Xᵀ recomputed) and the FFN's on sm_80: no spills, mma.sync
+    (HMMA) in every kernel with a dot, the row statistics' Q Xᵀ included."""
     rows = _report("--arch", "80", "--source", "qx", "--activation", "sigmoid")
-    assert [row[1] for row in rows] == ["stats/qx", "fwd/qx", "delta/z", "dv/qx", "dz/qx"]
+    kernels = ["stats/qx", "fwd/qx", "delta/z", "dv/qx", "dz/qx", "ffn_fwd/-", "ffn_bwd/-"]
+    assert [row[1] for row in rows] == kernels
     assert all(int(row[-3]) > 0 for row in rows if row[1] != "delta/z")  # HMMA

@@ -168,6 +168,7 @@ def _stub_custom_ops() -> None:
     import shatter.attention.rows  # noqa: F401 (registers the ops)
     import shatter.attention.triton_kernel  # noqa: F401
     import shatter.kernels.fused_attention  # noqa: F401
+    import shatter.kernels.gelu_linear  # noqa: F401
     from shatter.kernels.cost import OP_SCHEMA
 
     for qualname in OP_SCHEMA:
@@ -238,7 +239,7 @@ def _code_hash() -> str:
 
 
 def planned(
-    arch, size, length, rows, vocab, max_len, impl, low, flash, padding, capability
+    arch, size, length, rows, vocab, max_len, impl, low, flash, padding, capability, ffn_impl=None
 ) -> list[dict]:
     """`plan_step`'s kernels for one step, made in a subprocess (`main`) or read from the cache
     (module doc); a failure exits with its last line."""
@@ -254,6 +255,7 @@ def planned(
     args += ["--dtype", str(low).removeprefix("torch.")]
     args += ["--capability", "{}.{}".format(*capability), "--flash" if flash else "--no-flash"]
     args += ["--impl", impl] * bool(impl) + ["--padding"] * padding
+    args += ["--ffn-impl", ffn_impl] * bool(ffn_impl)
     key = " ".join([torch.__version__, triton.__version__, _code_hash(), *args])
     cache = Path(
         os.environ.get("SHATTER_PLAN_CACHE", Path.home() / ".cache/shatter/inductor-plans")
@@ -297,20 +299,24 @@ def _plan_env() -> dict:
 @click.option("--vocab", type=int, default=30000, show_default=True)
 @click.option("--max-len", type=int, default=512, show_default=True, help="the model's max_len")
 @click.option("--impl", default=None, help="the single-head archs' attention_impl")
+@click.option("--ffn-impl", default=None, help="the model's ffn_impl (shatter/ffn.py)")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16"]), default="bfloat16")
 @click.option("--capability", default="9.0", show_default=True, help="the CUDA target")
 @click.option("--flash/--no-flash", default=True, show_default=True, help="SDPA's kernel")
 @click.option("--padding", is_flag=True, help="every batch passes its attention mask")
 @click.option("--json", "json_to", default="-", show_default=True, help="file, or - for stdout")
 def main(
-    arch, size, length, rows, vocab, max_len, impl, dtype, capability, flash, padding, json_to
-):
+    arch, size, length, rows, vocab, max_len, impl, ffn_impl, dtype, capability, flash, padding,
+    json_to,
+):  # fmt: skip
     import shatter
 
     plan_for_gpu(tuple(int(x) for x in capability.split(".")), flash)
     overrides = dict(vocab_size=vocab, max_len=max_len)
     if impl:
         overrides["attention_impl"] = impl
+    if ffn_impl:
+        overrides["ffn_impl"] = ffn_impl
     model = shatter.build_model(f"{arch}-{size}", **overrides)
     kernels = plan_step(model, length, rows, getattr(torch, dtype), padding)
     text = json.dumps({"torch": torch.__version__, "kernels": kernels})

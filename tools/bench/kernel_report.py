@@ -1,6 +1,8 @@
 """Ahead-of-time compile report for the Triton kernels of the partition attentions: the mixing
 kernels of the hybrid `triton` and the `fused` impls (sm_80, sm_90) and the row kernels of the
-`rows` impl (sm_70 and up); no GPU needed.
+`rows` impl (sm_70 and up); and for the FFN's GEMMs with GELU in their epilogues (ffn_fwd,
+ffn_bwd: shatter/kernels/gelu_linear.py, sm_80 and sm_90, per shape and dtype only); no GPU
+needed.
 
 For every kernel (stats and fwd of the forward; delta, dv and dz of the backward), every autotune
 configuration and every variant it is compiled for (the score source: Z read from HBM for the
@@ -54,9 +56,12 @@ SMEM_LIMIT = {
 }  # per block (V100, T4, A100, H100)
 SHAPES = {"base": (768, 12), "large": (1024, 16)}  # (d, n), the paper's sizes
 DTYPES = ("bf16", "fp16", "fp32")  # fp32 runs IEEE dots: no tensor cores expected
-KERNELS = ("stats", "fwd", "delta", "dv", "dz", "rows_fwd", "rows_bwd")
-DOT_KERNELS = ("fwd", "dv", "dz")  # stats, delta and the row kernels: no dot to expect
+KERNELS = ("stats", "fwd", "delta", "dv", "dz", "rows_fwd", "rows_bwd", "ffn_fwd", "ffn_bwd")
+DOT_KERNELS = ("fwd", "dv", "dz", "ffn_fwd", "ffn_bwd")  # the others: no dot to expect
 ROW_KERNELS = ("rows_fwd", "rows_bwd")
+# the FFN's GEMMs with GELU in their epilogues (shatter/kernels/gelu_linear.py): sm_80+ only,
+# the FFN of a `shape` (d, 4d) over T = 8 x 512 tokens; no scores, bias or activation variants
+FFN_KERNELS = ("ffn_fwd", "ffn_bwd")
 # below sm_80 (V100, T4) `auto` runs the `rows` impl's kernels or the hybrid's mixing kernels on
 # Z with FMA dots (no tensor-core instruction to expect); sm_80+ the mixing kernels alone
 FMA_ARCHS = (70, 75)
@@ -146,8 +151,20 @@ def _cuobjdump(*args: str) -> str:
     return res.stdout
 
 
+def _ffn_args(kernel: str, d: int, dtype: str, L: int) -> dict[str, tuple[str, object]]:
+    """An FFN kernel's runtime arguments for T = 8 L tokens of width d, an inner width of 4d:
+    x, h, GELU(h), dy and dh row-major; W is W_in [4d, d] (ffn_fwd) or W_out [d, 4d] (ffn_bwd),
+    nn.Linear's layouts."""
+    ptrs = {name: (f"*{dtype}", None) for name in ("X", "W", "BIAS", "H", "G", "DY", "DH")}
+    ptrs["PART"] = ("*fp32", None)
+    f = 4 * d
+    ints = dict(M=8 * L, N=f, K=d, sx_m=d, sx_k=1, sh_m=f, sg_m=f, sdy_m=d, sdy_k=1, sdh_m=f)
+    ints.update(dict(sw_n=1, sw_k=f) if kernel == "ffn_bwd" else dict(sw_n=d, sw_k=1))
+    return {**ptrs, **{name: ("i32", v) for name, v in ints.items()}}
+
+
 def tuned_kernels() -> dict:
-    from shatter.kernels import partition_mixing as pm, row_mixing as rm
+    from shatter.kernels import gelu_linear as gl, partition_mixing as pm, row_mixing as rm
 
     return {
         "stats": (pm.row_stats_kernel, pm.STATS_CONFIGS),
@@ -157,6 +174,8 @@ def tuned_kernels() -> dict:
         "dz": (pm.mix_bwd_dz_kernel, pm.DZ_CONFIGS),
         "rows_fwd": (rm.rows_fwd_kernel, None),
         "rows_bwd": (rm.rows_bwd_kernel, None),
+        "ffn_fwd": (gl.linear_gelu_kernel, gl.CONFIGS),
+        "ffn_bwd": (gl.linear_gelu_bwd_kernel, gl.CONFIGS),
     }
 
 
@@ -175,8 +194,6 @@ def compile_one(
     source="z",
 ) -> Row:  # fmt: skip
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from shatter.attention.triton_kernel import kernel_meta
@@ -186,6 +203,8 @@ def compile_one(
     fn = jit.fn if hasattr(jit, "configs") else jit  # an autotuner's kernel, or the kernel
     d, n = SHAPES[shape]
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    if kernel in FFN_KERNELS:
+        return _compile_ffn(arch, kernel, shape, dtype, config, L)
     values = {**kernel_meta(d, n, torch_dtype), **config.kwargs}
     values.update(HAS_C=has_c, SIGMOID=activation == "sigmoid", RECOMPUTE=SOURCES[source])
     values["DELTA_INSIDE"] = delta_inside(family_of((arch // 10, arch % 10)))
@@ -202,7 +221,23 @@ def compile_one(
         signature[name] = ty
         if ty.startswith("*") or (isinstance(val, int) and val % 16 == 0):
             attrs[(i,)] = [["tt.divisibility", 16]]  # as the runtime specialises aligned args
-    src = ASTSource(fn, signature, constexprs, attrs)
+    # no tensor-core instruction to count in the row kernels (no dot) or below sm_80 (FMA
+    # dots), and CUDA 13's disassembler (Triton 3.9's cuobjdump) refuses sm_70 code
+    sass = kernel not in ROW_KERNELS and arch not in FMA_ARCHS
+    smem, regs, stack, counts = _compiled(ASTSource(fn, signature, constexprs, attrs), arch, config, sass)  # fmt: skip
+    cfg = "M{BLOCK_M} N{BLOCK_N}" if "BLOCK_M" in config.kwargs else "L{BLOCK_L}"
+    cfg = cfg.format(**config.kwargs)
+    cfg += f" w{config.num_warps} s{config.num_stages}"
+    cfg += f" G{config.kwargs['GROUP']}" if "GROUP" in config.kwargs else ""
+    return Row(arch, kernel, activation, shape, dtype, cfg, smem, regs, stack, *counts[:2], has_c, L, source, counts[2])  # fmt: skip
+
+
+def _compiled(src, arch: int, config, sass: bool) -> tuple[int, int, int, tuple[int, int, int]]:
+    """(shared memory, registers, spill bytes, (HMMA, HGMMA, LDGSTS)) of `src` compiled for
+    sm_`arch` at `config` (the instruction counts -1 where `sass` is False)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
@@ -210,20 +245,40 @@ def compile_one(
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
         usage = _cuobjdump("--dump-resource-usage", cubin)
-        # no tensor-core instruction to count in the row kernels (no dot) or below sm_80 (FMA
-        # dots), and CUDA 13's disassembler (Triton 3.9's cuobjdump) refuses sm_70 code
-        sass = _cuobjdump("-sass", cubin) if kernel not in ROW_KERNELS and arch not in FMA_ARCHS else ""  # fmt: skip
+        code = _cuobjdump("-sass", cubin) if sass else ""
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    cfg = "M{BLOCK_M} N{BLOCK_N}" if "BLOCK_M" in config.kwargs else "L{BLOCK_L}"
-    cfg = cfg.format(**config.kwargs)
+    counts = tuple(len(re.findall(rf"\b{i}\b", code)) if sass else -1 for i in ("HMMA", "HGMMA", "LDGSTS"))  # fmt: skip
+    return compiled.metadata.shared, regs, stack, counts
+
+
+def _compile_ffn(arch: int, kernel: str, shape: str, dtype: str, config, L: int) -> Row:
+    """An FFN kernel (FFN_KERNELS) at `config`, its arguments as the op passes them: a stride
+    of 1 a constant, as Triton's runtime specializes it, and the other integers hinted where
+    they are multiples of 16."""
+    from triton.compiler import ASTSource
+
+    jit = tuned_kernels()[kernel][0]
+    fn = jit.fn
+    d = SHAPES[shape][0]
+    args = _ffn_args(kernel, d, dtype, L)
+    constexprs = {**config.kwargs, "PREC": "ieee" if dtype == "fp32" else "tf32"}
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif args[name][1] == 1:
+            signature[name], constexprs[name] = "constexpr", 1
+        else:
+            ty, val = args[name]
+            signature[name] = ty
+            if ty.startswith("*") or (isinstance(val, int) and val % 16 == 0):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    constexprs = {name: v for name, v in constexprs.items() if name in fn.arg_names}
+    smem, regs, stack, counts = _compiled(ASTSource(fn, signature, constexprs, attrs), arch, config, True)  # fmt: skip
+    cfg = "M{BLOCK_M} N{BLOCK_N} K{BLOCK_K}".format(**config.kwargs)
     cfg += f" w{config.num_warps} s{config.num_stages}"
-    cfg += f" G{config.kwargs['GROUP']}" if "GROUP" in config.kwargs else ""
-    return Row(
-        arch, kernel, activation, shape, dtype, cfg, compiled.metadata.shared, regs, stack,
-        len(re.findall(r"\bHMMA\b", sass)), len(re.findall(r"\bHGMMA\b", sass)), has_c, L,
-        source, len(re.findall(r"\bLDGSTS\b", sass)) if sass else -1,
-    )  # fmt: skip
+    return Row(arch, kernel, "-", shape, dtype, cfg, smem, regs, stack, *counts[:2], True, L, "-", counts[2])  # fmt: skip
 
 
 def jobs(archs, kernels, sources, activations, has_cs, shapes, dtypes, lengths, first_config):
@@ -235,6 +290,14 @@ def jobs(archs, kernels, sources, activations, has_cs, shapes, dtypes, lengths, 
     tuned = tuned_kernels()
     for cap, kernel in itertools.product(archs, kernels):
         if kernel in ROW_KERNELS and cap not in FMA_ARCHS:  # each arch: what `auto` runs there
+            continue
+        if kernel in FFN_KERNELS:  # sm_80+ (ffn.ffn_choice); only the shape and dtype matter
+            if cap in FMA_ARCHS:
+                continue
+            for shape, dtype in itertools.product(shapes, dtypes):
+                family = 90 if cap >= 90 else 80
+                for config in [c for c in tuned[kernel][1] if family in c.archs][: 1 if first_config else None]:  # fmt: skip
+                    yield cap, kernel, "-", "-", True, shape, dtype, lengths[0], config
             continue
         if kernel == "delta":  # it reads neither the scores, the bias nor the activation
             sources_, activations_, has_cs_ = ["z"], activations[:1], has_cs[:1]
@@ -371,7 +434,7 @@ def main(arch, kernels, sources, activations, has_cs, shapes, dtypes, lengths, f
     if failed:
         raise SystemExit(
             f"kernel_report: {failed} configuration(s) fail the checks above: drop them from the "
-            "autotune lists in shatter/kernels/partition_mixing.py"
+            "autotune lists in shatter/kernels/partition_mixing.py (the FFN's: gelu_linear.py)"
         )
 
 

@@ -228,6 +228,7 @@ class Run:
     compiled: bool = True  # the main figures' mode: torch.compile (inductor) or eager
     precision: str | None = None  # bf16 or fp16 over the GPU's own (bf16 on sm_80+, fp16 on V100)
     impl: str | None = None  # Shatter's attention impl on every GPU over `auto`'s choice
+    ffn_impl: str | None = None  # the FFN's impl (shatter/ffn.py) on every GPU over `auto`'s
     size: str = "base"
     config: str | None = None  # the config file read
     memory_gib: float | None = None  # one GPU's memory over the GPU table's (run.gpu_memory_gb)
@@ -250,6 +251,7 @@ def run_of_config(path: str, run: Run) -> Run:
             "model prices bf16 or fp16 steps with ZeRO stage 0-2 (run.precision, run.zero_stage)"
         )
     impl = cfg.model.overrides.get("attention_impl", "auto")
+    ffn_impl = cfg.model.overrides.get("ffn_impl", "auto")
     return replace(
         run,
         tokens=r.micro_batch * cfg.data.seq_len if cfg.data.seq_len else run.tokens,
@@ -258,6 +260,7 @@ def run_of_config(path: str, run: Run) -> Run:
         compiled=r.compile is not False,  # unset (auto) compiles on a GPU
         precision=r.precision,
         impl=run.impl or (None if impl == "auto" else impl),
+        ffn_impl=run.ffn_impl or (None if ffn_impl == "auto" else ffn_impl),
         size=cfg.model.preset.rsplit("-", 1)[-1],
         config=path,
         memory_gib=r.gpu_memory_gb,
@@ -285,8 +288,9 @@ def trace_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int):
 
     impl = _attention_impl(arch, gpu)
     model = build_meta(
-        shatter.build_model, arch, run.size, vocab, traced_max_len(length), gpu.low, impl
-    )
+        shatter.build_model, arch, run.size, vocab, traced_max_len(length), gpu.low, impl,
+        ffn_impl_for(gpu, run),
+    )  # fmt: skip
     rows = run.tokens // length
     try:
         return trace_step(
@@ -308,12 +312,20 @@ def plan_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int) -> li
     return planned(
         arch, run.size, length, run.tokens // length, vocab, traced_max_len(length),
         _attention_impl(arch, gpu), gpu.low, gpu.flash, padding, gpu.capability,
+        ffn_impl_for(gpu, run),
     )  # fmt: skip
 
 
 def traced_max_len(length: int) -> int:
     """The traced model's max_len: the presets' 512, or the length where it is longer."""
     return max(length, 512)
+
+
+def ffn_impl_for(gpu: Gpu, run: Run) -> str:
+    """The FFN impl a run takes on `gpu`: its config's, or `auto`'s there (shatter.ffn)."""
+    from shatter.ffn import ffn_choice
+
+    return run.ffn_impl or ffn_choice(gpu.capability, gpu.low)
 
 
 def _attention_impl(arch: str, gpu: Gpu) -> str | None:

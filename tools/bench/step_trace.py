@@ -531,15 +531,20 @@ def compiled_keys(events: list[tuple], plan: list[dict]) -> list[tuple]:
     return keys
 
 
-def build_meta(build_model, arch: str, size: str, vocab: int, max_len: int, dtype, impl=None):
+def build_meta(
+    build_model, arch: str, size: str, vocab: int, max_len: int, dtype, impl=None, ffn_impl=None
+):
     """`build_model(f"{arch}-{size}", ...)` on the CPU, moved to the meta device in `dtype`, in
     the state of a run's steps after its first: a partition table that the cast left in `dtype`
     (a checkout whose cast does not remake it) is made again in fp32 by the first forward and
     kept (partition.PartitionBuffer), so that one-time copy is made here, not traced as every
-    step's."""
+    step's. `impl`, `ffn_impl`: the model config's attention_impl and ffn_impl (a GPU's
+    choice: on meta tensors `auto` takes the CPU's)."""
     overrides = dict(vocab_size=vocab, max_len=max_len)
     if impl:
         overrides["attention_impl"] = impl
+    if ffn_impl:
+        overrides["ffn_impl"] = ffn_impl
     model = build_model(f"{arch}-{size}", **overrides).to(device="meta", dtype=dtype)
     for module in model.modules():
         if hasattr(module, "exact_partition"):
