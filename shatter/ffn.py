@@ -4,8 +4,8 @@
              (fused by inductor with nothing else: the GEMMs sit on either side)
     triton   GELU in the epilogues of the GEMMs around it (shatter/kernels/gelu_linear.py): the
              forward's first GEMM writes h and GELU(h); the backward's dy W_out GEMM writes
-             dh = dg GELU'(h) and b_in's gradient; the other three GEMMs stay cuBLAS's. sm_80+
-             (tensor-core dots) or Triton's interpreter
+             dh = dg GELU'(h) and both biases' gradients; the other three GEMMs stay cuBLAS's.
+             sm_80+ (tensor-core dots) or Triton's interpreter
     auto     `triton` on a CUDA GPU of compute capability >= 8.0 in bf16 or fp16 when triton
              imports, else `torch`; decided per call from the input, without a host sync
 
@@ -95,11 +95,12 @@ class _GeluInEpilogues(torch.autograd.Function):
         dx = dw_in = db_in = dw_out = db_out = None
         if need[3]:
             dw_out = dy2.t() @ g
-        if need[4]:
-            db_out = dy2.sum(0)
         if need[0] or need[1] or need[2]:
-            dh, db = _kernels().linear_gelu_bwd(dy2, w_out, h)
+            dh, sums = _kernels().linear_gelu_bwd(dy2, w_out, h)
             dx = (dh @ w_in).view(*dy.shape[:-1], w_in.shape[1]) if need[0] else None
             dw_in = dh.t() @ x2 if need[1] else None
-            db_in = db if need[2] else None
-        return dx, dw_in, db_in, dw_out, db_out
+            db_in, db_out = sums.split([h.shape[1], dy2.shape[1]])
+            db_in = db_in if need[2] else None
+        elif need[4]:
+            db_out = dy2.sum(0)
+        return dx, dw_in, db_in, dw_out, db_out if need[4] else None

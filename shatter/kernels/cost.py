@@ -252,6 +252,9 @@ def fused_bwd_cost(args, kwargs, outputs, family: int | None = 90) -> list[Kerne
     ]  # fmt: skip
 
 
+# the FFN's GEMMs with GELU in their epilogues: GEMMs in a step's split (tools/bench/step_cost.py,
+# step_measure.py), not attention
+FFN_OPS = ("shatter::linear_gelu", "shatter::linear_gelu_bwd")
 # the row tile of every GPU configuration of shatter/kernels/gelu_linear.py (its ROW_TILE): the
 # backward writes one fp32 row of column sums per tile of rows
 FFN_ROW_TILE = 128
@@ -266,15 +269,16 @@ def linear_gelu_cost(args, kwargs, outputs) -> list[Kernel]:
 
 
 def linear_gelu_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
-    """dy W_out with GELU' and the bias gradient's column sums in the epilogue (dy, W_out and h
-    read, dh and a row of fp32 sums per row tile written), then the sums added up."""
+    """dy W_out with GELU' and the column sums of dh and dy in the kernel (dy, W_out and h read,
+    dh and a row of fp32 sums per row tile written), then the sums added up: both biases'
+    gradients."""
     a = _bind("shatter::linear_gelu_bwd", args, kwargs)
     (M, K), N, e = a["g_out"].shape, a["weight_out"].shape[1], a["h"].element_size()
-    sums = -(-M // FFN_ROW_TILE) * N * 4
+    sums = -(-M // FFN_ROW_TILE) * (N + K) * 4
     nbytes = (M * K + K * N + 2 * M * N) * e + sums
     return [
         Kernel("dh = (dy W) GELU'(h), column sums", "custom", 2.0 * M * N * K, float(nbytes)),
-        Kernel("b_in's gradient: the sums added", "memory", 0.0, float(sums + N * e)),
+        Kernel("the biases' gradients: the sums added", "memory", 0.0, float(sums + (N + K) * e)),
     ]
 
 

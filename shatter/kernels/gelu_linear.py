@@ -14,10 +14,11 @@ still on chip:
     linear_gelu      h = x W_inᵀ + b_in and g = GELU(h), both written (the backward's GELU'
                      reads h, W_out's gradient reads g, as eagerly)
     linear_gelu_bwd  dh = (dy W_out) GELU'(h), and for each tile of rows the column sums of dh
-                     (b_in's gradient: `column_sum_kernel` adds up the tiles' sums)
+                     and of dy, the latter as the GEMM's loop reads dy (b_in's and b_out's
+                     gradients: `column_sum_kernel` adds up the tiles' sums)
 
 so each way the [T, ffn] tensors are written once and read once fewer (about 0.3 GB a layer at
-base size and 16k tokens). Values round where the eager ops round: h to the input dtype before
+base size and 16k tokens), and dy is not read again for b_out's gradient. Values round where the eager ops round: h to the input dtype before
 GELU reads it, dg before GELU' multiplies it, and b_in's gradient sums the rounded dh in fp32.
 
 Tensor-core dots need sm_80+ (Triton emits none below: shatter/ffn.py keeps cuBLAS there).
@@ -104,10 +105,12 @@ def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
 
 @triton.jit
 def _dot_tile(A, B, sa_m, sa_k, sb_k, sb_n, M, N, K, pid_m, pid_n, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, A_SUMS=None):  # fmt: skip
     """The fp32 [BLOCK_M, BLOCK_N] tile (pid_m, pid_n) of A B, A [M, K] and B [K, N] in any
     strides, and its row and column indices. Rows and columns past M and N are read wrapped
-    (their results are never stored), so only K's tail is masked in the loop."""
+    (their results are never stored), so only K's tail is masked in the loop. With A_SUMS (a
+    pointer to K fp32), the programs of the first column tile also write the sums of A's tile
+    rows down each of A's columns there, as the loop reads them."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -118,6 +121,10 @@ def _dot_tile(A, B, sa_m, sa_k, sb_k, sb_n, M, N, K, pid_m, pid_n, BLOCK_M: tl.c
         a = tl.load(a_ptr, mask=rk[None, :] < K - k0, other=0.0)
         b = tl.load(b_ptr, mask=rk[:, None] < K - k0, other=0.0)
         acc = _dot(a, b, acc, PREC)
+        if A_SUMS is not None:
+            if pid_n == 0:
+                inside = tl.where((rm < M)[:, None], a.to(tl.float32), 0.0)
+                tl.store(A_SUMS + k0 + rk, tl.sum(inside, 0), mask=rk < K - k0)
         a_ptr += BLOCK_K * sa_k
         b_ptr += BLOCK_K * sb_k
     return acc, rm, rn
@@ -147,10 +154,10 @@ def linear_gelu_bwd_kernel(DY, W, H, DH, PART, M, N, K, sdy_m, sdy_k, sw_k, sw_n
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """dh = (DY W) GELU'(h), W [K, N] (W_out: nn.Linear's [out, in] with out = K), and each
-    row tile's column sums of dh into PART[pid_m] (fp32)."""
+    row tile's column sums of dh and of DY into its row of PART [tiles, N + K] (fp32)."""
     pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rm, rn = _dot_tile(DY, W, sdy_m, sdy_k, sw_k, sw_n, M, N, K, pid_m, pid_n, BLOCK_M,
-                            BLOCK_N, BLOCK_K, PREC)  # fmt: skip
+                            BLOCK_N, BLOCK_K, PREC, PART + pid_m * (N + K) + N)  # fmt: skip
     dg = acc.to(DH.dtype.element_ty).to(tl.float32)  # rounded, as the eager GEMM's output
     inside = (rm[:, None] < M) & (rn[None, :] < N)
     h = tl.load(H + rm[:, None] * sh_m + rn[None, :], mask=inside, other=0.0).to(tl.float32)
@@ -158,7 +165,7 @@ def linear_gelu_bwd_kernel(DY, W, H, DH, PART, M, N, K, sdy_m, sdy_k, sw_k, sw_n
     dh = (dg * (cdf + h * tl.exp(-0.5 * h * h) * INV_SQRT_2PI)).to(DH.dtype.element_ty)
     tl.store(DH + rm[:, None] * sdh_m + rn[None, :], dh, mask=inside)
     column = tl.sum(tl.where(inside, dh.to(tl.float32), 0.0), axis=0)
-    tl.store(PART + pid_m * N + rn, column, mask=rn < N)
+    tl.store(PART + pid_m * (N + K) + rn, column, mask=rn < N)
 
 
 @triton.jit
@@ -207,28 +214,29 @@ def _(x, weight, bias):
 def linear_gelu_bwd(g_out: torch.Tensor, weight_out: torch.Tensor, h: torch.Tensor) -> tuple[
     torch.Tensor, torch.Tensor
 ]:  # fmt: skip
-    """(dh, Σ_t dh): dh = (g_out weight_out) GELU'(h), g_out [M, K] the gradient of the FFN's
-    output, weight_out [K, N] (nn.Linear's [out, in]), h [M, N] the saved pre-activation."""
+    """(dh, [Σ_t dh | Σ_t g_out]): dh = (g_out weight_out) GELU'(h), g_out [M, K] the gradient
+    of the FFN's output, weight_out [K, N] (nn.Linear's [out, in]), h [M, N] the saved
+    pre-activation; the sums, [N + K], are b_in's and b_out's gradients."""
     M, K = g_out.shape
     N = weight_out.shape[1]
     dh = h.new_empty(M, N)
     rows = -(-M // ROW_TILE)
-    part = h.new_empty(rows, N, dtype=torch.float32)  # a row of column sums per tile of rows
+    part = h.new_empty(rows, N + K, dtype=torch.float32)  # per tile of rows: dh's, g_out's sums
     fast(linear_gelu_bwd_kernel)[_programs(M, N)](
         DY=g_out, W=weight_out, H=h, DH=dh, PART=part, M=M, N=N, K=K, sdy_m=g_out.stride(0),
         sdy_k=g_out.stride(1), sw_k=weight_out.stride(0), sw_n=weight_out.stride(1),
         sh_m=h.stride(0), sdh_m=dh.stride(0), PREC=_prec(h.dtype),
     )  # fmt: skip
-    db = h.new_empty(N)
-    fast(column_sum_kernel)[(-(-N // 128),)](
-        PART=part, OUT=db, ROWS=rows, N=N, BLOCK_R=32, BLOCK_N=128
+    sums = h.new_empty(N + K)
+    fast(column_sum_kernel)[(-(-(N + K) // 128),)](
+        PART=part, OUT=sums, ROWS=rows, N=N + K, BLOCK_R=32, BLOCK_N=128
     )
-    return dh, db
+    return dh, sums
 
 
 @linear_gelu_bwd.register_fake
 def _(g_out, weight_out, h):
-    return h.new_empty(h.shape), h.new_empty(h.shape[1])
+    return h.new_empty(h.shape), h.new_empty(h.shape[1] + g_out.shape[1])
 
 
 register_costs(("shatter::linear_gelu", "shatter::linear_gelu_bwd"))

@@ -39,8 +39,9 @@ def _new(*shape, dtype, scale=1.0, seed=0):
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("M,K,N", [(37, 24, 40), (64, 32, 48), (5, 16, 16)])
 def test_ops_equal_the_eager_ops_they_replace(M, K, N, dtype):
-    """linear_gelu = (addmm, gelu); linear_gelu_bwd = (mm, gelu_backward, sum over the rows),
-    with M, K and N off the interpreter's 16-wide tiles and the gradient in a strided view."""
+    """linear_gelu = (addmm, gelu); linear_gelu_bwd = (mm, gelu_backward, and the sums over the
+    rows of dh and of the gradient), with M, K and N off the interpreter's 16-wide tiles and the
+    gradient in a strided view."""
     x, w, b = _new(M, K, dtype=dtype), _new(N, K, dtype=dtype, scale=0.3), _new(N, dtype=dtype)
     h, g = torch.ops.shatter.linear_gelu(x, w, b)
     want_h = F.linear(x, w, b)
@@ -48,13 +49,16 @@ def test_ops_equal_the_eager_ops_they_replace(M, K, N, dtype):
     torch.testing.assert_close(g, F.gelu(want_h), **TOL[dtype])
     w_out = _new(K, N, dtype=dtype, scale=0.3)
     dy = _new(M, 2 * K, dtype=dtype)[:, ::2]  # every other column: a strided gradient
-    dh, db = torch.ops.shatter.linear_gelu_bwd(dy, w_out, want_h)
+    dh, sums = torch.ops.shatter.linear_gelu_bwd(dy, w_out, want_h)
+    db, db_out = sums.split([N, K])
     want_dh = torch.ops.aten.gelu_backward(dy @ w_out, want_h)
     torch.testing.assert_close(dh, want_dh, **TOL[dtype])
     # the bias gradient sums the kernel's own rounded dh (a low-precision dh may be off by a unit
     # in the last place, and its sum over the rows cancels to small values)
     torch.testing.assert_close(db, dh.float().sum(0).to(dtype), **TOL[dtype])
-    assert dh.dtype == db.dtype == dtype and db.shape == (N,)
+    torch.testing.assert_close(db_out, dy.float().sum(0).to(dtype), **TOL[dtype])
+    assert dh.dtype == db.dtype == db_out.dtype == dtype
+    assert db.shape == (N,) and db_out.shape == (K,)
 
 
 def test_ops_pass_torch_s_op_checks():
@@ -102,7 +106,7 @@ class _Record(TorchDispatchMode):
 
 def test_a_frozen_ffn_makes_only_the_input_s_gradient():
     """With the weights frozen the backward runs the fused kernel and one GEMM for dx, and makes
-    no weight or bias gradient (seen failing without `needs_input_grad`)."""
+    no weight gradient nor a sum of its own (seen failing without `needs_input_grad`)."""
     with _Record() as record:
         _, grads = _ffn("triton", torch.float32, frozen=True)
     _, want = _ffn("torch", torch.float32)
@@ -170,8 +174,36 @@ def test_costs_count_one_gemm_and_the_epilogue_s_bytes():
     assert nbytes == (M * K + N * K + N + 2 * M * N) * e
     dy, w_out, h = torch.empty(M, K, dtype=torch.bfloat16), torch.empty(K, N, dtype=torch.bfloat16), torch.empty(M, N, dtype=torch.bfloat16)  # fmt: skip
     flops, nbytes = op_totals(OP_COSTS["shatter::linear_gelu_bwd"]((dy, w_out, h), {}, None))
-    sums = M // FFN_ROW_TILE * N * 4
+    sums = M // FFN_ROW_TILE * (N + K) * 4  # dh's and dy's column sums: no pass over dy of its own
     assert flops == 2 * M * N * K
-    assert nbytes == (M * K + K * N + 2 * M * N) * e + 2 * sums + N * e
+    assert nbytes == (M * K + K * N + 2 * M * N) * e + 2 * sums + (N + K) * e
     assert FFN_ROW_TILE == max(c.kwargs["BLOCK_M"] for c in gelu_linear.CONFIGS)
     assert {c.kwargs["BLOCK_M"] for c in gelu_linear.CONFIGS} == {FFN_ROW_TILE}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_compiled_kernels_equal_fp32_at_base_shape(dtype):
+    """d = 768, 4d = 3072, 4,090 tokens (a ragged last row tile), on a GPU (sm_80+), the compiled
+    kernels' outputs and every gradient against the same FFN in fp32 on the same (rounded)
+    inputs, relative to each tensor's scale."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("needs a CUDA device of compute capability >= 8.0")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 is set: the kernels would not be compiled")
+    torch.manual_seed(0)
+    ffn_in, ffn_out = torch.nn.Linear(768, 3072).cuda(), torch.nn.Linear(3072, 768).cuda()
+    x, dy = torch.randn(2, 2045, 768, device="cuda"), torch.randn(2, 2045, 768, device="cuda")
+    results = []
+    for impl, kind in (("triton", dtype), ("torch", torch.float32)):
+        layers = [m.to(kind) for m in (ffn_in, ffn_out)]
+        xi = x.to(dtype).to(kind).requires_grad_()
+        y = feed_forward(xi, *layers, impl)
+        y.backward(dy.to(dtype).to(kind))
+        params = [p for m in layers for p in m.parameters()]
+        results.append([y, xi.grad, *(p.grad for p in params)])
+        for p in params:
+            p.grad = None
+    for name, got, want in zip(("y", "x", "W_in", "b_in", "W_out", "b_out"), *results):
+        err = (got.float() - want).norm() / want.norm()
+        assert err < 1e-2, f"{dtype} {name}: relative error {err:.2e}"

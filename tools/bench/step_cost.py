@@ -85,7 +85,7 @@ import click
 import torch
 
 from shatter.config import ATTENTION_IMPLS
-from shatter.kernels.cost import EFFICIENCY, family_of, kind_peak  # the frozen table (its home)
+from shatter.kernels.cost import EFFICIENCY, FFN_OPS, family_of, kind_peak  # the frozen table
 from shatter.tools.bench.attention_cost import GPUS as TABLE_GPUS
 from shatter.tools.bench.inductor_plan import planned
 from shatter.tools.bench.step_trace import build_meta, records, trace_step
@@ -188,7 +188,7 @@ def price(rows: list[dict], gpu: Gpu, eff: dict = EFFICIENCY, accum: int = 1) ->
         t = op_seconds(row, gpu, eff) * count
         if row["phase"] == "optimizer":
             part = "optimizer"
-        elif row["kind"] == "gemm":
+        elif row["kind"] == "gemm" or row.get("op") in FFN_OPS:
             part = "gemm"
         elif row["kind"] in ("flash", "efficient", "custom"):
             part = "attention"

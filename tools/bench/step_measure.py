@@ -16,8 +16,9 @@ it as the trainer does (shatter/train/compiling.py).
 
 Printed per row: ms a step (median of --steps after warm-up) beside the model's, and the
 profiler's CUDA time a step per group beside the model's split:
-    GEMMs        kernels named as cuBLAS's (gemm, nvjet, cutlass, xmma) outside the groups below
-    attention    every kernel launched inside an SDPA op or a `shatter::` custom op
+    GEMMs        kernels named as cuBLAS's (gemm, nvjet, cutlass, xmma) outside the groups below,
+                 and the FFN's GEMMs with GELU in their epilogues (`shatter::linear_gelu*`)
+    attention    every kernel launched inside an SDPA op or another `shatter::` custom op
     elementwise  every other kernel of the forward and backward, copies and memsets included
     optimizer    every kernel launched inside the optimizer step
     gaps         the step's (unprofiled) wall time that no kernel filled (the model's "launches")
@@ -37,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from shatter.kernels.cost import FFN_OPS
 from shatter.model import predicted_positions
 from shatter.tools.bench.step_trace import DEEPSPEED_SCALAR_OPS, adamw
 from shatter.train.compiling import mark_varying
@@ -45,7 +47,12 @@ GROUPS = ("gemm", "attention", "elementwise", "optimizer", "gaps")
 MODEL_GROUPS = {"gemm": "gemm", "attention": "attention", "elementwise": "elementwise"}
 MODEL_GROUPS |= {"optimizer": "optimizer", "gaps": "launches"}
 GEMM_NAMES = re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)
-ATTENTION_OPS = re.compile(r"^shatter::|flash_attention|efficient_attention|cudnn_attention")
+# a kernel launched inside one of these ops is the op's group: the FFN's GEMMs with GELU in their
+# epilogues are GEMMs, every other `shatter::` op attention
+RANGE_GROUPS = (
+    (re.compile("^(" + "|".join(FFN_OPS) + ")$"), "gemm"),
+    (re.compile(r"^shatter::|flash_attention|efficient_attention|cudnn_attention"), "attention"),
+)
 OPTIMIZER_RANGE = "step_measure::optimizer"
 TOP = 15  # kernels printed per contender, by GPU time (the JSON has them all)
 
@@ -188,8 +195,8 @@ def split_kernels(events: list[dict]) -> dict:
             continue
         name = e.get("name", "")
         group = "optimizer" if name == OPTIMIZER_RANGE else None
-        if group is None and ATTENTION_OPS.search(name):
-            group = "attention"
+        for pattern, of in RANGE_GROUPS:
+            group = group or (of if pattern.search(name) else None)
         if group:
             ranges.append((e["ts"], e["ts"] + e.get("dur", 0), group))
     launches = {}
