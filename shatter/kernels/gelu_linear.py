@@ -18,8 +18,9 @@ still on chip:
                      gradients: `column_sum_kernel` adds up the tiles' sums)
 
 so each way the [T, ffn] tensors are written once and read once fewer (about 0.3 GB a layer at
-base size and 16k tokens), and dy is not read again for b_out's gradient. Values round where the eager ops round: h to the input dtype before
-GELU reads it, dg before GELU' multiplies it, and b_in's gradient sums the rounded dh in fp32.
+base size and 16k tokens), and dy is not read again for b_out's gradient. Values round where
+the eager ops round: h to the input dtype before GELU reads it, dg before GELU' multiplies it,
+and b_in's gradient sums the rounded dh in fp32.
 
 Tensor-core dots need sm_80+ (Triton emits none below: shatter/ffn.py keeps cuBLAS there).
 `tools/bench/kernel_report.py` compiles each configuration for sm_80 and sm_90 and checks shared
