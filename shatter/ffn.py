@@ -1,4 +1,4 @@
-"""The block's feed-forward network, y = GELU(x W_inᵀ + b_in) W_outᵀ + b_out, in one of FFN_IMPLS.
+"""The block's feed-forward network, y = GELU(x W_inᵀ + b_in) W_outᵀ + b_out, in an FFN_IMPLS.
 
     torch    nn.Linear, F.gelu, nn.Linear: cuBLAS GEMMs and GELU a kernel of its own each way
              (fused by inductor with nothing else: the GEMMs sit on either side)
@@ -30,7 +30,28 @@ def feed_forward(x: torch.Tensor, ffn_in: nn.Linear, ffn_out: nn.Linear, impl: s
     """GELU(x W_inᵀ + b_in) W_outᵀ + b_out, x [..., d], in `impl` (FFN_IMPLS)."""
     if _resolve(impl, x) == "torch":
         return ffn_out(F.gelu(ffn_in(x)))
+    _require_tensor_cores(x.device)
     return _GeluInEpilogues.apply(x, ffn_in.weight, ffn_in.bias, ffn_out.weight, ffn_out.bias)
+
+
+def _require_tensor_cores(device: torch.device) -> None:
+    """Refuse `triton` forced where its GEMMs cannot run as GEMMs: on the CPU (but under Triton's
+    interpreter) and below sm_80, where Triton's dots run on FMAs. Meta tensors (the step
+    model's trace) run the ops' fake impls."""
+    kernels = _kernels()
+    if device.type != "cuda":
+        if device.type == "cpu" and not kernels.INTERPRET:
+            raise ValueError(
+                f"ffn_impl: triton runs on a CUDA GPU of compute capability >= 8.0, not on "
+                f"{device.type}; fix: set ffn_impl to auto or torch in the model config"
+            )
+        return
+    major, minor = _capability(_index(device))
+    if (major, minor) < (8, 0):
+        raise ValueError(
+            f"ffn_impl: triton needs a GPU of compute capability >= 8.0 (tensor-core dots), this "
+            f"one is sm_{major}{minor}; fix: set ffn_impl to auto or torch in the model config"
+        )
 
 
 def ffn_choice(capability: tuple[int, int], dtype: torch.dtype) -> str:
@@ -45,13 +66,16 @@ def _resolve(impl: str, x: torch.Tensor) -> str:
         return impl
     if x.device.type != "cuda" or not _triton_imports():
         return "torch"
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return ffn_choice(_capability(index), x.dtype)
+    return ffn_choice(_capability(_index(x.device)), x.dtype)
 
 
 @constant_under_compile
 def _triton_imports() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _capability(index: int) -> tuple[int, int]:

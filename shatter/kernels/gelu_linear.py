@@ -106,7 +106,8 @@ def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
 
 @triton.jit
 def _dot_tile(A, B, sa_m, sa_k, sb_k, sb_n, M, N, K, pid_m, pid_n, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, A_SUMS=None):  # fmt: skip
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+              A_SUMS=None):  # fmt: skip
     """The fp32 [BLOCK_M, BLOCK_N] tile (pid_m, pid_n) of A B, A [M, K] and B [K, N] in any
     strides, and its row and column indices. Rows and columns past M and N are read wrapped
     (their results are never stored), so only K's tail is masked in the loop. With A_SUMS (a

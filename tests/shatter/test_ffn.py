@@ -207,3 +207,18 @@ def test_compiled_kernels_equal_fp32_at_base_shape(dtype):
     for name, got, want in zip(("y", "x", "W_in", "b_in", "W_out", "b_out"), *results):
         err = (got.float() - want).norm() / want.norm()
         assert err < 1e-2, f"{dtype} {name}: relative error {err:.2e}"
+
+
+def test_triton_forced_where_it_cannot_run_ends_in_one_line(monkeypatch):
+    """On the CPU without Triton's interpreter, or on a GPU below sm_80, a forced `triton` is
+    refused with the fix, before any kernel is launched."""
+    from shatter import ffn
+
+    layers = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+    monkeypatch.setattr(gelu_linear, "INTERPRET", False)
+    with pytest.raises(ValueError, match="not on cpu; fix: set ffn_impl to auto or torch"):
+        feed_forward(torch.randn(2, 8), *layers, "triton")
+    monkeypatch.setitem(ffn._CAPABILITIES, 0, (7, 0))
+    with pytest.raises(ValueError, match="this one is sm_70; fix: set ffn_impl to auto or torch"):
+        ffn._require_tensor_cores(torch.device("cuda", 0))
+    assert feed_forward(torch.randn(2, 8), *layers, "torch").shape == (2, 8)
