@@ -1,4 +1,4 @@
-"""DeepSpeed's accelerator, said rather than guessed.
+"""The accelerator: DeepSpeed's, said rather than guessed, and a CUDA device's compute capability.
 
 Without `DS_ACCELERATOR` DeepSpeed probes for one when it is first imported, and on a machine
 without CUDA it prints `[WARNING] ... Setting accelerator to CPU. If you have GPU or other
@@ -21,3 +21,20 @@ def say_deepspeed_accelerator() -> None:
     warning."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
+def capability(index: int) -> tuple[int, int]:
+    """CUDA device `index`'s compute capability, a driver query made once (no sync per call). A
+    plain dict, not functools.cache: torch.compile traces this from every layer's forward and
+    warns of each cached function it meets."""
+    if index not in _CAPABILITIES:
+        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITIES[index]
+
+
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index, the current device's where it names none."""
+    return device.index if device.index is not None else torch.cuda.current_device()

@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shatter.accelerator import capability, device_index
 from shatter.eager import constant_under_compile
-
-_CAPABILITIES: dict[int, tuple[int, int]] = {}
 
 
 def feed_forward(x: torch.Tensor, ffn_in: nn.Linear, ffn_out: nn.Linear, impl: str):
@@ -46,7 +45,7 @@ def _require_tensor_cores(device: torch.device) -> None:
                 f"{device.type}; fix: set ffn_impl to auto or torch in the model config"
             )
         return
-    major, minor = _capability(_index(device))
+    major, minor = capability(device_index(device))
     if (major, minor) < (8, 0):
         raise ValueError(
             f"ffn_impl: triton needs a GPU of compute capability >= 8.0 (tensor-core dots), this "
@@ -66,24 +65,12 @@ def _resolve(impl: str, x: torch.Tensor) -> str:
         return impl
     if x.device.type != "cuda" or not _triton_imports():
         return "torch"
-    return ffn_choice(_capability(_index(x.device)), x.dtype)
+    return ffn_choice(capability(device_index(x.device)), x.dtype)
 
 
 @constant_under_compile
 def _triton_imports() -> bool:
     return importlib.util.find_spec("triton") is not None
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _capability(index: int) -> tuple[int, int]:
-    """The GPU's compute capability, a driver query made once per device (a plain dict: see
-    shatter.attention.impls._capability)."""
-    if index not in _CAPABILITIES:
-        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITIES[index]
 
 
 def _kernels():

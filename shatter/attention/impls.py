@@ -49,6 +49,7 @@ from functools import cache, lru_cache
 
 import torch
 
+from shatter.accelerator import capability as _capability
 from shatter.attention.chunked import partition_attention_chunked
 from shatter.attention.lean import partition_mix_lean, partition_mix_naive
 from shatter.attention.projection import new_context, projection_views, write_context
@@ -209,18 +210,6 @@ def _triton_available() -> bool:
 @cache
 def _rows_available() -> bool:
     return importlib.util.find_spec("triton") is not None
-
-
-_CAPABILITIES: dict[int, tuple[int, int]] = {}
-
-
-def _capability(index: int) -> tuple[int, int]:
-    """The GPU's compute capability, a driver query made once (no sync per call). A plain dict,
-    not functools.cache: torch.compile traces this from every layer's forward and warns of
-    each cached function it meets."""
-    if index not in _CAPABILITIES:
-        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITIES[index]
 
 
 KERNEL_CHOICES = {90: ("triton", "fused"), 80: ("triton", "fused"), 70: ("rows", "triton")}

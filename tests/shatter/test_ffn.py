@@ -218,7 +218,7 @@ def test_triton_forced_where_it_cannot_run_ends_in_one_line(monkeypatch):
     monkeypatch.setattr(gelu_linear, "INTERPRET", False)
     with pytest.raises(ValueError, match="not on cpu; fix: set ffn_impl to auto or torch"):
         feed_forward(torch.randn(2, 8), *layers, "triton")
-    monkeypatch.setitem(ffn._CAPABILITIES, 0, (7, 0))
+    monkeypatch.setattr(ffn, "capability", lambda index: (7, 0))
     with pytest.raises(ValueError, match="this one is sm_70; fix: set ffn_impl to auto or torch"):
         ffn._require_tensor_cores(torch.device("cuda", 0))
     assert feed_forward(torch.randn(2, 8), *layers, "torch").shape == (2, 8)
