@@ -116,7 +116,7 @@ def _dot_tile(A, B, sa_m, sa_k, sb_k, sb_n, M, N, K, pid_m, pid_n, BLOCK_M: tl.c
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    a_ptr = A + (rm % M)[:, None] * sa_m + rk[None, :] * sa_k
+    a_ptr = A + (rm % M).to(tl.int64)[:, None] * sa_m + rk[None, :] * sa_k  # past 2^31 elements
     b_ptr = B + rk[:, None] * sb_k + (rn % N)[None, :] * sb_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -144,10 +144,11 @@ def linear_gelu_kernel(X, W, BIAS, H, G, M, N, K, sx_m, sx_k, sw_n, sw_k, sh_m, 
     acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     h = acc.to(H.dtype.element_ty)
     inside = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(H + rm[:, None] * sh_m + rn[None, :], h, mask=inside)
+    rows = rm.to(tl.int64)[:, None]
+    tl.store(H + rows * sh_m + rn[None, :], h, mask=inside)
     hf = h.to(tl.float32)  # GELU reads the rounded h, as the eager op reads it
     g = 0.5 * hf * (1.0 + tl.math.erf(hf * SQRT1_2))
-    tl.store(G + rm[:, None] * sg_m + rn[None, :], g.to(G.dtype.element_ty), mask=inside)
+    tl.store(G + rows * sg_m + rn[None, :], g.to(G.dtype.element_ty), mask=inside)
 
 
 @_autotune
@@ -162,10 +163,11 @@ def linear_gelu_bwd_kernel(DY, W, H, DH, PART, M, N, K, sdy_m, sdy_k, sw_k, sw_n
                             BLOCK_N, BLOCK_K, PREC, PART + pid_m * (N + K) + N)  # fmt: skip
     dg = acc.to(DH.dtype.element_ty).to(tl.float32)  # rounded, as the eager GEMM's output
     inside = (rm[:, None] < M) & (rn[None, :] < N)
-    h = tl.load(H + rm[:, None] * sh_m + rn[None, :], mask=inside, other=0.0).to(tl.float32)
+    rows = rm.to(tl.int64)[:, None]
+    h = tl.load(H + rows * sh_m + rn[None, :], mask=inside, other=0.0).to(tl.float32)
     cdf = 0.5 * (1.0 + tl.math.erf(h * SQRT1_2))
     dh = (dg * (cdf + h * tl.exp(-0.5 * h * h) * INV_SQRT_2PI)).to(DH.dtype.element_ty)
-    tl.store(DH + rm[:, None] * sdh_m + rn[None, :], dh, mask=inside)
+    tl.store(DH + rows * sdh_m + rn[None, :], dh, mask=inside)
     column = tl.sum(tl.where(inside, dh.to(tl.float32), 0.0), axis=0)
     tl.store(PART + pid_m * (N + K) + rn, column, mask=rn < N)
 
