@@ -30,7 +30,9 @@ def feed_forward(x: torch.Tensor, ffn_in: nn.Linear, ffn_out: nn.Linear, impl: s
     if _resolve(impl, x) == "torch":
         return ffn_out(F.gelu(ffn_in(x)))
     _require_tensor_cores(x.device)
-    return _GeluInEpilogues.apply(x, ffn_in.weight, ffn_in.bias, ffn_out.weight, ffn_out.bias)
+    params = (ffn_in.weight, ffn_in.bias, ffn_out.weight, ffn_out.bias)
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))
+    return _GeluInEpilogues.apply(x, *params, backward)
 
 
 def _require_tensor_cores(device: torch.device) -> None:
@@ -90,10 +92,11 @@ class _GeluInEpilogues(torch.autograd.Function):
     gradients asked for are made (a frozen encoder: dx alone)."""
 
     @staticmethod
-    def forward(ctx, x, w_in, b_in, w_out, b_out):
+    def forward(ctx, x, w_in, b_in, w_out, b_out, backward: bool):
+        """`backward`: one will run (grad mode, an input that needs a gradient), so h is kept."""
         kernels = _kernels()
         x2 = x.reshape(-1, x.shape[-1])
-        h, g = kernels.linear_gelu(x2, w_in, b_in)
+        h, g = kernels.linear_gelu(x2, w_in, b_in, backward)
         y = torch.addmm(b_out, g, w_out.t())
         ctx.save_for_backward(x2, w_in, w_out, h, g)
         return y.view(*x.shape[:-1], w_out.shape[0])
@@ -114,4 +117,4 @@ class _GeluInEpilogues(torch.autograd.Function):
             db_in = db_in if need[2] else None
         elif need[4]:
             db_out = dy2.sum(0)
-        return dx, dw_in, db_in, dw_out, db_out if need[4] else None
+        return dx, dw_in, db_in, dw_out, db_out if need[4] else None, None

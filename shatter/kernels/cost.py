@@ -90,7 +90,7 @@ OP_SCHEMA = {  # the ops' argument names, to read args and kwargs alike
     "shatter::fused_bwd": (
         "P", "X", "mask", "table", "stat", "out", "part", "g_out", "g_part", "sigmoid",
     ),
-    "shatter::linear_gelu": ("x", "weight", "bias"),
+    "shatter::linear_gelu": ("x", "weight", "bias", "keep_h"),
     "shatter::linear_gelu_bwd": ("g_out", "weight_out", "h"),
 }  # fmt: skip
 
@@ -261,10 +261,11 @@ FFN_ROW_TILE = 128
 
 
 def linear_gelu_cost(args, kwargs, outputs) -> list[Kernel]:
-    """x Wᵀ + b with GELU in the epilogue: x, W and b read once, h and GELU(h) written."""
+    """x Wᵀ + b with GELU in the epilogue: x, W and b read once, GELU(h) written, and h too
+    unless `keep_h` is False."""
     a = _bind("shatter::linear_gelu", args, kwargs)
     (M, K), N, e = a["x"].shape, a["weight"].shape[0], a["x"].element_size()
-    nbytes = (M * K + N * K + N + 2 * M * N) * e
+    nbytes = (M * K + N * K + N + (1 + a.get("keep_h", True)) * M * N) * e
     return [Kernel("h = x Wᵀ + b, GELU(h)", "custom", 2.0 * M * N * K, float(nbytes))]
 
 

@@ -136,16 +136,18 @@ def _dot_tile(A, B, sa_m, sa_k, sb_k, sb_n, M, N, K, pid_m, pid_n, BLOCK_M: tl.c
 @triton.jit
 def linear_gelu_kernel(X, W, BIAS, H, G, M, N, K, sx_m, sx_k, sw_n, sw_k, sh_m, sg_m,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
-    """h = X Wᵀ + b (W [N, K], nn.Linear's layout) and g = GELU(h), both [M, N]."""
+                       GROUP_M: tl.constexpr, PREC: tl.constexpr, KEEP_H: tl.constexpr):  # fmt: skip
+    """h = X Wᵀ + b (W [N, K], nn.Linear's layout) and g = GELU(h), both [M, N]; h written only
+    with KEEP_H (a backward will read it)."""
     pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rm, rn = _dot_tile(X, W, sx_m, sx_k, sw_k, sw_n, M, N, K, pid_m, pid_n, BLOCK_M,
                             BLOCK_N, BLOCK_K, PREC)  # fmt: skip
     acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    h = acc.to(H.dtype.element_ty)
+    h = acc.to(G.dtype.element_ty)
     inside = (rm[:, None] < M) & (rn[None, :] < N)
     rows = rm.to(tl.int64)[:, None]
-    tl.store(H + rows * sh_m + rn[None, :], h, mask=inside)
+    if KEEP_H:
+        tl.store(H + rows * sh_m + rn[None, :], h, mask=inside)
     hf = h.to(tl.float32)  # GELU reads the rounded h, as the eager op reads it
     g = 0.5 * hf * (1.0 + tl.math.erf(hf * SQRT1_2))
     tl.store(G + rows * sg_m + rn[None, :], g.to(G.dtype.element_ty), mask=inside)
@@ -194,24 +196,27 @@ def _programs(M: int, N: int):
 
 
 @torch.library.custom_op("shatter::linear_gelu", mutates_args=())
-def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[
-    torch.Tensor, torch.Tensor
-]:  # fmt: skip
-    """(h, GELU(h)), h = x weightᵀ + bias: x [M, K], weight [N, K] (nn.Linear's), bias [N]."""
+def linear_gelu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, keep_h: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, GELU(h)), h = x weightᵀ + bias: x [M, K], weight [N, K] (nn.Linear's), bias [N].
+    Without `keep_h` (no backward to read it: evaluation, inference) h is not written and comes
+    back empty, [M, 0]."""
     M, K = x.shape
     N = weight.shape[0]
-    h, g = x.new_empty(M, N), x.new_empty(M, N)
+    h, g = x.new_empty(M, N if keep_h else 0), x.new_empty(M, N)
     fast(linear_gelu_kernel)[_programs(M, N)](
         X=x, W=weight, BIAS=bias, H=h, G=g, M=M, N=N, K=K, sx_m=x.stride(0), sx_k=x.stride(1),
         sw_n=weight.stride(0), sw_k=weight.stride(1), sh_m=h.stride(0), sg_m=g.stride(0),
-        PREC=_prec(x.dtype),
+        PREC=_prec(x.dtype), KEEP_H=keep_h,
     )  # fmt: skip
     return h, g
 
 
 @linear_gelu.register_fake
-def _(x, weight, bias):
-    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], weight.shape[0])
+def _(x, weight, bias, keep_h=True):
+    M, N = x.shape[0], weight.shape[0]
+    return x.new_empty(M, N if keep_h else 0), x.new_empty(M, N)
 
 
 @torch.library.custom_op("shatter::linear_gelu_bwd", mutates_args=())

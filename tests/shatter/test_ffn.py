@@ -61,6 +61,24 @@ def test_ops_equal_the_eager_ops_they_replace(M, K, N, dtype):
     assert db.shape == (N,) and db_out.shape == (K,)
 
 
+def test_without_a_backward_h_is_not_written():
+    """Evaluation and inference (no input needs a gradient): GELU(h) alone is written (h comes
+    back empty, its bytes out of the op's cost), the same values."""
+    x, w, b = _new(20, 16, dtype=torch.float32), _new(32, 16, dtype=torch.float32), _new(32, dtype=torch.float32)  # fmt: skip
+    h, g = torch.ops.shatter.linear_gelu(x, w, b, False)
+    assert h.shape == (20, 0)
+    torch.testing.assert_close(g, F.gelu(F.linear(x, w, b)), **TOL[torch.float32])
+    costs = [op_totals(OP_COSTS["shatter::linear_gelu"]((x, w, b, k), {}, None))[1] for k in (True, False)]  # fmt: skip
+    assert costs[0] - costs[1] == 20 * 32 * 4
+    layers = torch.nn.Linear(16, 32).to(DEVICE), torch.nn.Linear(32, 16).to(DEVICE)
+    with _Record() as record, torch.no_grad():
+        y = feed_forward(x.to(DEVICE), *layers, "triton")
+    torch.testing.assert_close(
+        y, feed_forward(x.to(DEVICE), *layers, "torch"), **TOL[torch.float32]
+    )
+    assert record.shapes["linear_gelu"] == [(20, 0), (20, 32)]  # h not written
+
+
 def test_ops_pass_torch_s_op_checks():
     x, w, b = _new(20, 16, dtype=torch.float32), _new(32, 16, dtype=torch.float32), _new(32, dtype=torch.float32)  # fmt: skip
     torch.library.opcheck(torch.ops.shatter.linear_gelu.default, (x, w, b))
@@ -97,11 +115,14 @@ class _Record(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.ops = []
+        self.ops, self.shapes = [], {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, tuple) else (out,)
+        self.shapes[self.ops[-1]] = [tuple(o.shape) for o in outs if isinstance(o, torch.Tensor)]
+        return out
 
 
 def test_a_frozen_ffn_makes_only_the_input_s_gradient():

@@ -262,7 +262,7 @@ def _compile_ffn(arch: int, kernel: str, shape: str, dtype: str, config, L: int)
     fn = jit.fn
     d = SHAPES[shape][0]
     args = _ffn_args(kernel, d, dtype, L)
-    constexprs = {**config.kwargs, "PREC": "ieee" if dtype == "fp32" else "tf32"}
+    constexprs = {**config.kwargs, "PREC": "ieee" if dtype == "fp32" else "tf32", "KEEP_H": True}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
