@@ -1,4 +1,5 @@
-"""The accelerator: DeepSpeed's, said rather than guessed, and a CUDA device's compute capability.
+"""The accelerator: DeepSpeed's, said rather than guessed; a CUDA device's compute capability;
+whether triton imports.
 
 Without `DS_ACCELERATOR` DeepSpeed probes for one when it is first imported, and on a machine
 without CUDA it prints `[WARNING] ... Setting accelerator to CPU. If you have GPU or other
@@ -10,9 +11,12 @@ user set is kept.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
+
+from shatter.eager import constant_under_compile
 
 
 def say_deepspeed_accelerator() -> None:
@@ -38,3 +42,15 @@ def capability(index: int) -> tuple[int, int]:
 def device_index(device: torch.device) -> int:
     """A CUDA device's index, the current device's where it names none."""
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+_TRITON: list[bool] = []  # whether triton imports, found once
+
+
+@constant_under_compile
+def triton_importable() -> bool:
+    """Whether triton imports here (looked up once; a constant to torch.compile, which reads it
+    from every layer's forward)."""
+    if not _TRITON:
+        _TRITON.append(importlib.util.find_spec("triton") is not None)
+    return _TRITON[0]

@@ -15,14 +15,11 @@ parameters are the block's two nn.Linear, whatever the impl.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shatter.accelerator import capability, device_index
-from shatter.eager import constant_under_compile
+from shatter.accelerator import capability, device_index, triton_importable
 
 
 def feed_forward(x: torch.Tensor, ffn_in: nn.Linear, ffn_out: nn.Linear, impl: str):
@@ -65,14 +62,9 @@ def ffn_choice(capability: tuple[int, int], dtype: torch.dtype) -> str:
 def _resolve(impl: str, x: torch.Tensor) -> str:
     if impl != "auto":
         return impl
-    if x.device.type != "cuda" or not _triton_imports():
+    if x.device.type != "cuda" or not triton_importable():
         return "torch"
     return ffn_choice(capability(device_index(x.device)), x.dtype)
-
-
-@constant_under_compile
-def _triton_imports() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def _kernels():

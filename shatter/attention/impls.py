@@ -49,7 +49,11 @@ from functools import cache, lru_cache
 
 import torch
 
-from shatter.accelerator import capability as _capability
+from shatter.accelerator import (
+    capability as _capability,
+    device_index,
+    triton_importable as _rows_available,
+)
 from shatter.attention.chunked import partition_attention_chunked
 from shatter.attention.lean import partition_mix_lean, partition_mix_naive
 from shatter.attention.projection import new_context, projection_views, write_context
@@ -92,9 +96,7 @@ def require_triton_capability(device: torch.device, impl: str = "triton") -> Non
     FMAs: Triton emits no tensor-core code there) and `triton` below sm_70."""
     if device.type != "cuda":
         return
-    major, minor = _capability(
-        device.index if device.index is not None else torch.cuda.current_device()
-    )
+    major, minor = _capability(device_index(device))
     least = (7, 0) if impl == "triton" else (8, 0)
     if (major, minor) < least:
         raise ValueError(
@@ -204,12 +206,7 @@ LAYERS: dict[str, Layer] = {  # impls with a layer-level form of their own (dP b
 @cache
 def _triton_available() -> bool:
     find = importlib.util.find_spec
-    return find("triton") is not None and find("shatter.attention.triton_kernel") is not None
-
-
-@cache
-def _rows_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _rows_available() and find("shatter.attention.triton_kernel") is not None
 
 
 KERNEL_CHOICES = {90: ("triton", "fused"), 80: ("triton", "fused"), 70: ("rows", "triton")}
@@ -270,7 +267,7 @@ def auto_impl(device: torch.device, dtype: torch.dtype, shape: tuple | None = No
     (B, l, d, n) of the call, when known, chooses between the two Triton impls."""
     if device.type != "cuda":
         return "lean"
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     low = dtype in (torch.bfloat16, torch.float16)
     if low and _capability(index) >= (8, 0) and _triton_available():
         if shape is None:

@@ -34,22 +34,21 @@ import torch
 import triton
 import triton.language as tl
 
-from shatter.kernels.cost import register_costs
+from shatter.kernels.cost import FFN_ROW_TILE, register_costs
 from shatter.kernels.family import family_of
 from shatter.kernels.launch import INTERPRET, fast
-from shatter.kernels.partition_mixing import _dot
+from shatter.kernels.partition_mixing import _dot, _untimed
 
 SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1/√2: Φ(x) = (1 + erf(x/√2)) / 2
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # φ(x) = exp(-x²/2) / √(2π)
 
 
 # every GPU configuration's row tile (the interpreter's: 16): the backward's column sums have one
-# row per tile of rows
-GPU_ROW_TILE = 128
-ROW_TILE = 16 if INTERPRET else GPU_ROW_TILE
+# row per tile of rows (the step model prices as many: cost.FFN_ROW_TILE)
+ROW_TILE = 16 if INTERPRET else FFN_ROW_TILE
 
 
-def _cfg(block_n, block_k, warps, stages, archs, block_m=GPU_ROW_TILE):
+def _cfg(block_n, block_k, warps, stages, archs, block_m=FFN_ROW_TILE):
     config = triton.Config(
         {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8},
         num_warps=warps,
@@ -74,10 +73,6 @@ CONFIGS = [
 def _for_this_gpu(configs, named_args, **kwargs):
     family = family_of(torch.cuda.get_device_capability())
     return [c for c in configs if family in c.archs] or configs[-1:]
-
-
-def _untimed(kernel_call, quantiles):
-    return [0.0] * len(quantiles)  # the interpreter's one configuration: nothing to time
 
 
 def _autotune(fn):
