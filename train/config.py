@@ -29,7 +29,7 @@ from shatter.options import (
 )
 from shatter.train.schedule import DECAYS, lr_factor
 
-OPTIMIZER_IMPLS = ("torch", "deepspeed")
+OPTIMIZER_IMPLS = ("auto", "master", "torch", "deepspeed")
 PRECISIONS = ("fp32", "bf16", "fp16")
 MASKINGS = ("static", "dynamic")
 
@@ -132,14 +132,16 @@ class OptimArgs:
     initial_scale_power: int = 16  # fp16 dynamic loss scaling starts at 2**this
     loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
     min_loss_scale: float = 1.0  # fp16: the scale never goes below this
-    # AdamW on a GPU: "torch" = torch.optim.AdamW(fused=True) handed to DeepSpeed (no JIT build);
-    # "deepspeed" = DeepSpeed's FusedAdam (JIT-built with nvcc). On a CPU: torch's AdamW always.
+    # AdamW on a GPU (train/engine.py, train/master_step.py); on a CPU torch's AdamW always
     impl: str = option(
-        "torch",
-        "AdamW on a GPU: torch's fused AdamW (default) or DeepSpeed's JIT-built FusedAdam.",
+        "auto",
+        "AdamW on a GPU: auto, master (one-pass bf16 ZeRO step), torch (fused AdamW) or "
+        "deepspeed (JIT-built FusedAdam).",
         flag="--optim-impl",
         choices=OPTIMIZER_IMPLS,
-        doc="AdamW on a GPU: `torch` (fused, default) or `deepspeed` (FusedAdam, JIT-built)",
+        doc="AdamW on a GPU: `master` (bf16 ZeRO-1/2: gradient in, fp32 master and moments "
+        "and the bf16 weights out in one kernel), `torch` (`AdamW(fused=True)`), `deepspeed` "
+        "(FusedAdam, JIT-built), `auto` (default: `master` where it applies, else `torch`)",
     )
 
 

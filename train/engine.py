@@ -593,7 +593,23 @@ def build_engine(
     )
     guard_nonfinite_steps(engine)
     streamline_zero(engine.optimizer)
+    one_pass_step(engine.optimizer, cfg.optim.impl)
     return engine
+
+
+def one_pass_step(optimizer, impl: str) -> None:
+    """bf16 ZeRO-1/2's step in one kernel a parameter group (train/master_step.py) for
+    `optim.impl` `master`, and for `auto` where it applies; a `master` it cannot serve is an
+    error that says why."""
+    from shatter.train import master_step
+
+    if impl not in master_step.MASTER_IMPLS:
+        return
+    why = master_step.unsupported(optimizer)
+    if why is None:
+        master_step.install(optimizer)
+    elif impl == "master":
+        raise ConfigError(f"optim.impl master: {why}; set optim.impl to auto or torch")
 
 
 def zero3_leaf_blocks(model: nn.Module) -> None:

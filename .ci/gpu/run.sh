@@ -8,7 +8,8 @@
 # Each CALL fits one 10-minute call: its steps' time boxes add up to at most 540 s.
 #   kernels   the compiled kernels against the references: the paper's base shape first, then
 #             every other `gpu` kernel test, in parallel (pytest-xdist); then the FFN's GEMMs
-#             with GELU in their epilogues timed against cuBLAS and GELU (bench_ffn.py)
+#             with GELU in their epilogues timed against cuBLAS and GELU (bench_ffn.py), and the
+#             one-pass optimizer step against DeepSpeed's with torch's AdamW (bench_optim.py)
 #   bench     tools/bench/bench_kernel.py, then the whole-step benchmarks bench_model and bench_train
 #   jobs      the DeepSpeed and finetuning jobs of tests/train/test_gpu.py and
 #             tests/finetune/test_gpu.py (the V100 path among them), in parallel
@@ -52,7 +53,7 @@ SCALE=${GPU_SCALE:-1}
 REHEARSE=${GPU_REHEARSE:-0}
 # Each call: its steps, each `name:box` in seconds, run in this order.
 case $MODE in
-  kernels) PLAN="env:90 kernel_base:120 kernels:300 bench_ffn:30" ;;
+  kernels) PLAN="env:90 kernel_base:120 kernels:280 bench_ffn:30 bench_optim:20" ;;
   bench) PLAN="env:90 bench_kernel:160 bench_model:130 bench_train:160" ;;
   jobs) PLAN="env:90 jobs:450" ;;
   science) PLAN="env:90 science:450" ;;
@@ -273,6 +274,9 @@ for item in $PLAN; do
     bench_ffn) if [ "$DEVICE" = cuda ]; then
       step bench_ffn "$PY" tools/bench/bench_ffn.py --tokens 16384 --dtype bf16 --shape base
     else SUMMARY+=("bench_ffn: not rehearsed (it times CUDA kernels)"); fi ;;
+    bench_optim) if [ "$DEVICE" = cuda ]; then
+      step bench_optim "$PY" tools/bench/bench_optim.py --preset bert-base
+    else SUMMARY+=("bench_optim: not rehearsed (it times CUDA kernels)"); fi ;;
     bench_kernel) if [ "$DEVICE" = cuda ]; then
       step bench_kernel "$PY" tools/bench/bench_kernel.py --lengths 128,256,512,1024 --dtype bf16
     else SUMMARY+=("bench_kernel: not rehearsed (it times CUDA kernels)"); fi ;;

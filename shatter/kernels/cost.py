@@ -92,6 +92,10 @@ OP_SCHEMA = {  # the ops' argument names, to read args and kwargs alike
     ),
     "shatter::linear_gelu": ("x", "weight", "bias", "keep_h"),
     "shatter::linear_gelu_bwd": ("g_out", "weight_out", "h"),
+    "shatter::master_adamw_": (
+        "grads", "master", "exp_avg", "exp_avg_sq", "step", "weight", "lr", "beta1", "beta2",
+        "eps", "weight_decay", "grad_scale", "found_inf",
+    ),
 }  # fmt: skip
 
 
@@ -283,6 +287,24 @@ def linear_gelu_bwd_cost(args, kwargs, outputs) -> list[Kernel]:
     ]
 
 
+def master_adamw_cost(args, kwargs, outputs) -> list[Kernel]:
+    """The one-pass AdamW step (shatter/kernels/master_adamw.py): the gradients' addresses copied
+    to the device, the step count counted up; the low-precision gradient, the fp32 master and
+    moments read, those three and the low-precision weights written; with `found_inf`, the
+    count counted down again."""
+    a = _bind("shatter::master_adamw_", args, kwargs)
+    n, low = a["master"].numel(), a["weight"].element_size()
+    table = Kernel("the gradients' addresses to the device", "memory", 0.0, 8.0 * len(a["grads"]))
+    step = [table, Kernel("step count + 1", "memory", 0.0, 0.0)]
+    main = Kernel("AdamW: master, moments, weights", "memory", 0.0, float(n * (2 * low + 24)))
+    undo = (
+        [Kernel("step count - found_inf", "memory", 0.0, 0.0)]
+        if a.get("found_inf") is not None
+        else []
+    )
+    return [*step, main, *undo]
+
+
 OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {
     "shatter::mixing_fwd": mixing_fwd_cost,
     "shatter::mixing_bwd": mixing_bwd_cost,
@@ -292,6 +314,7 @@ OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {
     "shatter::fused_bwd": fused_bwd_cost,
     "shatter::linear_gelu": linear_gelu_cost,
     "shatter::linear_gelu_bwd": linear_gelu_bwd_cost,
+    "shatter::master_adamw_": master_adamw_cost,
 }
 
 
@@ -379,8 +402,8 @@ def model_flops(name: str, args, kwargs) -> float:
     """The op's FLOPs in train/cost.py's convention (dense over the n parts: Q Xᵀ and A V, each
     l·d multiply-adds per token; the backward two products per forward one), for comparing a
     trace's total with the model count."""
-    if name.startswith("shatter::rows_"):
-        return 0.0  # no product inside: the GEMMs around the row kernels carry the FLOPs
+    if name.startswith("shatter::rows_") or name == "shatter::master_adamw_":
+        return 0.0  # no product inside (the row kernels: the GEMMs around them carry the FLOPs)
     if name.startswith("shatter::linear_gelu"):  # one GEMM, as train/cost.py counts it
         return op_totals(OP_COSTS[name](args, kwargs, None))[0]
     a = _bind(name, args, kwargs)

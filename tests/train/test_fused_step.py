@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import shatter
+from shatter.kernels.launch import INTERPRET
 from shatter.train.config import OptimArgs
 from shatter.train.engine import client_optimizer, param_groups
 
@@ -135,16 +136,21 @@ def test_zero1_s_gradients_flattened_into_fp32_equal_deepspeed_s():
 
 
 def test_zero1_s_streamlined_step_equals_deepspeed_s():
-    """A whole bf16 ZeRO-1 step with the trainer's norm, clip (the clip's factor handed to
-    torch's fused AdamW) and flattening and one with DeepSpeed's own, from the same weights and batch, the norm
-    above the clip: the same fp32 master weights to fp32 rounding, and the step not skipped."""
+    """A whole bf16 ZeRO-1 step three ways from the same weights and batches, the norm above the
+    clip: DeepSpeed's own; the trainer's norm, clip (its factor handed to torch's fused AdamW)
+    and flattening (`optim.impl: torch`); and the one-pass step (`master`,
+    train/master_step.py, under the interpreter): the same fp32 master weights to fp32
+    rounding, the same bf16 weights, and no step skipped."""
     from shatter.tools.bench.count_ops import mlm_batch
 
-    masters = []
-    for own in (False, True):
+    masters, weights = [], []
+    for way in ("deepspeed", "torch", "master"):
         engine = _bf16_zero1_engine()
         opt = engine.optimizer
-        if own:  # DeepSpeed's methods back
+        assert ("step" in vars(opt)) == INTERPRET  # the one-pass step, where its kernel runs
+        if way != "master" and INTERPRET:
+            del opt.step
+        if way == "deepspeed":  # DeepSpeed's methods back
             del opt.scaled_global_norm, opt.unscale_and_clip_grads
             del opt._get_preflattened_grad_partition
         start = [p.detach().clone() for p in opt.single_partition_of_fp32_groups]
@@ -154,9 +160,13 @@ def test_zero1_s_streamlined_step_equals_deepspeed_s():
         assert (engine.global_steps, engine.skipped_steps) == (3, 0)
         assert float(opt._global_grad_norm) > 2 * opt.clip_grad  # the clip acts
         masters.append([p.detach().clone() for p in opt.single_partition_of_fp32_groups])
+        weights.append([p.detach().clone() for p in engine.module.parameters()])
         assert not any(torch.equal(a, b) for a, b in zip(masters[-1], start, strict=True))
-    for a, b in zip(*masters, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for other in (1, 2):
+        for a, b in zip(masters[0], masters[other], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        for a, b in zip(weights[0], weights[other], strict=True):
+            torch.testing.assert_close(a, b, rtol=0.01, atol=1e-6)  # a bf16 rounding apart
 
 
 def test_one_rank_zero1_skips_deepspeed_s_reduction_which_changes_nothing_there():
@@ -227,7 +237,8 @@ def test_bf16_zero1_skips_a_nonfinite_step_on_the_device_without_a_host_read():
 def test_two_ranks_skip_a_nonfinite_step_on_the_device(tmp_path, stage):
     """bf16 ZeRO-1 and ZeRO-2 on two ranks with a GPU's config (tests/train/skip_job.py: torch's
     fused AdamW, the contiguous bucket's reduce-scatter; ZeRO-2 reduces and partitions the
-    gradients during the backward): a NaN loss on the last rank only at step 4
+    gradients during the backward), with the one-pass step and with torch's AdamW stepped by
+    DeepSpeed (the same masters both ways): a NaN loss on the last rank only at step 4
     leaves both ranks' fp32 masters unchanged (the norm is all-reduced: both kernels skip), the
     other steps update them (but the warm-up's two at lr 0), all stay finite, no step reads
     the host, and each rank counts one skipped step."""
@@ -239,10 +250,13 @@ def test_two_ranks_skip_a_nonfinite_step_on_the_device(tmp_path, stage):
     done = run_command(cmd, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for r in ranks:
-        assert r["device_skip"] and r["contiguous"]
-        assert r["unchanged"] == [True, True, False, False, True, False], r
-        assert all(r["finite"]) and r["reads"] == [0] * 6 and r["skipped"] == 1, r
+    for rank in ranks:
+        assert rank["equal"], rank  # the one-pass step's masters and torch's AdamW's
+        for impl, r in ((impl, rank[impl]) for impl in ("auto", "torch")):
+            assert r["one_pass"] == (impl == "auto" and INTERPRET), r
+            assert r["device_skip"] and r["contiguous"]
+            assert r["unchanged"] == [True, True, False, False, True, False], r
+            assert all(r["finite"]) and r["reads"] == [0] * 6 and r["skipped"] == 1, r
 
 
 def _bf16_zero1_engine():

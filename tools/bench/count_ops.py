@@ -161,6 +161,7 @@ def count_engine(preset: str, precision: str, stage: int, options: dict, args) -
             "grad_accum": args.grad_accum,
             "max_steps": 1000,
             "warmup_steps": 10,
+            "optim_impl": getattr(args, "optim_impl", "auto"),
         },
     )
     torch.manual_seed(0)

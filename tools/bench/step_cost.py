@@ -229,6 +229,7 @@ class Run:
     precision: str | None = None  # bf16 or fp16 over the GPU's own (bf16 on sm_80+, fp16 on V100)
     impl: str | None = None  # Shatter's attention impl on every GPU over `auto`'s choice
     ffn_impl: str | None = None  # the FFN's impl (shatter/ffn.py) on every GPU over `auto`'s
+    optim_impl: str = "auto"  # optim.impl: `auto` and `master` take the one-pass step in bf16
     size: str = "base"
     config: str | None = None  # the config file read
     memory_gib: float | None = None  # one GPU's memory over the GPU table's (run.gpu_memory_gb)
@@ -261,6 +262,7 @@ def run_of_config(path: str, run: Run) -> Run:
         precision=r.precision,
         impl=run.impl or (None if impl == "auto" else impl),
         ffn_impl=run.ffn_impl or (None if ffn_impl == "auto" else ffn_impl),
+        optim_impl=cfg.optim.impl,
         size=cfg.model.preset.rsplit("-", 1)[-1],
         config=path,
         memory_gib=r.gpu_memory_gb,
@@ -294,7 +296,7 @@ def trace_here(arch, length, gpu: Gpu, run: Run, padding: bool, vocab: int):
     rows = run.tokens // length
     try:
         return trace_step(
-            model, length, rows, "zero1", gpu.low, gpu.flash, padding_mask=padding,
+            model, length, rows, optimizer_for(gpu, run), gpu.low, gpu.flash, padding_mask=padding,
             world=run.world, family=family_of(gpu.capability),
         )  # fmt: skip
     except (RuntimeError, ValueError, NotImplementedError) as e:
@@ -326,6 +328,17 @@ def ffn_impl_for(gpu: Gpu, run: Run) -> str:
     from shatter.ffn import ffn_choice
 
     return run.ffn_impl or ffn_choice(gpu.capability, gpu.low)
+
+
+def optimizer_for(gpu: Gpu, run: Run) -> str:
+    """The ZeRO-1 step a run takes on `gpu` (step_trace.OPTIMIZERS): the one-pass step for
+    `optim.impl` `auto` or `master` in bf16 (train/master_step.py), else torch's fused AdamW
+    stepped by DeepSpeed (fp16 keeps DeepSpeed's loss-scaled step; `deepspeed`'s FusedAdam is
+    priced as torch's)."""
+    from shatter.train.master_step import MASTER_IMPLS
+
+    one_pass = run.optim_impl in MASTER_IMPLS and gpu.low == torch.bfloat16
+    return "master" if one_pass else "zero1"
 
 
 def _attention_impl(arch: str, gpu: Gpu) -> str | None:

@@ -76,6 +76,9 @@ SDPA = {
 }
 # shatter.eager.EAGER, read by value: this module imports no project module
 EAGER = "shatter::eager"
+# the optimizer steps `trace_step` traces: torch's fused AdamW under autocast; ZeRO-1 stepping
+# torch's fused AdamW (optim.impl torch); ZeRO-1 with the one-pass step (master)
+OPTIMIZERS = ("fused", "zero1", "master")
 PROFILER_RANGES = ("_record_function_enter_new", "_record_function_exit")
 INDEX_OPS = ("index", "index_put", "index_put_", "_index_put_impl_")
 # Ops that launch no kernel: allocation without a fill, metadata
@@ -374,22 +377,24 @@ class MetaAutocast:
 
 # The one-element kernels of DeepSpeed 0.19.8's bf16 ZeRO-1 step as the trainer runs it, at any
 # model size (the global norm's squares, root and validity, the clip's factor, the skip's
-# verdict made on the device, the AdamW step counters and their undoing on a skip), counted on
-# a real engine: tools/bench/count_ops.py (tests/tools/test_step_cost.py checks the step's count)
-DEEPSPEED_SCALAR_OPS = 22
+# verdict made on the device), counted on a real engine: tools/bench/count_ops.py
+# (tests/tools/test_step_cost.py checks the step's count); AdamW's step counters besides
+DEEPSPEED_SCALAR_OPS = 18
 
 
-def zero1_step(params: list[torch.Tensor], world: int = 1) -> None:
+def zero1_step(params: list[torch.Tensor], world: int = 1, one_pass: bool = False) -> None:
     """DeepSpeed's ZeRO-1 optimizer step on one of `world` ranks as the trainer runs it
     (train/engine.py: `streamline_zero`), over the buffers it keeps (`_zero1_gradients`):
     the global norm by one multi-tensor norm over both parameter groups (the weights; the
-    biases and norms, the 1-D parameters); then per group the gradients copied into one flat
-    fp32 buffer by a multi-tensor copy that casts them (`flatten_into_fp32`), AdamW on the
-    fp32 master with the unscale and clip as its `grad_scale` (the kernel writes the
-    unscaled gradient back) and the skip's verdict as its `found_inf`, and the master cast
-    back into the low-precision parameters; and DEEPSPEED_SCALAR_OPS one-element kernels.
-    The reduce-scatter or all-reduce of the gradients and the all-gather of the updated
-    parameters are communication, left out."""
+    biases and norms, the 1-D parameters) and DEEPSPEED_SCALAR_OPS one-element kernels; then
+    per group, with torch's fused AdamW (`optim.impl: torch`), the gradients copied into one
+    flat fp32 buffer by a multi-tensor copy that casts them (`flatten_into_fp32`), AdamW on the
+    fp32 master with the unscale and clip as its `grad_scale` (the kernel writes the unscaled
+    gradient back) and the skip's verdict as its `found_inf` between its step counters' two
+    multi-tensor ops, and the master cast back into the low-precision parameters; or with
+    `one_pass` (`optim.impl: master`, train/master_step.py), `shatter::master_adamw_` on the
+    gradients where they lie. The reduce-scatter or all-reduce of the
+    gradients and the all-gather of the updated parameters are communication, left out."""
     dev, low = params[0].device, params[0].dtype
     held = _zero1_gradients(params, world)
     scalar = torch.empty((), device=dev)
@@ -399,12 +404,29 @@ def zero1_step(params: list[torch.Tensor], world: int = 1) -> None:
     for group in held:
         if not group:
             continue
-        grad = torch.empty(sum(g.numel() for g in group), device=dev)  # cast as it is flattened
-        torch._foreach_copy_(list(grad.split([g.numel() for g in group])), group)
-        master, m, v = (torch.empty(grad.numel(), device=dev) for _ in range(3))
+        numel = sum(g.numel() for g in group)
+        master, m, v = (torch.empty(numel, device=dev) for _ in range(3))
         step = torch.empty((), device=dev)
+        weight = torch.empty(numel, dtype=low, device=dev)  # the low-precision partition
+        if one_pass:
+            _one_pass(group, master, m, v, step, weight, scalar)
+            continue
+        grad = torch.empty(numel, device=dev)  # cast as it is flattened
+        torch._foreach_copy_(list(grad.split([g.numel() for g in group])), group)
+        torch._foreach_add_([step], 1)
         adamw([master], [grad], [m], [v], [step], grad_scale=scalar, found_inf=scalar)
-        torch.empty(grad.numel(), dtype=low, device=dev).copy_(master)  # into the parameters
+        torch._foreach_sub_([step], [scalar])
+        weight.copy_(master)  # into the parameters
+
+
+def _one_pass(group, master, m, v, step, weight, scalar) -> None:
+    """train/master_step.py's step of one group: the one-pass AdamW on its gradients."""
+    from shatter.kernels.master_adamw import master_adamw_
+
+    master_adamw_(
+        group, master, m, v, step, weight, 1e-4, 0.9, 0.999, 1e-8, 0.01, grad_scale=scalar,
+        found_inf=scalar,
+    )  # fmt: skip
 
 
 def _zero1_gradients(params: list[torch.Tensor], world: int) -> tuple[list, list]:
@@ -466,7 +488,8 @@ def trace_step(
     family: int | None = None,
 ) -> StepTrace:
     """One training step of `model` (on the meta device) at `rows` x `length` tokens; the model
-    fp32 under autocast with `optimizer="fused"`, or already in `low` with `"zero1"`.
+    fp32 under autocast with `optimizer="fused"`, or already in `low` with `"zero1"` (ZeRO-1
+    stepping torch's fused AdamW) or `"master"` (ZeRO-1 with the one-pass step).
     `padding_mask`: pass an all-ones attention mask (as a padded batch would) instead of None;
     `world`: the ranks ZeRO-1 partitions the optimizer over; `family`: the arch family (90, 80,
     70) whose kernel configurations the custom ops' costs take (their own default without)."""
@@ -489,7 +512,7 @@ def trace_step(
         if optimizer == "fused":
             fused_step(params)
         else:
-            zero1_step(params, world)
+            zero1_step(params, world, one_pass=optimizer == "master")
     for p in params:
         p.grad = None
     return rec
@@ -565,7 +588,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=30000)
     p.add_argument("--lengths", required=True, help="comma-separated")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per step")
-    p.add_argument("--optimizer", choices=("fused", "zero1"), default="fused")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="fused")
     p.add_argument("--padding-mask", action="store_true")
     a = p.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
