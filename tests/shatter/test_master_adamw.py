@@ -194,3 +194,40 @@ def test_compiled_kernel_at_bert_base_s_size():
     torch.testing.assert_close(mine[0], want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(mine[2], state["exp_avg_sq"], rtol=1e-6, atol=1e-12)
     assert torch.equal(mine[4], mine[0].bfloat16()) and float(mine[3]) == 2.0
+
+
+COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from shatter.kernels.master_adamw import master_adamw_kernel
+pointers = ["*i64"] * 3 + ["*fp32"] * 3 + ["*bf16"] + ["*fp32"] * 3
+names = master_adamw_kernel.arg_names
+signature = dict(zip(names, pointers + ["fp32"] * 7 + ["constexpr"] * 4))
+for arch in (70, 90):
+    for aligned in (True, False):
+        constexprs = {"HAS_SCALE": True, "HAS_FOUND": True, "ALIGNED": aligned, "BLOCK": 2048}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
+        src = ASTSource(master_adamw_kernel, signature, constexprs, attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8}).asm["ptx"]
+        print(arch, aligned, ptx.count("ld.global.v4"), ptx.count(".local"))
+"""
+
+
+@pytest.mark.slow
+def test_the_kernel_compiles_for_the_v100_and_the_h100_with_vector_loads():
+    """Compiled ahead of time for sm_70 and sm_90 (no GPU needed; Triton's interpreter off):
+    no local memory (spills), and 16-byte vector loads where every size is a multiple of 8
+    and every address aligned, as a bert-base partition is (the `ALIGNED` hints)."""
+    import subprocess
+    import sys
+
+    from tests.jobs import child_env
+
+    env = child_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert len(rows) == 4 and all(row[3] == "0" for row in rows), rows
+    assert all((int(row[2]) > 0) == (row[1] == "True") for row in rows), rows

@@ -15,12 +15,14 @@ from shatter.train.engine import build_engine, deepspeed_config, init_distribute
 needs_kernel = pytest.mark.skipif(not INTERPRET, reason="the kernel needs TRITON_INTERPRET=1 here")
 
 
-def _engine(impl: str, precision: str = "bf16", stage: int = 1, gpu_config: bool = True):
+def _engine(
+    impl: str, precision: str = "bf16", stage: int = 1, gpu_config: bool = True, accum: int = 1
+):
     init_distributed()
     cfg = resolve(
         None,
         {"precision": precision, "zero_stage": stage, "micro_batch": 2, "max_steps": 10,
-         "optim_impl": impl},
+         "optim_impl": impl, "grad_accum": accum},
     )  # fmt: skip
     torch.manual_seed(0)
     model = shatter.build_model("bert-tiny", vocab_size=300, max_len=64)
@@ -30,6 +32,7 @@ def _engine(impl: str, precision: str = "bf16", stage: int = 1, gpu_config: bool
 
 
 def _train(engine, seeds) -> None:
+    """A forward, backward and `engine.step` per seed (a micro-step under accumulation)."""
     for seed in seeds:
         engine.backward(engine(**mlm_batch(2, 32, 300, seed))["loss"])
         engine.step()
@@ -89,3 +92,22 @@ def test_a_run_resumes_across_impls(tmp_path):
     for pair in (("torch", "master"), ("master", "torch")):
         for a, b in zip(ends[pair], ends["torch", "torch"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("stage", [1, 2])
+def test_accumulated_gradients_step_as_deepspeed_s(stage):
+    """Two micro-batches a step, ZeRO-1 and ZeRO-2 on one rank: the one-pass step reads the
+    accumulated gradients DeepSpeed holds at the boundary; three steps end where torch's AdamW
+    stepped by DeepSpeed ends (fp32 rounding)."""
+    ends = []
+    for impl in ("master", "torch"):
+        engine = _engine(impl, stage=stage, accum=2)
+        assert ("step" in vars(engine.optimizer)) == (impl == "master")
+        start = [m.detach().clone() for m in engine.optimizer.single_partition_of_fp32_groups]
+        _train(engine, range(6))
+        assert engine.global_steps == 3
+        ends.append([m.detach().clone() for m in engine.optimizer.single_partition_of_fp32_groups])
+        assert not any(torch.equal(a, b) for a, b in zip(ends[-1], start, strict=True))
+    for a, b in zip(*ends, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
