@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shatter.attention.layer_weights import LayerWeights, interleaved, matmul_dtype
+from shatter.attention.projection import gemm_input, project, weight_grads
 from shatter.partition import PartitionBuffer, partition_mask
 
 if TYPE_CHECKING:  # annotations only: shatter.config reads this registry
@@ -61,30 +62,28 @@ class _PackedQKV(torch.autograd.Function):
     the backward takes SDPA's three gradients as they come. Through `linear(...).chunk(3)`
     autograd first copied them into one [T, 3d] gradient (a `cat`: 3 kernels and 150 MB a layer
     at BERT-base, 16,384 tokens) for the GEMMs and the bias sum to read; here dx is three GEMMs
-    accumulating into one output (cuBLAS adds C), dW three GEMMs and db three sums over the same
-    gradients."""
+    accumulating into one output (cuBLAS adds C), and q's, k's and v's weight and bias
+    gradients three `weight_grads` (compiled: three GEMMs over [x | 1], no sums)."""
 
     @staticmethod
     def forward(ctx, x, W, b):
-        xc = x.to(W.dtype)  # the GEMM's own input (autocast's cast, saved as linear saves it)
+        xc = gemm_input(x.to(W.dtype), True)  # the GEMM's own input (autocast's cast)
         ctx.save_for_backward(xc, W)
         ctx.dtype = x.dtype
-        return F.linear(xc, W, b).chunk(3, -1)
+        return project(xc, W, b).chunk(3, -1)
 
     @staticmethod
     def backward(ctx, *grads):
         xc, W = ctx.saved_tensors
-        x_Td = xc.reshape(-1, xc.shape[-1])
+        d = W.shape[1]
         g = [t.reshape(-1, t.shape[-1]) for t in grads]  # SDPA's come contiguous: views
         dx = dW = db = None
         if ctx.needs_input_grad[0]:
             Wq, Wk, Wv = W.chunk(3, 0)
             dx = torch.addmm(torch.addmm(g[0] @ Wq, g[1], Wk), g[2], Wv)
-            dx = dx.view(xc.shape).to(ctx.dtype)
-        if ctx.needs_input_grad[1]:
-            dW = torch.cat([gi.t() @ x_Td for gi in g])
-        if ctx.needs_input_grad[2]:
-            db = torch.cat([gi.sum(0) for gi in g])
+            dx = dx.view(*xc.shape[:-1], d).to(ctx.dtype)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            dW, db = weight_grads(g, xc, d, True)
         return dx, dW, db
 
 

@@ -30,28 +30,73 @@ def context_width(d: int, n: int) -> int:
     return d + aligned(n + 1)
 
 
+# Columns appended to a projection's input under torch.compile (`gemm_input`): one of ones, then
+# zeros keeping its rows 16-byte aligned (cuBLAS reads them as its leading dimension)
+ONES = 8
+
+
+def gemm_input(x: torch.Tensor, bias: bool) -> torch.Tensor:
+    """The input a projection with a bias saves for its weight gradient: compiled, [x | 1 | 0]
+    (x with a column of ones and ONES - 1 of zeros), which inductor writes in x's producer (the
+    LayerNorm before it) at no cost, so that dYᵀ [x | 1 | 0] has the bias gradient (dY's
+    column sums) in the ones' column: the GEMM sums it as it goes, where the bias gradient
+    apart is a reduction over the tokens of its own; eagerly (a copy there), x itself."""
+    if not (bias and torch.compiler.is_compiling()):
+        return x
+    first = torch.arange(ONES, device=x.device) == 0
+    return torch.cat([x, first.to(x.dtype).expand(*x.shape[:-1], ONES)], -1)
+
+
+def project(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x Wᵀ + b from a `gemm_input` x (its first W.shape[1] columns: strided rows, cuBLAS's
+    leading dimension), as [..., p]."""
+    x2 = x.reshape(-1, x.shape[-1])[:, : W.shape[1]]
+    out = torch.addmm(b, x2, W.t()) if b is not None else x2 @ W.t()
+    return out.view(*x.shape[:-1], -1)
+
+
+def weight_grads(dYs: list[torch.Tensor], x: torch.Tensor, d: int, bias: bool):
+    """(dW, db) of `project` from the gradients of its output's column blocks, dYs ([T, p_i]
+    each: W's rows, block by block), and its saved `gemm_input` x: one GEMM a block over
+    [x | 1 | 0], written side by side (db the ones' column: views, no copy), or dYᵀ x a block
+    and dY's column sums."""
+    x2 = x.reshape(-1, x.shape[-1])
+    both = _joined([dY.t() @ x2 for dY in dYs])
+    if x.shape[-1] > d:  # [p, d + ONES]: [dW | db | 0]
+        return both[:, :d], both[:, d]
+    return both, (_joined([dY.sum(0) for dY in dYs]) if bias else None)
+
+
+def _joined(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """The blocks stacked along their first dimension: one block itself (a cat would copy it)."""
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+
 class ProjectWithKeys(torch.autograd.Function):
     """(P = X Wᵀ + b, the keys X itself) for the single-head layer, whose keys are its input
     (K = X, §3.2): X's gradient is the keys' gradient plus dP W in one GEMM (β = 1 on the keys'
-    gradient, the attention's dX = dSᵀ Q), not a GEMM and then a d-wide add of the two."""
+    gradient, the attention's dX = dSᵀ Q), not a GEMM and then a d-wide add of the two; W's
+    and b's gradients are `weight_grads`'."""
 
     @staticmethod
     def forward(ctx, X, W, b):
-        ctx.save_for_backward(X, W)
+        X1 = gemm_input(X, b is not None)
+        ctx.save_for_backward(X1, W)
         ctx.has_bias = b is not None
-        return torch.nn.functional.linear(X, W, b), X.view_as(X)
+        keys = X1[..., : X.shape[-1]] if X1 is not X else X.view_as(X)  # compiled: X1's view
+        return project(X1, W, b), keys
 
     @staticmethod
     def backward(ctx, dP, g_keys):
-        X, W = ctx.saved_tensors
+        X1, W = ctx.saved_tensors
+        d = W.shape[1]
         dP2 = dP.reshape(-1, dP.shape[-1])
-        X2 = X.reshape(-1, X.shape[-1])
-        dX = None
+        dX = dW = db = None
         if ctx.needs_input_grad[0]:
-            dX = dP2 @ W if g_keys is None else torch.addmm(g_keys.reshape(X2.shape), dP2, W)
-            dX = dX.view_as(X)
-        dW = dP2.t() @ X2 if ctx.needs_input_grad[1] else None
-        db = dP2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+            dX = dP2 @ W if g_keys is None else torch.addmm(g_keys.reshape(-1, d), dP2, W)
+            dX = dX.view(*X1.shape[:-1], d)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            dW, db = weight_grads([dP2], X1, d, ctx.has_bias)
         return dX, dW, db
 
 

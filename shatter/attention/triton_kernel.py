@@ -188,7 +188,9 @@ def forward_kernels(P, X, mask, table, sigmoid: bool, Z, make_z: bool = False):
     return ctx, stat
 
 
-@torch.library.custom_op("shatter::mixing_fwd", mutates_args=())
+# flexible_layout: compiled, X comes as a view of the projection's [X | 1 | 0] (projection.
+# gemm_input), strided rows; the kernels take X's strides, so inductor passes it without a copy
+@torch.library.custom_op("shatter::mixing_fwd", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def mixing_fwd(
     P: torch.Tensor, X: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, sigmoid: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -263,7 +265,9 @@ def backward_kernels(P, X, mask, table, Z, stat, out, part, g_out, g_part, sigmo
     return dP, gX
 
 
-@torch.library.custom_op("shatter::mixing_bwd", mutates_args=())
+# flexible_layout: compiled, X comes as a view of the projection's [X | 1 | 0] (projection.
+# gemm_input), strided rows; the kernels take X's strides, so inductor passes it without a copy
+@torch.library.custom_op("shatter::mixing_bwd", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def mixing_bwd(
     P: torch.Tensor,
     X: torch.Tensor,

@@ -41,7 +41,9 @@ from shatter.attention.triton_kernel import (
 from shatter.kernels.cost import register_costs
 
 
-@torch.library.custom_op("shatter::fused_fwd", mutates_args=())
+# flexible_layout: compiled, X comes as a view of the projection's [X | 1 | 0] (projection.
+# gemm_input), strided rows; the kernels take X's strides, so inductor passes it without a copy
+@torch.library.custom_op("shatter::fused_fwd", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def fused_fwd(
     P: torch.Tensor, X: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, sigmoid: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +58,9 @@ def _(P, X, mask, table, sigmoid):
     return new_context(X, table.shape[0]), X.new_empty(2, B, L, dtype=torch.float32)
 
 
-@torch.library.custom_op("shatter::fused_bwd", mutates_args=())
+# flexible_layout: compiled, X comes as a view of the projection's [X | 1 | 0] (projection.
+# gemm_input), strided rows; the kernels take X's strides, so inductor passes it without a copy
+@torch.library.custom_op("shatter::fused_bwd", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def fused_bwd(
     P: Tensor, X: Tensor, mask: Tensor, table: Tensor, stat: Tensor, out: Tensor, part: Tensor,
     g_out: Tensor, g_part: Tensor, sigmoid: bool,
