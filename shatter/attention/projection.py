@@ -37,10 +37,11 @@ ONES = 8
 
 def gemm_input(x: torch.Tensor, bias: bool) -> torch.Tensor:
     """The input a projection with a bias saves for its weight gradient: compiled, [x | 1 | 0]
-    (x with a column of ones and ONES - 1 of zeros), which inductor writes in x's producer (the
-    LayerNorm before it) at no cost, so that dYᵀ [x | 1 | 0] has the bias gradient (dY's
-    column sums) in the ones' column: the GEMM sums it as it goes, where the bias gradient
-    apart is a reduction over the tokens of its own; eagerly (a copy there), x itself."""
+    (x with a column of ones and ONES - 1 of zeros; inductor has x's producer, the LayerNorm
+    before it, write x into it, and the ones in a small kernel), so that dYᵀ [x | 1 | 0] has
+    the bias gradient (dY's column sums) in the ones' column: the GEMM sums it as it goes, where
+    the bias gradient apart is a reduction over the tokens of its own; eagerly (a copy there),
+    x itself."""
     if not (bias and torch.compiler.is_compiling()):
         return x
     first = torch.arange(ONES, device=x.device) == 0

@@ -144,7 +144,9 @@ def master_adamw_(
     addresses (a few hundred bytes copied to the device each call)."""
     chunks, numels, sizes_aligned = chunk_map(tuple(g.numel() for g in grads), master.device)
     addresses = [g.data_ptr() for g in grads]
-    table = torch.tensor(addresses, dtype=torch.int64).to(master.device, non_blocking=True)
+    table = torch.tensor(addresses, dtype=torch.int64)
+    if master.is_cuda:  # from pinned memory: a copy from pageable memory may wait for the stream
+        table = table.pin_memory().to(master.device, non_blocking=True)
     step.add_(1)
     fast(master_adamw_kernel)[(chunks.shape[0],)](
         table, chunks, numels, master, exp_avg, exp_avg_sq, weight, step,
