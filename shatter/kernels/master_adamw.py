@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shatter.kernels.launch import INTERPRET, fast
+from shatter.kernels.launch import INTERPRET
 
 BLOCK = 8192 if INTERPRET else 2048  # elements a program: few programs for the interpreter
 WARPS = 8
@@ -148,7 +148,9 @@ def master_adamw_(
     if master.is_cuda:  # from pinned memory: a copy from pageable memory may wait for the stream
         table = table.pin_memory().to(master.device, non_blocking=True)
     step.add_(1)
-    fast(master_adamw_kernel)[(chunks.shape[0],)](
+    # Triton's own launch, not shatter.kernels.launch's: the learning rate changes every step, and
+    # a signature per value would be cached for ever (two launches a step: its host time is small)
+    master_adamw_kernel[(chunks.shape[0],)](
         table, chunks, numels, master, exp_avg, exp_avg_sq, weight, step,
         master if grad_scale is None else grad_scale, master if found_inf is None else found_inf,
         lr, beta1, beta2, math.log(beta1), math.log(beta2), eps, weight_decay,
