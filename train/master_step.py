@@ -7,9 +7,10 @@ back), and the master cast into the bf16 parameters: about 44 bytes a parameter.
 runs `shatter::master_adamw_` (shatter/kernels/master_adamw.py) on the partition's gradients
 where they lie (the kernel is given their addresses): the master, its moments and the bf16
 parameters updated in one kernel, 28 bytes a parameter. bert-base on one GPU: about 1.8 GB a
-step less read and written. The rest is DeepSpeed's step as it runs for this case: the norm, the clip factor and the
-skip of a non-finite step made on the device (`clip_without_host_reads`, `skip_on_the_device`),
-the parameters all-gathered over the data-parallel group, the gradients released.
+step less read and written. The rest is DeepSpeed's step as it runs for this case: the norm,
+the clip factor and the skip of a non-finite step made on the device
+(`clip_without_host_reads`, `skip_on_the_device`), the parameters all-gathered over the
+data-parallel group, the gradients released.
 
 The moments and the step count are the client optimizer's own state (torch.optim.AdamW's
 `exp_avg`, `exp_avg_sq`, `step`, made as it makes them): checkpoints are the same either way, and
@@ -53,7 +54,10 @@ def unsupported(optimizer) -> str | None:
         not optimizer.compute_grad_norm,
     )
     if any(others):
-        return "DeepSpeed's CPU offload, MoE, Muon and ZenFlow steps are DeepSpeed's own"
+        return (
+            "DeepSpeed's own step serves CPU offload, MoE, Muon, ZenFlow, an autocast grad "
+            "scaler and a run without the gradient norm"
+        )
     device = optimizer.single_partition_of_fp32_groups[0].device
     if not triton_importable():
         return "its kernel needs triton, which is not installed here"

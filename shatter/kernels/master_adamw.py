@@ -9,10 +9,10 @@ the parameters, about 44 bytes a parameter:
              master, moments and the unscaled gradient written
     copy     the fp32 master cast into the bf16 weights               4 read, 2 written
 
-`master_adamw_` is one elementwise kernel over a flat partition: the bf16 gradient, the fp32
-master and both moments read (14 B), master and moments written and the master's bf16 cast (14
-B): 28 bytes a parameter, and the partition's gradients copied into one flat bf16 buffer before
-it where they are not flat already (4 B). The math is torch's fused AdamW's (decoupled weight
+`master_adamw_` is one elementwise kernel over the flat partition: each bf16 gradient read where
+it lies (a list of tensors: the kernel gets their addresses, each program a chunk of one tensor,
+`chunk_map`), the fp32 master and both moments read (14 B), master and moments written and the
+master's bf16 cast (14 B): 28 bytes a parameter. The math is torch's fused AdamW's (decoupled weight
 decay; the gradient divided by `grad_scale`; nothing written when `found_inf` is non-zero, the
 step count then kept), in fp32: equal to it to fp32 rounding (tests/shatter/test_master_adamw.py).
 No products: any CUDA GPU Triton supports runs it, the V100 too; on CPU tensors under

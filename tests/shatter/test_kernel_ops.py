@@ -233,6 +233,29 @@ def test_torch_compile_runs_the_model_with_the_impl(impl):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+def test_inductor_hands_the_ops_the_strided_keys_and_equals_eager_on_a_gpu(impl):
+    """On a GPU, inductor compiling a training model with the impl: the keys reach the ops as a
+    view of the projection's `[X | 1 | 0]` (`projection.gemm_input`; the ops' `flexible_layout`
+    tag lets inductor pass it uncopied), the bias gradients come from the weight-gradient GEMM;
+    the loss and every gradient equal the naive impl's, eager, in fp32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: inductor's Triton code")
+    x = ids(2, 24).cuda()
+    mask = torch.ones_like(x)
+    mask[0, 17:] = 0
+    labels = torch.where(x % 3 == 0, x, -100)
+    ref, model = (tiny("shatter", attention_impl=name).cuda().train() for name in ("naive", impl))
+    want = ref(x, mask, labels)
+    want["loss"].backward()
+    got = torch.compile(model)(x, mask, labels)
+    got["loss"].backward()
+    torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-4, atol=1e-4)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
 COPIES = {"aten::clone", "aten::copy_", "aten::_to_copy", "aten::constant_pad_nd", "aten::zeros"}
 COPIES |= {"aten::zeros_like", "aten::mul.Tensor", "aten::div.Tensor", "aten::contiguous"}
 

@@ -18,7 +18,9 @@ base-size step traces in seconds on a CPU:
                hook fires; then, on the rank's 1/world partition only: its gradients copied
                into the partition's buffer, and per parameter group flattened and cast to fp32,
                their norm, the unscale, AdamW on the fp32 master, the master cast back to the
-               low-precision parameters; DeepSpeed's one-element bookkeeping: `zero1_step`).
+               low-precision parameters; DeepSpeed's one-element bookkeeping: `zero1_step`);
+               `master`: the same ZeRO-1 step with `shatter::master_adamw_` reading the
+               gradients where they lie in place of the flatten, AdamW and cast back.
                The collectives between (the gradients' reduce-scatter, the parameters'
                all-gather) are communication: not traced, not priced.
 
@@ -393,8 +395,8 @@ def zero1_step(params: list[torch.Tensor], world: int = 1, one_pass: bool = Fals
     gradient back) and the skip's verdict as its `found_inf` between its step counters' two
     multi-tensor ops, and the master cast back into the low-precision parameters; or with
     `one_pass` (`optim.impl: master`, train/master_step.py), `shatter::master_adamw_` on the
-    gradients where they lie. The reduce-scatter or all-reduce of the
-    gradients and the all-gather of the updated parameters are communication, left out."""
+    gradients where they lie. The reduce-scatter or all-reduce of the gradients and the
+    all-gather of the updated parameters are communication, left out."""
     dev, low = params[0].device, params[0].dtype
     held = _zero1_gradients(params, world)
     scalar = torch.empty((), device=dev)
