@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import shatter
 from shatter.eager import eager_region
 from shatter.kernels.launch import INTERPRET
-from shatter.tools.bench.inductor_plan import planned
+from shatter.tools.bench.inductor_plan import WRAPPER, planned
 from shatter.tools.bench.step_cost import (
     EFFICIENCY,
     REPLAY_VOCAB,
@@ -371,6 +371,11 @@ def test_the_plan_folds_layernorm_s_weight_gradients_as_a_gpu_s_inductor_does():
     assert mixed(large) >= 2 * 2 + 1
     assert {k["phase"] for k in large if k["grid"] == "MixOrderReductionGrid"} == {"backward"}
     assert mixed(_plan("bert")) == 0
+    # each folds two sums down the tokens (weight, bias), which inductor's wrapper finishes over
+    # the kernel's partial rows with a torch sum each: kernels the plan counts too
+    wrapper = {(k["name"], k["phase"]): k["launches"] for k in large if k["grid"] == WRAPPER}
+    assert wrapper[("aten::sum", "backward")] == 2 * mixed(large)
+    assert not [k for k in _plan("bert") if k["name"] == "aten::sum"]
 
 
 def test_shatters_layer_weights_are_made_outside_the_compiled_graphs():

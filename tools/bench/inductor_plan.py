@@ -21,6 +21,12 @@ sm_90 target, and nothing is executed on a GPU:
   sums each token's row, where the CPU's plan would read the tensors again in a kernel of their
   own. A torch whose scheduler gates them inline (no `_is_gpu_triton_backend`) keeps the CPU's
   choice, and the plan says so on stderr;
+- the torch ops inductor's generated wrapper calls between its kernels are recorded too, each a
+  CUDA kernel of its own (`wrapper_ops`): a mix-order reduction's last sums over its partial rows
+  (`workspace[...].sum(dim=0)`, one per weight or bias gradient it folds), the dropout seeds
+  (`randint`), the fallbacks inductor writes no Triton for (the embedding gradient's
+  `index_add`), with their bytes counted as the eager trace counts an op's (each tensor it reads
+  or writes once; step_trace.StepTrace);
 - the extern kernels do not run: the GEMMs are no-ops; SDPA is the aten op CUDA runs
   (FlashAttention-2, or the memory-efficient kernel: step_trace.gpu_sdpa), one extern kernel
   each way, and it and each `shatter::` op return empty tensors of their fake impl's shapes.
@@ -34,7 +40,8 @@ sizes) see the CPU's properties, and it keeps a GEMM's bias inside `addmm` on a 
 it may move it into the next pointwise kernel (the same bytes). The GEMMs, SDPA and custom ops are
 priced from the eager trace (tools/bench/step_trace.py), not from here.
 
-JSON: {"torch", "kernels": [{"name", "phase" (forward or backward), "bytes", "launches", "grid"}]}.
+JSON: {"torch", "kernels": [{"name", "phase" (forward or backward), "bytes", "launches", "grid"}]}:
+a wrapper's op is named by its aten op ("aten::sum") with grid "wrapper", one entry per size.
 
 `planned(...)` is the same from another process (the patches above change this process for
 good), cached per argument set, torch and triton version and the checkout's code in
@@ -66,6 +73,8 @@ PHASE = {"now": "forward"}
 LAUNCHES: Counter = Counter()  # (kernel name, phase) -> launches
 BYTES: dict[str, float] = {}
 GRIDS: dict[str, str] = {}  # kernel name -> inductor's grid type (Grid1D, MixOrderReductionGrid..)
+WRAPPER_OPS: Counter = Counter()  # (aten op, phase, bytes) -> launches (module doc)
+WRAPPER = "wrapper"  # the grid of a wrapper's op in the JSON
 
 
 class _Planned:
@@ -116,6 +125,7 @@ def plan_for_gpu(capability: tuple[int, int] = (9, 0), flash: bool = True) -> No
     _stub_sdpa(aten, flash)
     _stub_custom_ops()
     _gpu_fusions()
+    _count_wrapper_ops()
 
 
 def _gpu_fusions() -> None:
@@ -131,6 +141,29 @@ def _gpu_fusions() -> None:
             "inline: the plan keeps the CPU's kernels for LayerNorm's weight gradients",
             file=sys.stderr,
         )
+
+
+def _count_wrapper_ops() -> None:
+    """Each compiled graph run under a StepTrace that records the torch ops its wrapper calls
+    (module doc): those that launch a kernel of inductor's own kind ("memory"), not the extern
+    GEMMs, SDPA or custom ops (priced from the eager trace; the GEMMs here are no-ops that
+    dispatch nothing)."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    from shatter.tools.bench.step_trace import StepTrace
+
+    call = CompiledFxGraph.__call__
+
+    def counted(self, inputs):
+        trace = StepTrace(PREDICTED)
+        with trace:
+            out = call(self, inputs)
+        for (op, _, kind, _, _, nbytes, launches, _), _ in trace.events:
+            if kind == "memory":
+                WRAPPER_OPS[op, PHASE["now"], nbytes] += launches
+        return out
+
+    CompiledFxGraph.__call__ = counted
 
 
 SDPA_OPS = (
@@ -218,9 +251,13 @@ def plan_step(model, length: int, rows: int, low: torch.dtype, padding=False) ->
     loss = model(ids, mask, labels, predicted=predicted)["loss"]
     PHASE["now"] = "backward"
     loss.backward()
-    return [
+    kernels = [
         {"name": name, "phase": phase, "bytes": BYTES[name], "launches": n, "grid": GRIDS[name]}
         for (name, phase), n in LAUNCHES.items()
+    ]
+    return kernels + [
+        {"name": op, "phase": phase, "bytes": float(nbytes), "launches": n, "grid": WRAPPER}
+        for (op, phase, nbytes), n in WRAPPER_OPS.items()
     ]
 
 

@@ -36,8 +36,9 @@ FLOPs and its bytes, plus one launch each.
 Two modes, both printed and in the JSON: `eager`, one kernel per ATen op, and `compiled`, the
 model under torch.compile as inductor runs it, from inductor's own plan of the step
 (tools/bench/inductor_plan.py: inductor's scheduler and Triton code generator asked on this CPU,
-for a CUDA target, which kernels it makes, with the bytes it counts for each): its Triton kernels
-replace the forward's and backward's ops it compiles, while the GEMMs, SDPA and the custom ops
+for a CUDA target, which kernels it makes, with the bytes it counts for each, and the torch ops
+its generated wrapper calls between them): its kernels replace the forward's and backward's ops
+it compiles, while the GEMMs, SDPA and the custom ops
 (its extern kernels), the ops outside the compiled graphs (`shatter.eager`'s ranges) and the
 DeepSpeed optimizer step are as in eager. Each plan of a
 base-size step takes about 40 s of CPU (cached: SHATTER_PLAN_CACHE). The compiled figures
