@@ -778,12 +778,14 @@ def fuse_grad_norm(optimizer) -> None:
     its own, two kernels a tensor, ~380 of the ~490 ops of a bert-base step; then an invalid
     norm masked to -1), and combines the groups' norms in a dozen one-element kernels more
     (`scaled_global_norm`). Here one multi-tensor `_foreach_norm` over every group's gradients
-    (accumulating in fp32 as the cast did), the squares summed and all-reduced over the
-    data-parallel group as DeepSpeed's, the root, and a NaN norm set to inf as DeepSpeed's
-    combination sets an invalid one (the step is then skipped): six kernels. Only where each
+    (accumulating in fp32 as the cast did), the squares summed by one `dot` of the norms (on
+    CUDA they are one buffer's elements: `joined`) and all-reduced over the data-parallel group
+    as DeepSpeed's, the root, and a NaN norm set to inf as DeepSpeed's combination sets an
+    invalid one (the step is then skipped): four kernels and the norm's. Only where each
     gradient counts once and the groups are plain: no CPU offload, no model parallelism, no
     parameter a pipeline replicates, no MoE or Muon groups (else DeepSpeed's own norm). Equal
-    to it to fp32 rounding (tests/train/test_fused_step.py)."""
+    to it to fp32 rounding (tests/train/test_fused_step.py). The sum of squares before its root
+    is `optimizer.global_grad_squares()` (train/master_step.py takes it from there)."""
     from deepspeed import comm as dist
 
     params = [p for group in optimizer.bit16_groups for p in group]
@@ -799,21 +801,44 @@ def fuse_grad_norm(optimizer) -> None:
         return
     own = optimizer.scaled_global_norm
 
-    def scaled_global_norm(norm_type=2):
+    def global_grad_squares() -> torch.Tensor | None:
+        """The sum of the gradients' squares over the data-parallel group (None: no gradient)."""
         grads = [
             g
             for i in range(len(optimizer.bit16_groups))
             for g in optimizer.averaged_gradients.get(i) or ()
             if not getattr(g, "_zero_padding", False)
         ]
-        if float(norm_type) != 2.0 or not grads:
-            return own(norm_type)
-        squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+        if not grads:
+            return None
+        norms = joined(torch._foreach_norm(grads, 2, dtype=torch.float32))
+        squares = torch.dot(norms, norms)
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
+        return squares
+
+    def scaled_global_norm(norm_type=2):
+        squares = global_grad_squares() if float(norm_type) == 2.0 else None
+        if squares is None:
+            return own(norm_type)
         inf = float("inf")
         return squares.sqrt().nan_to_num(nan=inf, posinf=inf)
 
+    optimizer.global_grad_squares = global_grad_squares
     optimizer.scaled_global_norm = scaled_global_norm
+
+
+def joined(scalars: list[torch.Tensor]) -> torch.Tensor:
+    """The 0-d tensors as one 1-D tensor: `_foreach_norm`'s results on CUDA are the elements of
+    one buffer in order (then that buffer, no copy), else they are stacked."""
+    base = scalars[0]._base
+    if (
+        base is not None
+        and base.dim() == 1
+        and base.numel() == len(scalars)
+        and all(s._base is base and s.storage_offset() == i for i, s in enumerate(scalars))
+    ):
+        return base
+    return torch.stack(scalars)
 
 
 def clip_without_host_reads(optimizer) -> None:

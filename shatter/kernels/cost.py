@@ -94,8 +94,9 @@ OP_SCHEMA = {  # the ops' argument names, to read args and kwargs alike
     "shatter::linear_gelu_bwd": ("g_out", "weight_out", "h"),
     "shatter::master_adamw_": (
         "grads", "master", "exp_avg", "exp_avg_sq", "step", "weight", "lr", "beta1", "beta2",
-        "eps", "weight_decay", "grad_scale", "found_inf",
+        "eps", "weight_decay", "grad_scale", "found_inf", "step_counted",
     ),
+    "shatter::norm_verdict": ("squares", "skipped", "steps", "clip", "fresh"),
 }  # fmt: skip
 
 
@@ -294,15 +295,23 @@ def master_adamw_cost(args, kwargs, outputs) -> list[Kernel]:
     count counted down again."""
     a = _bind("shatter::master_adamw_", args, kwargs)
     n, low = a["master"].numel(), a["weight"].element_size()
+    counted = a.get("step_counted", False)  # by norm_verdict, before
     table = Kernel("the gradients' addresses to the device", "memory", 0.0, 8.0 * len(a["grads"]))
-    step = [table, Kernel("step count + 1", "memory", 0.0, 0.0)]
+    step = [table] + ([] if counted else [Kernel("step count + 1", "memory", 0.0, 0.0)])
     main = Kernel("AdamW: master, moments, weights", "memory", 0.0, float(n * (2 * low + 24)))
     undo = (
         [Kernel("step count - found_inf", "memory", 0.0, 0.0)]
-        if a.get("found_inf") is not None
+        if a.get("found_inf") is not None and not counted
         else []
     )
     return [*step, main, *undo]
+
+
+def norm_verdict_cost(args, kwargs, outputs) -> list[Kernel]:
+    """The step's scalars (shatter/kernels/norm_verdict.py): one kernel of a few fp32 words."""
+    a = _bind("shatter::norm_verdict", args, kwargs)
+    words = 5 + 2 * len(a["steps"])  # squares, skipped read; norm, bad, factor, skipped written
+    return [Kernel("norm, skip, clip factor, step counts", "memory", 0.0, 4.0 * words)]
 
 
 OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {
@@ -315,6 +324,7 @@ OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {
     "shatter::linear_gelu": linear_gelu_cost,
     "shatter::linear_gelu_bwd": linear_gelu_bwd_cost,
     "shatter::master_adamw_": master_adamw_cost,
+    "shatter::norm_verdict": norm_verdict_cost,
 }
 
 
@@ -402,7 +412,10 @@ def model_flops(name: str, args, kwargs) -> float:
     """The op's FLOPs in train/cost.py's convention (dense over the n parts: Q Xᵀ and A V, each
     l·d multiply-adds per token; the backward two products per forward one), for comparing a
     trace's total with the model count."""
-    if name.startswith("shatter::rows_") or name == "shatter::master_adamw_":
+    if name.startswith("shatter::rows_") or name in (
+        "shatter::master_adamw_",
+        "shatter::norm_verdict",
+    ):
         return 0.0  # no product inside (the row kernels: the GEMMs around them carry the FLOPs)
     if name.startswith("shatter::linear_gelu"):  # one GEMM, as train/cost.py counts it
         return op_totals(OP_COSTS[name](args, kwargs, None))[0]

@@ -134,20 +134,23 @@ def master_adamw_(
     weight_decay: float,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    step_counted: bool = False,
 ) -> None:
     """One AdamW step of the flat fp32 `master` (and its moments) from the low-precision `grads`
     (contiguous; divided by `grad_scale` where given), which are the master's first elements
     laid end to end (any past them, a partition's padding, are left as they are); `master` cast
     into `weight` (flat, the low-precision parameters' partition); `step` (a 0-d fp32 tensor)
     counted up as torch's fused AdamW counts it: kept where `found_inf` is non-zero, when
-    nothing is written. The gradients are read where they lie: the kernel is given their
-    addresses (a few hundred bytes copied to the device each call)."""
+    nothing is written (`step_counted`: it already holds this step's count, made by
+    shatter.kernels.norm_verdict). The gradients are read where they lie: the kernel is given
+    their addresses (a few hundred bytes copied to the device each call)."""
     chunks, numels, sizes_aligned = chunk_map(tuple(g.numel() for g in grads), master.device)
     addresses = [g.data_ptr() for g in grads]
     table = torch.tensor(addresses, dtype=torch.int64)
     if master.is_cuda:  # from pinned memory: a copy from pageable memory may wait for the stream
         table = table.pin_memory().to(master.device, non_blocking=True)
-    step.add_(1)
+    if not step_counted:
+        step.add_(1)
     # Triton's own launch, not shatter.kernels.launch's: the learning rate changes every step, and
     # a signature per value would be cached for ever (two launches a step: its host time is small)
     master_adamw_kernel[(chunks.shape[0],)](
@@ -158,25 +161,27 @@ def master_adamw_(
         ALIGNED=sizes_aligned and all(a % 16 == 0 for a in addresses), BLOCK=BLOCK,
         num_warps=WARPS,
     )  # fmt: skip
-    if found_inf is not None:
+    if found_inf is not None and not step_counted:
         step.sub_(found_inf)
 
 
 @master_adamw_.register_fake
 def _(grads, master, exp_avg, exp_avg_sq, step, weight, lr, beta1, beta2, eps, weight_decay,
-      grad_scale=None, found_inf=None):  # fmt: skip
+      grad_scale=None, found_inf=None, step_counted=False):  # fmt: skip
     return None
 
 
 def master_adamw_reference(
     grads, master, exp_avg, exp_avg_sq, step, weight, lr, beta1, beta2, eps, weight_decay,
-    grad_scale=None, found_inf=None,
+    grad_scale=None, found_inf=None, step_counted=False,
 ) -> None:  # fmt: skip
     """`master_adamw_` in eager torch ops (torch's fused AdamW's formulas) over the whole master,
     `grads` zero-padded to it: the equality tests' reference."""
-    step.add_(1)
+    if not step_counted:
+        step.add_(1)
     if found_inf is not None and bool(found_inf != 0):
-        step.sub_(found_inf)
+        if not step_counted:
+            step.sub_(found_inf)
         return
     grad = torch.cat([g.reshape(-1).float() for g in grads])
     grad = torch.cat([grad, grad.new_zeros(master.numel() - grad.numel())])

@@ -203,6 +203,7 @@ def _stub_custom_ops() -> None:
     import shatter.kernels.fused_attention  # noqa: F401
     import shatter.kernels.gelu_linear  # noqa: F401
     import shatter.kernels.master_adamw  # noqa: F401
+    import shatter.kernels.norm_verdict  # noqa: F401
     from shatter.kernels.cost import OP_SCHEMA
 
     for qualname in OP_SCHEMA:

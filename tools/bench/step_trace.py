@@ -381,37 +381,45 @@ class MetaAutocast:
 # model size (the global norm's squares, root and validity, the clip's factor, the skip's
 # verdict made on the device), counted on a real engine: tools/bench/count_ops.py
 # (tests/tools/test_step_cost.py checks the step's count); AdamW's step counters besides
-DEEPSPEED_SCALAR_OPS = 18
+DEEPSPEED_SCALAR_OPS = 15
 
 
 def zero1_step(params: list[torch.Tensor], world: int = 1, one_pass: bool = False) -> None:
     """DeepSpeed's ZeRO-1 optimizer step on one of `world` ranks as the trainer runs it
     (train/engine.py: `streamline_zero`), over the buffers it keeps (`_zero1_gradients`):
-    the global norm by one multi-tensor norm over both parameter groups (the weights; the
-    biases and norms, the 1-D parameters) and DEEPSPEED_SCALAR_OPS one-element kernels; then
-    per group, with torch's fused AdamW (`optim.impl: torch`), the gradients copied into one
-    flat fp32 buffer by a multi-tensor copy that casts them (`flatten_into_fp32`), AdamW on the
-    fp32 master with the unscale and clip as its `grad_scale` (the kernel writes the unscaled
-    gradient back) and the skip's verdict as its `found_inf` between its step counters' two
-    multi-tensor ops, and the master cast back into the low-precision parameters; or with
-    `one_pass` (`optim.impl: master`, train/master_step.py), `shatter::master_adamw_` on the
-    gradients where they lie. The reduce-scatter or all-reduce of the gradients and the
-    all-gather of the updated parameters are communication, left out."""
+    the global norm's sum of squares by one multi-tensor norm over both parameter groups (the
+    weights; the biases and norms, the 1-D parameters) and a `dot` of the norms (on CUDA one
+    buffer: `joined`); then with torch's fused AdamW (`optim.impl: torch`) DEEPSPEED_SCALAR_OPS
+    one-element kernels (the root, the skip's verdict, the clip factor), and per group the
+    gradients copied into one flat fp32 buffer by a multi-tensor copy that casts them
+    (`flatten_into_fp32`), AdamW on the fp32 master with the unscale and clip as its
+    `grad_scale` (the kernel writes the unscaled gradient back) and the skip's verdict as its
+    `found_inf` between its step counters' two multi-tensor ops, and the master cast back into
+    the low-precision parameters; or with `one_pass` (`optim.impl: master`,
+    train/master_step.py) those scalars and the step counts in one kernel
+    (`shatter::norm_verdict`), then per group `shatter::master_adamw_` on the gradients where
+    they lie. The reduce-scatter or all-reduce of the gradients and the all-gather of the
+    updated parameters are communication, left out."""
     dev, low = params[0].device, params[0].dtype
     held = _zero1_gradients(params, world)
     scalar = torch.empty((), device=dev)
-    for _ in range(DEEPSPEED_SCALAR_OPS):
-        scalar.add_(1.0)
-    torch._foreach_norm([g for group in held for g in group], 2, dtype=torch.float32)
-    for group in held:
-        if not group:
-            continue
+    norms = torch._foreach_norm([g for group in held for g in group], 2, dtype=torch.float32)
+    joined = torch.empty(len(norms), device=dev)  # the norms' own buffer on CUDA
+    squares = torch.dot(joined, joined)
+    steps = [torch.empty((), device=dev) for group in held if group]
+    if one_pass:
+        from shatter.kernels.norm_verdict import norm_verdict
+
+        _, scalar, factor = norm_verdict(squares, scalar, steps, 1.0, False)
+    else:
+        for _ in range(DEEPSPEED_SCALAR_OPS):
+            scalar.add_(1.0)
+    for group, step in zip([g for g in held if g], steps, strict=True):
         numel = sum(g.numel() for g in group)
         master, m, v = (torch.empty(numel, device=dev) for _ in range(3))
-        step = torch.empty((), device=dev)
         weight = torch.empty(numel, dtype=low, device=dev)  # the low-precision partition
         if one_pass:
-            _one_pass(group, master, m, v, step, weight, scalar)
+            _one_pass(group, master, m, v, step, weight, factor, scalar)
             continue
         grad = torch.empty(numel, device=dev)  # cast as it is flattened
         torch._foreach_copy_(list(grad.split([g.numel() for g in group])), group)
@@ -421,13 +429,14 @@ def zero1_step(params: list[torch.Tensor], world: int = 1, one_pass: bool = Fals
         weight.copy_(master)  # into the parameters
 
 
-def _one_pass(group, master, m, v, step, weight, scalar) -> None:
-    """train/master_step.py's step of one group: the one-pass AdamW on its gradients."""
+def _one_pass(group, master, m, v, step, weight, factor, bad) -> None:
+    """train/master_step.py's step of one group: the one-pass AdamW on its gradients, its step
+    count made by norm_verdict."""
     from shatter.kernels.master_adamw import master_adamw_
 
     master_adamw_(
-        group, master, m, v, step, weight, 1e-4, 0.9, 0.999, 1e-8, 0.01, grad_scale=scalar,
-        found_inf=scalar,
+        group, master, m, v, step, weight, 1e-4, 0.9, 0.999, 1e-8, 0.01, grad_scale=factor,
+        found_inf=bad, step_counted=True,
     )  # fmt: skip
 
 
