@@ -92,3 +92,25 @@ def test_the_kernel_compiles_for_the_v100_and_the_h100_with_ieee_rounding():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split() for line in done.stdout.splitlines()]
     assert len(rows) == 2 and all(r[1] != "0" and r[2] != "0" and r[3] == "0" for r in rows), rows
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_equals_the_reference_and_the_norms_are_one_buffer():
+    """On a GPU: the kernel equals torch's ops to the bit (finite, NaN, inf); `_foreach_norm`'s
+    results are the elements of one buffer, which train/engine.py's `joined` takes as it is."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from shatter.train.engine import joined
+
+    for squares in (4.0, 2.5e-3, float("nan"), INF):
+        outs = []
+        for fn in (norm_verdict, norm_verdict_reference):
+            skipped, steps = torch.tensor(2.0, device="cuda"), [torch.ones((), device="cuda")]
+            out = fn(torch.tensor(squares, device="cuda"), skipped, steps, 1.0, False)
+            outs.append([*out, skipped, *steps])
+        assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)), outs
+    grads = [torch.randn(n, device="cuda") for n in (5, 300, 70_000)]
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    flat = joined(norms)
+    assert flat.data_ptr() == norms[0].data_ptr() and flat.numel() == 3
+    torch.testing.assert_close(flat, torch.stack([g.norm() for g in grads]))
