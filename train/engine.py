@@ -781,7 +781,7 @@ def fuse_grad_norm(optimizer) -> None:
     (accumulating in fp32 as the cast did), the squares summed by one `dot` of the norms (on
     CUDA they are one buffer's elements: `joined`) and all-reduced over the data-parallel group
     as DeepSpeed's, the root, and a NaN norm set to inf as DeepSpeed's combination sets an
-    invalid one (the step is then skipped): four kernels and the norm's. Only where each
+    invalid one (the step is then skipped): three kernels after the norm's. Only where each
     gradient counts once and the groups are plain: no CPU offload, no model parallelism, no
     parameter a pipeline replicates, no MoE or Muon groups (else DeepSpeed's own norm). Equal
     to it to fp32 rounding (tests/train/test_fused_step.py). The sum of squares before its root

@@ -40,7 +40,7 @@ def unsupported(optimizer) -> str | None:
 
     if not isinstance(optimizer, DeepSpeedZeroOptimizer):
         return "it steps ZeRO stage 1 or 2 only"
-    if optimizer.dtype != torch.bfloat16:
+    if optimizer.dtype != torch.bfloat16 or float(optimizer.loss_scale) != 1.0:
         return "it steps bf16 runs only (fp16 keeps DeepSpeed's loss-scaled step)"
     if not hasattr(optimizer, "skipped_on_device"):  # train/engine.py: skip_on_the_device
         return "it needs torch's fused AdamW as ZeRO's client, which skips on the device"
@@ -130,6 +130,8 @@ def _verdict(opt) -> tuple[torch.Tensor | None, torch.Tensor]:
     from shatter.kernels.norm_verdict import norm_verdict
 
     squares = opt.global_grad_squares()
+    if squares is None:  # no gradient in any group: a norm of 0, as DeepSpeed's
+        squares = torch.zeros((), dtype=torch.float32, device=opt.device)
     steps = [_state(opt, i)["step"] for i in range(len(opt.bit16_groups))]
     seen = opt.skipped_on_device
     fresh = seen is None
