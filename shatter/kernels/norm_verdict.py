@@ -44,6 +44,8 @@ def norm_verdict_kernel(
     tl.store(BAD, bad)
     if CLIP:
         tl.store(FACTOR, tl.maximum(tl.div_rn(norm + 1e-6, clip), 1.0))
+    else:
+        tl.store(FACTOR, 1.0)
     if FRESH:
         tl.store(SKIPPED, bad)
     else:
@@ -71,8 +73,6 @@ def norm_verdict(
     if len(steps) > MAX_STEPS:
         raise ValueError(f"norm_verdict counts at most {MAX_STEPS} step counts, not {len(steps)}")
     norm, bad, factor = (torch.empty((), device=squares.device) for _ in range(3))
-    if clip <= 0.0:
-        factor.fill_(1.0)
     held = [*steps, *[squares] * (MAX_STEPS - len(steps))]  # unused pointers
     norm_verdict_kernel[(1,)](
         squares, norm, bad, factor, skipped, *held, float(clip), CLIP=clip > 0.0, FRESH=fresh,

@@ -1,8 +1,10 @@
 """tools/bench/step_measure.py's parts that mean something without a GPU: the profiler trace's
 split into the model's groups, and the ZeRO-1 step it times."""
 
+import pytest
 import torch
 
+from shatter.kernels.launch import INTERPRET
 from shatter.tools.bench.step_measure import Zero1, split_kernels
 
 
@@ -48,11 +50,19 @@ def test_kernels_are_grouped_by_the_range_they_were_launched_in_then_by_name():
     assert sum(t for t, _ in split["by_name"].values()) == 63 + 90 + 9 + 20
 
 
-def test_zero1_steps_as_adamw_over_fp32_masters_and_keeps_parameters_views_of_a_group_buffer():
+@pytest.mark.parametrize("one_pass", [False, True], ids=["torch", "one-pass"])
+def test_zero1_steps_as_adamw_over_fp32_masters_and_keeps_parameters_views_of_a_group_buffer(
+    one_pass,
+):
+    """Either way the trainer steps (DeepSpeed stepping torch's fused AdamW; bf16's one-pass
+    step, its kernels under Triton's interpreter here): AdamW's update of every parameter, the
+    parameters views of their group's flat buffer, the gradients released."""
+    if one_pass and not INTERPRET:
+        pytest.skip("the one-pass step's kernels run here under TRITON_INTERPRET=1 only")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)).to(torch.bfloat16)
     reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    opt = Zero1(model)
+    opt = Zero1(model, one_pass=one_pass)
     grads = [torch.randn_like(r) for r in reference]
     for p, g in zip(model.parameters(), grads):
         p.grad = g.to(torch.bfloat16)

@@ -8,10 +8,8 @@ Each (arch, length, mode) runs the step step_cost.py models, on real tensors: ba
 vocabulary 30,000, 16,384 tokens of full rows (no attention mask: SDPA's fastest kernel, which
 under torch 2.11 on an H200 is cuDNN's, not FlashAttention-2 as the model assumes), the
 model's weights in bf16 as DeepSpeed's bf16 mode keeps them, and ZeRO-1's optimizer step on one
-rank as the trainer runs it (`Zero1`: one multi-tensor norm of every gradient, then per
-parameter group the gradients flattened and made fp32, one fused AdamW over the flat fp32 master
-with the clip's factor as its `grad_scale` and the skip's verdict as its `found_inf`, the master
-copied back into the flat bf16 parameters). `eager` runs the model as it is; `compiled` compiles
+rank as the trainer runs it (`Zero1`: by default bf16's one-pass step, `--optim-impl torch`
+DeepSpeed stepping torch's fused AdamW, as step_cost.py prices either). `eager` runs the model as it is; `compiled` compiles
 it as the trainer does (shatter/train/compiling.py).
 
 Printed per row: ms a step (median of --steps after warm-up) beside the model's, and the
@@ -39,9 +37,11 @@ from pathlib import Path
 import torch
 
 from shatter.kernels.cost import FFN_OPS
+from shatter.kernels.launch import INTERPRET
 from shatter.model import predicted_positions
 from shatter.tools.bench.step_trace import DEEPSPEED_SCALAR_OPS, adamw
 from shatter.train.compiling import mark_varying
+from shatter.train.master_step import MASTER_IMPLS
 
 GROUPS = ("gemm", "attention", "elementwise", "optimizer", "gaps")
 MODEL_GROUPS = {"gemm": "gemm", "attention": "attention", "elementwise": "elementwise"}
@@ -61,9 +61,15 @@ class Zero1:
     """DeepSpeed's ZeRO-1 step on one rank, as step_trace.zero1_step traces it, on real
     buffers: each parameter group's parameters are views of the group's flat low-precision
     buffer (the weights; the 1-D parameters), as DeepSpeed keeps them; the gradients stay where
-    autograd put them (one rank: no contiguous bucket and no reduction, train/engine.py)."""
+    autograd put them (one rank: no contiguous bucket and no reduction, train/engine.py). The
+    global norm's squares by one multi-tensor norm and a `dot`; then with `one_pass` (bf16's
+    `optim.impl` `auto` or `master`, train/master_step.py) the step's scalars in one kernel and
+    each group's one-pass AdamW on the gradients where they lie, else (`torch`) the scalars in
+    DEEPSPEED_SCALAR_OPS one-element kernels, each group's gradients cast into a flat fp32
+    buffer, torch's fused AdamW with the clip's factor and the skip's verdict, and the master
+    copied back into the flat parameters."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, one_pass: bool = False):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.groups = []
         for group in (
@@ -73,21 +79,46 @@ class Zero1:
             if group:
                 self.groups.append(_Group(group))
         self.scalar = torch.zeros((), device=self.params[0].device)
+        self.one_pass = one_pass
 
     def step(self) -> None:
+        from shatter.train.engine import joined
+
+        grads = [[p.grad.reshape(-1) for p in g.params] for g in self.groups]
+        norms = joined(torch._foreach_norm(sum(grads, []), 2, dtype=torch.float32))
+        squares = torch.dot(norms, norms)
+        if self.one_pass:
+            self._one_pass(squares, grads)
+        else:
+            self._torch(squares, grads)
+        for g in self.groups:
+            for p in g.params:
+                p.grad = None
+
+    def _one_pass(self, squares: torch.Tensor, grads: list[list[torch.Tensor]]) -> None:
+        from shatter.kernels.master_adamw import master_adamw_
+        from shatter.kernels.norm_verdict import norm_verdict
+
+        steps = [g.step_count for g in self.groups]
+        _, bad, factor = norm_verdict(squares, self.scalar, steps, 1.0, False)  # clip at 1
+        for g, group in zip(self.groups, grads, strict=True):
+            master_adamw_(
+                group, g.master, g.m, g.v, g.step_count, g.flat, 1e-4, 0.9, 0.999, 1e-8, 0.01,
+                grad_scale=factor, found_inf=bad, step_counted=True,
+            )  # fmt: skip
+
+    def _torch(self, squares: torch.Tensor, grads: list[list[torch.Tensor]]) -> None:
         for _ in range(DEEPSPEED_SCALAR_OPS):
             self.scalar.add_(1.0)
-        grads = [[p.grad.reshape(-1) for p in g.params] for g in self.groups]
-        norm = torch.stack(torch._foreach_norm(sum(grads, []), 2, dtype=torch.float32)).norm()
+        norm = squares.sqrt()
         factor = torch.clamp(norm + 1e-6, min=1.0)  # the trainer's clip at 1 (train/engine.py)
         bad = torch.isfinite(norm).logical_not().float()  # its skip, made on the device
         for g, group in zip(self.groups, grads, strict=True):
-            grad = torch.cat(group).float()
+            grad = torch.empty_like(g.master)  # cast as it is flattened (flatten_into_fp32)
+            torch._foreach_copy_(list(grad.split([t.numel() for t in group])), group)
             g.step_count += 1
             adamw([g.master], [grad], [g.m], [g.v], [g.step_count], factor, bad)
             g.flat.copy_(g.master)
-            for p in g.params:
-                p.grad = None
 
 
 class _Group:
@@ -128,7 +159,9 @@ def build(arch: str, length: int, args, compiled: bool):
         f"{arch}-{args.size}", vocab_size=args.vocab, max_len=traced_max_len(length)
     )
     model = model.to(device=args.device, dtype=torch.bfloat16).train()
-    opt = Zero1(model)
+    # the trainer's `auto`: the one-pass step where its kernels run (train/master_step.py)
+    runs = args.device == "cuda" or INTERPRET
+    opt = Zero1(model, one_pass=args.optim_impl in MASTER_IMPLS and runs)
     if compiled:
         compile_model(model)
     return model, opt
@@ -307,6 +340,9 @@ def main() -> None:
     )
     parser.add_argument("--json", help="write the measured figures here")
     parser.add_argument("--size", default="base")
+    parser.add_argument(
+        "--optim-impl", default="auto", help="the trainer's optim.impl (bf16: auto is master)"
+    )
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the tool (tiny)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():

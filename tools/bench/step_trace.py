@@ -377,10 +377,11 @@ class MetaAutocast:
             self.emulation.dtype = saved
 
 
-# The one-element kernels of DeepSpeed 0.19.8's bf16 ZeRO-1 step as the trainer runs it, at any
-# model size (the global norm's squares, root and validity, the clip's factor, the skip's
-# verdict made on the device), counted on a real engine: tools/bench/count_ops.py
-# (tests/tools/test_step_cost.py checks the step's count); AdamW's step counters besides
+# The one-element kernels of DeepSpeed 0.19.8's bf16 ZeRO-1 step as the trainer runs it with
+# torch's fused AdamW (`optim.impl: torch`), at any model size, after the squares' `dot` (the
+# global norm's root and validity, the clip's factor, the skip's verdict made on the device),
+# counted on a real engine: tools/bench/count_ops.py (tests/tools/test_step_cost.py checks the
+# step's count); AdamW's step counters besides
 DEEPSPEED_SCALAR_OPS = 15
 
 
