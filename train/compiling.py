@@ -6,7 +6,8 @@ more than it saves on a small model. The compiled model equals the eager one (te
 test_kernel_ops.py and tests/train/test_compiling.py check it).
 
 The model is compiled in place (`nn.Module.compile`), so its state dict, and with it the
-checkpoints and the export, keep their names. Inductor builds C++ kernels on a CPU and Triton
+checkpoints and the export, keep their names. Inductor's mix-order reductions (a LayerNorm
+backward's weight and bias gradients) are finished by one torch op a kernel (train/mix_order.py). Inductor builds C++ kernels on a CPU and Triton
 kernels on a GPU: without a C++ compiler, or without triton, the run is refused before it starts;
 a model torch.compile cannot compile is refused at its first step.
 """
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from shatter.train.config import ConfigError
+from shatter.train.mix_order import finish_in_one
 
 
 def compile_problem(device_type: str) -> str | None:
@@ -59,6 +61,13 @@ def compile_model(model: nn.Module) -> nn.Module:
     problem = compile_problem("cuda" if torch.cuda.is_available() else "cpu")
     if problem:
         raise ConfigError(problem)
+    return compile_in_place(model)
+
+
+def compile_in_place(model: nn.Module) -> nn.Module:
+    """`model.compile()` as every compiled run takes it: with inductor's mix-order reductions
+    finished in one op a kernel (`finish_in_one`)."""
+    finish_in_one()
     model.compile()
     return model
 

@@ -7,7 +7,8 @@
 #
 # Each CALL fits one 10-minute call: its steps' time boxes add up to at most 540 s.
 #   kernels   the compiled kernels against the references: the paper's base shape first, then
-#             every other `gpu` kernel test, in parallel (pytest-xdist); then the FFN's GEMMs
+#             every other `gpu` kernel test (inductor's LayerNorm gradients finished by ours
+#             among them), in parallel (pytest-xdist); then the FFN's GEMMs
 #             with GELU in their epilogues timed against cuBLAS and GELU (bench_ffn.py), and the
 #             one-pass optimizer step against DeepSpeed's with torch's AdamW (bench_optim.py)
 #   bench     tools/bench/bench_kernel.py, then the whole-step benchmarks bench_model and bench_train
@@ -268,7 +269,8 @@ for item in $PLAN; do
     env) step env bash "$0" --env-step ;;
     kernel_base) pytest_step kernel_base 100 3 -m gpu \
       tests/shatter/test_triton_kernel.py -k base_shape "$@" ;;
-    kernels) pytest_step kernels 150 "$KERNEL_WORKERS" -m gpu tests/shatter -k "not base_shape" "$@" ;;
+    kernels) pytest_step kernels 150 "$KERNEL_WORKERS" -m gpu tests/shatter tests/train/test_mix_order.py \
+      -k "not base_shape" "$@" ;;
     kernel_report) step kernel_report "$PY" tools/bench/kernel_report.py --arch 80,90 --shape base \
       --dtype bf16 --length 509 ;;
     bench_ffn) if [ "$DEVICE" = cuda ]; then

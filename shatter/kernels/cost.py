@@ -97,6 +97,7 @@ OP_SCHEMA = {  # the ops' argument names, to read args and kwargs alike
         "eps", "weight_decay", "grad_scale", "found_inf", "step_counted",
     ),
     "shatter::norm_verdict": ("squares", "skipped", "steps", "clip", "fresh"),
+    "shatter::partial_sums": ("ws", "parts", "rows", "width", "dtype"),
 }  # fmt: skip
 
 
@@ -314,6 +315,17 @@ def norm_verdict_cost(args, kwargs, outputs) -> list[Kernel]:
     return [Kernel("norm, skip, clip factor, step counts", "memory", 0.0, 4.0 * words)]
 
 
+def partial_sums_cost(args, kwargs, outputs) -> list[Kernel]:
+    """A mix-order reduction's gradients finished (shatter/kernels/partial_sums.py): one kernel
+    reading the fp32 partial rows, writing each gradient in its dtype."""
+    import torch
+
+    a = _bind("shatter::partial_sums", args, kwargs)
+    cols = a["parts"] * a["width"]
+    out_bytes = torch.empty((), dtype=a["dtype"]).element_size()
+    return [Kernel("partial sums", "memory", 0.0, 4.0 * cols * a["rows"] + out_bytes * cols)]
+
+
 OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {
     "shatter::mixing_fwd": mixing_fwd_cost,
     "shatter::mixing_bwd": mixing_bwd_cost,
@@ -325,6 +337,7 @@ OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {
     "shatter::linear_gelu_bwd": linear_gelu_bwd_cost,
     "shatter::master_adamw_": master_adamw_cost,
     "shatter::norm_verdict": norm_verdict_cost,
+    "shatter::partial_sums": partial_sums_cost,
 }
 
 
@@ -415,6 +428,7 @@ def model_flops(name: str, args, kwargs) -> float:
     if name.startswith("shatter::rows_") or name in (
         "shatter::master_adamw_",
         "shatter::norm_verdict",
+        "shatter::partial_sums",
     ):
         return 0.0  # no product inside (the row kernels: the GEMMs around them carry the FLOPs)
     if name.startswith("shatter::linear_gelu"):  # one GEMM, as train/cost.py counts it

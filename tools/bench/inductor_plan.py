@@ -23,7 +23,8 @@ sm_90 target, and nothing is executed on a GPU:
   choice, and the plan says so on stderr;
 - the torch ops inductor's generated wrapper calls between its kernels are recorded too, each a
   CUDA kernel of its own (`wrapper_ops`): a mix-order reduction's last sums over its partial rows
-  (`workspace[...].sum(dim=0)`, one per weight or bias gradient it folds), the dropout seeds
+  (`shatter::partial_sums`, one kernel for the gradients it folds and their casts, as a compiled
+  run rewrites inductor's torch sums: train/mix_order.py), the dropout seeds
   (`randint`), the fallbacks inductor writes no Triton for (the embedding gradient's
   `index_add`), with their bytes counted as the eager trace counts an op's (each tensor it reads
   or writes once; step_trace.StepTrace);
@@ -75,6 +76,9 @@ BYTES: dict[str, float] = {}
 GRIDS: dict[str, str] = {}  # kernel name -> inductor's grid type (Grid1D, MixOrderReductionGrid..)
 WRAPPER_OPS: Counter = Counter()  # (aten op, phase, bytes) -> launches (module doc)
 WRAPPER = "wrapper"  # the grid of a wrapper's op in the JSON
+# the custom ops that only inductor's wrapper calls (train/mix_order.py), not the model: absent
+# from the eager trace, so planned here
+WRAPPER_CUSTOM_OPS = ("shatter::partial_sums",)
 
 
 class _Planned:
@@ -159,7 +163,7 @@ def _count_wrapper_ops() -> None:
         with trace:
             out = call(self, inputs)
         for (op, _, kind, _, _, nbytes, launches, _), _ in trace.events:
-            if kind == "memory":
+            if kind == "memory" or op in WRAPPER_CUSTOM_OPS:
                 WRAPPER_OPS[op, PHASE["now"], nbytes] += launches
         return out
 
@@ -204,6 +208,7 @@ def _stub_custom_ops() -> None:
     import shatter.kernels.gelu_linear  # noqa: F401
     import shatter.kernels.master_adamw  # noqa: F401
     import shatter.kernels.norm_verdict  # noqa: F401
+    import shatter.kernels.partial_sums  # noqa: F401
     from shatter.kernels.cost import OP_SCHEMA
 
     for qualname in OP_SCHEMA:
@@ -231,7 +236,7 @@ def plan_step(model, length: int, rows: int, low: torch.dtype, padding=False) ->
     with PREDICTED of its positions predicted and, with `padding`, an all-ones attention mask:
     [{"name", "phase", "bytes", "launches", "grid"}]."""
     from shatter.partition import relative_index
-    from shatter.train.compiling import mark_varying
+    from shatter.train.compiling import compile_in_place, mark_varying
 
     model = model.to(low).train()
     # the state of a run's steps after its first, whose values no kernel here would make: the
@@ -240,7 +245,7 @@ def plan_step(model, length: int, rows: int, low: torch.dtype, padding=False) ->
         if hasattr(module, "exact_partition"):
             module.exact_partition()
     relative_index(length, model.config.max_len, torch.device("cpu"))
-    model.compile()
+    compile_in_place(model)
     ids = torch.randint(5, 100, (rows, length))
     labels = ids.clone()
     # the positions the loader counts on the host: the first PREDICTED of them, as the eager
@@ -267,10 +272,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _code_hash() -> str:
     """A hash of the code a plan depends on: the model package (its own files, not the linked
-    pipeline, train and tools), this tool and the SDPA choice it takes from step_trace."""
+    pipeline, train and tools), this tool, the SDPA choice it takes from step_trace and the
+    trainer's compile (train/compiling.py, train/mix_order.py)."""
     package = ROOT / "shatter"
     files = [p for p in package.glob("**/*.py") if p.resolve().is_relative_to(package)]
     files += [Path(__file__).resolve(), Path(__file__).resolve().with_name("step_trace.py")]
+    files += [ROOT / "train" / "compiling.py", ROOT / "train" / "mix_order.py"]
     h = hashlib.sha256()
     for path in sorted(files):
         h.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
