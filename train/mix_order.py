@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 
 FINAL = re.compile(
     r"(?P<buf>\w+) = (?P<ws>\w+)\[(?P<start>[^\[\]]+?) : (?P<end>[^\[\]]+?)\]"
@@ -143,10 +144,24 @@ def _contiguous(size: list[int]) -> list[int]:
     return strides[::-1]
 
 
+def finished_or_as_is(scheduler, node2, held: list[str]) -> list[str]:
+    """`_finished`'s lines, or inductor's own (`held`) where this torch's scheduler is not as
+    `_finished` reads it: launches more, never a wrong gradient (and a warning)."""
+    try:
+        return _finished(scheduler, node2, held)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        warnings.warn(
+            f"train/mix_order.py: inductor's mix-order lines kept as written, this torch's "
+            f"scheduler differs ({type(e).__name__}: {e})",
+            stacklevel=2,
+        )
+        return list(held)
+
+
 def _finished(scheduler, node2, held: list[str]) -> list[str]:
     """`merged`'s lines for a kernel's final lines `held`, the casts it makes taken out of the
     schedule (their nodes no longer run, their buffers are made here) and the fp32 gradients
-    it does not make out of the graph's buffers."""
+    it does not make out of the graph's buffers (the schedule changed only once all is read)."""
     from torch._inductor.virtualized import V
 
     bufs = [FINAL.fullmatch(line)["buf"] for line in held]
@@ -200,7 +215,7 @@ def finish_in_one() -> bool:
 
         def flush():
             if held:
-                for line in _finished(self.scheduler, node2, held):
+                for line in finished_or_as_is(self.scheduler, node2, held):
                     write(line)
             held.clear()
 

@@ -5,7 +5,7 @@ left as inductor wrote it. tests/tools/test_step_cost.py plans a real compiled s
 import pytest
 import torch
 
-from shatter.train.mix_order import FINAL, finish_in_one, merged
+from shatter.train.mix_order import FINAL, finish_in_one, finished_or_as_is, merged
 
 # torch 2.13's wording (the sizes in parentheses, each gradient's shape restored) and 2.11's
 # (no parentheses, no view, a cast where the gradient is not fp32)
@@ -80,6 +80,12 @@ def test_other_lines_are_written_as_inductor_wrote_them():
     assert merged([one, NEW.format(buf="buf3", i=1, op="amin")])[0] == one  # another op
     assert merged([one, OLD.format(buf="buf3", i=1, op="sum")])[0] == one  # another cast
     assert not FINAL.fullmatch("buf2 = torch.ops.aten.sum(ws_0)")
+
+
+def test_a_scheduler_read_otherwise_keeps_inductor_s_lines_and_says_so():
+    lines = [NEW.format(buf=f"buf{7 + i}", i=i, op="sum") for i in range(2)]
+    with pytest.warns(UserWarning, match="mix-order lines kept as written"):
+        assert finished_or_as_is(object(), object(), lines) == lines
 
 
 def test_finish_in_one_installs_once():
