@@ -358,6 +358,7 @@ LAUNCH_S = EFFICIENCY["launch_us"] * 1e-6
 # the datasheet peaks (dense bf16/fp16 tensor FLOP/s, HBM bytes/s) of the parts `auto` prices:
 # sm_90 the H100 SXM, sm_80 the A100, sm_70 the V100 SXM2
 PEAKS = {90: (989e12, 3.35e12), 80: (312e12, 2.039e12), 70: (125e12, 0.9e12)}
+SMS = {90: 132, 80: 108, 70: 80}  # their streaming multiprocessors (the H200's: 132 too)
 # Below sm_80 Triton's tl.dot runs on FMAs in fp32, not on tensor cores: a "custom" kernel's
 # products run at the CUDA cores' fp32 FMA peak (datasheet: the V100 SXM2's 15.7 TFLOP/s)
 FMA_PEAKS = {70: 15.7e12}

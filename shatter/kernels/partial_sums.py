@@ -19,8 +19,10 @@ import triton.language as tl
 
 from shatter.kernels.launch import INTERPRET, fast
 
-BLOCK_W = 128  # columns a program sums
-BLOCK_R = 32  # rows a step of its loop reads
+# A program sums BLOCK_W columns of one gradient over all its rows, BLOCK_R rows a step (16 KB of
+# fp32 in flight): at an H100's 1,024 partial rows of a 768-wide LayerNorm, 48 programs of 128 KB
+BLOCK_W = 32
+BLOCK_R = 128
 
 
 @triton.jit

@@ -345,13 +345,18 @@ def test_inductor_plans_the_layers_fusions_and_leaves_the_weight_cat_eager():
     )
     assert count(compiled, "aten::cat") == 2  # W and b, once each: the eager ones
     assert count(eager, "aten::cat") > 2
-    memory = lambda rows, field, phase: sum(  # noqa: E731
+    memory = lambda rows, field, phase, but=(): sum(  # noqa: E731
         r["count"] * (r[field] if field else 1)
         for r in rows
-        if r["kind"] == "memory" and r["phase"] == phase
+        if r["kind"] == "memory" and r["phase"] == phase and not any(w in r["op"] for w in but)
     )
     ones = _launches(plan, "forward", "arange_cat")  # the [x | 1 | 0] kernels, compiled only
-    assert memory(compiled, None, "forward") - ones < 0.6 * memory(eager, None, "forward")
+    # the layers' kernels (the loss's reductions over the vocabulary, of this step's few
+    # predicted rows, inductor splits in two kernels each for an H100's 132 SMs: left out)
+    loss = ("log_softmax", "nll_loss")
+    assert memory(compiled, None, "forward", loss) - ones < 0.6 * memory(
+        eager, None, "forward", loss
+    )
     # each fused kernel reads its inputs once (the backward's bytes at this size: the vocabulary's)
     assert memory(compiled, "bytes", "forward") < 0.8 * memory(eager, "bytes", "forward")
     assert memory(compiled, "bytes", "backward") <= memory(eager, "bytes", "backward")
@@ -382,6 +387,13 @@ def test_the_plan_folds_layernorm_s_weight_gradients_as_a_gpu_s_inductor_does():
     assert wrapper["aten::sum"] == wrapper["aten::_to_copy"] == 0
     d = 64  # bert-tiny's width: no kernel of inductor's of a gradient's size
     assert not [k for k in large if "layer_norm_backward" in k["name"] and k["bytes"] < 64 * d]
+    # the partial rows are as many as the target GPU's SMs make them (8 programs an SM), not this
+    # machine's cores: more on the H100's 132 than on the V100's 80
+    sm70 = planned("bert", "tiny", 512, 160, VOCAB, 512, None, torch.bfloat16, True, False, (7, 0))
+    rows = lambda plan: {  # noqa: E731  (bytes: 2 gradients' rows of d fp32 read, 2 x d bf16 written)
+        (k["bytes"] - 2 * d * 2) / (2 * d * 4) for k in plan if k["name"] == "shatter::partial_sums"
+    }
+    assert len(rows(large)) == len(rows(sm70)) == 1 and min(rows(large)) > min(rows(sm70)) > 2 * 8
     assert not [k for k in _plan("bert") if k["name"] == "aten::sum"]
 
 

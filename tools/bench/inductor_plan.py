@@ -36,9 +36,11 @@ sm_90 target, and nothing is executed on a GPU:
 
 So the plan is real tensors of the step's real shapes (untouched memory: `empty` allocates pages
 it never writes) for seconds of CPU plus inductor's compile time (about 40 s at base size).
-What a GPU would do differently: inductor's device-dependent heuristics (split reductions, block
-sizes) see the CPU's properties, and it keeps a GEMM's bias inside `addmm` on a CPU where on a GPU
-it may move it into the next pointwise kernel (the same bytes). The GEMMs, SDPA and custom ops are
+Inductor's heuristics that read the device's properties (how many ways it splits a reduction,
+a mix-order reduction's partial rows: 8 programs an SM) read the target GPU's SM count
+(cost.SMS), not this machine's cores. What a GPU would do differently: its autotuned block sizes,
+and it keeps a GEMM's bias inside `addmm` on a CPU where on a GPU it may move it into the next
+pointwise kernel (the same bytes). The GEMMs, SDPA and custom ops are
 priced from the eager trace (tools/bench/step_trace.py), not from here.
 
 JSON: {"torch", "kernels": [{"name", "phase" (forward or backward), "bytes", "launches", "grid"}]}:
@@ -129,6 +131,7 @@ def plan_for_gpu(capability: tuple[int, int] = (9, 0), flash: bool = True) -> No
     _stub_sdpa(aten, flash)
     _stub_custom_ops()
     _gpu_fusions()
+    _gpu_properties(capability)
     _count_wrapper_ops()
 
 
@@ -145,6 +148,27 @@ def _gpu_fusions() -> None:
             "inline: the plan keeps the CPU's kernels for LayerNorm's weight gradients",
             file=sys.stderr,
         )
+
+
+def _gpu_properties(capability: tuple[int, int]) -> None:
+    """The CPU device's properties, as inductor's heuristics read them, made the target GPU's
+    (module doc): its SM count (cost.SMS), where they would be this machine's core count."""
+    from torch._inductor.runtime.hints import DeviceProperties
+
+    from shatter.kernels.cost import SMS
+    from shatter.kernels.family import family_of
+
+    create = DeviceProperties.create
+    gpu = dict(
+        multi_processor_count=SMS[family_of(capability)], warp_size=32,
+        max_threads_per_multi_processor=2048, regs_per_multiprocessor=65536,
+    )  # fmt: skip
+
+    def created(cls, device):
+        props = create(device)
+        return props._replace(**gpu) if props.type == "cpu" else props
+
+    DeviceProperties.create = classmethod(functools.cache(created))
 
 
 def _count_wrapper_ops() -> None:
