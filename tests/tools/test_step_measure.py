@@ -37,6 +37,7 @@ def _trace():
         launch(102, 8), kernel("fused_adamw_kernel", 8, 11),
         launch(300, 9),  # a launch whose kernel the trace lacks: nothing counted
         cpu("shatter::linear_gelu", 400, 10), launch(401, 10), kernel("linear_gelu_kernel", 10, 13),
+        cpu("shatter::partial_sums", 500, 10), launch(501, 11), kernel("partial_sums_kernel", 11, 3),
     ]  # fmt: skip
 
 
@@ -44,10 +45,10 @@ def test_kernels_are_grouped_by_the_range_they_were_launched_in_then_by_name():
     split = split_kernels(_trace())
     assert split["gemm"] == 50 + 13  # the FFN's GEMM with GELU in its epilogue is a GEMM
     assert split["attention"] == 40 + 20 + 30  # the op's own GEMM is the op's
-    assert split["elementwise"] == 7 + 2
+    assert split["elementwise"] == 7 + 2 + 3  # the LayerNorm gradients' sums (an op of ours)
     assert split["optimizer"] == 9 + 11  # a GEMM-like name inside the optimizer is the optimizer's
-    assert split["kernels"] == 9
-    assert sum(t for t, _ in split["by_name"].values()) == 63 + 90 + 9 + 20
+    assert split["kernels"] == 10
+    assert sum(t for t, _ in split["by_name"].values()) == 63 + 90 + 12 + 20
 
 
 @pytest.mark.parametrize("one_pass", [False, True], ids=["torch", "one-pass"])

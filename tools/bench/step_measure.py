@@ -48,9 +48,11 @@ MODEL_GROUPS = {"gemm": "gemm", "attention": "attention", "elementwise": "elemen
 MODEL_GROUPS |= {"optimizer": "optimizer", "gaps": "launches"}
 GEMM_NAMES = re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)
 # a kernel launched inside one of these ops is the op's group: the FFN's GEMMs with GELU in their
-# epilogues are GEMMs, every other `shatter::` op attention
+# epilogues are GEMMs, a LayerNorm backward's gradients finished by inductor's wrapper
+# (train/mix_order.py) elementwise, as the plan prices them; every other `shatter::` op attention
 RANGE_GROUPS = (
     (re.compile("^(" + "|".join(FFN_OPS) + ")$"), "gemm"),
+    (re.compile(r"^shatter::partial_sums$"), "elementwise"),
     (re.compile(r"^shatter::|flash_attention|efficient_attention|cudnn_attention"), "attention"),
 )
 OPTIMIZER_RANGE = "step_measure::optimizer"
