@@ -33,6 +33,8 @@ import functools
 import re
 import warnings
 
+# the custom ops the rewritten lines call: inductor's wrapper runs them, the model never does
+WRAPPER_CUSTOM_OPS = ("shatter::partial_sums",)
 FINAL = re.compile(
     r"(?P<buf>\w+) = (?P<ws>\w+)\[(?P<start>[^\[\]]+?) : (?P<end>[^\[\]]+?)\]"
     r"\.view\((?P<n>[^,]+), (?P<r>.+?)\)\.(?P<op>sum|amin|amax)\(dim=0\)"
@@ -103,7 +105,7 @@ def cast_of(node, buf: str) -> tuple[str, str, str] | None:
         size = [int(s) for s in layout.size]
     except TypeError:  # a symbolic size: left to inductor
         return None
-    if list(layout.stride) != [int(s) for s in _contiguous(size)] or layout.offset != 0:
+    if not layout.is_contiguous() or layout.offset != 0:
         return None
     return out.get_name(), str(layout.dtype), str(size)
 
@@ -134,14 +136,6 @@ def _casts(scheduler, node2, bufs: list[str]) -> dict:
     found = {buf: (n, cast) for buf, (n, top, cast) in found.items() if whole(top)}
     dtypes = [cast[1] for _, cast in found.values()]
     return {buf: hit for buf, hit in found.items() if hit[1][1] == dtypes[0]}
-
-
-def _contiguous(size: list[int]) -> list[int]:
-    strides, step = [], 1
-    for s in reversed(size):
-        strides.append(step)
-        step *= max(s, 1)
-    return strides[::-1]
 
 
 def finished_or_as_is(scheduler, node2, held: list[str]) -> list[str]:

@@ -318,12 +318,9 @@ def norm_verdict_cost(args, kwargs, outputs) -> list[Kernel]:
 def partial_sums_cost(args, kwargs, outputs) -> list[Kernel]:
     """A mix-order reduction's gradients finished (shatter/kernels/partial_sums.py): one kernel
     reading the fp32 partial rows, writing each gradient in its dtype."""
-    import torch
-
     a = _bind("shatter::partial_sums", args, kwargs)
     cols = a["parts"] * a["width"]
-    out_bytes = torch.empty((), dtype=a["dtype"]).element_size()
-    return [Kernel("partial sums", "memory", 0.0, 4.0 * cols * a["rows"] + out_bytes * cols)]
+    return [Kernel("partial sums", "memory", 0.0, (4.0 * a["rows"] + a["dtype"].itemsize) * cols)]
 
 
 OP_COSTS: dict[str, Callable[..., list[Kernel]]] = {

@@ -28,7 +28,7 @@ def test_the_kernel_equals_torch_s_sum_and_cast(dtype, parts, rows, width):
     tol = dict(rtol=1e-5, atol=1e-4) if exact == torch.float32 else {}
     torch.testing.assert_close(got, want, **tol)
     # each gradient its own block: a gradient's rows do not reach into the next one's
-    ws[:rows * width] = 0  # fmt: skip
+    ws[: rows * width] = 0
     assert partial_sums(ws, parts, rows, width, dtype)[0].abs().max() == 0
 
 

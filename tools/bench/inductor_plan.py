@@ -78,9 +78,6 @@ BYTES: dict[str, float] = {}
 GRIDS: dict[str, str] = {}  # kernel name -> inductor's grid type (Grid1D, MixOrderReductionGrid..)
 WRAPPER_OPS: Counter = Counter()  # (aten op, phase, bytes) -> launches (module doc)
 WRAPPER = "wrapper"  # the grid of a wrapper's op in the JSON
-# the custom ops that only inductor's wrapper calls (train/mix_order.py), not the model: absent
-# from the eager trace, so planned here
-WRAPPER_CUSTOM_OPS = ("shatter::partial_sums",)
 
 
 class _Planned:
@@ -179,6 +176,9 @@ def _count_wrapper_ops() -> None:
     from torch._inductor.output_code import CompiledFxGraph
 
     from shatter.tools.bench.step_trace import StepTrace
+    from shatter.train.mix_order import (
+        WRAPPER_CUSTOM_OPS,  # absent from the eager trace: planned here
+    )
 
     call = CompiledFxGraph.__call__
 

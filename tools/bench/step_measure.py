@@ -42,6 +42,7 @@ from shatter.model import predicted_positions
 from shatter.tools.bench.step_trace import DEEPSPEED_SCALAR_OPS, adamw
 from shatter.train.compiling import mark_varying
 from shatter.train.master_step import MASTER_IMPLS
+from shatter.train.mix_order import WRAPPER_CUSTOM_OPS
 
 GROUPS = ("gemm", "attention", "elementwise", "optimizer", "gaps")
 MODEL_GROUPS = {"gemm": "gemm", "attention": "attention", "elementwise": "elementwise"}
@@ -52,7 +53,7 @@ GEMM_NAMES = re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)
 # (train/mix_order.py) elementwise, as the plan prices them; every other `shatter::` op attention
 RANGE_GROUPS = (
     (re.compile("^(" + "|".join(FFN_OPS) + ")$"), "gemm"),
-    (re.compile(r"^shatter::partial_sums$"), "elementwise"),
+    (re.compile("^(" + "|".join(WRAPPER_CUSTOM_OPS) + ")$"), "elementwise"),
     (re.compile(r"^shatter::|flash_attention|efficient_attention|cudnn_attention"), "attention"),
 )
 OPTIMIZER_RANGE = "step_measure::optimizer"
